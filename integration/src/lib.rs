@@ -1,0 +1,1 @@
+//! End-to-end tests live in `tests/`; they start the real `kvmesh` binary.

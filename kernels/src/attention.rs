@@ -1,0 +1,187 @@
+//! Causal grouped-query attention over a paged, ownership-checked KV cache.
+//!
+//! Cost per call: one I1/I2 check per page touched (O(pages), independent of
+//! head count and head size), then O(queries * context * n_heads * head_dim)
+//! arithmetic. All checks happen before any arithmetic, so a violation reads
+//! nothing and writes nothing to `out`.
+
+use rayon::prelude::*;
+
+use crate::paged::{GuardViolation, PageRef, PageSlices, PagedKv};
+
+/// The head layout of one attention call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionShape {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads; `n_heads` must be a multiple of it.
+    pub n_kv_heads: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+    /// Softmax scale, usually `1 / sqrt(head_dim)`.
+    pub scale: f32,
+    /// Sliding window: a query at position `p` attends positions
+    /// `p + 1 - window ..= p`. `None` attends the whole prefix.
+    pub window: Option<usize>,
+}
+
+/// Below this many multiply-adds a call runs on the calling thread.
+const PARALLEL_THRESHOLD: usize = 1 << 16;
+
+/// Attention for `positions.len()` query tokens of one sequence at `layer`.
+///
+/// - `q`: `[n_tokens][n_heads][head_dim]`, already position-encoded.
+/// - `positions`: the absolute position of each query token; the token at
+///   position `p` attends positions `..= p`, whose K/V must already be in the
+///   cache (the caller writes the current tokens' K/V first).
+/// - `table`: the sequence's page table.
+/// - `out`: `[n_tokens][n_heads][head_dim]`.
+///
+/// Every page needed is checked through [`PagedKv::read_page`] first; on a
+/// violation the function returns it without computing anything.
+///
+/// # Panics
+/// If the slice lengths disagree with `shape` (a caller bug, not input).
+pub fn paged_attention<K: PagedKv + ?Sized>(
+    kv: &K,
+    table: &[PageRef],
+    layer: usize,
+    shape: &AttentionShape,
+    q: &[f32],
+    positions: &[usize],
+    out: &mut [f32],
+) -> Result<(), GuardViolation> {
+    let geo = kv.geometry();
+    let AttentionShape { n_heads, n_kv_heads, head_dim, .. } = *shape;
+    assert_eq!(geo.n_kv_heads, n_kv_heads, "pool and model disagree on kv heads");
+    assert_eq!(geo.head_dim, head_dim, "pool and model disagree on head_dim");
+    assert!(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
+    let q_stride = n_heads * head_dim;
+    assert_eq!(q.len(), positions.len() * q_stride, "q has the wrong length");
+    assert_eq!(out.len(), q.len(), "out has the wrong length");
+    let Some(&max_pos) = positions.iter().max() else {
+        return Ok(());
+    };
+
+    // Check and fetch every page the call touches, before any arithmetic.
+    let context = max_pos + 1;
+    let page_size = geo.page_size;
+    let n_pages = context.div_ceil(page_size);
+    if table.len() < n_pages {
+        return Err(GuardViolation::TableTooShort {
+            position: max_pos,
+            needed: n_pages - 1,
+            len: table.len(),
+        });
+    }
+    let lowest = positions
+        .iter()
+        .map(|&p| window_start(p, shape.window))
+        .min()
+        .unwrap_or(0);
+    let mut pages: Vec<Option<PageSlices<'_>>> = Vec::with_capacity(n_pages);
+    for (i, entry) in table[..n_pages].iter().enumerate() {
+        let first = i * page_size;
+        if first + page_size <= lowest {
+            // Entirely outside every query's window: never read, never checked.
+            pages.push(None);
+            continue;
+        }
+        let n_slots = page_size.min(context - first);
+        pages.push(Some(kv.read_page(*entry, layer, n_slots)?));
+    }
+
+    let group = n_heads / n_kv_heads;
+    let kv_dim = n_kv_heads * head_dim;
+    let work = positions.len() * n_heads * context * head_dim;
+    let body = |(idx, o): (usize, &mut [f32])| {
+        let t = idx / n_heads;
+        let h = idx % n_heads;
+        let kvh = h / group;
+        let pos = positions[t];
+        let qv = &q[t * q_stride + h * head_dim..][..head_dim];
+        attend_one(qv, pos, shape, &pages, page_size, kv_dim, kvh * head_dim, o);
+    };
+    if work < PARALLEL_THRESHOLD {
+        out.chunks_mut(head_dim).enumerate().for_each(body);
+    } else {
+        out.par_chunks_mut(head_dim).enumerate().for_each(body);
+    }
+    Ok(())
+}
+
+fn window_start(pos: usize, window: Option<usize>) -> usize {
+    match window {
+        Some(w) if w > 0 => (pos + 1).saturating_sub(w),
+        _ => 0,
+    }
+}
+
+/// One query head at position `pos` over the cached prefix.
+#[allow(clippy::too_many_arguments)]
+fn attend_one(
+    qv: &[f32],
+    pos: usize,
+    shape: &AttentionShape,
+    pages: &[Option<PageSlices<'_>>],
+    page_size: usize,
+    kv_dim: usize,
+    head_off: usize,
+    out: &mut [f32],
+) {
+    let head_dim = qv.len();
+    let start = window_start(pos, shape.window);
+    let len = pos + 1 - start;
+    let mut scores = Vec::with_capacity(len);
+    let mut max = f32::NEG_INFINITY;
+    for p in start..=pos {
+        // Pages in the window were all fetched above; `None` is only used for
+        // pages below every window.
+        let page = pages[p / page_size].as_ref().map(|s| s.k);
+        let k = match page {
+            Some(k) => &k[(p % page_size) * kv_dim + head_off..][..head_dim],
+            None => unreachable!("page inside the window was not fetched"),
+        };
+        let s = dot(qv, k) * shape.scale;
+        max = max.max(s);
+        scores.push(s);
+    }
+    let mut sum = 0.0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    out.fill(0.0);
+    for (i, p) in (start..=pos).enumerate() {
+        let v = match pages[p / page_size].as_ref() {
+            Some(s) => &s.v[(p % page_size) * kv_dim + head_off..][..head_dim],
+            None => unreachable!("page inside the window was not fetched"),
+        };
+        let w = scores[i] * inv;
+        for (o, x) in out.iter_mut().zip(v) {
+            *o += w * x;
+        }
+    }
+}
+
+/// Dot product with eight independent accumulators, so the compiler
+/// vectorises it without reassociating a single chain.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for j in 0..8 {
+            acc[j] += a[c * 8 + j] * b[c * 8 + j];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests;

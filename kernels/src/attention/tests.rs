@@ -1,0 +1,164 @@
+//! Paged attention against a dense reference on random inputs. The real pool
+//! (with its ownership checks) lives in `kvmesh-kvxfer`, which tests the
+//! forged-page cases; here a plain in-memory page store checks only what the
+//! kernel asks for, so the tests can see exactly which pages were read.
+
+use std::cell::RefCell;
+
+use super::*;
+use crate::paged::KvGeometry;
+
+/// Contiguous pages, `written` slots per page, and a log of reads.
+struct VecPages {
+    geo: KvGeometry,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    generation: Vec<u64>,
+    written: Vec<usize>,
+    reads: RefCell<Vec<u32>>,
+}
+
+impl PagedKv for VecPages {
+    fn geometry(&self) -> KvGeometry {
+        self.geo
+    }
+    fn read_page(&self, e: PageRef, _layer: usize, n: usize) -> Result<PageSlices<'_>, GuardViolation> {
+        let p = e.page as usize;
+        if self.generation[p] != e.generation {
+            return Err(GuardViolation::StaleGeneration { page: e.page, expected: e.generation, actual: self.generation[p] });
+        }
+        if n > self.written[p] {
+            return Err(GuardViolation::Unwritten { page: e.page, layer: 0, requested: n, watermark: self.written[p] });
+        }
+        self.reads.borrow_mut().push(e.page);
+        let d = self.geo.kv_dim();
+        Ok(PageSlices { k: &self.k[p][..n * d], v: &self.v[p][..n * d] })
+    }
+}
+
+/// Deterministic pseudo-random values in [-1, 1).
+fn noise(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Dense attention over contiguous K/V `[ctx][kv_dim]`.
+fn dense(shape: &AttentionShape, q: &[f32], pos: &[usize], k: &[f32], v: &[f32]) -> Vec<f32> {
+    let (nh, nkv, d) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
+    let kv_dim = nkv * d;
+    let mut out = vec![0.0; q.len()];
+    for (t, &p) in pos.iter().enumerate() {
+        for h in 0..nh {
+            let g = h / (nh / nkv);
+            let qv = &q[(t * nh + h) * d..][..d];
+            let start = shape.window.map_or(0, |w| (p + 1).saturating_sub(w));
+            let scores: Vec<f64> = (start..=p)
+                .map(|s| qv.iter().zip(&k[s * kv_dim + g * d..][..d]).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() * shape.scale as f64)
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for (i, s) in (start..=p).enumerate() {
+                for j in 0..d {
+                    out[(t * nh + h) * d + j] += (e[i] / z * v[s * kv_dim + g * d + j] as f64) as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Scatter contiguous K/V into pages following `table` (physical pages in a
+/// shuffled order, so the kernel must follow the table).
+fn paged(geo: KvGeometry, table: &[PageRef], n_phys: usize, k: &[f32], v: &[f32], ctx: usize) -> VecPages {
+    let d = geo.kv_dim();
+    let mut store = VecPages {
+        geo,
+        k: vec![vec![0.0; geo.page_size * d]; n_phys],
+        v: vec![vec![0.0; geo.page_size * d]; n_phys],
+        generation: vec![0; n_phys],
+        written: vec![0; n_phys],
+        reads: RefCell::new(Vec::new()),
+    };
+    for pos in 0..ctx {
+        let e = table[pos / geo.page_size];
+        let slot = pos % geo.page_size;
+        let p = e.page as usize;
+        store.generation[p] = e.generation;
+        store.k[p][slot * d..][..d].copy_from_slice(&k[pos * d..][..d]);
+        store.v[p][slot * d..][..d].copy_from_slice(&v[pos * d..][..d]);
+        store.written[p] = store.written[p].max(slot + 1);
+    }
+    store
+}
+
+fn shuffled_table(n: usize, n_phys: usize) -> Vec<PageRef> {
+    (0..n).map(|i| PageRef { page: ((i * 7 + 3) % n_phys) as u32, generation: 2 * i as u64 + 1 }).collect()
+}
+
+#[test]
+fn matches_dense_reference_for_prefill_and_decode_shapes() {
+    for (nh, nkv, d, ps, ctx, window) in [
+        (4, 2, 16, 4, 13usize, None),
+        (9, 3, 64, 16, 70, None),
+        (8, 8, 8, 1, 5, None),
+        (6, 2, 32, 8, 40, Some(9)),
+    ] {
+        let geo = KvGeometry { page_size: ps, n_kv_heads: nkv, head_dim: d };
+        let shape = AttentionShape { n_heads: nh, n_kv_heads: nkv, head_dim: d, scale: 1.0 / (d as f32).sqrt(), window };
+        let n_pages = ctx.div_ceil(ps);
+        let n_phys = n_pages + 5;
+        let table = shuffled_table(n_pages, n_phys);
+        let k = noise(1, ctx * nkv * d);
+        let v = noise(2, ctx * nkv * d);
+        let store = paged(geo, &table, n_phys, &k, &v, ctx);
+        // Prefill: every position; decode: the last one only.
+        for positions in [(0..ctx).collect::<Vec<_>>(), vec![ctx - 1]] {
+            let q = noise(3, positions.len() * nh * d);
+            let mut out = vec![0.0; q.len()];
+            paged_attention(&store, &table, 0, &shape, &q, &positions, &mut out).expect("valid read");
+            let want = dense(&shape, &q, &positions, &k, &v);
+            let err = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(err < 1e-5, "max abs error {err} for shape {nh}/{nkv}/{d} page {ps} ctx {ctx}");
+        }
+    }
+}
+
+#[test]
+fn violation_reads_nothing_and_leaves_output_untouched() {
+    let geo = KvGeometry { page_size: 4, n_kv_heads: 1, head_dim: 8 };
+    let shape = AttentionShape { n_heads: 2, n_kv_heads: 1, head_dim: 8, scale: 0.3, window: None };
+    let table = shuffled_table(3, 6);
+    let k = noise(5, 12 * 8);
+    let store = paged(geo, &table, 6, &k, &k, 12);
+    let mut forged = table.clone();
+    forged[2].generation += 2;
+    let q = noise(6, 2 * 8);
+    let mut out = vec![42.0; q.len()];
+    let err = paged_attention(&store, &forged, 0, &shape, &q, &[11], &mut out).expect_err("stale generation must fail");
+    assert!(matches!(err, GuardViolation::StaleGeneration { .. }));
+    assert!(out.iter().all(|&x| x == 42.0), "output written despite a violation");
+    // A read one slot past what was written fails on I2.
+    let err = paged_attention(&store, &table, 0, &shape, &q, &[12], &mut out).expect_err("past the table");
+    assert!(matches!(err, GuardViolation::TableTooShort { .. }));
+}
+
+#[test]
+fn sliding_window_skips_pages_outside_every_window() {
+    let geo = KvGeometry { page_size: 4, n_kv_heads: 1, head_dim: 4 };
+    let shape = AttentionShape { n_heads: 1, n_kv_heads: 1, head_dim: 4, scale: 0.5, window: Some(4) };
+    let table = shuffled_table(4, 4);
+    let k = noise(8, 16 * 4);
+    let store = paged(geo, &table, 4, &k, &k, 16);
+    let q = noise(9, 4);
+    let mut out = vec![0.0; 4];
+    paged_attention(&store, &table, 0, &shape, &q, &[15], &mut out).expect("valid read");
+    assert_eq!(*store.reads.borrow(), vec![table[3].page], "only the last page is in the window");
+}

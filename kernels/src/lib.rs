@@ -1,0 +1,30 @@
+//! kvmesh compute kernels.
+//!
+//! # Layout
+//! - [`paged`]: the read side of the paged KV cache as the kernels see it:
+//!   [`PageRef`] (page id + generation), the [`PagedKv`] trait through which
+//!   every KV read goes, and [`GuardViolation`], the typed failure of a read
+//!   that would break invariant I1 (ownership) or I2 (initialisation).
+//! - [`attention`]: causal grouped-query attention over a sequence's page
+//!   table. It obtains every page through [`PagedKv::read_page`], which checks
+//!   I1 and I2 *before* any byte of the page is touched, so a stale or foreign
+//!   page table fails the sequence instead of reading another tenant's KV.
+//! - [`rope`]: rotary position embeddings (rotate-half and interleaved
+//!   layouts; plain, linear and Llama-3 frequency scaling).
+//! - [`norm`]: RMSNorm.
+//!
+//! Matrix multiplications are not here: dense and quantized matmuls go
+//! through candle-core in `kvmesh-model`. These kernels are the plain CPU
+//! reference that faster paths (SIMD, CUDA) will be tested against.
+//!
+//! This crate sits at the bottom of the dependency graph: it knows nothing of
+//! pools, reservations or models. The pool in `kvmesh-kvxfer` implements
+//! [`PagedKv`].
+
+pub mod attention;
+pub mod norm;
+pub mod paged;
+pub mod rope;
+
+pub use attention::{paged_attention, AttentionShape};
+pub use paged::{GuardViolation, KvGeometry, PageRef, PageSlices, PagedKv};

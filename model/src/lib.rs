@@ -1,0 +1,1 @@
+//! kvmesh model runtime (Llama family) — being assembled.
