@@ -68,11 +68,9 @@ pub fn paged_attention<K: PagedKv + ?Sized>(
     let page_size = geo.page_size;
     let n_pages = context.div_ceil(page_size);
     if table.len() < n_pages {
-        return Err(GuardViolation::TableTooShort {
-            position: max_pos,
-            needed: n_pages - 1,
-            len: table.len(),
-        });
+        let v = GuardViolation::TableTooShort { position: max_pos, needed: n_pages - 1, len: table.len() };
+        kv.report(&v);
+        return Err(v);
     }
     let lowest = positions
         .iter()

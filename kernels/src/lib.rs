@@ -11,7 +11,7 @@
 //!   page table fails the sequence instead of reading another tenant's KV.
 //! - [`rope`]: rotary position embeddings (rotate-half and interleaved
 //!   layouts; plain, linear and Llama-3 frequency scaling).
-//! - [`norm`]: RMSNorm.
+//! - [`norm`] holds RMSNorm.
 //!
 //! Matrix multiplications are not here: dense and quantized matmuls go
 //! through candle-core in `kvmesh-model`. These kernels are the plain CPU

@@ -165,4 +165,9 @@ pub trait PagedKv {
         layer: usize,
         n_slots: usize,
     ) -> Result<PageSlices<'_>, GuardViolation>;
+
+    /// Count a violation that the kernel detected itself (a page table too
+    /// short for the positions read), so that every refused read raises the
+    /// same alarm as the ones `read_page` refuses.
+    fn report(&self, violation: &GuardViolation);
 }

@@ -1,1 +1,55 @@
-//! placeholder, replaced below
+//! kvmesh KV pages: the paged pool, reservations, and the checked reader
+//! attention goes through.
+//!
+//! # Layout
+//! - [`config`]: [`PoolConfig`] (shape, validation, byte size) and
+//!   [`ScrubMode`], with the costs and the choice of default (I6).
+//! - [`pool`]: [`KvPool`]: per-page generation, owner and per-layer
+//!   written-slot watermarks; the free list; the one allocation path and the
+//!   one release path; the soundness argument for the unsafe storage access.
+//! - [`reservation`]: [`Reservation`] (the pages one sequence holds, its
+//!   page table, the write path that raises watermarks, release on drop) and
+//!   [`OwnerTag`].
+//! - [`reader`]: [`SeqKv`], the pool's [`kvmesh_kernels::PagedKv`]: every
+//!   page attention reads is checked here first.
+//! - [`stats`]: [`PoolStats`] and the guard-violation counters (the alarm
+//!   metric, by [`kvmesh_kernels::GuardViolation::kind`]).
+//! - [`error`]: the pool's error type, [`PoolError`], whose `kind()` is
+//!   the metric label.
+//! - `storage` (private): the one raw allocation and its layout, page-major
+//!   so a page is contiguous; the only place with raw pointers.
+//!
+//! # Invariants owned here
+//! - **I1 Ownership**: [`SeqKv::read_page`](kvmesh_kernels::PagedKv::read_page)
+//!   returns a page only if its current generation equals the table entry's
+//!   and its owner is the reading reservation; otherwise it fails and counts
+//!   the violation. Generations change on every allocation and release.
+//! - **I2 Initialisation**: writes raise a per-(page, layer) watermark of
+//!   contiguously written slots; reads beyond it fail. Release resets it.
+//! - **I6 Nothing left behind**: [`ScrubMode`] and the debug poison canary.
+//! - **I7 Lifetimes close**: a [`Reservation`] is the only holder of its
+//!   pages and releases them exactly once, on drop; with every reservation
+//!   dropped, [`KvPool::free_pages`] equals [`KvPool::capacity_pages`].
+//!
+//! Not here yet: remote writers and transfers (I4, I5); this crate's write
+//! path is the local one, through `&mut Reservation`.
+
+#![deny(missing_docs)]
+
+pub mod config;
+pub mod error;
+pub mod pool;
+pub mod reader;
+pub mod reservation;
+pub mod stats;
+mod storage;
+
+#[cfg(test)]
+mod tests;
+
+pub use config::{ParseScrubModeError, PoolConfig, ScrubMode};
+pub use error::PoolError;
+pub use pool::{KvPool, POISON_BITS};
+pub use reader::SeqKv;
+pub use reservation::{OwnerTag, Reservation};
+pub use stats::{PoolStats, GUARD_VIOLATION_KINDS};

@@ -16,6 +16,7 @@ struct VecPages {
     generation: Vec<u64>,
     written: Vec<usize>,
     reads: RefCell<Vec<u32>>,
+    reported: RefCell<Vec<GuardViolation>>,
 }
 
 impl PagedKv for VecPages {
@@ -33,6 +34,9 @@ impl PagedKv for VecPages {
         self.reads.borrow_mut().push(e.page);
         let d = self.geo.kv_dim();
         Ok(PageSlices { k: &self.k[p][..n * d], v: &self.v[p][..n * d] })
+    }
+    fn report(&self, v: &GuardViolation) {
+        self.reported.borrow_mut().push(v.clone());
     }
 }
 
@@ -86,6 +90,7 @@ fn paged(geo: KvGeometry, table: &[PageRef], n_phys: usize, k: &[f32], v: &[f32]
         generation: vec![0; n_phys],
         written: vec![0; n_phys],
         reads: RefCell::new(Vec::new()),
+        reported: RefCell::new(Vec::new()),
     };
     for pos in 0..ctx {
         let e = table[pos / geo.page_size];
@@ -148,6 +153,7 @@ fn violation_reads_nothing_and_leaves_output_untouched() {
     // A read one slot past what was written fails on I2.
     let err = paged_attention(&store, &table, 0, &shape, &q, &[12], &mut out).expect_err("past the table");
     assert!(matches!(err, GuardViolation::TableTooShort { .. }));
+    assert_eq!(*store.reported.borrow(), vec![err], "the kernel reports what it refuses itself");
 }
 
 #[test]

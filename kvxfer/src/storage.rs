@@ -1,0 +1,203 @@
+//! The pool's KV memory: one allocation, addressed by (page, layer, slot).
+//!
+//! Layout, page-major so a whole page is one contiguous range (a transfer
+//! ships a page as one buffer) and each (page, layer) K and V block is
+//! contiguous (attention reads a block as one slice):
+//!
+//! ```text
+//! page 0: layer 0: K [page_size][n_kv_heads][head_dim]
+//!                  V [page_size][n_kv_heads][head_dim]
+//!         layer 1: K ..., V ...
+//!         ...
+//! page 1: ...
+//! ```
+//!
+//! This is the only module that touches pool memory through raw pointers.
+//! Its methods are `unsafe` with one contract: the caller has exclusive
+//! access to the page it writes or fills, and nobody writes a page while a
+//! slice read from it is alive. The pool upholds it (see [`crate::pool`]):
+//! a page is written only through the `&mut Reservation` that owns it,
+//! filled only while it is on nobody's table and off the free list, and
+//! read only by a checked reader borrowed from the reservation that owns it.
+//!
+//! Today the memory comes from the global allocator; a later issue backs it
+//! with a shared-memory mapping. Only [`Storage::try_new`] and `Drop` know
+//! where the memory comes from.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ptr::NonNull;
+
+use kvmesh_kernels::PageSlices;
+
+use crate::error::PoolError;
+
+/// The pool's shape as the storage sees it. All offsets fit in `usize`
+/// because [`crate::PoolConfig::validate`] bounds the total byte size.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StorageShape {
+    pub n_pages: usize,
+    pub n_layers: usize,
+    pub page_size: usize,
+    pub kv_dim: usize,
+}
+
+impl StorageShape {
+    /// f32 values in one K (or V) block of one (page, layer).
+    fn block(&self) -> usize {
+        self.page_size * self.kv_dim
+    }
+
+    /// f32 values in one page, all layers, K and V.
+    pub fn page_floats(&self) -> usize {
+        self.n_layers * 2 * self.block()
+    }
+
+    fn k_offset(&self, page: usize, layer: usize) -> usize {
+        page * self.page_floats() + layer * 2 * self.block()
+    }
+}
+
+/// Raw KV memory with the layout above.
+pub(crate) struct Storage {
+    base: NonNull<f32>,
+    layout: Layout,
+    shape: StorageShape,
+}
+
+// SAFETY: `Storage` owns its allocation (no thread affinity), so it can move
+// between threads. Sharing it is sound because every access goes through the
+// `unsafe` methods below, whose contract rules out a write to a page
+// concurrent with any other access to that page; disjoint pages are disjoint
+// memory ranges.
+unsafe impl Send for Storage {}
+// SAFETY: see `Send` above.
+unsafe impl Sync for Storage {}
+
+impl Storage {
+    /// Allocates zeroed memory for `shape`, then fills it with `fill` unless
+    /// that is 0.0 (so a large unpoisoned pool costs no up-front pass: the
+    /// OS hands out zero pages lazily). An allocation failure is an error,
+    /// not an abort.
+    pub fn try_new(shape: StorageShape, fill: f32) -> Result<Self, PoolError> {
+        let floats = shape.n_pages * shape.page_floats();
+        let bytes = floats.saturating_mul(std::mem::size_of::<f32>());
+        let layout = Layout::array::<f32>(floats).map_err(|_| PoolError::OutOfMemory { bytes })?;
+        if layout.size() == 0 {
+            // `validate` rejects every zero dimension; the allocator must
+            // never see a zero-sized layout.
+            return Err(PoolError::OutOfMemory { bytes });
+        }
+        // SAFETY: `layout` has non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let base = NonNull::new(raw.cast::<f32>()).ok_or(PoolError::OutOfMemory { bytes })?;
+        let storage = Self {
+            base,
+            layout,
+            shape,
+        };
+        if fill.to_bits() != 0 {
+            for page in 0..shape.n_pages {
+                // SAFETY: `page` is in range and the storage is not shared yet.
+                unsafe { storage.fill_page(page, fill) };
+            }
+        }
+        Ok(storage)
+    }
+
+    /// The first `n_slots` slots of K and V of (`page`, `layer`).
+    ///
+    /// # Safety
+    /// `page < n_pages`, `layer < n_layers`, `n_slots <= page_size`, and no
+    /// write to this page happens while the returned slices are alive.
+    pub unsafe fn read(&self, page: usize, layer: usize, n_slots: usize) -> PageSlices<'_> {
+        let s = &self.shape;
+        debug_assert!(page < s.n_pages && layer < s.n_layers && n_slots <= s.page_size);
+        let k = s.k_offset(page, layer);
+        let n = n_slots * s.kv_dim;
+        // SAFETY: both ranges lie inside the allocation (caller's bounds) and
+        // are not written while borrowed (caller's contract).
+        unsafe {
+            PageSlices {
+                k: std::slice::from_raw_parts(self.base.as_ptr().add(k), n),
+                v: std::slice::from_raw_parts(self.base.as_ptr().add(k + s.block()), n),
+            }
+        }
+    }
+
+    /// Copies `k` and `v` (whole slots, equal lengths) into (`page`,
+    /// `layer`) from `slot` on.
+    ///
+    /// # Safety
+    /// `page < n_pages`, `layer < n_layers`, `k.len() == v.len()`,
+    /// `slot * kv_dim + k.len() <= page_size * kv_dim`, and the caller has
+    /// exclusive access to the page: no other read or write of it runs
+    /// during the call.
+    pub unsafe fn write(&self, page: usize, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+        let s = &self.shape;
+        debug_assert!(page < s.n_pages && layer < s.n_layers && k.len() == v.len());
+        debug_assert!(slot * s.kv_dim + k.len() <= s.block());
+        let dst = s.k_offset(page, layer) + slot * s.kv_dim;
+        // SAFETY: both destination ranges lie inside the allocation and the
+        // page is exclusively ours (caller's contract); sources are
+        // caller-owned slices, so they cannot overlap pool memory mutably.
+        unsafe {
+            let base = self.base.as_ptr();
+            std::ptr::copy_nonoverlapping(k.as_ptr(), base.add(dst), k.len());
+            std::ptr::copy_nonoverlapping(v.as_ptr(), base.add(dst + s.block()), v.len());
+        }
+    }
+
+    /// Sets every value of `page` (all layers, K and V) to `value`.
+    ///
+    /// # Safety
+    /// `page < n_pages` and the caller has exclusive access to the page.
+    pub unsafe fn fill_page(&self, page: usize, value: f32) {
+        let s = &self.shape;
+        debug_assert!(page < s.n_pages);
+        // SAFETY: the page's range lies inside the allocation and is
+        // exclusively ours (caller's contract).
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(
+                self.base.as_ptr().add(page * s.page_floats()),
+                s.page_floats(),
+            )
+        };
+        dst.fill(value);
+    }
+
+    /// A copy of a whole page, for tests that inspect what scrubbing and
+    /// poisoning left behind.
+    ///
+    /// # Safety
+    /// `page < n_pages` and no write to the page runs during the call.
+    #[cfg(test)]
+    pub unsafe fn page_copy(&self, page: usize) -> Vec<f32> {
+        let s = &self.shape;
+        // SAFETY: in range and not written concurrently (caller's contract).
+        unsafe {
+            std::slice::from_raw_parts(
+                self.base.as_ptr().add(page * s.page_floats()),
+                s.page_floats(),
+            )
+        }
+        .to_vec()
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        // SAFETY: `base` came from `alloc_zeroed(self.layout)` and is freed
+        // exactly once, here; `&mut self` means no slice into it is alive.
+        unsafe { alloc::dealloc(self.base.as_ptr().cast(), self.layout) }
+    }
+}
+
+impl fmt::Debug for Storage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Storage")
+            .field("shape", &self.shape)
+            .field("bytes", &self.layout.size())
+            .finish()
+    }
+}
