@@ -1,1 +1,167 @@
-fn main() {}
+//! The `kvmesh` command.
+//!
+//! Subcommands:
+//! - `generate`: the single-process reference engine; prints only the
+//!   generated text to stdout, as it is produced. Logs go to stderr.
+//! - `bench-engine`: prefill and decode throughput of the reference engine.
+//! - `fetch-model`: put the default model into the cache (what `generate`
+//!   does on first use).
+
+mod bench;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use kvmesh_kvxfer::ScrubMode;
+use kvmesh_model::default_model;
+use kvmesh_model::engine::{Engine, EngineConfig, Prompt};
+use kvmesh_model::sampling::SamplingParams;
+use kvmesh_model::ChatMessage;
+
+#[derive(Parser, Debug)]
+#[command(name = "kvmesh", version, about = "kvmesh: a disaggregated LLM inference mesh with ownership-checked KV pages")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate text with the single-process reference engine.
+    Generate(GenerateArgs),
+    /// Measure prefill and decode throughput of the reference engine.
+    BenchEngine(bench::BenchArgs),
+    /// Download and verify the default model into the cache.
+    FetchModel,
+}
+
+/// Model and KV pool flags shared by the commands that load a model.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A Hugging Face model directory or a GGUF file [default: SmolLM2-135M-Instruct Q4_1, fetched on first use].
+    #[arg(long, env = "KVMESH_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Run with f32 weights and activations (the mode compared against Hugging Face transformers). Currently the only mode.
+    #[arg(long, env = "KVMESH_EXACT")]
+    pub exact: bool,
+    /// Token slots per KV page.
+    #[arg(long, env = "KVMESH_PAGE_SIZE", default_value_t = 16)]
+    pub page_size: usize,
+    /// Token slots in the KV pool [default: one full context].
+    #[arg(long, env = "KVMESH_KV_POOL_TOKENS")]
+    pub kv_pool_tokens: Option<usize>,
+    /// Context limit (prompt plus generated tokens) [default: the model's].
+    #[arg(long, env = "KVMESH_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
+    /// Zero KV pages: off, on-release or on-allocate.
+    #[arg(long, env = "KVMESH_SCRUB", default_value = "off")]
+    pub scrub: ScrubMode,
+    /// Debug: fill free pages with a canary and detect any read of one.
+    #[arg(long, env = "KVMESH_POISON")]
+    pub poison: bool,
+}
+
+impl ModelArgs {
+    /// Resolve the model path (fetching the default model if needed) and load the engine.
+    pub fn load_engine(&self) -> Result<Engine> {
+        let path = match &self.model {
+            Some(p) => p.clone(),
+            None => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))?,
+        };
+        let cfg = EngineConfig {
+            kv_pool_tokens: self.kv_pool_tokens,
+            page_size: self.page_size,
+            max_model_len: self.max_model_len,
+            scrub: self.scrub,
+            poison: self.poison,
+        };
+        Engine::load(&path, &cfg).with_context(|| format!("loading model {}", path.display()))
+    }
+}
+
+#[derive(Args, Debug)]
+struct GenerateArgs {
+    /// The prompt text (special-token text such as <|im_start|> is parsed as special tokens).
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as one user message through the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Maximum tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Nucleus sampling probability mass.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Sample only among the K most likely tokens.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Random seed, for reproducible sampling.
+    #[arg(long)]
+    seed: Option<u64>,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    let engine = args.model.load_engine()?;
+    let prompt = if args.chat {
+        Prompt::Chat(vec![ChatMessage { role: "user".into(), content: args.prompt }])
+    } else {
+        Prompt::Text(args.prompt)
+    };
+    let params = SamplingParams { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed };
+    let mut stdout = std::io::stdout().lock();
+    let mut write_err = None;
+    let started = std::time::Instant::now();
+    let out = engine.generate(&prompt, args.max_tokens, params, |piece| {
+        if write_err.is_none() {
+            if let Err(e) = stdout.write_all(piece.as_bytes()).and_then(|()| stdout.flush()) {
+                write_err = Some(e);
+            }
+        }
+    })?;
+    if let Some(e) = write_err {
+        return Err(e).context("writing to stdout");
+    }
+    writeln!(stdout)?;
+    let secs = started.elapsed().as_secs_f64();
+    tracing::info!(
+        prompt_tokens = out.prompt_tokens,
+        completion_tokens = out.tokens.len(),
+        finish_reason = out.finish_reason.as_str(),
+        secs = format!("{secs:.2}"),
+        "done"
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => generate(a),
+        Command::BenchEngine(a) => bench::run(a),
+        Command::FetchModel => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))
+            .map(|p| println!("{}", p.display()))
+            .map_err(Into::into),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvmesh: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

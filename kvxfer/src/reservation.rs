@@ -36,6 +36,10 @@ pub struct Reservation {
     shared: Arc<Shared>,
     owner: OwnerTag,
     table: Vec<PageRef>,
+    /// `testing` only: the page table readers see instead of `table`
+    /// (writes and release always use the genuine one).
+    #[cfg(feature = "testing")]
+    forged: Option<Vec<PageRef>>,
 }
 
 impl Reservation {
@@ -44,6 +48,8 @@ impl Reservation {
             shared,
             owner,
             table,
+            #[cfg(feature = "testing")]
+            forged: None,
         }
     }
 
@@ -55,7 +61,20 @@ impl Reservation {
     /// The page table: entry `i` covers positions `i * page_size ..
     /// (i + 1) * page_size`.
     pub fn table(&self) -> &[PageRef] {
+        #[cfg(feature = "testing")]
+        if let Some(forged) = &self.forged {
+            return forged;
+        }
         &self.table
+    }
+
+    /// `testing` only: make [`Reservation::table`] return `entries` (a
+    /// forged page table, as a bug elsewhere might produce) so a test can
+    /// show that the read path refuses it. The pages actually held, which
+    /// writes use and drop releases, do not change.
+    #[cfg(feature = "testing")]
+    pub fn forge_table(&mut self, entries: Vec<PageRef>) {
+        self.forged = Some(entries);
     }
 
     /// Tokens the pages cover: `table().len() * page_size`.

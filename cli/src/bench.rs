@@ -1,0 +1,107 @@
+//! `kvmesh bench-engine`: throughput of the reference engine on one machine.
+//!
+//! Prefill: one prompt of `--prompt-tokens` tokens, timed from admission to
+//! its first logits. Decode: `--batch` sequences with short prompts, each
+//! decoding `--decode-tokens` tokens as one batched step per token; reported
+//! as aggregate generated tokens per second. Every figure is the median of
+//! `--repeats` runs. A benchmark, not a test: nothing here asserts a time.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use kvmesh_model::engine::{Engine, Sequence};
+use kvmesh_model::sampling::argmax;
+
+use crate::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Prompt length of the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens each sequence decodes in the decode measurement.
+    #[arg(long, default_value_t = 32)]
+    decode_tokens: usize,
+    /// Batch sizes of the decode measurement.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    batch: Vec<usize>,
+    /// Repetitions; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+/// Token ids of a filler text, repeated to `n` tokens.
+fn filler(engine: &Engine, n: usize) -> Result<Vec<u32>> {
+    let text = "The quick brown fox jumps over the lazy dog while the committee reviews \
+                quarterly results, weather reports and 42 unrelated footnotes. ";
+    let unit = engine.tokenizer().encode(text)?;
+    if unit.is_empty() {
+        bail!("the tokenizer produced no tokens for the filler text");
+    }
+    Ok(unit.iter().copied().cycle().take(n).collect())
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let repeats = args.repeats.max(1);
+    let engine = args.model.load_engine()?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+
+    let prompt = filler(&engine, args.prompt_tokens)?;
+    let mut prefill = Vec::new();
+    for _ in 0..repeats {
+        let mut seq = engine.admit(prompt.clone(), 1)?;
+        let t = Instant::now();
+        engine.prefill(&mut seq)?;
+        prefill.push(args.prompt_tokens as f64 / t.elapsed().as_secs_f64());
+    }
+    let prefill = median(prefill);
+
+    let mut decode = Vec::new();
+    for &b in &args.batch {
+        let mut runs = Vec::new();
+        for _ in 0..repeats {
+            let short = filler(&engine, 32)?;
+            let mut seqs: Vec<Sequence> = (0..b).map(|_| engine.admit(short.clone(), args.decode_tokens + 1)).collect::<Result<_, _>>()?;
+            let mut next: Vec<u32> = Vec::with_capacity(b);
+            for s in seqs.iter_mut() {
+                next.push(argmax(&engine.prefill(s)?));
+            }
+            let t = Instant::now();
+            for _ in 0..args.decode_tokens {
+                let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+                let out = engine.decode_step(&mut refs, &next)?;
+                next = out.into_iter().map(|r| r.map(|l| argmax(&l))).collect::<Result<_, _>>()?;
+            }
+            runs.push((b * args.decode_tokens) as f64 / t.elapsed().as_secs_f64());
+        }
+        decode.push((b, median(runs)));
+    }
+
+    if args.json {
+        let decode_json: Vec<String> = decode.iter().map(|(b, r)| format!("{{\"batch\":{b},\"tokens_per_s\":{r:.1}}}")).collect();
+        println!(
+            "{{\"threads\":{threads},\"mode\":\"exact-f32\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},\"decode\":[{}]}}",
+            args.prompt_tokens,
+            decode_json.join(",")
+        );
+    } else {
+        println!("kvmesh bench-engine  (mode exact-f32, {threads} threads, median of {repeats})");
+        println!("{:<28} {:>12}", "measurement", "tokens/s");
+        println!("{:<28} {:>12.1}", format!("prefill {} tokens", args.prompt_tokens), prefill);
+        for (b, r) in &decode {
+            println!("{:<28} {:>12.1}", format!("decode batch {b} (aggregate)"), r);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,294 @@
+//! [`ModelConfig`] from GGUF metadata (`general.architecture` = `llama`).
+
+use kvmesh_kernels::rope::RopeScaling;
+
+use super::{FieldNames, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::loader::gguf::GgufFile;
+
+const GGUF_FIELDS: FieldNames = FieldNames {
+    vocab_size: "llama.vocab_size",
+    hidden_size: "llama.embedding_length",
+    intermediate_size: "llama.feed_forward_length",
+    n_layers: "llama.block_count",
+    n_heads: "llama.attention.head_count",
+    n_kv_heads: "llama.attention.head_count_kv",
+    head_dim: "llama.attention.key_length",
+    rms_norm_eps: "llama.attention.layer_norm_rms_epsilon",
+    rope_theta: "llama.rope.freq_base",
+    max_position_embeddings: "llama.context_length",
+    sliding_window: "llama.attention.sliding_window",
+    bos_token_id: "tokenizer.ggml.bos_token_id",
+    eos_token_id: "tokenizer.ggml.eos_token_id",
+};
+
+/// Tensor in which llama.cpp's converter stores Llama 3.1-style RoPE
+/// scaling as one divisor per rotated pair, instead of metadata.
+const ROPE_FREQS_TENSOR: &str = "rope_freqs.weight";
+
+impl ModelConfig {
+    /// Read the configuration from GGUF metadata. `tie_word_embeddings` is
+    /// the absence of an `output.weight` tensor, as llama.cpp decides it.
+    pub(crate) fn from_gguf(g: &mut GgufFile) -> Result<Self> {
+        let arch = g
+            .opt_str("general.architecture")?
+            .ok_or_else(|| g.missing_field("general.architecture"))?;
+        if arch != "llama" {
+            return Err(ModelError::UnsupportedArchitecture {
+                path: g.path().to_owned(),
+                architecture: arch.to_owned(),
+            });
+        }
+        if let Some(experts) = g.opt_u64("llama.expert_count")?.filter(|&n| n > 0) {
+            return Err(ModelError::UnsupportedArchitecture {
+                path: g.path().to_owned(),
+                architecture: format!("llama with {experts} experts (mixture of experts)"),
+            });
+        }
+
+        let n_heads = g.req_usize("llama.attention.head_count")?;
+        let hidden_size = g.req_usize("llama.embedding_length")?;
+        let head_dim = match g.opt_usize("llama.attention.key_length")? {
+            Some(d) => d,
+            None if n_heads > 0 && hidden_size % n_heads == 0 => hidden_size / n_heads,
+            None => {
+                return Err(g.invalid_field(
+                    "llama.attention.head_count",
+                    n_heads.to_string(),
+                    format!("must divide llama.embedding_length ({hidden_size}) when llama.attention.key_length is absent"),
+                ))
+            }
+        };
+        if let Some(v) = g
+            .opt_usize("llama.attention.value_length")?
+            .filter(|&v| v != head_dim)
+        {
+            return Err(g.invalid_field(
+                "llama.attention.value_length",
+                v.to_string(),
+                format!("must equal the key length ({head_dim})"),
+            ));
+        }
+        if let Some(r) = g
+            .opt_usize("llama.rope.dimension_count")?
+            .filter(|&r| r != head_dim)
+        {
+            return Err(g.invalid_field(
+                "llama.rope.dimension_count",
+                r.to_string(),
+                format!("partial rotary embeddings are not implemented: must equal the head size ({head_dim})"),
+            ));
+        }
+        let vocab_size = match g.opt_usize("llama.vocab_size")? {
+            Some(v) => v,
+            None => g
+                .array_len("tokenizer.ggml.tokens")
+                .ok_or_else(|| g.missing_field("llama.vocab_size"))?,
+        };
+        let rope_theta = g.opt_f32("llama.rope.freq_base")?.unwrap_or(10_000.0);
+
+        let mut eos_token_ids = Vec::new();
+        for key in [
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ] {
+            if let Some(id) = g.opt_u32(key)? {
+                if !eos_token_ids.contains(&id) {
+                    eos_token_ids.push(id);
+                }
+            }
+        }
+
+        let config = ModelConfig {
+            architecture: arch.to_owned(),
+            vocab_size,
+            hidden_size,
+            intermediate_size: g.req_usize("llama.feed_forward_length")?,
+            n_layers: g.req_usize("llama.block_count")?,
+            n_heads,
+            n_kv_heads: g
+                .opt_usize("llama.attention.head_count_kv")?
+                .unwrap_or(n_heads),
+            head_dim,
+            rms_norm_eps: g
+                .opt_f32("llama.attention.layer_norm_rms_epsilon")?
+                .ok_or_else(|| g.missing_field("llama.attention.layer_norm_rms_epsilon"))?,
+            rope_theta,
+            rope_scaling: rope_scaling(g, head_dim, rope_theta)?,
+            max_position_embeddings: g.req_usize("llama.context_length")?,
+            tie_word_embeddings: !g.has_tensor("output.weight"),
+            attention_bias: false,
+            sliding_window: g.opt_usize("llama.attention.sliding_window")?,
+            bos_token_id: g.opt_u32("tokenizer.ggml.bos_token_id")?,
+            eos_token_ids,
+        };
+        config.validate(g.path(), &GGUF_FIELDS)?;
+        Ok(config)
+    }
+}
+
+/// `llama.rope.scaling.type` none/linear, or a `rope_freqs.weight` tensor
+/// that matches a Llama 3 scaling.
+fn rope_scaling(g: &mut GgufFile, head_dim: usize, theta: f32) -> Result<RopeScaling> {
+    let scaling = match g.opt_str("llama.rope.scaling.type")? {
+        None | Some("none") => RopeScaling::None,
+        Some("linear") => match g.opt_f32("llama.rope.scaling.factor")? {
+            Some(factor) if factor.is_finite() && factor > 0.0 => RopeScaling::Linear { factor },
+            Some(factor) => {
+                return Err(g.invalid_field("llama.rope.scaling.factor", factor.to_string(), "must be positive"))
+            }
+            None => return Err(g.missing_field("llama.rope.scaling.factor")),
+        },
+        Some(other) => {
+            return Err(g.invalid_field(
+                "llama.rope.scaling.type",
+                format!("{other:?}"),
+                "supported RoPE scalings are none and linear (Llama 3 scaling comes as rope_freqs.weight)",
+            ))
+        }
+    };
+    if !g.has_tensor(ROPE_FREQS_TENSOR) {
+        return Ok(scaling);
+    }
+    if scaling != RopeScaling::None {
+        return Err(g.invalid_field(
+            "llama.rope.scaling.type",
+            "\"linear\"",
+            "cannot be combined with a rope_freqs.weight tensor",
+        ));
+    }
+    if head_dim % 2 != 0 || head_dim == 0 {
+        // validate() reports the head size itself.
+        return Ok(scaling);
+    }
+    let divisors = g.tensor_f32(ROPE_FREQS_TENSOR, &[head_dim / 2])?;
+    let divisors = divisors.to_vec1::<f32>().map_err(|e| {
+        ModelError::malformed(g.path(), format!("tensor `{ROPE_FREQS_TENSOR}`: {e}"))
+    })?;
+    let original = g
+        .opt_usize("llama.rope.scaling.original_context_length")?
+        .unwrap_or(LLAMA3_ORIGINAL_CONTEXT);
+    match llama3_from_divisors(&divisors, head_dim, theta, original) {
+        Some(scaling) => Ok(scaling),
+        None => Err(ModelError::UnsupportedArchitecture {
+            path: g.path().to_owned(),
+            architecture: format!("llama with per-pair RoPE divisors ({ROPE_FREQS_TENSOR}) that match no Llama 3 scaling"),
+        }),
+    }
+}
+
+/// Context length before scaling of every Llama 3.x release.
+const LLAMA3_ORIGINAL_CONTEXT: usize = 8192;
+
+/// Recover a [`RopeScaling::Llama3`] from llama.cpp's per-pair divisors.
+///
+/// The converter drops the scaling's parameters and keeps only
+/// `inv_freq_unscaled / inv_freq_scaled` per pair. Every Llama 3.x release
+/// uses `low_freq_factor` 1 and `high_freq_factor` 4 and the largest divisor
+/// is `factor`; the candidate is accepted only if it reproduces every
+/// divisor, so a file with other factors is refused rather than run wrong.
+pub(crate) fn llama3_from_divisors(
+    divisors: &[f32],
+    head_dim: usize,
+    theta: f32,
+    original: usize,
+) -> Option<RopeScaling> {
+    let factor = divisors.iter().copied().fold(f32::NAN, f32::max);
+    if !(factor.is_finite() && factor >= 1.0) || divisors.len() != head_dim / 2 {
+        return None;
+    }
+    let candidate = RopeScaling::Llama3 {
+        factor,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: original,
+    };
+    let expected = llama3_divisors(head_dim, theta, candidate)?;
+    let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs().max(1.0);
+    divisors
+        .iter()
+        .zip(&expected)
+        .all(|(&a, &b)| close(a, b))
+        .then_some(candidate)
+}
+
+/// Per-pair divisors of a Llama 3 scaling, as llama.cpp's converter
+/// computes them (the same formula as `kvmesh_kernels::rope::Rope::new`).
+fn llama3_divisors(head_dim: usize, theta: f32, scaling: RopeScaling) -> Option<Vec<f32>> {
+    let RopeScaling::Llama3 {
+        factor,
+        low_freq_factor,
+        high_freq_factor,
+        original_max_position_embeddings,
+    } = scaling
+    else {
+        return None;
+    };
+    let old = original_max_position_embeddings as f32;
+    let low_wavelen = old / low_freq_factor;
+    let high_wavelen = old / high_freq_factor;
+    Some(
+        (0..head_dim / 2)
+            .map(|i| {
+                let inv_freq = 1.0 / theta.powf((2 * i) as f32 / head_dim as f32);
+                let wavelen = 2.0 * std::f32::consts::PI / inv_freq;
+                if wavelen < high_wavelen {
+                    1.0
+                } else if wavelen > low_wavelen {
+                    factor
+                } else {
+                    let smooth =
+                        (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                    1.0 / ((1.0 - smooth) / factor + smooth)
+                }
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_scaling_is_recovered_from_its_divisors_and_others_are_refused() {
+        let scaling = RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let divisors = llama3_divisors(64, 500_000.0, scaling).unwrap_or_default();
+        assert!(divisors.contains(&1.0) && divisors.contains(&32.0));
+        assert!(
+            divisors.iter().any(|&d| d > 1.0 && d < 32.0),
+            "a blended band exists"
+        );
+        assert_eq!(
+            llama3_from_divisors(&divisors, 64, 500_000.0, 8192),
+            Some(scaling)
+        );
+
+        // Same largest divisor but a different high_freq_factor: refused.
+        let other = RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 2.0,
+            original_max_position_embeddings: 8192,
+        };
+        let other_divisors = llama3_divisors(64, 500_000.0, other).unwrap_or_default();
+        assert_eq!(
+            llama3_from_divisors(&other_divisors, 64, 500_000.0, 8192),
+            None
+        );
+        assert_eq!(
+            llama3_from_divisors(&[f32::NAN; 32], 64, 500_000.0, 8192),
+            None
+        );
+        assert_eq!(
+            llama3_from_divisors(&divisors[..10], 64, 500_000.0, 8192),
+            None
+        );
+    }
+}

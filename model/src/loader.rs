@@ -1,0 +1,157 @@
+//! [`load`]: a model directory or GGUF file to a [`LoadedModel`].
+//!
+//! A directory is a Hugging Face checkpoint (`config.json`, `*.safetensors`,
+//! `tokenizer.json`); a file must be GGUF (checked by its magic bytes,
+//! whatever its name). Anything else is refused with an error naming the
+//! path. The loaded parts are cross-checked: every id the tokenizer can
+//! produce has a row in the embedding.
+
+pub(crate) mod gguf;
+#[cfg(test)]
+pub(crate) mod test_util;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::tokenizer::TextTokenizer;
+use crate::weights::Weights;
+use gguf::{GgufFile, GGUF_MAGIC};
+
+/// The on-disk format a model was loaded from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelFormat {
+    /// A Hugging Face directory with safetensors weights.
+    HfSafetensors,
+    /// A single GGUF file (weights dequantized to f32 at load).
+    Gguf,
+}
+
+impl ModelFormat {
+    /// A short lowercase name for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::HfSafetensors => "safetensors",
+            Self::Gguf => "gguf",
+        }
+    }
+}
+
+/// Everything needed to run a model.
+#[derive(Debug)]
+pub struct LoadedModel {
+    /// Hyperparameters.
+    pub config: ModelConfig,
+    /// Parameters, f32.
+    pub weights: Weights,
+    /// Tokenizer and chat template.
+    pub tokenizer: TextTokenizer,
+    /// The directory or file loaded.
+    pub path: PathBuf,
+    /// Its format.
+    pub format: ModelFormat,
+}
+
+impl LoadedModel {
+    /// Ids that end generation: the model configuration's and the
+    /// tokenizer's, without repeats (checkpoints often list only one side).
+    pub fn stop_token_ids(&self) -> Vec<u32> {
+        let mut ids = self.config.eos_token_ids.clone();
+        for id in self.tokenizer.eos_token_ids() {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        ids
+    }
+}
+
+/// Load a Hugging Face model directory or a GGUF file.
+pub fn load(path: &Path) -> Result<LoadedModel> {
+    let started = Instant::now();
+    let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => ModelError::MissingFile {
+            path: path.to_owned(),
+            what: "model (a Hugging Face model directory or a GGUF file)",
+        },
+        _ => ModelError::io(path, e),
+    })?;
+    let (config, weights, tokenizer, format) = if meta.is_dir() {
+        let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
+        let tokenizer = TextTokenizer::from_hf_dir(path)?;
+        let weights = Weights::from_hf_dir(path, &config)?;
+        (config, weights, tokenizer, ModelFormat::HfSafetensors)
+    } else {
+        if !starts_with_gguf_magic(path)? {
+            return Err(ModelError::malformed(
+                path,
+                "not a model: expected a Hugging Face model directory or a GGUF file, and this file \
+                 does not start with the GGUF magic bytes",
+            ));
+        }
+        let mut file = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&mut file)?;
+        let tokenizer = TextTokenizer::from_gguf(&file)?;
+        let header_done = started.elapsed();
+        let weights = Weights::from_gguf(&mut file, &config)?;
+        tracing::debug!(
+            header_ms = header_done.as_millis() as u64,
+            dequantize_ms = (started.elapsed() - header_done).as_millis() as u64,
+            "GGUF read"
+        );
+        (config, weights, tokenizer, ModelFormat::Gguf)
+    };
+
+    if tokenizer.vocab_size() > config.vocab_size {
+        return Err(ModelError::InvalidField {
+            path: path.to_owned(),
+            field: "vocab_size".into(),
+            value: config.vocab_size.to_string(),
+            reason: format!(
+                "the tokenizer has ids up to {}, beyond the embedding's {} rows",
+                tokenizer.vocab_size() - 1,
+                config.vocab_size
+            ),
+        });
+    }
+    tracing::info!(
+        path = %path.display(),
+        format = format.as_str(),
+        architecture = %config.architecture,
+        layers = config.n_layers,
+        hidden = config.hidden_size,
+        vocab = config.vocab_size,
+        parameters = weights.parameter_count(),
+        tied_embeddings = config.tie_word_embeddings,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "model loaded (f32)"
+    );
+    Ok(LoadedModel {
+        config,
+        weights,
+        tokenizer,
+        path: path.to_owned(),
+        format,
+    })
+}
+
+/// Whether the file begins with `GGUF`; a file shorter than that does not.
+fn starts_with_gguf_magic(path: &Path) -> Result<bool> {
+    let mut file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+    let mut magic = [0u8; 4];
+    let mut filled = 0;
+    while filled < magic.len() {
+        match file.read(&mut magic[filled..]) {
+            Ok(0) => return Ok(false),
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(ModelError::io(path, e)),
+        }
+    }
+    Ok(&magic == GGUF_MAGIC)
+}
+
+#[cfg(test)]
+mod tests;

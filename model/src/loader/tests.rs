@@ -1,0 +1,532 @@
+use std::collections::HashMap;
+
+use candle_core::quantized::gguf_file::Value as GgufValue;
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
+
+use super::test_util::*;
+use super::*;
+use crate::weights::LayerWeights;
+
+/// The loaded tensor for an HF name.
+fn loaded<'a>(w: &'a Weights, name: &str) -> Tensor {
+    let layer =
+        |i: &str| -> &'a LayerWeights { &w.layers[i.parse::<usize>().expect("layer index")] };
+    let vec = |v: &Vec<f32>| Tensor::from_slice(v, v.len(), &Device::Cpu).expect("tensor");
+    match name {
+        "model.embed_tokens.weight" => w.embed.clone(),
+        "lm_head.weight" => w.lm_head.clone(),
+        "model.norm.weight" => vec(&w.final_norm),
+        _ => {
+            let rest = name.strip_prefix("model.layers.").expect("layer tensor");
+            let (i, part) = rest.split_once('.').expect("layer part");
+            let l = layer(i);
+            let opt = |b: &Option<Vec<f32>>| vec(b.as_ref().expect("bias present"));
+            match part {
+                "input_layernorm.weight" => vec(&l.attn_norm),
+                "post_attention_layernorm.weight" => vec(&l.mlp_norm),
+                "self_attn.q_proj.weight" => l.wq.clone(),
+                "self_attn.k_proj.weight" => l.wk.clone(),
+                "self_attn.v_proj.weight" => l.wv.clone(),
+                "self_attn.o_proj.weight" => l.wo.clone(),
+                "self_attn.q_proj.bias" => opt(&l.bq),
+                "self_attn.k_proj.bias" => opt(&l.bk),
+                "self_attn.v_proj.bias" => opt(&l.bv),
+                "mlp.gate_proj.weight" => l.w_gate.clone(),
+                "mlp.up_proj.weight" => l.w_up.clone(),
+                "mlp.down_proj.weight" => l.w_down.clone(),
+                other => panic!("unknown part {other}"),
+            }
+        }
+    }
+}
+
+#[track_caller]
+fn assert_weights_equal(w: &Weights, expected: &HashMap<String, Tensor>, tolerance: f32) {
+    for (name, t) in expected {
+        let got = loaded(w, name);
+        assert_eq!(got.dtype(), DType::F32, "{name}");
+        assert!(got.is_contiguous(), "{name} is not contiguous");
+        let diff = max_abs_diff(&got, t);
+        assert!(diff <= tolerance, "{name} differs by {diff}");
+    }
+}
+
+fn all_f32_contiguous(w: &Weights) -> bool {
+    let mut ts = vec![&w.embed, &w.lm_head];
+    for l in &w.layers {
+        ts.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+    }
+    ts.iter()
+        .all(|t| t.dtype() == DType::F32 && t.is_contiguous() && t.device().is_cpu())
+}
+
+#[test]
+fn hf_directory_loads_in_each_float_dtype() {
+    for (dtype, tolerance) in [(DType::F32, 0.0), (DType::F16, 0.0), (DType::BF16, 0.0)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let expected = write_hf_model(
+            dir.path(),
+            TinySpec {
+                dtype,
+                ..TinySpec::default()
+            },
+        );
+        let m = load(dir.path()).expect("load");
+        assert_eq!(m.format, ModelFormat::HfSafetensors);
+        assert_eq!(m.path, dir.path());
+        assert_eq!((m.config.n_layers, m.weights.layers.len()), (2, 2));
+        assert!(all_f32_contiguous(&m.weights));
+        assert_weights_equal(&m.weights, &expected, tolerance);
+        // Tied: the LM head is the embedding.
+        assert_eq!(m.weights.lm_head.id(), m.weights.embed.id());
+        assert!(m.weights.layers[0].bq.is_none());
+        assert_eq!(m.tokenizer.bos_token(), Some("<s>"));
+        assert_eq!(m.stop_token_ids(), vec![TINY_EOS]);
+    }
+}
+
+#[test]
+fn hf_sharded_untied_and_qwen2_biases() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = TinySpec {
+        tie: false,
+        qwen2: true,
+        shards: 3,
+        ..TinySpec::default()
+    };
+    let expected = write_hf_model(dir.path(), spec);
+    assert!(
+        expected.contains_key("lm_head.weight")
+            && expected.contains_key("model.layers.1.self_attn.v_proj.bias")
+    );
+    let m = load(dir.path()).expect("load");
+    assert!(m.config.attention_bias && !m.config.tie_word_embeddings);
+    assert_ne!(m.weights.lm_head.id(), m.weights.embed.id());
+    assert_weights_equal(&m.weights, &expected, 0.0);
+    let l = &m.weights.layers[1];
+    assert_eq!(
+        (l.bq.as_ref().map(Vec::len), l.bk.as_ref().map(Vec::len)),
+        (Some(32), Some(16))
+    );
+}
+
+/// Rewrite `model.safetensors` of a tiny directory with `edit` applied.
+fn edit_safetensors(dir: &Path, edit: impl FnOnce(&mut HashMap<String, Tensor>)) {
+    let path = dir.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu).expect("reload");
+    edit(&mut tensors);
+    candle_core::safetensors::save(&tensors, &path).expect("save");
+}
+
+#[test]
+fn hf_errors_name_the_tensor() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_hf_model(dir.path(), TinySpec::default());
+
+    edit_safetensors(dir.path(), |t| {
+        t.remove("model.layers.1.mlp.up_proj.weight");
+    });
+    match load(dir.path()) {
+        Err(ModelError::MissingTensor { tensor, path }) => {
+            assert_eq!(tensor, "model.layers.1.mlp.up_proj.weight");
+            assert_eq!(path, dir.path());
+        }
+        other => panic!("expected MissingTensor, got {other:?}"),
+    }
+
+    edit_safetensors(dir.path(), |t| {
+        t.insert(
+            "model.layers.1.mlp.up_proj.weight".into(),
+            values(&[64, 31], 1),
+        );
+    });
+    match load(dir.path()) {
+        Err(ModelError::ShapeMismatch {
+            tensor,
+            expected,
+            got,
+            path,
+        }) => {
+            assert_eq!(tensor, "model.layers.1.mlp.up_proj.weight");
+            assert_eq!((expected, got), (vec![64, 32], vec![64, 31]));
+            assert!(path.ends_with("model.safetensors"));
+        }
+        other => panic!("expected ShapeMismatch, got {other:?}"),
+    }
+
+    edit_safetensors(dir.path(), |t| {
+        let ints = Tensor::zeros((64, 32), DType::I64, &Device::Cpu).expect("zeros");
+        t.insert("model.layers.1.mlp.up_proj.weight".into(), ints);
+    });
+    match load(dir.path()) {
+        Err(e @ ModelError::UnsupportedDtype { .. }) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("model.layers.1.mlp.up_proj.weight") && msg.contains("I64"),
+                "{msg}"
+            );
+        }
+        other => panic!("expected UnsupportedDtype, got {other:?}"),
+    }
+}
+
+#[test]
+fn hf_missing_and_truncated_files_are_typed_errors() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_hf_model(dir.path(), TinySpec::default());
+    let st = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&st).expect("read");
+    for cut in [0, 5, 8, 40, bytes.len() / 2, bytes.len() - 1] {
+        std::fs::write(&st, &bytes[..cut]).expect("write");
+        match load(dir.path()) {
+            Err(ModelError::Malformed { path, .. }) => assert_eq!(path, st, "cut at {cut}"),
+            other => panic!("cut at {cut}: expected Malformed, got {other:?}"),
+        }
+    }
+    std::fs::remove_file(&st).expect("rm");
+    assert!(matches!(
+        load(dir.path()),
+        Err(ModelError::MissingFile {
+            what: "*.safetensors weights",
+            ..
+        })
+    ));
+
+    std::fs::remove_file(dir.path().join("tokenizer.json")).expect("rm");
+    assert!(matches!(
+        load(dir.path()),
+        Err(ModelError::MissingFile {
+            what: "tokenizer.json",
+            ..
+        })
+    ));
+    std::fs::remove_file(dir.path().join("config.json")).expect("rm");
+    assert!(matches!(
+        load(dir.path()),
+        Err(ModelError::MissingFile {
+            what: "config.json",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn the_tokenizer_must_fit_the_embedding() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_hf_model(dir.path(), TinySpec::default());
+    let mut cfg = tiny_config_json(TinySpec::default());
+    cfg["vocab_size"] = 200.into();
+    cfg["bos_token_id"] = 1.into();
+    cfg["eos_token_id"] = 2.into();
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).expect("write");
+    // Shapes follow the config, so rewrite the embedding to 200 rows first.
+    edit_safetensors(dir.path(), |t| {
+        t.insert("model.embed_tokens.weight".into(), values(&[200, 32], 3));
+    });
+    match load(dir.path()) {
+        Err(ModelError::InvalidField { field, reason, .. }) => {
+            assert_eq!(field, "vocab_size");
+            assert!(reason.contains("263"), "{reason}");
+        }
+        other => panic!("expected InvalidField, got {other:?}"),
+    }
+}
+
+#[test]
+fn gguf_loads_and_unpermutes_q_and_k() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (dtype, tie) in [
+        (GgmlDType::F32, true),
+        (GgmlDType::F16, false),
+        (GgmlDType::Q8_0, true),
+        (GgmlDType::Q4_0, false),
+        (GgmlDType::Q4_1, true),
+    ] {
+        let path = dir.path().join(format!("tiny-{dtype:?}.gguf"));
+        let expected = write_gguf_model(&path, tie, dtype, |_, _| {});
+        let m = load(&path).unwrap_or_else(|e| panic!("{dtype:?}: {e}"));
+        assert_eq!(m.format, ModelFormat::Gguf);
+        assert_eq!(m.config.architecture, "llama");
+        assert_eq!(
+            (m.config.head_dim, m.config.n_kv_heads, m.config.vocab_size),
+            (8, 2, TINY_VOCAB)
+        );
+        assert_eq!(m.config.tie_word_embeddings, tie);
+        assert_eq!(m.weights.lm_head.id() == m.weights.embed.id(), tie);
+        assert!(all_f32_contiguous(&m.weights));
+        // Exactly the dequantized originals, in HF row order.
+        assert_weights_equal(&m.weights, &expected, 0.0);
+        assert_eq!(m.tokenizer.eos_token_ids(), vec![TINY_EOS]);
+        assert_eq!(m.config.eos_token_ids, vec![TINY_EOS]);
+    }
+}
+
+#[test]
+fn gguf_errors_name_the_field_or_tensor() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("m.gguf");
+    let set = |md: &mut Vec<(String, GgufValue)>, key: &str, v: GgufValue| {
+        md.retain(|(k, _)| k != key);
+        md.push((key.to_owned(), v));
+    };
+
+    write_gguf_model(&path, true, GgmlDType::F32, |md, _| {
+        set(md, "general.architecture", GgufValue::String("gpt2".into()))
+    });
+    assert!(
+        matches!(load(&path), Err(ModelError::UnsupportedArchitecture { ref architecture, .. }) if architecture == "gpt2")
+    );
+
+    write_gguf_model(&path, true, GgmlDType::F32, |md, _| {
+        set(
+            md,
+            "tokenizer.ggml.model",
+            GgufValue::String("llama".into()),
+        )
+    });
+    assert!(
+        matches!(load(&path), Err(ModelError::InvalidField { ref field, .. }) if field == "tokenizer.ggml.model")
+    );
+
+    write_gguf_model(&path, true, GgmlDType::F32, |md, _| {
+        set(md, "tokenizer.ggml.pre", GgufValue::String("qwen2".into()))
+    });
+    assert!(
+        matches!(load(&path), Err(ModelError::InvalidField { ref field, ref value, .. }) if field == "tokenizer.ggml.pre" && value.contains("qwen2"))
+    );
+
+    write_gguf_model(&path, true, GgmlDType::F32, |md, _| {
+        md.retain(|(k, _)| k != "llama.block_count")
+    });
+    assert!(
+        matches!(load(&path), Err(ModelError::MissingField { ref field, .. }) if field == "llama.block_count")
+    );
+
+    write_gguf_model(&path, true, GgmlDType::F32, |md, _| {
+        set(md, "llama.attention.head_count_kv", GgufValue::U32(3))
+    });
+    assert!(
+        matches!(load(&path), Err(ModelError::InvalidField { ref field, .. }) if field == "llama.attention.head_count_kv")
+    );
+
+    write_gguf_model(&path, true, GgmlDType::F32, |md, _| {
+        set(md, "llama.embedding_length", GgufValue::String("32".into()))
+    });
+    assert!(
+        matches!(load(&path), Err(ModelError::InvalidField { ref field, .. }) if field == "llama.embedding_length")
+    );
+
+    write_gguf_model(&path, true, GgmlDType::F32, |_, ts| {
+        ts.retain(|(n, _)| n != "blk.1.attn_v.weight")
+    });
+    match load(&path) {
+        Err(ModelError::MissingTensor { tensor, path: p }) => assert_eq!(
+            (tensor.as_str(), p.as_path()),
+            ("blk.1.attn_v.weight", path.as_path())
+        ),
+        other => panic!("expected MissingTensor, got {other:?}"),
+    }
+
+    write_gguf_model(&path, true, GgmlDType::F32, |md, _| {
+        set(md, "llama.feed_forward_length", GgufValue::U32(96))
+    });
+    match load(&path) {
+        Err(ModelError::ShapeMismatch {
+            tensor,
+            expected,
+            got,
+            ..
+        }) => {
+            assert_eq!(tensor, "blk.0.ffn_gate.weight");
+            assert_eq!((expected, got), (vec![96, 32], vec![64, 32]));
+        }
+        other => panic!("expected ShapeMismatch, got {other:?}"),
+    }
+}
+
+#[test]
+fn truncated_or_garbage_gguf_is_malformed_never_a_panic() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let good = dir.path().join("good.gguf");
+    write_gguf_model(&good, false, GgmlDType::Q8_0, |_, _| {});
+    let bytes = std::fs::read(&good).expect("read");
+    let bad = dir.path().join("bad.gguf");
+    let mut cuts: Vec<usize> = vec![4, 8, 16, 24, 100, 1000, 3000];
+    cuts.extend((1..8).map(|k| bytes.len() * k / 8));
+    cuts.push(bytes.len() - 1);
+    for cut in cuts {
+        std::fs::write(&bad, &bytes[..cut]).expect("write");
+        match load(&bad) {
+            Err(ModelError::Malformed { path, .. }) => assert_eq!(path, bad, "cut at {cut}"),
+            other => panic!(
+                "cut at {cut} of {}: expected Malformed, got {other:?}",
+                bytes.len()
+            ),
+        }
+    }
+    // Corrupt counts in the header: absurd tensor and metadata counts.
+    let mut corrupt = bytes.clone();
+    corrupt[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(&bad, &corrupt).expect("write");
+    assert_eq!(
+        load(&bad).map(|_| ()).map_err(|e| e.kind()),
+        Err("malformed")
+    );
+    // A bad alignment makes candle's reader divide by zero: caught.
+    write_gguf_model(&bad, true, GgmlDType::F32, |md, _| {
+        md.push(("general.alignment".into(), GgufValue::U32(0)))
+    });
+    assert_eq!(
+        load(&bad).map(|_| ()).map_err(|e| e.kind()),
+        Err("malformed")
+    );
+
+    for (name, content) in [
+        ("empty", &b""[..]),
+        ("short", &b"GG"[..]),
+        ("text.gguf", &b"hello, not a model"[..]),
+        ("magic-only", &b"GGUF"[..]),
+    ] {
+        let p = dir.path().join(name);
+        std::fs::write(&p, content).expect("write");
+        match load(&p) {
+            Err(ModelError::Malformed { path, .. }) => assert_eq!(path, p),
+            other => panic!("{name}: expected Malformed, got {other:?}"),
+        }
+    }
+    let missing = dir.path().join("nope.gguf");
+    assert!(
+        matches!(load(&missing), Err(ModelError::MissingFile { ref path, .. }) if path == &missing)
+    );
+}
+
+/// Values of the SmolLM2 GGUF as transformers loads it
+/// (`load_gguf_checkpoint`: dequantized, Q/K rows reverse-permuted), for
+/// (tensor, row, first column, four values).
+const SMOLLM2_REFERENCE: [(&str, usize, usize, [f64; 4]); 8] = [
+    (
+        "model.embed_tokens.weight",
+        504,
+        0,
+        [0.109603882, 0.0174369812, -0.0946578979, 0.0822029114],
+    ),
+    (
+        "model.layers.0.self_attn.q_proj.weight",
+        1,
+        0,
+        [-0.159179688, 0.397949219, -0.0198974609, -1.2734375],
+    ),
+    (
+        "model.layers.0.self_attn.q_proj.weight",
+        33,
+        100,
+        [0.305725098, 0.588623047, -0.071472168, -0.54296875],
+    ),
+    (
+        "model.layers.0.self_attn.k_proj.weight",
+        40,
+        7,
+        [0.77734375, -0.82421875, -0.0234375, 0.13671875],
+    ),
+    (
+        "model.layers.29.self_attn.v_proj.weight",
+        191,
+        570,
+        [-0.0335083008, -0.0335083008, -0.206970215, -0.206970215],
+    ),
+    (
+        "model.layers.29.mlp.down_proj.weight",
+        575,
+        1530,
+        [-0.08984375, 0.0078125, 0.056640625, 0.203125],
+    ),
+    (
+        "model.layers.3.input_layernorm.weight",
+        0,
+        10,
+        [0.265625, 0.237304688, 0.29296875, 0.23828125],
+    ),
+    (
+        "model.norm.weight",
+        0,
+        0,
+        [1.7578125, 1.8203125, 1.78125, 1.6015625],
+    ),
+];
+
+#[test]
+fn smollm2_gguf_loads_like_transformers() {
+    let Some(path) = smollm2_gguf() else { return };
+    let started = std::time::Instant::now();
+    let m = load(&path).expect("load SmolLM2");
+    eprintln!("SmolLM2 GGUF loaded (f32) in {:?}", started.elapsed());
+    let c = &m.config;
+    assert_eq!(
+        (c.vocab_size, c.hidden_size, c.intermediate_size, c.n_layers),
+        (49152, 576, 1536, 30)
+    );
+    assert_eq!(
+        (
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim,
+            c.max_position_embeddings
+        ),
+        (9, 3, 64, 8192)
+    );
+    assert_eq!((c.rope_theta, c.rms_norm_eps), (100_000.0, 1e-5));
+    assert!(c.tie_word_embeddings);
+    assert_eq!(
+        (c.bos_token_id, c.eos_token_ids.clone()),
+        (Some(1), vec![2])
+    );
+    assert_eq!(m.weights.lm_head.id(), m.weights.embed.id());
+    assert!(all_f32_contiguous(&m.weights));
+    // transformers counts 134,515,008 parameters with the tied head once.
+    assert_eq!(m.weights.parameter_count(), 134_515_008);
+    for (name, row, col, want) in SMOLLM2_REFERENCE {
+        let t = loaded(&m.weights, name);
+        let got: Vec<f32> = if t.rank() == 2 {
+            t.get(row)
+                .and_then(|r| r.narrow(0, col, 4))
+                .and_then(|r| r.to_vec1())
+                .expect("slice")
+        } else {
+            t.narrow(0, col, 4)
+                .and_then(|r| r.to_vec1())
+                .expect("slice")
+        };
+        for (g, w) in got.iter().zip(want) {
+            assert!(
+                (f64::from(*g) - w).abs() <= 1e-6 * w.abs().max(1.0),
+                "{name}[{row}, {col}..]: got {got:?}, want {want:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn gguf_pre_tokenizer_names_map_to_working_tokenizers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("m.gguf");
+    for pre in ["smollm", "gpt2", "default", "llama-bpe", "llama3"] {
+        write_gguf_model(&path, true, GgmlDType::F32, |md, _| {
+            md.retain(|(k, _)| k != "tokenizer.ggml.pre");
+            md.push(("tokenizer.ggml.pre".into(), GgufValue::String(pre.into())));
+        });
+        let file = GgufFile::open(&path).expect("open");
+        let t = TextTokenizer::from_gguf(&file).unwrap_or_else(|e| panic!("{pre}: {e}"));
+        let hello = t.token_to_id("hello").expect("merged token");
+        let text = "hello  there, 12345 héllo!\n\n";
+        let ids = t.encode(text).expect("encode");
+        assert_eq!(ids[0], hello, "{pre}");
+        assert_eq!(t.decode(&ids, false).expect("decode"), text, "{pre}");
+    }
+}
+
+#[test]
+fn a_loaded_model_can_be_shared_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<LoadedModel>();
+}

@@ -1,0 +1,314 @@
+//! [`TextTokenizer`]: text to token ids and back, chat templates, and
+//! [`StreamDecoder`] for incremental detokenization.
+//!
+//! A Hugging Face directory provides `tokenizer.json` (read by the
+//! `tokenizers` crate as is) and optionally `tokenizer_config.json`; a GGUF
+//! file provides a vocabulary and merges from which an equivalent byte-level
+//! BPE tokenizer is built (submodule `gguf`). Chat templates are rendered
+//! with minijinja in `chat`; streaming detokenization lives in `stream`.
+//!
+//! `encode` follows `tokenizer(text)` in transformers: special-token text in
+//! the input (such as `<|im_start|>`) becomes the special token, and BOS is
+//! added only when the model's tokenizer says so. [`TextTokenizer::encode_raw`]
+//! adds nothing, which is what transformers does to a rendered chat template
+//! (templates write their own BOS).
+
+mod chat;
+mod gguf;
+mod stream;
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::error::{ModelError, Result};
+
+pub use stream::StreamDecoder;
+
+/// One message of a conversation, as chat templates expect it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant` (templates may accept others).
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with the given role and content.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A model's tokenizer with its special tokens and chat template.
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    /// One past the largest id the tokenizer can produce.
+    vocab_size: usize,
+    bos_token: Option<String>,
+    bos_id: Option<u32>,
+    eos_token: Option<String>,
+    eos_ids: Vec<u32>,
+    /// Prepend BOS in [`TextTokenizer::encode`] if the tokenizer itself did not.
+    add_bos: bool,
+    chat_template: Option<String>,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("vocab_size", &self.vocab_size)
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .field("eos_ids", &self.eos_ids)
+            .field("add_bos", &self.add_bos)
+            .field("has_chat_template", &self.chat_template.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TextTokenizer {
+    /// Load `tokenizer.json` from a Hugging Face model directory, with
+    /// `tokenizer_config.json` when present (`chat_template`, `bos_token`,
+    /// `eos_token`, `add_bos_token`). A chat template may also come from
+    /// `chat_template.jinja` or `chat_template.json`, as newer checkpoints
+    /// store it.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let bytes = std::fs::read(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => ModelError::MissingFile {
+                path: path.clone(),
+                what: "tokenizer.json",
+            },
+            _ => ModelError::io(&path, e),
+        })?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+            ModelError::malformed(
+                &path,
+                format!("not a tokenizer the tokenizers crate can read: {e}"),
+            )
+        })?;
+
+        let config_path = dir.join("tokenizer_config.json");
+        let config = match std::fs::read_to_string(&config_path) {
+            Ok(text) => match serde_json::from_str::<Value>(&text) {
+                Ok(Value::Object(obj)) => obj,
+                Ok(_) => {
+                    return Err(ModelError::malformed(
+                        &config_path,
+                        "the top level is not a JSON object",
+                    ))
+                }
+                Err(e) => {
+                    return Err(ModelError::malformed(
+                        &config_path,
+                        format!("not valid JSON: {e}"),
+                    ))
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Map::new(),
+            Err(e) => return Err(ModelError::io(&config_path, e)),
+        };
+        let token_field = |key: &str| -> Result<Option<String>> {
+            match config.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(v) => match v.get("content") {
+                    Some(Value::String(s)) => Ok(Some(s.clone())),
+                    _ => Err(invalid(
+                        &config_path,
+                        key,
+                        v,
+                        "expected a string or {\"content\": string}",
+                    )),
+                },
+            }
+        };
+        let bos_token = token_field("bos_token")?;
+        let eos_token = token_field("eos_token")?;
+        let add_bos = match config.get("add_bos_token") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => {
+                return Err(invalid(
+                    &config_path,
+                    "add_bos_token",
+                    v,
+                    "expected true or false",
+                ))
+            }
+        };
+        let chat_template = match config.get("chat_template") {
+            None | Some(Value::Null) => chat::template_from_side_files(dir)?,
+            Some(v) => Some(chat::template_from_config_value(&config_path, v)?),
+        };
+
+        let bos_id = bos_token.as_deref().and_then(|t| inner.token_to_id(t));
+        let eos_ids = eos_token
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t))
+            .into_iter()
+            .collect();
+        Ok(Self::assemble(
+            inner,
+            bos_token,
+            bos_id,
+            eos_token,
+            eos_ids,
+            add_bos,
+            chat_template,
+        ))
+    }
+
+    fn assemble(
+        inner: tokenizers::Tokenizer,
+        bos_token: Option<String>,
+        bos_id: Option<u32>,
+        eos_token: Option<String>,
+        eos_ids: Vec<u32>,
+        add_bos: bool,
+        chat_template: Option<String>,
+    ) -> Self {
+        let vocab_size = inner
+            .get_vocab(true)
+            .values()
+            .max()
+            .map_or(0, |&m| m as usize + 1);
+        Self {
+            inner,
+            vocab_size,
+            bos_token,
+            bos_id,
+            eos_token,
+            eos_ids,
+            add_bos: add_bos && bos_id.is_some(),
+            chat_template,
+        }
+    }
+
+    /// Token ids of `text`, as `tokenizer(text)` in transformers: special
+    /// tokens written in the text become those tokens, and BOS is prepended
+    /// when the tokenizer is configured to add it (and the text did not
+    /// already begin with it).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = self.encode_with(text, true)?;
+        if let Some(bos) = self.bos_id.filter(|_| self.add_bos) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Token ids of `text` with nothing added (no BOS, no post-processor):
+    /// the encoding for a rendered chat template, which carries its own BOS.
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, false)
+    }
+
+    fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        self.inner
+            .encode(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| ModelError::Tokenizer {
+                detail: format!("cannot encode the text: {e}"),
+            })
+    }
+
+    /// Text of `ids`; special tokens are dropped if `skip_special_tokens`.
+    /// Ids the vocabulary lacks are skipped.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| ModelError::Tokenizer {
+                detail: format!("cannot decode {} ids: {e}", ids.len()),
+            })
+    }
+
+    /// One past the largest token id (added tokens included).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The id of a token written as its vocabulary entry (e.g. `<|im_end|>`).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Ids that end generation according to the tokenizer's configuration.
+    /// The model configuration may name more (`ModelConfig::eos_token_ids`).
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        self.eos_ids.clone()
+    }
+
+    /// The beginning-of-sequence token's text, if the model names one.
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos_token.as_deref()
+    }
+
+    /// The end-of-sequence token's text, if the model names one.
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos_token.as_deref()
+    }
+
+    /// The Jinja chat template, if the model ships one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Render `messages` with the model's chat template, as transformers'
+    /// `apply_chat_template(..., tokenize=False)` does. Encode the result
+    /// with [`TextTokenizer::encode_raw`].
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| ModelError::ChatTemplate {
+                detail:
+                    "the model has no chat template (none in tokenizer_config.json or the GGUF \
+                     metadata); send a plain prompt instead"
+                        .into(),
+            })?;
+        chat::render(
+            template,
+            messages,
+            add_generation_prompt,
+            self.bos_token(),
+            self.eos_token(),
+        )
+    }
+
+    /// A decoder that turns ids into text one at a time (special tokens skipped).
+    pub fn stream_decoder(&self) -> StreamDecoder<'_> {
+        StreamDecoder::new(self)
+    }
+}
+
+fn invalid(path: &Path, field: &str, v: &Value, reason: &str) -> ModelError {
+    let mut value = v.to_string();
+    if value.len() > 80 {
+        let cut = (0..=77)
+            .rev()
+            .find(|&i| value.is_char_boundary(i))
+            .unwrap_or(0);
+        value.truncate(cut);
+        value.push_str("...");
+    }
+    ModelError::InvalidField {
+        path: path.to_owned(),
+        field: field.to_owned(),
+        value,
+        reason: reason.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,372 @@
+//! [`Weights`]: every parameter of the model as f32 on the CPU (exact
+//! mode), in Hugging Face orientation (`[out_features, in_features]`) and
+//! Hugging Face rotate-half RoPE order, whatever the source format.
+//!
+//! One assembly path (`assemble`) asks a `TensorSource` for each tensor
+//! by logical role and expected shape; the sources are a Hugging Face
+//! safetensors directory (`hf`) and a GGUF file (`loader::gguf`). GGUF
+//! Q and K projections arrive with their rows permuted for interleaved RoPE
+//! and are un-permuted here (`unpermute_qk_rows`), so the forward pass has
+//! one RoPE layout to implement.
+
+mod hf;
+
+use candle_core::Tensor;
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::loader::gguf::GgufFile;
+
+pub(crate) use hf::HfTensors;
+
+/// One decoder layer's parameters.
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    /// RMSNorm weight before attention, `[hidden]`.
+    pub attn_norm: Vec<f32>,
+    /// Query projection, `[n_heads * head_dim, hidden]`.
+    pub wq: Tensor,
+    /// Key projection, `[n_kv_heads * head_dim, hidden]`.
+    pub wk: Tensor,
+    /// Value projection, `[n_kv_heads * head_dim, hidden]`.
+    pub wv: Tensor,
+    /// Output projection, `[hidden, n_heads * head_dim]`.
+    pub wo: Tensor,
+    /// Query bias (when `attention_bias`), `[n_heads * head_dim]`.
+    pub bq: Option<Vec<f32>>,
+    /// Key bias (when `attention_bias`), `[n_kv_heads * head_dim]`.
+    pub bk: Option<Vec<f32>>,
+    /// Value bias (when `attention_bias`), `[n_kv_heads * head_dim]`.
+    pub bv: Option<Vec<f32>>,
+    /// RMSNorm weight before the MLP, `[hidden]`.
+    pub mlp_norm: Vec<f32>,
+    /// MLP gate projection, `[intermediate, hidden]`.
+    pub w_gate: Tensor,
+    /// MLP up projection, `[intermediate, hidden]`.
+    pub w_up: Tensor,
+    /// MLP down projection, `[hidden, intermediate]`.
+    pub w_down: Tensor,
+}
+
+/// All parameters of a model. Every tensor is f32, contiguous, on
+/// [`Device::Cpu`](candle_core::Device::Cpu).
+#[derive(Clone, Debug)]
+pub struct Weights {
+    /// Token embedding, `[vocab, hidden]`.
+    pub embed: Tensor,
+    /// Decoder layers, in order.
+    pub layers: Vec<LayerWeights>,
+    /// Final RMSNorm weight, `[hidden]`.
+    pub final_norm: Vec<f32>,
+    /// LM head, `[vocab, hidden]`; a clone of `embed` (sharing its storage)
+    /// when the embeddings are tied.
+    pub lm_head: Tensor,
+}
+
+impl Weights {
+    /// Load every `*.safetensors` file of a Hugging Face model directory.
+    pub fn from_hf_dir(dir: &std::path::Path, config: &ModelConfig) -> Result<Self> {
+        let mut source = HfTensors::read_dir(dir, &plan(config, Layout::Hf))?;
+        assemble(&mut source, config, Layout::Hf)
+    }
+
+    /// Load (dequantize) the tensors of an open GGUF file.
+    pub(crate) fn from_gguf(file: &mut GgufFile, config: &ModelConfig) -> Result<Self> {
+        assemble(file, config, Layout::Gguf)
+    }
+
+    /// Parameters held, counting a tied LM head once.
+    pub fn parameter_count(&self) -> usize {
+        let layer = |l: &LayerWeights| {
+            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                .iter()
+                .map(|t| t.elem_count())
+                .sum::<usize>()
+                + l.attn_norm.len()
+                + l.mlp_norm.len()
+                + [&l.bq, &l.bk, &l.bv]
+                    .iter()
+                    .map(|b| b.as_ref().map_or(0, Vec::len))
+                    .sum::<usize>()
+        };
+        let tied = self.lm_head.id() == self.embed.id();
+        self.embed.elem_count()
+            + self.layers.iter().map(layer).sum::<usize>()
+            + self.final_norm.len()
+            + if tied { 0 } else { self.lm_head.elem_count() }
+    }
+}
+
+/// Where tensors come from: each call returns the named tensor as a
+/// contiguous f32 CPU tensor, after checking its shape is `expected`.
+pub(crate) trait TensorSource {
+    /// The file or directory, for error messages.
+    fn source_path(&self) -> &std::path::Path;
+    /// Take tensor `name`; [`ModelError::MissingTensor`] if absent,
+    /// [`ModelError::ShapeMismatch`] if its shape is not `expected`.
+    fn take(&mut self, name: &str, expected: &[usize]) -> Result<Tensor>;
+}
+
+impl TensorSource for GgufFile {
+    fn source_path(&self) -> &std::path::Path {
+        self.path()
+    }
+
+    fn take(&mut self, name: &str, expected: &[usize]) -> Result<Tensor> {
+        self.tensor_f32(name, expected)
+    }
+}
+
+/// Tensor naming of a source format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// `model.layers.{i}.self_attn.q_proj.weight` and so on.
+    Hf,
+    /// llama.cpp names: `blk.{i}.attn_q.weight` and so on.
+    Gguf,
+}
+
+/// A parameter's role within a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    AttnNorm,
+    Q,
+    K,
+    V,
+    O,
+    QBias,
+    KBias,
+    VBias,
+    MlpNorm,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Layout {
+    fn embed(self) -> &'static str {
+        match self {
+            Self::Hf => "model.embed_tokens.weight",
+            Self::Gguf => "token_embd.weight",
+        }
+    }
+
+    fn final_norm(self) -> &'static str {
+        match self {
+            Self::Hf => "model.norm.weight",
+            Self::Gguf => "output_norm.weight",
+        }
+    }
+
+    fn lm_head(self) -> &'static str {
+        match self {
+            Self::Hf => "lm_head.weight",
+            Self::Gguf => "output.weight",
+        }
+    }
+
+    fn layer(self, i: usize, part: Part) -> String {
+        let suffix = match (self, part) {
+            (Self::Hf, Part::AttnNorm) => "input_layernorm.weight",
+            (Self::Hf, Part::Q) => "self_attn.q_proj.weight",
+            (Self::Hf, Part::K) => "self_attn.k_proj.weight",
+            (Self::Hf, Part::V) => "self_attn.v_proj.weight",
+            (Self::Hf, Part::O) => "self_attn.o_proj.weight",
+            (Self::Hf, Part::QBias) => "self_attn.q_proj.bias",
+            (Self::Hf, Part::KBias) => "self_attn.k_proj.bias",
+            (Self::Hf, Part::VBias) => "self_attn.v_proj.bias",
+            (Self::Hf, Part::MlpNorm) => "post_attention_layernorm.weight",
+            (Self::Hf, Part::Gate) => "mlp.gate_proj.weight",
+            (Self::Hf, Part::Up) => "mlp.up_proj.weight",
+            (Self::Hf, Part::Down) => "mlp.down_proj.weight",
+            (Self::Gguf, Part::AttnNorm) => "attn_norm.weight",
+            (Self::Gguf, Part::Q) => "attn_q.weight",
+            (Self::Gguf, Part::K) => "attn_k.weight",
+            (Self::Gguf, Part::V) => "attn_v.weight",
+            (Self::Gguf, Part::O) => "attn_output.weight",
+            (Self::Gguf, Part::QBias) => "attn_q.bias",
+            (Self::Gguf, Part::KBias) => "attn_k.bias",
+            (Self::Gguf, Part::VBias) => "attn_v.bias",
+            (Self::Gguf, Part::MlpNorm) => "ffn_norm.weight",
+            (Self::Gguf, Part::Gate) => "ffn_gate.weight",
+            (Self::Gguf, Part::Up) => "ffn_up.weight",
+            (Self::Gguf, Part::Down) => "ffn_down.weight",
+        };
+        match self {
+            Self::Hf => format!("model.layers.{i}.{suffix}"),
+            Self::Gguf => format!("blk.{i}.{suffix}"),
+        }
+    }
+}
+
+/// Shape of each layer part implied by the configuration.
+fn part_shape(config: &ModelConfig, part: Part) -> Vec<usize> {
+    let (h, q, kv, ff) = (
+        config.hidden_size,
+        config.q_dim(),
+        config.kv_dim(),
+        config.intermediate_size,
+    );
+    match part {
+        Part::AttnNorm | Part::MlpNorm => vec![h],
+        Part::Q => vec![q, h],
+        Part::K | Part::V => vec![kv, h],
+        Part::O => vec![h, q],
+        Part::QBias => vec![q],
+        Part::KBias | Part::VBias => vec![kv],
+        Part::Gate | Part::Up => vec![ff, h],
+        Part::Down => vec![h, ff],
+    }
+}
+
+fn layer_parts(config: &ModelConfig) -> Vec<Part> {
+    let mut parts = vec![
+        Part::AttnNorm,
+        Part::Q,
+        Part::K,
+        Part::V,
+        Part::O,
+        Part::MlpNorm,
+        Part::Gate,
+        Part::Up,
+        Part::Down,
+    ];
+    if config.attention_bias {
+        parts.extend([Part::QBias, Part::KBias, Part::VBias]);
+    }
+    parts
+}
+
+/// Every tensor the configuration needs, with its expected shape.
+pub(crate) fn plan(config: &ModelConfig, layout: Layout) -> Vec<(String, Vec<usize>)> {
+    let (v, h) = (config.vocab_size, config.hidden_size);
+    let mut out = vec![
+        (layout.embed().to_owned(), vec![v, h]),
+        (layout.final_norm().to_owned(), vec![h]),
+    ];
+    if !config.tie_word_embeddings {
+        out.push((layout.lm_head().to_owned(), vec![v, h]));
+    }
+    for i in 0..config.n_layers {
+        for part in layer_parts(config) {
+            out.push((layout.layer(i, part), part_shape(config, part)));
+        }
+    }
+    out
+}
+
+/// Build [`Weights`] from a source, un-permuting GGUF's Q and K rows.
+fn assemble(src: &mut dyn TensorSource, config: &ModelConfig, layout: Layout) -> Result<Weights> {
+    let (v, h) = (config.vocab_size, config.hidden_size);
+    let path = src.source_path().to_owned();
+    let embed = src.take(layout.embed(), &[v, h])?;
+    let mut layers = Vec::new();
+    for i in 0..config.n_layers {
+        let mut take = |part: Part| src.take(&layout.layer(i, part), &part_shape(config, part));
+        let vector = |t: Tensor, part: Part| to_vec1(&path, &layout.layer(i, part), &t);
+        // GGUF stores Q and K (and their biases) permuted for interleaved RoPE.
+        let qk = |t: Tensor, part: Part, heads: usize| match layout {
+            Layout::Hf => Ok(t),
+            Layout::Gguf => unpermute_qk_rows(&t, heads, config.head_dim).map_err(|e| {
+                ModelError::malformed(
+                    &path,
+                    format!("un-permuting `{}`: {e}", layout.layer(i, part)),
+                )
+            }),
+        };
+        let (bq, bk, bv) = if config.attention_bias {
+            let bq = qk(take(Part::QBias)?, Part::QBias, config.n_heads)?;
+            let bk = qk(take(Part::KBias)?, Part::KBias, config.n_kv_heads)?;
+            (
+                Some(vector(bq, Part::QBias)?),
+                Some(vector(bk, Part::KBias)?),
+                Some(vector(take(Part::VBias)?, Part::VBias)?),
+            )
+        } else {
+            (None, None, None)
+        };
+        layers.push(LayerWeights {
+            attn_norm: vector(take(Part::AttnNorm)?, Part::AttnNorm)?,
+            wq: qk(take(Part::Q)?, Part::Q, config.n_heads)?,
+            wk: qk(take(Part::K)?, Part::K, config.n_kv_heads)?,
+            wv: take(Part::V)?,
+            wo: take(Part::O)?,
+            bq,
+            bk,
+            bv,
+            mlp_norm: vector(take(Part::MlpNorm)?, Part::MlpNorm)?,
+            w_gate: take(Part::Gate)?,
+            w_up: take(Part::Up)?,
+            w_down: take(Part::Down)?,
+        });
+    }
+    let final_norm = to_vec1(
+        &path,
+        layout.final_norm(),
+        &src.take(layout.final_norm(), &[h])?,
+    )?;
+    let lm_head = if config.tie_word_embeddings {
+        embed.clone()
+    } else {
+        src.take(layout.lm_head(), &[v, h])?
+    };
+    Ok(Weights {
+        embed,
+        layers,
+        final_norm,
+        lm_head,
+    })
+}
+
+fn to_vec1(path: &std::path::Path, name: &str, t: &Tensor) -> Result<Vec<f32>> {
+    t.flatten_all()
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(|e| ModelError::malformed(path, format!("tensor `{name}`: {e}")))
+}
+
+/// Undo llama.cpp's permutation of Q (or K) projection rows.
+///
+/// llama.cpp's converter reorders each head's rows from rotate-half order
+/// (`[first halves | second halves]`) to interleaved order (pairs adjacent):
+/// it views the rows as `[n_head, 2, head_dim / 2]` and swaps the last two
+/// axes. Undoing it views them as `[n_head, head_dim / 2, 2]` and swaps back,
+/// so Hugging Face row `h * d + s * d/2 + j` is GGUF row `h * d + 2j + s`.
+/// Works on a matrix `[n_head * head_dim, cols]` or a bias `[n_head * head_dim]`.
+pub(crate) fn unpermute_qk_rows(
+    t: &Tensor,
+    n_head: usize,
+    head_dim: usize,
+) -> candle_core::Result<Tensor> {
+    swap_row_halves(t, n_head, head_dim, [head_dim / 2, 2])
+}
+
+/// llama.cpp's permutation ([`unpermute_qk_rows`]'s inverse), for tests.
+#[cfg(test)]
+pub(crate) fn permute_qk_rows(
+    t: &Tensor,
+    n_head: usize,
+    head_dim: usize,
+) -> candle_core::Result<Tensor> {
+    swap_row_halves(t, n_head, head_dim, [2, head_dim / 2])
+}
+
+fn swap_row_halves(
+    t: &Tensor,
+    n_head: usize,
+    head_dim: usize,
+    split: [usize; 2],
+) -> candle_core::Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let rows = dims.first().copied().unwrap_or(0);
+    if Some(rows) != n_head.checked_mul(head_dim) || head_dim % 2 != 0 {
+        candle_core::bail!("{rows} rows cannot be {n_head} heads of {head_dim} (even) rows");
+    }
+    let cols: usize = dims.get(1..).unwrap_or_default().iter().product();
+    t.reshape((n_head, split[0], split[1], cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,165 @@
+//! The engine against Hugging Face transformers on the same weights.
+//!
+//! Golden files come from `scripts/golden/make_golden.py` (transformers,
+//! float32, eager attention). For each model:
+//! - tokenization and chat-template rendering must match exactly;
+//! - free-running greedy decoding must produce the reference tokens up to
+//!   the first step whose reference top-2 logit gap is below
+//!   [`GAP_TIE`] (below that, summation-order noise may legitimately flip
+//!   the argmax);
+//! - teacher-forced on the reference tokens, every step's top logits must be
+//!   within [`logit_tolerance`] of the reference.
+//!
+//! Why that tolerance: both sides compute in f32 but in different summation
+//! orders (candle's gemm vs PyTorch's, our attention vs eager), so each
+//! layer adds relative noise of a few f32 ulps times sqrt(reduction length);
+//! through 30 layers and a 576-wide vocabulary projection that grows to about
+//! 1e-4 relative. A stale or foreign KV page, or a wrong RoPE, moves logits by
+//! whole units, five orders of magnitude more.
+
+mod common;
+
+use std::path::Path;
+
+use kvmesh_model::engine::{Engine, EngineConfig, Sequence};
+use kvmesh_model::sampling::argmax;
+use kvmesh_model::ChatMessage;
+use serde::Deserialize;
+
+/// Reference gaps below this are ties for the purpose of greedy equality.
+const GAP_TIE: f32 = 0.01;
+
+/// Allowed |ours - reference| for a logit of magnitude `x`.
+fn logit_tolerance(x: f32) -> f32 {
+    2e-3 + 2e-4 * x.abs()
+}
+
+#[derive(Deserialize)]
+struct Golden {
+    model: String,
+    tokenize: Vec<TokenizeCase>,
+    chat: Vec<ChatCase>,
+    greedy: Vec<GreedyCase>,
+}
+
+#[derive(Deserialize)]
+struct TokenizeCase {
+    text: String,
+    ids: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+struct ChatCase {
+    messages: Vec<ChatMessage>,
+    add_generation_prompt: bool,
+    rendered: String,
+    ids: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+struct GreedyCase {
+    prompt: String,
+    prompt_ids: Vec<u32>,
+    tokens: Vec<u32>,
+    steps: Vec<Step>,
+}
+
+#[derive(Deserialize)]
+struct Step {
+    top: Vec<(u32, f32)>,
+    gap: f32,
+}
+
+fn read_golden(name: &str) -> Golden {
+    let path = common::golden_path(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("bad golden file {}: {e}", path.display()))
+}
+
+fn check_tokenizer(engine: &Engine, g: &Golden) {
+    let tok = engine.tokenizer();
+    for case in &g.tokenize {
+        assert_eq!(tok.encode(&case.text).expect("encode"), case.ids, "{}: token ids of {:?}", g.model, case.text);
+    }
+    for case in &g.chat {
+        let rendered = tok.apply_chat_template(&case.messages, case.add_generation_prompt).expect("template");
+        assert_eq!(rendered, case.rendered, "{}: chat template rendering", g.model);
+        assert_eq!(tok.encode(&rendered).expect("encode"), case.ids, "{}: chat token ids", g.model);
+    }
+}
+
+/// Free-running greedy, then teacher-forced logits; returns the worst
+/// logit error seen relative to its tolerance.
+fn check_greedy(engine: &Engine, g: &Golden) -> f32 {
+    let mut worst = 0.0f32;
+    for case in &g.greedy {
+        assert_eq!(engine.tokenizer().encode(&case.prompt).expect("encode"), case.prompt_ids, "{}: prompt ids", g.model);
+        let n = case.tokens.len();
+
+        // Free-running greedy.
+        let mut seq = engine.admit(case.prompt_ids.clone(), n).expect("admit");
+        let mut logits = engine.prefill(&mut seq).expect("prefill");
+        for (i, step) in case.steps.iter().enumerate() {
+            if step.gap < GAP_TIE {
+                break;
+            }
+            let ours = argmax(&logits);
+            assert_eq!(ours, case.tokens[i], "{}: greedy token {i} of {:?} (reference gap {})", g.model, case.prompt, step.gap);
+            if i + 1 < n {
+                logits = decode_one(engine, &mut seq, ours);
+            }
+        }
+        drop(seq);
+
+        // Teacher-forced on the reference tokens: compare logits every step.
+        let mut seq = engine.admit(case.prompt_ids.clone(), n).expect("admit");
+        let mut logits = engine.prefill(&mut seq).expect("prefill");
+        for (i, step) in case.steps.iter().enumerate() {
+            for &(id, want) in &step.top {
+                let got = logits[id as usize];
+                let err = (got - want).abs();
+                worst = worst.max(err / logit_tolerance(want));
+                assert!(
+                    err <= logit_tolerance(want),
+                    "{}: step {i} of {:?}: logit of token {id} is {got}, reference {want}",
+                    g.model,
+                    case.prompt
+                );
+            }
+            if i + 1 < n {
+                logits = decode_one(engine, &mut seq, case.tokens[i]);
+            }
+        }
+    }
+    worst
+}
+
+fn decode_one(engine: &Engine, seq: &mut Sequence, token: u32) -> Vec<f32> {
+    let mut r = engine.decode_step(&mut [seq], &[token]).expect("decode step");
+    r.pop().expect("one result").expect("decode")
+}
+
+fn engine_for(path: &Path) -> Engine {
+    Engine::load(path, &EngineConfig { kv_pool_tokens: Some(4096), ..EngineConfig::default() }).expect("load model")
+}
+
+#[test]
+fn tiny_llama_matches_transformers() {
+    let engine = engine_for(&common::tiny_model_dir());
+    let g = read_golden("tiny-llama.json");
+    check_tokenizer(&engine, &g);
+    let worst = check_greedy(&engine, &g);
+    eprintln!("tiny-llama: worst logit error = {worst:.3} of tolerance");
+    assert_eq!(engine.pool().free_pages(), engine.pool().capacity_pages(), "pages leaked");
+}
+
+#[test]
+fn smollm2_matches_transformers() {
+    let Some(path) = common::smollm2() else { return };
+    let engine = engine_for(&path);
+    let g = read_golden("smollm2-135m-instruct-q4_1.json");
+    check_tokenizer(&engine, &g);
+    let worst = check_greedy(&engine, &g);
+    eprintln!("smollm2: worst logit error = {worst:.3} of tolerance");
+    assert_eq!(engine.pool().free_pages(), engine.pool().capacity_pages(), "pages leaked");
+}
