@@ -9,7 +9,7 @@
 
 mod bench;
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -145,6 +145,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
