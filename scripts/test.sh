@@ -15,7 +15,9 @@ cargo build --workspace --all-targets
 
 if [ "${KVMESH_SKIP_MODEL_FETCH:-0}" != "1" ]; then
   echo "==> kvmesh tests: making sure the default model is in the cache"
-  cargo run --quiet -p kvmesh-cli -- fetch-model
+  # The binary the build above made (a plain `cargo run` would rebuild it
+  # without the test-only features that `--all-targets` unified in).
+  "${CARGO_TARGET_DIR:-target}/debug/kvmesh" fetch-model
 else
   echo "==> kvmesh tests: KVMESH_SKIP_MODEL_FETCH=1, tests on the default model will be skipped"
 fi

@@ -16,6 +16,18 @@
 //!   metric, by [`kvmesh_kernels::GuardViolation::kind`]).
 //! - [`error`]: the pool's error type, [`PoolError`], whose `kind()` is
 //!   the metric label.
+//! - [`wire`]: the versioned wire format of KV transfers: data frames and
+//!   the handshake's control messages (grant, transfer done, abort, abort
+//!   confirmed, revoke), their byte layouts, 128-bit ids and the write
+//!   capability (I8), the checksum and why, typed decode errors, the frame
+//!   check against a grant (I5's "stale or unknown frames are refused") and
+//!   the reject counters.
+//! - `protocol_model` (`testing` feature only): the reservation and abort
+//!   handshake as a stateright model, checked in `tests/protocol_model.rs`
+//!   for I1/I2 (no read of unwritten or foreign slots), I5 (no page reused
+//!   while a writer can still reach it), I7 (every reservation ends exactly
+//!   once, and ends under fair delivery), with bug variants the checker must
+//!   catch. Its module doc lists the rules the implementation must follow.
 //! - `storage` (private): the one raw allocation and its layout, page-major
 //!   so a page is contiguous; the only place with raw pointers.
 //!
@@ -31,18 +43,22 @@
 //!   pages and releases them exactly once, on drop; with every reservation
 //!   dropped, [`KvPool::free_pages`] equals [`KvPool::capacity_pages`].
 //!
-//! Not here yet: remote writers and transfers (I4, I5); this crate's write
-//! path is the local one, through `&mut Reservation`.
+//! Not here yet: the reservation state machine, remote writers and the
+//! transports that enforce I4 and I5 at run time; the wire format and the
+//! checked protocol model they will implement are.
 
 #![deny(missing_docs)]
 
 pub mod config;
 pub mod error;
 pub mod pool;
+#[cfg(feature = "testing")]
+pub mod protocol_model;
 pub mod reader;
 pub mod reservation;
 pub mod stats;
 mod storage;
+pub mod wire;
 
 #[cfg(test)]
 mod tests;

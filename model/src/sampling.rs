@@ -159,7 +159,7 @@ mod tests {
 
     #[test]
     fn validate_names_the_field() {
-        let e = SamplingParams { top_p: 1.5, ..SamplingParams::default() }.validate().unwrap_err();
+        let e = SamplingParams { top_p: 1.5, ..SamplingParams::default() }.validate().expect_err("top_p 1.5 is out of range");
         assert!(e.contains("top_p") && e.contains("1.5"));
     }
 }

@@ -79,7 +79,7 @@ pub(crate) fn tiny_tokenizer() -> tokenizers::Tokenizer {
         .iter()
         .map(|s| AddedToken::from(*s, true))
         .collect();
-    t.add_special_tokens(&specials);
+    t.add_special_tokens(specials).expect("add special tokens");
     t
 }
 

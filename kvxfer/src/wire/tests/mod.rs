@@ -1,0 +1,186 @@
+//! Codec tests: round trips (proptest), truncation, corruption, absurd
+//! lengths, typed errors, the frame check against a grant, and counters.
+
+mod alloc;
+mod corruption;
+mod grant_check;
+mod roundtrip;
+
+use kvmesh_kernels::PageRef;
+
+use super::codec::Put;
+use super::ids::WireId;
+use super::*;
+
+/// Geometry with f32 values.
+pub(super) fn geo(page_size: u32, n_layers: u16, n_kv_heads: u16, head_dim: u16) -> Geometry {
+    Geometry {
+        page_size,
+        n_layers,
+        n_kv_heads,
+        head_dim,
+        dtype: Dtype::F32,
+    }
+}
+
+/// The default model's page: SmolLM2, 30 layers, 3 KV heads of 64, 16 slots.
+pub(super) fn smollm2() -> Geometry {
+    geo(16, 30, 3, 64)
+}
+
+pub(super) fn rid(seed: u8) -> ReservationId {
+    ReservationId::from_wire([seed.max(1); 16])
+}
+
+pub(super) fn cap(seed: u8) -> Capability {
+    let mut b = [seed.max(1); 32];
+    b[31] = 0xA5;
+    Capability::from_wire(b)
+}
+
+/// Deterministic non-trivial bytes.
+pub(super) fn bytes(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// A frame of layers 1..3, slots 1..3 of page index 1 in [`grant`].
+pub(super) fn frame(payload: &[u8]) -> KvFrame<'_> {
+    KvFrame {
+        reservation: rid(7),
+        capability: cap(9),
+        page_index: 1,
+        page: PageRef {
+            page: 42,
+            generation: 5,
+        },
+        geometry: geo(4, 3, 1, 2),
+        layers: 1..3,
+        slots: 1..3,
+        payload,
+    }
+}
+
+/// Payload length of [`frame`]: 2 layers * (K + V) * 2 slots * 2 values * 4.
+pub(super) const FRAME_PAYLOAD: usize = 64;
+
+/// A grant of 10 tokens in pages of 4: three pages, the last with 2 slots.
+pub(super) fn grant() -> Grant {
+    Grant {
+        reservation: rid(7),
+        capability: cap(9),
+        geometry: geo(4, 3, 1, 2),
+        prompt_tokens: 10,
+        lease_deadline_unix_ms: 1_700_000_000_000,
+        pages: vec![
+            PageRef {
+                page: 3,
+                generation: 1,
+            },
+            PageRef {
+                page: 42,
+                generation: 5,
+            },
+            PageRef {
+                page: 8,
+                generation: 9,
+            },
+        ],
+        endpoint: "tcp://127.0.0.1:7000".into(),
+    }
+}
+
+/// One small encoded message of every type.
+pub(super) fn samples() -> Vec<(MessageType, Vec<u8>)> {
+    let payload = bytes(FRAME_PAYLOAD, 1);
+    let msgs = [
+        Message::KvFrame(frame(&payload)),
+        Message::Grant(grant()),
+        Message::TransferDone(TransferDone {
+            reservation: rid(7),
+            capability: cap(9),
+            tokens_written: 10,
+            first_token: 1234,
+            page_checksums: vec![1, 2, 3],
+        }),
+        Message::Abort(Abort {
+            reservation: rid(7),
+            reason: AbortReason::CLIENT_GONE,
+        }),
+        Message::AbortConfirmed(AbortConfirmed {
+            reservation: rid(7),
+            capability: cap(9),
+            frames_sent: 17,
+        }),
+        Message::Revoke(Revoke {
+            reservation: rid(7),
+        }),
+    ];
+    msgs.iter()
+        .map(|m| {
+            let mut out = Vec::new();
+            m.encode(&mut out).expect("valid sample");
+            (m.message_type(), out)
+        })
+        .collect()
+}
+
+/// Recomputes the trailer after a test patched header or body bytes, so the
+/// patch reaches the field checks instead of stopping at the checksum.
+pub(super) fn reseal(msg: &mut Vec<u8>) {
+    msg.truncate(msg.len() - TRAILER_LEN);
+    let sum = checksum(msg);
+    msg.put_u64(sum);
+}
+
+/// Overwrites `value` at body offset `off` (little-endian) and reseals.
+pub(super) fn patch(msg: &[u8], off: usize, value: &[u8]) -> Vec<u8> {
+    let mut m = msg.to_vec();
+    m[HEADER_LEN + off..HEADER_LEN + off + value.len()].copy_from_slice(value);
+    reseal(&mut m);
+    m
+}
+
+pub(super) fn err(bytes: &[u8]) -> WireError {
+    decode_message(bytes).expect_err("must be refused")
+}
+
+/// The sizes and offsets in the module doc's tables.
+#[test]
+fn layout_sizes_match_the_doc_tables() {
+    assert_eq!(frame::FRAME_FIXED_LEN, 92);
+    assert_eq!(grant::GRANT_FIXED_LEN, 82);
+    assert_eq!(control::TRANSFER_DONE_FIXED_LEN, 64);
+    assert_eq!(
+        (
+            control::ABORT_LEN,
+            control::ABORT_CONFIRMED_LEN,
+            control::REVOKE_LEN
+        ),
+        (18, 56, 16)
+    );
+    assert_eq!(HEADER_LEN + frame::FRAME_FIXED_LEN, 104);
+    let s = samples();
+    let lens: Vec<usize> = s.iter().map(|(_, m)| m.len()).collect();
+    let endpoint = grant().endpoint.len();
+    assert_eq!(
+        lens,
+        [
+            20 + 92 + FRAME_PAYLOAD,
+            20 + 82 + 3 * 12 + endpoint,
+            20 + 64 + 3 * 8,
+            20 + 18,
+            20 + 56,
+            20 + 16
+        ]
+    );
+    for (ty, m) in &s {
+        assert_eq!(m[..4], *b"KVMW");
+        assert_eq!(u16::from_le_bytes([m[4], m[5]]), 1);
+        assert_eq!(u16::from_le_bytes([m[6], m[7]]), ty.tag());
+        assert_eq!(MessageType::from_tag(ty.tag()), Ok(*ty));
+    }
+    let tags: Vec<u16> = MessageType::ALL.iter().map(|t| t.tag()).collect();
+    assert_eq!(tags, [1, 2, 3, 4, 5, 6]);
+}
