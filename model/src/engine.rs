@@ -150,6 +150,7 @@ impl Engine {
 
     /// Build from an already loaded model.
     pub fn from_loaded(loaded: LoadedModel, cfg: &EngineConfig) -> Result<Self> {
+        let eos = loaded.stop_token_ids();
         let LoadedModel { config, weights, tokenizer, .. } = loaded;
         let limit = config.max_position_embeddings;
         let max_model_len = match cfg.max_model_len {
@@ -160,12 +161,6 @@ impl Engine {
             Some(n) => n,
             None => limit,
         };
-        let mut eos = config.eos_token_ids.clone();
-        for id in tokenizer.eos_token_ids() {
-            if !eos.contains(&id) {
-                eos.push(id);
-            }
-        }
         let model = Llama::new(config, weights);
         let pool_tokens = cfg.kv_pool_tokens.unwrap_or(max_model_len);
         let pool_cfg = PoolConfig { scrub: cfg.scrub, poison: cfg.poison, ..model.pool_config(pool_tokens, cfg.page_size) };
