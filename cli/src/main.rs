@@ -161,8 +161,25 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("kvmesh: error: {e:#}");
+            eprintln!("kvmesh: error: {}", error_chain(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes on one line, leaving out a cause whose text the
+/// message before it already includes (our error types print their source).
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
 }

@@ -14,8 +14,32 @@ pub fn kvmesh_bin() -> PathBuf {
     // target/<profile>/deps/<test> -> target/<profile>/kvmesh
     let profile_dir = exe.parent().and_then(|p| p.parent()).expect("target profile dir");
     let bin = profile_dir.join(format!("kvmesh{}", std::env::consts::EXE_SUFFIX));
-    assert!(bin.exists(), "{} not built: run `cargo test --workspace` (or set KVMESH_BIN)", bin.display());
+    let built = std::fs::metadata(&bin)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|_| panic!("{} not built: run `cargo build --workspace --all-targets` first (scripts/test.sh does), or set KVMESH_BIN", bin.display()));
+    // `cargo test` rebuilds the binary only when a package with integration
+    // tests of its own needs it; refuse to test a binary older than its code.
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    for krate in ["cli", "model", "kvxfer", "kernels"] {
+        if let Some(newest) = newest_mtime(&root.join(krate).join("src")) {
+            assert!(
+                newest <= built,
+                "{} is older than the sources in {krate}/src: run `cargo build --workspace --all-targets` first (scripts/test.sh does)",
+                bin.display()
+            );
+        }
+    }
     bin
+}
+
+fn newest_mtime(dir: &std::path::Path) -> Option<std::time::SystemTime> {
+    let mut newest = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        let t = if path.is_dir() { newest_mtime(&path) } else { entry.metadata().and_then(|m| m.modified()).ok() };
+        newest = newest.max(t);
+    }
+    newest
 }
 
 /// The committed tiny random-weight Llama model.

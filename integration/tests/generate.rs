@@ -88,3 +88,17 @@ fn default_model_says_paris() {
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains("Paris"), "expected Paris in {stdout:?}");
 }
+
+#[test]
+fn a_pool_too_small_for_the_request_is_a_clear_error_said_once() {
+    let dir = tiny_model_dir();
+    let out = run_kvmesh(
+        &["generate", "--model", dir.to_str().expect("utf-8 path"), "--prompt", "hi there", "--kv-pool-tokens", "8", "--page-size", "4", "--max-tokens", "20"],
+        &[],
+    );
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stdout.is_empty(), "nothing may be generated: {stdout:?}");
+    assert_eq!(stderr.matches("exhausted").count(), 1, "the cause is said once, with its numbers: {stderr}");
+    assert!(stderr.contains("free"), "{stderr}");
+}
