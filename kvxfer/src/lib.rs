@@ -50,6 +50,7 @@
 #![deny(missing_docs)]
 
 pub mod config;
+mod counters;
 pub mod error;
 pub mod pool;
 #[cfg(feature = "testing")]

@@ -1,8 +1,7 @@
 //! Counters: allocations, releases and guard violations (the I1/I2 alarm
 //! metric, total and by [`GuardViolation::kind`]).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
+use crate::counters::KindCounters;
 use kvmesh_kernels::GuardViolation;
 
 /// Every [`GuardViolation::kind`], in the order of
@@ -33,28 +32,19 @@ fn kind_index(v: &GuardViolation) -> usize {
 
 /// Guard-violation counters, lock-free so the read path never blocks.
 #[derive(Debug, Default)]
-pub(crate) struct ViolationCounters {
-    total: AtomicU64,
-    by_kind: [AtomicU64; GUARD_VIOLATION_KINDS.len()],
-}
+pub(crate) struct ViolationCounters(KindCounters<{ GUARD_VIOLATION_KINDS.len() }>);
 
 impl ViolationCounters {
     pub fn record(&self, v: &GuardViolation) {
-        self.by_kind[kind_index(v)].fetch_add(1, Ordering::Relaxed);
-        self.total.fetch_add(1, Ordering::Relaxed);
+        self.0.bump(kind_index(v));
     }
 
     pub fn total(&self) -> u64 {
-        self.total.load(Ordering::Relaxed)
+        self.0.total()
     }
 
     pub fn by_kind(&self) -> [(&'static str, u64); GUARD_VIOLATION_KINDS.len()] {
-        std::array::from_fn(|i| {
-            (
-                GUARD_VIOLATION_KINDS[i],
-                self.by_kind[i].load(Ordering::Relaxed),
-            )
-        })
+        self.0.by_kind(&GUARD_VIOLATION_KINDS)
     }
 }
 

@@ -7,7 +7,7 @@
 //! page or generation outside the grant). Neither ever touches a page.
 //! Every refusal is counted in [`RejectCounters`] under its `kind()`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::counters::KindCounters;
 
 use thiserror::Error;
 
@@ -218,37 +218,32 @@ fn frame_index(r: &FrameReject) -> usize {
 /// Refusals by kind, lock-free so a receive loop never blocks on them. A
 /// receiver keeps one and records every message or frame it refuses.
 #[derive(Debug, Default)]
-pub struct RejectCounters {
-    by_kind: [AtomicU64; REJECT_KINDS.len()],
-}
+pub struct RejectCounters(KindCounters<{ REJECT_KINDS.len() }>);
 
 impl RejectCounters {
     /// Counts one message the decoder refused.
     pub fn record_wire(&self, e: &WireError) {
-        self.by_kind[wire_index(e)].fetch_add(1, Ordering::Relaxed);
+        self.0.bump(wire_index(e));
     }
 
     /// Counts one frame its grant did not authorise.
     pub fn record_frame(&self, r: &FrameReject) {
-        self.by_kind[frame_index(r)].fetch_add(1, Ordering::Relaxed);
+        self.0.bump(frame_index(r));
     }
 
     /// Refusals of all kinds.
     pub fn total(&self) -> u64 {
-        self.by_kind.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+        self.0.total()
     }
 
     /// Refusals of one kind (0 for a name that is not a kind).
     pub fn get(&self, kind: &str) -> u64 {
-        REJECT_KINDS
-            .iter()
-            .position(|k| *k == kind)
-            .map_or(0, |i| self.by_kind[i].load(Ordering::Relaxed))
+        self.0.get(&REJECT_KINDS, kind)
     }
 
     /// Every kind with its count, zeros included, in [`REJECT_KINDS`] order.
     /// Each count is read atomically, the array as a whole is not.
     pub fn by_kind(&self) -> [(&'static str, u64); REJECT_KINDS.len()] {
-        std::array::from_fn(|i| (REJECT_KINDS[i], self.by_kind[i].load(Ordering::Relaxed)))
+        self.0.by_kind(&REJECT_KINDS)
     }
 }

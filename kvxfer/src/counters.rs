@@ -1,0 +1,42 @@
+//! Lock-free counters indexed by a fixed list of kind labels: the one
+//! mechanism behind the guard-violation alarm ([`crate::stats`]) and the
+//! wire reject counters ([`crate::wire::RejectCounters`]). Each owner maps
+//! its error variants to indices with an exhaustive match, so a new variant
+//! fails to compile instead of going uncounted.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// `N` counters, one per label of a `[&str; N]` list held by the owner.
+#[derive(Debug)]
+pub(crate) struct KindCounters<const N: usize> {
+    counts: [AtomicU64; N],
+}
+
+impl<const N: usize> Default for KindCounters<N> {
+    fn default() -> Self {
+        Self { counts: std::array::from_fn(|_| AtomicU64::new(0)) }
+    }
+}
+
+impl<const N: usize> KindCounters<N> {
+    /// Count one event of kind `index`.
+    pub(crate) fn bump(&self, index: usize) {
+        self.counts[index].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Events of all kinds.
+    pub(crate) fn total(&self) -> u64 {
+        self.counts.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Events of the kind named `kind` (0 for a name not in `labels`).
+    pub(crate) fn get(&self, labels: &[&'static str; N], kind: &str) -> u64 {
+        labels.iter().position(|k| *k == kind).map_or(0, |i| self.counts[i].load(Ordering::Relaxed))
+    }
+
+    /// Every label with its count, zeros included. Each count is read
+    /// atomically, the array as a whole is not.
+    pub(crate) fn by_kind(&self, labels: &[&'static str; N]) -> [(&'static str, u64); N] {
+        std::array::from_fn(|i| (labels[i], self.counts[i].load(Ordering::Relaxed)))
+    }
+}
