@@ -72,7 +72,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let mut runs = Vec::new();
         for _ in 0..repeats {
             let short = filler(&engine, 32)?;
-            let mut seqs: Vec<Sequence> = (0..b).map(|_| engine.admit(short.clone(), args.decode_tokens + 1)).collect::<Result<_, _>>()?;
+            let mut seqs: Vec<Sequence> = (0..b)
+                .map(|_| engine.admit(short.clone(), args.decode_tokens + 1))
+                .collect::<Result<_, _>>()?;
             let mut next: Vec<u32> = Vec::with_capacity(b);
             for s in seqs.iter_mut() {
                 next.push(argmax(&engine.prefill(s)?));
@@ -81,7 +83,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
             for _ in 0..args.decode_tokens {
                 let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
                 let out = engine.decode_step(&mut refs, &next)?;
-                next = out.into_iter().map(|r| r.map(|l| argmax(&l))).collect::<Result<_, _>>()?;
+                next = out
+                    .into_iter()
+                    .map(|r| r.map(|l| argmax(&l)))
+                    .collect::<Result<_, _>>()?;
             }
             runs.push((b * args.decode_tokens) as f64 / t.elapsed().as_secs_f64());
         }
@@ -89,7 +94,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
 
     if args.json {
-        let decode_json: Vec<String> = decode.iter().map(|(b, r)| format!("{{\"batch\":{b},\"tokens_per_s\":{r:.1}}}")).collect();
+        let decode_json: Vec<String> = decode
+            .iter()
+            .map(|(b, r)| format!("{{\"batch\":{b},\"tokens_per_s\":{r:.1}}}"))
+            .collect();
         println!(
             "{{\"threads\":{threads},\"mode\":\"exact-f32\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},\"decode\":[{}]}}",
             args.prompt_tokens,
@@ -98,9 +106,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
     } else {
         println!("kvmesh bench-engine  (mode exact-f32, {threads} threads, median of {repeats})");
         println!("{:<28} {:>12}", "measurement", "tokens/s");
-        println!("{:<28} {:>12.1}", format!("prefill {} tokens", args.prompt_tokens), prefill);
+        println!(
+            "{:<28} {:>12.1}",
+            format!("prefill {} tokens", args.prompt_tokens),
+            prefill
+        );
         for (b, r) in &decode {
-            println!("{:<28} {:>12.1}", format!("decode batch {b} (aggregate)"), r);
+            println!(
+                "{:<28} {:>12.1}",
+                format!("decode batch {b} (aggregate)"),
+                r
+            );
         }
     }
     Ok(())

@@ -22,7 +22,11 @@ use kvmesh_model::sampling::SamplingParams;
 use kvmesh_model::ChatMessage;
 
 #[derive(Parser, Debug)]
-#[command(name = "kvmesh", version, about = "kvmesh: a disaggregated LLM inference mesh with ownership-checked KV pages")]
+#[command(
+    name = "kvmesh",
+    version,
+    about = "kvmesh: a disaggregated LLM inference mesh with ownership-checked KV pages"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -112,17 +116,28 @@ struct GenerateArgs {
 fn generate(args: GenerateArgs) -> Result<()> {
     let engine = args.model.load_engine()?;
     let prompt = if args.chat {
-        Prompt::Chat(vec![ChatMessage { role: "user".into(), content: args.prompt }])
+        Prompt::Chat(vec![ChatMessage {
+            role: "user".into(),
+            content: args.prompt,
+        }])
     } else {
         Prompt::Text(args.prompt)
     };
-    let params = SamplingParams { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed };
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        seed: args.seed,
+    };
     let mut stdout = std::io::stdout().lock();
     let mut write_err = None;
     let started = std::time::Instant::now();
     let out = engine.generate(&prompt, args.max_tokens, params, |piece| {
         if write_err.is_none() {
-            if let Err(e) = stdout.write_all(piece.as_bytes()).and_then(|()| stdout.flush()) {
+            if let Err(e) = stdout
+                .write_all(piece.as_bytes())
+                .and_then(|()| stdout.flush())
+            {
                 write_err = Some(e);
             }
         }
@@ -147,7 +162,8 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
     let cli = Cli::parse();

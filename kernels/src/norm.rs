@@ -4,7 +4,11 @@
 /// Normalise each row of `x` (rows of `weight.len()` values) into `out`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
-    assert_eq!(x.len() % d, 0, "rms_norm input is not a whole number of rows");
+    assert_eq!(
+        x.len() % d,
+        0,
+        "rms_norm input is not a whole number of rows"
+    );
     assert_eq!(x.len(), out.len(), "rms_norm output has the wrong length");
     for (row, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
         let ss: f32 = row.iter().map(|v| v * v).sum();

@@ -75,7 +75,9 @@ pub enum GuardViolation {
     },
     /// The page was released (and perhaps reallocated) since the sequence
     /// was granted it.
-    #[error("stale page table entry: page {page} has generation {actual}, the table says {expected}")]
+    #[error(
+        "stale page table entry: page {page} has generation {actual}, the table says {expected}"
+    )]
     StaleGeneration {
         /// Page named by the table.
         page: u32,

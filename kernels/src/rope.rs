@@ -62,7 +62,12 @@ impl Rope {
         match scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor),
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
                 let old = original_max_position_embeddings as f32;
                 let low_wavelen = old / low_freq_factor;
                 let high_wavelen = old / high_freq_factor;
@@ -71,13 +76,18 @@ impl Rope {
                     if wavelen > low_wavelen {
                         *f /= factor;
                     } else if wavelen >= high_wavelen {
-                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
                         *f = (1.0 - smooth) * *f / factor + smooth * *f;
                     }
                 }
             }
         }
-        Self { inv_freq, head_dim, layout }
+        Self {
+            inv_freq,
+            head_dim,
+            layout,
+        }
     }
 
     /// The pair layout this instance rotates.
@@ -91,7 +101,11 @@ impl Rope {
     pub fn apply(&self, x: &mut [f32], positions: &[usize], n_heads: usize) {
         let d = self.head_dim;
         let half = d / 2;
-        assert_eq!(x.len(), positions.len() * n_heads * d, "rope input has the wrong length");
+        assert_eq!(
+            x.len(),
+            positions.len() * n_heads * d,
+            "rope input has the wrong length"
+        );
         let mut cos = vec![0.0f32; half];
         let mut sin = vec![0.0f32; half];
         for (t, &pos) in positions.iter().enumerate() {
@@ -160,11 +174,22 @@ mod tests {
         let scaled = Rope::new(
             d,
             500000.0,
-            RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 },
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            },
             RopeLayout::RotateHalf,
         );
-        assert_eq!(plain.inv_freq[0], scaled.inv_freq[0], "highest frequency is kept");
+        assert_eq!(
+            plain.inv_freq[0], scaled.inv_freq[0],
+            "highest frequency is kept"
+        );
         let last = d / 2 - 1;
-        assert!((plain.inv_freq[last] / 8.0 - scaled.inv_freq[last]).abs() < 1e-12, "lowest frequency is divided");
+        assert!(
+            (plain.inv_freq[last] / 8.0 - scaled.inv_freq[last]).abs() < 1e-12,
+            "lowest frequency is divided"
+        );
     }
 }

@@ -14,7 +14,9 @@ pub(crate) struct KindCounters<const N: usize> {
 
 impl<const N: usize> Default for KindCounters<N> {
     fn default() -> Self {
-        Self { counts: std::array::from_fn(|_| AtomicU64::new(0)) }
+        Self {
+            counts: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
     }
 }
 
@@ -24,6 +26,17 @@ impl<const N: usize> KindCounters<N> {
         self.counts[index].fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Count one event of the kind named `kind`, one of `labels` (a name
+    /// not in the list is a bug: caught in debug builds, ignored in
+    /// release).
+    pub(crate) fn bump_label(&self, labels: &[&'static str; N], kind: &str) {
+        let i = labels.iter().position(|k| *k == kind);
+        debug_assert!(i.is_some(), "unlisted counter label {kind}");
+        if let Some(i) = i {
+            self.bump(i);
+        }
+    }
+
     /// Events of all kinds.
     pub(crate) fn total(&self) -> u64 {
         self.counts.iter().map(|c| c.load(Ordering::Relaxed)).sum()
@@ -31,7 +44,10 @@ impl<const N: usize> KindCounters<N> {
 
     /// Events of the kind named `kind` (0 for a name not in `labels`).
     pub(crate) fn get(&self, labels: &[&'static str; N], kind: &str) -> u64 {
-        labels.iter().position(|k| *k == kind).map_or(0, |i| self.counts[i].load(Ordering::Relaxed))
+        labels
+            .iter()
+            .position(|k| *k == kind)
+            .map_or(0, |i| self.counts[i].load(Ordering::Relaxed))
     }
 
     /// Every label with its count, zeros included. Each count is read

@@ -52,13 +52,17 @@
 pub mod config;
 mod counters;
 pub mod error;
+pub mod handshake;
 pub mod pool;
 #[cfg(feature = "testing")]
 pub mod protocol_model;
 pub mod reader;
 pub mod reservation;
+pub mod shm;
+mod staging;
 pub mod stats;
 mod storage;
+pub mod transport;
 pub mod wire;
 
 #[cfg(test)]

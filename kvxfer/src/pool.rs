@@ -54,6 +54,8 @@ pub struct KvPool {
 pub(crate) struct Shared {
     cfg: PoolConfig,
     storage: Storage,
+    /// The shared mapping the storage lives in, if any.
+    region: Option<Arc<crate::shm::ShmRegion>>,
     generation: Vec<AtomicU64>,
     owner: Vec<AtomicU64>,
     /// Indexed `page * n_layers + layer`.
@@ -99,6 +101,44 @@ impl KvPool {
     /// comes from a zeroed allocation (no up-front pass over it); with
     /// poison every page is filled with the canary first.
     pub fn new(cfg: PoolConfig) -> Result<Self, PoolError> {
+        Self::build(cfg, None)
+    }
+
+    /// Like [`KvPool::new`], with the storage in a new shared-memory
+    /// mapping in `dir` (e.g. `/dev/shm`) that writer processes on this
+    /// host can map and write one-sided, through one lane per grant
+    /// ([`crate::shm`], [`crate::transport::shm`]). One lane per page: a
+    /// grant holds at least one page, so lanes never run out first.
+    pub fn new_shared(cfg: PoolConfig, dir: &std::path::Path) -> Result<Self, PoolError> {
+        cfg.validate()?;
+        let bad = |reason| PoolError::InvalidConfig {
+            field: "shared memory",
+            value: cfg.n_pages,
+            reason,
+        };
+        let layout = crate::shm::ShmLayout {
+            page_size: u32::try_from(cfg.page_size).map_err(|_| bad("page_size over u32"))?,
+            n_layers: u32::try_from(cfg.n_layers).map_err(|_| bad("n_layers over u32"))?,
+            n_kv_heads: u32::try_from(cfg.n_kv_heads).map_err(|_| bad("n_kv_heads over u32"))?,
+            head_dim: u32::try_from(cfg.head_dim).map_err(|_| bad("head_dim over u32"))?,
+            n_pages: cfg.n_pages as u64,
+            n_lanes: cfg.n_pages as u64,
+        };
+        let region = crate::shm::ShmRegion::create(dir, layout).map_err(|e| match e {
+            crate::shm::ShmError::Io { source, .. }
+                if source.kind() == std::io::ErrorKind::OutOfMemory =>
+            {
+                PoolError::OutOfMemory { bytes: cfg.bytes() }
+            }
+            _ => bad("could not create the shared mapping (see logs)"),
+        })?;
+        Self::build(cfg, Some(region))
+    }
+
+    fn build(
+        cfg: PoolConfig,
+        region: Option<Arc<crate::shm::ShmRegion>>,
+    ) -> Result<Self, PoolError> {
         cfg.validate()?;
         let shape = StorageShape {
             n_pages: cfg.n_pages,
@@ -111,7 +151,10 @@ impl KvPool {
         } else {
             0.0
         };
-        let storage = Storage::try_new(shape, fill)?;
+        let storage = match &region {
+            None => Storage::try_new(shape, fill)?,
+            Some(r) => Storage::try_new_shared(shape, fill, Arc::clone(r))?,
+        };
         let n_pages = cfg.n_pages;
         let zeros = || std::iter::repeat_with(|| AtomicU64::new(0));
         let generation = try_vec(n_pages, zeros())?;
@@ -133,6 +176,7 @@ impl KvPool {
         let shared = Shared {
             cfg,
             storage,
+            region,
             generation,
             owner,
             watermarks,
@@ -172,6 +216,11 @@ impl KvPool {
         let n = tokens.div_ceil(self.shared.cfg.page_size);
         let (owner, table) = self.shared.allocate(None, n)?;
         Ok(Reservation::new(Arc::clone(&self.shared), owner, table))
+    }
+
+    /// The shared-memory mapping of a pool made by [`KvPool::new_shared`].
+    pub fn shm_region(&self) -> Option<&Arc<crate::shm::ShmRegion>> {
+        self.shared.region.as_ref()
     }
 
     /// A snapshot of the counters.

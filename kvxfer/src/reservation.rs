@@ -218,6 +218,17 @@ impl Reservation {
             .map_or(0, |w| w.load(Ordering::Acquire))
     }
 
+    /// The pool this reservation's pages belong to.
+    pub(crate) fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    /// The pages actually held (never a forged table): what transfers land
+    /// in and release frees.
+    pub(crate) fn held(&self) -> &[PageRef] {
+        &self.table
+    }
+
     /// Sets a page's watermark without writing: a simulated watermark bug.
     #[cfg(test)]
     pub(crate) fn force_watermark(&self, logical_page: usize, layer: usize, slots: usize) {

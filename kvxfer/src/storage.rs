@@ -20,13 +20,20 @@
 //! filled only while it is on nobody's table and off the free list, and
 //! read only by a checked reader borrowed from the reservation that owns it.
 //!
-//! Today the memory comes from the global allocator; a later issue backs it
-//! with a shared-memory mapping. Only [`Storage::try_new`] and `Drop` know
-//! where the memory comes from.
+//! The memory comes from the global allocator ([`Storage::try_new`]) or
+//! from a shared-memory mapping that a writer process on the same host
+//! writes one-sided ([`Storage::try_new_shared`], see [`crate::shm`]). Only
+//! those two and `Drop` know where the memory comes from. With a mapping,
+//! the contract above also binds the other process: it writes a page only
+//! through an open lane of a grant for that page, and the pool reads or
+//! fills such a page only after the lane was closed and drained.
 
 use std::alloc::{self, Layout};
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::shm::ShmRegion;
 
 use kvmesh_kernels::PageSlices;
 
@@ -58,10 +65,18 @@ impl StorageShape {
     }
 }
 
+/// Where the memory lives.
+enum Memory {
+    /// From the global allocator, with this layout.
+    Heap(Layout),
+    /// In a shared mapping; kept alive by this reference.
+    Shared(Arc<ShmRegion>),
+}
+
 /// Raw KV memory with the layout above.
 pub(crate) struct Storage {
     base: NonNull<f32>,
-    layout: Layout,
+    memory: Memory,
     shape: StorageShape,
 }
 
@@ -93,16 +108,50 @@ impl Storage {
         let base = NonNull::new(raw.cast::<f32>()).ok_or(PoolError::OutOfMemory { bytes })?;
         let storage = Self {
             base,
-            layout,
+            memory: Memory::Heap(layout),
             shape,
         };
+        storage.fill_all(fill);
+        Ok(storage)
+    }
+
+    /// Storage in `region`'s page data, which must have exactly this shape
+    /// (the mapping is zero-filled when created), then filled with `fill`
+    /// unless that is 0.0.
+    pub fn try_new_shared(
+        shape: StorageShape,
+        fill: f32,
+        region: Arc<ShmRegion>,
+    ) -> Result<Self, PoolError> {
+        let l = region.layout();
+        let matches = l.n_pages as usize == shape.n_pages
+            && l.n_layers as usize == shape.n_layers
+            && l.page_size as usize == shape.page_size
+            && (l.n_kv_heads as usize).checked_mul(l.head_dim as usize) == Some(shape.kv_dim);
+        if !matches {
+            return Err(PoolError::InvalidConfig {
+                field: "shared memory layout",
+                value: l.n_pages as usize,
+                reason: "the mapping's layout is not the pool's",
+            });
+        }
+        let storage = Self {
+            base: region.data_ptr(),
+            memory: Memory::Shared(region),
+            shape,
+        };
+        storage.fill_all(fill);
+        Ok(storage)
+    }
+
+    fn fill_all(&self, fill: f32) {
         if fill.to_bits() != 0 {
-            for page in 0..shape.n_pages {
-                // SAFETY: `page` is in range and the storage is not shared yet.
-                unsafe { storage.fill_page(page, fill) };
+            for page in 0..self.shape.n_pages {
+                // SAFETY: `page` is in range and the storage is not shared
+                // yet (a new mapping has no open lane, so no writer).
+                unsafe { self.fill_page(page, fill) };
             }
         }
-        Ok(storage)
     }
 
     /// The first `n_slots` slots of K and V of (`page`, `layer`).
@@ -187,9 +236,13 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        // SAFETY: `base` came from `alloc_zeroed(self.layout)` and is freed
-        // exactly once, here; `&mut self` means no slice into it is alive.
-        unsafe { alloc::dealloc(self.base.as_ptr().cast(), self.layout) }
+        if let Memory::Heap(layout) = self.memory {
+            // SAFETY: `base` came from `alloc_zeroed(layout)` and is freed
+            // exactly once, here; `&mut self` means no slice into it is
+            // alive.
+            unsafe { alloc::dealloc(self.base.as_ptr().cast(), layout) }
+        }
+        // A mapping is unmapped when the last reference to the region goes.
     }
 }
 
@@ -197,7 +250,13 @@ impl fmt::Debug for Storage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Storage")
             .field("shape", &self.shape)
-            .field("bytes", &self.layout.size())
+            .field(
+                "memory",
+                &match &self.memory {
+                    Memory::Heap(l) => format!("heap, {} bytes", l.size()),
+                    Memory::Shared(r) => format!("shared mapping {}", r.path().display()),
+                },
+            )
             .finish()
     }
 }

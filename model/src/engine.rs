@@ -38,7 +38,13 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { kv_pool_tokens: None, page_size: 16, max_model_len: None, scrub: ScrubMode::Off, poison: false }
+        Self {
+            kv_pool_tokens: None,
+            page_size: 16,
+            max_model_len: None,
+            scrub: ScrubMode::Off,
+            poison: false,
+        }
     }
 }
 
@@ -151,21 +157,40 @@ impl Engine {
     /// Build from an already loaded model.
     pub fn from_loaded(loaded: LoadedModel, cfg: &EngineConfig) -> Result<Self> {
         let eos = loaded.stop_token_ids();
-        let LoadedModel { config, weights, tokenizer, .. } = loaded;
+        let LoadedModel {
+            config,
+            weights,
+            tokenizer,
+            ..
+        } = loaded;
         let limit = config.max_position_embeddings;
         let max_model_len = match cfg.max_model_len {
             Some(0) => return Err(invalid("max_model_len", "0", "must be at least 1")),
             Some(n) if n > limit => {
-                return Err(invalid("max_model_len", &n.to_string(), &format!("the model supports at most {limit} positions")))
+                return Err(invalid(
+                    "max_model_len",
+                    &n.to_string(),
+                    &format!("the model supports at most {limit} positions"),
+                ))
             }
             Some(n) => n,
             None => limit,
         };
         let model = Llama::new(config, weights);
         let pool_tokens = cfg.kv_pool_tokens.unwrap_or(max_model_len);
-        let pool_cfg = PoolConfig { scrub: cfg.scrub, poison: cfg.poison, ..model.pool_config(pool_tokens, cfg.page_size) };
+        let pool_cfg = PoolConfig {
+            scrub: cfg.scrub,
+            poison: cfg.poison,
+            ..model.pool_config(pool_tokens, cfg.page_size)
+        };
         let pool = KvPool::new(pool_cfg)?;
-        Ok(Self { model, tokenizer, pool, max_model_len, eos })
+        Ok(Self {
+            model,
+            tokenizer,
+            pool,
+            max_model_len,
+            eos,
+        })
     }
 
     /// The model.
@@ -219,24 +244,41 @@ impl Engine {
         }
         let kv = self.pool.reserve(total)?;
         let prompt_len = prompt_ids.len();
-        Ok(Sequence { kv, tokens: prompt_ids, prompt_len, max_len: total, cached: 0 })
+        Ok(Sequence {
+            kv,
+            tokens: prompt_ids,
+            prompt_len,
+            max_len: total,
+            cached: 0,
+        })
     }
 
     /// Run the uncached prompt tokens; returns the last position's logits.
     pub fn prefill(&self, seq: &mut Sequence) -> Result<Vec<f32>> {
         let mut results = {
             let start = seq.cached;
-            let mut batch = [SeqChunk { tokens: &seq.tokens[start..], start_pos: start, kv: &mut seq.kv, logits: LogitsWanted::Last }];
+            let mut batch = [SeqChunk {
+                tokens: &seq.tokens[start..],
+                start_pos: start,
+                kv: &mut seq.kv,
+                logits: LogitsWanted::Last,
+            }];
             self.model.forward(&mut batch)?
         };
         let rows = results.pop().unwrap_or_else(|| Ok(Vec::new()))?;
         seq.cached = seq.tokens.len();
-        rows.into_iter().next().ok_or_else(|| ModelError::Compute { detail: "prefill returned no logits".into() })
+        rows.into_iter().next().ok_or_else(|| ModelError::Compute {
+            detail: "prefill returned no logits".into(),
+        })
     }
 
     /// Append one token to each sequence and run them as one batch; returns
     /// each sequence's next-token logits, or its own error.
-    pub fn decode_step(&self, seqs: &mut [&mut Sequence], next: &[u32]) -> Result<Vec<Result<Vec<f32>>>> {
+    pub fn decode_step(
+        &self,
+        seqs: &mut [&mut Sequence],
+        next: &[u32],
+    ) -> Result<Vec<Result<Vec<f32>>>> {
         assert_eq!(seqs.len(), next.len(), "one token per sequence");
         for (seq, &tok) in seqs.iter_mut().zip(next) {
             if seq.tokens.len() >= seq.max_len {
@@ -253,7 +295,12 @@ impl Engine {
                 .iter_mut()
                 .map(|s| {
                     let pos = s.tokens.len() - 1;
-                    SeqChunk { tokens: &s.tokens[pos..], start_pos: pos, kv: &mut s.kv, logits: LogitsWanted::Last }
+                    SeqChunk {
+                        tokens: &s.tokens[pos..],
+                        start_pos: pos,
+                        kv: &mut s.kv,
+                        logits: LogitsWanted::Last,
+                    }
                 })
                 .collect();
             self.model.forward(&mut batch)?
@@ -263,7 +310,11 @@ impl Engine {
             .zip(results)
             .map(|(seq, r)| {
                 seq.cached = seq.tokens.len();
-                r.and_then(|rows| rows.into_iter().next().ok_or_else(|| ModelError::Compute { detail: "decode returned no logits".into() }))
+                r.and_then(|rows| {
+                    rows.into_iter().next().ok_or_else(|| ModelError::Compute {
+                        detail: "decode returned no logits".into(),
+                    })
+                })
             })
             .collect())
     }
@@ -277,7 +328,9 @@ impl Engine {
         params: SamplingParams,
         mut on_text: impl FnMut(&str),
     ) -> Result<Generation> {
-        params.validate().map_err(|reason| invalid("sampling", "", &reason))?;
+        params
+            .validate()
+            .map_err(|reason| invalid("sampling", "", &reason))?;
         let ids = self.tokenize(prompt)?;
         let mut seq = self.admit(ids, max_new_tokens)?;
         let mut sampler = Sampler::new(params);
@@ -301,17 +354,31 @@ impl Engine {
                     break;
                 }
                 let mut r = self.decode_step(&mut [&mut seq], &[tok])?;
-                logits = r.pop().unwrap_or_else(|| Err(ModelError::Compute { detail: "no result".into() }))?;
+                logits = r.pop().unwrap_or_else(|| {
+                    Err(ModelError::Compute {
+                        detail: "no result".into(),
+                    })
+                })?;
             }
         }
         if let Some(piece) = decoder.finish()? {
             on_text(&piece);
             text.push_str(&piece);
         }
-        Ok(Generation { prompt_tokens: seq.prompt_len, tokens: seq.generated().to_vec(), text, finish_reason: finish })
+        Ok(Generation {
+            prompt_tokens: seq.prompt_len,
+            tokens: seq.generated().to_vec(),
+            text,
+            finish_reason: finish,
+        })
     }
 }
 
 fn invalid(field: &str, value: &str, reason: &str) -> ModelError {
-    ModelError::InvalidField { path: "<engine config>".into(), field: field.into(), value: value.into(), reason: reason.into() }
+    ModelError::InvalidField {
+        path: "<engine config>".into(),
+        field: field.into(),
+        value: value.into(),
+        reason: reason.into(),
+    }
 }

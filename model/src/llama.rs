@@ -63,12 +63,16 @@ pub struct Llama {
 
 impl std::fmt::Debug for Llama {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Llama").field("config", &self.cfg).finish_non_exhaustive()
+        f.debug_struct("Llama")
+            .field("config", &self.cfg)
+            .finish_non_exhaustive()
     }
 }
 
 fn compute(e: candle_core::Error) -> ModelError {
-    ModelError::Compute { detail: e.to_string() }
+    ModelError::Compute {
+        detail: e.to_string(),
+    }
 }
 
 /// `x [rows, in] @ w[out, in]^T` as a flat row-major vector.
@@ -92,7 +96,12 @@ fn add_bias(x: &mut [f32], bias: Option<&Vec<f32>>) {
 impl Llama {
     /// Build the runtime from loaded weights (exact mode: f32 throughout).
     pub fn new(cfg: ModelConfig, w: Weights) -> Self {
-        let rope = Rope::new(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, RopeLayout::RotateHalf);
+        let rope = Rope::new(
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            RopeLayout::RotateHalf,
+        );
         let shape = AttentionShape {
             n_heads: cfg.n_heads,
             n_kv_heads: cfg.n_kv_heads,
@@ -100,7 +109,12 @@ impl Llama {
             scale: 1.0 / (cfg.head_dim as f32).sqrt(),
             window: cfg.sliding_window,
         };
-        Self { cfg, w, rope, shape }
+        Self {
+            cfg,
+            w,
+            rope,
+            shape,
+        }
     }
 
     /// The model's configuration.
@@ -110,12 +124,22 @@ impl Llama {
 
     /// The KV page shape this model needs.
     pub fn kv_geometry(&self, page_size: usize) -> KvGeometry {
-        KvGeometry { page_size, n_kv_heads: self.cfg.n_kv_heads, head_dim: self.cfg.head_dim }
+        KvGeometry {
+            page_size,
+            n_kv_heads: self.cfg.n_kv_heads,
+            head_dim: self.cfg.head_dim,
+        }
     }
 
     /// A pool configuration for `kv_pool_tokens` token slots of this model.
     pub fn pool_config(&self, kv_pool_tokens: usize, page_size: usize) -> PoolConfig {
-        PoolConfig::for_tokens(kv_pool_tokens, page_size, self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim)
+        PoolConfig::for_tokens(
+            kv_pool_tokens,
+            page_size,
+            self.cfg.n_layers,
+            self.cfg.n_kv_heads,
+            self.cfg.head_dim,
+        )
     }
 
     /// KV bytes one token occupies across all layers (f32 K and V).
@@ -184,7 +208,10 @@ impl Llama {
                     out.fill(0.0);
                     continue;
                 }
-                let (ks, vs) = (&k[span.start * kv_dim..span.end * kv_dim], &v[span.start * kv_dim..span.end * kv_dim]);
+                let (ks, vs) = (
+                    &k[span.start * kv_dim..span.end * kv_dim],
+                    &v[span.start * kv_dim..span.end * kv_dim],
+                );
                 if let Err(e) = chunk.kv.write(layer, chunk.start_pos, ks, vs) {
                     failed[i] = Some(e.into());
                     out.fill(0.0);
@@ -193,7 +220,15 @@ impl Llama {
                 let table = chunk.kv.table().to_vec();
                 let reader = chunk.kv.reader();
                 let qs = &q[span.start * q_dim..span.end * q_dim];
-                if let Err(e) = paged_attention(&reader, &table, layer, &self.shape, qs, &positions[span.clone()], out) {
+                if let Err(e) = paged_attention(
+                    &reader,
+                    &table,
+                    layer,
+                    &self.shape,
+                    qs,
+                    &positions[span.clone()],
+                    out,
+                ) {
                     failed[i] = Some(e.into());
                     out.fill(0.0);
                 }
@@ -204,7 +239,9 @@ impl Llama {
 
             rms_norm(&x, &lw.mlp_norm, cfg.rms_norm_eps, &mut xn);
             let xt = Tensor::from_slice(&xn, (rows, hidden), &Device::Cpu).map_err(compute)?;
-            let gate = xt.matmul(&lw.w_gate.t().map_err(compute)?).map_err(compute)?;
+            let gate = xt
+                .matmul(&lw.w_gate.t().map_err(compute)?)
+                .map_err(compute)?;
             let up = xt.matmul(&lw.w_up.t().map_err(compute)?).map_err(compute)?;
             let h = (gate.silu().map_err(compute)? * up).map_err(compute)?;
             let down = h
@@ -237,7 +274,10 @@ impl Llama {
             let mut seln = vec![0.0f32; sel.len()];
             rms_norm(&sel, &self.w.final_norm, cfg.rms_norm_eps, &mut seln);
             let flat = linear(&seln, want.len(), &self.w.lm_head)?;
-            logits_rows = flat.chunks_exact(cfg.vocab_size).map(<[f32]>::to_vec).collect();
+            logits_rows = flat
+                .chunks_exact(cfg.vocab_size)
+                .map(<[f32]>::to_vec)
+                .collect();
         }
         let mut rows_iter = want.iter().copied().zip(logits_rows);
         let mut results = Vec::with_capacity(batch.len());

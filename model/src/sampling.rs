@@ -23,20 +23,31 @@ pub const GREEDY_BELOW: f32 = 1e-5;
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 1.0, top_p: 1.0, top_k: None, seed: None }
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: None,
+            seed: None,
+        }
     }
 }
 
 impl SamplingParams {
     /// Greedy decoding.
     pub fn greedy() -> Self {
-        Self { temperature: 0.0, ..Self::default() }
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
     }
 
     /// Check ranges; the error names the field and value.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(format!("temperature must be a finite number >= 0, got {}", self.temperature));
+            return Err(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -74,7 +85,11 @@ impl Sampler {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_os_rng(),
         };
-        Self { params, rng, scratch: Vec::new() }
+        Self {
+            params,
+            rng,
+            scratch: Vec::new(),
+        }
     }
 
     /// Pick the next token from one row of logits.
@@ -85,7 +100,13 @@ impl Sampler {
         }
         let c = &mut self.scratch;
         c.clear();
-        c.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (i as u32, l / p.temperature)));
+        c.extend(
+            logits
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.is_finite())
+                .map(|(i, &l)| (i as u32, l / p.temperature)),
+        );
         if c.is_empty() {
             return argmax(logits);
         }
@@ -136,7 +157,12 @@ mod tests {
     #[test]
     fn same_seed_same_tokens_and_top_k_limits_choices() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
-        let params = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: Some(3), seed: Some(7) };
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: Some(3),
+            seed: Some(7),
+        };
         let mut a = Sampler::new(params);
         let mut b = Sampler::new(params);
         let xs: Vec<u32> = (0..100).map(|_| a.sample(&logits)).collect();
@@ -144,14 +170,25 @@ mod tests {
         assert_eq!(xs, ys);
         let mut top: Vec<u32> = (0..50u32).collect();
         top.sort_by(|&i, &j| logits[j as usize].total_cmp(&logits[i as usize]));
-        assert!(xs.iter().all(|x| top[..3].contains(x)), "sampled outside the top 3");
-        assert!(top[..3].iter().filter(|t| xs.contains(t)).count() >= 2, "sampling is not spreading");
+        assert!(
+            xs.iter().all(|x| top[..3].contains(x)),
+            "sampled outside the top 3"
+        );
+        assert!(
+            top[..3].iter().filter(|t| xs.contains(t)).count() >= 2,
+            "sampling is not spreading"
+        );
     }
 
     #[test]
     fn tiny_top_p_is_greedy() {
         let logits = [0.0f32, 5.0, 1.0, 4.9];
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_p: 1e-6, top_k: None, seed: Some(1) });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 1e-6,
+            top_k: None,
+            seed: Some(1),
+        });
         for _ in 0..20 {
             assert_eq!(s.sample(&logits), 1);
         }
@@ -159,7 +196,12 @@ mod tests {
 
     #[test]
     fn validate_names_the_field() {
-        let e = SamplingParams { top_p: 1.5, ..SamplingParams::default() }.validate().expect_err("top_p 1.5 is out of range");
+        let e = SamplingParams {
+            top_p: 1.5,
+            ..SamplingParams::default()
+        }
+        .validate()
+        .expect_err("top_p 1.5 is out of range");
         assert!(e.contains("top_p") && e.contains("1.5"));
     }
 }

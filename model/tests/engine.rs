@@ -14,36 +14,66 @@ fn engine(cfg: EngineConfig) -> Engine {
 
 #[test]
 fn admission_refuses_before_allocating() {
-    let e = engine(EngineConfig { kv_pool_tokens: Some(64), max_model_len: Some(100), ..EngineConfig::default() });
+    let e = engine(EngineConfig {
+        kv_pool_tokens: Some(64),
+        max_model_len: Some(100),
+        ..EngineConfig::default()
+    });
     let cap = e.pool().capacity_pages();
 
-    assert!(matches!(e.admit(Vec::new(), 4), Err(ModelError::EmptyPrompt)));
+    assert!(matches!(
+        e.admit(Vec::new(), 4),
+        Err(ModelError::EmptyPrompt)
+    ));
 
-    let err = e.admit(vec![5; 90], 20).expect_err("over the context limit");
+    let err = e
+        .admit(vec![5; 90], 20)
+        .expect_err("over the context limit");
     match &err {
-        ModelError::ContextLengthExceeded { prompt_tokens: 90, max_new_tokens: 20, limit: 100 } => {}
+        ModelError::ContextLengthExceeded {
+            prompt_tokens: 90,
+            max_new_tokens: 20,
+            limit: 100,
+        } => {}
         other => panic!("unexpected {other:?}"),
     }
     let msg = err.to_string();
-    assert!(msg.contains("90") && msg.contains("20") && msg.contains("100"), "message must give the numbers: {msg}");
+    assert!(
+        msg.contains("90") && msg.contains("20") && msg.contains("100"),
+        "message must give the numbers: {msg}"
+    );
 
     // Fits the context but not the pool: the pool refuses whole.
     match e.admit(vec![5; 60], 20) {
         Err(ModelError::Kv(PoolError::Exhausted { .. })) => {}
         other => panic!("expected an exhausted pool, got {other:?}"),
     }
-    assert_eq!(e.pool().free_pages(), cap, "a refused admission must hold no page");
+    assert_eq!(
+        e.pool().free_pages(),
+        cap,
+        "a refused admission must hold no page"
+    );
 
     let seq = e.admit(vec![5; 10], 6).expect("fits");
-    assert_eq!(e.pool().free_pages(), cap - 1, "16 tokens take one page of 16");
+    assert_eq!(
+        e.pool().free_pages(),
+        cap - 1,
+        "16 tokens take one page of 16"
+    );
     drop(seq);
     assert_eq!(e.pool().free_pages(), cap);
 }
 
 #[test]
 fn max_model_len_above_the_model_is_refused() {
-    let err = Engine::load(&common::tiny_model_dir(), &EngineConfig { max_model_len: Some(10_000), ..EngineConfig::default() })
-        .expect_err("the tiny model has 256 positions");
+    let err = Engine::load(
+        &common::tiny_model_dir(),
+        &EngineConfig {
+            max_model_len: Some(10_000),
+            ..EngineConfig::default()
+        },
+    )
+    .expect_err("the tiny model has 256 positions");
     assert!(err.to_string().contains("256"), "{err}");
 }
 
@@ -52,30 +82,65 @@ fn generation_streams_its_text_and_stops_at_the_limit() {
     let e = engine(EngineConfig::default());
     let mut pieces = Vec::new();
     let out = e
-        .generate(&Prompt::Text("The quick brown fox".into()), 20, SamplingParams::greedy(), |p| pieces.push(p.to_owned()))
+        .generate(
+            &Prompt::Text("The quick brown fox".into()),
+            20,
+            SamplingParams::greedy(),
+            |p| pieces.push(p.to_owned()),
+        )
         .expect("generate");
-    assert_eq!(pieces.concat(), out.text, "streamed pieces add up to the text");
+    assert_eq!(
+        pieces.concat(),
+        out.text,
+        "streamed pieces add up to the text"
+    );
     assert!(out.tokens.len() <= 20);
     if out.finish_reason == FinishReason::Length {
         assert_eq!(out.tokens.len(), 20);
     }
-    assert_eq!(out.text, e.tokenizer().decode(&out.tokens, true).expect("decode"));
+    assert_eq!(
+        out.text,
+        e.tokenizer().decode(&out.tokens, true).expect("decode")
+    );
     assert_eq!(e.pool().free_pages(), e.pool().capacity_pages());
 
     // Greedy is deterministic; a chat prompt goes through the template.
-    let again = e.generate(&Prompt::Text("The quick brown fox".into()), 20, SamplingParams::greedy(), |_| {}).expect("generate");
+    let again = e
+        .generate(
+            &Prompt::Text("The quick brown fox".into()),
+            20,
+            SamplingParams::greedy(),
+            |_| {},
+        )
+        .expect("generate");
     assert_eq!(again.tokens, out.tokens);
     let chat = e
-        .generate(&Prompt::Chat(vec![ChatMessage::new("user", "hello")]), 4, SamplingParams::greedy(), |_| {})
+        .generate(
+            &Prompt::Chat(vec![ChatMessage::new("user", "hello")]),
+            4,
+            SamplingParams::greedy(),
+            |_| {},
+        )
         .expect("chat generate");
-    let rendered = e.tokenizer().apply_chat_template(&[ChatMessage::new("user", "hello")], true).expect("template");
-    assert_eq!(chat.prompt_tokens, e.tokenizer().encode_raw(&rendered).expect("encode").len());
+    let rendered = e
+        .tokenizer()
+        .apply_chat_template(&[ChatMessage::new("user", "hello")], true)
+        .expect("template");
+    assert_eq!(
+        chat.prompt_tokens,
+        e.tokenizer().encode_raw(&rendered).expect("encode").len()
+    );
 }
 
 #[test]
 fn bad_sampling_parameters_are_refused_by_name() {
     let e = engine(EngineConfig::default());
-    let bad = SamplingParams { top_p: 0.0, ..SamplingParams::greedy() };
-    let err = e.generate(&Prompt::Text("hi".into()), 4, bad, |_| {}).expect_err("top_p 0");
+    let bad = SamplingParams {
+        top_p: 0.0,
+        ..SamplingParams::greedy()
+    };
+    let err = e
+        .generate(&Prompt::Text("hi".into()), 4, bad, |_| {})
+        .expect_err("top_p 0");
     assert!(err.to_string().contains("top_p"), "{err}");
 }

@@ -72,19 +72,38 @@ struct Step {
 
 fn read_golden(name: &str) -> Golden {
     let path = common::golden_path(name);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("bad golden file {}: {e}", path.display()))
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("bad golden file {}: {e}", path.display()))
 }
 
 fn check_tokenizer(engine: &Engine, g: &Golden) {
     let tok = engine.tokenizer();
     for case in &g.tokenize {
-        assert_eq!(tok.encode(&case.text).expect("encode"), case.ids, "{}: token ids of {:?}", g.model, case.text);
+        assert_eq!(
+            tok.encode(&case.text).expect("encode"),
+            case.ids,
+            "{}: token ids of {:?}",
+            g.model,
+            case.text
+        );
     }
     for case in &g.chat {
-        let rendered = tok.apply_chat_template(&case.messages, case.add_generation_prompt).expect("template");
-        assert_eq!(rendered, case.rendered, "{}: chat template rendering", g.model);
-        assert_eq!(tok.encode(&rendered).expect("encode"), case.ids, "{}: chat token ids", g.model);
+        let rendered = tok
+            .apply_chat_template(&case.messages, case.add_generation_prompt)
+            .expect("template");
+        assert_eq!(
+            rendered, case.rendered,
+            "{}: chat template rendering",
+            g.model
+        );
+        assert_eq!(
+            tok.encode(&rendered).expect("encode"),
+            case.ids,
+            "{}: chat token ids",
+            g.model
+        );
     }
 }
 
@@ -93,7 +112,12 @@ fn check_tokenizer(engine: &Engine, g: &Golden) {
 fn check_greedy(engine: &Engine, g: &Golden) -> f32 {
     let mut worst = 0.0f32;
     for case in &g.greedy {
-        assert_eq!(engine.tokenizer().encode(&case.prompt).expect("encode"), case.prompt_ids, "{}: prompt ids", g.model);
+        assert_eq!(
+            engine.tokenizer().encode(&case.prompt).expect("encode"),
+            case.prompt_ids,
+            "{}: prompt ids",
+            g.model
+        );
         let n = case.tokens.len();
 
         // Teacher-forced on the reference tokens, comparing logits every
@@ -107,7 +131,11 @@ fn check_greedy(engine: &Engine, g: &Golden) -> f32 {
             free_running &= step.gap >= GAP_TIE;
             if free_running {
                 let ours = argmax(&logits);
-                assert_eq!(ours, case.tokens[i], "{}: greedy token {i} of {:?} (reference gap {})", g.model, case.prompt, step.gap);
+                assert_eq!(
+                    ours, case.tokens[i],
+                    "{}: greedy token {i} of {:?} (reference gap {})",
+                    g.model, case.prompt, step.gap
+                );
             }
             for &(id, want) in &step.top {
                 let got = logits[id as usize];
@@ -129,12 +157,21 @@ fn check_greedy(engine: &Engine, g: &Golden) -> f32 {
 }
 
 fn decode_one(engine: &Engine, seq: &mut Sequence, token: u32) -> Vec<f32> {
-    let mut r = engine.decode_step(&mut [seq], &[token]).expect("decode step");
+    let mut r = engine
+        .decode_step(&mut [seq], &[token])
+        .expect("decode step");
     r.pop().expect("one result").expect("decode")
 }
 
 fn engine_for(path: &Path) -> Engine {
-    Engine::load(path, &EngineConfig { kv_pool_tokens: Some(4096), ..EngineConfig::default() }).expect("load model")
+    Engine::load(
+        path,
+        &EngineConfig {
+            kv_pool_tokens: Some(4096),
+            ..EngineConfig::default()
+        },
+    )
+    .expect("load model")
 }
 
 #[test]
@@ -144,16 +181,26 @@ fn tiny_llama_matches_transformers() {
     check_tokenizer(&engine, &g);
     let worst = check_greedy(&engine, &g);
     eprintln!("tiny-llama: worst logit error = {worst:.3} of tolerance");
-    assert_eq!(engine.pool().free_pages(), engine.pool().capacity_pages(), "pages leaked");
+    assert_eq!(
+        engine.pool().free_pages(),
+        engine.pool().capacity_pages(),
+        "pages leaked"
+    );
 }
 
 #[test]
 fn smollm2_matches_transformers() {
-    let Some(path) = common::smollm2() else { return };
+    let Some(path) = common::smollm2() else {
+        return;
+    };
     let engine = engine_for(&path);
     let g = read_golden("smollm2-135m-instruct-q4_1.json");
     check_tokenizer(&engine, &g);
     let worst = check_greedy(&engine, &g);
     eprintln!("smollm2: worst logit error = {worst:.3} of tolerance");
-    assert_eq!(engine.pool().free_pages(), engine.pool().capacity_pages(), "pages leaked");
+    assert_eq!(
+        engine.pool().free_pages(),
+        engine.pool().capacity_pages(),
+        "pages leaked"
+    );
 }

@@ -18,7 +18,14 @@ const PROMPTS: [&str; 3] = [
 ];
 
 fn engine() -> Engine {
-    Engine::load(&common::tiny_model_dir(), &EngineConfig { kv_pool_tokens: Some(1024), ..EngineConfig::default() }).expect("load tiny model")
+    Engine::load(
+        &common::tiny_model_dir(),
+        &EngineConfig {
+            kv_pool_tokens: Some(1024),
+            ..EngineConfig::default()
+        },
+    )
+    .expect("load tiny model")
 }
 
 /// Admit and prefill the three prompts, returning the sequences and the
@@ -44,11 +51,17 @@ fn step(engine: &Engine, seqs: &mut [Sequence], next: &[u32]) -> Vec<Result<Vec<
 /// Run the batch with sequence 0's table forged by `forge`; check that only
 /// sequence 0 fails, with the violation `expect` accepts, and that the rest
 /// equal the clean run.
-fn forged_run(forge: impl Fn(&[Sequence]) -> Vec<PageRef>, expect: impl Fn(&GuardViolation) -> bool) {
+fn forged_run(
+    forge: impl Fn(&[Sequence]) -> Vec<PageRef>,
+    expect: impl Fn(&GuardViolation) -> bool,
+) {
     let engine = engine();
     let clean = {
         let (mut seqs, next) = start(&engine);
-        step(&engine, &mut seqs, &next).into_iter().map(|r| r.expect("clean step")).collect::<Vec<_>>()
+        step(&engine, &mut seqs, &next)
+            .into_iter()
+            .map(|r| r.expect("clean step"))
+            .collect::<Vec<_>>()
     };
     assert_eq!(engine.pool().free_pages(), engine.pool().capacity_pages());
 
@@ -57,18 +70,35 @@ fn forged_run(forge: impl Fn(&[Sequence]) -> Vec<PageRef>, expect: impl Fn(&Guar
     seqs[0].kv_mut().forge_table(forged);
     let before = engine.pool().guard_violations();
     let results = step(&engine, &mut seqs, &next);
-    assert_eq!(engine.pool().guard_violations(), before + 1, "exactly one violation is counted");
+    assert_eq!(
+        engine.pool().guard_violations(),
+        before + 1,
+        "exactly one violation is counted"
+    );
     match &results[0] {
         Err(ModelError::Guard(v)) => assert!(expect(v), "unexpected violation {v:?}"),
         other => panic!("the forged sequence must fail with a guard violation, got {other:?}"),
     }
     for i in 1..PROMPTS.len() {
-        let got = results[i].as_ref().expect("the other sequences are unaffected");
-        let diff = got.iter().zip(&clean[i]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        assert!(diff <= 1e-5, "sequence {i} changed by {diff} next to a forged one");
+        let got = results[i]
+            .as_ref()
+            .expect("the other sequences are unaffected");
+        let diff = got
+            .iter()
+            .zip(&clean[i])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            diff <= 1e-5,
+            "sequence {i} changed by {diff} next to a forged one"
+        );
     }
     drop(seqs);
-    assert_eq!(engine.pool().free_pages(), engine.pool().capacity_pages(), "pages leaked");
+    assert_eq!(
+        engine.pool().free_pages(),
+        engine.pool().capacity_pages(),
+        "pages leaked"
+    );
 }
 
 #[test]

@@ -23,17 +23,34 @@ impl PagedKv for VecPages {
     fn geometry(&self) -> KvGeometry {
         self.geo
     }
-    fn read_page(&self, e: PageRef, _layer: usize, n: usize) -> Result<PageSlices<'_>, GuardViolation> {
+    fn read_page(
+        &self,
+        e: PageRef,
+        _layer: usize,
+        n: usize,
+    ) -> Result<PageSlices<'_>, GuardViolation> {
         let p = e.page as usize;
         if self.generation[p] != e.generation {
-            return Err(GuardViolation::StaleGeneration { page: e.page, expected: e.generation, actual: self.generation[p] });
+            return Err(GuardViolation::StaleGeneration {
+                page: e.page,
+                expected: e.generation,
+                actual: self.generation[p],
+            });
         }
         if n > self.written[p] {
-            return Err(GuardViolation::Unwritten { page: e.page, layer: 0, requested: n, watermark: self.written[p] });
+            return Err(GuardViolation::Unwritten {
+                page: e.page,
+                layer: 0,
+                requested: n,
+                watermark: self.written[p],
+            });
         }
         self.reads.borrow_mut().push(e.page);
         let d = self.geo.kv_dim();
-        Ok(PageSlices { k: &self.k[p][..n * d], v: &self.v[p][..n * d] })
+        Ok(PageSlices {
+            k: &self.k[p][..n * d],
+            v: &self.v[p][..n * d],
+        })
     }
     fn report(&self, v: &GuardViolation) {
         self.reported.borrow_mut().push(v.clone());
@@ -64,14 +81,21 @@ fn dense(shape: &AttentionShape, q: &[f32], pos: &[usize], k: &[f32], v: &[f32])
             let qv = &q[(t * nh + h) * d..][..d];
             let start = shape.window.map_or(0, |w| (p + 1).saturating_sub(w));
             let scores: Vec<f64> = (start..=p)
-                .map(|s| qv.iter().zip(&k[s * kv_dim + g * d..][..d]).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() * shape.scale as f64)
+                .map(|s| {
+                    qv.iter()
+                        .zip(&k[s * kv_dim + g * d..][..d])
+                        .map(|(a, b)| (*a as f64) * (*b as f64))
+                        .sum::<f64>()
+                        * shape.scale as f64
+                })
                 .collect();
             let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
             let z: f64 = e.iter().sum();
             for (i, s) in (start..=p).enumerate() {
                 for j in 0..d {
-                    out[(t * nh + h) * d + j] += (e[i] / z * v[s * kv_dim + g * d + j] as f64) as f32;
+                    out[(t * nh + h) * d + j] +=
+                        (e[i] / z * v[s * kv_dim + g * d + j] as f64) as f32;
                 }
             }
         }
@@ -81,7 +105,14 @@ fn dense(shape: &AttentionShape, q: &[f32], pos: &[usize], k: &[f32], v: &[f32])
 
 /// Scatter contiguous K/V into pages following `table` (physical pages in a
 /// shuffled order, so the kernel must follow the table).
-fn paged(geo: KvGeometry, table: &[PageRef], n_phys: usize, k: &[f32], v: &[f32], ctx: usize) -> VecPages {
+fn paged(
+    geo: KvGeometry,
+    table: &[PageRef],
+    n_phys: usize,
+    k: &[f32],
+    v: &[f32],
+    ctx: usize,
+) -> VecPages {
     let d = geo.kv_dim();
     let mut store = VecPages {
         geo,
@@ -105,7 +136,12 @@ fn paged(geo: KvGeometry, table: &[PageRef], n_phys: usize, k: &[f32], v: &[f32]
 }
 
 fn shuffled_table(n: usize, n_phys: usize) -> Vec<PageRef> {
-    (0..n).map(|i| PageRef { page: ((i * 7 + 3) % n_phys) as u32, generation: 2 * i as u64 + 1 }).collect()
+    (0..n)
+        .map(|i| PageRef {
+            page: ((i * 7 + 3) % n_phys) as u32,
+            generation: 2 * i as u64 + 1,
+        })
+        .collect()
 }
 
 #[test]
@@ -116,8 +152,18 @@ fn matches_dense_reference_for_prefill_and_decode_shapes() {
         (8, 8, 8, 1, 5, None),
         (6, 2, 32, 8, 40, Some(9)),
     ] {
-        let geo = KvGeometry { page_size: ps, n_kv_heads: nkv, head_dim: d };
-        let shape = AttentionShape { n_heads: nh, n_kv_heads: nkv, head_dim: d, scale: 1.0 / (d as f32).sqrt(), window };
+        let geo = KvGeometry {
+            page_size: ps,
+            n_kv_heads: nkv,
+            head_dim: d,
+        };
+        let shape = AttentionShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            window,
+        };
         let n_pages = ctx.div_ceil(ps);
         let n_phys = n_pages + 5;
         let table = shuffled_table(n_pages, n_phys);
@@ -128,18 +174,36 @@ fn matches_dense_reference_for_prefill_and_decode_shapes() {
         for positions in [(0..ctx).collect::<Vec<_>>(), vec![ctx - 1]] {
             let q = noise(3, positions.len() * nh * d);
             let mut out = vec![0.0; q.len()];
-            paged_attention(&store, &table, 0, &shape, &q, &positions, &mut out).expect("valid read");
+            paged_attention(&store, &table, 0, &shape, &q, &positions, &mut out)
+                .expect("valid read");
             let want = dense(&shape, &q, &positions, &k, &v);
-            let err = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-            assert!(err < 1e-5, "max abs error {err} for shape {nh}/{nkv}/{d} page {ps} ctx {ctx}");
+            let err = out
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                err < 1e-5,
+                "max abs error {err} for shape {nh}/{nkv}/{d} page {ps} ctx {ctx}"
+            );
         }
     }
 }
 
 #[test]
 fn violation_reads_nothing_and_leaves_output_untouched() {
-    let geo = KvGeometry { page_size: 4, n_kv_heads: 1, head_dim: 8 };
-    let shape = AttentionShape { n_heads: 2, n_kv_heads: 1, head_dim: 8, scale: 0.3, window: None };
+    let geo = KvGeometry {
+        page_size: 4,
+        n_kv_heads: 1,
+        head_dim: 8,
+    };
+    let shape = AttentionShape {
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 8,
+        scale: 0.3,
+        window: None,
+    };
     let table = shuffled_table(3, 6);
     let k = noise(5, 12 * 8);
     let store = paged(geo, &table, 6, &k, &k, 12);
@@ -147,24 +211,47 @@ fn violation_reads_nothing_and_leaves_output_untouched() {
     forged[2].generation += 2;
     let q = noise(6, 2 * 8);
     let mut out = vec![42.0; q.len()];
-    let err = paged_attention(&store, &forged, 0, &shape, &q, &[11], &mut out).expect_err("stale generation must fail");
+    let err = paged_attention(&store, &forged, 0, &shape, &q, &[11], &mut out)
+        .expect_err("stale generation must fail");
     assert!(matches!(err, GuardViolation::StaleGeneration { .. }));
-    assert!(out.iter().all(|&x| x == 42.0), "output written despite a violation");
+    assert!(
+        out.iter().all(|&x| x == 42.0),
+        "output written despite a violation"
+    );
     // A read one slot past what was written fails on I2.
-    let err = paged_attention(&store, &table, 0, &shape, &q, &[12], &mut out).expect_err("past the table");
+    let err = paged_attention(&store, &table, 0, &shape, &q, &[12], &mut out)
+        .expect_err("past the table");
     assert!(matches!(err, GuardViolation::TableTooShort { .. }));
-    assert_eq!(*store.reported.borrow(), vec![err], "the kernel reports what it refuses itself");
+    assert_eq!(
+        *store.reported.borrow(),
+        vec![err],
+        "the kernel reports what it refuses itself"
+    );
 }
 
 #[test]
 fn sliding_window_skips_pages_outside_every_window() {
-    let geo = KvGeometry { page_size: 4, n_kv_heads: 1, head_dim: 4 };
-    let shape = AttentionShape { n_heads: 1, n_kv_heads: 1, head_dim: 4, scale: 0.5, window: Some(4) };
+    let geo = KvGeometry {
+        page_size: 4,
+        n_kv_heads: 1,
+        head_dim: 4,
+    };
+    let shape = AttentionShape {
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 4,
+        scale: 0.5,
+        window: Some(4),
+    };
     let table = shuffled_table(4, 4);
     let k = noise(8, 16 * 4);
     let store = paged(geo, &table, 4, &k, &k, 16);
     let q = noise(9, 4);
     let mut out = vec![0.0; 4];
     paged_attention(&store, &table, 0, &shape, &q, &[15], &mut out).expect("valid read");
-    assert_eq!(*store.reads.borrow(), vec![table[3].page], "only the last page is in the window");
+    assert_eq!(
+        *store.reads.borrow(),
+        vec![table[3].page],
+        "only the last page is in the window"
+    );
 }

@@ -189,9 +189,7 @@ mod step;
 
 use stateright::{Model, Property};
 
-pub use properties::{
-    ALL_COMPLETE, ALL_END, ENDS_ONCE, NO_LATE_WRITES, PAGE_REUSED, SAFE_READS,
-};
+pub use properties::{ALL_COMPLETE, ALL_END, ENDS_ONCE, NO_LATE_WRITES, PAGE_REUSED, SAFE_READS};
 pub use state::{
     DecodeSide, End, Generation, Health, Msg, Page, PageId, Phase, Rid, State, Wid, WriterSide,
 };

@@ -36,7 +36,8 @@ pub(crate) fn safe_reads(m: &HandshakeModel, s: &State) -> bool {
                 let Some(page) = s.pages.get(p as usize) else {
                     return true;
                 };
-                let passes = page.generation == g && page.owner == Some(rid) && slot < page.watermark;
+                let passes =
+                    page.generation == g && page.owner == Some(rid) && slot < page.watermark;
                 !passes || page.slots.get(slot as usize) == Some(&Some(rid))
             })
     })
@@ -90,9 +91,10 @@ pub(crate) fn no_late_writes(m: &HandshakeModel, s: &State) -> bool {
 /// granted generation; every owner holds; free plus held is the capacity.
 pub(crate) fn ends_once(_: &HandshakeModel, s: &State) -> bool {
     let once = s.decode.iter().all(|d| d.ends <= 1);
-    let consistent = s.pages.iter().all(|p| {
-        p.free == p.owner.is_none() && p.owner.is_none_or(|o| s.holds(o))
-    });
+    let consistent = s
+        .pages
+        .iter()
+        .all(|p| p.free == p.owner.is_none() && p.owner.is_none_or(|o| s.holds(o)));
     let mut held = 0;
     let tables_match = s.decode.iter().enumerate().all(|(i, d)| {
         if !s.holds(i as Rid) {

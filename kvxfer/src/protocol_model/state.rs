@@ -225,9 +225,9 @@ impl State {
 
     /// The reservation holds pages: granted, aborting or live.
     pub fn holds(&self, rid: Rid) -> bool {
-        self.decode.get(rid as usize).is_some_and(|d| {
-            matches!(d.phase, Phase::Granted | Phase::Aborting | Phase::Live)
-        })
+        self.decode
+            .get(rid as usize)
+            .is_some_and(|d| matches!(d.phase, Phase::Granted | Phase::Aborting | Phase::Live))
     }
 
     /// Pages on the free list.

@@ -1,11 +1,12 @@
 //! Control messages after the grant: transfer done, abort, abort confirmed,
-//! revoke.
+//! revoke; and the two that open a transport connection, hello and welcome.
 
 use std::fmt;
 
 use super::codec::{fit, seal, Put, Reader};
 use super::error::WireError;
-use super::ids::{Capability, ReservationId, CAPABILITY_LEN};
+use super::geometry::{Geometry, GEOMETRY_LEN};
+use super::ids::{Capability, ReservationId, WriterId, CAPABILITY_LEN};
 use super::{MessageType, HEADER_LEN, TRAILER_LEN};
 
 /// Bytes of a `TransferDone` body before the checksum list.
@@ -134,8 +135,10 @@ impl fmt::Debug for AbortReason {
     }
 }
 
-/// Router to prefill and decode: stop work on this reservation. Prefill
-/// answers with [`AbortConfirmed`] once nothing of it is in flight.
+/// Decode to prefill (on the transport connection the reservation is bound
+/// to): stop work on this reservation. Prefill answers with
+/// [`AbortConfirmed`] once nothing of it is in flight, whatever it knows of
+/// the reservation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Abort {
     /// The reservation to abort.
@@ -146,12 +149,16 @@ pub struct Abort {
 
 /// Prefill to decode: prefill has stopped writing this grant and nothing it
 /// sent is still in flight; the pages may be released (I5).
+///
+/// It carries no capability: a writer must confirm an abort even for a
+/// grant it never received (the abort overtook the grant), so it may not
+/// know the secret. Its authority is the connection: the decode node binds
+/// every reservation to one writer's connection when it grants, and accepts
+/// a confirmation only on that connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AbortConfirmed {
     /// The reservation.
     pub reservation: ReservationId,
-    /// The grant's capability: only the writer can confirm it has stopped.
-    pub capability: Capability,
     /// Frames prefill sent for this grant, all told; the receiver can check
     /// it has seen (accepted or refused) that many before releasing.
     pub frames_sent: u64,
@@ -168,7 +175,7 @@ pub struct Revoke {
 /// Body sizes of the fixed-size control messages.
 pub const ABORT_LEN: usize = 16 + 2;
 /// See [`ABORT_LEN`].
-pub const ABORT_CONFIRMED_LEN: usize = 16 + CAPABILITY_LEN + 8;
+pub const ABORT_CONFIRMED_LEN: usize = 16 + 8;
 /// See [`ABORT_LEN`].
 pub const REVOKE_LEN: usize = 16;
 
@@ -197,7 +204,6 @@ impl AbortConfirmed {
     pub fn encode(&self, out: &mut Vec<u8>) -> Result<usize, WireError> {
         seal(MessageType::AbortConfirmed, ABORT_CONFIRMED_LEN, out, |o| {
             o.put_id(&self.reservation);
-            o.put_capability(&self.capability);
             o.put_u64(self.frames_sent);
         })
     }
@@ -206,7 +212,6 @@ impl AbortConfirmed {
         let mut r = Reader::new(body);
         let m = Self {
             reservation: r.id("reservation")?,
-            capability: r.capability()?,
             frames_sent: r.u64("frames_sent")?,
         };
         r.finish("abort_confirmed")?;
@@ -229,5 +234,146 @@ impl Revoke {
         };
         r.finish("revoke")?;
         Ok(m)
+    }
+}
+
+/// Writer to decode, first on a transport connection: who is writing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// The writer process's id, minted at its start.
+    pub writer: WriterId,
+}
+
+/// How a writer's KV data reaches the decode node's pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DataPath {
+    /// `KvFrame`s on the same connection; the receiver checks each one
+    /// against its grant before it lands (TCP). Code 1.
+    Frames,
+    /// One-sided writes into the pool's shared-memory mapping at this
+    /// path, gated per grant by the grant's write key (`crate::shm`).
+    /// Code 2.
+    SharedMemory {
+        /// The mapping's file.
+        path: String,
+    },
+}
+
+/// Decode to writer, the answer to [`Hello`]: the data path and the shape
+/// of the pool's pages.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Welcome {
+    /// How frames travel.
+    pub data_path: DataPath,
+    /// The pool's page shape; every grant on this connection has it.
+    pub geometry: Geometry,
+}
+
+/// Body size of [`Hello`].
+pub const HELLO_LEN: usize = 16;
+/// Body size of [`Welcome`] before the path.
+pub const WELCOME_FIXED_LEN: usize = 1 + 1 + 2 + GEOMETRY_LEN;
+
+impl Hello {
+    /// Appends the encoded message to `out`; returns the bytes appended.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<usize, WireError> {
+        seal(MessageType::Hello, HELLO_LEN, out, |o| {
+            o.put_id(&self.writer)
+        })
+    }
+
+    pub(crate) fn decode_body(body: &[u8]) -> Result<Self, WireError> {
+        let mut r = Reader::new(body);
+        let m = Self {
+            writer: r.id("writer")?,
+        };
+        r.finish("hello")?;
+        Ok(m)
+    }
+}
+
+impl Welcome {
+    fn path(&self) -> &str {
+        match &self.data_path {
+            DataPath::Frames => "",
+            DataPath::SharedMemory { path } => path,
+        }
+    }
+
+    /// Appends the encoded message to `out`; returns the bytes appended.
+    /// Refused: an invalid geometry, an empty shared-memory path, a path
+    /// over 65,535 bytes.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<usize, WireError> {
+        self.geometry.validate()?;
+        let (code, path) = match &self.data_path {
+            DataPath::Frames => (1u8, ""),
+            DataPath::SharedMemory { path } if !path.is_empty() => (2u8, path.as_str()),
+            DataPath::SharedMemory { .. } => {
+                return Err(WireError::InvalidField {
+                    field: "path",
+                    value: 0,
+                    reason: "a shared-memory data path names its mapping",
+                })
+            }
+        };
+        let path_len: u16 = fit(path.len(), "path")?;
+        seal(
+            MessageType::Welcome,
+            WELCOME_FIXED_LEN + self.path().len(),
+            out,
+            |o| {
+                o.put_u8(code);
+                o.put_u8(0);
+                o.put_u16(path_len);
+                self.geometry.put(o);
+                o.extend_from_slice(path.as_bytes());
+            },
+        )
+    }
+
+    pub(crate) fn decode_body(body: &[u8]) -> Result<Self, WireError> {
+        let mut r = Reader::new(body);
+        let code = r.u8("data_path")?;
+        let reserved = r.u8("reserved")?;
+        if reserved != 0 {
+            return Err(WireError::InvalidField {
+                field: "reserved",
+                value: reserved.into(),
+                reason: "must be 0",
+            });
+        }
+        let path_len = usize::from(r.u16("path")?);
+        let geometry = Geometry::read(&mut r)?;
+        let path = r.take(path_len, "path")?;
+        r.finish("welcome")?;
+        let path = std::str::from_utf8(path).map_err(|e| WireError::InvalidField {
+            field: "path",
+            value: e.valid_up_to() as u64,
+            reason: "not UTF-8 (value: bytes of valid prefix)",
+        })?;
+        let data_path = match (code, path.is_empty()) {
+            (1, true) => DataPath::Frames,
+            (2, false) => DataPath::SharedMemory {
+                path: path.to_owned(),
+            },
+            (1 | 2, _) => {
+                return Err(WireError::InvalidField {
+                    field: "path",
+                    value: path_len as u64,
+                    reason: "frames need no path; shared memory needs one",
+                })
+            }
+            (other, _) => {
+                return Err(WireError::InvalidField {
+                    field: "data_path",
+                    value: other.into(),
+                    reason: "unknown data path",
+                })
+            }
+        };
+        Ok(Self {
+            data_path,
+            geometry,
+        })
     }
 }

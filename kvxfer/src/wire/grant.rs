@@ -11,7 +11,7 @@ use super::ids::{ct_eq, Capability, ReservationId, CAPABILITY_LEN};
 use super::{MessageType, HEADER_LEN, TRAILER_LEN};
 
 /// Bytes of a grant body before the page list.
-pub const GRANT_FIXED_LEN: usize = 16 + CAPABILITY_LEN + GEOMETRY_LEN + 8 + 8 + 4 + 2;
+pub const GRANT_FIXED_LEN: usize = 16 + CAPABILITY_LEN + GEOMETRY_LEN + 8 + 8 + 8 + 4 + 2;
 /// Bytes per page list entry: page id u32, generation u64.
 pub const PAGE_ENTRY_LEN: usize = 12;
 
@@ -37,6 +37,11 @@ pub struct Grant {
     /// the decode node revokes and frees (I5: never frees on the deadline
     /// alone).
     pub lease_deadline_unix_ms: u64,
+    /// The transport's key for this grant's write path, opaque to the
+    /// writer: 0 where the receiver checks every frame (TCP); the lane and
+    /// epoch of a shared-memory write gate ([`crate::shm::WriteKey`]); an
+    /// RDMA remote key. Revoking the grant invalidates it.
+    pub write_key: u64,
     /// The granted pages in logical order, each with the generation it was
     /// granted at.
     pub pages: Vec<PageRef>,
@@ -153,6 +158,7 @@ impl Grant {
             self.geometry.put(o);
             o.put_u64(self.prompt_tokens);
             o.put_u64(self.lease_deadline_unix_ms);
+            o.put_u64(self.write_key);
             o.put_u32(n_pages);
             o.put_u16(endpoint_len);
             for p in &self.pages {
@@ -172,6 +178,7 @@ impl Grant {
         let geometry = Geometry::read(&mut r)?;
         let prompt_tokens = r.u64("prompt_tokens")?;
         let lease_deadline_unix_ms = r.u64("lease_deadline_unix_ms")?;
+        let write_key = r.u64("write_key")?;
         let n_pages = r.u32("pages")? as usize;
         let endpoint_len = usize::from(r.u16("endpoint")?);
         let declared = n_pages
@@ -216,6 +223,7 @@ impl Grant {
             geometry,
             prompt_tokens,
             lease_deadline_unix_ms,
+            write_key,
             pages,
             endpoint: endpoint.to_owned(),
         };

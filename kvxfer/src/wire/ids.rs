@@ -114,6 +114,13 @@ id128! {
     TransferId
 }
 
+id128! {
+    /// Names one writer process (a prefill node's incarnation); minted when
+    /// the process starts and sent in `Hello`. Grants are bound to it, so a
+    /// restarted writer cannot use grants issued to its predecessor.
+    WriterId
+}
+
 /// Bytes in a [`Capability`].
 pub const CAPABILITY_LEN: usize = 32;
 

@@ -53,7 +53,7 @@
 //!
 //! The payload starts at byte 104 of the message, a multiple of 8.
 //!
-//! **Grant** (tag 2), 82 bytes + 12 per page + endpoint:
+//! **Grant** (tag 2), 90 bytes + 12 per page + endpoint:
 //!
 //! | offset | size | field |
 //! |---|---|---|
@@ -62,10 +62,11 @@
 //! | 48 | 12 | geometry |
 //! | 60 | 8 | prompt tokens u64 (slots covered) |
 //! | 68 | 8 | lease deadline, unix milliseconds u64 |
-//! | 76 | 4 | page count n u32 = ceil(prompt tokens / page_size) |
-//! | 80 | 2 | endpoint length e u16 |
-//! | 82 | 12 n | pages: page id u32, generation u64 |
-//! | 82 + 12 n | e | endpoint, UTF-8, non-empty |
+//! | 76 | 8 | write key u64 (transport's key for this grant's write path) |
+//! | 84 | 4 | page count n u32 = ceil(prompt tokens / page_size) |
+//! | 88 | 2 | endpoint length e u16 |
+//! | 90 | 12 n | pages: page id u32, generation u64 |
+//! | 90 + 12 n | e | endpoint, UTF-8, non-empty |
 //!
 //! **TransferDone** (tag 3), 64 bytes + 8 per page:
 //!
@@ -81,10 +82,21 @@
 //! **Abort** (tag 4), 18 bytes: reservation id (16), reason code u16
 //! ([`AbortReason`]; unknown codes still abort).
 //!
-//! **AbortConfirmed** (tag 5), 56 bytes: reservation id (16), capability
-//! (32), frames sent u64.
+//! **AbortConfirmed** (tag 5), 24 bytes: reservation id (16), frames sent
+//! u64.
 //!
 //! **Revoke** (tag 6), 16 bytes: reservation id.
+//!
+//! **Hello** (tag 7), 16 bytes: writer id, the first message a prefill
+//! node sends on a transport connection. The id is minted once per writer
+//! process, so a restarted writer is a new writer and grants bound to the
+//! old one never work for it.
+//!
+//! **Welcome** (tag 8), 16 bytes + path: the decode node's answer to
+//! Hello: data path u8 (1 = frames on this connection, checked by the
+//! receiver; 2 = one-sided writes into a shared-memory mapping), reserved
+//! u8 = 0, path length u16, geometry (12), then the mapping's path
+//! (UTF-8; empty for data path 1, non-empty for 2).
 //!
 //! # Version policy
 //!
@@ -102,12 +114,15 @@
 //!
 //! The [`Capability`] (256 random bits, minted by the decode node with the
 //! grant) authorises writes into that one grant's pages and is shown by
-//! every frame, `TransferDone` and `AbortConfirmed`; [`Grant::check_frame`]
-//! compares it in constant time, along with the reservation, geometry, page
-//! id, generation and slot range. It is a bearer secret: it is not bound to
-//! a connection, and who may open a connection to a pool (and send `Abort`
-//! or `Revoke`, which carry none) is per-connection mesh authentication, a
-//! later issue. The checksum only detects corruption.
+//! every frame and `TransferDone`; [`Grant::check_frame`] compares it in
+//! constant time, along with the reservation, geometry, page id, generation
+//! and slot range. On top of it the decode node binds each reservation to
+//! the transport connection of the writer named at reserve time and
+//! accepts frames, `TransferDone` and `AbortConfirmed` (which carries no
+//! capability: the writer may never have seen the grant) only on that
+//! connection. Who may open a connection to a pool at all is per-connection
+//! mesh authentication, a later issue. The checksum only detects
+//! corruption.
 //!
 //! # Checksum
 //!
@@ -141,12 +156,14 @@ pub mod ids;
 mod tests;
 
 pub use checksum::{checksum, page_checksum, Checksummer};
-pub use control::{Abort, AbortConfirmed, AbortReason, Revoke, TransferDone};
+pub use control::{
+    Abort, AbortConfirmed, AbortReason, DataPath, Hello, Revoke, TransferDone, Welcome,
+};
 pub use error::{FrameReject, RejectCounters, WireError, REJECT_KINDS};
 pub use frame::{f32s_from_le, f32s_to_le, KvFrame, LayerKv};
 pub use geometry::{Dtype, Geometry};
 pub use grant::Grant;
-pub use ids::{Capability, MintError, RequestId, ReservationId, TransferId};
+pub use ids::{Capability, MintError, RequestId, ReservationId, TransferId, WriterId};
 
 /// The first four bytes of every message.
 pub const MAGIC: [u8; 4] = *b"KVMW";
@@ -176,17 +193,23 @@ pub enum MessageType {
     AbortConfirmed,
     /// Tag 6.
     Revoke,
+    /// Tag 7.
+    Hello,
+    /// Tag 8.
+    Welcome,
 }
 
 impl MessageType {
     /// Every type, in tag order.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 8] = [
         Self::KvFrame,
         Self::Grant,
         Self::TransferDone,
         Self::Abort,
         Self::AbortConfirmed,
         Self::Revoke,
+        Self::Hello,
+        Self::Welcome,
     ];
 
     /// The tag on the wire.
@@ -198,6 +221,8 @@ impl MessageType {
             Self::Abort => 4,
             Self::AbortConfirmed => 5,
             Self::Revoke => 6,
+            Self::Hello => 7,
+            Self::Welcome => 8,
         }
     }
 
@@ -244,6 +269,10 @@ pub enum Message<'a> {
     AbortConfirmed(AbortConfirmed),
     /// Write right withdrawn.
     Revoke(Revoke),
+    /// A writer opens a transport connection.
+    Hello(Hello),
+    /// The decode node's answer: how writes reach its pool.
+    Welcome(Welcome),
 }
 
 impl Message<'_> {
@@ -256,18 +285,21 @@ impl Message<'_> {
             Self::Abort(_) => MessageType::Abort,
             Self::AbortConfirmed(_) => MessageType::AbortConfirmed,
             Self::Revoke(_) => MessageType::Revoke,
+            Self::Hello(_) => MessageType::Hello,
+            Self::Welcome(_) => MessageType::Welcome,
         }
     }
 
-    /// The reservation every message names.
-    pub fn reservation(&self) -> ReservationId {
+    /// The reservation the message names (connection messages name none).
+    pub fn reservation(&self) -> Option<ReservationId> {
         match self {
-            Self::KvFrame(m) => m.reservation,
-            Self::Grant(m) => m.reservation,
-            Self::TransferDone(m) => m.reservation,
-            Self::Abort(m) => m.reservation,
-            Self::AbortConfirmed(m) => m.reservation,
-            Self::Revoke(m) => m.reservation,
+            Self::KvFrame(m) => Some(m.reservation),
+            Self::Grant(m) => Some(m.reservation),
+            Self::TransferDone(m) => Some(m.reservation),
+            Self::Abort(m) => Some(m.reservation),
+            Self::AbortConfirmed(m) => Some(m.reservation),
+            Self::Revoke(m) => Some(m.reservation),
+            Self::Hello(_) | Self::Welcome(_) => None,
         }
     }
 
@@ -281,6 +313,8 @@ impl Message<'_> {
             Self::Abort(m) => m.encode(out),
             Self::AbortConfirmed(m) => m.encode(out),
             Self::Revoke(m) => m.encode(out),
+            Self::Hello(m) => m.encode(out),
+            Self::Welcome(m) => m.encode(out),
         }
     }
 }
@@ -375,6 +409,8 @@ pub fn decode<'a>(
         MessageType::Abort => Message::Abort(Abort::decode_body(body)?),
         MessageType::AbortConfirmed => Message::AbortConfirmed(AbortConfirmed::decode_body(body)?),
         MessageType::Revoke => Message::Revoke(Revoke::decode_body(body)?),
+        MessageType::Hello => Message::Hello(Hello::decode_body(body)?),
+        MessageType::Welcome => Message::Welcome(Welcome::decode_body(body)?),
     };
     Ok((message, len))
 }

@@ -144,9 +144,15 @@ impl TextTokenizer {
                 .map(|(token, _)| AddedToken::from((*token).to_owned(), special))
                 .collect()
         };
-        let tokenizer_err = |e: tokenizers::Error| ModelError::Tokenizer { detail: format!("adding the GGUF's added tokens: {e}") };
-        inner.add_special_tokens(added(TOKEN_TYPE_CONTROL, true)).map_err(tokenizer_err)?;
-        inner.add_tokens(added(TOKEN_TYPE_USER_DEFINED, false)).map_err(tokenizer_err)?;
+        let tokenizer_err = |e: tokenizers::Error| ModelError::Tokenizer {
+            detail: format!("adding the GGUF's added tokens: {e}"),
+        };
+        inner
+            .add_special_tokens(added(TOKEN_TYPE_CONTROL, true))
+            .map_err(tokenizer_err)?;
+        inner
+            .add_tokens(added(TOKEN_TYPE_USER_DEFINED, false))
+            .map_err(tokenizer_err)?;
 
         let token_of = |key: &str| -> Result<Option<(u32, String)>> {
             match g.opt_u32(key)? {

@@ -12,7 +12,9 @@ pub fn tiny_model_dir() -> PathBuf {
 
 /// A committed golden file.
 pub fn golden_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/golden").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/golden")
+        .join(name)
 }
 
 /// The default model if it is in the cache; tests on it are skipped (with a

@@ -102,7 +102,7 @@ fn header_errors_are_typed() {
             }
         );
     }
-    for tag in [0u16, 7, u16::MAX] {
+    for tag in [0u16, 9, u16::MAX] {
         let mut m = msg.clone();
         m[6..8].copy_from_slice(&tag.to_le_bytes());
         reseal(&mut m);
@@ -160,10 +160,10 @@ pub(super) fn absurd_bodies() -> Vec<(&'static str, Vec<u8>)> {
     let max = u32::MAX.to_le_bytes();
     vec![
         ("frame payload_len", patch(&s[0].1, 88, &max)),
-        ("grant pages", patch(&s[1].1, 76, &max)),
+        ("grant pages", patch(&s[1].1, 84, &max)),
         (
             "grant endpoint",
-            patch(&s[1].1, 80, &u16::MAX.to_le_bytes()),
+            patch(&s[1].1, 88, &u16::MAX.to_le_bytes()),
         ),
         ("transfer_done pages_written", patch(&s[2].1, 60, &max)),
     ]
@@ -189,7 +189,7 @@ fn invalid_fields_are_named() {
         (patch(f, 80, &3u32.to_le_bytes()), "slots.end"), // 3 + 2 > page_size 4
         (patch(f, 80, &u32::MAX.to_le_bytes()), "slots.n"), // overflow
         (patch(g, 60, &0u64.to_le_bytes()), "prompt_tokens"),
-        (patch(g, 82 + 3 * 12, b"\xff"), "endpoint"),
+        (patch(g, 90 + 3 * 12, b"\xff"), "endpoint"),
     ];
     for (msg, field) in cases {
         match err(&msg) {
@@ -225,7 +225,7 @@ fn invalid_fields_are_named() {
     // length, reseal. The encoder refuses the same grant.
     let ep = grant().endpoint.len();
     let mut m = g[..g.len() - TRAILER_LEN - ep].to_vec();
-    m[HEADER_LEN + 80..HEADER_LEN + 82].copy_from_slice(&0u16.to_le_bytes());
+    m[HEADER_LEN + 88..HEADER_LEN + 90].copy_from_slice(&0u16.to_le_bytes());
     let body = (m.len() - HEADER_LEN) as u32;
     m[8..12].copy_from_slice(&body.to_le_bytes());
     m.extend_from_slice(&[0; TRAILER_LEN]);

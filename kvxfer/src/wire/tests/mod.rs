@@ -73,6 +73,7 @@ pub(super) fn grant() -> Grant {
         geometry: geo(4, 3, 1, 2),
         prompt_tokens: 10,
         lease_deadline_unix_ms: 1_700_000_000_000,
+        write_key: 0x0000_0003_0000_0007,
         pages: vec![
             PageRef {
                 page: 3,
@@ -110,11 +111,19 @@ pub(super) fn samples() -> Vec<(MessageType, Vec<u8>)> {
         }),
         Message::AbortConfirmed(AbortConfirmed {
             reservation: rid(7),
-            capability: cap(9),
             frames_sent: 17,
         }),
         Message::Revoke(Revoke {
             reservation: rid(7),
+        }),
+        Message::Hello(Hello {
+            writer: WriterId::from_wire([3; 16]),
+        }),
+        Message::Welcome(Welcome {
+            data_path: DataPath::SharedMemory {
+                path: "/dev/shm/kvmesh-pool-1.shm".into(),
+            },
+            geometry: geo(4, 3, 1, 2),
         }),
     ];
     msgs.iter()
@@ -150,7 +159,7 @@ pub(super) fn err(bytes: &[u8]) -> WireError {
 #[test]
 fn layout_sizes_match_the_doc_tables() {
     assert_eq!(frame::FRAME_FIXED_LEN, 92);
-    assert_eq!(grant::GRANT_FIXED_LEN, 82);
+    assert_eq!(grant::GRANT_FIXED_LEN, 90);
     assert_eq!(control::TRANSFER_DONE_FIXED_LEN, 64);
     assert_eq!(
         (
@@ -158,8 +167,9 @@ fn layout_sizes_match_the_doc_tables() {
             control::ABORT_CONFIRMED_LEN,
             control::REVOKE_LEN
         ),
-        (18, 56, 16)
+        (18, 24, 16)
     );
+    assert_eq!((control::HELLO_LEN, control::WELCOME_FIXED_LEN), (16, 16));
     assert_eq!(HEADER_LEN + frame::FRAME_FIXED_LEN, 104);
     let s = samples();
     let lens: Vec<usize> = s.iter().map(|(_, m)| m.len()).collect();
@@ -168,11 +178,13 @@ fn layout_sizes_match_the_doc_tables() {
         lens,
         [
             20 + 92 + FRAME_PAYLOAD,
-            20 + 82 + 3 * 12 + endpoint,
+            20 + 90 + 3 * 12 + endpoint,
             20 + 64 + 3 * 8,
             20 + 18,
-            20 + 56,
-            20 + 16
+            20 + 24,
+            20 + 16,
+            20 + 16,
+            20 + 16 + "/dev/shm/kvmesh-pool-1.shm".len(),
         ]
     );
     for (ty, m) in &s {
@@ -182,5 +194,5 @@ fn layout_sizes_match_the_doc_tables() {
         assert_eq!(MessageType::from_tag(ty.tag()), Ok(*ty));
     }
     let tags: Vec<u16> = MessageType::ALL.iter().map(|t| t.tag()).collect();
-    assert_eq!(tags, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(tags, [1, 2, 3, 4, 5, 6, 7, 8]);
 }

@@ -103,7 +103,7 @@ fn arb_grant() -> impl Strategy<Value = Grant> {
         arb_cap(),
         arb_geo(),
         1u64..=400,
-        any::<u64>(),
+        (any::<u64>(), any::<u64>()),
         "\\PC{1,40}",
     )
         .prop_flat_map(
@@ -129,7 +129,7 @@ fn arb_grant() -> impl Strategy<Value = Grant> {
                     capability,
                     geometry,
                     prompt_tokens,
-                    lease_deadline_unix_ms,
+                    (lease_deadline_unix_ms, write_key),
                     endpoint,
                 ),
                 pages,
@@ -139,6 +139,7 @@ fn arb_grant() -> impl Strategy<Value = Grant> {
                 geometry,
                 prompt_tokens,
                 lease_deadline_unix_ms,
+                write_key,
                 pages,
                 endpoint,
             },
@@ -170,14 +171,24 @@ fn arb_control() -> impl Strategy<Value = Message<'static>> {
             reservation,
             reason: AbortReason(r),
         })),
-        (arb_rid(), arb_cap(), any::<u64>()).prop_map(|(reservation, capability, frames_sent)| {
+        (arb_rid(), any::<u64>()).prop_map(|(reservation, frames_sent)| {
             Message::AbortConfirmed(AbortConfirmed {
                 reservation,
-                capability,
                 frames_sent,
             })
         }),
         arb_rid().prop_map(|reservation| Message::Revoke(Revoke { reservation })),
+        any::<[u8; 16]>()
+            .prop_filter("ids are never zero", |b| b.iter().any(|&x| x != 0))
+            .prop_map(|b| Message::Hello(Hello {
+                writer: WriterId::from_wire(b)
+            })),
+        (arb_geo(), proptest::option::of("\\PC{1,60}")).prop_map(|(geometry, path)| {
+            Message::Welcome(Welcome {
+                data_path: path.map_or(DataPath::Frames, |path| DataPath::SharedMemory { path }),
+                geometry,
+            })
+        }),
     ]
 }
 

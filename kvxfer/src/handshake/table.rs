@@ -1,0 +1,948 @@
+//! The decode node's reservation table: grants, landing, verification,
+//! aborts, leases, and revocation, one entry per reservation.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::counters::KindCounters;
+use crate::pool::KvPool;
+use crate::reservation::Reservation;
+use crate::shm::PeerProcess;
+use crate::transport::{Landing, Revocation};
+use crate::wire::{
+    Abort, AbortConfirmed, AbortReason, Capability, FrameReject, Geometry, Grant, KvFrame,
+    RejectCounters, ReservationId, Revoke, TransferDone, WriterId,
+};
+
+use super::error::{Ended, HandshakeError, Outcome, ReserveError, RevokeCause, VerifyError};
+use super::live::{LiveSequence, Pending};
+
+/// How long the table remembers ended reservations (to answer a late
+/// message with "already ended" rather than "unknown").
+const TOMBSTONES: usize = 4096;
+
+/// The decode side's timing and limits.
+#[derive(Clone, Debug)]
+pub struct TableConfig {
+    /// How long a grant may stay unfinished (no transfer-done) before it
+    /// is revoked and freed.
+    pub lease: Duration,
+    /// How long an abort may wait for the writer's confirmation before the
+    /// write path is revoked and the pages freed.
+    pub abort_timeout: Duration,
+    /// The longest sequence (prompt + new tokens) this node serves: its
+    /// own re-check of I3.
+    pub max_seq_tokens: usize,
+}
+
+/// A request for pages: the prompt's tokens, the decode budget, and the
+/// writer (prefill process) that will fill the prompt's pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReserveRequest {
+    /// Prompt tokens: the transfer must cover exactly these.
+    pub prompt_tokens: usize,
+    /// Tokens to generate: reserved up front, so a live sequence never
+    /// waits for pages.
+    pub max_new_tokens: usize,
+    /// The writer the grant is bound to.
+    pub writer: WriterId,
+}
+
+/// Identifies one writer connection for the life of the table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(u64);
+
+/// Outbound control messages of one connection, encoded. The channel is
+/// bounded by the pool's page count plus slack: each reservation sends at
+/// most one message (Abort or Revoke) and holds at least one page, so the
+/// bound is never reached while the connection is drained.
+pub type Outbound = mpsc::Sender<Vec<u8>>;
+
+/// The phase of a reservation. The pages move from variant to variant by
+/// value, so exactly one phase holds them; `Ended` holds none.
+#[derive(Debug)]
+enum Phase {
+    /// Granted; nothing landed yet.
+    Granted(Reservation),
+    /// Frames landing (receiver-checked transports) .
+    Writing(Reservation),
+    /// Aborted; waiting for the writer's confirmation.
+    Aborting {
+        res: Reservation,
+        reason: AbortReason,
+        deadline: Instant,
+    },
+    /// Ending, but the write path is not closed yet (an active one-sided
+    /// write of a live writer): the pages stay held, quarantined.
+    Revoking { res: Reservation, outcome: Outcome },
+    /// Ended; the pages were released or handed to a live sequence.
+    Ended(Outcome),
+    /// Only while a transition runs, under the entry lock.
+    Moving,
+}
+
+impl Phase {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Granted(_) => "granted",
+            Self::Writing(_) => "writing",
+            Self::Aborting { .. } => "aborting",
+            Self::Revoking { .. } => "revoking",
+            Self::Ended(_) => "ended",
+            Self::Moving => "moving",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    grant: Grant,
+    conn: ConnId,
+    /// The writer's process, where the transport watches it; kept after
+    /// its connection is gone, for revocations still pending then.
+    peer: Option<Arc<PeerProcess>>,
+    lease_deadline: Instant,
+    phase: Phase,
+    waiter: Option<oneshot::Sender<Result<LiveSequence, Ended>>>,
+    /// Scratch for frame payloads, reused.
+    scratch: Vec<f32>,
+}
+
+#[derive(Debug)]
+struct Conn {
+    writer: WriterId,
+    tx: Outbound,
+    peer: Option<Arc<PeerProcess>>,
+}
+
+#[derive(Debug, Default)]
+struct Conns {
+    next: u64,
+    by_id: HashMap<ConnId, Conn>,
+    by_writer: HashMap<WriterId, ConnId>,
+}
+
+#[derive(Debug, Default)]
+struct Tombstones {
+    order: VecDeque<ReservationId>,
+    outcome: HashMap<ReservationId, &'static str>,
+}
+
+/// Labels of [`TableStats::ended_by`]: every [`Outcome::kind`].
+pub const OUTCOME_KINDS: [&str; 8] = [
+    "completed",
+    "aborted",
+    "lease_expired",
+    "abort_timed_out",
+    "writer_lost",
+    "verification_failed",
+    "done_while_writing",
+    "shutdown",
+];
+
+/// Labels of [`TableStats::control_rejects`]: every [`HandshakeError::kind`]
+/// that is not a frame reject.
+pub const CONTROL_REJECT_KINDS: [&str; 9] = [
+    "unknown_reservation",
+    "already_ended",
+    "wrong_connection",
+    "bad_capability",
+    "illegal_transition",
+    "frames_not_accepted",
+    "duplicate_writer",
+    "unknown_connection",
+    "unexpected_message",
+];
+
+/// Counters of the table, a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TableStats {
+    /// Grants issued.
+    pub granted: u64,
+    /// Reserve requests refused.
+    pub refused: u64,
+    /// Reservations in the table now (granted, writing, aborting,
+    /// revoking).
+    pub open: usize,
+    /// Of those, quarantined: ending, but the write path is still open.
+    pub revoking: usize,
+    /// Frames landed.
+    pub frames_landed: u64,
+    /// Ends by outcome ([`OUTCOME_KINDS`]).
+    pub ended_by: [(&'static str, u64); OUTCOME_KINDS.len()],
+    /// Frames refused, by kind.
+    pub frame_rejects: u64,
+    /// Control messages refused, by kind ([`CONTROL_REJECT_KINDS`]).
+    pub control_rejects: [(&'static str, u64); CONTROL_REJECT_KINDS.len()],
+}
+
+impl TableStats {
+    /// Ends of one outcome kind.
+    pub fn ended(&self, kind: &str) -> u64 {
+        self.ended_by
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map_or(0, |(_, n)| *n)
+    }
+
+    /// All ends.
+    pub fn ended_total(&self) -> u64 {
+        self.ended_by.iter().map(|(_, n)| n).sum()
+    }
+
+    /// Control rejects of one kind.
+    pub fn control_rejected(&self, kind: &str) -> u64 {
+        self.control_rejects
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map_or(0, |(_, n)| *n)
+    }
+}
+
+/// The decode node's reservation table. Cheap to clone (shared).
+///
+/// # Rules it keeps (those of `protocol_model`)
+/// - Reserve allocates every page of prompt plus decode budget, or none,
+///   and binds the grant to one writer connection.
+/// - A frame lands only while its reservation is granted or writing, on
+///   the bound connection, and after [`Grant::check_frame`]; it never
+///   raises a watermark.
+/// - Transfer-done: the write path is revoked first, then I4 is verified;
+///   pass makes the sequence live (watermarks set), fail revokes and
+///   frees. A transfer-done in any other phase is refused.
+/// - Abort before live: the phase becomes aborting, the writer is told,
+///   the pages stay held until its confirmation (then revoke, which is
+///   immediate, and free) or until the abort timeout (revoke, then free).
+/// - Lease expiry: revoke, then free. Never free on a timeout alone.
+/// - Connection lost: every reservation bound to it that is not live is
+///   revoked and freed.
+/// - Revocation that cannot complete (an active one-sided write of a live
+///   writer) quarantines the pages; [`Self::tick`] retries.
+/// - Every reservation ends exactly once; [`TableStats::ended_by`] counts.
+#[derive(Clone, Debug)]
+pub struct ReservationTable {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pool: KvPool,
+    landing: Arc<dyn Landing>,
+    cfg: TableConfig,
+    geometry: Geometry,
+    /// Where writers reach this node, as written in grants; set by the
+    /// listener once bound.
+    endpoint: Mutex<String>,
+    entries: Mutex<HashMap<ReservationId, Arc<Mutex<Entry>>>>,
+    conns: Mutex<Conns>,
+    tombstones: Mutex<Tombstones>,
+    granted: AtomicU64,
+    refused: AtomicU64,
+    frames_landed: AtomicU64,
+    ended: KindCounters<{ OUTCOME_KINDS.len() }>,
+    frame_rejects: RejectCounters,
+    control_rejects: KindCounters<{ CONTROL_REJECT_KINDS.len() }>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves its data consistent before anything
+    // that could panic, so a poisoned lock is used as is.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn unix_ms(at: Instant) -> u64 {
+    let now = Instant::now();
+    let wall = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    let wall = if at >= now {
+        wall.saturating_add(at - now)
+    } else {
+        wall.saturating_sub(now - at)
+    };
+    u64::try_from(wall.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl ReservationTable {
+    /// A table over `pool`, whose writes arrive through `landing`.
+    pub fn new(
+        pool: KvPool,
+        landing: Arc<dyn Landing>,
+        cfg: TableConfig,
+    ) -> Result<Self, crate::wire::WireError> {
+        let geometry = Geometry::from_pool(pool.config())?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                pool,
+                landing,
+                cfg,
+                geometry,
+                endpoint: Mutex::new(String::from("unbound:")),
+                entries: Mutex::default(),
+                conns: Mutex::default(),
+                tombstones: Mutex::default(),
+                granted: AtomicU64::new(0),
+                refused: AtomicU64::new(0),
+                frames_landed: AtomicU64::new(0),
+                ended: KindCounters::default(),
+                frame_rejects: RejectCounters::default(),
+                control_rejects: KindCounters::default(),
+            }),
+        })
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &KvPool {
+        &self.inner.pool
+    }
+
+    /// The transport's landing side.
+    pub fn landing(&self) -> &Arc<dyn Landing> {
+        &self.inner.landing
+    }
+
+    /// Sets the endpoint written into grants (the listener's address).
+    pub fn set_endpoint(&self, endpoint: &str) {
+        *lock(&self.inner.endpoint) = endpoint.to_owned();
+    }
+
+    /// The endpoint written into grants.
+    pub fn endpoint(&self) -> String {
+        lock(&self.inner.endpoint).clone()
+    }
+
+    /// The pool's page shape on the wire.
+    pub fn geometry(&self) -> Geometry {
+        self.inner.geometry
+    }
+
+    /// Reserves pages and issues a grant bound to `req.writer`'s
+    /// connection. No partial grants.
+    pub fn reserve(&self, req: ReserveRequest) -> Result<(Grant, Pending), ReserveError> {
+        let r = self.inner.reserve(req);
+        if r.is_err() {
+            self.inner.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        let (grant, rx) = r?;
+        let pending = Pending {
+            id: grant.reservation,
+            rx: Some(rx),
+            table: Arc::downgrade(&self.inner),
+        };
+        Ok((grant, pending))
+    }
+
+    /// Registers a writer connection (after its Hello). `tx` carries this
+    /// table's messages to it; `peer` is its process where known.
+    pub fn register(
+        &self,
+        writer: WriterId,
+        tx: Outbound,
+        peer: Option<PeerProcess>,
+    ) -> Result<ConnId, HandshakeError> {
+        let mut conns = lock(&self.inner.conns);
+        if conns.by_writer.contains_key(&writer) {
+            self.inner
+                .control_rejects
+                .bump_label(&CONTROL_REJECT_KINDS, "duplicate_writer");
+            return Err(HandshakeError::DuplicateWriter(writer));
+        }
+        conns.next += 1;
+        let id = ConnId(conns.next);
+        conns.by_writer.insert(writer, id);
+        conns.by_id.insert(
+            id,
+            Conn {
+                writer,
+                tx,
+                peer: peer.map(Arc::new),
+            },
+        );
+        Ok(id)
+    }
+
+    /// Writers connected now.
+    pub fn connected_writers(&self) -> Vec<WriterId> {
+        lock(&self.inner.conns).by_writer.keys().copied().collect()
+    }
+
+    /// Lands a frame that arrived on `conn` (receiver-checked transports).
+    pub fn land_frame(&self, conn: ConnId, frame: &KvFrame<'_>) -> Result<(), HandshakeError> {
+        let r = self.inner.land_frame(conn, frame);
+        match &r {
+            Ok(()) => {
+                self.inner.frames_landed.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(HandshakeError::Frame(f)) => self.inner.frame_rejects.record_frame(f),
+            Err(e) => self
+                .inner
+                .control_rejects
+                .bump_label(&CONTROL_REJECT_KINDS, e.kind()),
+        }
+        r
+    }
+
+    /// Handles a writer's transfer-done: revoke, verify (I4), and either
+    /// hand the live sequence to the waiter or free.
+    pub fn transfer_done(
+        &self,
+        conn: ConnId,
+        done: &TransferDone,
+    ) -> Result<Outcome, HandshakeError> {
+        let r = self.inner.transfer_done(conn, done);
+        if let Err(e) = &r {
+            self.inner
+                .control_rejects
+                .bump_label(&CONTROL_REJECT_KINDS, e.kind());
+        }
+        r
+    }
+
+    /// Aborts a reservation that is not live yet (client gone, router or
+    /// decode error). Idempotent. Returns the phase it is in afterwards
+    /// (`"aborting"`, `"revoking"`) or how it had ended.
+    pub fn abort(
+        &self,
+        id: ReservationId,
+        reason: AbortReason,
+    ) -> Result<&'static str, HandshakeError> {
+        self.inner.abort(id, reason)
+    }
+
+    /// Handles a writer's abort confirmation.
+    pub fn abort_confirmed(
+        &self,
+        conn: ConnId,
+        msg: &AbortConfirmed,
+    ) -> Result<Outcome, HandshakeError> {
+        let r = self.inner.abort_confirmed(conn, msg);
+        if let Err(e) = &r {
+            self.inner
+                .control_rejects
+                .bump_label(&CONTROL_REJECT_KINDS, e.kind());
+        }
+        r
+    }
+
+    /// The connection ended: every reservation bound to it that is not
+    /// live is revoked and freed (or quarantined while a one-sided write of
+    /// a live process is active).
+    pub fn connection_lost(&self, conn: ConnId) {
+        self.inner.connection_lost(conn);
+    }
+
+    /// Timers: lease expiry, abort timeout, quarantined revocations.
+    pub fn tick(&self, now: Instant) {
+        self.inner.tick(now);
+    }
+
+    /// Ends every open reservation (node shutdown): revoke, then free.
+    pub fn shutdown(&self) {
+        for entry in self.inner.snapshot() {
+            let mut e = lock(&entry);
+            let id = e.grant.reservation;
+            if matches!(e.phase, Phase::Ended(_)) {
+                continue;
+            }
+            self.inner
+                .end(&mut e, Outcome::Revoked(RevokeCause::Shutdown));
+            drop(e);
+            self.inner.forget_if_ended(id);
+        }
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> TableStats {
+        let entries = self.inner.snapshot();
+        let revoking = entries
+            .iter()
+            .filter(|e| matches!(lock(e).phase, Phase::Revoking { .. }))
+            .count();
+        TableStats {
+            granted: self.inner.granted.load(Ordering::Relaxed),
+            refused: self.inner.refused.load(Ordering::Relaxed),
+            open: entries.len(),
+            revoking,
+            frames_landed: self.inner.frames_landed.load(Ordering::Relaxed),
+            ended_by: self.inner.ended.by_kind(&OUTCOME_KINDS),
+            frame_rejects: self.inner.frame_rejects.total(),
+            control_rejects: self.inner.control_rejects.by_kind(&CONTROL_REJECT_KINDS),
+        }
+    }
+
+    /// The frame reject counters, by kind.
+    pub fn frame_rejects(&self) -> &RejectCounters {
+        &self.inner.frame_rejects
+    }
+
+    /// Counts a control-path refusal seen outside the table (the server's
+    /// stream handling).
+    pub(crate) fn count_control_reject(&self, e: &HandshakeError) {
+        match e {
+            HandshakeError::Frame(f) => self.inner.frame_rejects.record_frame(f),
+            other => self
+                .inner
+                .control_rejects
+                .bump_label(&CONTROL_REJECT_KINDS, other.kind()),
+        }
+    }
+}
+
+impl Inner {
+    fn snapshot(&self) -> Vec<Arc<Mutex<Entry>>> {
+        lock(&self.entries).values().cloned().collect()
+    }
+
+    fn entry(&self, id: ReservationId) -> Result<Arc<Mutex<Entry>>, HandshakeError> {
+        if let Some(e) = lock(&self.entries).get(&id) {
+            return Ok(Arc::clone(e));
+        }
+        match lock(&self.tombstones).outcome.get(&id) {
+            Some(outcome) => Err(HandshakeError::AlreadyEnded { id, outcome }),
+            None => Err(HandshakeError::UnknownReservation(id)),
+        }
+    }
+
+    fn reserve(
+        &self,
+        req: ReserveRequest,
+    ) -> Result<(Grant, oneshot::Receiver<Result<LiveSequence, Ended>>), ReserveError> {
+        let ReserveRequest {
+            prompt_tokens,
+            max_new_tokens,
+            writer,
+        } = req;
+        if prompt_tokens == 0 {
+            return Err(ReserveError::EmptyPrompt);
+        }
+        let requested = prompt_tokens.saturating_add(max_new_tokens);
+        if requested > self.cfg.max_seq_tokens {
+            return Err(ReserveError::TooLong {
+                prompt_tokens,
+                max_new_tokens,
+                requested,
+                max_seq_tokens: self.cfg.max_seq_tokens,
+            });
+        }
+        let capacity = self.pool.capacity_tokens();
+        if requested > capacity {
+            return Err(ReserveError::OverCapacity {
+                requested,
+                capacity,
+            });
+        }
+        let (conn, peer) = {
+            let conns = lock(&self.conns);
+            let id = *conns
+                .by_writer
+                .get(&writer)
+                .ok_or(ReserveError::WriterNotConnected { writer })?;
+            (id, conns.by_id.get(&id).and_then(|c| c.peer.clone()))
+        };
+        let res = self.pool.reserve(requested).map_err(|e| match e {
+            crate::PoolError::Exhausted {
+                requested_pages,
+                free_pages,
+            } => ReserveError::Exhausted {
+                needed_pages: requested_pages,
+                free_pages,
+            },
+            other => ReserveError::Pool(other),
+        })?;
+        let reservation = ReservationId::mint()?;
+        let capability = Capability::mint()?;
+        let write_key = self
+            .landing
+            .open()
+            .map_err(|e| ReserveError::Transport(e.to_string()))?;
+        let page_size = self.pool.config().page_size;
+        let pages = res.held()[..prompt_tokens.div_ceil(page_size)].to_vec();
+        let lease_deadline = Instant::now() + self.cfg.lease;
+        let grant = Grant {
+            reservation,
+            capability,
+            geometry: self.geometry,
+            prompt_tokens: prompt_tokens as u64,
+            lease_deadline_unix_ms: unix_ms(lease_deadline),
+            write_key,
+            pages,
+            endpoint: lock(&self.endpoint).clone(),
+        };
+        let (tx, rx) = oneshot::channel();
+        let entry = Entry {
+            grant: grant.clone(),
+            conn,
+            peer,
+            lease_deadline,
+            phase: Phase::Granted(res),
+            waiter: Some(tx),
+            scratch: Vec::new(),
+        };
+        lock(&self.entries).insert(reservation, Arc::new(Mutex::new(entry)));
+        self.granted.fetch_add(1, Ordering::Relaxed);
+        Ok((grant, rx))
+    }
+
+    fn land_frame(&self, conn: ConnId, frame: &KvFrame<'_>) -> Result<(), HandshakeError> {
+        if !self.landing.receiver_checked() {
+            return Err(HandshakeError::FramesNotAccepted);
+        }
+        let unknown = || FrameReject::UnknownReservation {
+            got: frame.reservation,
+        };
+        let entry = self.entry(frame.reservation).map_err(|_| unknown())?;
+        let mut e = lock(&entry);
+        if e.conn != conn {
+            return Err(unknown().into());
+        }
+        e.grant.check_frame(frame)?;
+        let prompt_slots = e.grant.prompt_slots(frame.page_index as usize).unwrap_or(0);
+        let Entry { phase, scratch, .. } = &mut *e;
+        let res = match phase {
+            Phase::Granted(r) | Phase::Writing(r) => r,
+            // Aborting, revoking or ended: the write path is closed. A late
+            // frame is refused on arrival (the TCP receiver check).
+            _ => return Err(unknown().into()),
+        };
+        let layers = usize::from(frame.layers.start)..usize::from(frame.layers.end);
+        let slots = frame.slots.start as usize..frame.slots.end as usize;
+        res.land(
+            frame.page_index as usize,
+            layers,
+            slots,
+            frame.payload,
+            scratch,
+        )
+        .map_err(|_| {
+            HandshakeError::Frame(FrameReject::SlotsOutOfPrompt {
+                index: frame.page_index,
+                end: frame.slots.end,
+                prompt_slots,
+            })
+        })?;
+        if let Phase::Granted(_) = e.phase {
+            if let Phase::Granted(r) = std::mem::replace(&mut e.phase, Phase::Moving) {
+                e.phase = Phase::Writing(r);
+            }
+        }
+        Ok(())
+    }
+
+    fn transfer_done(&self, conn: ConnId, done: &TransferDone) -> Result<Outcome, HandshakeError> {
+        let id = done.reservation;
+        let entry = self.entry(id)?;
+        let mut e = lock(&entry);
+        if e.conn != conn {
+            return Err(HandshakeError::WrongConnection(id));
+        }
+        if done.capability != e.grant.capability {
+            return Err(HandshakeError::BadCapability(id));
+        }
+        if !matches!(e.phase, Phase::Granted(_) | Phase::Writing(_)) {
+            return Err(HandshakeError::IllegalTransition {
+                id,
+                phase: e.phase.name(),
+                event: "transfer_done",
+            });
+        }
+        // Close the write path before looking at the pages: what is
+        // verified can no longer change.
+        if let Revocation::Pending { .. } =
+            self.landing.revoke(e.grant.write_key, e.peer.as_deref())
+        {
+            let outcome = Outcome::Revoked(RevokeCause::DoneWhileWriting);
+            self.quarantine(&mut e, outcome.clone());
+            return Ok(outcome);
+        }
+        let (Phase::Granted(mut res) | Phase::Writing(mut res)) =
+            std::mem::replace(&mut e.phase, Phase::Moving)
+        else {
+            return Err(HandshakeError::IllegalTransition {
+                id,
+                phase: "moving",
+                event: "transfer_done",
+            });
+        };
+        let outcome = match verify(&e.grant, &res, done) {
+            Ok(()) => {
+                res.publish_prompt(e.grant.prompt_tokens as usize);
+                let live = LiveSequence {
+                    id,
+                    prompt_tokens: e.grant.prompt_tokens as usize,
+                    first_token: done.first_token,
+                    reservation: res,
+                };
+                if let Some(tx) = e.waiter.take() {
+                    // A waiter that is gone drops the sequence: its pages
+                    // are released (the writer has stopped and drained).
+                    let _ = tx.send(Ok(live));
+                }
+                Outcome::Completed
+            }
+            Err(v) => {
+                drop(res);
+                Outcome::Revoked(RevokeCause::VerificationFailed(v))
+            }
+        };
+        self.finish(&mut e, outcome.clone());
+        drop(e);
+        self.forget_if_ended(id);
+        Ok(outcome)
+    }
+
+    pub(crate) fn abort(
+        &self,
+        id: ReservationId,
+        reason: AbortReason,
+    ) -> Result<&'static str, HandshakeError> {
+        let entry = match self.entry(id) {
+            Ok(e) => e,
+            Err(HandshakeError::AlreadyEnded { outcome, .. }) => return Ok(outcome),
+            Err(e) => return Err(e),
+        };
+        let mut e = lock(&entry);
+        match std::mem::replace(&mut e.phase, Phase::Moving) {
+            Phase::Granted(res) | Phase::Writing(res) => {
+                e.phase = Phase::Aborting {
+                    res,
+                    reason,
+                    deadline: Instant::now() + self.cfg.abort_timeout,
+                };
+                self.send(
+                    e.conn,
+                    &Abort {
+                        reservation: id,
+                        reason,
+                    },
+                );
+                Ok("aborting")
+            }
+            Phase::Ended(outcome) => {
+                let kind = outcome.kind();
+                e.phase = Phase::Ended(outcome);
+                Ok(kind)
+            }
+            other => {
+                let name = other.name();
+                e.phase = other;
+                Ok(name)
+            }
+        }
+    }
+
+    fn abort_confirmed(
+        &self,
+        conn: ConnId,
+        msg: &AbortConfirmed,
+    ) -> Result<Outcome, HandshakeError> {
+        let id = msg.reservation;
+        let entry = self.entry(id)?;
+        let mut e = lock(&entry);
+        if e.conn != conn {
+            return Err(HandshakeError::WrongConnection(id));
+        }
+        let Phase::Aborting { reason, .. } = e.phase else {
+            return Err(HandshakeError::IllegalTransition {
+                id,
+                phase: e.phase.name(),
+                event: "abort_confirmed",
+            });
+        };
+        let outcome = Outcome::Aborted(reason);
+        self.end(&mut e, outcome.clone());
+        drop(e);
+        self.forget_if_ended(id);
+        Ok(outcome)
+    }
+
+    fn connection_lost(&self, conn: ConnId) {
+        {
+            let mut conns = lock(&self.conns);
+            if let Some(c) = conns.by_id.remove(&conn) {
+                conns.by_writer.remove(&c.writer);
+            }
+        }
+        for entry in self.snapshot() {
+            let mut e = lock(&entry);
+            if e.conn != conn {
+                continue;
+            }
+            let id = e.grant.reservation;
+            if matches!(
+                e.phase,
+                Phase::Granted(_) | Phase::Writing(_) | Phase::Aborting { .. }
+            ) {
+                self.end(&mut e, Outcome::Revoked(RevokeCause::WriterLost));
+            } else if let Phase::Revoking { .. } = e.phase {
+                self.retry_revoke(&mut e);
+            }
+            drop(e);
+            self.forget_if_ended(id);
+        }
+    }
+
+    fn tick(&self, now: Instant) {
+        for entry in self.snapshot() {
+            let mut e = lock(&entry);
+            let id = e.grant.reservation;
+            match e.phase {
+                Phase::Granted(_) | Phase::Writing(_) if now >= e.lease_deadline => {
+                    self.end(&mut e, Outcome::Revoked(RevokeCause::LeaseExpired));
+                    self.send(e.conn, &Revoke { reservation: id });
+                }
+                Phase::Aborting { deadline, .. } if now >= deadline => {
+                    self.end(&mut e, Outcome::Revoked(RevokeCause::AbortTimedOut));
+                    self.send(e.conn, &Revoke { reservation: id });
+                }
+                Phase::Revoking { .. } => self.retry_revoke(&mut e),
+                _ => {}
+            }
+            drop(e);
+            self.forget_if_ended(id);
+        }
+    }
+
+    /// Ends a reservation that is not live: revoke its write path, then
+    /// free (or quarantine while the revocation is pending).
+    fn end(&self, e: &mut Entry, outcome: Outcome) {
+        match self.landing.revoke(e.grant.write_key, e.peer.as_deref()) {
+            Revocation::Complete => {
+                // Dropping the reservation releases its pages: new
+                // generations, owners cleared, watermarks reset.
+                e.phase = Phase::Moving;
+                self.finish(e, outcome);
+            }
+            Revocation::Pending { .. } => self.quarantine(e, outcome),
+        }
+    }
+
+    fn quarantine(&self, e: &mut Entry, outcome: Outcome) {
+        match std::mem::replace(&mut e.phase, Phase::Moving) {
+            Phase::Granted(res)
+            | Phase::Writing(res)
+            | Phase::Aborting { res, .. }
+            | Phase::Revoking { res, .. } => e.phase = Phase::Revoking { res, outcome },
+            other => e.phase = other,
+        }
+    }
+
+    fn retry_revoke(&self, e: &mut Entry) {
+        if let Revocation::Complete = self.landing.revoke(e.grant.write_key, e.peer.as_deref()) {
+            if let Phase::Revoking { outcome, .. } = std::mem::replace(&mut e.phase, Phase::Moving)
+            {
+                self.finish(e, outcome);
+            }
+        }
+    }
+
+    /// The one place a reservation ends: records the outcome, tells the
+    /// waiter, counts. The pages were released (phase dropped) or handed to
+    /// the live sequence by the caller.
+    fn finish(&self, e: &mut Entry, outcome: Outcome) {
+        e.phase = Phase::Ended(outcome.clone());
+        self.ended.bump_label(&OUTCOME_KINDS, outcome.kind());
+        if let Some(tx) = e.waiter.take() {
+            let _ = tx.send(Err(Ended {
+                id: e.grant.reservation,
+                outcome,
+            }));
+        }
+    }
+
+    fn forget_if_ended(&self, id: ReservationId) {
+        let mut entries = lock(&self.entries);
+        let ended = entries.get(&id).and_then(|e| match &lock(e).phase {
+            Phase::Ended(o) => Some(o.kind()),
+            _ => None,
+        });
+        if let Some(kind) = ended {
+            entries.remove(&id);
+            drop(entries);
+            let mut t = lock(&self.tombstones);
+            t.order.push_back(id);
+            t.outcome.insert(id, kind);
+            while t.order.len() > TOMBSTONES {
+                if let Some(old) = t.order.pop_front() {
+                    t.outcome.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn send<M: Encode>(&self, conn: ConnId, msg: &M) {
+        let mut bytes = Vec::new();
+        if msg.encode_into(&mut bytes).is_err() {
+            return;
+        }
+        if let Some(c) = lock(&self.conns).by_id.get(&conn) {
+            // Full cannot happen while the connection is drained (see
+            // `Outbound`); a closed channel means the connection is going,
+            // and `connection_lost` revokes everything bound to it.
+            let _ = c.tx.try_send(bytes);
+        }
+    }
+}
+
+/// I4: exactly the granted prompt, every page still held at its granted
+/// generation, every page's landed checksum equal to the writer's.
+fn verify(grant: &Grant, res: &Reservation, done: &TransferDone) -> Result<(), VerifyError> {
+    if done.tokens_written != grant.prompt_tokens {
+        return Err(VerifyError::TokenCount {
+            granted: grant.prompt_tokens,
+            written: done.tokens_written,
+        });
+    }
+    if done.page_checksums.len() != grant.pages.len() {
+        return Err(VerifyError::PageCount {
+            granted: grant.pages.len(),
+            written: done.page_checksums.len(),
+        });
+    }
+    res.check_held(&grant.pages)
+        .map_err(|n| VerifyError::PageNotHeld {
+            index: n.index,
+            page: n.granted.page,
+            granted: n.granted.generation,
+            now: n.generation,
+        })?;
+    for (index, &reported) in done.page_checksums.iter().enumerate() {
+        let slots = grant.prompt_slots(index).unwrap_or(0) as usize;
+        let landed = res.landed_checksum(index, slots).unwrap_or(!reported);
+        if landed != reported {
+            return Err(VerifyError::Checksum {
+                index,
+                landed,
+                reported,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Messages the table sends.
+trait Encode {
+    fn encode_into(&self, out: &mut Vec<u8>) -> Result<usize, crate::wire::WireError>;
+}
+
+impl Encode for Abort {
+    fn encode_into(&self, out: &mut Vec<u8>) -> Result<usize, crate::wire::WireError> {
+        self.encode(out)
+    }
+}
+
+impl Encode for Revoke {
+    fn encode_into(&self, out: &mut Vec<u8>) -> Result<usize, crate::wire::WireError> {
+        self.encode(out)
+    }
+}
+
+/// How many control messages a connection's outbound channel holds: one
+/// per page (each reservation holds at least one page and sends at most
+/// one Abort and one Revoke) plus slack.
+pub fn outbound_capacity(pool: &KvPool) -> usize {
+    pool.capacity_pages().saturating_mul(2).saturating_add(64)
+}

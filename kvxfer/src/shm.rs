@@ -1,0 +1,1281 @@
+//! The decode pool in a shared-memory file mapping, written one-sided by a
+//! prefill process on the same host, and the lanes that gate those writes.
+//!
+//! # Why lanes
+//! A writer on the same host maps the pool and stores into it directly, the
+//! way an RDMA write lands: the decode node cannot look at a write before it
+//! lands. I5 ("no late writes") therefore needs a way to *revoke* a write
+//! path and to know when the revocation has taken hold. A **lane** is that
+//! gate, one per grant: a writer may store only while its lane is open at
+//! its key's epoch, and the decode node revokes by closing the lane and
+//! waiting until no write is inside. That is the shared-memory analogue of
+//! invalidating an RDMA memory window, or moving a queue pair to error and
+//! flushing it.
+//!
+//! # File layout (little-endian; native atomics)
+//! - Header at offset 0, [`HEADER_LEN`] bytes reserved: magic `KVMSHM01`,
+//!   version `u32` = 1, `page_size`, `n_layers`, `n_kv_heads`, `head_dim`,
+//!   `dtype` (`u32` each; dtype 1 = f32), `n_pages`, `n_lanes`,
+//!   `lanes_offset`, `data_offset`, `total_len` (`u64` each). [`ShmRegion::open`]
+//!   recomputes every derived field from the layout with checked arithmetic
+//!   and refuses any difference, and `total_len` must equal the file length.
+//! - Lanes at `lanes_offset` = 4096: `n_lanes` entries of 64 bytes (one
+//!   cache line each, so lanes do not false-share): `epoch: AtomicU32` at +0,
+//!   `active: AtomicU32` at +4, the rest padding.
+//! - Page data at `data_offset` (the end of the lanes rounded up to 4096):
+//!   `n_pages` pages of `n_layers * 2 * page_size * kv_dim` f32, page-major
+//!   as in the heap pool: page `p`, layer `l` is a K block
+//!   `[page_size][kv_dim]` followed by a V block of the same shape.
+//!
+//! # The lane protocol
+//! An epoch is even while the lane is closed and odd while it is open; it
+//! only ever moves forward by one (wrapping, which keeps the parity).
+//! - Decode opens a lane for a grant ([`ShmRegion::lane_open`]): closed and
+//!   `active == 0`, epoch `e` -> `e + 1`; the key `{lane, e + 1}` goes to the
+//!   writer with the grant.
+//! - The writer ([`ShmRegion::write_slots`]): `W1 active.fetch_add(1, SeqCst)`,
+//!   `W2 epoch.load(SeqCst)`; only if that equals the key's epoch does it
+//!   copy, then `W3 active.fetch_sub(1, Release)` (also on refusal).
+//! - Decode closes ([`ShmRegion::lane_close`]): `D1 epoch CAS e -> e + 1
+//!   (SeqCst)`, then `D2 active.load(SeqCst)`: `Drained` if 0, else `Busy`
+//!   (ask again).
+//!
+//! **No write lands after a `Drained` close.** All SeqCst operations have
+//! one total order S. Take a write that passed its check: its W2 read `e`,
+//! so W2 precedes D1 in S (after D1 the lane's epoch is `e + 1` or later and
+//! never returns to `e`), hence W1 <S W2 <S D1 <S D2. D2 reads a value of
+//! `active` no earlier in its modification order than W1. Every decrement
+//! comes after its own increment in that order, so if W3 were not yet in it
+//! the value would be at least 1. D2 read 0, so W3 comes before the value D2
+//! read; W3 is a Release and D2 an acquire (SeqCst) load reading at or after
+//! it in the release sequence, so the copy (sequenced before W3)
+//! happens-before D2. A write whose W2 comes after D1 reads an epoch other
+//! than `e` and is refused without touching data. So when `Drained` is
+//! returned every allowed write has fully landed and none can land later.
+//! [`ShmRegion::lane_open`] makes the same check (its active load comes after
+//! it saw the closed epoch), which is why a lane that has moved on past a key
+//! also counts as drained for that key.
+//!
+//! Page data is read by the decode side only after the grant's lane is
+//! `Drained`; that is what makes those plain reads race-free.
+//!
+//! # Trust
+//! The mapping covers the whole pool, like an RDMA memory region registered
+//! over the pool: anyone who maps it can write any page, and could forge a
+//! key or truncate the file (SIGBUS). Writers are therefore authenticated
+//! mesh peers on the same host that run this code; the lanes protect against
+//! *late* writes of well-behaved peers (aborts, timeouts, crashes), not
+//! against a hostile process. Finer-grained protection would need a mapping
+//! per grant, as per-grant RDMA memory windows give. Cross-process atomics
+//! rely on 32-bit lock-free atomics being address-free, as they are on every
+//! target kvmesh supports. Epochs wrap after 2^31 grants of one lane; a key
+//! held that long could match again, which we accept.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use memmap2::{MmapOptions, MmapRaw};
+use thiserror::Error;
+
+/// Bytes reserved for the header; also where the lanes start.
+pub const HEADER_LEN: usize = 4096;
+/// Bytes per lane: one cache line.
+pub const LANE_STRIDE: usize = 64;
+/// Alignment of the page data.
+const DATA_ALIGN: usize = 4096;
+const MAGIC: [u8; 8] = *b"KVMSHM01";
+const VERSION: u32 = 1;
+const DTYPE_F32: u32 = 1;
+/// Bytes of the header actually used (the rest of [`HEADER_LEN`] is zero).
+const HEADER_USED: usize = 72;
+
+/// The shape of a shared-memory pool: page geometry and lane count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShmLayout {
+    /// Token slots per page.
+    pub page_size: u32,
+    /// Transformer layers.
+    pub n_layers: u32,
+    /// KV heads per layer.
+    pub n_kv_heads: u32,
+    /// Values per head.
+    pub head_dim: u32,
+    /// Pages in the pool.
+    pub n_pages: u64,
+    /// Write gates; lane indices are `u32`, so at most 2^32.
+    pub n_lanes: u64,
+}
+
+/// Sizes derived from a valid layout, all in range of `usize` and `isize`.
+#[derive(Clone, Copy, Debug)]
+struct Sizes {
+    kv_dim: usize,
+    /// Floats of one (page, layer) K or V block.
+    block: usize,
+    page_floats: usize,
+    data_offset: usize,
+    total_len: usize,
+}
+
+/// Why a layout is unusable.
+enum LayoutFault {
+    Zero(&'static str),
+    TooManyLanes(u64),
+    Overflow,
+}
+
+impl LayoutFault {
+    fn reason(&self) -> String {
+        match self {
+            Self::Zero(field) => format!("{field} is 0"),
+            Self::TooManyLanes(n) => format!("n_lanes {n} exceeds 2^32"),
+            Self::Overflow => "sizes overflow the address space".to_owned(),
+        }
+    }
+}
+
+impl ShmLayout {
+    fn sizes(&self) -> Result<Sizes, LayoutFault> {
+        for (field, v) in [
+            ("page_size", u64::from(self.page_size)),
+            ("n_layers", u64::from(self.n_layers)),
+            ("n_kv_heads", u64::from(self.n_kv_heads)),
+            ("head_dim", u64::from(self.head_dim)),
+            ("n_pages", self.n_pages),
+            ("n_lanes", self.n_lanes),
+        ] {
+            if v == 0 {
+                return Err(LayoutFault::Zero(field));
+            }
+        }
+        if self.n_lanes > 1 << 32 {
+            return Err(LayoutFault::TooManyLanes(self.n_lanes));
+        }
+        let us = |v: u64| usize::try_from(v).ok();
+        let f = || -> Option<Sizes> {
+            let kv_dim =
+                us(u64::from(self.n_kv_heads))?.checked_mul(us(u64::from(self.head_dim))?)?;
+            let block = us(u64::from(self.page_size))?.checked_mul(kv_dim)?;
+            let page_floats = us(u64::from(self.n_layers))?
+                .checked_mul(2)?
+                .checked_mul(block)?;
+            let lanes_end = us(self.n_lanes)?
+                .checked_mul(LANE_STRIDE)?
+                .checked_add(HEADER_LEN)?;
+            let data_offset = lanes_end.checked_next_multiple_of(DATA_ALIGN)?;
+            let data_bytes = us(self.n_pages)?
+                .checked_mul(page_floats)?
+                .checked_mul(size_of::<f32>())?;
+            let total_len = data_offset.checked_add(data_bytes)?;
+            // Pointer offsets must fit in isize; header fields are u64.
+            isize::try_from(total_len).ok()?;
+            u64::try_from(total_len).ok()?;
+            Some(Sizes {
+                kv_dim,
+                block,
+                page_floats,
+                data_offset,
+                total_len,
+            })
+        };
+        f().ok_or(LayoutFault::Overflow)
+    }
+
+    /// f32 values per page (all layers, K and V); `None` if the layout is
+    /// invalid (a zero field, more than 2^32 lanes, or an overflow).
+    pub fn page_floats(&self) -> Option<usize> {
+        self.sizes().ok().map(|s| s.page_floats)
+    }
+
+    /// Byte offset of the page data; `None` if the layout is invalid.
+    pub fn data_offset(&self) -> Option<usize> {
+        self.sizes().ok().map(|s| s.data_offset)
+    }
+
+    /// Bytes of the whole file; `None` if the layout is invalid.
+    pub fn total_len(&self) -> Option<usize> {
+        self.sizes().ok().map(|s| s.total_len)
+    }
+}
+
+/// A writer's right to write through one lane at one epoch: what a grant
+/// carries for the shared-memory transport. Forgeable by design (see the
+/// module's trust section), like an RDMA remote key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WriteKey {
+    /// Lane index.
+    pub lane: u32,
+    /// The lane's open (odd) epoch this key was issued for.
+    pub epoch: u32,
+}
+
+impl WriteKey {
+    /// `lane << 32 | epoch`, for the wire.
+    pub fn to_u64(self) -> u64 {
+        u64::from(self.lane) << 32 | u64::from(self.epoch)
+    }
+
+    /// The inverse of [`WriteKey::to_u64`].
+    pub fn from_u64(v: u64) -> Self {
+        // Truncations are the point: the high and the low 32 bits.
+        Self {
+            lane: (v >> 32) as u32,
+            epoch: v as u32,
+        }
+    }
+}
+
+/// Outcome of [`ShmRegion::lane_close`].
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+pub enum LaneClose {
+    /// The lane is closed and no write with the key can land any more.
+    Drained,
+    /// The lane is closed but writes admitted before the close are still
+    /// copying; ask again.
+    Busy {
+        /// Writers inside the lane when it was looked at.
+        active: u32,
+    },
+}
+
+/// Why a shared-memory operation was refused. A refused write wrote nothing.
+#[derive(Debug, Error)]
+pub enum ShmError {
+    /// A file system call failed.
+    #[error("{what} failed for {}", path.display())]
+    Io {
+        /// The file (or, when naming it failed, the directory).
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+        /// The step that failed.
+        what: &'static str,
+    },
+    /// The region's header is invalid, or (on create) the layout is.
+    #[error("bad shared-memory region header in {}: {reason}", path.display())]
+    BadHeader {
+        /// The region file (the directory, on create).
+        path: PathBuf,
+        /// What is wrong, naming the field and its value.
+        reason: String,
+    },
+    /// The region is valid but not the shape the caller expected.
+    #[error("shared-memory region layout mismatch: expected {expected:?}, found {found:?}")]
+    LayoutMismatch {
+        /// The caller's layout.
+        expected: ShmLayout,
+        /// The header's layout.
+        found: ShmLayout,
+    },
+    /// The layout's byte size overflows the address space.
+    #[error("shared-memory region size overflows the address space")]
+    TooLarge,
+    /// The lane index is beyond the region's lanes.
+    #[error("lane {lane} is out of range: the region has {n_lanes} lanes")]
+    LaneOutOfRange {
+        /// Lane requested.
+        lane: u32,
+        /// Lanes in the region.
+        n_lanes: u64,
+    },
+    /// The lane cannot be opened or reset: it is open, or closed with
+    /// writers still inside.
+    #[error("lane {lane} is busy: open, or closed with {active} writers inside")]
+    LaneBusy {
+        /// Lane requested.
+        lane: u32,
+        /// Writers inside when it was looked at.
+        active: u32,
+    },
+    /// The key does not name the lane's current open epoch: the grant was
+    /// revoked, or the key was never issued.
+    #[error("lane {lane} is closed for key epoch {key_epoch} (lane epoch {lane_epoch})")]
+    LaneClosed {
+        /// Lane of the key.
+        lane: u32,
+        /// Epoch of the key.
+        key_epoch: u32,
+        /// The lane's epoch when it was looked at.
+        lane_epoch: u32,
+    },
+    /// A page, layer or slot range is outside the pool.
+    #[error("{what} {value} is out of bounds (limit {limit})")]
+    OutOfBounds {
+        /// `"page"`, `"layer"` (must be below `limit`) or `"slot_end"`
+        /// (first slot after the write; must be at most `limit`).
+        what: &'static str,
+        /// The offending value.
+        value: u64,
+        /// The bound.
+        limit: u64,
+    },
+    /// K and V differ in length, or are not whole slots of `kv_dim` values.
+    #[error("bad K/V length: expected {expected} values, got {got}")]
+    BadLength {
+        /// K's length when V differs; the whole-slot length below K's
+        /// length when K is not whole slots.
+        expected: usize,
+        /// The length given.
+        got: usize,
+    },
+}
+
+impl ShmError {
+    /// Short stable label, for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Io { .. } => "io",
+            Self::BadHeader { .. } => "bad_header",
+            Self::LayoutMismatch { .. } => "layout_mismatch",
+            Self::TooLarge => "too_large",
+            Self::LaneOutOfRange { .. } => "lane_out_of_range",
+            Self::LaneBusy { .. } => "lane_busy",
+            Self::LaneClosed { .. } => "lane_closed",
+            Self::OutOfBounds { .. } => "out_of_bounds",
+            Self::BadLength { .. } => "bad_length",
+        }
+    }
+}
+
+fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> ShmError + 'a {
+    move |source| ShmError::Io {
+        path: path.to_owned(),
+        source,
+        what,
+    }
+}
+
+fn encode_header(l: &ShmLayout, s: &Sizes) -> [u8; HEADER_USED] {
+    let mut h = [0u8; HEADER_USED];
+    h[0..8].copy_from_slice(&MAGIC);
+    let u32s = [
+        VERSION,
+        l.page_size,
+        l.n_layers,
+        l.n_kv_heads,
+        l.head_dim,
+        DTYPE_F32,
+    ];
+    for (i, v) in u32s.iter().enumerate() {
+        h[8 + 4 * i..12 + 4 * i].copy_from_slice(&v.to_le_bytes());
+    }
+    // usize -> u64 is lossless: `sizes` checked the total fits in u64.
+    let u64s = [
+        l.n_pages,
+        l.n_lanes,
+        HEADER_LEN as u64,
+        s.data_offset as u64,
+        s.total_len as u64,
+    ];
+    for (i, v) in u64s.iter().enumerate() {
+        h[32 + 8 * i..40 + 8 * i].copy_from_slice(&v.to_le_bytes());
+    }
+    h
+}
+
+/// Parses and validates a header against the file's length.
+fn decode_header(h: &[u8; HEADER_USED], file_len: u64) -> Result<(ShmLayout, Sizes), String> {
+    let u32_at = |o: usize| u32::from_le_bytes([h[o], h[o + 1], h[o + 2], h[o + 3]]);
+    let u64_at = |o: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&h[o..o + 8]);
+        u64::from_le_bytes(b)
+    };
+    if h[0..8] != MAGIC {
+        return Err(format!(
+            "magic is {:02x?}, expected {:02x?}",
+            &h[0..8],
+            MAGIC
+        ));
+    }
+    let version = u32_at(8);
+    if version != VERSION {
+        return Err(format!("version is {version}, expected {VERSION}"));
+    }
+    let dtype = u32_at(28);
+    if dtype != DTYPE_F32 {
+        return Err(format!("dtype is {dtype}, expected {DTYPE_F32} (f32)"));
+    }
+    let layout = ShmLayout {
+        page_size: u32_at(12),
+        n_layers: u32_at(16),
+        n_kv_heads: u32_at(20),
+        head_dim: u32_at(24),
+        n_pages: u64_at(32),
+        n_lanes: u64_at(40),
+    };
+    let sizes = layout.sizes().map_err(|f| f.reason())?;
+    // Equality with the recomputed values also gives the alignments
+    // (lanes at 4096, a multiple of 64; data at a multiple of 4096).
+    for (field, found, want) in [
+        ("lanes_offset", u64_at(48), HEADER_LEN as u64),
+        ("data_offset", u64_at(56), sizes.data_offset as u64),
+        ("total_len", u64_at(64), sizes.total_len as u64),
+        ("file length", file_len, sizes.total_len as u64),
+    ] {
+        if found != want {
+            return Err(format!("{field} is {found}, expected {want}"));
+        }
+    }
+    Ok((layout, sizes))
+}
+
+/// One lane's two atomics, borrowed from the mapping.
+struct Lane<'a> {
+    epoch: &'a AtomicU32,
+    active: &'a AtomicU32,
+}
+
+/// A writer inside a lane; leaving is the `Drop`, so every return path of a
+/// write leaves (W3 of the protocol).
+struct Entered<'a>(&'a AtomicU32);
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// A shared-memory pool mapping: header, lanes and page data.
+#[derive(Debug)]
+pub struct ShmRegion {
+    map: MmapRaw,
+    /// Start of the page data inside `map`.
+    data: NonNull<f32>,
+    path: PathBuf,
+    layout: ShmLayout,
+    sizes: Sizes,
+    /// The creator unlinks the file on drop.
+    creator: bool,
+}
+
+// SAFETY: `data` points into `map`, which lives as long as the region and is
+// never remapped. Shared access from any thread goes either through the lane
+// atomics or through raw copies under the lane protocol's contract (writers
+// write only their grant's slots; decode reads only after `Drained`), which
+// is the same contract across threads as across processes.
+unsafe impl Send for ShmRegion {}
+// SAFETY: as for `Send`: no method hands out a reference to non-atomic
+// memory of the mapping.
+unsafe impl Sync for ShmRegion {}
+
+impl ShmRegion {
+    /// Creates a new file `kvmesh-pool-<32 random hex>.shm` in `dir` (create
+    /// new, mode 0o600), sets its length, writes the header and maps it
+    /// shared. Lanes start closed at epoch 0 with no writer; page data is
+    /// zero. The creator unlinks the file on drop; mappings made by other
+    /// processes stay valid.
+    ///
+    /// An invalid layout is `BadHeader` naming `dir`, or `TooLarge`.
+    pub fn create(dir: &Path, layout: ShmLayout) -> Result<Arc<Self>, ShmError> {
+        let sizes = layout.sizes().map_err(|f| match f {
+            LayoutFault::Overflow => ShmError::TooLarge,
+            f => ShmError::BadHeader {
+                path: dir.to_owned(),
+                reason: f.reason(),
+            },
+        })?;
+        let mut rnd = [0u8; 16];
+        getrandom::fill(&mut rnd).map_err(|e| ShmError::Io {
+            path: dir.to_owned(),
+            source: io::Error::other(e),
+            what: "random file name",
+        })?;
+        let hex: String = rnd.iter().map(|b| format!("{b:02x}")).collect();
+        let path = dir.join(format!("kvmesh-pool-{hex}.shm"));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(io_err(&path, "create"))?;
+        let made = (|| {
+            // ftruncate: the lanes (epoch 0, active 0) and the data start as zeros.
+            file.set_len(sizes.total_len as u64)
+                .map_err(io_err(&path, "set_len"))?;
+            file.write_all_at(&encode_header(&layout, &sizes), 0)
+                .map_err(io_err(&path, "write header"))?;
+            Self::map(&file, path.clone(), layout, sizes, true)
+        })();
+        if made.is_err() {
+            // Best effort: the error being returned matters more.
+            let _ = std::fs::remove_file(&path);
+        }
+        made.map(Arc::new)
+    }
+
+    /// Maps an existing region read-write and validates its header; with
+    /// `expect`, the header's layout must equal it (else `LayoutMismatch`).
+    pub fn open(path: &Path, expect: Option<&ShmLayout>) -> Result<Arc<Self>, ShmError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io_err(path, "open"))?;
+        let file_len = file.metadata().map_err(io_err(path, "stat"))?.len();
+        let bad = |reason: String| ShmError::BadHeader {
+            path: path.to_owned(),
+            reason,
+        };
+        if file_len < HEADER_LEN as u64 {
+            return Err(bad(format!(
+                "file length {file_len} is shorter than the header"
+            )));
+        }
+        let mut h = [0u8; HEADER_USED];
+        file.read_exact_at(&mut h, 0)
+            .map_err(io_err(path, "read header"))?;
+        let (layout, sizes) = decode_header(&h, file_len).map_err(bad)?;
+        if let Some(expected) = expect {
+            if *expected != layout {
+                return Err(ShmError::LayoutMismatch {
+                    expected: *expected,
+                    found: layout,
+                });
+            }
+        }
+        Self::map(&file, path.to_owned(), layout, sizes, false).map(Arc::new)
+    }
+
+    fn map(
+        file: &File,
+        path: PathBuf,
+        layout: ShmLayout,
+        sizes: Sizes,
+        creator: bool,
+    ) -> Result<Self, ShmError> {
+        let map = MmapOptions::new()
+            .len(sizes.total_len)
+            .map_raw(file)
+            .map_err(io_err(&path, "mmap"))?;
+        let base = map.as_mut_ptr();
+        let bad = |reason: &str| ShmError::BadHeader {
+            path: path.clone(),
+            reason: reason.to_owned(),
+        };
+        if map.len() != sizes.total_len {
+            return Err(bad("mapping length differs from total_len"));
+        }
+        // mmap returns page-aligned addresses; checked because the lane
+        // atomics and the f32 data rely on it.
+        if base.align_offset(LANE_STRIDE) != 0 {
+            return Err(bad("mapping is not 64-byte aligned"));
+        }
+        let data = NonNull::new(base.wrapping_add(sizes.data_offset).cast::<f32>())
+            .ok_or_else(|| bad("null mapping"))?;
+        Ok(Self {
+            map,
+            data,
+            path,
+            layout,
+            sizes,
+            creator,
+        })
+    }
+
+    /// The region's file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The region's layout, as validated from its header.
+    pub fn layout(&self) -> &ShmLayout {
+        &self.layout
+    }
+
+    /// Start of the page data, for the decode pool's storage: f32-aligned,
+    /// `n_pages * page_floats` floats. Read only pages whose grants' lanes
+    /// are `Drained` (module doc).
+    pub(crate) fn data_ptr(&self) -> NonNull<f32> {
+        self.data
+    }
+
+    fn lane(&self, lane: u32) -> Result<Lane<'_>, ShmError> {
+        if u64::from(lane) >= self.layout.n_lanes {
+            return Err(ShmError::LaneOutOfRange {
+                lane,
+                n_lanes: self.layout.n_lanes,
+            });
+        }
+        // In bounds: HEADER_LEN + n_lanes * 64 <= data_offset <= total_len.
+        let at = self
+            .map
+            .as_mut_ptr()
+            .wrapping_add(HEADER_LEN + lane as usize * LANE_STRIDE);
+        // SAFETY: `at` and `at + 4` are inside the mapping (above), which
+        // lives as long as `&self`; they are 4-aligned because the mapping
+        // is 64-aligned (checked in `map`) and the offsets are multiples of
+        // 4. These bytes are only ever accessed as these two `AtomicU32`s,
+        // here and in every process running this code (the header is
+        // written through the file before mapping, the lanes start as the
+        // zeros of ftruncate), so there is no non-atomic or mixed-size
+        // access to them.
+        unsafe {
+            Ok(Lane {
+                epoch: AtomicU32::from_ptr(at.cast::<u32>()),
+                active: AtomicU32::from_ptr(at.wrapping_add(4).cast::<u32>()),
+            })
+        }
+    }
+
+    /// Opens `lane` for a new grant and returns its key. The lane must be
+    /// closed with no writer inside, else `LaneBusy`.
+    pub fn lane_open(&self, lane: u32) -> Result<WriteKey, ShmError> {
+        let l = self.lane(lane)?;
+        let epoch = l.epoch.load(Ordering::SeqCst);
+        let busy = || ShmError::LaneBusy {
+            lane,
+            active: l.active.load(Ordering::SeqCst),
+        };
+        if epoch % 2 == 1 {
+            return Err(busy());
+        }
+        // After the load of the closed epoch, as D2 of a close: a 0 here
+        // means every write admitted under earlier epochs has landed.
+        if l.active.load(Ordering::SeqCst) != 0 {
+            return Err(busy());
+        }
+        // Even + 1 is odd, also across the wrap (2^32 is even).
+        let open = epoch.wrapping_add(1);
+        l.epoch
+            .compare_exchange(epoch, open, Ordering::SeqCst, Ordering::SeqCst)
+            .map_err(|_| busy())?;
+        Ok(WriteKey { lane, epoch: open })
+    }
+
+    /// Closes the key's lane if it is still open at the key's epoch, then
+    /// reports whether writes are still inside. Idempotent: call again while
+    /// `Busy`. Once `Drained` is returned no write with this key can land
+    /// (proof in the module doc); a lane that has since moved on (reopened
+    /// for a later grant) reports `Drained` for an old key, because reopening
+    /// required the same drain. A key that was never issued (even epoch, or
+    /// one the lane has not reached) is `LaneClosed`.
+    pub fn lane_close(&self, key: WriteKey) -> Result<LaneClose, ShmError> {
+        let l = self.lane(key.lane)?;
+        let closed = key.epoch.wrapping_add(1);
+        let bogus = |lane_epoch| ShmError::LaneClosed {
+            lane: key.lane,
+            key_epoch: key.epoch,
+            lane_epoch,
+        };
+        if key.epoch % 2 == 0 {
+            return Err(bogus(l.epoch.load(Ordering::SeqCst)));
+        }
+        // D1.
+        match l
+            .epoch
+            .compare_exchange(key.epoch, closed, Ordering::SeqCst, Ordering::SeqCst)
+        {
+            Ok(_) => {}
+            Err(cur) if cur == closed => {}
+            Err(cur) => {
+                let ahead = cur.wrapping_sub(key.epoch);
+                return if (2..1 << 31).contains(&ahead) {
+                    Ok(LaneClose::Drained)
+                } else {
+                    Err(bogus(cur))
+                };
+            }
+        }
+        // D2.
+        match l.active.load(Ordering::SeqCst) {
+            0 => Ok(LaneClose::Drained),
+            active => Ok(LaneClose::Busy { active }),
+        }
+    }
+
+    /// Sets the lane's writer count to 0 so it can be reopened, after every
+    /// process that could enter it is known dead (see [`PeerProcess`]):
+    /// their admitted writes can no longer land, but their count was never
+    /// given back. The lane must be closed (else `LaneBusy`). Calling this
+    /// while a live process can still enter the lane, even to be refused,
+    /// corrupts the count.
+    pub fn lane_force_reset(&self, lane: u32) -> Result<(), ShmError> {
+        let l = self.lane(lane)?;
+        if l.epoch.load(Ordering::SeqCst) % 2 == 1 {
+            return Err(ShmError::LaneBusy {
+                lane,
+                active: l.active.load(Ordering::SeqCst),
+            });
+        }
+        l.active.store(0, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Writes K and V of `k.len() / kv_dim` consecutive slots from `slot`
+    /// into (`page`, `layer`), one-sided, if `key` is still open. On any
+    /// error nothing was written.
+    pub fn write_slots(
+        &self,
+        key: WriteKey,
+        page: u32,
+        layer: u32,
+        slot: u32,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), ShmError> {
+        let s = &self.sizes;
+        let oob = |what, value: u64, limit: u64| ShmError::OutOfBounds { what, value, limit };
+        if u64::from(page) >= self.layout.n_pages {
+            return Err(oob("page", page.into(), self.layout.n_pages));
+        }
+        if layer >= self.layout.n_layers {
+            return Err(oob("layer", layer.into(), self.layout.n_layers.into()));
+        }
+        if k.len() != v.len() {
+            return Err(ShmError::BadLength {
+                expected: k.len(),
+                got: v.len(),
+            });
+        }
+        let n = k.len() / s.kv_dim;
+        if k.len() % s.kv_dim != 0 {
+            return Err(ShmError::BadLength {
+                expected: n * s.kv_dim,
+                got: k.len(),
+            });
+        }
+        // n <= k.len() fits u64; the sum cannot overflow u64.
+        let slot_end = u64::from(slot) + n as u64;
+        if slot_end > u64::from(self.layout.page_size) {
+            return Err(oob("slot_end", slot_end, self.layout.page_size.into()));
+        }
+        // All below page < n_pages, layer < n_layers, slot + n <= page_size,
+        // so within n_pages * page_floats, which `sizes` checked; checked
+        // anyway so that a mistake here is an error, not a wild write.
+        let k_off = (page as usize)
+            .checked_mul(s.page_floats)
+            .and_then(|o| o.checked_add((layer as usize).checked_mul(2)?.checked_mul(s.block)?))
+            .and_then(|o| o.checked_add((slot as usize).checked_mul(s.kv_dim)?))
+            .ok_or(ShmError::TooLarge)?;
+        let v_off = k_off.checked_add(s.block).ok_or(ShmError::TooLarge)?;
+
+        let l = self.lane(key.lane)?;
+        // W1; `_inside` is W3 on every path from here.
+        l.active.fetch_add(1, Ordering::SeqCst);
+        let _inside = Entered(l.active);
+        // W2. An even key epoch never admits: it would match a closed lane.
+        let lane_epoch = l.epoch.load(Ordering::SeqCst);
+        if lane_epoch != key.epoch || key.epoch % 2 == 0 {
+            return Err(ShmError::LaneClosed {
+                lane: key.lane,
+                key_epoch: key.epoch,
+                lane_epoch,
+            });
+        }
+        let dst = self.data.as_ptr();
+        // SAFETY: both ranges are inside the page data (bounds checked
+        // above: the V block of (page, layer) ends within the page), which
+        // the mapping covers for as long as `&self`. `k` and `v` are shared
+        // references, so nobody may write their memory while they live; we
+        // write `dst`, so it cannot overlap them. Concurrent access to these
+        // slots is excluded by the lane contract: the grant gives them to one
+        // writer, and decode reads them only after `Drained`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(k.as_ptr(), dst.add(k_off), k.len());
+            std::ptr::copy_nonoverlapping(v.as_ptr(), dst.add(v_off), v.len());
+        }
+        Ok(())
+    }
+}
+
+impl ShmRegion {
+    /// `testing` only: enters the key's lane and never leaves, as a writer
+    /// frozen (or killed) in the middle of a one-sided write would. The
+    /// lane then stays `Busy` until its process is known dead.
+    #[cfg(feature = "testing")]
+    pub fn freeze_inside_lane(&self, key: WriteKey) -> Result<(), ShmError> {
+        let l = self.lane(key.lane)?;
+        l.active.fetch_add(1, Ordering::SeqCst);
+        let lane_epoch = l.epoch.load(Ordering::SeqCst);
+        if lane_epoch != key.epoch || key.epoch % 2 == 0 {
+            l.active.fetch_sub(1, Ordering::Release);
+            return Err(ShmError::LaneClosed {
+                lane: key.lane,
+                key_epoch: key.epoch,
+                lane_epoch,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ShmRegion {
+    fn drop(&mut self) {
+        if self.creator {
+            // Best effort: a leftover file in a tmpfs is all that can go wrong.
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Another process, watched for exit through a pidfd (Linux). The decode
+/// node uses it to learn that a writer's one-sided write path is gone, so
+/// that [`ShmRegion::lane_force_reset`] is safe. The pid must come from a
+/// trusted source (an authenticated peer, `SO_PEERCRED`) while the process
+/// is known alive; a pid already reused names the wrong process.
+#[derive(Debug)]
+pub struct PeerProcess {
+    fd: OwnedFd,
+    pid: i32,
+}
+
+impl PeerProcess {
+    /// Opens a pidfd for `pid` (`pidfd_open`); pid 0 or negative is
+    /// `InvalidInput`.
+    pub fn from_pid(pid: i32) -> io::Result<Self> {
+        // `from_raw` debug-asserts a non-negative pid, so test first.
+        let p = Some(pid)
+            .filter(|&p| p > 0)
+            .and_then(rustix::process::Pid::from_raw)
+            .ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidInput, format!("invalid pid {pid}"))
+            })?;
+        let fd = rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty())?;
+        Ok(Self { fd, pid })
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// True once the process has exited (its pidfd is readable). Never
+    /// blocks. A failed poll answers false: the caller keeps the lane closed
+    /// and asks again later, which is the safe side.
+    pub fn has_exited(&self) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let zero = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        loop {
+            let mut fds = [PollFd::new(&self.fd, PollFlags::IN)];
+            match poll(&mut fds, Some(&zero)) {
+                Ok(n) => return n > 0 && fds[0].revents().contains(PollFlags::IN),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(_) => return false,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::time::{Duration, Instant};
+
+    const L: ShmLayout = ShmLayout {
+        page_size: 4,
+        n_layers: 2,
+        n_kv_heads: 2,
+        head_dim: 3,
+        n_pages: 5,
+        n_lanes: 8,
+    };
+    const KV: usize = 6;
+
+    /// Float offset of the K value of (page, layer, slot); V is `block` on.
+    fn k_at(page: usize, layer: usize, slot: usize) -> usize {
+        page * L.page_floats().unwrap() + layer * 2 * 4 * KV + slot * KV
+    }
+
+    fn read(r: &ShmRegion, off: usize) -> f32 {
+        let l = r.layout();
+        assert!(off < l.n_pages as usize * l.page_floats().unwrap());
+        // SAFETY: in bounds (asserted); volatile because other threads or
+        // mappings write here, and the test wants the value in memory now.
+        unsafe { r.data_ptr().as_ptr().add(off).read_volatile() }
+    }
+
+    fn slots(n: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
+        let k: Vec<f32> = (0..n * KV).map(|i| base + i as f32).collect();
+        let v = k.iter().map(|x| -x).collect();
+        (k, v)
+    }
+
+    #[test]
+    fn sizes_and_key() {
+        assert_eq!(L.page_floats(), Some(2 * 2 * 4 * 6));
+        assert_eq!(L.data_offset(), Some(8192));
+        assert_eq!(L.total_len(), Some(8192 + 5 * 96 * 4));
+        assert_eq!(ShmLayout { head_dim: 0, ..L }.total_len(), None);
+        assert_eq!(
+            ShmLayout {
+                n_pages: u64::MAX,
+                ..L
+            }
+            .total_len(),
+            None
+        );
+        let key = WriteKey {
+            lane: 7,
+            epoch: 0xdead_beef,
+        };
+        assert_eq!(WriteKey::from_u64(key.to_u64()), key);
+        let d = tempfile::tempdir().unwrap();
+        let e = ShmRegion::create(
+            d.path(),
+            ShmLayout {
+                n_pages: u64::MAX,
+                ..L
+            },
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), "too_large");
+        let e = ShmRegion::create(d.path(), ShmLayout { n_lanes: 0, ..L }).unwrap_err();
+        assert_eq!(e.kind(), "bad_header");
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<ShmRegion>();
+    }
+
+    #[test]
+    fn create_open_round_trip_both_ways() {
+        let d = tempfile::tempdir().unwrap();
+        let a = ShmRegion::create(d.path(), L).unwrap();
+        let name = a.path().file_name().unwrap().to_str().unwrap().to_owned();
+        assert!(
+            name.starts_with("kvmesh-pool-") && name.ends_with(".shm") && name.len() == 12 + 32 + 4
+        );
+        let b = ShmRegion::open(a.path(), Some(&L)).unwrap();
+        assert_eq!(*b.layout(), L);
+
+        let key = a.lane_open(3).unwrap();
+        let (k, v) = slots(2, 1.0);
+        a.write_slots(key, 4, 1, 2, &k, &v).unwrap();
+        let off = k_at(4, 1, 2);
+        assert_eq!(read(&b, off), 1.0);
+        assert_eq!(read(&b, off + 2 * KV - 1), 12.0);
+        assert_eq!(read(&b, off + 4 * KV), -1.0);
+
+        // The opener writes, the creator reads; both see one lane state.
+        let (k, v) = slots(1, 100.0);
+        b.write_slots(key, 0, 0, 0, &k, &v).unwrap();
+        assert_eq!(read(&a, 0), 100.0);
+        assert_eq!(read(&a, 4 * KV), -100.0);
+        assert_eq!(b.lane_close(key).unwrap(), LaneClose::Drained);
+        assert_eq!(
+            a.write_slots(key, 0, 0, 0, &k, &v).unwrap_err().kind(),
+            "lane_closed"
+        );
+
+        // The creator unlinks on drop; the opener's mapping stays usable.
+        let path = a.path().to_owned();
+        drop(a);
+        assert!(!path.exists());
+        let key = b.lane_open(3).unwrap();
+        b.write_slots(key, 1, 0, 0, &k, &v).unwrap();
+        assert_eq!(read(&b, k_at(1, 0, 0)), 100.0);
+    }
+
+    #[test]
+    fn corrupt_headers_are_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let a = ShmRegion::create(d.path(), L).unwrap();
+        let total = L.total_len().unwrap() as u64;
+        let corrupt = |name: &str, f: &dyn Fn(&File)| {
+            let p = d.path().join(name);
+            std::fs::copy(a.path(), &p).unwrap();
+            f(&OpenOptions::new().write(true).open(&p).unwrap());
+            let e = ShmRegion::open(&p, None).unwrap_err();
+            assert_eq!(e.kind(), "bad_header", "{name}: {e}");
+            e.to_string()
+        };
+        let at = |off: u64, bytes: &[u8]| {
+            let bytes = bytes.to_vec();
+            move |f: &File| f.write_all_at(&bytes, off).unwrap()
+        };
+        assert!(corrupt("magic", &at(0, b"X")).contains("magic"));
+        assert!(corrupt("version", &at(8, &2u32.to_le_bytes())).contains("version"));
+        assert!(corrupt("zero", &at(12, &0u32.to_le_bytes())).contains("page_size is 0"));
+        assert!(corrupt("dtype", &at(28, &2u32.to_le_bytes())).contains("dtype"));
+        assert!(corrupt("pages", &at(32, &6u64.to_le_bytes())).contains("total_len"));
+        assert!(corrupt("lanes", &at(40, &u64::MAX.to_le_bytes())).contains("n_lanes"));
+        assert!(corrupt("data_off", &at(56, &4160u64.to_le_bytes())).contains("data_offset"));
+        assert!(corrupt("trunc", &|f: &File| f.set_len(total - 4).unwrap()).contains("file length"));
+        assert!(corrupt("tiny", &|f: &File| f.set_len(10).unwrap()).contains("shorter"));
+
+        let other = ShmLayout { n_layers: 3, ..L };
+        match ShmRegion::open(a.path(), Some(&other)).unwrap_err() {
+            ShmError::LayoutMismatch { expected, found } => {
+                assert_eq!((expected, found), (other, L))
+            }
+            e => panic!("{e}"),
+        }
+        assert_eq!(
+            ShmRegion::open(&d.path().join("none"), None)
+                .unwrap_err()
+                .kind(),
+            "io"
+        );
+    }
+
+    #[test]
+    fn lane_protocol() {
+        let d = tempfile::tempdir().unwrap();
+        let r = ShmRegion::create(d.path(), L).unwrap();
+        let key = r.lane_open(2).unwrap();
+        assert_eq!(key, WriteKey { lane: 2, epoch: 1 });
+        assert_eq!(r.lane_open(2).unwrap_err().kind(), "lane_busy");
+        let (k, v) = slots(1, 5.0);
+        r.write_slots(key, 1, 0, 3, &k, &v).unwrap();
+        assert_eq!(r.lane_close(key).unwrap(), LaneClose::Drained);
+        assert_eq!(r.lane_close(key).unwrap(), LaneClose::Drained, "idempotent");
+
+        let (k2, v2) = slots(1, 9.0);
+        match r.write_slots(key, 1, 0, 3, &k2, &v2).unwrap_err() {
+            ShmError::LaneClosed {
+                lane: 2,
+                key_epoch: 1,
+                lane_epoch: 2,
+            } => {}
+            e => panic!("{e}"),
+        }
+        assert_eq!(
+            read(&r, k_at(1, 0, 3)),
+            5.0,
+            "a refused write wrote nothing"
+        );
+
+        let key2 = r.lane_open(2).unwrap();
+        assert_eq!(key2.epoch, 3);
+        assert_eq!(
+            r.write_slots(key, 1, 0, 3, &k2, &v2).unwrap_err().kind(),
+            "lane_closed"
+        );
+        assert_eq!(r.lane_close(key).unwrap(), LaneClose::Drained, "moved on");
+        assert_eq!(r.lane_close(key2).unwrap(), LaneClose::Drained);
+        // A forged even key matching the closed epoch, or a future one, never works.
+        let even = WriteKey { lane: 2, epoch: 4 };
+        assert_eq!(
+            r.write_slots(even, 1, 0, 3, &k2, &v2).unwrap_err().kind(),
+            "lane_closed"
+        );
+        assert_eq!(r.lane_close(even).unwrap_err().kind(), "lane_closed");
+        assert_eq!(
+            r.lane_close(WriteKey { lane: 2, epoch: 9 })
+                .unwrap_err()
+                .kind(),
+            "lane_closed"
+        );
+        assert_eq!(read(&r, k_at(1, 0, 3)), 5.0);
+
+        // A writer inside (simulated, as a dead process would leave it):
+        // close says Busy, open refuses, force reset frees the lane.
+        let key3 = r.lane_open(5).unwrap();
+        r.lane(5).unwrap().active.fetch_add(1, Ordering::SeqCst);
+        assert_eq!(
+            r.lane_force_reset(5).unwrap_err().kind(),
+            "lane_busy",
+            "open lane"
+        );
+        assert_eq!(r.lane_close(key3).unwrap(), LaneClose::Busy { active: 1 });
+        assert_eq!(r.lane_open(5).unwrap_err().kind(), "lane_busy");
+        r.lane_force_reset(5).unwrap();
+        assert_eq!(r.lane_close(key3).unwrap(), LaneClose::Drained);
+        assert_eq!(r.lane_open(5).unwrap().epoch, 3);
+    }
+
+    #[test]
+    fn bad_arguments_are_typed_and_write_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let r = ShmRegion::create(d.path(), L).unwrap();
+        let key = r.lane_open(0).unwrap();
+        let (k, v) = slots(1, 7.0);
+        let (k2, v2) = slots(2, 7.0);
+        let kind = |e: ShmError| e.kind();
+        assert_eq!(kind(r.lane_open(8).unwrap_err()), "lane_out_of_range");
+        assert_eq!(
+            kind(r.lane_close(WriteKey { lane: 8, epoch: 1 }).unwrap_err()),
+            "lane_out_of_range"
+        );
+        assert_eq!(
+            kind(r.lane_force_reset(u32::MAX).unwrap_err()),
+            "lane_out_of_range"
+        );
+        let far = WriteKey { lane: 9, epoch: 1 };
+        assert_eq!(
+            kind(r.write_slots(far, 0, 0, 0, &k, &v).unwrap_err()),
+            "lane_out_of_range"
+        );
+        match r.write_slots(key, 5, 0, 0, &k, &v).unwrap_err() {
+            ShmError::OutOfBounds {
+                what: "page",
+                value: 5,
+                limit: 5,
+            } => {}
+            e => panic!("{e}"),
+        }
+        match r.write_slots(key, 0, 2, 0, &k, &v).unwrap_err() {
+            ShmError::OutOfBounds {
+                what: "layer",
+                value: 2,
+                limit: 2,
+            } => {}
+            e => panic!("{e}"),
+        }
+        match r.write_slots(key, 0, 0, 3, &k2, &v2).unwrap_err() {
+            ShmError::OutOfBounds {
+                what: "slot_end",
+                value: 5,
+                limit: 4,
+            } => {}
+            e => panic!("{e}"),
+        }
+        assert_eq!(
+            kind(r.write_slots(key, 0, 0, u32::MAX, &k, &v).unwrap_err()),
+            "out_of_bounds"
+        );
+        match r.write_slots(key, 0, 0, 0, &k2, &v).unwrap_err() {
+            ShmError::BadLength {
+                expected: 12,
+                got: 6,
+            } => {}
+            e => panic!("{e}"),
+        }
+        match r.write_slots(key, 0, 0, 0, &k2[..8], &v2[..8]).unwrap_err() {
+            ShmError::BadLength {
+                expected: 6,
+                got: 8,
+            } => {}
+            e => panic!("{e}"),
+        }
+        let all = L.n_pages as usize * L.page_floats().unwrap();
+        assert!((0..all).all(|i| read(&r, i) == 0.0), "nothing was written");
+        // No failed call left a writer inside.
+        assert_eq!(r.lane_close(key).unwrap(), LaneClose::Drained);
+    }
+
+    /// Writers hammer one key while the main thread closes its lane: every
+    /// write that returned Ok landed whole before `Drained`, and nothing
+    /// lands after it. Each writer fills a whole page (128 KiB of K and of
+    /// V per call), so a write still copying at `Drained` would show as a
+    /// torn page or a later change.
+    #[test]
+    fn no_write_lands_after_drained() {
+        const WRITERS: usize = 3;
+        let big = ShmLayout {
+            page_size: 256,
+            n_layers: 1,
+            n_kv_heads: 4,
+            head_dim: 32,
+            n_pages: WRITERS as u64,
+            n_lanes: 2,
+        };
+        let block = 256 * 128;
+        let d = tempfile::tempdir().unwrap();
+        let r = ShmRegion::create(d.path(), big).unwrap();
+        let key = r.lane_open(1).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let started = Arc::new(AtomicU32::new(0));
+        let handles: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let (r, stop, started) = (r.clone(), stop.clone(), started.clone());
+                std::thread::spawn(move || {
+                    // Counter values as f32 bits, compared as bits: no
+                    // rounding however many writes happen.
+                    let (mut c, mut last_ok, mut refused) = (0u32, 0u32, 0u64);
+                    let mut kv = vec![0f32; block];
+                    // Stop only after a refusal, so each writer has also
+                    // run into the closed lane.
+                    while !(stop.load(Ordering::Relaxed) && refused > 0) {
+                        c += 1;
+                        kv.fill(f32::from_bits(c));
+                        match r.write_slots(key, w as u32, 0, 0, &kv, &kv) {
+                            Ok(()) if last_ok == 0 => {
+                                last_ok = c;
+                                started.fetch_add(1, Ordering::SeqCst);
+                            }
+                            Ok(()) => last_ok = c,
+                            Err(ShmError::LaneClosed { .. }) => refused += 1,
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
+                    last_ok
+                })
+            })
+            .collect();
+        while started.load(Ordering::SeqCst) < WRITERS as u32 {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        while r.lane_close(key).unwrap() != LaneClose::Drained {
+            std::thread::yield_now();
+        }
+        // The whole page (K and V) of each writer, as bits.
+        let page = |w: usize| -> Vec<u32> {
+            (0..2 * block)
+                .map(|i| read(&r, w * 2 * block + i).to_bits())
+                .collect()
+        };
+        let seen: Vec<Vec<u32>> = (0..WRITERS).map(page).collect();
+        for (w, p) in seen.iter().enumerate() {
+            assert!(
+                p.iter().all(|&x| x == p[0]),
+                "writer {w}: torn page at Drained"
+            );
+        }
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(50) {
+            for (w, p) in seen.iter().enumerate() {
+                let now = read(
+                    &r,
+                    w * 2 * block + (t.elapsed().as_micros() as usize % (2 * block)),
+                );
+                assert_eq!(
+                    now.to_bits(),
+                    p[0],
+                    "writer {w} landed a write after Drained"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        stop.store(true, Ordering::Relaxed);
+        for (w, h) in handles.into_iter().enumerate() {
+            let last_ok = h.join().unwrap();
+            assert_eq!(
+                seen[w][0], last_ok,
+                "writer {w}: the last accepted write is the one in memory"
+            );
+            assert_eq!(
+                page(w),
+                seen[w],
+                "writer {w}: the page changed after Drained"
+            );
+        }
+        assert_eq!(r.lane(1).unwrap().active.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn peer_process_exit_is_seen() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let peer = PeerProcess::from_pid(child.id() as i32).unwrap();
+        assert_eq!(peer.pid(), child.id() as i32);
+        assert!(!peer.has_exited());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(peer.has_exited());
+        assert_eq!(
+            PeerProcess::from_pid(0).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
+        assert_eq!(
+            PeerProcess::from_pid(-3).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
+    }
+}

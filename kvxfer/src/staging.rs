@@ -1,0 +1,181 @@
+//! Landing a remote transfer in a reservation's pages, and verifying it
+//! before anything may read it (I4).
+//!
+//! A transfer writes the prompt's slots of the granted pages **without**
+//! raising their watermarks: until the decode node has verified the whole
+//! transfer, the slots count as unwritten and every read of them fails
+//! (I2). Verification then compares the generation and owner of every
+//! granted page and the checksum of every page as it landed; only if all
+//! match does [`Reservation::publish_prompt`] set the watermarks, which is
+//! what makes the prompt readable.
+//!
+//! These are crate-private: the only caller is the decode side's
+//! reservation table (`crate::handshake`), which holds each reservation
+//! under its entry lock while a frame lands and revokes the writer's path
+//! before it verifies.
+
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+
+use kvmesh_kernels::PageRef;
+
+use crate::error::PoolError;
+use crate::reservation::Reservation;
+use crate::wire::{f32s_from_le, Checksummer};
+
+/// A granted page that no longer has the generation or owner it was
+/// granted with: the reservation no longer holds what it was granted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct NotHeld {
+    /// Logical index in the grant.
+    pub index: usize,
+    /// The grant's entry.
+    pub granted: PageRef,
+    /// The page's generation now.
+    pub generation: u64,
+}
+
+impl Reservation {
+    /// Lands a frame's payload (per layer of `layers`: K of `slots`, then V,
+    /// little-endian f32, as in [`crate::wire::KvFrame`]) in logical page
+    /// `index`. Watermarks are not touched. All checks come first: on error
+    /// nothing was written.
+    ///
+    /// Cost: one copy of the payload into `scratch` (byte order and
+    /// alignment), one into the page.
+    pub(crate) fn land(
+        &mut self,
+        index: usize,
+        layers: Range<usize>,
+        slots: Range<usize>,
+        payload: &[u8],
+        scratch: &mut Vec<f32>,
+    ) -> Result<(), PoolError> {
+        let cfg = self.shared().cfg();
+        let (page_size, n_layers) = (cfg.page_size, cfg.n_layers);
+        let kv_dim = cfg.geometry().kv_dim();
+        let Some(entry) = self.held().get(index).copied() else {
+            return Err(PoolError::PositionOutOfRange {
+                position: index.saturating_mul(page_size),
+                capacity: self.capacity_tokens(),
+            });
+        };
+        if layers.start >= layers.end || layers.end > n_layers {
+            return Err(PoolError::LayerOutOfRange {
+                layer: layers.end.max(layers.start),
+                n_layers,
+            });
+        }
+        if slots.start >= slots.end || slots.end > page_size {
+            return Err(PoolError::PositionOutOfRange {
+                position: index * page_size + slots.end.max(slots.start),
+                capacity: self.capacity_tokens(),
+            });
+        }
+        let block = slots.len() * kv_dim;
+        let expected = layers.len() * 2 * block * 4;
+        if payload.len() != expected {
+            return Err(PoolError::BadLength {
+                field: "payload",
+                expected,
+                got: payload.len(),
+            });
+        }
+        scratch.clear();
+        scratch.resize(payload.len() / 4, 0.0);
+        if f32s_from_le(payload, scratch).is_err() {
+            return Err(PoolError::BadLength {
+                field: "payload",
+                expected,
+                got: payload.len(),
+            });
+        }
+        let page = entry.page as usize;
+        for (i, layer) in layers.enumerate() {
+            let base = i * 2 * block;
+            let (k, v) = (
+                &scratch[base..base + block],
+                &scratch[base + block..base + 2 * block],
+            );
+            // SAFETY: the page is on this reservation's table (in range,
+            // owned by it); `&mut self` rules out its readers, and no other
+            // reservation can reach it (crate::pool). `layer < n_layers` and
+            // `slots.end <= page_size` were checked above.
+            unsafe {
+                self.shared()
+                    .storage()
+                    .write(page, layer, slots.start, k, v)
+            };
+        }
+        Ok(())
+    }
+
+    /// The [`crate::wire::page_checksum`] of logical page `index` as it is
+    /// stored now, over its first `slots` slots. `None` if `index` is past
+    /// the table or `slots` past the page.
+    ///
+    /// The caller must make sure no write to the page runs meanwhile: it
+    /// holds the reservation's entry lock (frames) and has revoked the
+    /// writer's one-sided path (shared memory).
+    pub(crate) fn landed_checksum(&self, index: usize, slots: usize) -> Option<u64> {
+        let cfg = self.shared().cfg();
+        let entry = self.held().get(index)?;
+        if slots > cfg.page_size {
+            return None;
+        }
+        let mut h = Checksummer::new();
+        for layer in 0..cfg.n_layers {
+            // SAFETY: the page is on this reservation's table; `layer` and
+            // `slots` are in range; no write runs during the call (caller's
+            // contract above) and the slices die within this iteration.
+            let s = unsafe {
+                self.shared()
+                    .storage()
+                    .read(entry.page as usize, layer, slots)
+            };
+            h.update_f32s(s.k);
+            h.update_f32s(s.v);
+        }
+        Some(h.finish())
+    }
+
+    /// Whether every page of `granted` is still on this reservation's table
+    /// at the granted generation and owned by it.
+    pub(crate) fn check_held(&self, granted: &[PageRef]) -> Result<(), NotHeld> {
+        let shared = self.shared();
+        let owner = self.owner().get();
+        for (index, g) in granted.iter().enumerate() {
+            let p = g.page as usize;
+            let generation = shared.generation(p).unwrap_or(u64::MAX);
+            let on_table = self.held().get(index) == Some(g);
+            if !on_table || generation != g.generation || shared.owner(p) != Some(owner) {
+                return Err(NotHeld {
+                    index,
+                    granted: *g,
+                    generation,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the first `prompt_tokens` positions readable: sets the
+    /// watermark of every layer of the pages they cover to the prompt's
+    /// slots in that page. Only after verification (I4).
+    pub(crate) fn publish_prompt(&mut self, prompt_tokens: usize) {
+        let shared = self.shared();
+        let page_size = shared.cfg().page_size;
+        for (i, e) in self.held().iter().enumerate() {
+            let before = i * page_size;
+            if before >= prompt_tokens {
+                break;
+            }
+            let slots = (prompt_tokens - before).min(page_size);
+            for layer in 0..shared.cfg().n_layers {
+                if let Some(w) = shared.watermark(e.page as usize, layer) {
+                    w.store(slots, Ordering::Release);
+                }
+            }
+        }
+    }
+}

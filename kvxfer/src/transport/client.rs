@@ -1,0 +1,516 @@
+//! The prefill side: one connection to one decode node's pool
+//! ([`KvClient`]) and a writer bound to exactly one grant ([`GrantWriter`]).
+//!
+//! # Rules kept (those of `protocol_model`)
+//! - **Done means drained**: transfer-done is sent only after every layer
+//!   of every page was written and the data path drained.
+//! - **Answer every Abort**: whatever the writer knows of the reservation
+//!   (writing, done, never seen), it stops for good and, once nothing of it
+//!   is in flight, answers AbortConfirmed. An abort that overtakes its
+//!   grant leaves a tombstone, so the grant is refused when it arrives.
+//! - **Stop and confirm atomically**: each write and each abort take the
+//!   grant's lock, so no write is posted after the abort is noted, and the
+//!   confirmation is queued behind every write posted before it.
+//! - A Revoke (lease expired, abort timed out) stops the grant without a
+//!   confirmation: the decode node has closed the path already.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use thiserror::Error;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::{mpsc, Mutex as AsyncMutex};
+use tokio::task::JoinHandle;
+
+use crate::shm::ShmRegion;
+use crate::wire::{
+    decode, AbortConfirmed, Checksummer, DataPath, DecodeLimits, Geometry, Grant, Hello, Message,
+    ReservationId, TransferDone, WriterId,
+};
+
+use super::shm::ShmWritePath;
+use super::stream::{pump, read_message};
+use super::tcp::TcpWritePath;
+use super::{Endpoint, PageWrite, TransportError, WritePath};
+
+/// How long the decode node has to answer Hello.
+pub const WELCOME_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a tombstone of an unknown aborted reservation is kept.
+pub const TOMBSTONE_TTL: Duration = Duration::from_secs(600);
+/// Outbound queue of a connection, in messages (frames and control).
+pub const OUTBOUND_QUEUE: usize = 256;
+
+/// Why a writer refused or stopped.
+#[derive(Debug, Error)]
+pub enum WriterError {
+    /// The decode node aborted the reservation; the writer has stopped
+    /// (and confirmed, or will once its in-flight writes drained).
+    #[error("reservation {0} was aborted")]
+    Aborted(ReservationId),
+    /// The decode node revoked the grant (lease expired or abort timed out).
+    #[error("reservation {0} was revoked")]
+    Revoked(ReservationId),
+    /// The grant's lease is over.
+    #[error("the grant of reservation {0} has expired")]
+    Expired(ReservationId),
+    /// A writer for this grant exists or existed on this connection.
+    #[error("reservation {0} already has a writer")]
+    DuplicateGrant(ReservationId),
+    /// The grant's page shape is not this connection's pool's.
+    #[error("the grant's geometry {grant:?} is not the pool's {pool:?}")]
+    GeometryMismatch {
+        /// In the grant.
+        grant: Geometry,
+        /// Of the connection.
+        pool: Geometry,
+    },
+    /// Layers must be written in order, each once.
+    #[error("layer {got} written out of order: expected layer {expected}")]
+    OutOfOrder {
+        /// The next layer.
+        expected: u16,
+        /// What was given.
+        got: u16,
+    },
+    /// K or V do not cover exactly the prompt's tokens.
+    #[error("{field} has {got} values, the prompt needs {expected}")]
+    BadLength {
+        /// `k` or `v`.
+        field: &'static str,
+        /// Values needed.
+        expected: usize,
+        /// Values given.
+        got: usize,
+    },
+    /// Transfer-done before every layer was written.
+    #[error("transfer incomplete: {written} of {n_layers} layers written")]
+    Incomplete {
+        /// Layers written.
+        written: u16,
+        /// Layers in the model.
+        n_layers: u16,
+    },
+    /// The transport failed; the decode node will revoke the grant when it
+    /// sees the connection end or the lease run out.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+}
+
+impl WriterError {
+    /// A short stable name, used as a metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Aborted(_) => "aborted",
+            Self::Revoked(_) => "revoked",
+            Self::Expired(_) => "expired",
+            Self::DuplicateGrant(_) => "duplicate_grant",
+            Self::GeometryMismatch { .. } => "geometry_mismatch",
+            Self::OutOfOrder { .. } => "out_of_order",
+            Self::BadLength { .. } => "bad_length",
+            Self::Incomplete { .. } => "incomplete",
+            Self::Transport(e) => e.kind(),
+        }
+    }
+}
+
+/// What the writer side knows of one reservation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    /// A [`GrantWriter`] holds the grant.
+    Writing,
+    /// Transfer-done was sent.
+    Done,
+    /// Aborted by the decode node: never write again.
+    Aborted,
+    /// Revoked by the decode node: never write again.
+    Revoked,
+}
+
+#[derive(Debug)]
+struct Slot {
+    state: SlotState,
+    frames_sent: u64,
+    forget_at: Instant,
+}
+
+type SlotRef = Arc<AsyncMutex<Slot>>;
+
+#[derive(Debug)]
+struct Shared {
+    writer: WriterId,
+    geometry: Geometry,
+    tx: mpsc::Sender<Vec<u8>>,
+    path: Box<dyn WritePath>,
+    slots: Mutex<HashMap<ReservationId, SlotRef>>,
+}
+
+/// A connection from a writer (prefill process) to one decode node's
+/// pool. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct KvClient {
+    shared: Arc<Shared>,
+    tasks: Arc<Tasks>,
+}
+
+#[derive(Debug)]
+struct Tasks {
+    reader: JoinHandle<()>,
+    pump: JoinHandle<()>,
+}
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        self.reader.abort();
+        self.pump.abort();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl KvClient {
+    /// Connects to `endpoint` (`tcp://HOST:PORT` or `unix:PATH`) as
+    /// `writer`, exchanges Hello and Welcome, and maps the pool if the data
+    /// path is shared memory.
+    pub async fn connect(endpoint: &str, writer: WriterId) -> Result<Self, TransportError> {
+        match Endpoint::parse(endpoint)? {
+            Endpoint::Tcp(addr) => {
+                let s = TcpStream::connect(&addr)
+                    .await
+                    .map_err(|source| TransportError::Io {
+                        op: "connect tcp",
+                        source,
+                    })?;
+                let _ = s.set_nodelay(true);
+                Self::start(s, writer).await
+            }
+            Endpoint::Unix(path) => {
+                let s = UnixStream::connect(&path)
+                    .await
+                    .map_err(|source| TransportError::Io {
+                        op: "connect unix socket",
+                        source,
+                    })?;
+                Self::start(s, writer).await
+            }
+        }
+    }
+
+    async fn start<S>(stream: S, writer: WriterId) -> Result<Self, TransportError>
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let (mut rd, mut wr) = tokio::io::split(stream);
+        let mut bytes = Vec::new();
+        Hello { writer }.encode(&mut bytes)?;
+        wr.write_all(&bytes)
+            .await
+            .map_err(|source| TransportError::Io {
+                op: "send hello",
+                source,
+            })?;
+        let limits = DecodeLimits::default();
+        let mut buf = Vec::new();
+        let got = tokio::time::timeout(WELCOME_TIMEOUT, read_message(&mut rd, &mut buf, &limits))
+            .await
+            .map_err(|_| TransportError::Timeout("welcome"))??;
+        if !got {
+            return Err(TransportError::Closed);
+        }
+        let welcome = match decode(&buf, &limits)?.0 {
+            Message::Welcome(w) => w,
+            other => {
+                return Err(TransportError::Protocol(format!(
+                    "expected welcome, got {:?}",
+                    other.message_type()
+                )))
+            }
+        };
+        let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
+        let path: Box<dyn WritePath> = match &welcome.data_path {
+            DataPath::Frames => Box::new(TcpWritePath::new(tx.clone())),
+            DataPath::SharedMemory { path } => {
+                let region = ShmRegion::open(std::path::Path::new(path), None)?;
+                let l = region.layout();
+                let g = welcome.geometry;
+                let same = l.page_size == g.page_size
+                    && l.n_layers == u32::from(g.n_layers)
+                    && l.n_kv_heads == u32::from(g.n_kv_heads)
+                    && l.head_dim == u32::from(g.head_dim);
+                if !same {
+                    return Err(TransportError::Protocol(format!(
+                        "the mapping's layout {l:?} is not the pool geometry {g:?}"
+                    )));
+                }
+                Box::new(ShmWritePath::new(region))
+            }
+        };
+        let shared = Arc::new(Shared {
+            writer,
+            geometry: welcome.geometry,
+            tx,
+            path,
+            slots: Mutex::default(),
+        });
+        let pump = tokio::spawn(pump(wr, rx));
+        let reader = tokio::spawn(read_loop(Arc::clone(&shared), rd));
+        Ok(Self {
+            shared,
+            tasks: Arc::new(Tasks { reader, pump }),
+        })
+    }
+
+    /// This writer's id.
+    pub fn writer(&self) -> WriterId {
+        self.shared.writer
+    }
+
+    /// The pool's page shape.
+    pub fn geometry(&self) -> Geometry {
+        self.shared.geometry
+    }
+
+    /// Whether the connection is still up (its reader has not ended).
+    pub fn is_connected(&self) -> bool {
+        !self.tasks.reader.is_finished()
+    }
+
+    /// Takes up `grant`: the one writer for it on this connection.
+    /// Refused if the grant was aborted or revoked before it arrived, if a
+    /// writer for it exists, if its lease is over, or if its geometry is
+    /// not the pool's.
+    pub fn begin(&self, grant: Grant) -> Result<GrantWriter, WriterError> {
+        let id = grant.reservation;
+        if grant.geometry != self.shared.geometry {
+            return Err(WriterError::GeometryMismatch {
+                grant: grant.geometry,
+                pool: self.shared.geometry,
+            });
+        }
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        if now_ms >= grant.lease_deadline_unix_ms {
+            return Err(WriterError::Expired(id));
+        }
+        let ttl = Duration::from_millis(grant.lease_deadline_unix_ms - now_ms) + TOMBSTONE_TTL;
+        let slot = {
+            let mut slots = lock(&self.shared.slots);
+            let now = Instant::now();
+            slots.retain(|_, s| s.try_lock().map_or(true, |s| s.forget_at > now));
+            if let Some(existing) = slots.get(&id) {
+                let state = existing.try_lock().map_or(SlotState::Writing, |s| s.state);
+                return Err(match state {
+                    SlotState::Aborted => WriterError::Aborted(id),
+                    SlotState::Revoked => WriterError::Revoked(id),
+                    SlotState::Writing | SlotState::Done => WriterError::DuplicateGrant(id),
+                });
+            }
+            let slot = Arc::new(AsyncMutex::new(Slot {
+                state: SlotState::Writing,
+                frames_sent: 0,
+                forget_at: now + ttl,
+            }));
+            slots.insert(id, Arc::clone(&slot));
+            slot
+        };
+        let n_pages = grant.pages.len();
+        Ok(GrantWriter {
+            shared: Arc::clone(&self.shared),
+            _tasks: Arc::clone(&self.tasks),
+            grant,
+            slot,
+            next_layer: 0,
+            sums: vec![Checksummer::new(); n_pages],
+        })
+    }
+}
+
+/// Handles the decode node's messages: Abort (stop, drain, confirm) and
+/// Revoke (stop). When the connection ends, every grant stops.
+async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R) {
+    let limits = DecodeLimits::default();
+    let mut buf = Vec::new();
+    while let Ok(true) = read_message(&mut rd, &mut buf, &limits).await {
+        let (id, abort) = match decode(&buf, &limits) {
+            Ok((Message::Abort(a), _)) => (a.reservation, true),
+            Ok((Message::Revoke(r), _)) => (r.reservation, false),
+            _ => continue,
+        };
+        let slot = {
+            let mut slots = lock(&shared.slots);
+            Arc::clone(slots.entry(id).or_insert_with(|| {
+                // The abort overtook the grant: a tombstone refuses it later.
+                Arc::new(AsyncMutex::new(Slot {
+                    state: SlotState::Writing,
+                    frames_sent: 0,
+                    forget_at: Instant::now() + TOMBSTONE_TTL,
+                }))
+            }))
+        };
+        // Waits for a write in progress; after this no write of the grant
+        // is posted.
+        let mut s = slot.lock().await;
+        if abort {
+            if s.state != SlotState::Revoked {
+                s.state = SlotState::Aborted;
+            }
+            let frames_sent = s.frames_sent;
+            if shared.path.drain().await.is_err() {
+                break;
+            }
+            let mut bytes = Vec::new();
+            let msg = AbortConfirmed {
+                reservation: id,
+                frames_sent,
+            };
+            if msg.encode(&mut bytes).is_err() || shared.tx.send(bytes).await.is_err() {
+                break;
+            }
+        } else {
+            s.state = SlotState::Revoked;
+        }
+    }
+    // The connection is gone: the decode node revokes everything bound to
+    // it; stop every grant here too.
+    let slots: Vec<SlotRef> = lock(&shared.slots).values().cloned().collect();
+    for slot in slots {
+        let mut s = slot.lock().await;
+        if s.state == SlotState::Writing {
+            s.state = SlotState::Revoked;
+        }
+    }
+}
+
+/// Writes one grant's prompt KV, layer by layer, then reports
+/// transfer-done. Bound to exactly one grant; consumed by
+/// [`GrantWriter::finish`].
+#[derive(Debug)]
+pub struct GrantWriter {
+    shared: Arc<Shared>,
+    _tasks: Arc<Tasks>,
+    grant: Grant,
+    slot: SlotRef,
+    next_layer: u16,
+    sums: Vec<Checksummer>,
+}
+
+impl GrantWriter {
+    /// The grant.
+    pub fn grant(&self) -> &Grant {
+        &self.grant
+    }
+
+    /// Whether the grant may still be written: `Err` once the decode node
+    /// aborted or revoked it (or the connection ended). Prefill checks it
+    /// between layers to stop computing for a request that is gone.
+    pub async fn check(&self) -> Result<(), WriterError> {
+        let s = self.slot.lock().await;
+        self.check_state(s.state)
+    }
+
+    /// Layers written so far.
+    pub fn layers_written(&self) -> u16 {
+        self.next_layer
+    }
+
+    /// Writes layer `layer` (the next one, in order) of every prompt
+    /// position: `k` and `v` hold `prompt_tokens * kv_dim` values each,
+    /// position-major. One write per granted page.
+    pub async fn write_layer(
+        &mut self,
+        layer: u16,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), WriterError> {
+        if layer != self.next_layer || layer >= self.grant.geometry.n_layers {
+            return Err(WriterError::OutOfOrder {
+                expected: self.next_layer,
+                got: layer,
+            });
+        }
+        let kv_dim = self.grant.geometry.kv_dim() as usize;
+        let n = self.grant.prompt_tokens as usize;
+        let expected = n.saturating_mul(kv_dim);
+        for (field, got) in [("k", k.len()), ("v", v.len())] {
+            if got != expected {
+                return Err(WriterError::BadLength {
+                    field,
+                    expected,
+                    got,
+                });
+            }
+        }
+        let page_size = self.grant.geometry.page_size as usize;
+        let mut s = self.slot.lock().await;
+        self.check_state(s.state)?;
+        for index in 0..self.grant.pages.len() {
+            let slots = self.grant.prompt_slots(index).unwrap_or(0);
+            let start = index * page_size * kv_dim;
+            let end = start + slots as usize * kv_dim;
+            let (kp, vp) = (&k[start..end], &v[start..end]);
+            self.shared
+                .path
+                .write(PageWrite {
+                    grant: &self.grant,
+                    index: index as u32,
+                    layer,
+                    slots: 0..slots,
+                    k: kp,
+                    v: vp,
+                })
+                .await?;
+            s.frames_sent += 1;
+            if let Some(h) = self.sums.get_mut(index) {
+                h.update_f32s(kp);
+                h.update_f32s(vp);
+            }
+        }
+        self.next_layer += 1;
+        Ok(())
+    }
+
+    /// Drains and sends transfer-done with the per-page checksums and the
+    /// first sampled token. Refused before every layer is written, or if
+    /// the grant was aborted or revoked meanwhile.
+    pub async fn finish(self, first_token: u32) -> Result<(), WriterError> {
+        let n_layers = self.grant.geometry.n_layers;
+        if self.next_layer != n_layers {
+            return Err(WriterError::Incomplete {
+                written: self.next_layer,
+                n_layers,
+            });
+        }
+        let mut s = self.slot.lock().await;
+        self.check_state(s.state)?;
+        self.shared.path.drain().await?;
+        let done = TransferDone {
+            reservation: self.grant.reservation,
+            capability: self.grant.capability.clone(),
+            tokens_written: self.grant.prompt_tokens,
+            first_token,
+            page_checksums: self.sums.iter().map(Checksummer::finish).collect(),
+        };
+        let mut bytes = Vec::new();
+        done.encode(&mut bytes).map_err(TransportError::from)?;
+        self.shared
+            .tx
+            .send(bytes)
+            .await
+            .map_err(|_| TransportError::Closed)?;
+        s.state = SlotState::Done;
+        Ok(())
+    }
+
+    fn check_state(&self, state: SlotState) -> Result<(), WriterError> {
+        let id = self.grant.reservation;
+        match state {
+            SlotState::Writing => Ok(()),
+            SlotState::Aborted => Err(WriterError::Aborted(id)),
+            SlotState::Revoked | SlotState::Done => Err(WriterError::Revoked(id)),
+        }
+    }
+}

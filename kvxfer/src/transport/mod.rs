@@ -1,0 +1,205 @@
+//! KV transports: how a prefill node's writes reach a decode node's pool,
+//! behind one pair of traits that fits TCP, shared memory and RDMA.
+//!
+//! | | TCP ([`tcp`]) | shared memory ([`shm`]) | RDMA (later) |
+//! |---|---|---|---|
+//! | data | [`crate::wire::KvFrame`]s on the connection | one-sided copies into the pool's mapping | one-sided `RDMA WRITE` into a registered region |
+//! | receiver checks each write before it lands | yes | no | no |
+//! | grant's write key | 0 (unused) | lane and epoch of a write gate | remote key of a memory window |
+//! | revoke | refuse the reservation's frames (under its entry lock) | close the lane, wait for active writes to end | invalidate the window / move the QP to error, flush |
+//! | drain (writer) | stream order: nothing to wait for | copies are synchronous | poll the completion queue |
+//! | writer death | connection reset | connection reset + pidfd | QP error / CM disconnect |
+//!
+//! Control messages (Hello, Welcome, TransferDone, Abort, AbortConfirmed,
+//! Revoke) always travel on the connection ([`stream`]), in order with the
+//! frames where frames travel there too. [`server`] is the decode side's
+//! listener, [`client`] the prefill side's connection.
+//!
+//! # The two traits
+//! - [`Landing`] (decode side): what a grant's `write_key` is, and how a
+//!   grant's write path is revoked. [`Revocation::Complete`] is the promise
+//!   that no write of that grant can land any more; the reservation table
+//!   releases pages only after it (I5).
+//! - [`WritePath`] (prefill side): post one write of a slot range of one
+//!   layer of one granted page, and drain (wait until every posted write
+//!   has landed, or is ordered before anything sent later).
+
+pub mod client;
+pub mod server;
+pub mod shm;
+pub(crate) mod stream;
+pub mod tcp;
+
+use std::fmt;
+use std::future::Future;
+use std::ops::Range;
+use std::pin::Pin;
+
+use thiserror::Error;
+
+use crate::shm::{PeerProcess, ShmError};
+use crate::wire::{DataPath, Grant, WireError};
+
+/// A boxed future, so the traits stay usable as trait objects.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Where a revocation stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Revocation {
+    /// No write of the grant can land any more.
+    Complete,
+    /// Writes may still land (a one-sided write is active and its writer
+    /// is alive); ask again later. The pages stay held.
+    Pending {
+        /// Writes active on the path.
+        active: u32,
+    },
+}
+
+/// Decode side of a transport.
+pub trait Landing: Send + Sync + fmt::Debug {
+    /// What `Welcome` tells writers.
+    fn data_path(&self) -> DataPath;
+
+    /// Whether writes arrive as frames the receiver checks before they land
+    /// (TCP). If not, writes are one-sided and frames on the connection are
+    /// refused.
+    fn receiver_checked(&self) -> bool;
+
+    /// Opens the write path of a new grant; returns its write key.
+    fn open(&self) -> Result<u64, TransportError>;
+
+    /// Closes the write path of the grant with `key`. `writer` is the
+    /// writer process, where the transport can watch it: a dead writer's
+    /// one-sided writes cannot land, which completes a revocation its
+    /// active count alone would leave pending. Idempotent; once `Complete`
+    /// is returned the key is spent and must not be revoked again.
+    fn revoke(&self, key: u64, writer: Option<&PeerProcess>) -> Revocation;
+}
+
+/// One write: slots `slots` of layer `layer` of logical page `index` of
+/// `grant`; `k` and `v` hold `slots.len() * kv_dim` values each.
+#[derive(Debug)]
+pub struct PageWrite<'a> {
+    /// The grant written.
+    pub grant: &'a Grant,
+    /// Logical page index in the grant.
+    pub index: u32,
+    /// The layer.
+    pub layer: u16,
+    /// Slot range within the page.
+    pub slots: Range<u32>,
+    /// K values, slot-major.
+    pub k: &'a [f32],
+    /// V values, slot-major.
+    pub v: &'a [f32],
+}
+
+/// Prefill side of a transport: one connection's data path.
+pub trait WritePath: Send + Sync + fmt::Debug {
+    /// Posts one write. It may land after this returns; [`Self::drain`]
+    /// waits for that.
+    fn write<'a>(&'a self, w: PageWrite<'a>) -> BoxFuture<'a, Result<(), TransportError>>;
+
+    /// Returns once every write posted so far has landed, or is ordered
+    /// before any control message sent after this call.
+    fn drain(&self) -> BoxFuture<'_, Result<(), TransportError>>;
+}
+
+/// A transport failure.
+#[derive(Debug, Error)]
+pub enum TransportError {
+    /// Socket I/O failed.
+    #[error("{op}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The peer sent bytes that are not a valid message.
+    #[error("malformed message from peer: {0}")]
+    Wire(#[from] WireError),
+    /// The shared-memory mapping refused the operation.
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+    /// The connection is closed.
+    #[error("connection closed")]
+    Closed,
+    /// The endpoint string is not one this build can reach.
+    #[error("bad endpoint {endpoint:?}: {reason}")]
+    Endpoint {
+        /// What was given.
+        endpoint: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// The peer broke the connection protocol (Hello/Welcome).
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The peer did not answer in time.
+    #[error("timed out: {0}")]
+    Timeout(&'static str),
+    /// No lane is free for a new grant (more grants than pages: a bug).
+    #[error("no free write lane")]
+    NoLane,
+}
+
+impl TransportError {
+    /// A short stable name, used as a metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Io { .. } => "io",
+            Self::Wire(e) => e.kind(),
+            Self::Shm(e) => e.kind(),
+            Self::Closed => "closed",
+            Self::Endpoint { .. } => "endpoint",
+            Self::Protocol(_) => "protocol",
+            Self::Timeout(_) => "timeout",
+            Self::NoLane => "no_lane",
+        }
+    }
+}
+
+/// A parsed transport endpoint: `tcp://HOST:PORT` or `unix:PATH`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// A TCP address.
+    Tcp(String),
+    /// A Unix-domain socket path (the shared-memory transport's control
+    /// connection: same host only, and the peer's pid is known).
+    Unix(std::path::PathBuf),
+}
+
+impl Endpoint {
+    /// Parses `tcp://HOST:PORT` or `unix:PATH`.
+    pub fn parse(s: &str) -> Result<Self, TransportError> {
+        let bad = |reason| TransportError::Endpoint {
+            endpoint: s.to_owned(),
+            reason,
+        };
+        if let Some(addr) = s.strip_prefix("tcp://") {
+            if addr.is_empty() || !addr.contains(':') {
+                return Err(bad("expected tcp://HOST:PORT"));
+            }
+            Ok(Self::Tcp(addr.to_owned()))
+        } else if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(bad("expected unix:PATH"));
+            }
+            Ok(Self::Unix(path.into()))
+        } else {
+            Err(bad("expected tcp://HOST:PORT or unix:PATH"))
+        }
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Tcp(a) => write!(f, "tcp://{a}"),
+            Self::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! The decode node's transport listener: accepts writer connections, runs
+//! the Hello/Welcome exchange, feeds frames and control messages to the
+//! [`ReservationTable`], carries its Abort and Revoke messages back, and
+//! reports a lost connection so everything bound to it is revoked.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::handshake::{outbound_capacity, HandshakeError, ReservationTable};
+use crate::shm::PeerProcess;
+use crate::wire::{decode, DecodeLimits, Message, Welcome};
+
+use super::stream::{pump, read_message};
+use super::TransportError;
+
+/// How long a new connection has to say Hello.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the table's timers run.
+pub const TICK: Duration = Duration::from_millis(20);
+
+/// A running listener. Dropping it stops accepting and ticking; open
+/// connections end when their writers hang up.
+#[derive(Debug)]
+pub struct KvServer {
+    endpoint: String,
+    accept: JoinHandle<()>,
+    ticker: JoinHandle<()>,
+    socket_path: Option<PathBuf>,
+}
+
+impl KvServer {
+    /// Listens on TCP `addr` (e.g. `127.0.0.1:0`).
+    pub async fn bind_tcp(table: ReservationTable, addr: &str) -> Result<Self, TransportError> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| TransportError::Io {
+                op: "bind tcp",
+                source,
+            })?;
+        let local = listener.local_addr().map_err(|source| TransportError::Io {
+            op: "local addr",
+            source,
+        })?;
+        let endpoint = format!("tcp://{local}");
+        table.set_endpoint(&endpoint);
+        let t = table.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(serve(t.clone(), stream, None));
+            }
+        });
+        Ok(Self {
+            endpoint,
+            accept,
+            ticker: spawn_ticker(table),
+            socket_path: None,
+        })
+    }
+
+    /// Listens on a Unix-domain socket at `path` (the shared-memory
+    /// transport's control connection; the peer's pid comes from the
+    /// socket, and its process is watched through a pidfd).
+    pub async fn bind_unix(table: ReservationTable, path: &Path) -> Result<Self, TransportError> {
+        let listener = UnixListener::bind(path).map_err(|source| TransportError::Io {
+            op: "bind unix socket",
+            source,
+        })?;
+        let endpoint = format!("unix:{}", path.display());
+        table.set_endpoint(&endpoint);
+        let t = table.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let peer = stream
+                    .peer_cred()
+                    .ok()
+                    .and_then(|c| c.pid())
+                    .and_then(|pid| PeerProcess::from_pid(pid).ok());
+                tokio::spawn(serve(t.clone(), stream, peer));
+            }
+        });
+        Ok(Self {
+            endpoint,
+            accept,
+            ticker: spawn_ticker(table),
+            socket_path: Some(path.to_owned()),
+        })
+    }
+
+    /// Where writers connect: `tcp://ADDR` or `unix:PATH`.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+}
+
+impl Drop for KvServer {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.ticker.abort();
+        if let Some(p) = &self.socket_path {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn spawn_ticker(table: ReservationTable) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(TICK);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            table.tick(Instant::now());
+        }
+    })
+}
+
+/// One writer connection, start to end.
+async fn serve<S>(table: ReservationTable, stream: S, peer: Option<PeerProcess>)
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let limits = DecodeLimits::default();
+    let mut buf = Vec::new();
+    let hello =
+        match tokio::time::timeout(HELLO_TIMEOUT, read_message(&mut rd, &mut buf, &limits)).await {
+            Ok(Ok(true)) => match decode(&buf, &limits) {
+                Ok((Message::Hello(h), _)) => h,
+                Ok((other, _)) => {
+                    let e = HandshakeError::UnexpectedMessage(unexpected_name(&other));
+                    table.count_control_reject(&e);
+                    return;
+                }
+                Err(e) => {
+                    table.frame_rejects().record_wire(&e);
+                    return;
+                }
+            },
+            _ => return,
+        };
+    let welcome = Welcome {
+        data_path: table.landing().data_path(),
+        geometry: table.geometry(),
+    };
+    let mut bytes = Vec::new();
+    if welcome.encode(&mut bytes).is_err() || wr.write_all(&bytes).await.is_err() {
+        return;
+    }
+    let (tx, rx) = mpsc::channel(outbound_capacity(table.pool()));
+    let conn = match table.register(hello.writer, tx, peer) {
+        Ok(c) => c,
+        Err(_) => return,
+    };
+    let pump = tokio::spawn(pump(wr, rx));
+    loop {
+        match read_message(&mut rd, &mut buf, &limits).await {
+            Ok(true) => {}
+            Ok(false) | Err(_) => break,
+        }
+        let msg = match decode(&buf, &limits) {
+            Ok((m, _)) => m,
+            // The header was sound (read_message checked it), so the
+            // stream stays in step: count, drop this message, go on.
+            Err(e) => {
+                table.frame_rejects().record_wire(&e);
+                continue;
+            }
+        };
+        // Refusals are typed and counted by the table; the connection
+        // goes on (a late frame after an abort is normal).
+        let _ = match msg {
+            Message::KvFrame(f) => table.land_frame(conn, &f).map(|_| ()),
+            Message::TransferDone(d) => table.transfer_done(conn, &d).map(|_| ()),
+            Message::AbortConfirmed(c) => table.abort_confirmed(conn, &c).map(|_| ()),
+            other => {
+                let e = HandshakeError::UnexpectedMessage(unexpected_name(&other));
+                table.count_control_reject(&e);
+                Err(e)
+            }
+        };
+    }
+    table.connection_lost(conn);
+    pump.abort();
+}
+
+fn unexpected_name(m: &Message<'_>) -> &'static str {
+    match m.message_type() {
+        crate::wire::MessageType::KvFrame => "kv_frame",
+        crate::wire::MessageType::Grant => "grant",
+        crate::wire::MessageType::TransferDone => "transfer_done",
+        crate::wire::MessageType::Abort => "abort",
+        crate::wire::MessageType::AbortConfirmed => "abort_confirmed",
+        crate::wire::MessageType::Revoke => "revoke",
+        crate::wire::MessageType::Hello => "hello",
+        crate::wire::MessageType::Welcome => "welcome",
+    }
+}

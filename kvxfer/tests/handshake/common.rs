@@ -1,0 +1,290 @@
+//! A decode node (pool, reservation table, listener) and writers on
+//! 127.0.0.1 or a Unix socket with a shared-memory pool, for the handshake
+//! tests.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvmesh_kernels::{PageRef, PagedKv};
+use kvmesh_kvxfer::handshake::{ReservationTable, ReserveRequest, TableConfig};
+use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient};
+use kvmesh_kvxfer::transport::server::KvServer;
+use kvmesh_kvxfer::transport::shm::ShmLanding;
+use kvmesh_kvxfer::transport::tcp::TcpLanding;
+use kvmesh_kvxfer::transport::Landing;
+use kvmesh_kvxfer::wire::{
+    decode_message, peek_header, DecodeLimits, Grant, Hello, Message, WriterId, HEADER_LEN,
+};
+use kvmesh_kvxfer::{KvPool, PoolConfig, Reservation, ScrubMode};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Which transport a test runs over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Tcp,
+    Shm,
+}
+
+pub const PAGE_SIZE: usize = 4;
+pub const N_PAGES: usize = 8;
+pub const N_LAYERS: usize = 2;
+pub const KV_DIM: usize = 4;
+
+pub fn pool_config() -> PoolConfig {
+    PoolConfig {
+        page_size: PAGE_SIZE,
+        n_pages: N_PAGES,
+        n_layers: N_LAYERS,
+        n_kv_heads: 1,
+        head_dim: KV_DIM,
+        scrub: ScrubMode::Off,
+        // Released pages hold the canary: any read of one fails loudly.
+        poison: true,
+    }
+}
+
+pub struct Node {
+    pub table: ReservationTable,
+    pub server: KvServer,
+    _dir: tempfile::TempDir,
+}
+
+pub fn table_config() -> TableConfig {
+    TableConfig {
+        lease: Duration::from_secs(3),
+        abort_timeout: Duration::from_millis(300),
+        max_seq_tokens: 32,
+    }
+}
+
+impl Node {
+    pub async fn start(kind: Kind) -> Self {
+        Self::with(kind, table_config()).await
+    }
+
+    pub async fn with(kind: Kind, cfg: TableConfig) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, landing): (KvPool, Arc<dyn Landing>) = match kind {
+            Kind::Tcp => (
+                KvPool::new(pool_config()).expect("pool"),
+                Arc::new(TcpLanding),
+            ),
+            Kind::Shm => {
+                let pool = KvPool::new_shared(pool_config(), dir.path()).expect("shared pool");
+                let region = Arc::clone(pool.shm_region().expect("mapping"));
+                (pool, Arc::new(ShmLanding::new(region)))
+            }
+        };
+        let table = ReservationTable::new(pool, landing, cfg).expect("table");
+        let server = match kind {
+            Kind::Tcp => KvServer::bind_tcp(table.clone(), "127.0.0.1:0").await,
+            Kind::Shm => KvServer::bind_unix(table.clone(), &dir.path().join("kv.sock")).await,
+        }
+        .expect("listen");
+        Self {
+            table,
+            server,
+            _dir: dir,
+        }
+    }
+
+    pub fn endpoint(&self) -> String {
+        self.server.endpoint().to_owned()
+    }
+
+    pub async fn client(&self) -> KvClient {
+        KvClient::connect(&self.endpoint(), WriterId::mint().expect("rng"))
+            .await
+            .expect("connect")
+    }
+
+    pub fn request(
+        prompt_tokens: usize,
+        max_new_tokens: usize,
+        writer: WriterId,
+    ) -> ReserveRequest {
+        ReserveRequest {
+            prompt_tokens,
+            max_new_tokens,
+            writer,
+        }
+    }
+
+    pub fn free(&self) -> usize {
+        self.table.pool().free_pages()
+    }
+
+    /// Waits (bounded) until every page is free and no reservation is
+    /// open, then checks it stays so.
+    pub async fn assert_idle(&self) {
+        wait_for("pool whole and table empty", || {
+            self.free() == N_PAGES && self.table.stats().open == 0
+        })
+        .await;
+        assert_eq!(self.table.pool().guard_violations(), 0);
+    }
+}
+
+/// Polls `cond` every 5 ms for at most 5 s; panics with `what` if it never
+/// holds. Bounded: a hang is a failure, not a stuck test.
+pub async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The K and V of every prompt position at `layer`, distinct per
+/// position, layer, dimension and `seed`.
+pub fn layer_kv(prompt: usize, layer: u16, seed: f32) -> (Vec<f32>, Vec<f32>) {
+    let k = (0..prompt * KV_DIM)
+        .map(|i| seed + f32::from(layer) * 1000.0 + i as f32)
+        .collect();
+    let v = (0..prompt * KV_DIM)
+        .map(|i| -(seed + f32::from(layer) * 1000.0 + i as f32))
+        .collect();
+    (k, v)
+}
+
+pub async fn write_layers(w: &mut GrantWriter, layers: std::ops::Range<u16>, seed: f32) {
+    let n = w.grant().prompt_tokens as usize;
+    for layer in layers {
+        let (k, v) = layer_kv(n, layer, seed);
+        w.write_layer(layer, &k, &v).await.expect("write layer");
+    }
+}
+
+/// Reads every prompt position of `res` through the checked reader and
+/// compares with the data written with `seed`; checks that exactly the
+/// prompt is readable (watermarks), nothing past it.
+pub fn assert_prompt(res: &Reservation, prompt: usize, seed: f32) {
+    let reader = res.reader();
+    for layer in 0..N_LAYERS as u16 {
+        assert_eq!(
+            res.written_tokens(layer.into()),
+            prompt,
+            "readable = the prompt, layer {layer}"
+        );
+        let (k, v) = layer_kv(prompt, layer, seed);
+        for (i, entry) in res.table().iter().enumerate() {
+            let before = i * PAGE_SIZE;
+            if before >= prompt {
+                break;
+            }
+            let slots = (prompt - before).min(PAGE_SIZE);
+            let s = reader
+                .read_page(*entry, layer.into(), slots)
+                .expect("verified prompt is readable");
+            assert_eq!(s.k, &k[before * KV_DIM..(before + slots) * KV_DIM]);
+            assert_eq!(s.v, &v[before * KV_DIM..(before + slots) * KV_DIM]);
+        }
+    }
+}
+
+/// A writer that speaks the wire protocol by hand (TCP), to send what a
+/// correct writer never would: late, duplicate, forged, short.
+pub struct RawWriter {
+    pub id: WriterId,
+    stream: TcpStream,
+}
+
+impl RawWriter {
+    pub async fn connect(node: &Node) -> Self {
+        let addr = node
+            .endpoint()
+            .strip_prefix("tcp://")
+            .expect("tcp node")
+            .to_owned();
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        let id = WriterId::mint().expect("rng");
+        let mut bytes = Vec::new();
+        Hello { writer: id }.encode(&mut bytes).expect("encode");
+        stream.write_all(&bytes).await.expect("hello");
+        let mut raw = Self { id, stream };
+        match raw.recv().await {
+            Some(bytes) => assert!(matches!(
+                decode_message(&bytes).expect("welcome").0,
+                Message::Welcome(_)
+            )),
+            None => panic!("no welcome"),
+        }
+        raw
+    }
+
+    pub async fn send(&mut self, m: &Message<'_>) {
+        let mut bytes = Vec::new();
+        m.encode(&mut bytes).expect("encode");
+        self.send_bytes(&bytes).await;
+    }
+
+    pub async fn send_bytes(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).await.expect("send");
+    }
+
+    /// The next whole message, or `None` at end of stream.
+    pub async fn recv(&mut self) -> Option<Vec<u8>> {
+        let mut buf = vec![0u8; HEADER_LEN];
+        if self.stream.read_exact(&mut buf).await.is_err() {
+            return None;
+        }
+        let h = peek_header(&buf, &DecodeLimits::default()).expect("header");
+        buf.resize(h.message_len(), 0);
+        self.stream.read_exact(&mut buf[HEADER_LEN..]).await.ok()?;
+        Some(buf)
+    }
+}
+
+/// Encodes the frames a correct writer would send for `grant`'s layer
+/// `layer`, one per page.
+pub fn frames_for(grant: &Grant, layer: u16, seed: f32) -> Vec<Vec<u8>> {
+    use kvmesh_kvxfer::wire::{f32s_to_le, KvFrame};
+    let n = grant.prompt_tokens as usize;
+    let (k, v) = layer_kv(n, layer, seed);
+    let mut out = Vec::new();
+    for (i, page) in grant.pages.iter().enumerate() {
+        let slots = grant.prompt_slots(i).expect("page") as usize;
+        let r = i * PAGE_SIZE * KV_DIM..(i * PAGE_SIZE + slots) * KV_DIM;
+        let mut payload = Vec::new();
+        f32s_to_le(&k[r.clone()], &mut payload);
+        f32s_to_le(&v[r], &mut payload);
+        let f = KvFrame {
+            reservation: grant.reservation,
+            capability: grant.capability.clone(),
+            page_index: i as u32,
+            page: PageRef {
+                page: page.page,
+                generation: page.generation,
+            },
+            geometry: grant.geometry,
+            layers: layer..layer + 1,
+            slots: 0..slots as u32,
+            payload: &payload,
+        };
+        let mut bytes = Vec::new();
+        f.encode(&mut bytes).expect("encode frame");
+        out.push(bytes);
+    }
+    out
+}
+
+/// The checksums `TransferDone` carries for data written with `seed`.
+pub fn checksums_for(grant: &Grant, seed: f32) -> Vec<u64> {
+    use kvmesh_kvxfer::wire::Checksummer;
+    let n = grant.prompt_tokens as usize;
+    let mut sums = vec![Checksummer::new(); grant.pages.len()];
+    for layer in 0..grant.geometry.n_layers {
+        let (k, v) = layer_kv(n, layer, seed);
+        for (i, h) in sums.iter_mut().enumerate() {
+            let slots = grant.prompt_slots(i).expect("page") as usize;
+            let r = i * PAGE_SIZE * KV_DIM..(i * PAGE_SIZE + slots) * KV_DIM;
+            h.update_f32s(&k[r.clone()]);
+            h.update_f32s(&v[r]);
+        }
+    }
+    sums.iter().map(Checksummer::finish).collect()
+}
