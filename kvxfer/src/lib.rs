@@ -22,6 +22,21 @@
 //!   capability (I8), the checksum and why, typed decode errors, the frame
 //!   check against a grant (I5's "stale or unknown frames are refused") and
 //!   the reject counters.
+//! - [`handshake`]: the decode side's [`handshake::ReservationTable`]:
+//!   grants bound to a writer's connection, frames landed without raising
+//!   watermarks, verification before live (I4), aborts that wait for the
+//!   writer's confirmation, leases, revocation before every release (I5),
+//!   one [`handshake::Outcome`] per reservation (I7), and
+//!   [`handshake::LiveSequence`], the only way to a verified sequence.
+//! - [`transport`]: the [`transport::Landing`] (decode) and
+//!   [`transport::WritePath`] (prefill) traits, TCP and shared-memory
+//!   implementations, the decode node's listener and the prefill node's
+//!   connection with its grant-bound [`transport::client::GrantWriter`].
+//! - [`shm`]: the shared-memory mapping a pool can live in, and the per-grant
+//!   write gates (lanes) that make one-sided writes revocable; writer
+//!   processes watched through pidfds.
+//! - `staging` (private): landing a transfer in a reservation's pages and
+//!   the checks verification runs over them.
 //! - `protocol_model` (`testing` feature only): the reservation and abort
 //!   handshake as a stateright model, checked in `tests/protocol_model.rs`
 //!   for I1/I2 (no read of unwritten or foreign slots), I5 (no page reused
@@ -42,10 +57,8 @@
 //! - **I7 Lifetimes close**: a [`Reservation`] is the only holder of its
 //!   pages and releases them exactly once, on drop; with every reservation
 //!   dropped, [`KvPool::free_pages`] equals [`KvPool::capacity_pages`].
-//!
-//! Not here yet: the reservation state machine, remote writers and the
-//! transports that enforce I4 and I5 at run time; the wire format and the
-//! checked protocol model they will implement are.
+//! - **I4 Complete transfer** and **I5 No late writes** at run time:
+//!   [`handshake`] and [`transport`], following `protocol_model`'s rules.
 
 #![deny(missing_docs)]
 

@@ -41,8 +41,8 @@ impl Reservation {
     /// `index`. Watermarks are not touched. All checks come first: on error
     /// nothing was written.
     ///
-    /// Cost: one copy of the payload into `scratch` (byte order and
-    /// alignment), one into the page.
+    /// Cost: one copy into the page; on a big-endian host, or for a
+    /// misaligned payload, one more into `scratch` first.
     pub(crate) fn land(
         &mut self,
         index: usize,
@@ -81,22 +81,40 @@ impl Reservation {
                 got: payload.len(),
             });
         }
-        scratch.clear();
-        scratch.resize(payload.len() / 4, 0.0);
-        if f32s_from_le(payload, scratch).is_err() {
-            return Err(PoolError::BadLength {
-                field: "payload",
-                expected,
-                got: payload.len(),
-            });
-        }
+        // The payload is little-endian f32 at an 8-byte-aligned offset of
+        // its message: on a little-endian host it is usually usable in
+        // place; otherwise it is converted into `scratch`.
+        let values: &[f32] = match bytemuck::try_cast_slice::<u8, f32>(payload) {
+            Ok(v) if cfg!(target_endian = "little") => v,
+            _ => {
+                scratch.clear();
+                scratch.resize(payload.len() / 4, 0.0);
+                if f32s_from_le(payload, scratch).is_err() {
+                    return Err(PoolError::BadLength {
+                        field: "payload",
+                        expected,
+                        got: payload.len(),
+                    });
+                }
+                scratch
+            }
+        };
         let page = entry.page as usize;
         for (i, layer) in layers.enumerate() {
             let base = i * 2 * block;
-            let (k, v) = (
-                &scratch[base..base + block],
-                &scratch[base + block..base + 2 * block],
-            );
+            let (Some(k), Some(v)) = (
+                values.get(base..base + block),
+                values.get(base + block..base + 2 * block),
+            ) else {
+                // Unreachable: the length was checked above. Nothing of
+                // this layer was written; earlier layers are unverified
+                // data, which verification will refuse.
+                return Err(PoolError::BadLength {
+                    field: "payload",
+                    expected,
+                    got: payload.len(),
+                });
+            };
             // SAFETY: the page is on this reservation's table (in range,
             // owned by it); `&mut self` rules out its readers, and no other
             // reservation can reach it (crate::pool). `layer < n_layers` and

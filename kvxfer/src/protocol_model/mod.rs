@@ -65,6 +65,26 @@
 //!    that revokes, and D releases every reservation of that writer that is
 //!    not live.
 //!
+//! # Where the implementation keeps each rule
+//! 1. `Reserve`: `handshake::ReservationTable::reserve` (all pages of prompt
+//!    and budget or a typed refusal; the grant bound to the writer's
+//!    connection).
+//! 2. `Write`: receiver-checked, `ReservationTable::land_frame` (phase, bound
+//!    connection, `Grant::check_frame`, then the page); one-sided,
+//!    `shm::ShmRegion::write_slots` through the grant's lane.
+//! 3. `SendDone`: `transport::client::GrantWriter::finish` drains first;
+//!    the table revokes the path, then verifies; pass sets watermarks.
+//! 4. `Finish`: dropping a `handshake::LiveSequence`.
+//! 5. `Abort`: `ReservationTable::abort` and `abort_confirmed`; the writer
+//!    side answers every Abort under the grant's lock, with a tombstone for
+//!    grants not yet seen (`transport::client`).
+//! 6. `Expire`: `ReservationTable::tick`: revoke (`transport::Landing::revoke`),
+//!    then release; a revocation that cannot complete quarantines.
+//! 7. `Crash` / `DetectCrash`: `ReservationTable::connection_lost` revokes
+//!    every reservation of the connection that is not live (the whole-
+//!    connection path the model leaves out); a one-sided writer's death is
+//!    seen through its pidfd.
+//!
 //! # What is abstracted away
 //! - Data: a slot holds the id of the reservation whose data it is.
 //!   Layers, K and V, payload bytes and real checksums are gone; the

@@ -11,7 +11,7 @@
 //! | writer death | connection reset | connection reset + pidfd | QP error / CM disconnect |
 //!
 //! Control messages (Hello, Welcome, TransferDone, Abort, AbortConfirmed,
-//! Revoke) always travel on the connection ([`stream`]), in order with the
+//! Revoke) always travel on the connection (`stream`), in order with the
 //! frames where frames travel there too. [`server`] is the decode side's
 //! listener, [`client`] the prefill side's connection.
 //!

@@ -20,6 +20,8 @@ use super::TransportError;
 
 /// How long a new connection has to say Hello.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bytes read from a connection per syscall, at most.
+const READ_BUFFER: usize = 1 << 18;
 /// How often the table's timers run.
 pub const TICK: Duration = Duration::from_millis(20);
 
@@ -124,7 +126,10 @@ async fn serve<S>(table: ReservationTable, stream: S, peer: Option<PeerProcess>)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let (mut rd, mut wr) = tokio::io::split(stream);
+    let (rd, mut wr) = tokio::io::split(stream);
+    // Frames arrive back to back: read them in large chunks, not one
+    // syscall per header and body.
+    let mut rd = tokio::io::BufReader::with_capacity(READ_BUFFER, rd);
     let limits = DecodeLimits::default();
     let mut buf = Vec::new();
     let hello =

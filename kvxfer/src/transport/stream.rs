@@ -54,7 +54,9 @@ pub(crate) async fn read_message<R: AsyncRead + Unpin>(
 
 /// Writes every message from `rx` to `w` until the channel closes or a
 /// write fails; then shuts the write side down.
-pub(crate) async fn pump<W: AsyncWrite + Unpin>(mut w: W, mut rx: mpsc::Receiver<Vec<u8>>) {
+pub(crate) async fn pump<W: AsyncWrite + Unpin>(w: W, mut rx: mpsc::Receiver<Vec<u8>>) {
+    // Queued messages go out in as few syscalls as the buffer allows.
+    let mut w = tokio::io::BufWriter::with_capacity(1 << 18, w);
     while let Some(bytes) = rx.recv().await {
         if w.write_all(&bytes).await.is_err() {
             return;
