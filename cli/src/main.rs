@@ -6,8 +6,11 @@
 //! - `bench-engine`: prefill and decode throughput of the reference engine.
 //! - `fetch-model`: put the default model into the cache (what `generate`
 //!   does on first use).
+//! - `serve`: the mesh on loopback: router (OpenAI HTTP gateway and gRPC
+//!   API), one prefill node and one decode node, each a gRPC service.
 
 mod bench;
+mod serve;
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -40,6 +43,8 @@ enum Command {
     BenchEngine(bench::BenchArgs),
     /// Download and verify the default model into the cache.
     FetchModel,
+    /// Serve the mesh on loopback: router (OpenAI-compatible HTTP and gRPC), one prefill and one decode node.
+    Serve(Box<serve::ServeArgs>),
 }
 
 /// Model and KV pool flags shared by the commands that load a model.
@@ -169,6 +174,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(a) => generate(a),
+        Command::Serve(a) => serve::run(*a),
         Command::BenchEngine(a) => bench::run(a),
         Command::FetchModel => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))
             .map(|p| println!("{}", p.display()))

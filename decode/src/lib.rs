@@ -2,5 +2,16 @@
 //! (invariant I4) and runs continuous batching over verified sequences.
 //!
 //! # Layout
-//! Empty until the mesh issue lands; it will wrap `kvmesh-model` and the
-//! reservation side of `kvmesh-kvxfer`.
+//! - [`DecodeNode`]: the node: its KV pool (heap, or a shared-memory
+//!   mapping for same-host prefill), the reservation table and KV transport
+//!   listener from `kvmesh-kvxfer`, the batcher, and the gRPC service.
+//! - `batcher` (private): the continuous-batching actor, one OS thread
+//!   that owns the engine's compute: verified sequences join the running
+//!   batch at the next step, finished or abandoned ones leave it.
+//! - `service` (private): the `kvmesh.internal.v1.Decode` gRPC service and
+//!   the one mapping from this crate's errors to gRPC status codes.
+
+mod batcher;
+mod service;
+
+pub use service::{DecodeConfig, DecodeNode, NodeError, Transport};

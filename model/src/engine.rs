@@ -156,6 +156,17 @@ impl Engine {
 
     /// Build from an already loaded model.
     pub fn from_loaded(loaded: LoadedModel, cfg: &EngineConfig) -> Result<Self> {
+        Self::build(loaded, cfg, None)
+    }
+
+    /// Build from an already loaded model over an existing pool (a decode
+    /// node's, whose pages arrive by transfer). The pool's shape must be the
+    /// model's KV shape.
+    pub fn with_pool(loaded: LoadedModel, cfg: &EngineConfig, pool: KvPool) -> Result<Self> {
+        Self::build(loaded, cfg, Some(pool))
+    }
+
+    fn build(loaded: LoadedModel, cfg: &EngineConfig, pool: Option<KvPool>) -> Result<Self> {
         let eos = loaded.stop_token_ids();
         let LoadedModel {
             config,
@@ -183,7 +194,25 @@ impl Engine {
             poison: cfg.poison,
             ..model.pool_config(pool_tokens, cfg.page_size)
         };
-        let pool = KvPool::new(pool_cfg)?;
+        let pool = match pool {
+            None => KvPool::new(pool_cfg)?,
+            Some(p) => {
+                let c = p.config();
+                if (c.n_layers, c.n_kv_heads, c.head_dim)
+                    != (pool_cfg.n_layers, pool_cfg.n_kv_heads, pool_cfg.head_dim)
+                {
+                    return Err(invalid(
+                        "kv pool",
+                        &format!(
+                            "{} layers x {} KV heads x {}",
+                            c.n_layers, c.n_kv_heads, c.head_dim
+                        ),
+                        "the pool's shape is not the model's KV shape",
+                    ));
+                }
+                p
+            }
+        };
         Ok(Self {
             model,
             tokenizer,
@@ -218,12 +247,7 @@ impl Engine {
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         match prompt {
             Prompt::Text(t) => self.tokenizer.encode(t),
-            Prompt::Chat(messages) => {
-                // The template writes any BOS itself (as transformers'
-                // apply_chat_template(tokenize=True) assumes).
-                let text = self.tokenizer.apply_chat_template(messages, true)?;
-                self.tokenizer.encode_raw(&text)
-            }
+            Prompt::Chat(messages) => self.tokenizer.encode_chat(messages),
             Prompt::Tokens(ids) => Ok(ids.clone()),
         }
     }
@@ -251,6 +275,72 @@ impl Engine {
             max_len: total,
             cached: 0,
         })
+    }
+
+    /// Adopt a sequence whose prompt KV is already in `kv` (a verified
+    /// transfer): positions `0..prompt_ids.len()` must be written at every
+    /// layer, and `kv` must hold room for `max_new_tokens` more. The
+    /// context limit is re-checked here too (I3).
+    pub fn adopt(
+        &self,
+        prompt_ids: Vec<u32>,
+        max_new_tokens: usize,
+        kv: Reservation,
+    ) -> Result<Sequence> {
+        if prompt_ids.is_empty() {
+            return Err(ModelError::EmptyPrompt);
+        }
+        let prompt_len = prompt_ids.len();
+        let total = prompt_len.saturating_add(max_new_tokens);
+        if total > self.max_model_len || total > kv.capacity_tokens() {
+            return Err(ModelError::ContextLengthExceeded {
+                prompt_tokens: prompt_len,
+                max_new_tokens,
+                limit: self.max_model_len.min(kv.capacity_tokens()),
+            });
+        }
+        let n_layers = self.model.config().n_layers;
+        if let Some(layer) = (0..n_layers).find(|&l| kv.written_tokens(l) != prompt_len) {
+            return Err(ModelError::Compute {
+                detail: format!(
+                    "adopted KV holds {} tokens at layer {layer}, the prompt has {prompt_len}",
+                    kv.written_tokens(layer)
+                ),
+            });
+        }
+        Ok(Sequence {
+            kv,
+            tokens: prompt_ids,
+            prompt_len,
+            max_len: total,
+            cached: prompt_len,
+        })
+    }
+
+    /// The K and V of every cached prompt position at `layer`, position-
+    /// major (`prompt_len * kv_dim` values each), read through the checked
+    /// reader: what a prefill node ships to a decode node.
+    pub fn prompt_kv(&self, seq: &Sequence, layer: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        use kvmesh_kernels::PagedKv;
+        let reader = seq.kv.reader();
+        let page_size = self.pool.config().page_size;
+        let kv_dim = self.pool.config().geometry().kv_dim();
+        let n = seq.prompt_len;
+        let (mut k, mut v) = (
+            Vec::with_capacity(n * kv_dim),
+            Vec::with_capacity(n * kv_dim),
+        );
+        for (i, entry) in seq.kv.table().iter().enumerate() {
+            let before = i * page_size;
+            if before >= n {
+                break;
+            }
+            let slots = (n - before).min(page_size);
+            let s = reader.read_page(*entry, layer, slots)?;
+            k.extend_from_slice(s.k);
+            v.extend_from_slice(s.v);
+        }
+        Ok((k, v))
     }
 
     /// Run the uncached prompt tokens; returns the last position's logits.
@@ -381,4 +471,33 @@ fn invalid(field: &str, value: &str, reason: &str) -> ModelError {
         value: value.into(),
         reason: reason.into(),
     }
+}
+
+/// The startup check of a serving node (the incident's misconfiguration):
+/// a pool that cannot hold one max-context request is refused, naming both
+/// numbers and the flags that change them, unless `allow_small_pool`; then
+/// the node serves at most what its pool holds. Returns the longest
+/// sequence (prompt plus new tokens) the node accepts.
+pub fn check_pool_capacity(
+    pool_tokens: usize,
+    max_model_len: usize,
+    allow_small_pool: bool,
+) -> std::result::Result<usize, String> {
+    if pool_tokens >= max_model_len {
+        return Ok(max_model_len);
+    }
+    if allow_small_pool {
+        tracing::warn!(
+            pool_tokens,
+            max_model_len,
+            "KV pool smaller than the context window: serving at most {pool_tokens} tokens per request (--allow-small-pool)"
+        );
+        return Ok(pool_tokens);
+    }
+    Err(format!(
+        "the KV pool holds {pool_tokens} tokens but the context window is {max_model_len}: one \
+         max-context request would not fit. Raise --kv-pool-tokens to at least {max_model_len}, lower \
+         --max-model-len to at most {pool_tokens}, or pass --allow-small-pool to serve at most \
+         {pool_tokens} tokens per request"
+    ))
 }

@@ -27,3 +27,11 @@ pub use config::ModelConfig;
 pub use error::ModelError;
 pub use loader::{load, LoadedModel};
 pub use tokenizer::{ChatMessage, StreamDecoder, TextTokenizer};
+
+/// A request id for responses (`cmpl-…`): 128 bits from the OS random
+/// number generator, minted by the mesh (I8); `None` if the OS RNG fails.
+pub fn request_id() -> Option<String> {
+    kvmesh_kvxfer::wire::RequestId::mint()
+        .ok()
+        .map(|id| id.to_string())
+}

@@ -92,6 +92,17 @@ impl Sampler {
         }
     }
 
+    /// Moves the random state past one draw, as `sample` does for a
+    /// non-greedy choice: a sampler that continues a generation whose first
+    /// token was sampled elsewhere (by a prefill node with the same seed)
+    /// then draws what one sampler would have drawn.
+    pub fn advance(&mut self) {
+        let p = self.params;
+        if !(p.temperature < GREEDY_BELOW || p.top_k == Some(1)) {
+            let _: f32 = self.rng.random();
+        }
+    }
+
     /// Pick the next token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = self.params;

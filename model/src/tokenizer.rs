@@ -44,7 +44,9 @@ impl ChatMessage {
     }
 }
 
-/// A model's tokenizer with its special tokens and chat template.
+/// A model's tokenizer with its special tokens and chat template. Cloning
+/// copies the vocabulary (a few MB): done once per process, for the router.
+#[derive(Clone)]
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     /// One past the largest id the tokenizer can produce.
@@ -284,6 +286,15 @@ impl TextTokenizer {
             self.bos_token(),
             self.eos_token(),
         )
+    }
+
+    /// Chat messages to token ids, as a chat request is run: rendered
+    /// through the chat template with the generation prompt, then encoded
+    /// without adding special tokens (the template writes any BOS itself,
+    /// as transformers' `apply_chat_template(tokenize=True)` assumes).
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let text = self.apply_chat_template(messages, true)?;
+        self.encode_raw(&text)
     }
 
     /// A decoder that turns ids into text one at a time (special tokens skipped).

@@ -1,6 +1,331 @@
-//! kvmesh prefill service: computes a prompt's KV cache and writes its pages
-//! into a reservation that a decode node granted (kv-safety.md section 3).
+//! kvmesh prefill service: computes a prompt's KV cache and writes it into
+//! the pages a decode node granted, over the KV transport, then reports
+//! transfer-done with the first sampled token.
 //!
 //! # Layout
-//! Empty until the mesh issue lands; it will wrap `kvmesh-model` and the
-//! writer side of `kvmesh-kvxfer`.
+//! - [`PrefillNode`]: the node: a model engine with its own KV pool (where
+//!   the prompt is computed), one KV transport connection per decode node
+//!   it has written to (as one writer id, minted at start), the compute
+//!   thread, and the `kvmesh.internal.v1.Prefill` gRPC service.
+//!
+//! # Per request
+//! The grant is decoded and re-checked (prompt length equals the grant's
+//! prompt tokens, within this node's limits: I3); the writer for it is
+//! taken before any compute (an abort that overtook the grant refuses it
+//! here); the compute thread runs the prompt, samples the first token,
+//! then ships each layer's K and V through the grant's writer, checking
+//! between layers whether the decode node aborted; transfer-done goes last.
+//! Any failure drops the writer: the decode node's abort (or lease) then
+//! ends the reservation through the confirmation path.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient, WriterError};
+use kvmesh_kvxfer::wire::{decode_message, Grant, Message, WriterId};
+use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
+use kvmesh_model::sampling::{Sampler, SamplingParams};
+use kvmesh_model::LoadedModel;
+use kvmesh_proto::internal::v1::prefill_server::{Prefill, PrefillServer};
+use kvmesh_proto::internal::v1::{LoadReport, LoadRequest, PrefillRequest, PrefillResponse};
+use thiserror::Error;
+use tokio::sync::{mpsc, oneshot, Mutex as AsyncMutex};
+use tonic::{Request, Response, Status};
+
+/// A prefill node's settings.
+#[derive(Clone, Debug)]
+pub struct PrefillConfig {
+    /// The node's name (load reports, metrics).
+    pub name: String,
+    /// Pool, page and context settings of its own pool.
+    pub engine: EngineConfig,
+    /// Start even if the pool cannot hold one max-context request.
+    pub allow_small_pool: bool,
+}
+
+/// Why a prefill request failed.
+#[derive(Debug, Error)]
+pub enum PrefillError {
+    /// The request does not match its grant or this node's limits.
+    #[error("{0}")]
+    Invalid(String),
+    /// The grant is not a valid kvxfer grant.
+    #[error("grant: {0}")]
+    Grant(String),
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] kvmesh_model::ModelError),
+    /// The writer stopped (aborted, revoked) or the transport failed.
+    #[error(transparent)]
+    Writer(#[from] WriterError),
+    /// The KV transport could not connect.
+    #[error(transparent)]
+    Transport(#[from] kvmesh_kvxfer::transport::TransportError),
+    /// The node is shutting down.
+    #[error("prefill node shutting down")]
+    ShuttingDown,
+}
+
+/// The one mapping from prefill errors to gRPC status codes.
+impl From<PrefillError> for Status {
+    fn from(e: PrefillError) -> Self {
+        match &e {
+            PrefillError::Invalid(_) | PrefillError::Grant(_) => {
+                Status::invalid_argument(e.to_string())
+            }
+            PrefillError::Writer(
+                WriterError::Aborted(_) | WriterError::Revoked(_) | WriterError::Expired(_),
+            ) => Status::aborted(e.to_string()),
+            PrefillError::Writer(_) | PrefillError::Transport(_) => {
+                Status::unavailable(e.to_string())
+            }
+            PrefillError::Model(_) => Status::internal(e.to_string()),
+            PrefillError::ShuttingDown => Status::unavailable(e.to_string()),
+        }
+    }
+}
+
+struct Job {
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    writer: GrantWriter,
+    done: oneshot::Sender<Result<u32, PrefillError>>,
+}
+
+/// A running prefill node.
+#[derive(Clone, Debug)]
+pub struct PrefillNode {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    name: String,
+    writer: WriterId,
+    max_seq_tokens: usize,
+    engine: Arc<Engine>,
+    jobs: mpsc::Sender<Job>,
+    depth: Arc<AtomicUsize>,
+    /// One transport connection per decode endpoint.
+    clients: AsyncMutex<HashMap<String, KvClient>>,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("prompt_tokens", &self.prompt.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PrefillNode {
+    /// Builds the engine and its pool (checked against the context window),
+    /// mints the writer id, starts the compute thread.
+    pub fn start(cfg: PrefillConfig, loaded: LoadedModel) -> Result<Self, PrefillError> {
+        let model_len = loaded.config.max_position_embeddings;
+        let max_model_len = cfg.engine.max_model_len.unwrap_or(model_len);
+        let pool_tokens = cfg.engine.kv_pool_tokens.unwrap_or(max_model_len);
+        let max_seq_tokens = check_pool_capacity(pool_tokens, max_model_len, cfg.allow_small_pool)
+            .map_err(PrefillError::Invalid)?;
+        let engine = Arc::new(Engine::from_loaded(loaded, &cfg.engine)?);
+        tracing::info!(
+            node = %cfg.name,
+            kv_pool_tokens = engine.pool().capacity_tokens(),
+            max_model_len,
+            max_seq_tokens,
+            "prefill node KV pool"
+        );
+        let writer = WriterId::mint().map_err(|e| PrefillError::Invalid(e.to_string()))?;
+        let (jobs, rx) = mpsc::channel(256);
+        let depth = Arc::new(AtomicUsize::new(0));
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| {
+            PrefillError::Invalid("start the prefill node inside a tokio runtime".into())
+        })?;
+        {
+            let (engine, depth) = (Arc::clone(&engine), Arc::clone(&depth));
+            std::thread::Builder::new()
+                .name(format!("prefill-{}", cfg.name))
+                .spawn(move || compute(engine, rx, depth, handle))
+                .map_err(|e| {
+                    PrefillError::Invalid(format!("cannot start the compute thread: {e}"))
+                })?;
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                name: cfg.name,
+                writer,
+                max_seq_tokens,
+                engine,
+                jobs,
+                depth,
+                clients: AsyncMutex::default(),
+            }),
+        })
+    }
+
+    /// The writer id its KV connections announce.
+    pub fn writer_id(&self) -> WriterId {
+        self.inner.writer
+    }
+
+    /// Connects to a decode node's KV endpoint now (so that node can grant
+    /// to this writer before the first request).
+    pub async fn connect(&self, endpoint: &str) -> Result<(), PrefillError> {
+        self.client(endpoint).await.map(|_| ())
+    }
+
+    async fn client(&self, endpoint: &str) -> Result<KvClient, PrefillError> {
+        let mut clients = self.inner.clients.lock().await;
+        if let Some(c) = clients.get(endpoint) {
+            if c.is_connected() {
+                return Ok(c.clone());
+            }
+        }
+        let c = KvClient::connect(endpoint, self.inner.writer).await?;
+        clients.insert(endpoint.to_owned(), c.clone());
+        Ok(c)
+    }
+
+    /// The gRPC service.
+    pub fn service(&self) -> PrefillServer<PrefillNode> {
+        PrefillServer::new(self.clone())
+    }
+
+    /// The engine's pool (tests and metrics).
+    pub fn pool(&self) -> &kvmesh_kvxfer::KvPool {
+        self.inner.engine.pool()
+    }
+
+    async fn prefill(&self, r: PrefillRequest) -> Result<u32, PrefillError> {
+        let grant = match decode_message(&r.grant)
+            .map_err(|e| PrefillError::Grant(e.to_string()))?
+            .0
+        {
+            Message::Grant(g) => g,
+            other => {
+                return Err(PrefillError::Grant(format!(
+                    "not a grant: {:?}",
+                    other.message_type()
+                )))
+            }
+        };
+        check(&grant, &r.prompt_ids, self.inner.max_seq_tokens)?;
+        let s = r.sampling.unwrap_or_default();
+        let sampling = SamplingParams {
+            temperature: s.temperature,
+            top_p: if s.top_p > 0.0 { s.top_p } else { 1.0 },
+            top_k: None,
+            seed: Some(s.seed),
+        };
+        sampling.validate().map_err(PrefillError::Invalid)?;
+        let client = self.client(&grant.endpoint).await?;
+        let writer = client.begin(grant)?;
+        let (done, rx) = oneshot::channel();
+        self.inner
+            .jobs
+            .send(Job {
+                prompt: r.prompt_ids,
+                sampling,
+                writer,
+                done,
+            })
+            .await
+            .map_err(|_| PrefillError::ShuttingDown)?;
+        rx.await.map_err(|_| PrefillError::ShuttingDown)?
+    }
+}
+
+/// The node's own re-check (I3): the prompt is exactly the grant's, and
+/// within this node's limits.
+fn check(grant: &Grant, prompt: &[u32], max_seq_tokens: usize) -> Result<(), PrefillError> {
+    if prompt.is_empty() || prompt.len() as u64 != grant.prompt_tokens {
+        return Err(PrefillError::Invalid(format!(
+            "{} prompt tokens, but the grant covers {}",
+            prompt.len(),
+            grant.prompt_tokens
+        )));
+    }
+    if prompt.len() > max_seq_tokens {
+        return Err(PrefillError::Invalid(format!(
+            "{} prompt tokens exceed this node's limit of {max_seq_tokens}",
+            prompt.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The compute thread: one prompt at a time.
+fn compute(
+    engine: Arc<Engine>,
+    mut jobs: mpsc::Receiver<Job>,
+    depth: Arc<AtomicUsize>,
+    rt: tokio::runtime::Handle,
+) {
+    while let Some(job) = jobs.blocking_recv() {
+        depth.fetch_add(1, Ordering::Relaxed);
+        let Job {
+            prompt,
+            sampling,
+            writer,
+            done,
+        } = job;
+        let r = run_one(&engine, prompt, sampling, writer, &rt);
+        let _ = done.send(r);
+        depth.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn run_one(
+    engine: &Engine,
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    mut writer: GrantWriter,
+    rt: &tokio::runtime::Handle,
+) -> Result<u32, PrefillError> {
+    // Stop early for a request that is gone.
+    rt.block_on(writer.check())?;
+    let mut seq = engine.admit(prompt, 0)?;
+    let logits = engine.prefill(&mut seq)?;
+    let first = Sampler::new(sampling).sample(&logits);
+    let n_layers = engine.model().config().n_layers;
+    rt.block_on(async {
+        for layer in 0..n_layers {
+            let (k, v) = engine.prompt_kv(&seq, layer)?;
+            let l = u16::try_from(layer)
+                .map_err(|_| PrefillError::Invalid("too many layers".into()))?;
+            writer.write_layer(l, &k, &v).await?;
+        }
+        writer.finish(first).await?;
+        Ok::<_, PrefillError>(())
+    })?;
+    Ok(first)
+}
+
+#[tonic::async_trait]
+impl Prefill for PrefillNode {
+    async fn prefill(
+        &self,
+        req: Request<PrefillRequest>,
+    ) -> Result<Response<PrefillResponse>, Status> {
+        let first_token = PrefillNode::prefill(self, req.into_inner()).await?;
+        Ok(Response::new(PrefillResponse { first_token }))
+    }
+
+    async fn load(&self, _req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+        let pool = self.inner.engine.pool().stats();
+        Ok(Response::new(LoadReport {
+            node: self.inner.name.clone(),
+            role: "prefill".into(),
+            kv_pages_total: pool.capacity_pages as u64,
+            kv_pages_free: pool.free_pages as u64,
+            page_size: self.inner.engine.pool().config().page_size as u32,
+            max_seq_tokens: self.inner.max_seq_tokens as u64,
+            queue_depth: self.inner.depth.load(Ordering::Relaxed) as u32,
+            writer_id: self.inner.writer.to_bytes().to_vec(),
+            reservations_ended: HashMap::new(),
+            guard_violations: pool.guard_violations,
+            reservations_granted: 0,
+        }))
+    }
+}

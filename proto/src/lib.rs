@@ -1,7 +1,26 @@
-//! kvmesh wire API: the public gRPC API (Generate, Tokenize, ListModels) and the
-//! internal prefill/decode services.
-//!
-//! # Layout
-//! Empty until the mesh issue lands: the `.proto` files will live in `proto/`
-//! and be compiled here by `build.rs` with protox (pure Rust, no system
-//! `protoc`). Nothing in this crate is used yet, and nothing pretends to be.
+//! kvmesh's gRPC API: the public `kvmesh.v1.Generation` service (Generate,
+//! Tokenize, ListModels) and the internal `kvmesh.internal.v1` Decode and
+//! Prefill services the router drives. The `.proto` files under `proto/`
+//! are the source of truth, every field documented there; `build.rs`
+//! compiles them with protox (pure Rust, no system `protoc`) and
+//! tonic-prost-build.
+
+#![allow(missing_docs, clippy::all)]
+
+/// The public API.
+pub mod v1 {
+    tonic::include_proto!("kvmesh.v1");
+}
+
+/// The internal node services.
+pub mod internal {
+    /// Version 1.
+    pub mod v1 {
+        tonic::include_proto!("kvmesh.internal.v1");
+    }
+}
+
+/// The encoded `FileDescriptorSet` of every service, for gRPC server
+/// reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/kvmesh_descriptor.bin"));

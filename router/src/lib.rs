@@ -1,7 +1,184 @@
-//! kvmesh router: the OpenAI-compatible HTTP gateway and gRPC API,
-//! tokenization and chat templates, and admission control (invariant I3:
-//! reject before anything is allocated anywhere).
+//! kvmesh router: the OpenAI-compatible HTTP gateway, tokenization and chat
+//! templates, admission control (invariant I3: refuse before anything is
+//! allocated anywhere), and dispatch to prefill and decode nodes.
 //!
 //! # Layout
-//! Empty until the mesh issue lands. The router will never link the model
-//! runtime's compute code: it depends on `kvmesh-proto` and the tokenizer only.
+//! - [`Router`]: the shared state (tokenizer, limits, nodes, queue,
+//!   metrics) and [`Router::admit`], the admission decision.
+//! - `http` (private): the axum gateway: `/v1/completions`,
+//!   `/v1/chat/completions` (SSE streaming or not), `/v1/models`,
+//!   `/health`, `/metrics`.
+//! - [`nodes`]: the nodes, their gRPC clients, load reports, health, and
+//!   the choice of node per request.
+//! - [`dispatch`]: one request through the handshake, token ids to text.
+//! - [`error`]: [`Rejection`] (refused before dispatch: its own type) and
+//!   [`error::DispatchError`], and their one mapping to HTTP and gRPC.
+//! - [`grpc`]: the public gRPC API (`kvmesh.v1.Generation`), health and
+//!   reflection.
+//! - `metrics` (private): Prometheus text.
+//!
+//! The router links `kvmesh-model` for its tokenizer and chat templates
+//! only; it runs no model compute.
+
+pub mod dispatch;
+pub mod error;
+pub mod grpc;
+mod http;
+mod metrics;
+pub mod nodes;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvmesh_model::TextTokenizer;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+pub use error::Rejection;
+use metrics::Metrics;
+use nodes::Nodes;
+
+/// The router's settings.
+#[derive(Clone, Debug)]
+pub struct RouterConfig {
+    /// The model id clients name.
+    pub model_id: String,
+    /// The context window (prompt plus completion), tokens.
+    pub max_model_len: usize,
+    /// Requests dispatched at once.
+    pub max_running: usize,
+    /// Requests waiting for a slot at most; more get 429.
+    pub max_queued: usize,
+    /// How long a request may wait for a slot before it gets 429.
+    pub queue_timeout: Duration,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            model_id: "default".into(),
+            max_model_len: 2048,
+            max_running: 64,
+            max_queued: 256,
+            queue_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The router. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Router {
+    cfg: Arc<RouterConfig>,
+    tokenizer: Arc<TextTokenizer>,
+    stop_ids: Arc<[u32]>,
+    nodes: Nodes,
+    slots: Arc<Semaphore>,
+    queued: Arc<AtomicUsize>,
+    metrics: Arc<Metrics>,
+}
+
+impl Router {
+    /// A router over `nodes` that tokenizes with `tokenizer` and ends
+    /// generation at `stop_ids`.
+    pub fn new(
+        cfg: RouterConfig,
+        tokenizer: TextTokenizer,
+        stop_ids: Vec<u32>,
+        nodes: Nodes,
+    ) -> Self {
+        Self {
+            slots: Arc::new(Semaphore::new(cfg.max_running.max(1))),
+            cfg: Arc::new(cfg),
+            tokenizer: Arc::new(tokenizer),
+            stop_ids: stop_ids.into(),
+            nodes,
+            queued: Arc::default(),
+            metrics: Arc::default(),
+        }
+    }
+
+    /// The nodes.
+    pub fn nodes(&self) -> &Nodes {
+        &self.nodes
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &RouterConfig {
+        &self.cfg
+    }
+
+    /// The HTTP gateway.
+    pub fn http(&self) -> axum::Router {
+        http::routes(self.clone())
+    }
+
+    /// Admission (I3), decided here with no call to any node: prompt plus
+    /// `max_tokens` against the context window, then against the largest
+    /// sequence the healthy nodes advertise (a node started with
+    /// `--allow-small-pool` advertises its real pool). Then a slot in the
+    /// bounded queue, or 429.
+    pub async fn admit(
+        &self,
+        prompt_tokens: usize,
+        max_tokens: usize,
+    ) -> Result<OwnedSemaphorePermit, Rejection> {
+        let r = self.check(prompt_tokens, max_tokens).await;
+        if let Err(e) = &r {
+            self.metrics.rejected(e.reason());
+        }
+        r
+    }
+
+    async fn check(
+        &self,
+        prompt_tokens: usize,
+        max_tokens: usize,
+    ) -> Result<OwnedSemaphorePermit, Rejection> {
+        let requested = prompt_tokens.saturating_add(max_tokens);
+        let too_long = |limit| Rejection::ContextLengthExceeded {
+            prompt_tokens,
+            max_tokens,
+            requested,
+            limit,
+        };
+        if requested > self.cfg.max_model_len {
+            return Err(too_long(self.cfg.max_model_len));
+        }
+        let capacity = self.nodes.capacity().ok_or(Rejection::NoHealthyNode {
+            role: "prefill or decode",
+        })?;
+        if requested > capacity {
+            return Err(too_long(capacity.min(self.cfg.max_model_len)));
+        }
+        if let Ok(p) = Arc::clone(&self.slots).try_acquire_owned() {
+            return Ok(p);
+        }
+        let queued = self.queued.fetch_add(1, Ordering::AcqRel) + 1;
+        let _leave = Leave(&self.queued);
+        if queued > self.cfg.max_queued {
+            return Err(Rejection::Saturated { queued: queued - 1 });
+        }
+        match tokio::time::timeout(
+            self.cfg.queue_timeout,
+            Arc::clone(&self.slots).acquire_owned(),
+        )
+        .await
+        {
+            Ok(Ok(p)) => Ok(p),
+            _ => Err(Rejection::Saturated { queued }),
+        }
+    }
+}
+
+struct Leave<'a>(&'a AtomicUsize);
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}

@@ -71,6 +71,13 @@ macro_rules! id128 {
             pub fn to_bytes(self) -> [u8; 16] {
                 self.0
             }
+
+            /// An id the mesh minted, back from its bytes (as an internal
+            /// service carries it); `None` for all zeros, which is never
+            /// minted. The gateway never builds one from client input (I8).
+            pub fn from_bytes(bytes: [u8; 16]) -> Option<Self> {
+                bytes.iter().any(|&b| b != 0).then_some(Self(bytes))
+            }
         }
 
         impl WireId for $name {

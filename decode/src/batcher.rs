@@ -1,0 +1,161 @@
+//! Continuous batching: one OS thread owns the decode compute. Each step
+//! runs every running sequence one token forward as one batch; sequences
+//! that arrive (verified transfers) join at the next step, sequences that
+//! finish, fail, or whose client is gone leave, releasing their pages.
+
+use std::sync::Arc;
+
+use kvmesh_model::engine::{Engine, Sequence};
+use kvmesh_model::sampling::Sampler;
+use kvmesh_proto::internal::v1::{token_event, Finished, TokenEvent};
+use tokio::sync::mpsc;
+use tonic::Status;
+
+/// Events of one sequence's token stream.
+pub(crate) type Events = mpsc::Sender<Result<TokenEvent, Status>>;
+
+/// A verified sequence ready to decode.
+pub(crate) struct Job {
+    pub seq: Sequence,
+    pub first_token: u32,
+    pub max_new_tokens: usize,
+    pub sampler: Sampler,
+    pub stop_ids: Vec<u32>,
+    pub events: Events,
+}
+
+struct Running {
+    seq: Sequence,
+    next: u32,
+    generated: usize,
+    max_new_tokens: usize,
+    sampler: Sampler,
+    stop_ids: Vec<u32>,
+    events: Events,
+}
+
+fn token(t: u32) -> Result<TokenEvent, Status> {
+    Ok(TokenEvent {
+        event: Some(token_event::Event::Token(t)),
+    })
+}
+
+fn finished(reason: &str) -> Result<TokenEvent, Status> {
+    Ok(TokenEvent {
+        event: Some(token_event::Event::Finished(Finished {
+            reason: reason.into(),
+        })),
+    })
+}
+
+/// What happens after a token is sampled: the reference engine's rules, so
+/// greedy output through the mesh equals `kvmesh generate`'s. A stop token
+/// ends generation without being emitted; the budget counts emitted tokens.
+enum Next {
+    Continue,
+    Done,
+}
+
+fn emit(r: &mut Running, tok: u32) -> Next {
+    if r.stop_ids.contains(&tok) {
+        let _ = r.events.try_send(finished("stop"));
+        return Next::Done;
+    }
+    // Bounded channel sized to the budget: never full.
+    if r.events.try_send(token(tok)).is_err() {
+        return Next::Done;
+    }
+    r.generated += 1;
+    if r.generated >= r.max_new_tokens {
+        let _ = r.events.try_send(finished("length"));
+        return Next::Done;
+    }
+    r.next = tok;
+    Next::Continue
+}
+
+/// Runs until `jobs` closes and nothing is running.
+pub(crate) fn run(
+    engine: Arc<Engine>,
+    mut jobs: mpsc::Receiver<Job>,
+    depth: Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::Ordering;
+    let mut running: Vec<Running> = Vec::new();
+    loop {
+        // Block only when idle; otherwise take whatever arrived.
+        if running.is_empty() {
+            match jobs.blocking_recv() {
+                Some(j) => admit(&mut running, j),
+                None => return,
+            }
+        }
+        while let Ok(j) = jobs.try_recv() {
+            admit(&mut running, j);
+        }
+        // Clients that went away leave before the step.
+        running.retain(|r| !r.events.is_closed());
+        depth.store(running.len(), Ordering::Relaxed);
+        if running.is_empty() {
+            continue;
+        }
+        let next: Vec<u32> = running.iter().map(|r| r.next).collect();
+        let results = {
+            let mut seqs: Vec<&mut Sequence> = running.iter_mut().map(|r| &mut r.seq).collect();
+            engine.decode_step(&mut seqs, &next)
+        };
+        let results = match results {
+            Ok(r) => r,
+            Err(e) => {
+                // A batch-wide failure fails every sequence in it, with
+                // the reason; their pages go back as they are dropped.
+                tracing::error!(error = %e, "decode step failed");
+                for r in running.drain(..) {
+                    let _ = r
+                        .events
+                        .try_send(Err(Status::internal(format!("decode step failed: {e}"))));
+                }
+                continue;
+            }
+        };
+        let mut keep = Vec::with_capacity(running.len());
+        for (mut r, res) in running.drain(..).zip(results) {
+            match res {
+                Ok(logits) => {
+                    let tok = r.sampler.sample(&logits);
+                    if let Next::Continue = emit(&mut r, tok) {
+                        keep.push(r);
+                    }
+                }
+                Err(e) => {
+                    // This sequence only (a guard violation, say): it fails
+                    // with the reason, the batch goes on.
+                    let _ = r
+                        .events
+                        .try_send(Err(Status::internal(format!("decode failed: {e}"))));
+                }
+            }
+        }
+        running = keep;
+        depth.store(running.len(), Ordering::Relaxed);
+    }
+}
+
+fn admit(running: &mut Vec<Running>, j: Job) {
+    let mut r = Running {
+        seq: j.seq,
+        next: 0,
+        generated: 0,
+        max_new_tokens: j.max_new_tokens,
+        sampler: j.sampler,
+        stop_ids: j.stop_ids,
+        events: j.events,
+    };
+    if r.max_new_tokens == 0 {
+        let _ = r.events.try_send(finished("length"));
+        return;
+    }
+    if let Next::Continue = emit(&mut r, j.first_token) {
+        running.push(r);
+    }
+}

@@ -1,0 +1,320 @@
+//! One request through the mesh: pick a decode and a prefill node, reserve
+//! at decode (the grant), open the token stream, prefill into the grant,
+//! then turn token ids into text (incremental detokenization, stop
+//! strings) for the gateway. Dropping the receiver (client gone) cancels
+//! the node calls and aborts the reservation: the pages come back through
+//! the confirmation path.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvmesh_proto::internal::v1::{
+    token_event, AbortRequest, PrefillRequest, ReserveRequest, Sampling, TokensRequest,
+};
+use tokio::sync::mpsc;
+
+use crate::error::{DispatchError, Rejection};
+use crate::nodes::Role;
+use crate::Router;
+
+/// Abort reason code sent to decode when the client is gone (kvxfer's
+/// `AbortReason::CLIENT_GONE`).
+const CLIENT_GONE: u32 = 1;
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token or stop string.
+    Stop,
+    /// The budget.
+    Length,
+}
+
+impl Finish {
+    /// The OpenAI name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// What the gateway receives.
+#[derive(Debug)]
+pub enum Event {
+    /// New text (whole UTF-8 characters).
+    Text(String),
+    /// The end.
+    Done {
+        /// Why.
+        finish: Finish,
+        /// Tokens generated.
+        completion_tokens: usize,
+    },
+    /// A failure after dispatch.
+    Error(DispatchError),
+}
+
+/// A validated request.
+#[derive(Clone, Debug)]
+pub struct Job {
+    /// Prompt token ids.
+    pub prompt_ids: Vec<u32>,
+    /// Completion budget.
+    pub max_tokens: usize,
+    /// Sampling.
+    pub temperature: f32,
+    /// Nucleus mass.
+    pub top_p: f32,
+    /// Seed.
+    pub seed: u64,
+    /// Stop strings.
+    pub stop: Vec<String>,
+}
+
+/// Starts a request; events arrive on the receiver. Refused before
+/// anything is allocated when no node can take it.
+pub fn start(
+    router: &Router,
+    job: Job,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> Result<mpsc::Receiver<Event>, Rejection> {
+    let total = job.prompt_ids.len() + job.max_tokens;
+    let (decode, _) = router.nodes.pick(Role::Decode, Some(total))?;
+    let (prefill, p_report) = router
+        .nodes
+        .pick(Role::Prefill, Some(job.prompt_ids.len()))?;
+    let (tx, rx) = mpsc::channel(64);
+    let r = router.clone();
+    tokio::spawn(async move {
+        let _permit = permit;
+        let started = Instant::now();
+        let outcome = run(&r, job, &decode, &prefill, p_report.writer_id, &tx, started).await;
+        r.metrics.finished(outcome);
+    });
+    Ok(rx)
+}
+
+async fn run(
+    r: &Router,
+    job: Job,
+    decode: &Arc<crate::nodes::Node>,
+    prefill: &Arc<crate::nodes::Node>,
+    writer_id: Vec<u8>,
+    tx: &mpsc::Sender<Event>,
+    started: Instant,
+) -> &'static str {
+    let node_err = |role, node: &Arc<crate::nodes::Node>, status: tonic::Status| {
+        if matches!(
+            status.code(),
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+        ) {
+            node.mark_down();
+        }
+        DispatchError::Node {
+            role,
+            node: node.name.clone(),
+            status,
+        }
+    };
+    let fail = |e: DispatchError| async move {
+        let kind = e.kind();
+        let _ = tx.send(Event::Error(e)).await;
+        kind
+    };
+    let mut d = decode.decode();
+    let grant = match d
+        .reserve(ReserveRequest {
+            prompt_ids: job.prompt_ids.clone(),
+            max_new_tokens: job.max_tokens as u32,
+            writer_id,
+        })
+        .await
+    {
+        Ok(g) => g.into_inner(),
+        Err(s) => return fail(node_err("decode", decode, s)).await,
+    };
+    let rid = grant.reservation_id.clone();
+    let sampling = Sampling {
+        temperature: job.temperature,
+        top_p: job.top_p,
+        seed: job.seed,
+    };
+    let mut stream = match d
+        .tokens(TokensRequest {
+            reservation_id: rid.clone(),
+            sampling: Some(sampling),
+            stop_token_ids: r.stop_ids.to_vec(),
+        })
+        .await
+    {
+        Ok(s) => s.into_inner(),
+        Err(s) => {
+            abort(decode, &rid).await;
+            return fail(node_err("decode", decode, s)).await;
+        }
+    };
+    let mut p = prefill.prefill();
+    let prefill_call = p.prefill(PrefillRequest {
+        prompt_ids: job.prompt_ids.clone(),
+        grant: grant.grant,
+        sampling: Some(sampling),
+    });
+    tokio::pin!(prefill_call);
+    let mut prefill_done = false;
+    let mut text = TextOut::new(&r.tokenizer, &job.stop);
+    let mut completion = 0usize;
+    let mut last = None::<Instant>;
+    loop {
+        tokio::select! {
+            res = &mut prefill_call, if !prefill_done => {
+                prefill_done = true;
+                if let Err(s) = res {
+                    abort(decode, &rid).await;
+                    return fail(node_err("prefill", prefill, s)).await;
+                }
+            }
+            () = tx.closed() => {
+                // The client is gone: cancel both calls (dropped here) and
+                // abort the reservation.
+                abort(decode, &rid).await;
+                return "client_gone";
+            }
+            ev = stream.message() => {
+                let ev = match ev {
+                    Ok(Some(e)) => e,
+                    Ok(None) => return fail(DispatchError::Node { role: "decode", node: decode.name.clone(), status: tonic::Status::internal("token stream ended without a finish") }).await,
+                    Err(s) => {
+                        abort(decode, &rid).await;
+                        return fail(node_err("decode", decode, s)).await;
+                    }
+                };
+                match ev.event {
+                    Some(token_event::Event::Token(t)) => {
+                        let now = Instant::now();
+                        match last {
+                            None => r.metrics.ttft(now - started),
+                            Some(prev) => r.metrics.itl(now - prev),
+                        }
+                        last = Some(now);
+                        completion += 1;
+                        match text.push(t) {
+                            Ok((piece, hit_stop)) => {
+                                if !piece.is_empty() && tx.send(Event::Text(piece)).await.is_err() {
+                                    abort(decode, &rid).await;
+                                    return "client_gone";
+                                }
+                                if hit_stop {
+                                    // Ends the stream: the decode node drops the sequence.
+                                    drop(stream);
+                                    let _ = tx.send(Event::Done { finish: Finish::Stop, completion_tokens: completion }).await;
+                                    return "stop";
+                                }
+                            }
+                            Err(e) => {
+                                abort(decode, &rid).await;
+                                return fail(e).await;
+                            }
+                        }
+                    }
+                    Some(token_event::Event::Finished(f)) => {
+                        match text.finish() {
+                            Ok(piece) if !piece.is_empty() => { let _ = tx.send(Event::Text(piece)).await; }
+                            Ok(_) => {}
+                            Err(e) => return fail(e).await,
+                        }
+                        let finish = if f.reason == "length" { Finish::Length } else { Finish::Stop };
+                        let _ = tx.send(Event::Done { finish, completion_tokens: completion }).await;
+                        return finish.as_str();
+                    }
+                    None => {}
+                }
+            }
+        }
+    }
+}
+
+async fn abort(decode: &Arc<crate::nodes::Node>, rid: &[u8]) {
+    let req = AbortRequest {
+        reservation_id: rid.to_vec(),
+        reason: CLIENT_GONE,
+    };
+    if let Err(e) = decode.decode().abort(req).await {
+        tracing::debug!(node = %decode.name, error = %e, "abort");
+    }
+}
+
+/// Token ids to text: incremental detokenization (whole characters only)
+/// and stop strings (text is held back while it could be the start of
+/// one; output ends before the first full match).
+struct TextOut<'a> {
+    decoder: kvmesh_model::StreamDecoder<'a>,
+    stop: &'a [String],
+    held: String,
+}
+
+impl<'a> TextOut<'a> {
+    fn new(tokenizer: &'a kvmesh_model::TextTokenizer, stop: &'a [String]) -> Self {
+        Self {
+            decoder: tokenizer.stream_decoder(),
+            stop,
+            held: String::new(),
+        }
+    }
+
+    /// Text to emit now, and whether a stop string was hit.
+    fn push(&mut self, id: u32) -> Result<(String, bool), DispatchError> {
+        let piece = self
+            .decoder
+            .push(id)
+            .map_err(|e| DispatchError::Tokenizer(e.to_string()))?
+            .unwrap_or_default();
+        self.held.push_str(&piece);
+        Ok(self.release())
+    }
+
+    fn finish(&mut self) -> Result<String, DispatchError> {
+        if let Some(rest) = self
+            .decoder
+            .finish()
+            .map_err(|e| DispatchError::Tokenizer(e.to_string()))?
+        {
+            self.held.push_str(&rest);
+        }
+        let (out, hit) = self.release();
+        if hit {
+            return Ok(out);
+        }
+        Ok(out + &std::mem::take(&mut self.held))
+    }
+
+    fn release(&mut self) -> (String, bool) {
+        if let Some(at) = self
+            .stop
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
+            let out = self.held[..at].to_owned();
+            self.held.clear();
+            return (out, true);
+        }
+        // Hold back the longest tail that could begin a stop string.
+        let mut keep = 0;
+        for s in self.stop.iter().filter(|s| !s.is_empty()) {
+            for (i, _) in self.held.char_indices() {
+                let tail = &self.held[i..];
+                if s.starts_with(tail) {
+                    keep = keep.max(tail.len());
+                    break;
+                }
+            }
+        }
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_owned();
+        self.held.drain(..cut);
+        (out, false)
+    }
+}

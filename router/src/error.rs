@@ -1,0 +1,155 @@
+//! The router's refusals and failures, and the one place they map to HTTP
+//! status codes and OpenAI-style error bodies.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use thiserror::Error;
+
+/// A request the router refused before dispatching anything (I3): a
+/// terminal value, never a flag on a request that keeps moving.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum Rejection {
+    /// Prompt plus `max_tokens` over the context window or over what every
+    /// node can hold.
+    #[error(
+        "This model's maximum context length is {limit} tokens. However, you requested {requested} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). Please reduce the length of the messages or completion."
+    )]
+    ContextLengthExceeded {
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Requested completion tokens.
+        max_tokens: usize,
+        /// Their sum.
+        requested: usize,
+        /// The smaller of the context window and the nodes' capacity.
+        limit: usize,
+    },
+    /// A malformed or out-of-range request field.
+    #[error("{message}")]
+    Invalid {
+        /// The field.
+        param: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+    /// The bounded queue is full.
+    #[error("the server is saturated: {queued} requests are queued; retry later")]
+    Saturated {
+        /// Requests waiting.
+        queued: usize,
+    },
+    /// No prefill or no decode node is healthy.
+    #[error("no healthy {role} node")]
+    NoHealthyNode {
+        /// Which role is missing.
+        role: &'static str,
+    },
+    /// The model named is not served.
+    #[error("the model {0:?} does not exist")]
+    UnknownModel(String),
+}
+
+impl Rejection {
+    /// The metric label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::ContextLengthExceeded { .. } => "context_length_exceeded",
+            Self::Invalid { .. } => "invalid_request",
+            Self::Saturated { .. } => "saturated",
+            Self::NoHealthyNode { .. } => "no_healthy_node",
+            Self::UnknownModel(_) => "model_not_found",
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::ContextLengthExceeded { .. } | Self::Invalid { .. } => StatusCode::BAD_REQUEST,
+            Self::Saturated { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::NoHealthyNode { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::UnknownModel(_) => StatusCode::NOT_FOUND,
+        }
+    }
+
+    fn body(&self) -> serde_json::Value {
+        let (ty, code, param) = match self {
+            Self::ContextLengthExceeded { .. } => (
+                "invalid_request_error",
+                "context_length_exceeded",
+                Some("messages"),
+            ),
+            Self::Invalid { param, .. } => ("invalid_request_error", "invalid_value", Some(*param)),
+            Self::Saturated { .. } => ("rate_limit_error", "rate_limit_exceeded", None),
+            Self::NoHealthyNode { .. } => ("server_error", "service_unavailable", None),
+            Self::UnknownModel(_) => ("invalid_request_error", "model_not_found", Some("model")),
+        };
+        json!({"error": {"message": self.to_string(), "type": ty, "param": param, "code": code}})
+    }
+
+    /// The gRPC status of the public API.
+    pub fn grpc(&self) -> tonic::Status {
+        match self {
+            Self::ContextLengthExceeded { .. } | Self::Invalid { .. } => {
+                tonic::Status::invalid_argument(self.to_string())
+            }
+            Self::Saturated { .. } => tonic::Status::resource_exhausted(self.to_string()),
+            Self::NoHealthyNode { .. } => tonic::Status::unavailable(self.to_string()),
+            Self::UnknownModel(_) => tonic::Status::not_found(self.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for Rejection {
+    fn into_response(self) -> Response {
+        (self.status(), axum::Json(self.body())).into_response()
+    }
+}
+
+/// A request that was dispatched and then failed.
+#[derive(Debug, Error)]
+pub enum DispatchError {
+    /// A node refused or failed the request.
+    #[error("{role} node {node}: {status}")]
+    Node {
+        /// "prefill" or "decode".
+        role: &'static str,
+        /// The node's name.
+        node: String,
+        /// What it said.
+        status: tonic::Status,
+    },
+    /// Tokenizer or detokenizer failure.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+}
+
+impl DispatchError {
+    /// The metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Node {
+                role: "prefill", ..
+            } => "prefill_failed",
+            Self::Node { .. } => "decode_failed",
+            Self::Tokenizer(_) => "tokenizer",
+        }
+    }
+}
+
+impl IntoResponse for DispatchError {
+    fn into_response(self) -> Response {
+        let code = match &self {
+            Self::Node { status, .. } if status.code() == tonic::Code::ResourceExhausted => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            Self::Node { status, .. } if status.code() == tonic::Code::InvalidArgument => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::Node { .. } => StatusCode::BAD_GATEWAY,
+            Self::Tokenizer(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        let body = json!({"error": {"message": self.to_string(), "type": "server_error", "param": null, "code": self.kind()}});
+        (code, axum::Json(body)).into_response()
+    }
+}

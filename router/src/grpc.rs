@@ -1,0 +1,181 @@
+//! The public gRPC API (`kvmesh.v1.Generation`), the standard gRPC health
+//! service and server reflection, over the same admission and dispatch as
+//! the HTTP gateway.
+
+use std::pin::Pin;
+
+use kvmesh_model::ChatMessage;
+use kvmesh_proto::v1::generation_server::{Generation, GenerationServer};
+use kvmesh_proto::v1::{
+    generate_request, tokenize_request, Chat, FinishReason, GenerateRequest, GenerateResponse,
+    ListModelsRequest, ListModelsResponse, Model, TokenizeRequest, TokenizeResponse, Usage,
+};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::dispatch::{self, Event, Finish, Job};
+use crate::error::Rejection;
+use crate::Router;
+
+/// The public gRPC server: Generation, health, reflection.
+pub fn service(router: Router) -> tonic::transport::server::Router {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    tokio::spawn(async move {
+        reporter.set_serving::<GenerationServer<Api>>().await;
+    });
+    let mut server = tonic::transport::Server::builder();
+    let routes = server
+        .add_service(health)
+        .add_service(GenerationServer::new(Api { router }));
+    match tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(kvmesh_proto::FILE_DESCRIPTOR_SET)
+        .build_v1()
+    {
+        Ok(reflection) => routes.add_service(reflection),
+        Err(e) => {
+            tracing::warn!(error = %e, "gRPC reflection unavailable");
+            routes
+        }
+    }
+}
+
+/// The Generation service.
+#[derive(Debug, Clone)]
+pub struct Api {
+    router: Router,
+}
+
+fn chat(c: Chat) -> Vec<ChatMessage> {
+    c.messages
+        .into_iter()
+        .map(|m| ChatMessage::new(m.role, m.content))
+        .collect()
+}
+
+impl Api {
+    fn tokenize_input(
+        &self,
+        model: &str,
+        prompt: Option<Result<String, Chat>>,
+    ) -> Result<Vec<u32>, Status> {
+        if !model.is_empty() && model != self.router.config().model_id {
+            return Err(Rejection::UnknownModel(model.to_owned()).grpc());
+        }
+        let t = self.router.tokenizer();
+        match prompt {
+            Some(Ok(text)) => t.encode(&text),
+            Some(Err(c)) => t.encode_chat(&chat(c)),
+            None => {
+                return Err(Status::invalid_argument(
+                    "input: a prompt or a chat is required",
+                ))
+            }
+        }
+        .map_err(|e| Status::invalid_argument(e.to_string()))
+    }
+}
+
+type GenStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Generation for Api {
+    type GenerateStream = GenStream;
+
+    async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<GenStream>, Status> {
+        let r = req.into_inner();
+        let input = r.input.map(|i| match i {
+            generate_request::Input::Prompt(p) => Ok(p),
+            generate_request::Input::Chat(c) => Err(c),
+        });
+        let ids = self.tokenize_input(&r.model, input)?;
+        let max_tokens = if r.max_tokens == 0 {
+            16
+        } else {
+            r.max_tokens as usize
+        };
+        let temperature = r.temperature.unwrap_or(1.0);
+        let top_p = r.top_p.unwrap_or(1.0);
+        if !((0.0..=2.0).contains(&temperature) && top_p > 0.0 && top_p <= 1.0) {
+            return Err(Status::invalid_argument(
+                "temperature must be in [0, 2] and top_p in (0, 1]",
+            ));
+        }
+        let prompt_tokens = ids.len();
+        let permit = self
+            .router
+            .admit(prompt_tokens, max_tokens)
+            .await
+            .map_err(|e| e.grpc())?;
+        let job = Job {
+            prompt_ids: ids,
+            max_tokens,
+            temperature,
+            top_p,
+            seed: r.seed.unwrap_or(0x9E37_79B9_7F4A_7C15),
+            stop: r.stop,
+        };
+        let mut rx = dispatch::start(&self.router, job, permit).map_err(|e| e.grpc())?;
+        let (tx, out) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(async move {
+            while let Some(ev) = rx.recv().await {
+                let msg = match ev {
+                    Event::Text(text) => GenerateResponse {
+                        text,
+                        ..Default::default()
+                    },
+                    Event::Done {
+                        finish,
+                        completion_tokens,
+                    } => GenerateResponse {
+                        finish_reason: match finish {
+                            Finish::Stop => FinishReason::Stop,
+                            Finish::Length => FinishReason::Length,
+                        } as i32,
+                        usage: Some(Usage {
+                            prompt_tokens: prompt_tokens as u32,
+                            completion_tokens: completion_tokens as u32,
+                        }),
+                        ..Default::default()
+                    },
+                    Event::Error(e) => GenerateResponse {
+                        finish_reason: FinishReason::Error as i32,
+                        error: e.to_string(),
+                        ..Default::default()
+                    },
+                };
+                if tx.send(Ok(msg)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(out),
+        )))
+    }
+
+    async fn tokenize(
+        &self,
+        req: Request<TokenizeRequest>,
+    ) -> Result<Response<TokenizeResponse>, Status> {
+        let r = req.into_inner();
+        let input = r.input.map(|i| match i {
+            tokenize_request::Input::Prompt(p) => Ok(p),
+            tokenize_request::Input::Chat(c) => Err(c),
+        });
+        let token_ids = self.tokenize_input(&r.model, input)?;
+        Ok(Response::new(TokenizeResponse { token_ids }))
+    }
+
+    async fn list_models(
+        &self,
+        _req: Request<ListModelsRequest>,
+    ) -> Result<Response<ListModelsResponse>, Status> {
+        let c = self.router.config();
+        Ok(Response::new(ListModelsResponse {
+            models: vec![Model {
+                id: c.model_id.clone(),
+                max_model_len: u32::try_from(c.max_model_len).unwrap_or(u32::MAX),
+            }],
+        }))
+    }
+}

@@ -1,0 +1,400 @@
+//! The OpenAI-compatible HTTP gateway.
+//!
+//! Bodies are parsed here (not by an extractor) so every malformed request
+//! gets the same OpenAI-style 400 body naming the field. Unknown fields are
+//! ignored, as OpenAI clients send many.
+
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use kvmesh_model::ChatMessage;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+
+use crate::dispatch::{self, Event, Job};
+use crate::error::Rejection;
+use crate::Router;
+
+/// Default completion budget (OpenAI's for completions).
+const DEFAULT_MAX_TOKENS: usize = 16;
+
+pub(crate) fn routes(router: Router) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .with_state(router)
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+struct Common {
+    model: Option<String>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    seed: Option<u64>,
+    stop: Option<OneOrMany>,
+    #[serde(default)]
+    stream: bool,
+    n: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct CompletionBody {
+    prompt: Option<OneOrMany>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    messages: Option<Vec<ChatIn>>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize)]
+struct ChatIn {
+    role: String,
+    content: Option<Value>,
+}
+
+fn invalid(param: &'static str, message: impl Into<String>) -> Rejection {
+    Rejection::Invalid {
+        param,
+        message: message.into(),
+    }
+}
+
+fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Rejection> {
+    serde_json::from_slice(body).map_err(|e| invalid("body", format!("invalid JSON body: {e}")))
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn request_id(prefix: &str) -> String {
+    match kvmesh_model::request_id() {
+        Some(id) => format!("{prefix}-{id}"),
+        None => format!("{prefix}-{}", unix_now()),
+    }
+}
+
+/// Validated sampling and budget fields.
+struct Settings {
+    max_tokens: usize,
+    temperature: f32,
+    top_p: f32,
+    seed: u64,
+    stop: Vec<String>,
+    stream: bool,
+}
+
+fn settings(r: &Router, c: &Common) -> Result<Settings, Rejection> {
+    if let Some(m) = &c.model {
+        if !m.is_empty() && *m != r.config().model_id {
+            return Err(Rejection::UnknownModel(m.clone()));
+        }
+    }
+    if c.n.is_some_and(|n| n != 1) {
+        return Err(invalid("n", "only n=1 is supported"));
+    }
+    let max_tokens = c
+        .max_completion_tokens
+        .or(c.max_tokens)
+        .unwrap_or(DEFAULT_MAX_TOKENS as u64);
+    if max_tokens == 0 {
+        return Err(invalid("max_tokens", "max_tokens must be at least 1"));
+    }
+    let max_tokens = usize::try_from(max_tokens).unwrap_or(usize::MAX);
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(invalid(
+            "temperature",
+            format!("temperature {temperature} is not in [0, 2]"),
+        ));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(invalid("top_p", format!("top_p {top_p} is not in (0, 1]")));
+    }
+    let stop = match &c.stop {
+        None => Vec::new(),
+        Some(OneOrMany::One(s)) => vec![s.clone()],
+        Some(OneOrMany::Many(v)) if v.len() <= 4 => v.clone(),
+        Some(OneOrMany::Many(_)) => return Err(invalid("stop", "at most 4 stop strings")),
+    };
+    Ok(Settings {
+        max_tokens,
+        temperature,
+        top_p,
+        seed: c.seed.unwrap_or_else(|| unix_now() ^ 0x9E37_79B9_7F4A_7C15),
+        stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
+        stream: c.stream,
+    })
+}
+
+fn chat_messages(msgs: Option<Vec<ChatIn>>) -> Result<Vec<ChatMessage>, Rejection> {
+    let msgs = msgs.ok_or_else(|| invalid("messages", "messages is required"))?;
+    if msgs.is_empty() {
+        return Err(invalid("messages", "messages must not be empty"));
+    }
+    msgs.into_iter()
+        .map(|m| {
+            let content = match m.content {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(s)) => s,
+                // The array form: text parts concatenated.
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .map(|p| {
+                        match (
+                            p.get("type").and_then(Value::as_str),
+                            p.get("text").and_then(Value::as_str),
+                        ) {
+                            (Some("text"), Some(t)) => Ok(t.to_owned()),
+                            _ => Err(invalid("messages", "only text content parts are supported")),
+                        }
+                    })
+                    .collect::<Result<String, _>>()?,
+                Some(_) => {
+                    return Err(invalid(
+                        "messages",
+                        "content must be a string or text parts",
+                    ))
+                }
+            };
+            Ok(ChatMessage::new(m.role, content))
+        })
+        .collect()
+}
+
+async fn completions(State(r): State<Router>, body: Bytes) -> Response {
+    let run = async {
+        let b: CompletionBody = parse(&body)?;
+        let s = settings(&r, &b.common)?;
+        let prompt = match b.prompt {
+            Some(OneOrMany::One(p)) => p,
+            Some(OneOrMany::Many(mut v)) if v.len() == 1 => v.remove(0),
+            Some(OneOrMany::Many(_)) => return Err(invalid("prompt", "one prompt per request")),
+            None => return Err(invalid("prompt", "prompt is required")),
+        };
+        let ids = r
+            .tokenizer()
+            .encode(&prompt)
+            .map_err(|e| invalid("prompt", e.to_string()))?;
+        Ok((ids, s))
+    };
+    match run.await {
+        Ok((ids, s)) => respond(r, ids, s, Kind::Completion).await,
+        Err(e) => reject(&r, e),
+    }
+}
+
+async fn chat_completions(State(r): State<Router>, body: Bytes) -> Response {
+    let run = async {
+        let b: ChatBody = parse(&body)?;
+        let s = settings(&r, &b.common)?;
+        let msgs = chat_messages(b.messages)?;
+        let ids = r
+            .tokenizer()
+            .encode_chat(&msgs)
+            .map_err(|e| invalid("messages", e.to_string()))?;
+        Ok((ids, s))
+    };
+    match run.await {
+        Ok((ids, s)) => respond(r, ids, s, Kind::Chat).await,
+        Err(e) => reject(&r, e),
+    }
+}
+
+fn reject(r: &Router, e: Rejection) -> Response {
+    // Admission counts its own refusals; these are the parse refusals.
+    if !matches!(
+        e,
+        Rejection::ContextLengthExceeded { .. }
+            | Rejection::Saturated { .. }
+            | Rejection::NoHealthyNode { .. }
+    ) {
+        r.metrics.rejected(e.reason());
+    }
+    e.into_response()
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn respond(r: Router, ids: Vec<u32>, s: Settings, kind: Kind) -> Response {
+    let prompt_tokens = ids.len();
+    let permit = match r.admit(prompt_tokens, s.max_tokens).await {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let job = Job {
+        prompt_ids: ids,
+        max_tokens: s.max_tokens,
+        temperature: s.temperature,
+        top_p: s.top_p,
+        seed: s.seed,
+        stop: s.stop,
+    };
+    let rx = match dispatch::start(&r, job, permit) {
+        Ok(rx) => rx,
+        Err(e) => {
+            r.metrics.rejected(e.reason());
+            return e.into_response();
+        }
+    };
+    let (id, object) = match kind {
+        Kind::Completion => (request_id("cmpl"), "text_completion"),
+        Kind::Chat => (request_id("chatcmpl"), "chat.completion"),
+    };
+    let model = r.config().model_id.clone();
+    let created = unix_now();
+    if s.stream {
+        return stream(rx, kind, id, model, created, prompt_tokens).into_response();
+    }
+    let mut rx = rx;
+    let mut text = String::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Text(t) => text.push_str(&t),
+            Event::Done {
+                finish,
+                completion_tokens,
+            } => {
+                let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
+                let choice = match kind {
+                    Kind::Completion => {
+                        json!({"index": 0, "text": text, "finish_reason": finish.as_str(), "logprobs": null})
+                    }
+                    Kind::Chat => {
+                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish.as_str(), "logprobs": null})
+                    }
+                };
+                return Json(json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice], "usage": usage})).into_response();
+            }
+            Event::Error(e) => return e.into_response(),
+        }
+    }
+    (StatusCode::INTERNAL_SERVER_ERROR, Json(json!({"error": {"message": "generation ended without a result", "type": "server_error", "param": null, "code": "internal"}}))).into_response()
+}
+
+fn stream(
+    rx: tokio::sync::mpsc::Receiver<Event>,
+    kind: Kind,
+    id: String,
+    model: String,
+    created: u64,
+    prompt_tokens: usize,
+) -> Sse<impl tokio_stream::Stream<Item = Result<SseEvent, Infallible>>> {
+    let object = match kind {
+        Kind::Completion => "text_completion",
+        Kind::Chat => "chat.completion.chunk",
+    };
+    let chunk = move |delta: Value, finish: Value, usage: Option<Value>| {
+        let choice = match kind {
+            Kind::Completion => {
+                json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish, "logprobs": null})
+            }
+            Kind::Chat => {
+                json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null})
+            }
+        };
+        let mut v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        SseEvent::default().data(v.to_string())
+    };
+    // Events to SSE frames on a task of their own: when the client goes
+    // away its receiver drops, this task's send fails, it drops `rx`, and
+    // dispatch sees the request abandoned.
+    let (tx, out) = tokio::sync::mpsc::channel::<SseEvent>(64);
+    tokio::spawn(async move {
+        let mut rx = rx;
+        if let Kind::Chat = kind {
+            if tx
+                .send(chunk(
+                    json!({"role": "assistant", "content": ""}),
+                    Value::Null,
+                    None,
+                ))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        while let Some(ev) = rx.recv().await {
+            let frames = match ev {
+                Event::Text(t) => vec![chunk(json!({"content": t}), Value::Null, None)],
+                Event::Done { finish, completion_tokens } => {
+                    let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
+                    vec![chunk(json!({}), json!(finish.as_str()), Some(usage)), SseEvent::default().data("[DONE]")]
+                }
+                Event::Error(e) => vec![
+                    SseEvent::default().data(json!({"error": {"message": e.to_string(), "type": "server_error", "param": null, "code": e.kind()}}).to_string()),
+                    SseEvent::default().data("[DONE]"),
+                ],
+            };
+            for f in frames {
+                if tx.send(f).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    let all = ReceiverStream::new(out).map(Ok);
+    Sse::new(all).keep_alive(KeepAlive::default())
+}
+
+async fn models(State(r): State<Router>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": r.config().model_id, "object": "model", "created": 0, "owned_by": "kvmesh", "max_model_len": r.config().max_model_len}]}),
+    )
+}
+
+async fn health(State(r): State<Router>) -> Response {
+    match r.nodes().capacity() {
+        Some(_) => (StatusCode::OK, "ok\n").into_response(),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no healthy prefill or decode node\n",
+        )
+            .into_response(),
+    }
+}
+
+async fn metrics(State(r): State<Router>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        r.metrics.render(r.nodes()),
+    )
+        .into_response()
+}
