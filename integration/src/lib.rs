@@ -4,6 +4,9 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+pub mod http;
+pub mod mesh;
+
 /// The `kvmesh` binary that `cargo test --workspace` built next to the test
 /// executables (`target/<profile>/kvmesh`), or `$KVMESH_BIN`.
 pub fn kvmesh_bin() -> PathBuf {
@@ -23,7 +26,9 @@ pub fn kvmesh_bin() -> PathBuf {
     // `cargo test` rebuilds the binary only when a package with integration
     // tests of its own needs it; refuse to test a binary older than its code.
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    for krate in ["cli", "model", "kvxfer", "kernels"] {
+    for krate in [
+        "cli", "model", "kvxfer", "kernels", "router", "prefill", "decode", "proto",
+    ] {
         if let Some(newest) = newest_mtime(&root.join(krate).join("src")) {
             assert!(
                 newest <= built,

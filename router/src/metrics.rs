@@ -122,6 +122,11 @@ impl Metrics {
                 "counter",
             ),
             (
+                "kvmesh_node_reservations_granted_total",
+                "Reservations granted by the node.",
+                "counter",
+            ),
+            (
                 "kvmesh_node_up",
                 "1 when the node's last load report arrived in time.",
                 "gauge",
@@ -142,6 +147,15 @@ impl Metrics {
                     }
                     ("kvmesh_node_kv_pages_free", Some(r)) => {
                         let _ = writeln!(out, "{name}{{{labels}}} {}", r.kv_pages_free);
+                    }
+                    ("kvmesh_node_reservations_granted_total", Some(r)) => {
+                        if n.role == crate::nodes::Role::Decode {
+                            let _ = writeln!(
+                                out,
+                                "{name}{{node=\"{}\"}} {}",
+                                n.name, r.reservations_granted
+                            );
+                        }
                     }
                     ("kvmesh_node_kv_guard_violations_total", Some(r)) => {
                         let _ =

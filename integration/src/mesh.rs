@@ -1,0 +1,136 @@
+//! `kvmesh serve` as a real process for the mesh tests.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::http;
+
+/// A running `kvmesh serve`; killed on drop.
+#[derive(Debug)]
+pub struct Mesh {
+    child: Child,
+    /// The gateway's `HOST:PORT`.
+    pub http: String,
+    /// The public gRPC API's `HOST:PORT`.
+    pub grpc: String,
+}
+
+impl Mesh {
+    /// Starts `kvmesh serve --model MODEL` with any free ports and `extra`
+    /// flags, and waits until it prints its URLs and reports healthy.
+    pub fn start(model: &Path, extra: &[&str]) -> Self {
+        let mut cmd = Command::new(crate::kvmesh_bin());
+        cmd.arg("serve")
+            .arg("--model")
+            .arg(model)
+            .args(["--http-port", "0", "--grpc-port", "0"])
+            .args(extra)
+            .env("KVMESH_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("spawn kvmesh serve");
+        let out = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(out).lines();
+        let (mut http, mut grpc) = (None, None);
+        for line in lines.by_ref() {
+            let line = line.expect("stdout line");
+            if let Some(rest) = line.trim().strip_prefix("OpenAI API") {
+                http = rest
+                    .trim()
+                    .strip_prefix("http://")
+                    .map(|a| a.trim_end_matches("/v1").to_owned());
+            }
+            if let Some(rest) = line.trim().strip_prefix("gRPC API") {
+                grpc = rest.trim().strip_prefix("grpc://").map(str::to_owned);
+            }
+            if http.is_some() && grpc.is_some() {
+                break;
+            }
+        }
+        // Keep draining stdout so the server never blocks on it.
+        std::thread::spawn(move || for _ in lines {});
+        let (Some(http), Some(grpc)) = (http, grpc) else {
+            let _ = child.kill();
+            panic!("kvmesh serve exited before printing its URLs");
+        };
+        let mesh = Self { child, http, grpc };
+        let start = Instant::now();
+        while http::get(&mesh.http, "/health").status != 200 {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "mesh never healthy"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        mesh
+    }
+
+    /// The metrics text.
+    pub fn metrics(&self) -> String {
+        http::get(&self.http, "/metrics").body
+    }
+
+    /// The value of the metric line starting with `prefix` (name and labels).
+    pub fn metric(&self, prefix: &str) -> Option<f64> {
+        self.metrics()
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// Waits (bounded: 10 s) until the metric line starting with `prefix`
+    /// has `value` (load reports are polled, so node figures lag a little).
+    pub fn wait_for_metric(&self, prefix: &str, value: f64) {
+        let start = Instant::now();
+        while self.metric(prefix) != Some(value) {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{prefix} never reached {value}:\n{}",
+                self.metrics()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits (bounded) until every node's free pages equal its total, in a
+    /// load report taken after this call.
+    pub fn assert_pages_come_back(&self) {
+        // A report older than the call may predate the last request.
+        std::thread::sleep(Duration::from_millis(2 * 200 + 50));
+        let start = Instant::now();
+        loop {
+            let m = self.metrics();
+            let value = |name: &str, node: &str| {
+                m.lines()
+                    .find(|l| l.starts_with(&format!("{name}{{node=\"{node}\"")))
+                    .and_then(|l| l.rsplit(' ').next())
+                    .and_then(|v| v.parse::<f64>().ok())
+            };
+            let whole = ["prefill-0", "decode-0"].iter().all(|n| {
+                let (t, f) = (
+                    value("kvmesh_node_kv_pages_total", n),
+                    value("kvmesh_node_kv_pages_free", n),
+                );
+                t.is_some() && t == f
+            });
+            if whole {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "pages did not come back:\n{m}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,304 @@
+//! `kvmesh serve` end to end, as a user runs it: real processes, real
+//! sockets, the OpenAI-compatible gateway. Greedy output through the mesh
+//! must equal the reference engine's (`kvmesh generate`) token for token:
+//! any stale or foreign KV would change it.
+
+use std::path::Path;
+
+use kvmesh_integration::http::{self, post_streaming};
+use kvmesh_integration::mesh::Mesh;
+use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
+use kvmesh_model::default_model;
+use serde_json::{json, Value};
+
+const MAX_TOKENS: usize = 24;
+
+/// The reference: `kvmesh generate`, greedy.
+fn reference(model: &Path, prompt: &str, chat: bool, max_tokens: usize) -> String {
+    let model = model.to_string_lossy().into_owned();
+    let n = max_tokens.to_string();
+    let mut args = vec![
+        "generate",
+        "--model",
+        &model,
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        &n,
+        "--temperature",
+        "0",
+    ];
+    if chat {
+        args.push("--chat");
+    }
+    let out = run_kvmesh(&args, &[]);
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "reference failed: {stderr}");
+    // `generate` ends its output with a newline of its own.
+    stdout.strip_suffix('\n').unwrap_or(&stdout).to_owned()
+}
+
+/// Text through the mesh; `stream` reads SSE deltas. Returns the text and
+/// the finish reason.
+fn through_mesh(
+    mesh: &Mesh,
+    prompt: &str,
+    chat: bool,
+    stream: bool,
+    max_tokens: usize,
+) -> (String, String) {
+    let (path, mut body) = if chat {
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": prompt}]}),
+        )
+    } else {
+        ("/v1/completions", json!({"prompt": prompt}))
+    };
+    body["max_tokens"] = json!(max_tokens);
+    body["temperature"] = json!(0);
+    body["stream"] = json!(stream);
+    if !stream {
+        let r = http::post(&mesh.http, path, &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        let c = &v["choices"][0];
+        let text = if chat {
+            c["message"]["content"].as_str()
+        } else {
+            c["text"].as_str()
+        };
+        let usage = &v["usage"];
+        assert!(usage["prompt_tokens"].as_u64().unwrap_or(0) > 0, "{v}");
+        assert!(
+            usage["completion_tokens"].as_u64().unwrap_or(0) <= max_tokens as u64,
+            "{v}"
+        );
+        return (
+            text.unwrap_or_default().to_owned(),
+            c["finish_reason"].as_str().unwrap_or_default().to_owned(),
+        );
+    }
+    let mut s = post_streaming(&mesh.http, path, &body);
+    assert_eq!(s.status, 200);
+    let (mut text, mut finish) = (String::new(), String::new());
+    while let Some(data) = s.next_event() {
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(&data).unwrap_or_else(|e| panic!("{e}: {data}"));
+        assert!(v.get("error").is_none(), "{v}");
+        let c = &v["choices"][0];
+        let piece = if chat {
+            c["delta"]["content"].as_str()
+        } else {
+            c["text"].as_str()
+        };
+        text.push_str(piece.unwrap_or_default());
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = f.to_owned();
+        }
+    }
+    (text, finish)
+}
+
+const PROMPTS: [&str; 12] = [
+    "Hello world",
+    "The capital of France is",
+    "Once upon a time",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "Le chat est",
+    "¿Dónde está la biblioteca?",
+    "日本語のテキスト",
+    "A",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "emoji 😀🎉 and more",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+];
+
+fn differential(mesh: &Mesh, model: &Path, prompts: &[&str], max_tokens: usize) -> usize {
+    let mut cases = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        for chat in [false, true] {
+            let want = reference(model, p, chat, max_tokens);
+            let stream = (i + usize::from(chat)) % 2 == 0;
+            let (got, finish) = through_mesh(mesh, p, chat, stream, max_tokens);
+            assert_eq!(got, want, "prompt {p:?} chat={chat} stream={stream}");
+            assert!(finish == "length" || finish == "stop", "{finish}");
+            cases += 1;
+        }
+    }
+    cases
+}
+
+#[test]
+fn mesh_output_equals_the_reference_engine_tcp() {
+    let model = tiny_model_dir();
+    let mesh = Mesh::start(&model, &["--transport", "tcp"]);
+    let cases = differential(&mesh, &model, &PROMPTS, MAX_TOKENS);
+    assert!(cases >= 20);
+    mesh.wait_for_metric(
+        "kvmesh_node_reservations_total{node=\"decode-0\",outcome=\"completed\"}",
+        cases as f64,
+    );
+    mesh.assert_pages_come_back();
+    assert_eq!(
+        mesh.metric("kvmesh_node_kv_guard_violations_total{node=\"decode-0\"}"),
+        Some(0.0)
+    );
+}
+
+#[test]
+fn mesh_output_equals_the_reference_engine_shm() {
+    let model = tiny_model_dir();
+    let mesh = Mesh::start(&model, &["--transport", "shm"]);
+    differential(&mesh, &model, &PROMPTS[..4], MAX_TOKENS);
+    mesh.assert_pages_come_back();
+}
+
+/// The incident: nodes whose pools are smaller than the context window,
+/// started with --allow-small-pool, and a prompt that fits the window but
+/// not the pools. The router refuses it at once with both numbers; no node
+/// reserved anything; a request that fits still runs correctly.
+#[test]
+fn over_length_for_the_pool_is_refused_before_any_node_is_called() {
+    let model = tiny_model_dir();
+    let mesh = Mesh::start(&model, &["--kv-pool-tokens", "64", "--allow-small-pool"]);
+    let prompt = "word ".repeat(40);
+    let r = http::post(
+        &mesh.http,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 30, "temperature": 0}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("64") && msg.contains("30 in the completion"),
+        "{msg}"
+    );
+    assert_eq!(
+        mesh.metric("kvmesh_node_reservations_granted_total{node=\"decode-0\"}"),
+        Some(0.0)
+    );
+    assert_eq!(
+        mesh.metric("kvmesh_requests_rejected_total{reason=\"context_length_exceeded\"}"),
+        Some(1.0)
+    );
+    mesh.assert_pages_come_back();
+    // Over the window itself (256) is refused the same way.
+    let r = http::post(
+        &mesh.http,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 300}),
+    );
+    assert_eq!(
+        (r.status, r.json()["error"]["code"].clone()),
+        (400, json!("context_length_exceeded"))
+    );
+    // What fits runs, and equals the reference.
+    let want = reference(&model, "Hello world", false, 8);
+    let (got, _) = through_mesh(&mesh, "Hello world", false, false, 8);
+    assert_eq!(got, want);
+    mesh.assert_pages_come_back();
+}
+
+/// Without --allow-small-pool, a pool that cannot hold one max-context
+/// request is refused at startup, naming both numbers and the flags.
+#[test]
+fn a_small_pool_is_refused_at_startup() {
+    let model = tiny_model_dir().to_string_lossy().into_owned();
+    let out = run_kvmesh(
+        &[
+            "serve",
+            "--model",
+            &model,
+            "--kv-pool-tokens",
+            "64",
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+        ],
+        &[],
+    );
+    let (_, stderr) = texts(&out);
+    assert!(!out.status.success());
+    for needle in [
+        "64",
+        "256",
+        "--kv-pool-tokens",
+        "--max-model-len",
+        "--allow-small-pool",
+    ] {
+        assert!(stderr.contains(needle), "{needle} missing from: {stderr}");
+    }
+}
+
+#[test]
+fn bad_requests_get_openai_style_errors() {
+    let mesh = Mesh::start(&tiny_model_dir(), &[]);
+    for (body, param) in [
+        (json!({"prompt": "x", "temperature": 9}), "temperature"),
+        (json!({"prompt": "x", "top_p": 0}), "top_p"),
+        (json!({"prompt": "x", "n": 2}), "n"),
+        (json!({"prompt": "x", "max_tokens": 0}), "max_tokens"),
+        (json!({"max_tokens": 3}), "prompt"),
+    ] {
+        let r = http::post(&mesh.http, "/v1/completions", &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
+    }
+    let r = http::request(
+        &mesh.http,
+        "POST",
+        "/v1/chat/completions",
+        Some("{not json"),
+    );
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+    let r = http::post(
+        &mesh.http,
+        "/v1/completions",
+        &json!({"model": "nope", "prompt": "x"}),
+    );
+    assert_eq!(r.status, 404);
+    let models = http::get(&mesh.http, "/v1/models").json();
+    assert_eq!(models["data"][0]["id"], "tiny-llama");
+}
+
+/// The default model through the mesh: Paris, and a client that leaves
+/// mid-stream gets its pages back on both nodes.
+#[test]
+fn default_model_through_the_mesh() {
+    let Some(model) = default_model::cached_default_model() else {
+        eprintln!("note: default model not cached; skipped (run `kvmesh fetch-model`)");
+        return;
+    };
+    let mesh = Mesh::start(&model, &["--max-model-len", "1024"]);
+    let (text, _) = through_mesh(&mesh, "The capital of France is", false, false, 8);
+    assert_eq!(
+        text,
+        reference(&model, "The capital of France is", false, 8)
+    );
+    assert!(text.contains("Paris"), "{text}");
+    let want = reference(&model, "What is the capital of France?", true, 12);
+    let (got, _) = through_mesh(&mesh, "What is the capital of France?", true, true, 12);
+    assert_eq!(got, want);
+
+    let mut s = post_streaming(
+        &mesh.http,
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time, in a land far away,", "max_tokens": 400, "temperature": 0, "stream": true}),
+    );
+    assert_eq!(s.status, 200);
+    for _ in 0..3 {
+        let ev = s.next_event().expect("an event");
+        assert!(ev.contains("\"text\""), "{ev}");
+    }
+    drop(s);
+    mesh.wait_for_metric("kvmesh_requests_total{outcome=\"client_gone\"}", 1.0);
+    mesh.assert_pages_come_back();
+}
