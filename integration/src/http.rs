@@ -106,10 +106,7 @@ pub fn get(addr: &str, path: &str) -> Response {
 
 fn dechunk(mut raw: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(eol) = raw.windows(2).position(|w| w == b"\r\n") else {
-            break;
-        };
+    while let Some(eol) = raw.windows(2).position(|w| w == b"\r\n") {
         let size =
             usize::from_str_radix(String::from_utf8_lossy(&raw[..eol]).trim(), 16).unwrap_or(0);
         raw = &raw[eol + 2..];
