@@ -10,6 +10,7 @@
 //!   API), one prefill node and one decode node, each a gRPC service.
 
 mod bench;
+mod config;
 mod serve;
 
 use std::io::{IsTerminal, Write};
@@ -45,6 +46,12 @@ enum Command {
     FetchModel,
     /// Serve the mesh on loopback: router (OpenAI-compatible HTTP and gRPC), one prefill and one decode node.
     Serve(Box<serve::ServeArgs>),
+    /// Run the router of the mesh described by --config.
+    Router(serve::RoleArgs),
+    /// Run one prefill node of the mesh described by --config.
+    Prefill(serve::RoleArgs),
+    /// Run one decode node of the mesh described by --config.
+    Decode(serve::RoleArgs),
 }
 
 /// Model and KV pool flags shared by the commands that load a model.
@@ -175,6 +182,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(a) => generate(a),
         Command::Serve(a) => serve::run(*a),
+        Command::Router(a) => serve::run_role(serve::RoleKind::Router, a),
+        Command::Prefill(a) => serve::run_role(serve::RoleKind::Prefill, a),
+        Command::Decode(a) => serve::run_role(serve::RoleKind::Decode, a),
         Command::BenchEngine(a) => bench::run(a),
         Command::FetchModel => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))
             .map(|p| println!("{}", p.display()))

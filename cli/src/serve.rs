@@ -1,10 +1,11 @@
-//! `kvmesh serve`: the router, one prefill node and one decode node on
-//! loopback in one process, each a real gRPC service on its own port (the
-//! nodes' KV moves over the chosen KV transport), behind the
-//! OpenAI-compatible HTTP gateway.
+//! Running the mesh: `kvmesh serve` (router, one prefill and one decode
+//! node on loopback in one process, each a real gRPC service on its own
+//! port, KV over the chosen transport) and `kvmesh router|prefill|decode
+//! --config mesh.yaml` (one service per process, for several processes or
+//! hosts).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -16,8 +17,15 @@ use kvmesh_prefill::{PrefillConfig, PrefillNode};
 use kvmesh_router::nodes::{Nodes, Role};
 use kvmesh_router::{Router, RouterConfig};
 use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
 
+use crate::config::MeshConfig;
 use crate::ModelArgs;
+
+/// How long a grant may wait for its transfer.
+const LEASE: Duration = Duration::from_secs(60);
+/// How long an abort may wait for the writer's confirmation.
+const ABORT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How KV pages travel from prefill to decode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -53,7 +61,53 @@ pub struct ServeArgs {
     pub shm_dir: PathBuf,
 }
 
-async fn grpc_listener(addr: &str) -> Result<(TcpListener, SocketAddr)> {
+/// `kvmesh router|prefill|decode` flags.
+#[derive(Args, Debug)]
+pub struct RoleArgs {
+    /// The mesh file.
+    #[arg(long, env = "KVMESH_CONFIG")]
+    pub config: PathBuf,
+    /// This node's name in the mesh file (prefill and decode).
+    #[arg(long, env = "KVMESH_NODE")]
+    pub name: Option<String>,
+    /// Check the mesh file and these flags, print what would run, and exit
+    /// without loading the model or opening a port.
+    #[arg(long)]
+    pub check_config: bool,
+}
+
+/// Which service a process runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RoleKind {
+    /// The gateway.
+    Router,
+    /// A prefill node.
+    Prefill,
+    /// A decode node.
+    Decode,
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")
+}
+
+fn model_path(model: &Option<PathBuf>) -> Result<PathBuf> {
+    match model {
+        Some(p) => Ok(p.clone()),
+        None => Ok(default_model::ensure_default_model(&mut |msg| {
+            eprintln!("{msg}")
+        })?),
+    }
+}
+
+fn load(path: &Path) -> Result<kvmesh_model::LoadedModel> {
+    kvmesh_model::load(path).with_context(|| format!("loading model {}", path.display()))
+}
+
+async fn listen(addr: &str) -> Result<(TcpListener, SocketAddr)> {
     let l = TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding {addr}"))?;
@@ -61,19 +115,72 @@ async fn grpc_listener(addr: &str) -> Result<(TcpListener, SocketAddr)> {
     Ok((l, a))
 }
 
+/// Serves a decode node's gRPC service on `addr`; returns the bound address.
+async fn serve_decode(node: &DecodeNode, addr: &str) -> Result<SocketAddr> {
+    let (l, a) = listen(addr).await?;
+    let svc = node.service();
+    tokio::spawn(async move {
+        let r = tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(TcpListenerStream::new(l))
+            .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "decode gRPC server");
+        }
+    });
+    Ok(a)
+}
+
+/// Serves a prefill node's gRPC service on `addr`; returns the bound address.
+async fn serve_prefill(node: &PrefillNode, addr: &str) -> Result<SocketAddr> {
+    let (l, a) = listen(addr).await?;
+    let svc = node.service();
+    tokio::spawn(async move {
+        let r = tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(TcpListenerStream::new(l))
+            .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "prefill gRPC server");
+        }
+    });
+    Ok(a)
+}
+
+/// Starts the router's gateway and public gRPC API; prints the URLs; runs
+/// until ctrl-c.
+async fn run_router(router: Router, http: &str, grpc: &str) -> Result<()> {
+    let (hl, http_addr) = listen(http).await.context("the HTTP gateway")?;
+    let (gl, grpc_addr) = listen(grpc).await.context("the public gRPC API")?;
+    let public = kvmesh_router::grpc::service(router.clone());
+    tokio::spawn(async move {
+        if let Err(e) = public.serve_with_incoming(TcpListenerStream::new(gl)).await {
+            tracing::error!(error = %e, "public gRPC server");
+        }
+    });
+    println!("kvmesh ready: model {}", router.config().model_id);
+    println!("  OpenAI API  http://{http_addr}/v1");
+    println!("  gRPC API    grpc://{grpc_addr}");
+    println!("  metrics     http://{http_addr}/metrics");
+    axum::serve(hl, router.http())
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .context("HTTP gateway")
+}
+
+fn model_id(path: &Path) -> String {
+    path.file_stem()
+        .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
+}
+
 pub fn run(a: ServeArgs) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
-    rt.block_on(serve(a))
+    runtime()?.block_on(serve(a))
 }
 
 async fn serve(a: ServeArgs) -> Result<()> {
-    let path = match &a.model.model {
-        Some(p) => p.clone(),
-        None => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))?,
-    };
+    let path = model_path(&a.model.model)?;
     let engine = EngineConfig {
         kv_pool_tokens: a.model.kv_pool_tokens,
         page_size: a.model.page_size,
@@ -81,15 +188,12 @@ async fn serve(a: ServeArgs) -> Result<()> {
         scrub: a.model.scrub,
         poison: a.model.poison,
     };
-    let load =
-        || kvmesh_model::load(&path).with_context(|| format!("loading model {}", path.display()));
-    let decode_model = load()?;
+    let decode_model = load(&path)?;
     let max_model_len = engine
         .max_model_len
         .unwrap_or(decode_model.config.max_position_embeddings);
     let tokenizer = decode_model.tokenizer.clone();
     let stop_ids = decode_model.stop_token_ids();
-
     let transport = match a.transport {
         TransportKind::Tcp => Transport::Tcp("127.0.0.1:0".into()),
         TransportKind::Shm => Transport::Shm {
@@ -104,8 +208,9 @@ async fn serve(a: ServeArgs) -> Result<()> {
             engine: engine.clone(),
             allow_small_pool: a.allow_small_pool,
             transport,
-            lease: Duration::from_secs(60),
-            abort_timeout: Duration::from_secs(10),
+            lease: LEASE,
+            abort_timeout: ABORT_TIMEOUT,
+            kv_advertise: None,
         },
         decode_model,
     )
@@ -116,38 +221,14 @@ async fn serve(a: ServeArgs) -> Result<()> {
             engine,
             allow_small_pool: a.allow_small_pool,
         },
-        load()?,
+        load(&path)?,
     )?;
     prefill
         .connect(decode.kv_endpoint())
         .await
         .context("connecting prefill to the decode node's KV transport")?;
-
-    let (dl, daddr) = grpc_listener("127.0.0.1:0").await?;
-    let (pl, paddr) = grpc_listener("127.0.0.1:0").await?;
-    let dsvc = decode.service();
-    let psvc = prefill.service();
-    tokio::spawn(async move {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(dl);
-        if let Err(e) = tonic::transport::Server::builder()
-            .add_service(dsvc)
-            .serve_with_incoming(incoming)
-            .await
-        {
-            tracing::error!(error = %e, "decode gRPC server");
-        }
-    });
-    tokio::spawn(async move {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(pl);
-        if let Err(e) = tonic::transport::Server::builder()
-            .add_service(psvc)
-            .serve_with_incoming(incoming)
-            .await
-        {
-            tracing::error!(error = %e, "prefill gRPC server");
-        }
-    });
-
+    let daddr = serve_decode(&decode, "127.0.0.1:0").await?;
+    let paddr = serve_prefill(&prefill, "127.0.0.1:0").await?;
     let nodes = Nodes::new(&[
         ("prefill-0".into(), Role::Prefill, format!("http://{paddr}")),
         ("decode-0".into(), Role::Decode, format!("http://{daddr}")),
@@ -155,12 +236,9 @@ async fn serve(a: ServeArgs) -> Result<()> {
     .map_err(anyhow::Error::msg)?;
     nodes.poll_all().await;
     let _poller = nodes.spawn_poller();
-    let model_id = path
-        .file_stem()
-        .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
     let router = Router::new(
         RouterConfig {
-            model_id,
+            model_id: model_id(&path),
             max_model_len,
             ..RouterConfig::default()
         },
@@ -168,27 +246,171 @@ async fn serve(a: ServeArgs) -> Result<()> {
         stop_ids,
         nodes,
     );
-    let http = TcpListener::bind((a.host.as_str(), a.http_port))
-        .await
-        .with_context(|| format!("binding the HTTP gateway to {}:{}", a.host, a.http_port))?;
-    let http_addr = http.local_addr()?;
-    let (gl, gaddr) = grpc_listener(&format!("{}:{}", a.host, a.grpc_port)).await?;
-    let public = kvmesh_router::grpc::service(router.clone());
-    tokio::spawn(async move {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(gl);
-        if let Err(e) = public.serve_with_incoming(incoming).await {
-            tracing::error!(error = %e, "public gRPC server");
+    run_router(
+        router,
+        &format!("{}:{}", a.host, a.http_port),
+        &format!("{}:{}", a.host, a.grpc_port),
+    )
+    .await
+}
+
+/// `kvmesh router|prefill|decode --config mesh.yaml`.
+pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
+    let cfg = MeshConfig::load(&a.config)?;
+    let name = match (role, &a.name) {
+        (RoleKind::Router, _) => None,
+        (_, Some(n)) => Some(n.clone()),
+        (RoleKind::Prefill, None) => Some(only(&cfg.prefill, "prefill", &a.config)?),
+        (RoleKind::Decode, None) => Some(only(&cfg.decode, "decode", &a.config)?),
+    };
+    let role_name = match role {
+        RoleKind::Router => "router",
+        RoleKind::Prefill => "prefill",
+        RoleKind::Decode => "decode",
+    };
+    if let Some(n) = &name {
+        cfg.node(role_name, n)?;
+    }
+    if a.check_config {
+        println!(
+            "config ok: {}: {role_name}{}; {} prefill and {} decode nodes, transport {}",
+            a.config.display(),
+            name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
+            cfg.prefill.len(),
+            cfg.decode.len(),
+            cfg.transport
+        );
+        return Ok(());
+    }
+    runtime()?.block_on(async move {
+        match role {
+            RoleKind::Router => router_process(&cfg).await,
+            RoleKind::Prefill => prefill_process(&cfg, name.as_deref().unwrap_or_default()).await,
+            RoleKind::Decode => decode_process(&cfg, name.as_deref().unwrap_or_default()).await,
         }
-    });
-    println!("kvmesh ready: model {}", router.config().model_id);
-    println!("  OpenAI API  http://{http_addr}/v1");
-    println!("  gRPC API    grpc://{gaddr}");
-    println!("  metrics     http://{http_addr}/metrics");
-    axum::serve(http, router.http())
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await
-        .context("HTTP gateway")?;
-    Ok(())
+    })
+}
+
+fn only(nodes: &[crate::config::NodeSection], role: &str, file: &Path) -> Result<String> {
+    match nodes {
+        [one] => Ok(one.name.clone()),
+        _ => anyhow::bail!(
+            "{}: {} {role} nodes: say which with --name",
+            file.display(),
+            nodes.len()
+        ),
+    }
+}
+
+fn engine_config(cfg: &MeshConfig, kv_pool_tokens: Option<usize>) -> EngineConfig {
+    EngineConfig {
+        kv_pool_tokens,
+        page_size: cfg.page_size,
+        max_model_len: cfg.max_model_len,
+        ..EngineConfig::default()
+    }
+}
+
+async fn wait_for_ctrl_c() -> Result<()> {
+    tokio::signal::ctrl_c().await.context("waiting for ctrl-c")
+}
+
+async fn decode_process(cfg: &MeshConfig, name: &str) -> Result<()> {
+    let n = cfg.node("decode", name)?;
+    let path = model_path(&cfg.model)?;
+    let kv = n.kv.clone().unwrap_or_default();
+    let kv_listen = n.kv_listen.clone().unwrap_or_else(|| kv.clone());
+    let transport = if cfg.transport == "shm" {
+        Transport::Shm {
+            dir: cfg.shm_dir.clone(),
+            socket: kv_listen.into(),
+        }
+    } else {
+        Transport::Tcp(kv_listen)
+    };
+    let node = DecodeNode::start(
+        DecodeConfig {
+            name: name.to_owned(),
+            engine: engine_config(cfg, n.kv_pool_tokens),
+            allow_small_pool: cfg.allow_small_pool,
+            transport,
+            lease: LEASE,
+            abort_timeout: ABORT_TIMEOUT,
+            kv_advertise: Some(cfg.kv_endpoint(n)),
+        },
+        load(&path)?,
+    )
+    .await?;
+    let addr = serve_decode(&node, n.listen.as_deref().unwrap_or(&n.grpc)).await?;
+    println!(
+        "decode node {name} ready: gRPC {addr}, KV {}",
+        node.kv_endpoint()
+    );
+    wait_for_ctrl_c().await
+}
+
+async fn prefill_process(cfg: &MeshConfig, name: &str) -> Result<()> {
+    let n = cfg.node("prefill", name)?;
+    let path = model_path(&cfg.model)?;
+    let node = PrefillNode::start(
+        PrefillConfig {
+            name: name.to_owned(),
+            engine: engine_config(cfg, n.kv_pool_tokens),
+            allow_small_pool: cfg.allow_small_pool,
+        },
+        load(&path)?,
+    )?;
+    // Connect to every decode node's KV listener (retrying while they
+    // start), so each can grant to this writer.
+    for d in &cfg.decode {
+        let ep = cfg.kv_endpoint(d);
+        let mut tries = 0;
+        while let Err(e) = node.connect(&ep).await {
+            tries += 1;
+            if tries % 10 == 1 {
+                tracing::warn!(decode = %d.name, endpoint = %ep, error = %e, "waiting for the decode node's KV listener");
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    let addr = serve_prefill(&node, n.listen.as_deref().unwrap_or(&n.grpc)).await?;
+    println!("prefill node {name} ready: gRPC {addr}");
+    wait_for_ctrl_c().await
+}
+
+async fn router_process(cfg: &MeshConfig) -> Result<()> {
+    let path = model_path(&cfg.model)?;
+    let loaded = load(&path)?;
+    let max_model_len = cfg
+        .max_model_len
+        .unwrap_or(loaded.config.max_position_embeddings);
+    let stop_ids = loaded.stop_token_ids();
+    let tokenizer = loaded.tokenizer.clone();
+    drop(loaded);
+    let specs: Vec<(String, Role, String)> = cfg
+        .prefill
+        .iter()
+        .map(|n| (n.name.clone(), Role::Prefill, format!("http://{}", n.grpc)))
+        .chain(
+            cfg.decode
+                .iter()
+                .map(|n| (n.name.clone(), Role::Decode, format!("http://{}", n.grpc))),
+        )
+        .collect();
+    let nodes = Nodes::new(&specs).map_err(anyhow::Error::msg)?;
+    nodes.poll_all().await;
+    let _poller = nodes.spawn_poller();
+    let router = Router::new(
+        RouterConfig {
+            model_id: model_id(&path),
+            max_model_len,
+            max_running: cfg.router.max_running,
+            max_queued: cfg.router.max_queued,
+            ..RouterConfig::default()
+        },
+        tokenizer,
+        stop_ids,
+        nodes,
+    );
+    run_router(router, &cfg.router.http, &cfg.router.grpc).await
 }

@@ -60,6 +60,9 @@ pub struct DecodeConfig {
     pub lease: Duration,
     /// How long an abort may wait for the writer's confirmation.
     pub abort_timeout: Duration,
+    /// The KV endpoint grants name, when it differs from the listen address
+    /// (a host name others resolve, behind a 0.0.0.0 bind).
+    pub kv_advertise: Option<String>,
 }
 
 /// Why a decode node could not start.
@@ -157,6 +160,10 @@ impl DecodeNode {
                 KvServer::bind_unix(table.clone(), socket).await?
             }
         };
+        if let Some(adv) = &cfg.kv_advertise {
+            table.set_endpoint(adv);
+        }
+        let kv_endpoint = table.endpoint();
         let engine = Arc::new(Engine::with_pool(loaded, &cfg.engine, pool)?);
         let (jobs, rx) = mpsc::channel(1024);
         let depth = Arc::new(AtomicUsize::new(0));
@@ -173,7 +180,7 @@ impl DecodeNode {
                 table,
                 engine,
                 max_seq_tokens,
-                kv_endpoint: server.endpoint().to_owned(),
+                kv_endpoint,
                 jobs,
                 depth,
                 pending: Mutex::default(),

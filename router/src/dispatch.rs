@@ -6,7 +6,7 @@
 //! the confirmation path.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvmesh_proto::internal::v1::{
     token_event, AbortRequest, PrefillRequest, ReserveRequest, Sampling, TokensRequest,
@@ -81,7 +81,8 @@ pub fn start(
     permit: tokio::sync::OwnedSemaphorePermit,
 ) -> Result<mpsc::Receiver<Event>, Rejection> {
     let total = job.prompt_ids.len() + job.max_tokens;
-    let (decode, _) = router.nodes.pick(Role::Decode, Some(total))?;
+    // Fail fast with no node; the node itself is chosen again per try.
+    router.nodes.pick(Role::Decode, Some(total))?;
     let (prefill, p_report) = router
         .nodes
         .pick(Role::Prefill, Some(job.prompt_ids.len()))?;
@@ -90,7 +91,7 @@ pub fn start(
     tokio::spawn(async move {
         let _permit = permit;
         let started = Instant::now();
-        let outcome = run(&r, job, &decode, &prefill, p_report.writer_id, &tx, started).await;
+        let outcome = run(&r, job, &prefill, p_report.writer_id, &tx, started).await;
         r.metrics.finished(outcome);
     });
     Ok(rx)
@@ -99,7 +100,6 @@ pub fn start(
 async fn run(
     r: &Router,
     job: Job,
-    decode: &Arc<crate::nodes::Node>,
     prefill: &Arc<crate::nodes::Node>,
     writer_id: Vec<u8>,
     tx: &mpsc::Sender<Event>,
@@ -123,25 +123,49 @@ async fn run(
         let _ = tx.send(Event::Error(e)).await;
         kind
     };
-    let mut d = decode.decode();
-    let grant = match d
-        .reserve(ReserveRequest {
-            prompt_ids: job.prompt_ids.clone(),
-            max_new_tokens: job.max_tokens as u32,
-            writer_id,
-        })
-        .await
-    {
-        Ok(g) => g.into_inner(),
-        Err(s) => return fail(node_err("decode", decode, s)).await,
+    // Reserve at the decode node with the most free pages. A full pool is
+    // transient: wait (bounded by the queue timeout, with backoff, giving
+    // up at once if the client leaves) and choose again, rather than fail.
+    let total = job.prompt_ids.len() + job.max_tokens;
+    let deadline = started + r.cfg.queue_timeout;
+    let mut backoff = Duration::from_millis(2);
+    let (decode, grant) = loop {
+        let decode = match r.nodes.pick(Role::Decode, Some(total)) {
+            Ok((n, _)) => n,
+            Err(e) => {
+                let _ = tx.send(Event::Error(DispatchError::Rejected(e))).await;
+                return "no_healthy_node";
+            }
+        };
+        let res = decode
+            .decode()
+            .reserve(ReserveRequest {
+                prompt_ids: job.prompt_ids.clone(),
+                max_new_tokens: job.max_tokens as u32,
+                writer_id: writer_id.clone(),
+            })
+            .await;
+        match res {
+            Ok(g) => break (decode, g.into_inner()),
+            Err(s) if s.code() == tonic::Code::ResourceExhausted && Instant::now() < deadline => {
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = tx.closed() => return "client_gone",
+                }
+                backoff = (backoff * 2).min(Duration::from_millis(50));
+            }
+            Err(s) => return fail(node_err("decode", &decode, s)).await,
+        }
     };
+    let decode = &decode;
     let rid = grant.reservation_id.clone();
     let sampling = Sampling {
         temperature: job.temperature,
         top_p: job.top_p,
         seed: job.seed,
     };
-    let mut stream = match d
+    let mut stream = match decode
+        .decode()
         .tokens(TokensRequest {
             reservation_id: rid.clone(),
             sampling: Some(sampling),

