@@ -1,0 +1,144 @@
+//! The public gRPC API of `kvmesh serve`, from a client generated from the
+//! repository's protos: Generate (streamed) equals the reference engine and
+//! the HTTP gateway, Tokenize, ListModels, the standard health service, and
+//! typed refusals.
+
+use kvmesh_integration::mesh::Mesh;
+use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
+use kvmesh_proto::v1::generation_client::GenerationClient;
+use kvmesh_proto::v1::{
+    generate_request, tokenize_request, Chat, ChatMessage, FinishReason, GenerateRequest,
+    ListModelsRequest, TokenizeRequest,
+};
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+fn reference(prompt: &str, chat: bool) -> String {
+    let model = tiny_model_dir().to_string_lossy().into_owned();
+    let mut args = vec![
+        "generate",
+        "--model",
+        &model,
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        "20",
+        "--temperature",
+        "0",
+    ];
+    if chat {
+        args.push("--chat");
+    }
+    let out = run_kvmesh(&args, &[]);
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "{stderr}");
+    stdout.strip_suffix('\n').unwrap_or(&stdout).to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn public_grpc_api() {
+    let mesh = Mesh::start(&tiny_model_dir(), &[]);
+    let url = format!("http://{}", mesh.grpc);
+    let mut client = GenerationClient::connect(url.clone())
+        .await
+        .expect("connect");
+
+    for (input, chat) in [
+        (generate_request::Input::Prompt("Hello world".into()), false),
+        (
+            generate_request::Input::Chat(Chat {
+                messages: vec![ChatMessage {
+                    role: "user".into(),
+                    content: "Hello world".into(),
+                }],
+            }),
+            true,
+        ),
+    ] {
+        let mut stream = client
+            .generate(GenerateRequest {
+                input: Some(input),
+                max_tokens: 20,
+                temperature: Some(0.0),
+                ..Default::default()
+            })
+            .await
+            .expect("generate")
+            .into_inner();
+        let (mut text, mut last) = (String::new(), None);
+        while let Some(m) = stream.message().await.expect("message") {
+            text.push_str(&m.text);
+            if m.finish_reason != FinishReason::Unspecified as i32 {
+                last = Some(m);
+            }
+        }
+        assert_eq!(text, reference("Hello world", chat), "chat={chat}");
+        let last = last.expect("a final message");
+        assert!(last.error.is_empty(), "{}", last.error);
+        let usage = last.usage.expect("usage");
+        assert!(usage.prompt_tokens > 0 && usage.completion_tokens <= 20);
+    }
+
+    let ids = client
+        .tokenize(TokenizeRequest {
+            model: String::new(),
+            input: Some(tokenize_request::Input::Prompt("Hello world".into())),
+        })
+        .await
+        .expect("tokenize")
+        .into_inner()
+        .token_ids;
+    assert!(!ids.is_empty());
+
+    let models = client
+        .list_models(ListModelsRequest {})
+        .await
+        .expect("models")
+        .into_inner();
+    assert_eq!(models.models[0].id, "tiny-llama");
+    assert_eq!(models.models[0].max_model_len, 256);
+
+    // Over the context window: INVALID_ARGUMENT before anything runs.
+    let err = client
+        .generate(GenerateRequest {
+            input: Some(generate_request::Input::Prompt("Hello".into())),
+            max_tokens: 1000,
+            ..Default::default()
+        })
+        .await
+        .expect_err("over length");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message().contains("maximum context length is 256"),
+        "{}",
+        err.message()
+    );
+    let err = client
+        .generate(GenerateRequest {
+            model: "other".into(),
+            input: Some(generate_request::Input::Prompt("Hello".into())),
+            ..Default::default()
+        })
+        .await
+        .expect_err("unknown model");
+    assert_eq!(err.code(), tonic::Code::NotFound);
+
+    let channel = tonic::transport::Endpoint::from_shared(url)
+        .expect("url")
+        .connect()
+        .await
+        .expect("health channel");
+    let mut health = HealthClient::new(channel);
+    let status = health
+        .check(HealthCheckRequest {
+            service: "kvmesh.v1.Generation".into(),
+        })
+        .await
+        .expect("health check")
+        .into_inner()
+        .status;
+    assert_eq!(
+        status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+}

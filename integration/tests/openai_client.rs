@@ -1,0 +1,112 @@
+//! The official `openai` Python client against `kvmesh serve`: the gateway
+//! is what an OpenAI user's code expects. The client is installed from PyPI
+//! with the machine's pip into the kvmesh cache (outside the repository) on
+//! first use.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use kvmesh_integration::mesh::Mesh;
+use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
+
+/// Pinned for reproducible runs.
+const OPENAI: &str = "openai==3.57.0";
+
+fn python() -> String {
+    std::env::var("KVMESH_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+/// The directory the client is installed into (a `pip --target`, so no
+/// venv module is needed).
+fn client_dir() -> PathBuf {
+    let home = std::env::var_os("KVMESH_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvmesh")))
+        .expect("KVMESH_HOME or HOME");
+    let dir = home.join("python").join(OPENAI.replace("==", "-"));
+    if !dir.join(".installed").exists() {
+        eprintln!(
+            "installing {OPENAI} with pip into {} (first run only)",
+            dir.display()
+        );
+        let out = Command::new(python())
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-warn-conflicts",
+                "--target",
+            ])
+            .arg(&dir)
+            .arg(OPENAI)
+            .output()
+            .expect("run pip");
+        assert!(
+            out.status.success(),
+            "pip install {OPENAI} failed (the test needs PyPI): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::write(dir.join(".installed"), OPENAI).expect("marker");
+    }
+    dir
+}
+
+fn reference(prompt: &str, chat: bool) -> String {
+    let model = tiny_model_dir().to_string_lossy().into_owned();
+    let mut args = vec![
+        "generate",
+        "--model",
+        &model,
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "0",
+    ];
+    if chat {
+        args.push("--chat");
+    }
+    let out = run_kvmesh(&args, &[]);
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "{stderr}");
+    stdout.strip_suffix('\n').unwrap_or(&stdout).to_owned()
+}
+
+#[test]
+fn official_openai_client_streaming_and_not() {
+    let dir = client_dir();
+    let mesh = Mesh::start(&tiny_model_dir(), &[]);
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/openai_client.py");
+    let out = Command::new(python())
+        .arg(&script)
+        .arg(format!("http://{}/v1", mesh.http))
+        .arg("tiny-llama")
+        .arg("Hello world")
+        .arg("16")
+        .env("PYTHONPATH", &dir)
+        .output()
+        .expect("run python");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value =
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    let plain = reference("Hello world", false);
+    let chat = reference("Hello world", true);
+    assert_eq!(v["completion"], plain.as_str());
+    assert_eq!(v["completion_stream"], plain.as_str());
+    assert_eq!(v["chat"], chat.as_str());
+    assert_eq!(v["chat_stream"], chat.as_str());
+    assert_eq!(v["chat_role"], "assistant");
+    assert!(
+        matches!(v["completion_finish"].as_str(), Some("length" | "stop")),
+        "{v}"
+    );
+    assert_eq!(v["models"][0], "tiny-llama");
+    assert_eq!(v["over_length"], "BadRequestError: context_length_exceeded");
+}
