@@ -144,7 +144,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     let mut write_err = None;
     let started = std::time::Instant::now();
+    let mut first = None;
     let out = engine.generate(&prompt, args.max_tokens, params, |piece| {
+        first.get_or_insert_with(std::time::Instant::now);
         if write_err.is_none() {
             if let Err(e) = stdout
                 .write_all(piece.as_bytes())
@@ -158,12 +160,24 @@ fn generate(args: GenerateArgs) -> Result<()> {
         return Err(e).context("writing to stdout");
     }
     writeln!(stdout)?;
-    let secs = started.elapsed().as_secs_f64();
+    let end = std::time::Instant::now();
+    let secs = (end - started).as_secs_f64();
+    // Time to the first text, and decode speed after it (the figures the
+    // mesh is compared on: scripts/bench_mesh.py).
+    let ttft = first.map_or(secs, |f| (f - started).as_secs_f64());
+    let decode_secs = first.map_or(0.0, |f| (end - f).as_secs_f64());
+    let decode_tps = if decode_secs > 0.0 {
+        out.tokens.len().saturating_sub(1) as f64 / decode_secs
+    } else {
+        0.0
+    };
     tracing::info!(
         prompt_tokens = out.prompt_tokens,
         completion_tokens = out.tokens.len(),
         finish_reason = out.finish_reason.as_str(),
-        secs = format!("{secs:.2}"),
+        secs = format!("{secs:.3}"),
+        ttft_ms = format!("{:.1}", ttft * 1e3),
+        decode_tokens_per_s = format!("{decode_tps:.1}"),
         "done"
     );
     Ok(())

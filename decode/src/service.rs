@@ -89,6 +89,7 @@ pub struct DecodeNode {
 struct Inner {
     name: String,
     table: ReservationTable,
+    lease: Duration,
     engine: Arc<Engine>,
     max_seq_tokens: usize,
     kv_endpoint: String,
@@ -178,6 +179,7 @@ impl DecodeNode {
             inner: Arc::new(Inner {
                 name: cfg.name,
                 table,
+                lease: cfg.lease,
                 engine,
                 max_seq_tokens,
                 kv_endpoint,
@@ -228,8 +230,8 @@ impl DecodeNode {
 }
 
 /// A granted reservation waiting for its token stream: the handle (which
-/// aborts on drop), the prompt, the budget.
-type Waiting = (Pending, Vec<u32>, usize);
+/// aborts on drop), the prompt, the budget, when it was granted.
+type Waiting = (Pending, Vec<u32>, usize, std::time::Instant);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -282,7 +284,13 @@ impl Decode for DecodeNode {
             .encode(&mut bytes)
             .map_err(|e| Status::internal(format!("encode grant: {e}")))?;
         let id = grant.reservation;
-        lock(&self.inner.pending).insert(id, (pending, r.prompt_ids, max_new));
+        let now = std::time::Instant::now();
+        let mut waiting = lock(&self.inner.pending);
+        // A router that never opened the stream (it crashed, say): the lease
+        // has ended the reservation long since; forget its handle.
+        let stale = self.inner.lease * 2;
+        waiting.retain(|_, w| now.duration_since(w.3) < stale);
+        waiting.insert(id, (pending, r.prompt_ids, max_new, now));
         Ok(Response::new(ReserveResponse {
             grant: bytes,
             reservation_id: id.to_bytes().to_vec(),
@@ -297,7 +305,7 @@ impl Decode for DecodeNode {
     ) -> Result<Response<Self::TokensStream>, Status> {
         let r = req.into_inner();
         let id = reservation_id(&r.reservation_id)?;
-        let (pending, prompt, max_new) =
+        let (pending, prompt, max_new, _) =
             lock(&self.inner.pending).remove(&id).ok_or_else(|| {
                 Status::not_found(format!(
                     "no granted reservation {id} waiting for its stream"

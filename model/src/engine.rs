@@ -362,6 +362,36 @@ impl Engine {
         })
     }
 
+    /// Run the uncached prompt tokens of several sequences as one batch
+    /// (prompts that arrived together); returns each one's last-position
+    /// logits, or its own error.
+    pub fn prefill_batch(&self, seqs: &mut [&mut Sequence]) -> Result<Vec<Result<Vec<f32>>>> {
+        let results = {
+            let mut batch: Vec<SeqChunk<'_>> = seqs
+                .iter_mut()
+                .map(|s| SeqChunk {
+                    tokens: &s.tokens[s.cached..],
+                    start_pos: s.cached,
+                    kv: &mut s.kv,
+                    logits: LogitsWanted::Last,
+                })
+                .collect();
+            self.model.forward(&mut batch)?
+        };
+        Ok(seqs
+            .iter_mut()
+            .zip(results)
+            .map(|(seq, r)| {
+                seq.cached = seq.tokens.len();
+                r.and_then(|rows| {
+                    rows.into_iter().next().ok_or_else(|| ModelError::Compute {
+                        detail: "prefill returned no logits".into(),
+                    })
+                })
+            })
+            .collect())
+    }
+
     /// Append one token to each sequence and run them as one batch; returns
     /// each sequence's next-token logits, or its own error.
     pub fn decode_step(

@@ -12,9 +12,10 @@
 //! The grant is decoded and re-checked (prompt length equals the grant's
 //! prompt tokens, within this node's limits: I3); the writer for it is
 //! taken before any compute (an abort that overtook the grant refuses it
-//! here); the compute thread runs the prompt, samples the first token,
-//! then ships each layer's K and V through the grant's writer, checking
-//! between layers whether the decode node aborted; transfer-done goes last.
+//! here); the compute thread runs every prompt waiting (up to a token
+//! budget) as one batched forward pass, samples each first token, then
+//! ships each layer's K and V through the grant's writer, checking between
+//! layers whether the decode node aborted; transfer-done goes last.
 //! Any failure drops the writer: the decode node's abort (or lease) then
 //! ends the reservation through the confirmation path.
 
@@ -255,48 +256,117 @@ fn check(grant: &Grant, prompt: &[u32], max_seq_tokens: usize) -> Result<(), Pre
     Ok(())
 }
 
-/// The compute thread: one prompt at a time.
+/// Prompt tokens one batched prefill takes at most: prompts that arrived
+/// together run as one forward pass up to this many tokens.
+const BATCH_TOKENS: usize = 2048;
+
+/// The compute thread: takes every prompt that is waiting (up to
+/// [`BATCH_TOKENS`]), runs them as one batch, then ships each one's KV.
 fn compute(
     engine: Arc<Engine>,
     mut jobs: mpsc::Receiver<Job>,
     depth: Arc<AtomicUsize>,
     rt: tokio::runtime::Handle,
 ) {
-    while let Some(job) = jobs.blocking_recv() {
-        depth.fetch_add(1, Ordering::Relaxed);
-        let Job {
-            prompt,
-            sampling,
-            writer,
-            done,
-        } = job;
-        let r = run_one(&engine, prompt, sampling, writer, &rt);
-        let _ = done.send(r);
-        depth.fetch_sub(1, Ordering::Relaxed);
+    while let Some(first) = jobs.blocking_recv() {
+        let mut batch = vec![first];
+        let mut tokens = batch[0].prompt.len();
+        while tokens < BATCH_TOKENS {
+            match jobs.try_recv() {
+                Ok(j) => {
+                    tokens += j.prompt.len();
+                    batch.push(j);
+                }
+                Err(_) => break,
+            }
+        }
+        depth.fetch_add(batch.len(), Ordering::Relaxed);
+        let n = batch.len();
+        run_batch(&engine, batch, &rt);
+        depth.fetch_sub(n, Ordering::Relaxed);
     }
 }
 
-fn run_one(
+fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle) {
+    // Requests already gone (aborted before compute) leave now.
+    let mut live = Vec::new();
+    for job in batch {
+        match rt.block_on(job.writer.check()) {
+            Ok(()) => live.push(job),
+            Err(e) => {
+                let _ = job.done.send(Err(e.into()));
+            }
+        }
+    }
+    let mut admitted = Vec::new();
+    for job in live {
+        match engine.admit(job.prompt.clone(), 0) {
+            Ok(seq) => admitted.push((job, seq)),
+            Err(e) => {
+                let _ = job.done.send(Err(e.into()));
+            }
+        }
+    }
+    if admitted.is_empty() {
+        return;
+    }
+    let results = {
+        let mut seqs: Vec<&mut kvmesh_model::engine::Sequence> =
+            admitted.iter_mut().map(|(_, s)| s).collect();
+        engine.prefill_batch(&mut seqs)
+    };
+    let results = match results {
+        Ok(r) => r,
+        Err(e) => {
+            let msg = e.to_string();
+            for (job, _) in admitted {
+                let _ = job
+                    .done
+                    .send(Err(PrefillError::Invalid(format!("prefill failed: {msg}"))));
+            }
+            return;
+        }
+    };
+    for ((job, seq), logits) in admitted.into_iter().zip(results) {
+        let Job {
+            sampling,
+            mut writer,
+            done,
+            ..
+        } = job;
+        let r = logits.map_err(PrefillError::from).and_then(|logits| {
+            ship(engine, &seq, &logits, sampling, &mut writer, rt).map(|first| (first, writer))
+        });
+        let r = match r {
+            Ok((first, writer)) => rt
+                .block_on(writer.finish(first))
+                .map(|()| first)
+                .map_err(PrefillError::from),
+            Err(e) => Err(e),
+        };
+        let _ = done.send(r);
+    }
+}
+
+/// Samples the first token and writes every layer of the prompt's KV
+/// through the grant's writer (checking for an abort between layers).
+fn ship(
     engine: &Engine,
-    prompt: Vec<u32>,
+    seq: &kvmesh_model::engine::Sequence,
+    logits: &[f32],
     sampling: SamplingParams,
-    mut writer: GrantWriter,
+    writer: &mut GrantWriter,
     rt: &tokio::runtime::Handle,
 ) -> Result<u32, PrefillError> {
-    // Stop early for a request that is gone.
-    rt.block_on(writer.check())?;
-    let mut seq = engine.admit(prompt, 0)?;
-    let logits = engine.prefill(&mut seq)?;
-    let first = Sampler::new(sampling).sample(&logits);
+    let first = Sampler::new(sampling).sample(logits);
     let n_layers = engine.model().config().n_layers;
     rt.block_on(async {
         for layer in 0..n_layers {
-            let (k, v) = engine.prompt_kv(&seq, layer)?;
+            let (k, v) = engine.prompt_kv(seq, layer)?;
             let l = u16::try_from(layer)
                 .map_err(|_| PrefillError::Invalid("too many layers".into()))?;
             writer.write_layer(l, &k, &v).await?;
         }
-        writer.finish(first).await?;
         Ok::<_, PrefillError>(())
     })?;
     Ok(first)
