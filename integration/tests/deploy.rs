@@ -342,3 +342,76 @@ fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
     );
     drop(d0);
 }
+
+/// A decode node dies while it streams: the client gets a clear error
+/// within seconds (not a hang), and the router takes the node out. Also:
+/// a full queue answers 429 at once.
+#[test]
+fn a_dead_decode_node_fails_its_streams_fast() {
+    let Some(model) = kvmesh_model::default_model::cached_default_model() else {
+        eprintln!("note: default model not cached; skipped (run `kvmesh fetch-model`)");
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p: Vec<u16> = (0..5).map(|_| free_port()).collect();
+    let mesh = format!(
+        "model: {}\nmax_model_len: 512\nrouter: {{http: \"127.0.0.1:{}\", grpc: \"127.0.0.1:{}\", max_running: 1, max_queued: 0}}\n\
+         prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{}\"}}\n\
+         decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\"}}\n",
+        model.display(),
+        p[0], p[1], p[2], p[3], p[4]
+    );
+    let file = dir.path().join("mesh.yaml");
+    std::fs::write(&file, mesh).expect("write mesh file");
+    let (d0, _) = start("decode", &file, Some("decode-0"), "ready");
+    let (_p0, _) = start("prefill", &file, Some("prefill-0"), "ready");
+    let (_router, _) = start("router", &file, None, "OpenAI API");
+    let addr = format!("127.0.0.1:{}", p[0]);
+    let t0 = Instant::now();
+    while http::get(&addr, "/health").status != 200 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "router never healthy"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let body = json!({"prompt": "Once upon a time, in a land far away,", "max_tokens": 400, "temperature": 0, "stream": true});
+    let mut s = post_streaming(&addr, "/v1/completions", &body);
+    assert_eq!(s.status, 200);
+    for _ in 0..2 {
+        let ev = s.next_event().expect("an event");
+        assert!(ev.contains("\"text\""), "{ev}");
+    }
+    // Saturation: one request runs, none may queue: the next gets 429 at
+    // once, never an unbounded wait.
+    let r = http::post(
+        &addr,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 4}),
+    );
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
+    drop(d0);
+    let killed = Instant::now();
+    let mut error = None;
+    while let Some(d) = s.next_event() {
+        if d == "[DONE]" {
+            break;
+        }
+        if d.contains("\"error\"") {
+            error = Some(d);
+        }
+    }
+    let took = killed.elapsed();
+    let error = error.expect("the stream ends with an error event");
+    assert!(error.contains("decode"), "{error}");
+    assert!(took < Duration::from_secs(5), "the failure took {took:?}");
+    // The router takes the node out; new requests get 503, not a hang.
+    std::thread::sleep(Duration::from_millis(2500));
+    let r = http::post(
+        &addr,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 4}),
+    );
+    assert_eq!(r.status, 503, "{}", r.body);
+}

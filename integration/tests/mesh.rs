@@ -302,3 +302,86 @@ fn default_model_through_the_mesh() {
     mesh.wait_for_metric("kvmesh_requests_total{outcome=\"client_gone\"}", 1.0);
     mesh.assert_pages_come_back();
 }
+
+/// Stop strings end the text before the first match, with finish reason
+/// `stop`; a seed makes sampling reproducible across requests.
+#[test]
+fn stop_strings_and_seeded_sampling() {
+    let model = tiny_model_dir();
+    let mesh = Mesh::start(&model, &[]);
+    let full = reference(&model, "Hello world", false, MAX_TOKENS);
+    // A stop string from the middle of the reference text.
+    let chars: Vec<char> = full.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let cut = &full[..full.find(&stop).expect("stop occurs")];
+    for stream in [false, true] {
+        let body = json!({"prompt": "Hello world", "max_tokens": MAX_TOKENS, "temperature": 0, "stop": [stop.clone()], "stream": stream});
+        let (text, finish) = if stream {
+            let mut s = post_streaming(&mesh.http, "/v1/completions", &body);
+            let (mut text, mut finish) = (String::new(), String::new());
+            while let Some(d) = s.next_event() {
+                if d == "[DONE]" {
+                    break;
+                }
+                let v: Value = serde_json::from_str(&d).expect("json");
+                text.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
+                if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+                    finish = f.to_owned();
+                }
+            }
+            (text, finish)
+        } else {
+            let v = http::post(&mesh.http, "/v1/completions", &body).json();
+            (
+                v["choices"][0]["text"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                v["choices"][0]["finish_reason"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            )
+        };
+        assert_eq!(
+            (text.as_str(), finish.as_str()),
+            (cut, "stop"),
+            "stream={stream}"
+        );
+    }
+    // Sampling with a seed: the same text as the reference engine with that
+    // seed (prefill draws the first token, decode continues the stream).
+    let sampled = |seed: u64| {
+        let v = http::post(
+            &mesh.http,
+            "/v1/completions",
+            &json!({"prompt": "Hello world", "max_tokens": 16, "temperature": 1.0, "seed": seed}),
+        )
+        .json();
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let m = model.to_string_lossy().into_owned();
+    let out = run_kvmesh(
+        &[
+            "generate",
+            "--model",
+            &m,
+            "--prompt",
+            "Hello world",
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "1",
+            "--seed",
+            "7",
+        ],
+        &[],
+    );
+    let want = texts(&out).0;
+    assert_eq!(sampled(7), want.strip_suffix('\n').unwrap_or(&want));
+    assert_eq!(sampled(7), sampled(7));
+    mesh.assert_pages_come_back();
+}
