@@ -415,3 +415,110 @@ fn a_dead_decode_node_fails_its_streams_fast() {
     );
     assert_eq!(r.status, 503, "{}", r.body);
 }
+
+/// The internal services driven by hand across processes: a prefill that
+/// the router stopped is refused before any compute, and the decode node's
+/// abort completes through the writer's confirmation, pages back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn internal_services_stop_and_abort_across_processes() {
+    use kvmesh_proto::internal::v1::decode_client::DecodeClient;
+    use kvmesh_proto::internal::v1::prefill_client::PrefillClient;
+    use kvmesh_proto::internal::v1::{AbortRequest, LoadRequest, PrefillRequest, ReserveRequest};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p: Vec<u16> = (0..5).map(|_| free_port()).collect();
+    let mesh = format!(
+        "model: {}\nrouter: {{http: \"127.0.0.1:{}\", grpc: \"127.0.0.1:{}\"}}\n\
+         prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{}\"}}\n\
+         decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\"}}\n",
+        tiny_model_dir().display(),
+        p[0],
+        p[1],
+        p[2],
+        p[3],
+        p[4]
+    );
+    let file = dir.path().join("mesh.yaml");
+    std::fs::write(&file, mesh).expect("write mesh file");
+    let (_d, _) = start("decode", &file, Some("decode-0"), "ready");
+    let (_p, _) = start("prefill", &file, Some("prefill-0"), "ready");
+    let mut prefill = PrefillClient::connect(format!("http://127.0.0.1:{}", p[2]))
+        .await
+        .expect("prefill");
+    let mut decode = DecodeClient::connect(format!("http://127.0.0.1:{}", p[3]))
+        .await
+        .expect("decode");
+
+    let writer_id = prefill
+        .load(LoadRequest {})
+        .await
+        .expect("load")
+        .into_inner()
+        .writer_id;
+    assert_eq!(writer_id.len(), 16);
+    let grant = decode
+        .reserve(ReserveRequest {
+            prompt_ids: vec![1, 2, 3, 4, 5],
+            max_new_tokens: 4,
+            writer_id,
+        })
+        .await
+        .expect("reserve")
+        .into_inner();
+    let before = decode
+        .load(LoadRequest {})
+        .await
+        .expect("load")
+        .into_inner();
+    assert!(before.kv_pages_free < before.kv_pages_total);
+
+    let stop = AbortRequest {
+        reservation_id: grant.reservation_id.clone(),
+        reason: 1,
+    };
+    prefill.abort(stop.clone()).await.expect("prefill abort");
+    let err = prefill
+        .prefill(PrefillRequest {
+            prompt_ids: vec![1, 2, 3, 4, 5],
+            grant: grant.grant.clone(),
+            sampling: None,
+        })
+        .await
+        .expect_err("stopped before compute");
+    assert_eq!(err.code(), tonic::Code::Aborted, "{err}");
+    // A prompt that is not the grant's is refused too (the node's re-check).
+    let err = prefill
+        .prefill(PrefillRequest {
+            prompt_ids: vec![1, 2, 3],
+            grant: grant.grant.clone(),
+            sampling: None,
+        })
+        .await
+        .expect_err("prompt is not the grant's");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+
+    let state = decode
+        .abort(stop)
+        .await
+        .expect("decode abort")
+        .into_inner()
+        .state;
+    assert_eq!(state, "aborting");
+    let t0 = Instant::now();
+    loop {
+        let r = decode
+            .load(LoadRequest {})
+            .await
+            .expect("load")
+            .into_inner();
+        if r.kv_pages_free == r.kv_pages_total && r.reservations_ended.get("aborted") == Some(&1) {
+            assert_eq!(r.reservations_granted, 1);
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "abort never confirmed: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -24,12 +24,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient, WriterError};
-use kvmesh_kvxfer::wire::{decode_message, Grant, Message, WriterId};
+use kvmesh_kvxfer::wire::{decode_message, Grant, Message, ReservationId, WriterId};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
 use kvmesh_model::sampling::{Sampler, SamplingParams};
 use kvmesh_model::LoadedModel;
 use kvmesh_proto::internal::v1::prefill_server::{Prefill, PrefillServer};
-use kvmesh_proto::internal::v1::{LoadReport, LoadRequest, PrefillRequest, PrefillResponse};
+use kvmesh_proto::internal::v1::{
+    AbortRequest, AbortResponse, LoadReport, LoadRequest, PrefillRequest, PrefillResponse,
+};
 use thiserror::Error;
 use tokio::sync::{mpsc, oneshot, Mutex as AsyncMutex};
 use tonic::{Request, Response, Status};
@@ -110,6 +112,22 @@ struct Inner {
     depth: Arc<AtomicUsize>,
     /// One transport connection per decode endpoint.
     clients: AsyncMutex<HashMap<String, KvClient>>,
+    /// Reservations the router stopped, with when (forgotten after
+    /// [`FORGET_STOPPED`]).
+    stopped: Stopped,
+}
+
+/// How long a stop request is remembered (longer than any lease).
+const FORGET_STOPPED: std::time::Duration = std::time::Duration::from_secs(600);
+
+fn is_stopped(
+    stopped: &std::sync::Mutex<HashMap<ReservationId, std::time::Instant>>,
+    id: ReservationId,
+) -> bool {
+    stopped
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .contains_key(&id)
 }
 
 impl std::fmt::Debug for Job {
@@ -140,14 +158,19 @@ impl PrefillNode {
         let writer = WriterId::mint().map_err(|e| PrefillError::Invalid(e.to_string()))?;
         let (jobs, rx) = mpsc::channel(256);
         let depth = Arc::new(AtomicUsize::new(0));
+        let stopped = Arc::new(std::sync::Mutex::new(HashMap::new()));
         let handle = tokio::runtime::Handle::try_current().map_err(|_| {
             PrefillError::Invalid("start the prefill node inside a tokio runtime".into())
         })?;
         {
-            let (engine, depth) = (Arc::clone(&engine), Arc::clone(&depth));
+            let (engine, depth, stopped) = (
+                Arc::clone(&engine),
+                Arc::clone(&depth),
+                Arc::clone(&stopped),
+            );
             std::thread::Builder::new()
                 .name(format!("prefill-{}", cfg.name))
-                .spawn(move || compute(engine, rx, depth, handle))
+                .spawn(move || compute(engine, rx, depth, handle, stopped))
                 .map_err(|e| {
                     PrefillError::Invalid(format!("cannot start the compute thread: {e}"))
                 })?;
@@ -161,6 +184,7 @@ impl PrefillNode {
                 jobs,
                 depth,
                 clients: AsyncMutex::default(),
+                stopped,
             }),
         })
     }
@@ -262,11 +286,15 @@ const BATCH_TOKENS: usize = 2048;
 
 /// The compute thread: takes every prompt that is waiting (up to
 /// [`BATCH_TOKENS`]), runs them as one batch, then ships each one's KV.
+/// Reservations the router stopped.
+type Stopped = Arc<std::sync::Mutex<HashMap<ReservationId, std::time::Instant>>>;
+
 fn compute(
     engine: Arc<Engine>,
     mut jobs: mpsc::Receiver<Job>,
     depth: Arc<AtomicUsize>,
     rt: tokio::runtime::Handle,
+    stopped: Stopped,
 ) {
     while let Some(first) = jobs.blocking_recv() {
         let mut batch = vec![first];
@@ -282,15 +310,20 @@ fn compute(
         }
         depth.fetch_add(batch.len(), Ordering::Relaxed);
         let n = batch.len();
-        run_batch(&engine, batch, &rt);
+        run_batch(&engine, batch, &rt, &stopped);
         depth.fetch_sub(n, Ordering::Relaxed);
     }
 }
 
-fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle) {
+fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stopped: &Stopped) {
     // Requests already gone (aborted before compute) leave now.
     let mut live = Vec::new();
     for job in batch {
+        let id = job.writer.grant().reservation;
+        if is_stopped(stopped, id) {
+            let _ = job.done.send(Err(WriterError::Aborted(id).into()));
+            continue;
+        }
         match rt.block_on(job.writer.check()) {
             Ok(()) => live.push(job),
             Err(e) => {
@@ -335,7 +368,8 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle) {
             ..
         } = job;
         let r = logits.map_err(PrefillError::from).and_then(|logits| {
-            ship(engine, &seq, &logits, sampling, &mut writer, rt).map(|first| (first, writer))
+            ship(engine, &seq, &logits, sampling, &mut writer, rt, stopped)
+                .map(|first| (first, writer))
         });
         let r = match r {
             Ok((first, writer)) => rt
@@ -357,11 +391,16 @@ fn ship(
     sampling: SamplingParams,
     writer: &mut GrantWriter,
     rt: &tokio::runtime::Handle,
+    stopped: &Stopped,
 ) -> Result<u32, PrefillError> {
     let first = Sampler::new(sampling).sample(logits);
     let n_layers = engine.model().config().n_layers;
+    let id = writer.grant().reservation;
     rt.block_on(async {
         for layer in 0..n_layers {
+            if is_stopped(stopped, id) {
+                return Err(WriterError::Aborted(id).into());
+            }
             let (k, v) = engine.prompt_kv(seq, layer)?;
             let l = u16::try_from(layer)
                 .map_err(|_| PrefillError::Invalid("too many layers".into()))?;
@@ -380,6 +419,24 @@ impl Prefill for PrefillNode {
     ) -> Result<Response<PrefillResponse>, Status> {
         let first_token = PrefillNode::prefill(self, req.into_inner()).await?;
         Ok(Response::new(PrefillResponse { first_token }))
+    }
+
+    async fn abort(&self, req: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+        let id = <[u8; 16]>::try_from(req.into_inner().reservation_id.as_slice())
+            .ok()
+            .and_then(ReservationId::from_bytes)
+            .ok_or_else(|| Status::invalid_argument("reservation_id: 16 bytes, not all zero"))?;
+        let now = std::time::Instant::now();
+        let mut stopped = self
+            .inner
+            .stopped
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        stopped.retain(|_, at| now.duration_since(*at) < FORGET_STOPPED);
+        stopped.insert(id, now);
+        Ok(Response::new(AbortResponse {
+            state: "stopping".into(),
+        }))
     }
 
     async fn load(&self, _req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {

@@ -203,6 +203,9 @@ async fn run(
                 // The client is gone: cancel both calls (dropped here) and
                 // abort the reservation.
                 abort(decode, &rid).await;
+                if !prefill_done {
+                    stop_prefill(prefill, &rid);
+                }
                 return "client_gone";
             }
             ev = stream.message() => {
@@ -211,6 +214,9 @@ async fn run(
                     Ok(None) => return fail(DispatchError::Node { role: "decode", node: decode.name.clone(), status: tonic::Status::internal("token stream ended without a finish") }).await,
                     Err(s) => {
                         abort(decode, &rid).await;
+                        if !prefill_done {
+                            stop_prefill(prefill, &rid);
+                        }
                         return fail(node_err("decode", decode, s)).await;
                     }
                 };
@@ -227,6 +233,9 @@ async fn run(
                             Ok((piece, hit_stop)) => {
                                 if !piece.is_empty() && tx.send(Event::Text(piece)).await.is_err() {
                                     abort(decode, &rid).await;
+                                    if !prefill_done {
+                                        stop_prefill(prefill, &rid);
+                                    }
                                     return "client_gone";
                                 }
                                 if hit_stop {
@@ -238,6 +247,9 @@ async fn run(
                             }
                             Err(e) => {
                                 abort(decode, &rid).await;
+                                if !prefill_done {
+                                    stop_prefill(prefill, &rid);
+                                }
                                 return fail(e).await;
                             }
                         }
@@ -267,6 +279,22 @@ async fn abort(decode: &Arc<crate::nodes::Node>, rid: &[u8]) {
     if let Err(e) = decode.decode().abort(req).await {
         tracing::debug!(node = %decode.name, error = %e, "abort");
     }
+}
+
+/// Tells the prefill node to stop computing for `rid`, without waiting.
+fn stop_prefill(prefill: &Arc<crate::nodes::Node>, rid: &[u8]) {
+    let (node, req) = (
+        Arc::clone(prefill),
+        AbortRequest {
+            reservation_id: rid.to_vec(),
+            reason: CLIENT_GONE,
+        },
+    );
+    tokio::spawn(async move {
+        if let Err(e) = node.prefill().abort(req).await {
+            tracing::debug!(node = %node.name, error = %e, "prefill abort");
+        }
+    });
 }
 
 /// Token ids to text: incremental detokenization (whole characters only)
