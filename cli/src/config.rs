@@ -13,6 +13,8 @@
 //!   grpc: 0.0.0.0:50051
 //!   max_running: 64
 //!   max_queued: 256
+//!   api_keys:                  # omit: no authentication
+//!     - {key: sk-alpha-..., tenant: alpha}
 //! prefill:
 //!   - name: prefill-0
 //!     grpc: prefill-0:7101       # what the router dials
@@ -75,6 +77,19 @@ pub struct RouterSection {
     /// Requests queued at most.
     #[serde(default = "default_queued")]
     pub max_queued: usize,
+    /// API keys and their tenants; none: no authentication.
+    #[serde(default)]
+    pub api_keys: Vec<ApiKey>,
+}
+
+/// One API key.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKey {
+    /// The secret clients send as `Authorization: Bearer KEY`.
+    pub key: String,
+    /// The tenant it maps to.
+    pub tenant: String,
 }
 
 /// One node.

@@ -59,6 +59,24 @@ pub struct ServeArgs {
     /// Directory of the shared-memory pool mapping (`--transport shm`).
     #[arg(long, env = "KVMESH_SHM_DIR", default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
+    /// An API key and its tenant, KEY=TENANT (repeat for more; in the
+    /// environment, comma-separated). With any key set, requests without a
+    /// known `Authorization: Bearer KEY` get 401.
+    #[arg(long = "api-key", env = "KVMESH_API_KEYS", value_delimiter = ',')]
+    pub api_keys: Vec<String>,
+}
+
+/// `KEY=TENANT` pairs into the key table.
+fn api_keys(pairs: &[String]) -> Result<kvmesh_router::auth::ApiKeys> {
+    let parsed = pairs
+        .iter()
+        .map(|p| {
+            p.split_once('=')
+                .map(|(k, t)| (k.to_owned(), t.to_owned()))
+                .ok_or_else(|| anyhow::anyhow!("--api-key: expected KEY=TENANT (the value is a secret, so it is not shown)"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    kvmesh_router::auth::ApiKeys::new(parsed).map_err(anyhow::Error::msg)
 }
 
 /// `kvmesh router|prefill|decode` flags.
@@ -188,6 +206,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         scrub: a.model.scrub,
         poison: a.model.poison,
     };
+    let keys = api_keys(&a.api_keys)?;
     let decode_model = load(&path)?;
     let max_model_len = engine
         .max_model_len
@@ -240,6 +259,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         RouterConfig {
             model_id: model_id(&path),
             max_model_len,
+            api_keys: keys,
             ..RouterConfig::default()
         },
         tokenizer,
@@ -406,6 +426,13 @@ async fn router_process(cfg: &MeshConfig) -> Result<()> {
             max_model_len,
             max_running: cfg.router.max_running,
             max_queued: cfg.router.max_queued,
+            api_keys: kvmesh_router::auth::ApiKeys::new(
+                cfg.router
+                    .api_keys
+                    .iter()
+                    .map(|k| (k.key.clone(), k.tenant.clone())),
+            )
+            .map_err(anyhow::Error::msg)?,
             ..RouterConfig::default()
         },
         tokenizer,

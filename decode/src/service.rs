@@ -284,6 +284,7 @@ impl Decode for DecodeNode {
             .encode(&mut bytes)
             .map_err(|e| Status::internal(format!("encode grant: {e}")))?;
         let id = grant.reservation;
+        tracing::debug!(reservation = %id, tenant = %r.tenant, prompt_tokens = r.prompt_ids.len(), max_new, "granted");
         let now = std::time::Instant::now();
         let mut waiting = lock(&self.inner.pending);
         // A router that never opened the stream (it crashed, say): the lease

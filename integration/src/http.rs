@@ -34,13 +34,16 @@ pub struct Streaming {
     chunk_left: usize,
 }
 
-fn send(addr: &str, method: &str, path: &str, body: Option<&str>) -> TcpStream {
+fn send(addr: &str, method: &str, path: &str, body: Option<&str>, auth: Option<&str>) -> TcpStream {
     let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
     s.set_read_timeout(Some(Duration::from_secs(120)))
         .expect("timeout");
     let body = body.unwrap_or("");
+    let auth = auth
+        .map(|a| format!("Authorization: {a}\r\n"))
+        .unwrap_or_default();
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).expect("send request");
@@ -78,7 +81,18 @@ fn is_chunked(headers: &[(String, String)]) -> bool {
 
 /// GET or POST, read the whole response.
 pub fn request(addr: &str, method: &str, path: &str, body: Option<&str>) -> Response {
-    let mut reader = BufReader::new(send(addr, method, path, body));
+    request_with(addr, method, path, body, None)
+}
+
+/// [`request`] with an `Authorization` header value.
+pub fn request_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    auth: Option<&str>,
+) -> Response {
+    let mut reader = BufReader::new(send(addr, method, path, body, auth));
     let (status, headers) = head(&mut reader);
     let mut raw = Vec::new();
     reader.read_to_end(&mut raw).expect("body");
@@ -121,7 +135,7 @@ fn dechunk(mut raw: &[u8]) -> Vec<u8> {
 
 /// POST and return the response open, to read SSE events one by one.
 pub fn post_streaming(addr: &str, path: &str, body: &serde_json::Value) -> Streaming {
-    let mut reader = BufReader::new(send(addr, "POST", path, Some(&body.to_string())));
+    let mut reader = BufReader::new(send(addr, "POST", path, Some(&body.to_string()), None));
     let (status, headers) = head(&mut reader);
     Streaming {
         status,

@@ -142,3 +142,35 @@ async fn public_grpc_api() {
         tonic_health::pb::health_check_response::ServingStatus::Serving as i32
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn public_grpc_api_checks_api_keys() {
+    let mesh = Mesh::start(&tiny_model_dir(), &["--api-key", "sk-grpc=alpha"]);
+    let mut client = GenerationClient::connect(format!("http://{}", mesh.grpc))
+        .await
+        .expect("connect");
+    let req = || GenerateRequest {
+        input: Some(generate_request::Input::Prompt("Hello world".into())),
+        max_tokens: 4,
+        temperature: Some(0.0),
+        ..Default::default()
+    };
+    let err = client.generate(req()).await.expect_err("no key");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated);
+    let mut bad = tonic::Request::new(req());
+    bad.metadata_mut()
+        .insert("authorization", "Bearer sk-nope".parse().expect("ascii"));
+    assert_eq!(
+        client.generate(bad).await.expect_err("bad key").code(),
+        tonic::Code::Unauthenticated
+    );
+    let mut good = tonic::Request::new(req());
+    good.metadata_mut()
+        .insert("authorization", "Bearer sk-grpc".parse().expect("ascii"));
+    let mut stream = client.generate(good).await.expect("good key").into_inner();
+    let mut text = String::new();
+    while let Some(m) = stream.message().await.expect("message") {
+        text.push_str(&m.text);
+    }
+    assert!(!text.is_empty());
+}

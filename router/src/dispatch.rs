@@ -71,6 +71,8 @@ pub struct Job {
     pub seed: u64,
     /// Stop strings.
     pub stop: Vec<String>,
+    /// The tenant, from the request's API key only.
+    pub tenant: crate::auth::Tenant,
 }
 
 /// Starts a request; events arrive on the receiver. Refused before
@@ -143,6 +145,7 @@ async fn run(
                 prompt_ids: job.prompt_ids.clone(),
                 max_new_tokens: job.max_tokens as u32,
                 writer_id: writer_id.clone(),
+                tenant: job.tenant.0.clone(),
             })
             .await;
         match res {

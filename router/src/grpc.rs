@@ -13,11 +13,13 @@ use kvmesh_proto::v1::{
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
+use crate::auth::Tenant;
 use crate::dispatch::{self, Event, Finish, Job};
 use crate::error::Rejection;
 use crate::Router;
 
-/// The public gRPC server: Generation, health, reflection.
+/// The public gRPC server: Generation (behind the API-key check), health,
+/// reflection.
 pub fn service(router: Router) -> tonic::transport::server::Router {
     let (reporter, health) = tonic_health::server::health_reporter();
     tokio::spawn(async move {
@@ -53,6 +55,19 @@ fn chat(c: Chat) -> Vec<ChatMessage> {
 }
 
 impl Api {
+    /// The caller's tenant from its `authorization` metadata; every call
+    /// starts here (UNAUTHENTICATED before anything else).
+    fn tenant<T>(&self, req: &Request<T>) -> Result<Tenant, Status> {
+        let header = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        self.router.config().api_keys.check(header).map_err(|e| {
+            self.router.metrics.rejected("unauthenticated");
+            Status::unauthenticated(e.message())
+        })
+    }
+
     fn tokenize_input(
         &self,
         model: &str,
@@ -82,6 +97,7 @@ impl Generation for Api {
     type GenerateStream = GenStream;
 
     async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<GenStream>, Status> {
+        let tenant = self.tenant(&req)?;
         let r = req.into_inner();
         let input = r.input.map(|i| match i {
             generate_request::Input::Prompt(p) => Ok(p),
@@ -113,6 +129,7 @@ impl Generation for Api {
             top_p,
             seed: r.seed.unwrap_or(0x9E37_79B9_7F4A_7C15),
             stop: r.stop,
+            tenant,
         };
         let mut rx = dispatch::start(&self.router, job, permit).map_err(|e| e.grpc())?;
         let (tx, out) = tokio::sync::mpsc::channel(64);

@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
+use crate::auth::Tenant;
 use crate::dispatch::{self, Event, Job};
 use crate::error::Rejection;
 use crate::Router;
@@ -28,13 +29,44 @@ use crate::Router;
 const DEFAULT_MAX_TOKENS: usize = 16;
 
 pub(crate) fn routes(router: Router) -> axum::Router {
-    axum::Router::new()
+    let v1 = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(
+            router.clone(),
+            authenticate,
+        ));
+    axum::Router::new()
+        .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(router)
+}
+
+/// 401 before the handler runs (the body is not even read) unless the
+/// request carries a known key; the tenant then rides along as an
+/// extension, the only place a handler gets it from.
+async fn authenticate(
+    State(r): State<Router>,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let header = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    match r.config().api_keys.check(header) {
+        Ok(tenant) => {
+            req.extensions_mut().insert(tenant);
+            next.run(req).await
+        }
+        Err(e) => {
+            r.metrics.rejected("unauthenticated");
+            let body = json!({"error": {"message": e.message(), "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}});
+            (StatusCode::UNAUTHORIZED, Json(body)).into_response()
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -191,7 +223,11 @@ fn chat_messages(msgs: Option<Vec<ChatIn>>) -> Result<Vec<ChatMessage>, Rejectio
         .collect()
 }
 
-async fn completions(State(r): State<Router>, body: Bytes) -> Response {
+async fn completions(
+    State(r): State<Router>,
+    axum::Extension(tenant): axum::Extension<Tenant>,
+    body: Bytes,
+) -> Response {
     let run = async {
         let b: CompletionBody = parse(&body)?;
         let s = settings(&r, &b.common)?;
@@ -208,12 +244,16 @@ async fn completions(State(r): State<Router>, body: Bytes) -> Response {
         Ok((ids, s))
     };
     match run.await {
-        Ok((ids, s)) => respond(r, ids, s, Kind::Completion).await,
+        Ok((ids, s)) => respond(r, ids, s, Kind::Completion, tenant).await,
         Err(e) => reject(&r, e),
     }
 }
 
-async fn chat_completions(State(r): State<Router>, body: Bytes) -> Response {
+async fn chat_completions(
+    State(r): State<Router>,
+    axum::Extension(tenant): axum::Extension<Tenant>,
+    body: Bytes,
+) -> Response {
     let run = async {
         let b: ChatBody = parse(&body)?;
         let s = settings(&r, &b.common)?;
@@ -225,7 +265,7 @@ async fn chat_completions(State(r): State<Router>, body: Bytes) -> Response {
         Ok((ids, s))
     };
     match run.await {
-        Ok((ids, s)) => respond(r, ids, s, Kind::Chat).await,
+        Ok((ids, s)) => respond(r, ids, s, Kind::Chat, tenant).await,
         Err(e) => reject(&r, e),
     }
 }
@@ -249,7 +289,7 @@ enum Kind {
     Chat,
 }
 
-async fn respond(r: Router, ids: Vec<u32>, s: Settings, kind: Kind) -> Response {
+async fn respond(r: Router, ids: Vec<u32>, s: Settings, kind: Kind, tenant: Tenant) -> Response {
     let prompt_tokens = ids.len();
     let permit = match r.admit(prompt_tokens, s.max_tokens).await {
         Ok(p) => p,
@@ -262,6 +302,7 @@ async fn respond(r: Router, ids: Vec<u32>, s: Settings, kind: Kind) -> Response 
         top_p: s.top_p,
         seed: s.seed,
         stop: s.stop,
+        tenant,
     };
     let rx = match dispatch::start(&r, job, permit) {
         Ok(rx) => rx,

@@ -3,6 +3,8 @@
 //! allocated anywhere), and dispatch to prefill and decode nodes.
 //!
 //! # Layout
+//! - [`auth`]: API keys, each mapped to a tenant (401 before anything
+//!   else when keys are configured).
 //! - [`Router`]: the shared state (tokenizer, limits, nodes, queue,
 //!   metrics) and [`Router::admit`], the admission decision.
 //! - `http` (private): the axum gateway: `/v1/completions`,
@@ -20,6 +22,7 @@
 //! The router links `kvmesh-model` for its tokenizer and chat templates
 //! only; it runs no model compute.
 
+pub mod auth;
 pub mod dispatch;
 pub mod error;
 pub mod grpc;
@@ -51,6 +54,8 @@ pub struct RouterConfig {
     pub max_queued: usize,
     /// How long a request may wait for a slot before it gets 429.
     pub queue_timeout: Duration,
+    /// API keys and their tenants; empty: no authentication.
+    pub api_keys: auth::ApiKeys,
 }
 
 impl Default for RouterConfig {
@@ -61,6 +66,7 @@ impl Default for RouterConfig {
             max_running: 64,
             max_queued: 256,
             queue_timeout: Duration::from_secs(30),
+            api_keys: auth::ApiKeys::default(),
         }
     }
 }
