@@ -117,7 +117,7 @@ fn invalid(param: &'static str, message: impl Into<String>) -> Rejection {
     }
 }
 
-fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Rejection> {
+fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, Rejection> {
     serde_json::from_slice(body).map_err(|e| invalid("body", format!("invalid JSON body: {e}")))
 }
 
@@ -135,13 +135,49 @@ fn request_id(prefix: &str) -> String {
 }
 
 /// Validated sampling and budget fields.
-struct Settings {
-    max_tokens: usize,
-    temperature: f32,
-    top_p: f32,
-    seed: u64,
-    stop: Vec<String>,
-    stream: bool,
+#[derive(Debug)]
+pub struct Settings {
+    /// Completion budget.
+    pub max_tokens: usize,
+    /// Temperature in [0, 2].
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1].
+    pub top_p: f32,
+    /// Sampler seed.
+    pub seed: u64,
+    /// Non-empty stop strings, at most 4.
+    pub stop: Vec<String>,
+    /// SSE or one body.
+    pub stream: bool,
+}
+
+/// A request body as the gateway accepts it: prompt token ids and
+/// validated settings, or the typed refusal the client gets. Everything a
+/// client sends passes through here first (fuzzed: `fuzz/`).
+pub fn validate(r: &Router, chat: bool, body: &[u8]) -> Result<(Vec<u32>, Settings), Rejection> {
+    if chat {
+        let b: ChatBody = parse(body)?;
+        let s = settings(r, &b.common)?;
+        let msgs = chat_messages(b.messages)?;
+        let ids = r
+            .tokenizer()
+            .encode_chat(&msgs)
+            .map_err(|e| invalid("messages", e.to_string()))?;
+        return Ok((ids, s));
+    }
+    let b: CompletionBody = parse(body)?;
+    let s = settings(r, &b.common)?;
+    let prompt = match b.prompt {
+        Some(OneOrMany::One(p)) => p,
+        Some(OneOrMany::Many(mut v)) if v.len() == 1 => v.remove(0),
+        Some(OneOrMany::Many(_)) => return Err(invalid("prompt", "one prompt per request")),
+        None => return Err(invalid("prompt", "prompt is required")),
+    };
+    let ids = r
+        .tokenizer()
+        .encode(&prompt)
+        .map_err(|e| invalid("prompt", e.to_string()))?;
+    Ok((ids, s))
 }
 
 fn settings(r: &Router, c: &Common) -> Result<Settings, Rejection> {
@@ -228,22 +264,7 @@ async fn completions(
     axum::Extension(tenant): axum::Extension<Tenant>,
     body: Bytes,
 ) -> Response {
-    let run = async {
-        let b: CompletionBody = parse(&body)?;
-        let s = settings(&r, &b.common)?;
-        let prompt = match b.prompt {
-            Some(OneOrMany::One(p)) => p,
-            Some(OneOrMany::Many(mut v)) if v.len() == 1 => v.remove(0),
-            Some(OneOrMany::Many(_)) => return Err(invalid("prompt", "one prompt per request")),
-            None => return Err(invalid("prompt", "prompt is required")),
-        };
-        let ids = r
-            .tokenizer()
-            .encode(&prompt)
-            .map_err(|e| invalid("prompt", e.to_string()))?;
-        Ok((ids, s))
-    };
-    match run.await {
+    match validate(&r, false, &body) {
         Ok((ids, s)) => respond(r, ids, s, Kind::Completion, tenant).await,
         Err(e) => reject(&r, e),
     }
@@ -254,17 +275,7 @@ async fn chat_completions(
     axum::Extension(tenant): axum::Extension<Tenant>,
     body: Bytes,
 ) -> Response {
-    let run = async {
-        let b: ChatBody = parse(&body)?;
-        let s = settings(&r, &b.common)?;
-        let msgs = chat_messages(b.messages)?;
-        let ids = r
-            .tokenizer()
-            .encode_chat(&msgs)
-            .map_err(|e| invalid("messages", e.to_string()))?;
-        Ok((ids, s))
-    };
-    match run.await {
+    match validate(&r, true, &body) {
         Ok((ids, s)) => respond(r, ids, s, Kind::Chat, tenant).await,
         Err(e) => reject(&r, e),
     }

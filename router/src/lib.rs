@@ -7,7 +7,8 @@
 //!   else when keys are configured).
 //! - [`Router`]: the shared state (tokenizer, limits, nodes, queue,
 //!   metrics) and [`Router::admit`], the admission decision.
-//! - `http` (private): the axum gateway: `/v1/completions`,
+//! - [`http`]: the axum gateway and [`http::validate`], the one entry of
+//!   client request bodies: `/v1/completions`,
 //!   `/v1/chat/completions` (SSE streaming or not), `/v1/models`,
 //!   `/health`, `/metrics`.
 //! - [`nodes`]: the nodes, their gRPC clients, load reports, health, and
@@ -26,7 +27,7 @@ pub mod auth;
 pub mod dispatch;
 pub mod error;
 pub mod grpc;
-mod http;
+pub mod http;
 mod metrics;
 pub mod nodes;
 
