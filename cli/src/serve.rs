@@ -133,36 +133,31 @@ async fn listen(addr: &str) -> Result<(TcpListener, SocketAddr)> {
     Ok((l, a))
 }
 
-/// Serves a decode node's gRPC service on `addr`; returns the bound address.
-async fn serve_decode(node: &DecodeNode, addr: &str) -> Result<SocketAddr> {
+/// Serves one node's gRPC service on `addr`; returns the bound address.
+async fn serve_grpc(
+    routes: tonic::service::Routes,
+    addr: &str,
+    what: &'static str,
+) -> Result<SocketAddr> {
     let (l, a) = listen(addr).await?;
-    let svc = node.service();
     tokio::spawn(async move {
         let r = tonic::transport::Server::builder()
-            .add_service(svc)
+            .add_routes(routes)
             .serve_with_incoming(TcpListenerStream::new(l))
             .await;
         if let Err(e) = r {
-            tracing::error!(error = %e, "decode gRPC server");
+            tracing::error!(error = %e, "{what} gRPC server");
         }
     });
     Ok(a)
 }
 
-/// Serves a prefill node's gRPC service on `addr`; returns the bound address.
+async fn serve_decode(node: &DecodeNode, addr: &str) -> Result<SocketAddr> {
+    serve_grpc(tonic::service::Routes::new(node.service()), addr, "decode").await
+}
+
 async fn serve_prefill(node: &PrefillNode, addr: &str) -> Result<SocketAddr> {
-    let (l, a) = listen(addr).await?;
-    let svc = node.service();
-    tokio::spawn(async move {
-        let r = tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming(TcpListenerStream::new(l))
-            .await;
-        if let Err(e) = r {
-            tracing::error!(error = %e, "prefill gRPC server");
-        }
-    });
-    Ok(a)
+    serve_grpc(tonic::service::Routes::new(node.service()), addr, "prefill").await
 }
 
 /// Starts the router's gateway and public gRPC API; prints the URLs; runs

@@ -76,3 +76,34 @@ pub fn texts(out: &Output) -> (String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// The reference text: `kvmesh generate` with `--temperature 0` (plus
+/// `--chat` when asked), its own final newline
+/// removed: what the mesh's output must equal.
+pub fn reference_text(
+    model: &std::path::Path,
+    prompt: &str,
+    chat: bool,
+    max_tokens: usize,
+) -> String {
+    let model = model.to_string_lossy().into_owned();
+    let n = max_tokens.to_string();
+    let mut args = vec![
+        "generate",
+        "--model",
+        &model,
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        &n,
+        "--temperature",
+        "0",
+    ];
+    if chat {
+        args.push("--chat");
+    }
+    let out = run_kvmesh(&args, &[]);
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "reference failed: {stderr}");
+    stdout.strip_suffix('\n').unwrap_or(&stdout).to_owned()
+}

@@ -190,25 +190,7 @@ fn start(role: &str, config: &Path, name: Option<&str>, ready: &str) -> (Proc, V
 }
 
 fn reference(prompt: &str, n: usize) -> String {
-    let model = tiny_model_dir().to_string_lossy().into_owned();
-    let n = n.to_string();
-    let out = run_kvmesh(
-        &[
-            "generate",
-            "--model",
-            &model,
-            "--prompt",
-            prompt,
-            "--max-tokens",
-            &n,
-            "--temperature",
-            "0",
-        ],
-        &[],
-    );
-    let (stdout, stderr) = texts(&out);
-    assert!(out.status.success(), "{stderr}");
-    stdout.strip_suffix('\n').unwrap_or(&stdout).to_owned()
+    kvmesh_integration::reference_text(&tiny_model_dir(), prompt, false, n)
 }
 
 fn complete(addr: &str, prompt: &str, n: usize, stream: bool) -> Result<String, String> {

@@ -4,7 +4,7 @@
 //! typed refusals.
 
 use kvmesh_integration::mesh::Mesh;
-use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
+use kvmesh_integration::tiny_model_dir;
 use kvmesh_proto::v1::generation_client::GenerationClient;
 use kvmesh_proto::v1::{
     generate_request, tokenize_request, Chat, ChatMessage, FinishReason, GenerateRequest,
@@ -14,25 +14,7 @@ use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
 fn reference(prompt: &str, chat: bool) -> String {
-    let model = tiny_model_dir().to_string_lossy().into_owned();
-    let mut args = vec![
-        "generate",
-        "--model",
-        &model,
-        "--prompt",
-        prompt,
-        "--max-tokens",
-        "20",
-        "--temperature",
-        "0",
-    ];
-    if chat {
-        args.push("--chat");
-    }
-    let out = run_kvmesh(&args, &[]);
-    let (stdout, stderr) = texts(&out);
-    assert!(out.status.success(), "{stderr}");
-    stdout.strip_suffix('\n').unwrap_or(&stdout).to_owned()
+    kvmesh_integration::reference_text(&tiny_model_dir(), prompt, chat, 20)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

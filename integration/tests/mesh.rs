@@ -15,27 +15,7 @@ const MAX_TOKENS: usize = 24;
 
 /// The reference: `kvmesh generate`, greedy.
 fn reference(model: &Path, prompt: &str, chat: bool, max_tokens: usize) -> String {
-    let model = model.to_string_lossy().into_owned();
-    let n = max_tokens.to_string();
-    let mut args = vec![
-        "generate",
-        "--model",
-        &model,
-        "--prompt",
-        prompt,
-        "--max-tokens",
-        &n,
-        "--temperature",
-        "0",
-    ];
-    if chat {
-        args.push("--chat");
-    }
-    let out = run_kvmesh(&args, &[]);
-    let (stdout, stderr) = texts(&out);
-    assert!(out.status.success(), "reference failed: {stderr}");
-    // `generate` ends its output with a newline of its own.
-    stdout.strip_suffix('\n').unwrap_or(&stdout).to_owned()
+    kvmesh_integration::reference_text(model, prompt, chat, max_tokens)
 }
 
 /// Text through the mesh; `stream` reads SSE deltas. Returns the text and

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use kvmesh_integration::mesh::Mesh;
-use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
+use kvmesh_integration::tiny_model_dir;
 
 /// Pinned for reproducible runs.
 const OPENAI: &str = "openai==3.57.0";
@@ -54,25 +54,7 @@ fn client_dir() -> PathBuf {
 }
 
 fn reference(prompt: &str, chat: bool) -> String {
-    let model = tiny_model_dir().to_string_lossy().into_owned();
-    let mut args = vec![
-        "generate",
-        "--model",
-        &model,
-        "--prompt",
-        prompt,
-        "--max-tokens",
-        "16",
-        "--temperature",
-        "0",
-    ];
-    if chat {
-        args.push("--chat");
-    }
-    let out = run_kvmesh(&args, &[]);
-    let (stdout, stderr) = texts(&out);
-    assert!(out.status.success(), "{stderr}");
-    stdout.strip_suffix('\n').unwrap_or(&stdout).to_owned()
+    kvmesh_integration::reference_text(&tiny_model_dir(), prompt, chat, 16)
 }
 
 #[test]

@@ -378,18 +378,7 @@ impl Engine {
                 .collect();
             self.model.forward(&mut batch)?
         };
-        Ok(seqs
-            .iter_mut()
-            .zip(results)
-            .map(|(seq, r)| {
-                seq.cached = seq.tokens.len();
-                r.and_then(|rows| {
-                    rows.into_iter().next().ok_or_else(|| ModelError::Compute {
-                        detail: "prefill returned no logits".into(),
-                    })
-                })
-            })
-            .collect())
+        Ok(last_rows(seqs, results, "prefill"))
     }
 
     /// Append one token to each sequence and run them as one batch; returns
@@ -425,18 +414,7 @@ impl Engine {
                 .collect();
             self.model.forward(&mut batch)?
         };
-        Ok(seqs
-            .iter_mut()
-            .zip(results)
-            .map(|(seq, r)| {
-                seq.cached = seq.tokens.len();
-                r.and_then(|rows| {
-                    rows.into_iter().next().ok_or_else(|| ModelError::Compute {
-                        detail: "decode returned no logits".into(),
-                    })
-                })
-            })
-            .collect())
+        Ok(last_rows(seqs, results, "decode"))
     }
 
     /// Generate up to `max_new_tokens` tokens, calling `on_text` with each
@@ -492,6 +470,26 @@ impl Engine {
             finish_reason: finish,
         })
     }
+}
+
+/// After a batched forward pass: marks every sequence's tokens cached and
+/// keeps each one's single logits row (or its own error).
+fn last_rows(
+    seqs: &mut [&mut Sequence],
+    results: Vec<crate::llama::ChunkResult>,
+    step: &str,
+) -> Vec<Result<Vec<f32>>> {
+    seqs.iter_mut()
+        .zip(results)
+        .map(|(seq, r)| {
+            seq.cached = seq.tokens.len();
+            r.and_then(|rows| {
+                rows.into_iter().next().ok_or_else(|| ModelError::Compute {
+                    detail: format!("{step} returned no logits"),
+                })
+            })
+        })
+        .collect()
 }
 
 fn invalid(field: &str, value: &str, reason: &str) -> ModelError {

@@ -19,11 +19,13 @@
 
 mod error;
 mod live;
+mod stats;
 mod table;
+mod verify;
 
 pub use error::{Ended, HandshakeError, Outcome, ReserveError, RevokeCause, VerifyError};
 pub use live::{LiveSequence, Pending};
+pub use stats::{TableStats, CONTROL_REJECT_KINDS, OUTCOME_KINDS};
 pub use table::{
-    outbound_capacity, ConnId, Outbound, ReservationTable, ReserveRequest, TableConfig, TableStats,
-    CONTROL_REJECT_KINDS, OUTCOME_KINDS,
+    outbound_capacity, ConnId, Outbound, ReservationTable, ReserveRequest, TableConfig,
 };

@@ -18,8 +18,10 @@ use crate::wire::{
     RejectCounters, ReservationId, Revoke, TransferDone, WriterId,
 };
 
-use super::error::{Ended, HandshakeError, Outcome, ReserveError, RevokeCause, VerifyError};
+use super::error::{Ended, HandshakeError, Outcome, ReserveError, RevokeCause};
 use super::live::{LiveSequence, Pending};
+use super::stats::{TableStats, CONTROL_REJECT_KINDS, OUTCOME_KINDS};
+use super::verify::verify;
 
 /// How long the table remembers ended reservations (to answer a late
 /// message with "already ended" rather than "unknown").
@@ -130,77 +132,6 @@ struct Conns {
 struct Tombstones {
     order: VecDeque<ReservationId>,
     outcome: HashMap<ReservationId, &'static str>,
-}
-
-/// Labels of [`TableStats::ended_by`]: every [`Outcome::kind`].
-pub const OUTCOME_KINDS: [&str; 8] = [
-    "completed",
-    "aborted",
-    "lease_expired",
-    "abort_timed_out",
-    "writer_lost",
-    "verification_failed",
-    "done_while_writing",
-    "shutdown",
-];
-
-/// Labels of [`TableStats::control_rejects`]: every [`HandshakeError::kind`]
-/// that is not a frame reject.
-pub const CONTROL_REJECT_KINDS: [&str; 9] = [
-    "unknown_reservation",
-    "already_ended",
-    "wrong_connection",
-    "bad_capability",
-    "illegal_transition",
-    "frames_not_accepted",
-    "duplicate_writer",
-    "unknown_connection",
-    "unexpected_message",
-];
-
-/// Counters of the table, a snapshot.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TableStats {
-    /// Grants issued.
-    pub granted: u64,
-    /// Reserve requests refused.
-    pub refused: u64,
-    /// Reservations in the table now (granted, writing, aborting,
-    /// revoking).
-    pub open: usize,
-    /// Of those, quarantined: ending, but the write path is still open.
-    pub revoking: usize,
-    /// Frames landed.
-    pub frames_landed: u64,
-    /// Ends by outcome ([`OUTCOME_KINDS`]).
-    pub ended_by: [(&'static str, u64); OUTCOME_KINDS.len()],
-    /// Frames refused, by kind.
-    pub frame_rejects: u64,
-    /// Control messages refused, by kind ([`CONTROL_REJECT_KINDS`]).
-    pub control_rejects: [(&'static str, u64); CONTROL_REJECT_KINDS.len()],
-}
-
-impl TableStats {
-    /// Ends of one outcome kind.
-    pub fn ended(&self, kind: &str) -> u64 {
-        self.ended_by
-            .iter()
-            .find(|(k, _)| *k == kind)
-            .map_or(0, |(_, n)| *n)
-    }
-
-    /// All ends.
-    pub fn ended_total(&self) -> u64 {
-        self.ended_by.iter().map(|(_, n)| n).sum()
-    }
-
-    /// Control rejects of one kind.
-    pub fn control_rejected(&self, kind: &str) -> u64 {
-        self.control_rejects
-            .iter()
-            .find(|(k, _)| *k == kind)
-            .map_or(0, |(_, n)| *n)
-    }
 }
 
 /// The decode node's reservation table. Cheap to clone (shared).
@@ -885,42 +816,6 @@ impl Inner {
             let _ = c.tx.try_send(bytes);
         }
     }
-}
-
-/// I4: exactly the granted prompt, every page still held at its granted
-/// generation, every page's landed checksum equal to the writer's.
-fn verify(grant: &Grant, res: &Reservation, done: &TransferDone) -> Result<(), VerifyError> {
-    if done.tokens_written != grant.prompt_tokens {
-        return Err(VerifyError::TokenCount {
-            granted: grant.prompt_tokens,
-            written: done.tokens_written,
-        });
-    }
-    if done.page_checksums.len() != grant.pages.len() {
-        return Err(VerifyError::PageCount {
-            granted: grant.pages.len(),
-            written: done.page_checksums.len(),
-        });
-    }
-    res.check_held(&grant.pages)
-        .map_err(|n| VerifyError::PageNotHeld {
-            index: n.index,
-            page: n.granted.page,
-            granted: n.granted.generation,
-            now: n.generation,
-        })?;
-    for (index, &reported) in done.page_checksums.iter().enumerate() {
-        let slots = grant.prompt_slots(index).unwrap_or(0) as usize;
-        let landed = res.landed_checksum(index, slots).unwrap_or(!reported);
-        if landed != reported {
-            return Err(VerifyError::Checksum {
-                index,
-                landed,
-                reported,
-            });
-        }
-    }
-    Ok(())
 }
 
 /// Messages the table sends.
