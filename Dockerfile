@@ -16,5 +16,6 @@ RUN useradd --system --uid 10001 kvmesh
 COPY --from=build /src/target/release/kvmesh /usr/local/bin/kvmesh
 COPY --from=build /models/SmolLM2-135M-Instruct.Q4_1.gguf /models/SmolLM2-135M-Instruct.Q4_1.gguf
 COPY deploy/mesh.yaml /etc/kvmesh/mesh.yaml
+# The mesh secret is never baked in: docker-compose.yml mounts it.
 USER kvmesh
 ENTRYPOINT ["kvmesh"]

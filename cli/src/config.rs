@@ -8,6 +8,10 @@
 //! page_size: 16
 //! transport: tcp               # or shm (prefill and decode on one host)
 //! allow_small_pool: false
+//! mesh:                        # mesh-internal authentication (required)
+//!   secret_file: mesh.secret   # 32+ random bytes, the same file on every
+//!                              #   node; relative to this file's folder
+//!   # insecure_no_mesh_auth: true   # instead: no authentication (tests)
 //! router:
 //!   http: 0.0.0.0:8080
 //!   grpc: 0.0.0.0:50051
@@ -33,6 +37,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use kvmesh_kvxfer::auth::{readable_by_others, MeshSecret};
 use serde::Deserialize;
 
 /// The whole file.
@@ -55,12 +60,60 @@ pub struct MeshConfig {
     /// Start nodes whose pool cannot hold one max-context request.
     #[serde(default)]
     pub allow_small_pool: bool,
+    /// Mesh-internal authentication; required.
+    pub mesh: Option<MeshSection>,
     /// The router.
     pub router: RouterSection,
     /// Prefill nodes.
     pub prefill: Vec<NodeSection>,
     /// Decode nodes.
     pub decode: Vec<NodeSection>,
+    /// The file this was read from (relative paths in it are relative to
+    /// its folder).
+    #[serde(skip)]
+    pub file: PathBuf,
+}
+
+/// How the mesh's own services know each other: one secret, or (test
+/// meshes only) none.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MeshSection {
+    /// The per-mesh secret's file (at least 32 bytes, used verbatim; the
+    /// same file on every node), relative to the mesh file's folder.
+    pub secret_file: Option<PathBuf>,
+    /// No authentication: anyone who reaches a node's ports may reserve,
+    /// abort and write KV. For test meshes only; each process warns.
+    #[serde(default)]
+    pub insecure_no_mesh_auth: bool,
+}
+
+/// How a process of the mesh authenticates its peers.
+#[derive(Debug)]
+pub enum MeshAuth {
+    /// The secret read from this file.
+    Secret(MeshSecret, PathBuf),
+    /// `insecure_no_mesh_auth: true`.
+    Insecure,
+}
+
+impl MeshAuth {
+    /// The secret the services use (the public insecure key for
+    /// [`MeshAuth::Insecure`]).
+    pub fn secret(&self) -> MeshSecret {
+        match self {
+            Self::Secret(s, _) => s.clone(),
+            Self::Insecure => MeshSecret::insecure(),
+        }
+    }
+
+    /// One line for `--check-config` and the logs.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Secret(_, p) => format!("mesh auth: secret file {}", p.display()),
+            Self::Insecure => "mesh auth: OFF (insecure_no_mesh_auth)".into(),
+        }
+    }
 }
 
 /// The router's section.
@@ -143,10 +196,50 @@ impl MeshConfig {
     pub fn load(path: &Path) -> Result<Self> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let cfg: Self = serde_yaml_ng::from_str(&text)
+        let mut cfg: Self = serde_yaml_ng::from_str(&text)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         cfg.validate(path)?;
+        cfg.file = path.to_owned();
         Ok(cfg)
+    }
+
+    /// Reads the mesh secret the file names (or takes the insecure mode it
+    /// asks for, with a loud warning). A missing, unreadable, short or
+    /// uniform secret is refused, naming the field and the file; one that
+    /// other users can read is accepted with a warning.
+    pub fn mesh_auth(&self) -> Result<MeshAuth> {
+        let file = &self.file;
+        match &self.mesh {
+            Some(MeshSection {
+                secret_file: Some(p),
+                ..
+            }) => {
+                let path = match file.parent() {
+                    Some(dir) if p.is_relative() => dir.join(p),
+                    _ => p.clone(),
+                };
+                let secret = MeshSecret::load(&path).map_err(|e| {
+                    refuse(
+                        file,
+                        "mesh.secret_file",
+                        &p.to_string_lossy(),
+                        &e.to_string(),
+                    )
+                })?;
+                if readable_by_others(&path).unwrap_or(false) {
+                    tracing::warn!(file = %path.display(), "the mesh secret file is readable by other users: `chmod 600` it");
+                }
+                Ok(MeshAuth::Secret(secret, path))
+            }
+            _ => {
+                tracing::warn!(
+                    "MESH AUTHENTICATION IS OFF (insecure_no_mesh_auth: true): anyone who can reach \
+                     this node's ports can reserve and abort requests and write KV pages; \
+                     use mesh.secret_file outside tests"
+                );
+                Ok(MeshAuth::Insecure)
+            }
+        }
     }
 
     fn validate(&self, file: &Path) -> Result<()> {
@@ -155,6 +248,30 @@ impl MeshConfig {
         }
         if self.max_model_len == Some(0) {
             bail!(refuse(file, "max_model_len", "0", "must be at least 1"));
+        }
+        match &self.mesh {
+            None
+            | Some(MeshSection {
+                secret_file: None,
+                insecure_no_mesh_auth: false,
+            }) => bail!(refuse(
+                file,
+                "mesh.secret_file",
+                "",
+                "the internal services accept only peers that prove the per-mesh secret: \
+                 name a file of at least 32 random bytes (e.g. `head -c 32 /dev/urandom > mesh.secret`), \
+                 or set mesh.insecure_no_mesh_auth: true for a test mesh"
+            )),
+            Some(MeshSection {
+                secret_file: Some(_),
+                insecure_no_mesh_auth: true,
+            }) => bail!(refuse(
+                file,
+                "mesh.insecure_no_mesh_auth",
+                "true",
+                "contradicts mesh.secret_file: choose one"
+            )),
+            Some(_) => {}
         }
         if !matches!(self.transport.as_str(), "tcp" | "shm") {
             bail!(refuse(

@@ -8,10 +8,14 @@
 //!   does on first use).
 //! - `serve`: the mesh on loopback: router (OpenAI HTTP gateway and gRPC
 //!   API), one prefill node and one decode node, each a gRPC service.
+//! - `soak`: drive a mesh (its own `serve` child, or `--url`) with
+//!   concurrent streams, disconnects and injected faults; check every
+//!   output against the reference engine, pages and memory afterwards.
 
 mod bench;
 mod config;
 mod serve;
+mod soak;
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -21,7 +25,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kvmesh_kvxfer::ScrubMode;
 use kvmesh_model::default_model;
-use kvmesh_model::engine::{Engine, EngineConfig, Prompt};
+use kvmesh_model::engine::{Engine, EngineConfig, Generation, Prompt};
 use kvmesh_model::sampling::SamplingParams;
 use kvmesh_model::ChatMessage;
 
@@ -52,6 +56,8 @@ enum Command {
     Prefill(serve::RoleArgs),
     /// Run one decode node of the mesh described by --config.
     Decode(serve::RoleArgs),
+    /// Soak and chaos test a mesh: concurrent streams, disconnects, injected faults, outputs checked against the reference.
+    Soak(Box<soak::SoakArgs>),
 }
 
 /// Model and KV pool flags shared by the commands that load a model.
@@ -125,16 +131,35 @@ struct GenerateArgs {
     model: ModelArgs,
 }
 
-fn generate(args: GenerateArgs) -> Result<()> {
-    let engine = args.model.load_engine()?;
-    let prompt = if args.chat {
+/// `generate`'s prompt: the text, or with `chat` one user message through
+/// the model's chat template.
+pub fn cli_prompt(prompt: &str, chat: bool) -> Prompt {
+    if chat {
         Prompt::Chat(vec![ChatMessage {
             role: "user".into(),
-            content: args.prompt,
+            content: prompt.to_owned(),
         }])
     } else {
-        Prompt::Text(args.prompt)
-    };
+        Prompt::Text(prompt.to_owned())
+    }
+}
+
+/// What `kvmesh generate` runs: [`cli_prompt`] through the reference
+/// engine. Also the reference `kvmesh soak` compares the mesh's output with.
+pub fn reference_generate(
+    engine: &Engine,
+    prompt: &str,
+    chat: bool,
+    max_tokens: usize,
+    params: SamplingParams,
+    on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    let prompt = cli_prompt(prompt, chat);
+    Ok(engine.generate(&prompt, max_tokens, params, on_text)?)
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    let engine = args.model.load_engine()?;
     let params = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
@@ -145,17 +170,24 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let mut write_err = None;
     let started = std::time::Instant::now();
     let mut first = None;
-    let out = engine.generate(&prompt, args.max_tokens, params, |piece| {
-        first.get_or_insert_with(std::time::Instant::now);
-        if write_err.is_none() {
-            if let Err(e) = stdout
-                .write_all(piece.as_bytes())
-                .and_then(|()| stdout.flush())
-            {
-                write_err = Some(e);
+    let out = reference_generate(
+        &engine,
+        &args.prompt,
+        args.chat,
+        args.max_tokens,
+        params,
+        |piece| {
+            first.get_or_insert_with(std::time::Instant::now);
+            if write_err.is_none() {
+                if let Err(e) = stdout
+                    .write_all(piece.as_bytes())
+                    .and_then(|()| stdout.flush())
+                {
+                    write_err = Some(e);
+                }
             }
-        }
-    })?;
+        },
+    )?;
     if let Some(e) = write_err {
         return Err(e).context("writing to stdout");
     }
@@ -200,6 +232,7 @@ fn main() -> ExitCode {
         Command::Prefill(a) => serve::run_role(serve::RoleKind::Prefill, a),
         Command::Decode(a) => serve::run_role(serve::RoleKind::Decode, a),
         Command::BenchEngine(a) => bench::run(a),
+        Command::Soak(a) => soak::run(*a),
         Command::FetchModel => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))
             .map(|p| println!("{}", p.display()))
             .map_err(Into::into),

@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use kvmesh_decode::{DecodeConfig, DecodeNode, Transport};
+use kvmesh_kvxfer::auth::MeshSecret;
 use kvmesh_model::default_model;
 use kvmesh_model::engine::EngineConfig;
 use kvmesh_prefill::{PrefillConfig, PrefillNode};
@@ -64,6 +65,50 @@ pub struct ServeArgs {
     /// known `Authorization: Bearer KEY` get 401.
     #[arg(long = "api-key", env = "KVMESH_API_KEYS", value_delimiter = ',')]
     pub api_keys: Vec<String>,
+    /// How long a grant may wait for its transfer, in milliseconds.
+    #[arg(long, env = "KVMESH_LEASE_MS", default_value_t = LEASE.as_millis() as u64)]
+    pub lease_ms: u64,
+    /// How long an abort may wait for the writer's confirmation before
+    /// its path is revoked, in milliseconds.
+    #[arg(long, env = "KVMESH_ABORT_TIMEOUT_MS", default_value_t = ABORT_TIMEOUT.as_millis() as u64)]
+    pub abort_timeout_ms: u64,
+    #[command(flatten)]
+    pub testing: TestingArgs,
+}
+
+/// Test-only switches, refused by builds without fault injection (see
+/// `kvmesh_kvxfer::fault`).
+#[derive(Args, Debug, Clone, Default)]
+pub struct TestingArgs {
+    /// Testing builds: honour the `x-kvmesh-fault` request header.
+    #[arg(long)]
+    pub fault_injection: bool,
+    /// Testing builds: switch off one defence (no-admission,
+    /// no-verification, no-confirm-or-revoke); repeat for more.
+    #[arg(long = "plant-bug")]
+    pub plant_bugs: Vec<String>,
+}
+
+impl TestingArgs {
+    /// Plants the bugs; whether the router honours fault headers.
+    /// Refused in a build without fault injection.
+    pub fn apply(&self) -> Result<bool> {
+        use kvmesh_kvxfer::fault;
+        if !self.fault_injection && self.plant_bugs.is_empty() {
+            return Ok(false);
+        }
+        if !fault::enabled() {
+            return Err(fault::NotAvailable.into());
+        }
+        for name in &self.plant_bugs {
+            let bug = fault::PlantedBug::from_name(name).ok_or_else(|| {
+                let known: Vec<&str> = fault::PlantedBug::ALL.iter().map(|(_, n)| *n).collect();
+                anyhow::anyhow!("--plant-bug {name}: unknown; one of {}", known.join(", "))
+            })?;
+            fault::plant(bug)?;
+        }
+        Ok(self.fault_injection)
+    }
 }
 
 /// `KEY=TENANT` pairs into the key table.
@@ -92,6 +137,8 @@ pub struct RoleArgs {
     /// without loading the model or opening a port.
     #[arg(long)]
     pub check_config: bool,
+    #[command(flatten)]
+    pub testing: TestingArgs,
 }
 
 /// Which service a process runs.
@@ -193,6 +240,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
 }
 
 async fn serve(a: ServeArgs) -> Result<()> {
+    let fault_injection = a.testing.apply()?;
     let path = model_path(&a.model.model)?;
     let engine = EngineConfig {
         kv_pool_tokens: a.model.kv_pool_tokens,
@@ -216,15 +264,19 @@ async fn serve(a: ServeArgs) -> Result<()> {
                 .join(format!("kvmesh-{}-decode-0.sock", std::process::id())),
         },
     };
+    // All roles share this process: a fresh secret per run, never written
+    // anywhere, so no other process can call these nodes.
+    let mesh_secret = MeshSecret::generate().context("minting the mesh secret")?;
     let decode = DecodeNode::start(
         DecodeConfig {
             name: "decode-0".into(),
             engine: engine.clone(),
             allow_small_pool: a.allow_small_pool,
             transport,
-            lease: LEASE,
-            abort_timeout: ABORT_TIMEOUT,
+            lease: Duration::from_millis(a.lease_ms),
+            abort_timeout: Duration::from_millis(a.abort_timeout_ms),
             kv_advertise: None,
+            mesh_secret: mesh_secret.clone(),
         },
         decode_model,
     )
@@ -234,6 +286,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             name: "prefill-0".into(),
             engine,
             allow_small_pool: a.allow_small_pool,
+            mesh_secret: mesh_secret.clone(),
         },
         load(&path)?,
     )?;
@@ -243,10 +296,13 @@ async fn serve(a: ServeArgs) -> Result<()> {
         .context("connecting prefill to the decode node's KV transport")?;
     let daddr = serve_decode(&decode, "127.0.0.1:0").await?;
     let paddr = serve_prefill(&prefill, "127.0.0.1:0").await?;
-    let nodes = Nodes::new(&[
-        ("prefill-0".into(), Role::Prefill, format!("http://{paddr}")),
-        ("decode-0".into(), Role::Decode, format!("http://{daddr}")),
-    ])
+    let nodes = Nodes::new(
+        &[
+            ("prefill-0".into(), Role::Prefill, format!("http://{paddr}")),
+            ("decode-0".into(), Role::Decode, format!("http://{daddr}")),
+        ],
+        mesh_secret,
+    )
     .map_err(anyhow::Error::msg)?;
     nodes.poll_all().await;
     let _poller = nodes.spawn_poller();
@@ -255,6 +311,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             model_id: model_id(&path),
             max_model_len,
             api_keys: keys,
+            fault_injection,
             ..RouterConfig::default()
         },
         tokenizer,
@@ -286,22 +343,30 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
     if let Some(n) = &name {
         cfg.node(role_name, n)?;
     }
+    let auth = cfg.mesh_auth()?;
     if a.check_config {
         println!(
-            "config ok: {}: {role_name}{}; {} prefill and {} decode nodes, transport {}",
+            "config ok: {}: {role_name}{}; {} prefill and {} decode nodes, transport {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
             cfg.prefill.len(),
             cfg.decode.len(),
-            cfg.transport
+            cfg.transport,
+            auth.describe()
         );
         return Ok(());
     }
+    let secret = auth.secret();
+    let fault_injection = a.testing.apply()?;
     runtime()?.block_on(async move {
         match role {
-            RoleKind::Router => router_process(&cfg).await,
-            RoleKind::Prefill => prefill_process(&cfg, name.as_deref().unwrap_or_default()).await,
-            RoleKind::Decode => decode_process(&cfg, name.as_deref().unwrap_or_default()).await,
+            RoleKind::Router => router_process(&cfg, fault_injection, secret).await,
+            RoleKind::Prefill => {
+                prefill_process(&cfg, name.as_deref().unwrap_or_default(), secret).await
+            }
+            RoleKind::Decode => {
+                decode_process(&cfg, name.as_deref().unwrap_or_default(), secret).await
+            }
         }
     })
 }
@@ -330,7 +395,7 @@ async fn wait_for_ctrl_c() -> Result<()> {
     tokio::signal::ctrl_c().await.context("waiting for ctrl-c")
 }
 
-async fn decode_process(cfg: &MeshConfig, name: &str) -> Result<()> {
+async fn decode_process(cfg: &MeshConfig, name: &str, mesh_secret: MeshSecret) -> Result<()> {
     let n = cfg.node("decode", name)?;
     let path = model_path(&cfg.model)?;
     let kv = n.kv.clone().unwrap_or_default();
@@ -352,6 +417,7 @@ async fn decode_process(cfg: &MeshConfig, name: &str) -> Result<()> {
             lease: LEASE,
             abort_timeout: ABORT_TIMEOUT,
             kv_advertise: Some(cfg.kv_endpoint(n)),
+            mesh_secret,
         },
         load(&path)?,
     )
@@ -364,7 +430,7 @@ async fn decode_process(cfg: &MeshConfig, name: &str) -> Result<()> {
     wait_for_ctrl_c().await
 }
 
-async fn prefill_process(cfg: &MeshConfig, name: &str) -> Result<()> {
+async fn prefill_process(cfg: &MeshConfig, name: &str, mesh_secret: MeshSecret) -> Result<()> {
     let n = cfg.node("prefill", name)?;
     let path = model_path(&cfg.model)?;
     let node = PrefillNode::start(
@@ -372,6 +438,7 @@ async fn prefill_process(cfg: &MeshConfig, name: &str) -> Result<()> {
             name: name.to_owned(),
             engine: engine_config(cfg, n.kv_pool_tokens),
             allow_small_pool: cfg.allow_small_pool,
+            mesh_secret,
         },
         load(&path)?,
     )?;
@@ -393,7 +460,11 @@ async fn prefill_process(cfg: &MeshConfig, name: &str) -> Result<()> {
     wait_for_ctrl_c().await
 }
 
-async fn router_process(cfg: &MeshConfig) -> Result<()> {
+async fn router_process(
+    cfg: &MeshConfig,
+    fault_injection: bool,
+    mesh_secret: MeshSecret,
+) -> Result<()> {
     let path = model_path(&cfg.model)?;
     let loaded = load(&path)?;
     let max_model_len = cfg
@@ -412,7 +483,7 @@ async fn router_process(cfg: &MeshConfig) -> Result<()> {
                 .map(|n| (n.name.clone(), Role::Decode, format!("http://{}", n.grpc))),
         )
         .collect();
-    let nodes = Nodes::new(&specs).map_err(anyhow::Error::msg)?;
+    let nodes = Nodes::new(&specs, mesh_secret).map_err(anyhow::Error::msg)?;
     nodes.poll_all().await;
     let _poller = nodes.spawn_poller();
     let router = Router::new(
@@ -421,6 +492,7 @@ async fn router_process(cfg: &MeshConfig) -> Result<()> {
             max_model_len,
             max_running: cfg.router.max_running,
             max_queued: cfg.router.max_queued,
+            fault_injection,
             api_keys: kvmesh_router::auth::ApiKeys::new(
                 cfg.router
                     .api_keys

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use kvmesh_kvxfer::fault::{Action, FaultPlan, Point};
 use kvmesh_model::engine::{Engine, Sequence};
 use kvmesh_model::sampling::Sampler;
 use kvmesh_proto::internal::v1::{token_event, Finished, TokenEvent};
@@ -22,6 +23,8 @@ pub(crate) struct Job {
     pub sampler: Sampler,
     pub stop_ids: Vec<u32>,
     pub events: Events,
+    /// Injected faults (testing builds).
+    pub faults: FaultPlan,
 }
 
 struct Running {
@@ -32,6 +35,47 @@ struct Running {
     sampler: Sampler,
     stop_ids: Vec<u32>,
     events: Events,
+    faults: FaultPlan,
+    /// Decode steps taken (the `step:N` fault index).
+    steps: u32,
+}
+
+impl Running {
+    /// The sequence leaves: its pages go back now, or after an injected
+    /// `release=delay`.
+    fn release(self) {
+        if let Some(Action::Delay(d)) = self.faults.at(Point::Release) {
+            let seq = self.seq;
+            let _ = std::thread::Builder::new()
+                .name("release-delay".into())
+                .spawn(move || {
+                    std::thread::sleep(d);
+                    drop(seq);
+                });
+        }
+    }
+
+    /// Injected faults before this sequence's next step; `false` if the
+    /// sequence leaves (its stream cut).
+    fn before_step(&mut self) -> bool {
+        let step = self.steps;
+        self.steps += 1;
+        match self.faults.at(Point::Step(step)) {
+            Some(Action::Delay(d)) => std::thread::sleep(d),
+            Some(Action::Crash) => kvmesh_kvxfer::fault::crash(Point::Step(step)),
+            Some(Action::Corrupt) => {
+                kvmesh_kvxfer::fault::corrupt_page_table(self.seq.kv_mut());
+            }
+            Some(Action::Drop) => {
+                let _ = self.events.try_send(Err(Status::aborted(format!(
+                    "injected fault: token stream cut at step {step}"
+                ))));
+                return false;
+            }
+            _ => {}
+        }
+        true
+    }
 }
 
 fn token(t: u32) -> Result<TokenEvent, Status> {
@@ -94,7 +138,15 @@ pub(crate) fn run(
             admit(&mut running, j);
         }
         // Clients that went away leave before the step.
-        running.retain(|r| !r.events.is_closed());
+        let mut stay = Vec::with_capacity(running.len());
+        for mut r in running.drain(..) {
+            if !r.events.is_closed() && r.before_step() {
+                stay.push(r);
+            } else {
+                r.release();
+            }
+        }
+        running = stay;
         depth.store(running.len(), Ordering::Relaxed);
         if running.is_empty() {
             continue;
@@ -114,6 +166,7 @@ pub(crate) fn run(
                     let _ = r
                         .events
                         .try_send(Err(Status::internal(format!("decode step failed: {e}"))));
+                    r.release();
                 }
                 continue;
             }
@@ -123,8 +176,9 @@ pub(crate) fn run(
             match res {
                 Ok(logits) => {
                     let tok = r.sampler.sample(&logits);
-                    if let Next::Continue = emit(&mut r, tok) {
-                        keep.push(r);
+                    match emit(&mut r, tok) {
+                        Next::Continue => keep.push(r),
+                        Next::Done => r.release(),
                     }
                 }
                 Err(e) => {
@@ -133,6 +187,7 @@ pub(crate) fn run(
                     let _ = r
                         .events
                         .try_send(Err(Status::internal(format!("decode failed: {e}"))));
+                    r.release();
                 }
             }
         }
@@ -150,12 +205,16 @@ fn admit(running: &mut Vec<Running>, j: Job) {
         sampler: j.sampler,
         stop_ids: j.stop_ids,
         events: j.events,
+        faults: j.faults,
+        steps: 0,
     };
     if r.max_new_tokens == 0 {
         let _ = r.events.try_send(finished("length"));
+        r.release();
         return;
     }
-    if let Next::Continue = emit(&mut r, j.first_token) {
-        running.push(r);
+    match emit(&mut r, j.first_token) {
+        Next::Continue => running.push(r),
+        Next::Done => r.release(),
     }
 }

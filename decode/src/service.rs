@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use kvmesh_kvxfer::auth::{CallVerifier, MeshSecret};
+use kvmesh_kvxfer::fault::{Action, FaultPlan, Point};
 use kvmesh_kvxfer::handshake::{
     Pending, ReservationTable, ReserveError, ReserveRequest, TableConfig,
 };
@@ -23,6 +25,7 @@ use kvmesh_proto::internal::v1::{
     AbortRequest, AbortResponse, LoadReport, LoadRequest, ReserveResponse, TokenEvent,
     TokensRequest,
 };
+use kvmesh_proto::peer_auth::Authenticated;
 use thiserror::Error;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -63,6 +66,9 @@ pub struct DecodeConfig {
     /// The KV endpoint grants name, when it differs from the listen address
     /// (a host name others resolve, behind a 0.0.0.0 bind).
     pub kv_advertise: Option<String>,
+    /// The per-mesh secret: KV writers (Hello) and gRPC callers (every
+    /// call) must prove it.
+    pub mesh_secret: MeshSecret,
 }
 
 /// Why a decode node could not start.
@@ -98,7 +104,9 @@ struct Inner {
     /// Granted reservations not yet streaming: the handle that aborts on
     /// drop, the prompt, the budget.
     pending: Mutex<HashMap<ReservationId, Waiting>>,
-    _server: KvServer,
+    kv_server: KvServer,
+    /// Checks every gRPC call's proof of the mesh secret; counts refusals.
+    calls: Arc<CallVerifier>,
 }
 
 impl DecodeNode {
@@ -155,10 +163,12 @@ impl DecodeNode {
         )
         .map_err(|e| NodeError::Config(e.to_string()))?;
         let server = match &cfg.transport {
-            Transport::Tcp(addr) => KvServer::bind_tcp(table.clone(), addr).await?,
+            Transport::Tcp(addr) => {
+                KvServer::bind_tcp(table.clone(), addr, cfg.mesh_secret.clone()).await?
+            }
             Transport::Shm { socket, .. } => {
                 let _ = std::fs::remove_file(socket);
-                KvServer::bind_unix(table.clone(), socket).await?
+                KvServer::bind_unix(table.clone(), socket, cfg.mesh_secret.clone()).await?
             }
         };
         if let Some(adv) = &cfg.kv_advertise {
@@ -186,7 +196,8 @@ impl DecodeNode {
                 jobs,
                 depth,
                 pending: Mutex::default(),
-                _server: server,
+                kv_server: server,
+                calls: Arc::new(CallVerifier::new(cfg.mesh_secret)),
             }),
         })
     }
@@ -201,9 +212,13 @@ impl DecodeNode {
         &self.inner.table
     }
 
-    /// The gRPC service.
-    pub fn service(&self) -> DecodeServer<DecodeNode> {
-        DecodeServer::new(self.clone())
+    /// The gRPC service; serves only peers that prove the mesh secret on
+    /// every call.
+    pub fn service(&self) -> Authenticated<DecodeServer<DecodeNode>> {
+        Authenticated::new(
+            DecodeServer::new(self.clone()),
+            Arc::clone(&self.inner.calls),
+        )
     }
 
     fn load_report(&self) -> LoadReport {
@@ -225,13 +240,42 @@ impl DecodeNode {
                 .collect(),
             guard_violations: pool.guard_violations,
             reservations_granted: stats.granted,
+            grpc_auth_refused: by_kind(&self.inner.calls.refused()),
+            kv_auth_refused: by_kind(&self.inner.kv_server.auth_refused().by_kind()),
+            kv_refused: self
+                .inner
+                .table
+                .frame_rejects()
+                .by_kind()
+                .into_iter()
+                .chain(stats.control_rejects)
+                .filter(|(_, n)| *n > 0)
+                .map(|(k, n)| (k.to_owned(), n))
+                .collect(),
         }
     }
 }
 
 /// A granted reservation waiting for its token stream: the handle (which
-/// aborts on drop), the prompt, the budget, when it was granted.
-type Waiting = (Pending, Vec<u32>, usize, std::time::Instant);
+/// aborts on drop), the prompt, the budget, when it was granted, its
+/// injected faults.
+type Waiting = (Pending, Vec<u32>, usize, std::time::Instant, FaultPlan);
+
+/// The faults a request carries in its metadata (testing builds; none
+/// otherwise).
+fn request_faults<T>(req: &Request<T>) -> Result<FaultPlan, Status> {
+    FaultPlan::from_header(
+        req.metadata()
+            .get(kvmesh_kvxfer::fault::HEADER)
+            .and_then(|v| v.to_str().ok()),
+    )
+    .map_err(|e| Status::invalid_argument(e.to_string()))
+}
+
+/// Counters by kind as a load report's map.
+fn by_kind(counts: &[(&'static str, u64)]) -> HashMap<String, u64> {
+    counts.iter().map(|(k, n)| ((*k).to_owned(), *n)).collect()
+}
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -264,6 +308,7 @@ impl Decode for DecodeNode {
         &self,
         req: Request<kvmesh_proto::internal::v1::ReserveRequest>,
     ) -> Result<Response<ReserveResponse>, Status> {
+        let faults = request_faults(&req)?;
         let r = req.into_inner();
         let writer = <[u8; 16]>::try_from(r.writer_id.as_slice())
             .ok()
@@ -285,13 +330,25 @@ impl Decode for DecodeNode {
             .map_err(|e| Status::internal(format!("encode grant: {e}")))?;
         let id = grant.reservation;
         tracing::debug!(reservation = %id, tenant = %r.tenant, prompt_tokens = r.prompt_ids.len(), max_new, "granted");
+        if !faults.is_empty() {
+            self.inner.table.set_faults(id, faults.clone());
+        }
+        let lost = faults.at(Point::Grant) == Some(Action::Drop);
         let now = std::time::Instant::now();
         let mut waiting = lock(&self.inner.pending);
         // A router that never opened the stream (it crashed, say): the lease
         // has ended the reservation long since; forget its handle.
         let stale = self.inner.lease * 2;
         waiting.retain(|_, w| now.duration_since(w.3) < stale);
-        waiting.insert(id, (pending, r.prompt_ids, max_new, now));
+        waiting.insert(id, (pending, r.prompt_ids, max_new, now, faults));
+        if lost {
+            // Injected: the grant was made but its answer is lost; the
+            // router cannot abort what it never heard of, so the lease
+            // ends the reservation.
+            return Err(Status::aborted(
+                "injected fault: the grant's answer was lost",
+            ));
+        }
         Ok(Response::new(ReserveResponse {
             grant: bytes,
             reservation_id: id.to_bytes().to_vec(),
@@ -306,7 +363,7 @@ impl Decode for DecodeNode {
     ) -> Result<Response<Self::TokensStream>, Status> {
         let r = req.into_inner();
         let id = reservation_id(&r.reservation_id)?;
-        let (pending, prompt, max_new, _) =
+        let (pending, prompt, max_new, _, faults) =
             lock(&self.inner.pending).remove(&id).ok_or_else(|| {
                 Status::not_found(format!(
                     "no granted reservation {id} waiting for its stream"
@@ -367,6 +424,7 @@ impl Decode for DecodeNode {
                 sampler,
                 stop_ids: r.stop_token_ids,
                 events: tx,
+                faults,
             };
             if let Err(e) = node.inner.jobs.send(job).await {
                 let _ =

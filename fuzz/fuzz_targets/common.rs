@@ -2,7 +2,7 @@
 //! whose length and checksum are right, so the fuzzer explores the body
 //! parsers instead of stopping at the checksum (which no mutation passes).
 
-use kvmesh_kvxfer::wire::{checksum, HEADER_LEN, TRAILER_LEN};
+use kvmesh_kvxfer::wire::{checksum, HEADER_LEN, TRAILER_LEN, VERSION};
 
 /// `bytes` with the header's body length set to span them all and the
 /// trailer set to their checksum; `None` if too short for an envelope.
@@ -12,7 +12,7 @@ pub fn reseal(bytes: &[u8]) -> Option<Vec<u8>> {
     }
     let mut m = bytes.to_vec();
     m[..4].copy_from_slice(b"KVMW");
-    m[4..6].copy_from_slice(&1u16.to_le_bytes());
+    m[4..6].copy_from_slice(&VERSION.to_le_bytes());
     let body = u32::try_from(m.len() - HEADER_LEN - TRAILER_LEN).ok()?;
     m[8..12].copy_from_slice(&body.to_le_bytes());
     let end = m.len() - TRAILER_LEN;

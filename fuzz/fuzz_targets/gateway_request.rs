@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
+use kvmesh_kvxfer::auth::MeshSecret;
 use kvmesh_model::TextTokenizer;
 use kvmesh_router::nodes::Nodes;
 use kvmesh_router::{Rejection, Router, RouterConfig};
@@ -23,7 +24,12 @@ fn router() -> &'static Router {
             max_model_len: 256,
             ..RouterConfig::default()
         };
-        Router::new(cfg, tok, vec![2], Nodes::new(&[]).expect("no nodes"))
+        Router::new(
+            cfg,
+            tok,
+            vec![2],
+            Nodes::new(&[], MeshSecret::insecure()).expect("no nodes"),
+        )
     })
 }
 

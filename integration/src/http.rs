@@ -34,16 +34,23 @@ pub struct Streaming {
     chunk_left: usize,
 }
 
-fn send(addr: &str, method: &str, path: &str, body: Option<&str>, auth: Option<&str>) -> TcpStream {
+fn send(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> TcpStream {
     let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
     s.set_read_timeout(Some(Duration::from_secs(120)))
         .expect("timeout");
     let body = body.unwrap_or("");
-    let auth = auth
-        .map(|a| format!("Authorization: {a}\r\n"))
-        .unwrap_or_default();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{extra}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).expect("send request");
@@ -92,7 +99,19 @@ pub fn request_with(
     body: Option<&str>,
     auth: Option<&str>,
 ) -> Response {
-    let mut reader = BufReader::new(send(addr, method, path, body, auth));
+    let auth: Vec<(&str, &str)> = auth.map(|a| ("Authorization", a)).into_iter().collect();
+    request_headers(addr, method, path, body, &auth)
+}
+
+/// [`request`] with extra headers (name, value).
+pub fn request_headers(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> Response {
+    let mut reader = BufReader::new(send(addr, method, path, body, headers));
     let (status, headers) = head(&mut reader);
     let mut raw = Vec::new();
     reader.read_to_end(&mut raw).expect("body");
@@ -135,7 +154,17 @@ fn dechunk(mut raw: &[u8]) -> Vec<u8> {
 
 /// POST and return the response open, to read SSE events one by one.
 pub fn post_streaming(addr: &str, path: &str, body: &serde_json::Value) -> Streaming {
-    let mut reader = BufReader::new(send(addr, "POST", path, Some(&body.to_string()), None));
+    post_streaming_headers(addr, path, body, &[])
+}
+
+/// [`post_streaming`] with extra headers (name, value).
+pub fn post_streaming_headers(
+    addr: &str,
+    path: &str,
+    body: &serde_json::Value,
+    headers: &[(&str, &str)],
+) -> Streaming {
+    let mut reader = BufReader::new(send(addr, "POST", path, Some(&body.to_string()), headers));
     let (status, headers) = head(&mut reader);
     Streaming {
         status,

@@ -4,13 +4,12 @@
 //! reason, and a mesh of 2 prefill and 2 decode processes serves 32
 //! concurrent streams equal to the reference, and survives losing a node.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kvmesh_integration::http::{self, post_streaming};
-use kvmesh_integration::{kvmesh_bin, run_kvmesh, texts, tiny_model_dir};
+use kvmesh_integration::roles::{free_port, start, write_secret};
+use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
 use serde_json::{json, Value};
 
 fn repo() -> PathBuf {
@@ -25,6 +24,10 @@ fn every_compose_command_is_accepted() {
     .expect("compose YAML");
     let services = compose["services"].as_mapping().expect("services");
     assert_eq!(services.len(), 3);
+    // The mesh secret is the operator's (`head -c 32 /dev/urandom >
+    // deploy/mesh.secret`), never committed: make one as they would.
+    let secrets = tempfile::tempdir().expect("tempdir");
+    let operator_secret = write_secret(secrets.path(), "mesh.secret");
     let mut roles = Vec::new();
     for (name, svc) in services {
         let mut args: Vec<String> = svc["command"]
@@ -33,7 +36,10 @@ fn every_compose_command_is_accepted() {
             .iter()
             .map(|a| a.as_str().expect("string arg").to_owned())
             .collect();
-        // Container paths to the files the volumes mount.
+        // Each service's file system: the files its volumes mount, at
+        // their container paths under a root of its own (so the mesh
+        // file's relative secret path resolves as in the container).
+        let root = tempfile::tempdir().expect("tempdir");
         for v in svc["volumes"].as_sequence().into_iter().flatten() {
             let v = v.as_str().expect("volume");
             let mut parts = v.split(':');
@@ -41,9 +47,17 @@ fn every_compose_command_is_accepted() {
                 parts.next().expect("host"),
                 parts.next().expect("container"),
             );
+            let at = root.path().join(inside.trim_start_matches('/'));
+            std::fs::create_dir_all(at.parent().expect("parent")).expect("mkdir");
+            let from = if host.ends_with(".secret") {
+                operator_secret.clone()
+            } else {
+                repo().join(host)
+            };
+            std::fs::copy(&from, &at).unwrap_or_else(|e| panic!("{name:?}: {v}: {e}"));
             for a in &mut args {
                 if a == inside {
-                    *a = repo().join(host).to_string_lossy().into_owned();
+                    *a = at.to_string_lossy().into_owned();
                 }
             }
         }
@@ -56,6 +70,11 @@ fn every_compose_command_is_accepted() {
             "service {name:?}: kvmesh {args:?}: {stderr}"
         );
         assert!(stdout.starts_with("config ok"), "{stdout}");
+        // Every service authenticates its peers with the mounted secret.
+        assert!(
+            stdout.contains("mesh auth: secret file") && stdout.contains("mesh.secret"),
+            "{stdout}"
+        );
         roles.push(args[0].clone());
     }
     roles.sort();
@@ -80,7 +99,11 @@ fn bad_mesh_files_are_refused_with_field_value_and_reason() {
     let dir = tempfile::tempdir().expect("tempdir");
     let good = "router: {http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\"}\n\
                 prefill: [{name: p, grpc: \"127.0.0.1:3\"}]\n\
-                decode: [{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}]\n";
+                decode: [{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}]\n\
+                mesh: {insecure_no_mesh_auth: true}\n";
+    let insecure = "mesh: {insecure_no_mesh_auth: true}\n";
+    std::fs::write(dir.path().join("short.secret"), "short\n").expect("write");
+    std::fs::write(dir.path().join("same.secret"), [b'a'; 40]).expect("write");
     let cases = [
         (
             good.replace("127.0.0.1:1", "nope"),
@@ -110,6 +133,42 @@ fn bad_mesh_files_are_refused_with_field_value_and_reason() {
             ),
             "decode = \"[]\"",
         ),
+        // Mesh authentication: a secret, or an explicit opt-out.
+        (
+            good.replace(insecure, ""),
+            "mesh.secret_file = \"\": the internal services accept only peers that prove the per-mesh secret",
+        ),
+        (
+            good.replace(insecure, "mesh: {}\n"),
+            "mesh.secret_file = \"\": the internal services accept only peers",
+        ),
+        (
+            good.replace(insecure, "mesh: {secret_file: short.secret}\n"),
+            "mesh.secret_file = \"short.secret\": mesh secret file",
+        ),
+        (
+            good.replace(insecure, "mesh: {secret_file: short.secret}\n"),
+            "6 bytes, at least 32 are needed",
+        ),
+        (
+            good.replace(insecure, "mesh: {secret_file: same.secret}\n"),
+            "every byte is the same",
+        ),
+        (
+            good.replace(insecure, "mesh: {secret_file: nope.secret}\n"),
+            "mesh.secret_file = \"nope.secret\"",
+        ),
+        (
+            good.replace(
+                insecure,
+                "mesh: {secret_file: short.secret, insecure_no_mesh_auth: true}\n",
+            ),
+            "mesh.insecure_no_mesh_auth = \"true\": contradicts mesh.secret_file",
+        ),
+        (
+            good.replace(insecure, "mesh: {secret: hunter2}\n"),
+            "unknown field `secret`",
+        ),
     ];
     for (i, (text, want)) in cases.iter().enumerate() {
         let f = dir.path().join(format!("mesh{i}.yaml"));
@@ -137,56 +196,32 @@ fn bad_mesh_files_are_refused_with_field_value_and_reason() {
         &[],
     );
     assert!(texts(&out).1.contains("no decode node named \"zz\""));
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `kvmesh ROLE --config F [--name N]`; waits for its ready line.
-fn start(role: &str, config: &Path, name: Option<&str>, ready: &str) -> (Proc, Vec<String>) {
-    let mut cmd = Command::new(kvmesh_bin());
-    cmd.arg(role).arg("--config").arg(config);
-    if let Some(n) = name {
-        cmd.args(["--name", n]);
-    }
-    let mut child = cmd
-        .env("KVMESH_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let mut seen = Vec::new();
-    for l in lines.by_ref() {
-        let l = l.expect("line");
-        let done = l.contains(ready);
-        seen.push(l);
-        if done && role != "router" {
-            break;
-        }
-        if role == "router" && seen.len() >= 4 {
-            break;
-        }
-    }
-    std::thread::spawn(move || for _ in lines {});
-    assert!(
-        seen.iter().any(|l| l.contains(ready)),
-        "{role} never ready: {seen:?}"
+    // The opt-out is accepted, and said loudly; a real secret is named.
+    let out = run_kvmesh(
+        &["router", "--config", &f.to_string_lossy(), "--check-config"],
+        &[],
     );
-    (Proc(child), seen)
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("mesh auth: OFF"), "{stdout}");
+    assert!(stderr.contains("MESH AUTHENTICATION IS OFF"), "{stderr}");
+    let secret = write_secret(dir.path(), "mesh.secret");
+    std::fs::write(
+        &f,
+        good.replace(insecure, "mesh: {secret_file: mesh.secret}\n"),
+    )
+    .expect("write");
+    let out = run_kvmesh(
+        &["router", "--config", &f.to_string_lossy(), "--check-config"],
+        &[],
+    );
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains(&format!("mesh auth: secret file {}", secret.display())),
+        "{stdout}"
+    );
+    assert!(!stderr.contains("MESH AUTHENTICATION IS OFF"), "{stderr}");
 }
 
 fn reference(prompt: &str, n: usize) -> String {
@@ -235,6 +270,8 @@ fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
         model = tiny_model_dir().display()
     );
     let file = dir.path().join("mesh.yaml");
+    let secret = write_secret(dir.path(), "mesh.secret");
+    let mesh = format!("{mesh}mesh: {{secret_file: {}}}\n", secret.display());
     std::fs::write(&file, mesh).expect("write mesh file");
     let (d0, _) = start("decode", &file, Some("decode-0"), "ready");
     let (d1, _) = start("decode", &file, Some("decode-1"), "ready");
@@ -344,6 +381,8 @@ fn a_dead_decode_node_fails_its_streams_fast() {
         p[0], p[1], p[2], p[3], p[4]
     );
     let file = dir.path().join("mesh.yaml");
+    let secret = write_secret(dir.path(), "mesh.secret");
+    let mesh = format!("{mesh}mesh: {{secret_file: {}}}\n", secret.display());
     std::fs::write(&file, mesh).expect("write mesh file");
     let (d0, _) = start("decode", &file, Some("decode-0"), "ready");
     let (_p0, _) = start("prefill", &file, Some("prefill-0"), "ready");
@@ -403,9 +442,9 @@ fn a_dead_decode_node_fails_its_streams_fast() {
 /// abort completes through the writer's confirmation, pages back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn internal_services_stop_and_abort_across_processes() {
-    use kvmesh_proto::internal::v1::decode_client::DecodeClient;
-    use kvmesh_proto::internal::v1::prefill_client::PrefillClient;
+    use kvmesh_kvxfer::auth::MeshSecret;
     use kvmesh_proto::internal::v1::{AbortRequest, LoadRequest, PrefillRequest, ReserveRequest};
+    use kvmesh_proto::peer_auth::{decode_client, prefill_client};
 
     let dir = tempfile::tempdir().expect("tempdir");
     let p: Vec<u16> = (0..5).map(|_| free_port()).collect();
@@ -421,15 +460,20 @@ async fn internal_services_stop_and_abort_across_processes() {
         p[4]
     );
     let file = dir.path().join("mesh.yaml");
+    let secret = write_secret(dir.path(), "mesh.secret");
+    let mesh = format!("{mesh}mesh: {{secret_file: {}}}\n", secret.display());
     std::fs::write(&file, mesh).expect("write mesh file");
     let (_d, _) = start("decode", &file, Some("decode-0"), "ready");
     let (_p, _) = start("prefill", &file, Some("prefill-0"), "ready");
-    let mut prefill = PrefillClient::connect(format!("http://127.0.0.1:{}", p[2]))
-        .await
-        .expect("prefill");
-    let mut decode = DecodeClient::connect(format!("http://127.0.0.1:{}", p[3]))
-        .await
-        .expect("decode");
+    // The test is a peer of this mesh: it holds the secret.
+    let secret = MeshSecret::load(&secret).expect("mesh secret");
+    let channel = |port: u16| {
+        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+            .expect("url")
+            .connect_lazy()
+    };
+    let mut prefill = prefill_client(channel(p[2]), secret.clone());
+    let mut decode = decode_client(channel(p[3]), secret);
 
     let writer_id = prefill
         .load(LoadRequest {})

@@ -20,6 +20,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvmesh_kvxfer::auth::MeshSecret;
 use kvmesh_kvxfer::handshake::{ReservationTable, ReserveRequest, TableConfig};
 use kvmesh_kvxfer::transport::client::KvClient;
 use kvmesh_kvxfer::transport::server::KvServer;
@@ -74,13 +75,14 @@ async fn setup(shm: bool) -> Setup {
         max_seq_tokens: 1024,
     };
     let table = ReservationTable::new(pool, landing, cfg).expect("table");
+    let secret = MeshSecret::generate().expect("rng");
     let server = if shm {
-        KvServer::bind_unix(table.clone(), &dir.path().join("kv.sock")).await
+        KvServer::bind_unix(table.clone(), &dir.path().join("kv.sock"), secret.clone()).await
     } else {
-        KvServer::bind_tcp(table.clone(), "127.0.0.1:0").await
+        KvServer::bind_tcp(table.clone(), "127.0.0.1:0", secret.clone()).await
     }
     .expect("listen");
-    let client = KvClient::connect(server.endpoint(), WriterId::mint().expect("rng"))
+    let client = KvClient::connect(server.endpoint(), WriterId::mint().expect("rng"), &secret)
         .await
         .expect("connect");
     Setup {

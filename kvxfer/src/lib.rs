@@ -32,6 +32,10 @@
 //!   [`transport::WritePath`] (prefill) traits, TCP and shared-memory
 //!   implementations, the decode node's listener and the prefill node's
 //!   connection with its grant-bound [`transport::client::GrantWriter`].
+//! - [`auth`]: mesh-internal authentication: the per-mesh
+//!   [`auth::MeshSecret`], the KV transport's per-connection mutual
+//!   challenge (Challenge, Hello, Welcome) and the per-call proofs of the
+//!   internal gRPC services, with their refusal counters.
 //! - [`shm`]: the shared-memory mapping a pool can live in, and the per-grant
 //!   write gates (lanes) that make one-sided writes revocable; writer
 //!   processes watched through pidfds.
@@ -62,9 +66,11 @@
 
 #![deny(missing_docs)]
 
+pub mod auth;
 pub mod config;
 mod counters;
 pub mod error;
+pub mod fault;
 pub mod handshake;
 pub mod pool;
 #[cfg(feature = "testing")]

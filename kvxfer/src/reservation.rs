@@ -5,7 +5,7 @@ use std::num::NonZeroU64;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use kvmesh_kernels::PageRef;
+use kvmesh_kernels::{GuardViolation, PageRef};
 
 use crate::error::PoolError;
 use crate::pool::Shared;
@@ -204,6 +204,34 @@ impl Reservation {
             }
         }
         total
+    }
+
+    /// I2 before a sequence is adopted: the first `tokens` positions must
+    /// be written at every layer. The first hole is counted as a guard
+    /// violation (kind `unwritten`) and returned; nothing was read.
+    pub fn require_written(&self, tokens: usize) -> Result<(), GuardViolation> {
+        let page_size = self.shared.cfg().page_size;
+        for layer in 0..self.shared.cfg().n_layers {
+            for (i, e) in self.table.iter().enumerate() {
+                let before = i * page_size;
+                if before >= tokens {
+                    break;
+                }
+                let requested = (tokens - before).min(page_size);
+                let watermark = self.watermark_of(e.page, layer);
+                if watermark < requested {
+                    let v = GuardViolation::Unwritten {
+                        page: e.page,
+                        layer,
+                        requested,
+                        watermark,
+                    };
+                    self.shared.violations.record(&v);
+                    return Err(v);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The checked reader for this reservation: every page it returns has

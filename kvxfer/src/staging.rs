@@ -180,20 +180,57 @@ impl Reservation {
     /// Makes the first `prompt_tokens` positions readable: sets the
     /// watermark of every layer of the pages they cover to the prompt's
     /// slots in that page. Only after verification (I4).
-    pub(crate) fn publish_prompt(&mut self, prompt_tokens: usize) {
+    ///
+    /// `landed` (receiver-checked transports, which see every frame land):
+    /// per (page index, layer), the slots that landed from slot 0; no
+    /// watermark goes past it, so even a transfer that verification wrongly
+    /// passed leaves its unwritten slots unreadable (I2). One-sided
+    /// transports cannot know what landed and pass `None`.
+    pub(crate) fn publish_prompt(&mut self, prompt_tokens: usize, landed: Option<&[u32]>) {
         let shared = self.shared();
         let page_size = shared.cfg().page_size;
+        let n_layers = shared.cfg().n_layers;
         for (i, e) in self.held().iter().enumerate() {
             let before = i * page_size;
             if before >= prompt_tokens {
                 break;
             }
-            let slots = (prompt_tokens - before).min(page_size);
-            for layer in 0..shared.cfg().n_layers {
+            let claimed = (prompt_tokens - before).min(page_size);
+            for layer in 0..n_layers {
+                let slots = match landed {
+                    Some(l) => claimed.min(l.get(i * n_layers + layer).map_or(0, |&s| s as usize)),
+                    None => claimed,
+                };
                 if let Some(w) = shared.watermark(e.page as usize, layer) {
                     w.store(slots, Ordering::Release);
                 }
             }
         }
+    }
+
+    /// Injected fault (`verify=corrupt`): changes the first value of
+    /// logical page `index` (layer 0, slot 0, K) as if the transfer had
+    /// damaged it, so verification must refuse the page. Inert outside
+    /// testing builds.
+    pub(crate) fn corrupt_landed_value(&mut self, index: usize) {
+        if !crate::fault::enabled() {
+            return;
+        }
+        let Some(entry) = self.held().get(index).copied() else {
+            return;
+        };
+        // SAFETY: the page is on this reservation's table; `&mut self`
+        // rules out readers; the write path was revoked by the caller.
+        let first = unsafe { self.shared().storage().read(entry.page as usize, 0, 1) };
+        let (mut k, v) = (first.k.to_vec(), first.v.to_vec());
+        if let Some(x) = k.first_mut() {
+            *x = if *x == 1.0 { 2.0 } else { 1.0 };
+        }
+        // SAFETY: as above; slot 0 of layer 0 is in range.
+        unsafe {
+            self.shared()
+                .storage()
+                .write(entry.page as usize, 0, 0, &k, &v)
+        };
     }
 }

@@ -299,6 +299,9 @@ impl Engine {
                 limit: self.max_model_len.min(kv.capacity_tokens()),
             });
         }
+        // I2 before the first read: every prompt slot written (a hole is
+        // counted as a guard violation), and nothing past the prompt.
+        kv.require_written(prompt_len)?;
         let n_layers = self.model.config().n_layers;
         if let Some(layer) = (0..n_layers).find(|&l| kv.written_tokens(l) != prompt_len) {
             return Err(ModelError::Compute {

@@ -23,6 +23,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use kvmesh_kvxfer::auth::{CallVerifier, MeshSecret};
+use kvmesh_kvxfer::fault::FaultPlan;
 use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient, WriterError};
 use kvmesh_kvxfer::wire::{decode_message, Grant, Message, ReservationId, WriterId};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
@@ -32,6 +34,7 @@ use kvmesh_proto::internal::v1::prefill_server::{Prefill, PrefillServer};
 use kvmesh_proto::internal::v1::{
     AbortRequest, AbortResponse, LoadReport, LoadRequest, PrefillRequest, PrefillResponse,
 };
+use kvmesh_proto::peer_auth::Authenticated;
 use thiserror::Error;
 use tokio::sync::{mpsc, oneshot, Mutex as AsyncMutex};
 use tonic::{Request, Response, Status};
@@ -45,6 +48,9 @@ pub struct PrefillConfig {
     pub engine: EngineConfig,
     /// Start even if the pool cannot hold one max-context request.
     pub allow_small_pool: bool,
+    /// The per-mesh secret: proven to decode nodes' KV listeners, and
+    /// required of every gRPC caller.
+    pub mesh_secret: MeshSecret,
 }
 
 /// Why a prefill request failed.
@@ -74,15 +80,20 @@ pub enum PrefillError {
 impl From<PrefillError> for Status {
     fn from(e: PrefillError) -> Self {
         match &e {
-            PrefillError::Invalid(_) | PrefillError::Grant(_) => {
-                Status::invalid_argument(e.to_string())
-            }
+            PrefillError::Invalid(_) => Status::invalid_argument(e.to_string()),
+            // A grant is minted by a decode node and relayed by the router:
+            // one that does not decode was damaged inside the mesh.
+            PrefillError::Grant(_) => Status::internal(e.to_string()),
             PrefillError::Writer(
                 WriterError::Aborted(_) | WriterError::Revoked(_) | WriterError::Expired(_),
             ) => Status::aborted(e.to_string()),
-            PrefillError::Writer(_) | PrefillError::Transport(_) => {
+            PrefillError::Writer(WriterError::DuplicateGrant(_)) => {
+                Status::already_exists(e.to_string())
+            }
+            PrefillError::Writer(WriterError::Transport(_)) | PrefillError::Transport(_) => {
                 Status::unavailable(e.to_string())
             }
+            PrefillError::Writer(_) => Status::failed_precondition(e.to_string()),
             PrefillError::Model(_) => Status::internal(e.to_string()),
             PrefillError::ShuttingDown => Status::unavailable(e.to_string()),
         }
@@ -112,6 +123,10 @@ struct Inner {
     depth: Arc<AtomicUsize>,
     /// One transport connection per decode endpoint.
     clients: AsyncMutex<HashMap<String, KvClient>>,
+    /// Proven to decode nodes when a transport connection opens.
+    secret: MeshSecret,
+    /// Checks every gRPC call's proof of the mesh secret; counts refusals.
+    calls: Arc<CallVerifier>,
     /// Reservations the router stopped, with when (forgotten after
     /// [`FORGET_STOPPED`]).
     stopped: Stopped,
@@ -184,6 +199,8 @@ impl PrefillNode {
                 jobs,
                 depth,
                 clients: AsyncMutex::default(),
+                calls: Arc::new(CallVerifier::new(cfg.mesh_secret.clone())),
+                secret: cfg.mesh_secret,
                 stopped,
             }),
         })
@@ -207,14 +224,18 @@ impl PrefillNode {
                 return Ok(c.clone());
             }
         }
-        let c = KvClient::connect(endpoint, self.inner.writer).await?;
+        let c = KvClient::connect(endpoint, self.inner.writer, &self.inner.secret).await?;
         clients.insert(endpoint.to_owned(), c.clone());
         Ok(c)
     }
 
-    /// The gRPC service.
-    pub fn service(&self) -> PrefillServer<PrefillNode> {
-        PrefillServer::new(self.clone())
+    /// The gRPC service; serves only peers that prove the mesh secret on
+    /// every call.
+    pub fn service(&self) -> Authenticated<PrefillServer<PrefillNode>> {
+        Authenticated::new(
+            PrefillServer::new(self.clone()),
+            Arc::clone(&self.inner.calls),
+        )
     }
 
     /// The engine's pool (tests and metrics).
@@ -222,7 +243,7 @@ impl PrefillNode {
         self.inner.engine.pool()
     }
 
-    async fn prefill(&self, r: PrefillRequest) -> Result<u32, PrefillError> {
+    async fn prefill(&self, r: PrefillRequest, faults: FaultPlan) -> Result<u32, PrefillError> {
         let grant = match decode_message(&r.grant)
             .map_err(|e| PrefillError::Grant(e.to_string()))?
             .0
@@ -245,7 +266,8 @@ impl PrefillNode {
         };
         sampling.validate().map_err(PrefillError::Invalid)?;
         let client = self.client(&grant.endpoint).await?;
-        let writer = client.begin(grant)?;
+        let mut writer = client.begin(grant)?;
+        writer.set_faults(faults);
         let (done, rx) = oneshot::channel();
         self.inner
             .jobs
@@ -417,7 +439,13 @@ impl Prefill for PrefillNode {
         &self,
         req: Request<PrefillRequest>,
     ) -> Result<Response<PrefillResponse>, Status> {
-        let first_token = PrefillNode::prefill(self, req.into_inner()).await?;
+        let faults = FaultPlan::from_header(
+            req.metadata()
+                .get(kvmesh_kvxfer::fault::HEADER)
+                .and_then(|v| v.to_str().ok()),
+        )
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let first_token = PrefillNode::prefill(self, req.into_inner(), faults).await?;
         Ok(Response::new(PrefillResponse { first_token }))
     }
 
@@ -453,6 +481,15 @@ impl Prefill for PrefillNode {
             reservations_ended: HashMap::new(),
             guard_violations: pool.guard_violations,
             reservations_granted: 0,
+            grpc_auth_refused: self
+                .inner
+                .calls
+                .refused()
+                .iter()
+                .map(|(k, n)| ((*k).to_owned(), *n))
+                .collect(),
+            kv_auth_refused: HashMap::new(),
+            kv_refused: HashMap::new(),
         }))
     }
 }

@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvmesh_kvxfer::fault::{self, Action, FaultPlan, PlantedBug, Point};
 use kvmesh_proto::internal::v1::{
     token_event, AbortRequest, PrefillRequest, ReserveRequest, Sampling, TokensRequest,
 };
@@ -73,6 +74,25 @@ pub struct Job {
     pub stop: Vec<String>,
     /// The tenant, from the request's API key only.
     pub tenant: crate::auth::Tenant,
+    /// Injected faults (testing builds; see `kvxfer::fault`).
+    pub faults: FaultPlan,
+}
+
+/// `msg` as a gRPC request carrying `faults` in its metadata.
+fn with_faults<T>(msg: T, faults: &FaultPlan) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(msg);
+    if !faults.is_empty() {
+        if let Ok(v) = faults.to_string().parse() {
+            req.metadata_mut().insert(fault::HEADER, v);
+        }
+    }
+    req
+}
+
+/// Capacity the node must have: none asked when a test planted the bug
+/// that switches admission off (the nodes' re-checks must then refuse).
+fn needed(tokens: usize) -> Option<usize> {
+    (!fault::planted(PlantedBug::NoAdmission)).then_some(tokens)
 }
 
 /// Starts a request; events arrive on the receiver. Refused before
@@ -84,10 +104,10 @@ pub fn start(
 ) -> Result<mpsc::Receiver<Event>, Rejection> {
     let total = job.prompt_ids.len() + job.max_tokens;
     // Fail fast with no node; the node itself is chosen again per try.
-    router.nodes.pick(Role::Decode, Some(total))?;
+    router.nodes.pick(Role::Decode, needed(total))?;
     let (prefill, p_report) = router
         .nodes
-        .pick(Role::Prefill, Some(job.prompt_ids.len()))?;
+        .pick(Role::Prefill, needed(job.prompt_ids.len()))?;
     let (tx, rx) = mpsc::channel(64);
     let r = router.clone();
     tokio::spawn(async move {
@@ -132,22 +152,38 @@ async fn run(
     let deadline = started + r.cfg.queue_timeout;
     let mut backoff = Duration::from_millis(2);
     let (decode, grant) = loop {
-        let decode = match r.nodes.pick(Role::Decode, Some(total)) {
+        let decode = match r.nodes.pick(Role::Decode, needed(total)) {
             Ok((n, _)) => n,
             Err(e) => {
                 let _ = tx.send(Event::Error(DispatchError::Rejected(e))).await;
                 return "no_healthy_node";
             }
         };
-        let res = decode
-            .decode()
-            .reserve(ReserveRequest {
-                prompt_ids: job.prompt_ids.clone(),
-                max_new_tokens: job.max_tokens as u32,
-                writer_id: writer_id.clone(),
-                tenant: job.tenant.0.clone(),
-            })
-            .await;
+        let req = ReserveRequest {
+            prompt_ids: job.prompt_ids.clone(),
+            max_new_tokens: job.max_tokens as u32,
+            writer_id: writer_id.clone(),
+            tenant: job.tenant.0.clone(),
+        };
+        let res = match job.faults.at(Point::Reserve) {
+            Some(Action::Drop) => {
+                return fail(DispatchError::Injected("the reserve request was lost")).await
+            }
+            Some(Action::Delay(d)) => {
+                tokio::time::sleep(d).await;
+                decode.decode().reserve(with_faults(req, &job.faults)).await
+            }
+            Some(Action::Duplicate) => {
+                // The first answer is lost (as with a retried request):
+                // its reservation ends by lease; the second is used.
+                let _ = decode
+                    .decode()
+                    .reserve(with_faults(req.clone(), &job.faults))
+                    .await;
+                decode.decode().reserve(with_faults(req, &job.faults)).await
+            }
+            _ => decode.decode().reserve(with_faults(req, &job.faults)).await,
+        };
         match res {
             Ok(g) => break (decode, g.into_inner()),
             Err(s) if s.code() == tonic::Code::ResourceExhausted && Instant::now() < deadline => {
@@ -178,16 +214,46 @@ async fn run(
     {
         Ok(s) => s.into_inner(),
         Err(s) => {
-            abort(decode, &rid).await;
+            abort(decode, &rid, &job.faults).await;
             return fail(node_err("decode", decode, s)).await;
         }
     };
+    let mut grant_bytes = grant.grant;
+    match job.faults.at(Point::Grant) {
+        Some(Action::Delay(d)) => tokio::time::sleep(d).await,
+        Some(Action::Corrupt) => {
+            let mid = grant_bytes.len() / 2;
+            if let Some(b) = grant_bytes.get_mut(mid) {
+                *b ^= 0x40;
+            }
+        }
+        Some(Action::Duplicate) => {
+            // A second copy of the grant reaches the same prefill node
+            // just after the first: it must be refused (one writer per
+            // grant) and change nothing.
+            let copy = PrefillRequest {
+                prompt_ids: job.prompt_ids.clone(),
+                grant: grant_bytes.clone(),
+                sampling: Some(sampling),
+            };
+            let (node, faults) = (Arc::clone(prefill), job.faults.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let r = node.prefill().prefill(with_faults(copy, &faults)).await;
+                tracing::debug!(refused = r.is_err(), "duplicate grant delivered");
+            });
+        }
+        _ => {}
+    }
     let mut p = prefill.prefill();
-    let prefill_call = p.prefill(PrefillRequest {
-        prompt_ids: job.prompt_ids.clone(),
-        grant: grant.grant,
-        sampling: Some(sampling),
-    });
+    let prefill_call = p.prefill(with_faults(
+        PrefillRequest {
+            prompt_ids: job.prompt_ids.clone(),
+            grant: grant_bytes,
+            sampling: Some(sampling),
+        },
+        &job.faults,
+    ));
     tokio::pin!(prefill_call);
     let mut prefill_done = false;
     let mut text = TextOut::new(&r.tokenizer, &job.stop);
@@ -198,14 +264,14 @@ async fn run(
             res = &mut prefill_call, if !prefill_done => {
                 prefill_done = true;
                 if let Err(s) = res {
-                    abort(decode, &rid).await;
+                    abort(decode, &rid, &job.faults).await;
                     return fail(node_err("prefill", prefill, s)).await;
                 }
             }
             () = tx.closed() => {
                 // The client is gone: cancel both calls (dropped here) and
                 // abort the reservation.
-                abort(decode, &rid).await;
+                abort(decode, &rid, &job.faults).await;
                 if !prefill_done {
                     stop_prefill(prefill, &rid);
                 }
@@ -216,7 +282,7 @@ async fn run(
                     Ok(Some(e)) => e,
                     Ok(None) => return fail(DispatchError::Node { role: "decode", node: decode.name.clone(), status: tonic::Status::internal("token stream ended without a finish") }).await,
                     Err(s) => {
-                        abort(decode, &rid).await;
+                        abort(decode, &rid, &job.faults).await;
                         if !prefill_done {
                             stop_prefill(prefill, &rid);
                         }
@@ -235,7 +301,7 @@ async fn run(
                         match text.push(t) {
                             Ok((piece, hit_stop)) => {
                                 if !piece.is_empty() && tx.send(Event::Text(piece)).await.is_err() {
-                                    abort(decode, &rid).await;
+                                    abort(decode, &rid, &job.faults).await;
                                     if !prefill_done {
                                         stop_prefill(prefill, &rid);
                                     }
@@ -249,7 +315,7 @@ async fn run(
                                 }
                             }
                             Err(e) => {
-                                abort(decode, &rid).await;
+                                abort(decode, &rid, &job.faults).await;
                                 if !prefill_done {
                                     stop_prefill(prefill, &rid);
                                 }
@@ -274,13 +340,24 @@ async fn run(
     }
 }
 
-async fn abort(decode: &Arc<crate::nodes::Node>, rid: &[u8]) {
+async fn abort(decode: &Arc<crate::nodes::Node>, rid: &[u8], faults: &FaultPlan) {
     let req = AbortRequest {
         reservation_id: rid.to_vec(),
         reason: CLIENT_GONE,
     };
-    if let Err(e) = decode.decode().abort(req).await {
-        tracing::debug!(node = %decode.name, error = %e, "abort");
+    let times = match faults.at(Point::Abort) {
+        Some(Action::Drop) => 0,
+        Some(Action::Delay(d)) => {
+            tokio::time::sleep(d).await;
+            1
+        }
+        Some(Action::Duplicate) => 2,
+        _ => 1,
+    };
+    for _ in 0..times {
+        if let Err(e) = decode.decode().abort(req.clone()).await {
+            tracing::debug!(node = %decode.name, error = %e, "abort");
+        }
     }
 }
 

@@ -125,6 +125,9 @@ pub enum DispatchError {
     /// Refused after dispatch began (every node went away meanwhile).
     #[error(transparent)]
     Rejected(Rejection),
+    /// An injected fault ended the request (testing builds only).
+    #[error("injected fault: {0}")]
+    Injected(&'static str),
 }
 
 impl DispatchError {
@@ -137,6 +140,7 @@ impl DispatchError {
             Self::Node { .. } => "decode_failed",
             Self::Tokenizer(_) => "tokenizer",
             Self::Rejected(r) => r.reason(),
+            Self::Injected(_) => "injected_fault",
         }
     }
 }
@@ -150,7 +154,7 @@ impl IntoResponse for DispatchError {
             Self::Node { status, .. } if status.code() == tonic::Code::InvalidArgument => {
                 StatusCode::BAD_REQUEST
             }
-            Self::Node { .. } => StatusCode::BAD_GATEWAY,
+            Self::Node { .. } | Self::Injected(_) => StatusCode::BAD_GATEWAY,
             Self::Tokenizer(_) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Rejected(r) => return r.clone().into_response(),
         };

@@ -130,6 +130,7 @@ impl Generation for Api {
             seed: r.seed.unwrap_or(0x9E37_79B9_7F4A_7C15),
             stop: r.stop,
             tenant,
+            faults: kvmesh_kvxfer::fault::FaultPlan::none(),
         };
         let mut rx = dispatch::start(&self.router, job, permit).map_err(|e| e.grpc())?;
         let (tx, out) = tokio::sync::mpsc::channel(64);

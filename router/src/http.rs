@@ -8,11 +8,13 @@ use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
+use axum::handler::Handler;
 use axum::http::{header, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::Json;
 use kvmesh_model::ChatMessage;
 use serde::Deserialize;
@@ -20,28 +22,113 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
+use kvmesh_kvxfer::fault::FaultPlan;
+
 use crate::auth::Tenant;
 use crate::dispatch::{self, Event, Job};
 use crate::error::Rejection;
 use crate::Router;
 
+/// Interval of SSE keep-alive comments (see `stream`).
+const SSE_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// Default completion budget (OpenAI's for completions).
 const DEFAULT_MAX_TOKENS: usize = 16;
 
+/// Who may call a route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// `Authorization: Bearer KEY` when API keys are configured (401
+    /// otherwise).
+    ApiKey,
+    /// Anyone (probes, scrapers, the API description).
+    Open,
+}
+
+/// An HTTP method the gateway serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verb {
+    /// GET.
+    Get,
+    /// POST.
+    Post,
+}
+
+impl Verb {
+    /// The method's name as an OpenAPI path item spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Get => "get",
+            Self::Post => "post",
+        }
+    }
+
+    fn filter(self) -> MethodFilter {
+        match self {
+            Self::Get => MethodFilter::GET,
+            Self::Post => MethodFilter::POST,
+        }
+    }
+}
+
+/// One route of the gateway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    /// The method.
+    pub verb: Verb,
+    /// The path.
+    pub path: &'static str,
+    /// Whether it needs an API key.
+    pub access: Access,
+}
+
+fn endpoint<H, T>(
+    verb: Verb,
+    path: &'static str,
+    access: Access,
+    handler: H,
+) -> (Endpoint, MethodRouter<Router>)
+where
+    H: Handler<T, Router>,
+    T: 'static,
+{
+    (Endpoint { verb, path, access }, on(verb.filter(), handler))
+}
+
+/// Every route the gateway serves, with its handler: the one list that
+/// [`routes`] registers and that the OpenAPI document is checked against
+/// (`openapi` tests), so the two cannot drift apart.
+fn table() -> Vec<(Endpoint, MethodRouter<Router>)> {
+    use Access::{ApiKey, Open};
+    use Verb::{Get, Post};
+    vec![
+        endpoint(Post, "/v1/completions", ApiKey, completions),
+        endpoint(Post, "/v1/chat/completions", ApiKey, chat_completions),
+        endpoint(Get, "/v1/models", ApiKey, models),
+        endpoint(Get, "/health", Open, health),
+        endpoint(Get, "/metrics", Open, metrics),
+        endpoint(Get, "/openapi.json", Open, openapi),
+    ]
+}
+
+/// The routes the gateway serves (method, path, access).
+pub fn endpoints() -> Vec<Endpoint> {
+    table().into_iter().map(|(e, _)| e).collect()
+}
+
 pub(crate) fn routes(router: Router) -> axum::Router {
-    let v1 = axum::Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route_layer(axum::middleware::from_fn_with_state(
-            router.clone(),
-            authenticate,
-        ));
-    axum::Router::new()
-        .merge(v1)
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .with_state(router)
+    let (mut keyed, mut open) = (axum::Router::new(), axum::Router::new());
+    for (e, handler) in table() {
+        match e.access {
+            Access::ApiKey => keyed = keyed.route(e.path, handler),
+            Access::Open => open = open.route(e.path, handler),
+        }
+    }
+    let keyed = keyed.route_layer(axum::middleware::from_fn_with_state(
+        router.clone(),
+        authenticate,
+    ));
+    keyed.merge(open).with_state(router)
 }
 
 /// 401 before the handler runs (the body is not even read) unless the
@@ -59,6 +146,23 @@ async fn authenticate(
     match r.config().api_keys.check(header) {
         Ok(tenant) => {
             req.extensions_mut().insert(tenant);
+            // Injected faults: only a testing build started with
+            // --fault-injection honours the header.
+            if r.config().fault_injection {
+                let spec = req
+                    .headers()
+                    .get(kvmesh_kvxfer::fault::HEADER)
+                    .map(|v| v.to_str().unwrap_or("\u{fffd}"));
+                match FaultPlan::from_header(spec) {
+                    Ok(plan) => {
+                        req.extensions_mut().insert(plan);
+                    }
+                    Err(e) => {
+                        let body = json!({"error": {"message": e.to_string(), "type": "invalid_request_error", "param": kvmesh_kvxfer::fault::HEADER, "code": "invalid_fault_spec"}});
+                        return (StatusCode::BAD_REQUEST, Json(body)).into_response();
+                    }
+                }
+            }
             next.run(req).await
         }
         Err(e) => {
@@ -81,8 +185,10 @@ struct Common {
     model: Option<String>,
     max_tokens: Option<u64>,
     max_completion_tokens: Option<u64>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
+    // f64, checked before narrowing: an f32 would round 2.0000001 into
+    // range and 1e-50 to zero.
+    temperature: Option<f64>,
+    top_p: Option<f64>,
     seed: Option<u64>,
     stop: Option<OneOrMany>,
     #[serde(default)]
@@ -127,11 +233,10 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-fn request_id(prefix: &str) -> String {
-    match kvmesh_model::request_id() {
-        Some(id) => format!("{prefix}-{id}"),
-        None => format!("{prefix}-{}", unix_now()),
-    }
+/// The response id: the mesh's 128 random bits (I8), never a client's
+/// and never a weaker fallback; `None` if the OS RNG failed.
+fn request_id(prefix: &str) -> Option<String> {
+    kvmesh_model::request_id().map(|id| format!("{prefix}-{id}"))
 }
 
 /// Validated sampling and budget fields.
@@ -163,7 +268,7 @@ pub fn validate(r: &Router, chat: bool, body: &[u8]) -> Result<(Vec<u32>, Settin
             .tokenizer()
             .encode_chat(&msgs)
             .map_err(|e| invalid("messages", e.to_string()))?;
-        return Ok((ids, s));
+        return not_empty(ids, "messages").map(|ids| (ids, s));
     }
     let b: CompletionBody = parse(body)?;
     let s = settings(r, &b.common)?;
@@ -177,7 +282,19 @@ pub fn validate(r: &Router, chat: bool, body: &[u8]) -> Result<(Vec<u32>, Settin
         .tokenizer()
         .encode(&prompt)
         .map_err(|e| invalid("prompt", e.to_string()))?;
-    Ok((ids, s))
+    not_empty(ids, "prompt").map(|ids| (ids, s))
+}
+
+/// A prompt of no tokens is refused here, before admission: no node can
+/// reserve for it.
+fn not_empty(ids: Vec<u32>, param: &'static str) -> Result<Vec<u32>, Rejection> {
+    if ids.is_empty() {
+        return Err(invalid(
+            param,
+            "the prompt is empty: it encodes to no tokens",
+        ));
+    }
+    Ok(ids)
 }
 
 fn settings(r: &Router, c: &Common) -> Result<Settings, Rejection> {
@@ -189,13 +306,20 @@ fn settings(r: &Router, c: &Common) -> Result<Settings, Rejection> {
     if c.n.is_some_and(|n| n != 1) {
         return Err(invalid("n", "only n=1 is supported"));
     }
+    // Each field is checked on its own, the ignored one too: a request
+    // with `max_tokens: 0` is refused whatever else it says.
+    for (param, v) in [
+        ("max_tokens", c.max_tokens),
+        ("max_completion_tokens", c.max_completion_tokens),
+    ] {
+        if v == Some(0) {
+            return Err(invalid(param, format!("{param} must be at least 1")));
+        }
+    }
     let max_tokens = c
         .max_completion_tokens
         .or(c.max_tokens)
         .unwrap_or(DEFAULT_MAX_TOKENS as u64);
-    if max_tokens == 0 {
-        return Err(invalid("max_tokens", "max_tokens must be at least 1"));
-    }
     let max_tokens = usize::try_from(max_tokens).unwrap_or(usize::MAX);
     let temperature = c.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
@@ -208,6 +332,9 @@ fn settings(r: &Router, c: &Common) -> Result<Settings, Rejection> {
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(invalid("top_p", format!("top_p {top_p} is not in (0, 1]")));
     }
+    // In range, so the narrowing only rounds; a top_p below f32's range
+    // keeps the smallest positive mass (the most likely token only).
+    let (temperature, top_p) = (temperature as f32, (top_p as f32).max(f32::MIN_POSITIVE));
     let stop = match &c.stop {
         None => Vec::new(),
         Some(OneOrMany::One(s)) => vec![s.clone()],
@@ -259,13 +386,27 @@ fn chat_messages(msgs: Option<Vec<ChatIn>>) -> Result<Vec<ChatMessage>, Rejectio
         .collect()
 }
 
+/// The OpenAI-style error of a body that could not be read (over axum's
+/// size limit: 413; a broken stream: 400), instead of axum's plain text.
+fn body_refused(r: &Router, e: &BytesRejection) -> Response {
+    r.metrics.rejected("invalid_request");
+    let body = json!({"error": {"message": e.body_text(), "type": "invalid_request_error", "param": "body", "code": "invalid_body"}});
+    (e.status(), Json(body)).into_response()
+}
+
 async fn completions(
     State(r): State<Router>,
     axum::Extension(tenant): axum::Extension<Tenant>,
-    body: Bytes,
+    faults: Option<axum::Extension<FaultPlan>>,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => return body_refused(&r, &e),
+    };
+    let faults = faults.map(|f| f.0).unwrap_or_default();
     match validate(&r, false, &body) {
-        Ok((ids, s)) => respond(r, ids, s, Kind::Completion, tenant).await,
+        Ok((ids, s)) => respond(r, ids, s, Kind::Completion, tenant, faults).await,
         Err(e) => reject(&r, e),
     }
 }
@@ -273,10 +414,16 @@ async fn completions(
 async fn chat_completions(
     State(r): State<Router>,
     axum::Extension(tenant): axum::Extension<Tenant>,
-    body: Bytes,
+    faults: Option<axum::Extension<FaultPlan>>,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => return body_refused(&r, &e),
+    };
+    let faults = faults.map(|f| f.0).unwrap_or_default();
     match validate(&r, true, &body) {
-        Ok((ids, s)) => respond(r, ids, s, Kind::Chat, tenant).await,
+        Ok((ids, s)) => respond(r, ids, s, Kind::Chat, tenant, faults).await,
         Err(e) => reject(&r, e),
     }
 }
@@ -300,8 +447,23 @@ enum Kind {
     Chat,
 }
 
-async fn respond(r: Router, ids: Vec<u32>, s: Settings, kind: Kind, tenant: Tenant) -> Response {
+async fn respond(
+    r: Router,
+    ids: Vec<u32>,
+    s: Settings,
+    kind: Kind,
+    tenant: Tenant,
+    faults: FaultPlan,
+) -> Response {
     let prompt_tokens = ids.len();
+    let (id, object) = match kind {
+        Kind::Completion => (request_id("cmpl"), "text_completion"),
+        Kind::Chat => (request_id("chatcmpl"), "chat.completion"),
+    };
+    let Some(id) = id else {
+        let body = json!({"error": {"message": "cannot mint a request id", "type": "server_error", "param": null, "code": "internal"}});
+        return (StatusCode::INTERNAL_SERVER_ERROR, Json(body)).into_response();
+    };
     let permit = match r.admit(prompt_tokens, s.max_tokens).await {
         Ok(p) => p,
         Err(e) => return e.into_response(),
@@ -314,6 +476,7 @@ async fn respond(r: Router, ids: Vec<u32>, s: Settings, kind: Kind, tenant: Tena
         seed: s.seed,
         stop: s.stop,
         tenant,
+        faults,
     };
     let rx = match dispatch::start(&r, job, permit) {
         Ok(rx) => rx,
@@ -321,10 +484,6 @@ async fn respond(r: Router, ids: Vec<u32>, s: Settings, kind: Kind, tenant: Tena
             r.metrics.rejected(e.reason());
             return e.into_response();
         }
-    };
-    let (id, object) = match kind {
-        Kind::Completion => (request_id("cmpl"), "text_completion"),
-        Kind::Chat => (request_id("chatcmpl"), "chat.completion"),
     };
     let model = r.config().model_id.clone();
     let created = unix_now();
@@ -385,8 +544,9 @@ fn stream(
         SseEvent::default().data(v.to_string())
     };
     // Events to SSE frames on a task of their own: when the client goes
-    // away its receiver drops, this task's send fails, it drops `rx`, and
-    // dispatch sees the request abandoned.
+    // away (noticed by hyper on a write: an event or a keep-alive comment)
+    // its receiver drops, this task drops `rx`, and dispatch sees the
+    // request abandoned.
     let (tx, out) = tokio::sync::mpsc::channel::<SseEvent>(64);
     tokio::spawn(async move {
         let mut rx = rx;
@@ -403,7 +563,14 @@ fn stream(
                 return;
             }
         }
-        while let Some(ev) = rx.recv().await {
+        loop {
+            // Leave as soon as the client is gone, not at the next event:
+            // dropping `rx` is what tells dispatch to abort.
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                () = tx.closed() => return,
+            };
+            let Some(ev) = ev else { return };
             let frames = match ev {
                 Event::Text(t) => vec![chunk(json!({"content": t}), Value::Null, None)],
                 Event::Done { finish, completion_tokens } => {
@@ -423,7 +590,11 @@ fn stream(
         }
     });
     let all = ReceiverStream::new(out).map(Ok);
-    Sse::new(all).keep_alive(KeepAlive::default())
+    // A comment every 250 ms while no event flows: writing is how a
+    // closed connection shows (hyper does not watch the read side here),
+    // so a client that leaves during a long prefill is noticed within
+    // about two intervals and both nodes are told to abort.
+    Sse::new(all).keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE))
 }
 
 async fn models(State(r): State<Router>) -> Json<Value> {
@@ -441,6 +612,14 @@ async fn health(State(r): State<Router>) -> Response {
         )
             .into_response(),
     }
+}
+
+async fn openapi() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        crate::openapi::DOCUMENT,
+    )
+        .into_response()
 }
 
 async fn metrics(State(r): State<Router>) -> Response {

@@ -10,7 +10,8 @@
 //! - [`http`]: the axum gateway and [`http::validate`], the one entry of
 //!   client request bodies: `/v1/completions`,
 //!   `/v1/chat/completions` (SSE streaming or not), `/v1/models`,
-//!   `/health`, `/metrics`.
+//!   `/health`, `/metrics`, `/openapi.json`; [`http::endpoints`] lists them.
+//! - [`openapi`]: the gateway's OpenAPI document, held to those routes.
 //! - [`nodes`]: the nodes, their gRPC clients, load reports, health, and
 //!   the choice of node per request.
 //! - [`dispatch`]: one request through the handshake, token ids to text.
@@ -30,11 +31,13 @@ pub mod grpc;
 pub mod http;
 mod metrics;
 pub mod nodes;
+pub mod openapi;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvmesh_kvxfer::fault::{planted, PlantedBug};
 use kvmesh_model::TextTokenizer;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -57,6 +60,9 @@ pub struct RouterConfig {
     pub queue_timeout: Duration,
     /// API keys and their tenants; empty: no authentication.
     pub api_keys: auth::ApiKeys,
+    /// Honour the fault-injection header (`kvxfer::fault::HEADER`); only
+    /// a testing build may set it (see `kvxfer::fault`).
+    pub fault_injection: bool,
 }
 
 impl Default for RouterConfig {
@@ -68,6 +74,7 @@ impl Default for RouterConfig {
             max_queued: 256,
             queue_timeout: Duration::from_secs(30),
             api_keys: auth::ApiKeys::default(),
+            fault_injection: false,
         }
     }
 }
@@ -153,14 +160,18 @@ impl Router {
             requested,
             limit,
         };
-        if requested > self.cfg.max_model_len {
-            return Err(too_long(self.cfg.max_model_len));
-        }
-        let capacity = self.nodes.capacity().ok_or(Rejection::NoHealthyNode {
-            role: "prefill or decode",
-        })?;
-        if requested > capacity {
-            return Err(too_long(capacity.min(self.cfg.max_model_len)));
+        // I3, unless a test planted the bug that switches it off (then
+        // the nodes' own re-checks must refuse).
+        if !planted(PlantedBug::NoAdmission) {
+            if requested > self.cfg.max_model_len {
+                return Err(too_long(self.cfg.max_model_len));
+            }
+            let capacity = self.nodes.capacity().ok_or(Rejection::NoHealthyNode {
+                role: "prefill or decode",
+            })?;
+            if requested > capacity {
+                return Err(too_long(capacity.min(self.cfg.max_model_len)));
+            }
         }
         if let Ok(p) = Arc::clone(&self.slots).try_acquire_owned() {
             return Ok(p);

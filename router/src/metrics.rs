@@ -127,6 +127,16 @@ impl Metrics {
                 "counter",
             ),
             (
+                "kvmesh_node_kv_refused_total",
+                "KV-transport messages the decode node refused, by kind.",
+                "counter",
+            ),
+            (
+                "kvmesh_node_auth_refused_total",
+                "Calls (via=grpc) and KV connections (via=kv) the node refused for not proving the mesh secret, by kind.",
+                "counter",
+            ),
+            (
                 "kvmesh_node_up",
                 "1 when the node's last load report arrived in time.",
                 "gauge",
@@ -155,6 +165,29 @@ impl Metrics {
                                 "{name}{{node=\"{}\"}} {}",
                                 n.name, r.reservations_granted
                             );
+                        }
+                    }
+                    ("kvmesh_node_kv_refused_total", Some(r)) => {
+                        let mut refused: Vec<_> = r.kv_refused.iter().collect();
+                        refused.sort();
+                        for (kind, v) in refused {
+                            let _ =
+                                writeln!(out, "{name}{{node=\"{}\",kind=\"{kind}\"}} {v}", n.name);
+                        }
+                    }
+                    ("kvmesh_node_auth_refused_total", Some(r)) => {
+                        for (via, map) in
+                            [("grpc", &r.grpc_auth_refused), ("kv", &r.kv_auth_refused)]
+                        {
+                            let mut refused: Vec<_> = map.iter().collect();
+                            refused.sort();
+                            for (kind, v) in refused {
+                                let _ = writeln!(
+                                    out,
+                                    "{name}{{node=\"{}\",via=\"{via}\",kind=\"{kind}\"}} {v}",
+                                    n.name
+                                );
+                            }
                         }
                     }
                     ("kvmesh_node_kv_guard_violations_total", Some(r)) => {

@@ -1,14 +1,17 @@
 //! The router's view of the mesh: every prefill and decode node, its gRPC
-//! client, its last load report and whether it is healthy. A poller asks
+//! client (every call proves the mesh secret: `kvmesh_proto::peer_auth`),
+//! its last load report and whether it is healthy. A poller asks
 //! each node for its load every [`POLL`]; a node that does not answer
 //! within [`LOAD_TIMEOUT`] is taken out until it answers again.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use kvmesh_kvxfer::auth::MeshSecret;
 use kvmesh_proto::internal::v1::decode_client::DecodeClient;
 use kvmesh_proto::internal::v1::prefill_client::PrefillClient;
 use kvmesh_proto::internal::v1::{LoadReport, LoadRequest};
+use kvmesh_proto::peer_auth::{decode_client, prefill_client, PeerChannel};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::Rejection;
@@ -49,6 +52,7 @@ pub struct Node {
     /// Its gRPC address.
     pub url: String,
     channel: Channel,
+    secret: MeshSecret,
     state: Mutex<NodeState>,
 }
 
@@ -59,14 +63,14 @@ struct NodeState {
 }
 
 impl Node {
-    /// The decode client.
-    pub fn decode(&self) -> DecodeClient<Channel> {
-        DecodeClient::new(self.channel.clone())
+    /// The decode client; its calls prove the mesh secret.
+    pub fn decode(&self) -> DecodeClient<PeerChannel> {
+        decode_client(self.channel.clone(), self.secret.clone())
     }
 
-    /// The prefill client.
-    pub fn prefill(&self) -> PrefillClient<Channel> {
-        PrefillClient::new(self.channel.clone())
+    /// The prefill client; its calls prove the mesh secret.
+    pub fn prefill(&self) -> PrefillClient<PeerChannel> {
+        prefill_client(self.channel.clone(), self.secret.clone())
     }
 
     /// The last load report, if the node is healthy.
@@ -116,8 +120,9 @@ pub struct Nodes {
 }
 
 impl Nodes {
-    /// Nodes from `(name, role, url)`; channels connect lazily.
-    pub fn new(specs: &[(String, Role, String)]) -> Result<Self, String> {
+    /// Nodes from `(name, role, url)`, called as a peer of the mesh whose
+    /// secret is `secret`; channels connect lazily.
+    pub fn new(specs: &[(String, Role, String)], secret: MeshSecret) -> Result<Self, String> {
         let mut all = Vec::new();
         for (name, role, url) in specs {
             let channel = Endpoint::from_shared(url.clone())
@@ -130,6 +135,7 @@ impl Nodes {
                 role: *role,
                 url: url.clone(),
                 channel,
+                secret: secret.clone(),
                 state: Mutex::default(),
             }));
         }

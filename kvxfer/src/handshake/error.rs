@@ -244,8 +244,9 @@ pub enum HandshakeError {
     /// The connection is not registered (closed meanwhile).
     #[error("unknown connection")]
     UnknownConnection,
-    /// A message a writer never sends (or a first message that is not
-    /// Hello).
+    /// A message a writer never sends, after the connection's handshake
+    /// (anything before a valid Hello is refused by the listener itself
+    /// and counted in `KvServer::auth_refused`).
     #[error("unexpected {0} message from a writer")]
     UnexpectedMessage(&'static str),
 }

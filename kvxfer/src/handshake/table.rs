@@ -112,6 +112,12 @@ struct Entry {
     waiter: Option<oneshot::Sender<Result<LiveSequence, Ended>>>,
     /// Scratch for frame payloads, reused.
     scratch: Vec<f32>,
+    /// Receiver-checked transports: per (grant page, layer), the slots
+    /// that landed contiguously from slot 0. Publishing never raises a
+    /// watermark past what landed, whatever transfer-done claims.
+    landed: Vec<u32>,
+    /// Injected faults (testing builds).
+    faults: crate::fault::FaultPlan,
 }
 
 #[derive(Debug)]
@@ -294,6 +300,14 @@ impl ReservationTable {
             },
         );
         Ok(id)
+    }
+
+    /// Attaches a request's injected faults to reservation `id` (testing
+    /// builds act on them; see [`crate::fault`]). Unknown ids are ignored.
+    pub fn set_faults(&self, id: ReservationId, faults: crate::fault::FaultPlan) {
+        if let Ok(entry) = self.inner.entry(id) {
+            lock(&entry).faults = faults;
+        }
     }
 
     /// Writers connected now.
@@ -512,6 +526,8 @@ impl Inner {
             phase: Phase::Granted(res),
             waiter: Some(tx),
             scratch: Vec::new(),
+            landed: vec![0; grant.pages.len() * usize::from(self.geometry.n_layers)],
+            faults: crate::fault::FaultPlan::none(),
         };
         lock(&self.entries).insert(reservation, Arc::new(Mutex::new(entry)));
         self.granted.fetch_add(1, Ordering::Relaxed);
@@ -555,6 +571,15 @@ impl Inner {
                 prompt_slots,
             })
         })?;
+        let n_layers = usize::from(self.geometry.n_layers);
+        for layer in frame.layers.clone() {
+            let at = frame.page_index as usize * n_layers + usize::from(layer);
+            if let Some(l) = e.landed.get_mut(at) {
+                if frame.slots.start <= *l {
+                    *l = (*l).max(frame.slots.end);
+                }
+            }
+        }
         if let Phase::Granted(_) = e.phase {
             if let Phase::Granted(r) = std::mem::replace(&mut e.phase, Phase::Moving) {
                 e.phase = Phase::Writing(r);
@@ -598,9 +623,21 @@ impl Inner {
                 event: "transfer_done",
             });
         };
-        let outcome = match verify(&e.grant, &res, done) {
+        if e.faults.at(crate::fault::Point::Verify) == Some(crate::fault::Action::Corrupt) {
+            res.corrupt_landed_value(0);
+        }
+        let checked = if crate::fault::planted(crate::fault::PlantedBug::NoVerification) {
+            Ok(())
+        } else {
+            verify(&e.grant, &res, done)
+        };
+        let outcome = match checked {
             Ok(()) => {
-                res.publish_prompt(e.grant.prompt_tokens as usize);
+                let landed = self
+                    .landing
+                    .receiver_checked()
+                    .then_some(e.landed.as_slice());
+                res.publish_prompt(e.grant.prompt_tokens as usize, landed);
                 let live = LiveSequence {
                     id,
                     prompt_tokens: e.grant.prompt_tokens as usize,
@@ -637,6 +674,25 @@ impl Inner {
         };
         let mut e = lock(&entry);
         match std::mem::replace(&mut e.phase, Phase::Moving) {
+            Phase::Granted(res) | Phase::Writing(res)
+                if crate::fault::planted(crate::fault::PlantedBug::NoConfirmOrRevoke) =>
+            {
+                // The planted bug: tell the writer, then free at once,
+                // neither waiting for its confirmation nor revoking its
+                // path.
+                self.send(
+                    e.conn,
+                    &Abort {
+                        reservation: id,
+                        reason,
+                    },
+                );
+                drop(res);
+                self.finish(&mut e, Outcome::Aborted(reason));
+                drop(e);
+                self.forget_if_ended(id);
+                Ok("aborted")
+            }
             Phase::Granted(res) | Phase::Writing(res) => {
                 e.phase = Phase::Aborting {
                     res,

@@ -292,3 +292,43 @@ fn absurd_sizes_are_errors_not_aborts() {
         "invalid_config"
     );
 }
+
+/// Publishing a transfer never raises a watermark past what landed (the
+/// receiver-checked bound): with page 1 of a two-page prompt missing in
+/// layer 0, reads of page 0 work and the first read of page 1 in layer 0
+/// is refused as unwritten, whatever the claimed prompt length; without
+/// the bound (one-sided transports) the claim is published.
+#[test]
+fn publish_is_bounded_by_what_landed() {
+    use kvmesh_kernels::GuardViolation;
+    let pool = pool(2);
+    let mut res = pool.reserve(8).expect("2 pages");
+    let table = res.table().to_vec();
+    let mut scratch = Vec::new();
+    let payload = |n: usize| -> Vec<u8> {
+        let k = tokens(1, n);
+        let v = tokens(2, n);
+        k.iter().chain(&v).flat_map(|x| x.to_le_bytes()).collect()
+    };
+    // Page 0: both layers, all 4 slots. Page 1: layer 1 only.
+    for layer in 0..2 {
+        res.land(0, layer..layer + 1, 0..4, &payload(4), &mut scratch)
+            .expect("land page 0");
+    }
+    res.land(1, 1..2, 0..4, &payload(4), &mut scratch)
+        .expect("land page 1, layer 1");
+    // Landed slots per (page, layer), as the reservation table records them.
+    let landed = [4u32, 4, 0, 4];
+    res.publish_prompt(8, Some(&landed));
+    assert!(super::attend_at(&res, &table, 0, 3).is_ok());
+    let e = super::attend_at(&res, &table, 0, 7).expect_err("hole in layer 0");
+    assert!(matches!(e, GuardViolation::Unwritten { .. }), "{e:?}");
+    assert!(super::attend_at(&res, &table, 1, 7).is_ok());
+    assert!(pool.stats().guard_violations >= 1);
+    drop(res);
+    // Unbounded (one-sided): the claim is what gets published.
+    let mut res = pool.reserve(8).expect("2 pages again");
+    let table = res.table().to_vec();
+    res.publish_prompt(8, None);
+    assert!(super::attend_at(&res, &table, 0, 7).is_ok());
+}

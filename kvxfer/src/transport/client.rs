@@ -19,23 +19,26 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use thiserror::Error;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, Mutex as AsyncMutex};
 use tokio::task::JoinHandle;
 
+use crate::auth::MeshSecret;
+use crate::fault::{Action, FaultPlan, Point};
 use crate::shm::ShmRegion;
 use crate::wire::{
-    decode, AbortConfirmed, Checksummer, DataPath, DecodeLimits, Geometry, Grant, Hello, Message,
+    decode, AbortConfirmed, Checksummer, DataPath, DecodeLimits, Geometry, Grant, Message,
     ReservationId, TransferDone, WriterId,
 };
 
+use super::greeting::greet;
 use super::shm::ShmWritePath;
 use super::stream::{pump, read_message};
 use super::tcp::TcpWritePath;
 use super::{Endpoint, PageWrite, TransportError, WritePath};
 
-/// How long the decode node has to answer Hello.
+/// How long the decode node has to send its Challenge and answer Hello.
 pub const WELCOME_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a tombstone of an unknown aborted reservation is kept.
 pub const TOMBSTONE_TTL: Duration = Duration::from_secs(600);
@@ -144,6 +147,9 @@ struct Shared {
     tx: mpsc::Sender<Vec<u8>>,
     path: Box<dyn WritePath>,
     slots: Mutex<HashMap<ReservationId, SlotRef>>,
+    /// Injected faults of grants with a plan (testing builds), for the
+    /// abort confirmation, which the connection's reader sends.
+    faults: Mutex<HashMap<ReservationId, FaultPlan>>,
 }
 
 /// A connection from a writer (prefill process) to one decode node's
@@ -173,9 +179,15 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl KvClient {
     /// Connects to `endpoint` (`tcp://HOST:PORT` or `unix:PATH`) as
-    /// `writer`, exchanges Hello and Welcome, and maps the pool if the data
-    /// path is shared memory.
-    pub async fn connect(endpoint: &str, writer: WriterId) -> Result<Self, TransportError> {
+    /// `writer`, answers the decode node's Challenge with a Hello proving
+    /// `secret`, checks the Welcome's proof (the decode node is of this
+    /// mesh: [`crate::auth::kv`]), and maps the pool if the data path is
+    /// shared memory.
+    pub async fn connect(
+        endpoint: &str,
+        writer: WriterId,
+        secret: &MeshSecret,
+    ) -> Result<Self, TransportError> {
         match Endpoint::parse(endpoint)? {
             Endpoint::Tcp(addr) => {
                 let s = TcpStream::connect(&addr)
@@ -185,7 +197,7 @@ impl KvClient {
                         source,
                     })?;
                 let _ = s.set_nodelay(true);
-                Self::start(s, writer).await
+                Self::start(s, writer, secret).await
             }
             Endpoint::Unix(path) => {
                 let s = UnixStream::connect(&path)
@@ -194,41 +206,24 @@ impl KvClient {
                         op: "connect unix socket",
                         source,
                     })?;
-                Self::start(s, writer).await
+                Self::start(s, writer, secret).await
             }
         }
     }
 
-    async fn start<S>(stream: S, writer: WriterId) -> Result<Self, TransportError>
+    async fn start<S>(
+        stream: S,
+        writer: WriterId,
+        secret: &MeshSecret,
+    ) -> Result<Self, TransportError>
     where
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
         let (mut rd, mut wr) = tokio::io::split(stream);
-        let mut bytes = Vec::new();
-        Hello { writer }.encode(&mut bytes)?;
-        wr.write_all(&bytes)
-            .await
-            .map_err(|source| TransportError::Io {
-                op: "send hello",
-                source,
-            })?;
-        let limits = DecodeLimits::default();
-        let mut buf = Vec::new();
-        let got = tokio::time::timeout(WELCOME_TIMEOUT, read_message(&mut rd, &mut buf, &limits))
-            .await
-            .map_err(|_| TransportError::Timeout("welcome"))??;
-        if !got {
-            return Err(TransportError::Closed);
-        }
-        let welcome = match decode(&buf, &limits)?.0 {
-            Message::Welcome(w) => w,
-            other => {
-                return Err(TransportError::Protocol(format!(
-                    "expected welcome, got {:?}",
-                    other.message_type()
-                )))
-            }
-        };
+        let welcome =
+            tokio::time::timeout(WELCOME_TIMEOUT, greet(&mut rd, &mut wr, writer, secret))
+                .await
+                .map_err(|_| TransportError::Timeout("challenge and welcome"))??;
         let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
         let path: Box<dyn WritePath> = match &welcome.data_path {
             DataPath::Frames => Box::new(TcpWritePath::new(tx.clone())),
@@ -254,6 +249,7 @@ impl KvClient {
             tx,
             path,
             slots: Mutex::default(),
+            faults: Mutex::default(),
         });
         let pump = tokio::spawn(pump(wr, rx));
         let reader = tokio::spawn(read_loop(Arc::clone(&shared), rd));
@@ -301,6 +297,7 @@ impl KvClient {
             let mut slots = lock(&self.shared.slots);
             let now = Instant::now();
             slots.retain(|_, s| s.try_lock().map_or(true, |s| s.forget_at > now));
+            lock(&self.shared.faults).retain(|id, _| slots.contains_key(id));
             if let Some(existing) = slots.get(&id) {
                 let state = existing.try_lock().map_or(SlotState::Writing, |s| s.state);
                 return Err(match state {
@@ -325,6 +322,9 @@ impl KvClient {
             slot,
             next_layer: 0,
             sums: vec![Checksummer::new(); n_pages],
+            faults: FaultPlan::none(),
+            frames: 0,
+            held_back: None,
         })
     }
 }
@@ -367,7 +367,27 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R) {
                 reservation: id,
                 frames_sent,
             };
-            if msg.encode(&mut bytes).is_err() || shared.tx.send(bytes).await.is_err() {
+            if msg.encode(&mut bytes).is_err() {
+                break;
+            }
+            let fault = lock(&shared.faults)
+                .remove(&id)
+                .and_then(|f| f.at(Point::Confirm));
+            match fault {
+                // Withheld: the decode node must revoke, then free.
+                Some(Action::Drop) => continue,
+                Some(Action::Delay(d)) => {
+                    let tx = shared.tx.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(d).await;
+                        let _ = tx.send(bytes).await;
+                    });
+                    continue;
+                }
+                Some(Action::Duplicate) if shared.tx.send(bytes.clone()).await.is_err() => break,
+                _ => {}
+            }
+            if shared.tx.send(bytes).await.is_err() {
                 break;
             }
         } else {
@@ -396,9 +416,36 @@ pub struct GrantWriter {
     slot: SlotRef,
     next_layer: u16,
     sums: Vec<Checksummer>,
+    /// Injected faults (testing builds).
+    faults: FaultPlan,
+    /// Page writes made so far (the `frame:N` fault index).
+    frames: u32,
+    /// `done=reorder`: the transfer's last page write, sent after
+    /// transfer-done.
+    held_back: Option<HeldWrite>,
+}
+
+/// A page write kept back by an injected reorder.
+#[derive(Debug)]
+struct HeldWrite {
+    index: u32,
+    layer: u16,
+    slots: u32,
+    k: Vec<f32>,
+    v: Vec<f32>,
 }
 
 impl GrantWriter {
+    /// Injects `faults` into this grant's writes, transfer-done and abort
+    /// confirmation (testing builds; see [`crate::fault`]).
+    pub fn set_faults(&mut self, faults: FaultPlan) {
+        if faults.is_empty() {
+            return;
+        }
+        lock(&self.shared.faults).insert(self.grant.reservation, faults.clone());
+        self.faults = faults;
+    }
+
     /// The grant.
     pub fn grant(&self) -> &Grant {
         &self.grant
@@ -447,26 +494,73 @@ impl GrantWriter {
         let page_size = self.grant.geometry.page_size as usize;
         let mut s = self.slot.lock().await;
         self.check_state(s.state)?;
-        for index in 0..self.grant.pages.len() {
+        let n_pages = self.grant.pages.len();
+        let mut order: Vec<usize> = (0..n_pages).collect();
+        for pos in 0..n_pages {
+            if n_pages > 1
+                && self.faults.at(Point::Frame(self.frames + pos as u32)) == Some(Action::Reorder)
+            {
+                let other = if pos + 1 < n_pages { pos + 1 } else { pos - 1 };
+                order.swap(pos, other);
+            }
+        }
+        let last_layer = layer + 1 == self.grant.geometry.n_layers;
+        for (pos, &index) in order.iter().enumerate() {
             let slots = self.grant.prompt_slots(index).unwrap_or(0);
             let start = index * page_size * kv_dim;
             let end = start + slots as usize * kv_dim;
             let (kp, vp) = (&k[start..end], &v[start..end]);
-            self.shared
-                .path
-                .write(PageWrite {
-                    grant: &self.grant,
-                    index: index as u32,
-                    layer,
-                    slots: 0..slots,
-                    k: kp,
-                    v: vp,
-                })
-                .await?;
-            s.frames_sent += 1;
             if let Some(h) = self.sums.get_mut(index) {
                 h.update_f32s(kp);
                 h.update_f32s(vp);
+            }
+            let fault = self.faults.at(Point::Frame(self.frames));
+            self.frames += 1;
+            if last_layer
+                && pos + 1 == n_pages
+                && self.faults.at(Point::Done) == Some(Action::Reorder)
+            {
+                self.held_back = Some(HeldWrite {
+                    index: index as u32,
+                    layer,
+                    slots,
+                    k: kp.to_vec(),
+                    v: vp.to_vec(),
+                });
+                continue;
+            }
+            let corrupted;
+            let (kw, times) = match fault {
+                Some(Action::Drop) => continue,
+                Some(Action::Crash) => crate::fault::crash(Point::Frame(self.frames - 1)),
+                Some(Action::Delay(d)) => {
+                    tokio::time::sleep(d).await;
+                    (kp, 1)
+                }
+                Some(Action::Duplicate) => (kp, 2),
+                Some(Action::Corrupt) => {
+                    let mut c = kp.to_vec();
+                    if let Some(x) = c.first_mut() {
+                        *x = if *x == 1.0 { 2.0 } else { 1.0 };
+                    }
+                    corrupted = c;
+                    (corrupted.as_slice(), 1)
+                }
+                Some(Action::Reorder) | None => (kp, 1),
+            };
+            for _ in 0..times {
+                self.shared
+                    .path
+                    .write(PageWrite {
+                        grant: &self.grant,
+                        index: index as u32,
+                        layer,
+                        slots: 0..slots,
+                        k: kw,
+                        v: vp,
+                    })
+                    .await?;
+                s.frames_sent += 1;
             }
         }
         self.next_layer += 1;
@@ -487,21 +581,57 @@ impl GrantWriter {
         let mut s = self.slot.lock().await;
         self.check_state(s.state)?;
         self.shared.path.drain().await?;
+        let fault = self.faults.at(Point::Done);
+        let mut page_checksums: Vec<u64> = self.sums.iter().map(Checksummer::finish).collect();
+        match fault {
+            Some(Action::Crash) => crate::fault::crash(Point::Done),
+            Some(Action::Delay(d)) => tokio::time::sleep(d).await,
+            Some(Action::Corrupt) => {
+                if let Some(c) = page_checksums.first_mut() {
+                    *c ^= 1;
+                }
+            }
+            _ => {}
+        }
         let done = TransferDone {
             reservation: self.grant.reservation,
             capability: self.grant.capability.clone(),
             tokens_written: self.grant.prompt_tokens,
             first_token,
-            page_checksums: self.sums.iter().map(Checksummer::finish).collect(),
+            page_checksums,
         };
         let mut bytes = Vec::new();
         done.encode(&mut bytes).map_err(TransportError::from)?;
-        self.shared
-            .tx
-            .send(bytes)
-            .await
-            .map_err(|_| TransportError::Closed)?;
+        let times = match fault {
+            Some(Action::Drop) => 0,
+            Some(Action::Duplicate) => 2,
+            _ => 1,
+        };
+        for _ in 0..times {
+            self.shared
+                .tx
+                .send(bytes.clone())
+                .await
+                .map_err(|_| TransportError::Closed)?;
+        }
         s.state = SlotState::Done;
+        if let Some(h) = &self.held_back {
+            // `done=reorder`: the last page write goes after transfer-done;
+            // the decode node refuses it (path closed) and verification
+            // has already failed for want of it.
+            let _ = self
+                .shared
+                .path
+                .write(PageWrite {
+                    grant: &self.grant,
+                    index: h.index,
+                    layer: h.layer,
+                    slots: 0..h.slots,
+                    k: &h.k,
+                    v: &h.v,
+                })
+                .await;
+        }
         Ok(())
     }
 

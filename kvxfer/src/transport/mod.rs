@@ -10,9 +10,11 @@
 //! | drain (writer) | stream order: nothing to wait for | copies are synchronous | poll the completion queue |
 //! | writer death | connection reset | connection reset + pidfd | QP error / CM disconnect |
 //!
-//! Control messages (Hello, Welcome, TransferDone, Abort, AbortConfirmed,
-//! Revoke) always travel on the connection (`stream`), in order with the
-//! frames where frames travel there too. [`server`] is the decode side's
+//! Control messages (Challenge, Hello, Welcome, TransferDone, Abort,
+//! AbortConfirmed, Revoke) always travel on the connection (`stream`), in
+//! order with the frames where frames travel there too. A connection
+//! carries nothing before its writer proved the mesh secret
+//! ([`crate::auth::kv`]). [`server`] is the decode side's
 //! listener, [`client`] the prefill side's connection.
 //!
 //! # The two traits
@@ -25,6 +27,7 @@
 //!   has landed, or is ordered before anything sent later).
 
 pub mod client;
+mod greeting;
 pub mod server;
 pub mod shm;
 pub(crate) mod stream;
@@ -38,7 +41,7 @@ use std::pin::Pin;
 use thiserror::Error;
 
 use crate::shm::{PeerProcess, ShmError};
-use crate::wire::{DataPath, Grant, WireError};
+use crate::wire::{DataPath, Grant, MintError, WireError};
 
 /// A boxed future, so the traits stay usable as trait objects.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -144,6 +147,13 @@ pub enum TransportError {
     /// No lane is free for a new grant (more grants than pages: a bug).
     #[error("no free write lane")]
     NoLane,
+    /// The peer did not prove it holds this mesh's secret (or refused
+    /// this side's proof).
+    #[error("mesh authentication failed: {0}")]
+    Unauthenticated(&'static str),
+    /// The OS random number generator failed (no handshake nonce).
+    #[error(transparent)]
+    Mint(#[from] MintError),
 }
 
 impl TransportError {
@@ -158,6 +168,8 @@ impl TransportError {
             Self::Protocol(_) => "protocol",
             Self::Timeout(_) => "timeout",
             Self::NoLane => "no_lane",
+            Self::Unauthenticated(_) => "unauthenticated",
+            Self::Mint(_) => "mint",
         }
     }
 }

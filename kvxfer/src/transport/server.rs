@@ -1,9 +1,12 @@
 //! The decode node's transport listener: accepts writer connections, runs
-//! the Hello/Welcome exchange, feeds frames and control messages to the
-//! [`ReservationTable`], carries its Abort and Revoke messages back, and
-//! reports a lost connection so everything bound to it is revoked.
+//! the mesh-authenticated Challenge/Hello/Welcome exchange
+//! ([`crate::auth::kv`]; nothing from a connection reaches the table before
+//! its Hello proved the mesh secret), feeds frames and control messages to
+//! the [`ReservationTable`], carries its Abort and Revoke messages back,
+//! and reports a lost connection so everything bound to it is revoked.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
@@ -11,14 +14,18 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::auth::kv::{mint_nonce, welcome_proof};
+use crate::auth::{KvAuthCounters, KvAuthRefusal, MeshSecret};
 use crate::handshake::{outbound_capacity, HandshakeError, ReservationTable};
 use crate::shm::PeerProcess;
-use crate::wire::{decode, DecodeLimits, Message, Welcome};
+use crate::wire::{decode, DecodeLimits, Message, MessageType, Welcome, PROOF_LEN};
 
+use super::greeting::authenticate;
 use super::stream::{pump, read_message};
 use super::TransportError;
 
-/// How long a new connection has to say Hello.
+/// How long a new connection has to answer the Challenge with a valid
+/// Hello.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bytes read from a connection per syscall, at most.
 const READ_BUFFER: usize = 1 << 18;
@@ -33,11 +40,24 @@ pub struct KvServer {
     accept: JoinHandle<()>,
     ticker: JoinHandle<()>,
     socket_path: Option<PathBuf>,
+    auth: Arc<Auth>,
+}
+
+/// The mesh secret writers must prove, and the connections refused.
+#[derive(Debug)]
+struct Auth {
+    secret: MeshSecret,
+    refused: KvAuthCounters,
 }
 
 impl KvServer {
-    /// Listens on TCP `addr` (e.g. `127.0.0.1:0`).
-    pub async fn bind_tcp(table: ReservationTable, addr: &str) -> Result<Self, TransportError> {
+    /// Listens on TCP `addr` (e.g. `127.0.0.1:0`); accepts writers that
+    /// prove `secret`.
+    pub async fn bind_tcp(
+        table: ReservationTable,
+        addr: &str,
+        secret: MeshSecret,
+    ) -> Result<Self, TransportError> {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| TransportError::Io {
@@ -51,10 +71,15 @@ impl KvServer {
         let endpoint = format!("tcp://{local}");
         table.set_endpoint(&endpoint);
         let t = table.clone();
+        let auth = Arc::new(Auth {
+            secret,
+            refused: KvAuthCounters::default(),
+        });
+        let a = Arc::clone(&auth);
         let accept = tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 let _ = stream.set_nodelay(true);
-                tokio::spawn(serve(t.clone(), stream, None));
+                tokio::spawn(serve(t.clone(), stream, None, Arc::clone(&a)));
             }
         });
         Ok(Self {
@@ -62,13 +87,19 @@ impl KvServer {
             accept,
             ticker: spawn_ticker(table),
             socket_path: None,
+            auth,
         })
     }
 
     /// Listens on a Unix-domain socket at `path` (the shared-memory
     /// transport's control connection; the peer's pid comes from the
-    /// socket, and its process is watched through a pidfd).
-    pub async fn bind_unix(table: ReservationTable, path: &Path) -> Result<Self, TransportError> {
+    /// socket, and its process is watched through a pidfd); accepts
+    /// writers that prove `secret`.
+    pub async fn bind_unix(
+        table: ReservationTable,
+        path: &Path,
+        secret: MeshSecret,
+    ) -> Result<Self, TransportError> {
         let listener = UnixListener::bind(path).map_err(|source| TransportError::Io {
             op: "bind unix socket",
             source,
@@ -76,6 +107,11 @@ impl KvServer {
         let endpoint = format!("unix:{}", path.display());
         table.set_endpoint(&endpoint);
         let t = table.clone();
+        let auth = Arc::new(Auth {
+            secret,
+            refused: KvAuthCounters::default(),
+        });
+        let a = Arc::clone(&auth);
         let accept = tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 let peer = stream
@@ -83,7 +119,7 @@ impl KvServer {
                     .ok()
                     .and_then(|c| c.pid())
                     .and_then(|pid| PeerProcess::from_pid(pid).ok());
-                tokio::spawn(serve(t.clone(), stream, peer));
+                tokio::spawn(serve(t.clone(), stream, peer, Arc::clone(&a)));
             }
         });
         Ok(Self {
@@ -91,12 +127,18 @@ impl KvServer {
             accept,
             ticker: spawn_ticker(table),
             socket_path: Some(path.to_owned()),
+            auth,
         })
     }
 
     /// Where writers connect: `tcp://ADDR` or `unix:PATH`.
     pub fn endpoint(&self) -> &str {
         &self.endpoint
+    }
+
+    /// Connections closed before their writer was authenticated, by kind.
+    pub fn auth_refused(&self) -> &KvAuthCounters {
+        &self.auth.refused
     }
 }
 
@@ -122,7 +164,7 @@ fn spawn_ticker(table: ReservationTable) -> JoinHandle<()> {
 }
 
 /// One writer connection, start to end.
-async fn serve<S>(table: ReservationTable, stream: S, peer: Option<PeerProcess>)
+async fn serve<S>(table: ReservationTable, stream: S, peer: Option<PeerProcess>, auth: Arc<Auth>)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
@@ -132,26 +174,28 @@ where
     let mut rd = tokio::io::BufReader::with_capacity(READ_BUFFER, rd);
     let limits = DecodeLimits::default();
     let mut buf = Vec::new();
-    let hello =
-        match tokio::time::timeout(HELLO_TIMEOUT, read_message(&mut rd, &mut buf, &limits)).await {
-            Ok(Ok(true)) => match decode(&buf, &limits) {
-                Ok((Message::Hello(h), _)) => h,
-                Ok((other, _)) => {
-                    let e = HandshakeError::UnexpectedMessage(unexpected_name(&other));
-                    table.count_control_reject(&e);
-                    return;
-                }
-                Err(e) => {
-                    table.frame_rejects().record_wire(&e);
-                    return;
-                }
-            },
-            _ => return,
-        };
-    let welcome = Welcome {
+    // No nonce, no connection (the OS random number generator failed).
+    let Ok(challenge) = mint_nonce() else {
+        return;
+    };
+    let opened = authenticate(&mut rd, &mut wr, &mut buf, &limits, &auth.secret, challenge);
+    let hello = match tokio::time::timeout(HELLO_TIMEOUT, opened).await {
+        Ok(Ok(h)) => h,
+        Ok(Err(refusal)) => {
+            auth.refused.record(refusal);
+            return;
+        }
+        Err(_) => {
+            auth.refused.record(KvAuthRefusal::Timeout);
+            return;
+        }
+    };
+    let mut welcome = Welcome {
+        proof: [0; PROOF_LEN],
         data_path: table.landing().data_path(),
         geometry: table.geometry(),
     };
+    welcome.proof = welcome_proof(&auth.secret, &challenge, &hello, &welcome);
     let mut bytes = Vec::new();
     if welcome.encode(&mut bytes).is_err() || wr.write_all(&bytes).await.is_err() {
         return;
@@ -195,13 +239,14 @@ where
 
 fn unexpected_name(m: &Message<'_>) -> &'static str {
     match m.message_type() {
-        crate::wire::MessageType::KvFrame => "kv_frame",
-        crate::wire::MessageType::Grant => "grant",
-        crate::wire::MessageType::TransferDone => "transfer_done",
-        crate::wire::MessageType::Abort => "abort",
-        crate::wire::MessageType::AbortConfirmed => "abort_confirmed",
-        crate::wire::MessageType::Revoke => "revoke",
-        crate::wire::MessageType::Hello => "hello",
-        crate::wire::MessageType::Welcome => "welcome",
+        MessageType::KvFrame => "kv_frame",
+        MessageType::Grant => "grant",
+        MessageType::TransferDone => "transfer_done",
+        MessageType::Abort => "abort",
+        MessageType::AbortConfirmed => "abort_confirmed",
+        MessageType::Revoke => "revoke",
+        MessageType::Hello => "hello",
+        MessageType::Welcome => "welcome",
+        MessageType::Challenge => "challenge",
     }
 }

@@ -1,5 +1,6 @@
 //! Control messages after the grant: transfer done, abort, abort confirmed,
-//! revoke; and the two that open a transport connection, hello and welcome.
+//! revoke; and the three that open a transport connection: challenge,
+//! hello and welcome (the mesh-authentication handshake, `crate::auth::kv`).
 
 use std::fmt;
 
@@ -237,11 +238,30 @@ impl Revoke {
     }
 }
 
-/// Writer to decode, first on a transport connection: who is writing.
+/// Bytes of a handshake nonce ([`Challenge`], [`Hello`]).
+pub const NONCE_LEN: usize = 32;
+/// Bytes of a handshake proof (HMAC-SHA256; see `crate::auth::kv`).
+pub const PROOF_LEN: usize = 32;
+
+/// Decode to writer, first on a transport connection: a fresh nonce the
+/// writer's [`Hello`] must prove knowledge of the mesh secret over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Challenge {
+    /// Random, minted per connection; never all zeros.
+    pub nonce: [u8; NONCE_LEN],
+}
+
+/// Writer to decode, the answer to [`Challenge`]: who is writing, and the
+/// proof that it belongs to this mesh.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Hello {
     /// The writer process's id, minted at its start.
     pub writer: WriterId,
+    /// The writer's own fresh nonce, which the [`Welcome`]'s proof covers;
+    /// never all zeros.
+    pub nonce: [u8; NONCE_LEN],
+    /// HMAC of the mesh secret over the challenge, `nonce` and `writer`.
+    pub proof: [u8; PROOF_LEN],
 }
 
 /// How a writer's KV data reaches the decode node's pool.
@@ -259,26 +279,64 @@ pub enum DataPath {
     },
 }
 
-/// Decode to writer, the answer to [`Hello`]: the data path and the shape
-/// of the pool's pages.
+/// Decode to writer, the answer to a valid [`Hello`]: the decode node's
+/// proof that it belongs to the same mesh, the data path and the shape of
+/// the pool's pages.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Welcome {
+    /// HMAC of the mesh secret over both nonces, the writer and the fields
+    /// below ([`Welcome::signed_fields`]).
+    pub proof: [u8; PROOF_LEN],
     /// How frames travel.
     pub data_path: DataPath,
     /// The pool's page shape; every grant on this connection has it.
     pub geometry: Geometry,
 }
 
+/// Body size of [`Challenge`].
+pub const CHALLENGE_LEN: usize = NONCE_LEN;
 /// Body size of [`Hello`].
-pub const HELLO_LEN: usize = 16;
+pub const HELLO_LEN: usize = 16 + NONCE_LEN + PROOF_LEN;
 /// Body size of [`Welcome`] before the path.
-pub const WELCOME_FIXED_LEN: usize = 1 + 1 + 2 + GEOMETRY_LEN;
+pub const WELCOME_FIXED_LEN: usize = PROOF_LEN + 1 + 1 + 2 + GEOMETRY_LEN;
+
+fn nonce(r: &mut Reader<'_>, field: &'static str) -> Result<[u8; NONCE_LEN], WireError> {
+    let n: [u8; NONCE_LEN] = r.array(field)?;
+    if n.iter().all(|&b| b == 0) {
+        return Err(WireError::InvalidField {
+            field,
+            value: 0,
+            reason: "all zeros: never minted",
+        });
+    }
+    Ok(n)
+}
+
+impl Challenge {
+    /// Appends the encoded message to `out`; returns the bytes appended.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<usize, WireError> {
+        seal(MessageType::Challenge, CHALLENGE_LEN, out, |o| {
+            o.extend_from_slice(&self.nonce)
+        })
+    }
+
+    pub(crate) fn decode_body(body: &[u8]) -> Result<Self, WireError> {
+        let mut r = Reader::new(body);
+        let m = Self {
+            nonce: nonce(&mut r, "nonce")?,
+        };
+        r.finish("challenge")?;
+        Ok(m)
+    }
+}
 
 impl Hello {
     /// Appends the encoded message to `out`; returns the bytes appended.
     pub fn encode(&self, out: &mut Vec<u8>) -> Result<usize, WireError> {
         seal(MessageType::Hello, HELLO_LEN, out, |o| {
-            o.put_id(&self.writer)
+            o.put_id(&self.writer);
+            o.extend_from_slice(&self.nonce);
+            o.extend_from_slice(&self.proof);
         })
     }
 
@@ -286,6 +344,8 @@ impl Hello {
         let mut r = Reader::new(body);
         let m = Self {
             writer: r.id("writer")?,
+            nonce: nonce(&mut r, "nonce")?,
+            proof: r.array("proof")?,
         };
         r.finish("hello")?;
         Ok(m)
@@ -293,11 +353,39 @@ impl Hello {
 }
 
 impl Welcome {
-    fn path(&self) -> &str {
+    /// The data path's code and the mapping's path; refused: an empty
+    /// shared-memory path.
+    fn code_and_path(&self) -> Result<(u8, &str), WireError> {
         match &self.data_path {
-            DataPath::Frames => "",
-            DataPath::SharedMemory { path } => path,
+            DataPath::Frames => Ok((1, "")),
+            DataPath::SharedMemory { path } if !path.is_empty() => Ok((2, path.as_str())),
+            DataPath::SharedMemory { .. } => Err(WireError::InvalidField {
+                field: "path",
+                value: 0,
+                reason: "a shared-memory data path names its mapping",
+            }),
         }
+    }
+
+    /// Writes the fields after the proof, exactly as on the wire.
+    fn put_fields(&self, o: &mut Vec<u8>, code: u8, path: &str, path_len: u16) {
+        o.put_u8(code);
+        o.put_u8(0);
+        o.put_u16(path_len);
+        self.geometry.put(o);
+        o.extend_from_slice(path.as_bytes());
+    }
+
+    /// The bytes the proof covers besides the nonces and the writer: the
+    /// fields after the proof as they are encoded (for a Welcome that does
+    /// not encode, its geometry and data path in the same layout, so the
+    /// proof still differs from any valid one).
+    pub fn signed_fields(&self) -> Vec<u8> {
+        let (code, path) = self.code_and_path().unwrap_or((0, ""));
+        let path_len = u16::try_from(path.len()).unwrap_or(u16::MAX);
+        let mut o = Vec::with_capacity(WELCOME_FIXED_LEN - PROOF_LEN + path.len());
+        self.put_fields(&mut o, code, path, path_len);
+        o
     }
 
     /// Appends the encoded message to `out`; returns the bytes appended.
@@ -305,34 +393,22 @@ impl Welcome {
     /// over 65,535 bytes.
     pub fn encode(&self, out: &mut Vec<u8>) -> Result<usize, WireError> {
         self.geometry.validate()?;
-        let (code, path) = match &self.data_path {
-            DataPath::Frames => (1u8, ""),
-            DataPath::SharedMemory { path } if !path.is_empty() => (2u8, path.as_str()),
-            DataPath::SharedMemory { .. } => {
-                return Err(WireError::InvalidField {
-                    field: "path",
-                    value: 0,
-                    reason: "a shared-memory data path names its mapping",
-                })
-            }
-        };
+        let (code, path) = self.code_and_path()?;
         let path_len: u16 = fit(path.len(), "path")?;
         seal(
             MessageType::Welcome,
-            WELCOME_FIXED_LEN + self.path().len(),
+            WELCOME_FIXED_LEN + path.len(),
             out,
             |o| {
-                o.put_u8(code);
-                o.put_u8(0);
-                o.put_u16(path_len);
-                self.geometry.put(o);
-                o.extend_from_slice(path.as_bytes());
+                o.extend_from_slice(&self.proof);
+                self.put_fields(o, code, path, path_len);
             },
         )
     }
 
     pub(crate) fn decode_body(body: &[u8]) -> Result<Self, WireError> {
         let mut r = Reader::new(body);
+        let proof = r.array("proof")?;
         let code = r.u8("data_path")?;
         let reserved = r.u8("reserved")?;
         if reserved != 0 {
@@ -372,6 +448,7 @@ impl Welcome {
             }
         };
         Ok(Self {
+            proof,
             data_path,
             geometry,
         })

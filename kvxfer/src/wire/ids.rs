@@ -31,7 +31,7 @@ use thiserror::Error;
 pub struct MintError(getrandom::Error);
 
 /// `N` random bytes from the OS, never all zero.
-fn random_nonzero<const N: usize>() -> Result<[u8; N], MintError> {
+pub(crate) fn random_nonzero<const N: usize>() -> Result<[u8; N], MintError> {
     let mut b = [0u8; N];
     loop {
         getrandom::fill(&mut b).map_err(MintError)?;

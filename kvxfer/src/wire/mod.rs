@@ -1,7 +1,8 @@
 //! The versioned wire format of KV transfers: data frames (a slot range of
 //! some layers of one granted page) and the control messages of the
 //! handshake in `design/kv-safety.md` section 3 (grant, transfer done,
-//! abort, abort confirmed, revoke).
+//! abort, abort confirmed, revoke), and the mesh-authenticated opening of a
+//! transport connection (challenge, hello, welcome).
 //!
 //! Hand-written little-endian encoding with a fixed header, no serde: every
 //! byte below is checked on decode, and [`decode`] never panics, never reads
@@ -17,7 +18,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `KVMW` (`4b 56 4d 57`) |
-//! | 4 | 2 | version u16, [`VERSION`] = 1 |
+//! | 4 | 2 | version u16, [`VERSION`] = 2 |
 //! | 6 | 2 | message type tag u16 ([`MessageType`]) |
 //! | 8 | 4 | body length u32 (bytes between header and trailer) |
 //! | 12 | body length | body, per type below |
@@ -87,16 +88,28 @@
 //!
 //! **Revoke** (tag 6), 16 bytes: reservation id.
 //!
-//! **Hello** (tag 7), 16 bytes: writer id, the first message a prefill
-//! node sends on a transport connection. The id is minted once per writer
-//! process, so a restarted writer is a new writer and grants bound to the
-//! old one never work for it.
+//! A connection opens with three messages (the mesh-authentication
+//! handshake of `crate::auth::kv`; proofs are HMAC-SHA256 under the
+//! per-mesh secret, nonces 32 random bytes, never all zeros):
 //!
-//! **Welcome** (tag 8), 16 bytes + path: the decode node's answer to
-//! Hello: data path u8 (1 = frames on this connection, checked by the
-//! receiver; 2 = one-sided writes into a shared-memory mapping), reserved
-//! u8 = 0, path length u16, geometry (12), then the mapping's path
-//! (UTF-8; empty for data path 1, non-empty for 2).
+//! **Challenge** (tag 9), 32 bytes: the decode node's nonce, fresh per
+//! connection, the first message on it.
+//!
+//! **Hello** (tag 7), 80 bytes: writer id (16), the writer's nonce (32),
+//! proof (32) over the challenge, the writer's nonce and the writer id. The
+//! first message a prefill node sends; anything else first, or a proof
+//! that does not verify, closes the connection before any of it is read
+//! further (counted by kind). The id is minted once per writer process, so
+//! a restarted writer is a new writer and grants bound to the old one never
+//! work for it.
+//!
+//! **Welcome** (tag 8), 48 bytes + path: the decode node's answer to a
+//! valid Hello: proof (32) over the writer's nonce, the challenge, the
+//! writer id and the bytes after the proof; then data path u8 (1 = frames
+//! on this connection, checked by the receiver; 2 = one-sided writes into
+//! a shared-memory mapping), reserved u8 = 0, path length u16, geometry
+//! (12), then the mapping's path (UTF-8; empty for data path 1, non-empty
+//! for 2). A writer whose check of the proof fails hangs up.
 //!
 //! # Version policy
 //!
@@ -108,7 +121,8 @@
 //! [`WireError::UnknownType`] (the header still says how long it is, so a
 //! stream can skip it). Tags are never reused. New abort reason and dtype
 //! codes are additions too; unknown dtypes are refused, unknown abort
-//! reasons are honoured.
+//! reasons are honoured. History: version 2 added the proofs to Hello and
+//! Welcome (and the Challenge before them); version 1 peers are refused.
 //!
 //! # What is authenticated
 //!
@@ -120,9 +134,11 @@
 //! the transport connection of the writer named at reserve time and
 //! accepts frames, `TransferDone` and `AbortConfirmed` (which carries no
 //! capability: the writer may never have seen the grant) only on that
-//! connection. Who may open a connection to a pool at all is per-connection
-//! mesh authentication, a later issue. The checksum only detects
-//! corruption.
+//! connection. Who may open a connection to a pool at all is the
+//! per-connection mesh authentication above (Challenge, Hello, Welcome):
+//! only a peer that holds the mesh secret gets past Hello. Messages after
+//! the handshake carry no MAC (integrity against an attacker on the path
+//! waits for mutual TLS). The checksum only detects corruption.
 //!
 //! # Checksum
 //!
@@ -157,7 +173,8 @@ mod tests;
 
 pub use checksum::{checksum, page_checksum, Checksummer};
 pub use control::{
-    Abort, AbortConfirmed, AbortReason, DataPath, Hello, Revoke, TransferDone, Welcome,
+    Abort, AbortConfirmed, AbortReason, Challenge, DataPath, Hello, Revoke, TransferDone, Welcome,
+    NONCE_LEN, PROOF_LEN,
 };
 pub use error::{FrameReject, RejectCounters, WireError, REJECT_KINDS};
 pub use frame::{f32s_from_le, f32s_to_le, KvFrame, LayerKv};
@@ -167,8 +184,9 @@ pub use ids::{Capability, MintError, RequestId, ReservationId, TransferId, Write
 
 /// The first four bytes of every message.
 pub const MAGIC: [u8; 4] = *b"KVMW";
-/// The one version this build speaks.
-pub const VERSION: u16 = 1;
+/// The one version this build speaks. Version 2: Hello and Welcome carry
+/// the mesh-authentication proofs, after a Challenge (tag 9).
+pub const VERSION: u16 = 2;
 /// Bytes of the header: magic, version, type, body length.
 pub const HEADER_LEN: usize = 12;
 /// Bytes of the trailer: the checksum.
@@ -197,11 +215,13 @@ pub enum MessageType {
     Hello,
     /// Tag 8.
     Welcome,
+    /// Tag 9.
+    Challenge,
 }
 
 impl MessageType {
     /// Every type, in tag order.
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::KvFrame,
         Self::Grant,
         Self::TransferDone,
@@ -210,6 +230,7 @@ impl MessageType {
         Self::Revoke,
         Self::Hello,
         Self::Welcome,
+        Self::Challenge,
     ];
 
     /// The tag on the wire.
@@ -223,6 +244,7 @@ impl MessageType {
             Self::Revoke => 6,
             Self::Hello => 7,
             Self::Welcome => 8,
+            Self::Challenge => 9,
         }
     }
 
@@ -273,6 +295,8 @@ pub enum Message<'a> {
     Hello(Hello),
     /// The decode node's answer: how writes reach its pool.
     Welcome(Welcome),
+    /// The decode node opens a transport connection with a nonce.
+    Challenge(Challenge),
 }
 
 impl Message<'_> {
@@ -287,6 +311,7 @@ impl Message<'_> {
             Self::Revoke(_) => MessageType::Revoke,
             Self::Hello(_) => MessageType::Hello,
             Self::Welcome(_) => MessageType::Welcome,
+            Self::Challenge(_) => MessageType::Challenge,
         }
     }
 
@@ -299,7 +324,7 @@ impl Message<'_> {
             Self::Abort(m) => Some(m.reservation),
             Self::AbortConfirmed(m) => Some(m.reservation),
             Self::Revoke(m) => Some(m.reservation),
-            Self::Hello(_) | Self::Welcome(_) => None,
+            Self::Hello(_) | Self::Welcome(_) | Self::Challenge(_) => None,
         }
     }
 
@@ -315,6 +340,7 @@ impl Message<'_> {
             Self::Revoke(m) => m.encode(out),
             Self::Hello(m) => m.encode(out),
             Self::Welcome(m) => m.encode(out),
+            Self::Challenge(m) => m.encode(out),
         }
     }
 }
@@ -411,6 +437,7 @@ pub fn decode<'a>(
         MessageType::Revoke => Message::Revoke(Revoke::decode_body(body)?),
         MessageType::Hello => Message::Hello(Hello::decode_body(body)?),
         MessageType::Welcome => Message::Welcome(Welcome::decode_body(body)?),
+        MessageType::Challenge => Message::Challenge(Challenge::decode_body(body)?),
     };
     Ok((message, len))
 }

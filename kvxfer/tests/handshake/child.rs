@@ -6,6 +6,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use kvmesh_kvxfer::auth::MeshSecret;
 use kvmesh_kvxfer::handshake::{Outcome, RevokeCause};
 use kvmesh_kvxfer::shm::{ShmRegion, WriteKey};
 use kvmesh_kvxfer::transport::client::KvClient;
@@ -17,19 +18,22 @@ use super::common::*;
 const ENV_ENDPOINT: &str = "KVMESH_TEST_WRITER_ENDPOINT";
 const ENV_SHM: &str = "KVMESH_TEST_WRITER_SHM";
 const ENV_MODE: &str = "KVMESH_TEST_WRITER_MODE";
+const ENV_SECRET: &str = "KVMESH_TEST_WRITER_SECRET_FILE";
 
 /// The child's side. Does nothing unless started by the tests below.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "run as a child process by the writer-crash tests"]
 async fn child_writer() {
-    let (Ok(endpoint), Ok(shm), Ok(mode)) = (
+    let (Ok(endpoint), Ok(shm), Ok(mode), Ok(secret)) = (
         std::env::var(ENV_ENDPOINT),
         std::env::var(ENV_SHM),
         std::env::var(ENV_MODE),
+        std::env::var(ENV_SECRET),
     ) else {
         return;
     };
-    let client = KvClient::connect(&endpoint, WriterId::mint().expect("rng"))
+    let secret = MeshSecret::load(std::path::Path::new(&secret)).expect("mesh secret");
+    let client = KvClient::connect(&endpoint, WriterId::mint().expect("rng"), &secret)
         .await
         .expect("connect");
     println!("connected");
@@ -85,6 +89,7 @@ impl Writer {
             .env(ENV_ENDPOINT, node.endpoint())
             .env(ENV_SHM, shm)
             .env(ENV_MODE, mode)
+            .env(ENV_SECRET, &node.secret_file)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

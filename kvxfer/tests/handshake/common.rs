@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvmesh_kernels::{PageRef, PagedKv};
+use kvmesh_kvxfer::auth::kv::{hello_proof, welcome_ok};
+use kvmesh_kvxfer::auth::MeshSecret;
 use kvmesh_kvxfer::handshake::{ReservationTable, ReserveRequest, TableConfig};
 use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient};
 use kvmesh_kvxfer::transport::server::KvServer;
@@ -14,6 +16,7 @@ use kvmesh_kvxfer::transport::tcp::TcpLanding;
 use kvmesh_kvxfer::transport::Landing;
 use kvmesh_kvxfer::wire::{
     decode_message, peek_header, DecodeLimits, Grant, Hello, Message, WriterId, HEADER_LEN,
+    NONCE_LEN,
 };
 use kvmesh_kvxfer::{KvPool, PoolConfig, Reservation, ScrubMode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -47,7 +50,20 @@ pub fn pool_config() -> PoolConfig {
 pub struct Node {
     pub table: ReservationTable,
     pub server: KvServer,
+    /// The mesh secret the listener checks, and the file it was read from
+    /// (for writer processes).
+    pub secret: MeshSecret,
+    pub secret_file: std::path::PathBuf,
     _dir: tempfile::TempDir,
+}
+
+/// 32 random bytes in a file, as an operator makes one.
+pub fn secret_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let mut b = [0u8; 32];
+    getrandom::fill(&mut b).expect("rng");
+    let p = dir.join("mesh.secret");
+    std::fs::write(&p, b).expect("write secret");
+    p
 }
 
 pub fn table_config() -> TableConfig {
@@ -77,14 +93,21 @@ impl Node {
             }
         };
         let table = ReservationTable::new(pool, landing, cfg).expect("table");
+        let secret_file = secret_file(dir.path());
+        let secret = MeshSecret::load(&secret_file).expect("secret");
         let server = match kind {
-            Kind::Tcp => KvServer::bind_tcp(table.clone(), "127.0.0.1:0").await,
-            Kind::Shm => KvServer::bind_unix(table.clone(), &dir.path().join("kv.sock")).await,
+            Kind::Tcp => KvServer::bind_tcp(table.clone(), "127.0.0.1:0", secret.clone()).await,
+            Kind::Shm => {
+                let sock = dir.path().join("kv.sock");
+                KvServer::bind_unix(table.clone(), &sock, secret.clone()).await
+            }
         }
         .expect("listen");
         Self {
             table,
             server,
+            secret,
+            secret_file,
             _dir: dir,
         }
     }
@@ -94,9 +117,13 @@ impl Node {
     }
 
     pub async fn client(&self) -> KvClient {
-        KvClient::connect(&self.endpoint(), WriterId::mint().expect("rng"))
-            .await
-            .expect("connect")
+        KvClient::connect(
+            &self.endpoint(),
+            WriterId::mint().expect("rng"),
+            &self.secret,
+        )
+        .await
+        .expect("connect")
     }
 
     pub fn request(
@@ -194,26 +221,78 @@ pub struct RawWriter {
 }
 
 impl RawWriter {
-    pub async fn connect(node: &Node) -> Self {
+    /// A TCP connection that has not said anything yet (the decode node's
+    /// Challenge waits in it).
+    pub async fn unauthenticated(node: &Node) -> Self {
         let addr = node
             .endpoint()
             .strip_prefix("tcp://")
             .expect("tcp node")
             .to_owned();
-        let mut stream = TcpStream::connect(addr).await.expect("connect");
-        let id = WriterId::mint().expect("rng");
-        let mut bytes = Vec::new();
-        Hello { writer: id }.encode(&mut bytes).expect("encode");
-        stream.write_all(&bytes).await.expect("hello");
-        let mut raw = Self { id, stream };
+        let stream = TcpStream::connect(addr).await.expect("connect");
+        Self {
+            id: WriterId::mint().expect("rng"),
+            stream,
+        }
+    }
+
+    /// The decode node's Challenge nonce.
+    pub async fn challenge(&mut self) -> [u8; NONCE_LEN] {
+        let bytes = self.recv().await.expect("a challenge");
+        match decode_message(&bytes).expect("challenge").0 {
+            Message::Challenge(c) => c.nonce,
+            other => panic!("expected a challenge, got {other:?}"),
+        }
+    }
+
+    /// The Hello a writer holding `secret` sends for `challenge`.
+    pub fn hello(&self, secret: &MeshSecret, challenge: &[u8; NONCE_LEN]) -> Hello {
+        let mut nonce = [0u8; NONCE_LEN];
+        getrandom::fill(&mut nonce).expect("rng");
+        Hello {
+            writer: self.id,
+            nonce,
+            proof: hello_proof(secret, challenge, &nonce, self.id),
+        }
+    }
+
+    /// Connects and authenticates with the node's secret, checking the
+    /// Welcome's proof.
+    pub async fn connect(node: &Node) -> Self {
+        let mut raw = Self::unauthenticated(node).await;
+        let challenge = raw.challenge().await;
+        let hello = raw.hello(&node.secret, &challenge);
+        raw.send(&Message::Hello(hello)).await;
         match raw.recv().await {
-            Some(bytes) => assert!(matches!(
-                decode_message(&bytes).expect("welcome").0,
-                Message::Welcome(_)
-            )),
+            Some(bytes) => match decode_message(&bytes).expect("welcome").0 {
+                Message::Welcome(w) => {
+                    assert!(welcome_ok(&node.secret, &challenge, &hello, &w))
+                }
+                other => panic!("expected a welcome, got {other:?}"),
+            },
             None => panic!("no welcome"),
         }
         raw
+    }
+
+    /// Whether the decode node closed the connection within 5 s (whatever
+    /// it sent before is read and dropped).
+    pub async fn closed_by_peer(&mut self) -> bool {
+        self.closed_within(Duration::from_secs(5)).await
+    }
+
+    /// Whether the decode node closed the connection within `d`.
+    pub async fn closed_within(&mut self, d: Duration) -> bool {
+        let mut b = [0u8; 4096];
+        let drain = async {
+            loop {
+                match self.stream.read(&mut b).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        };
+        tokio::time::timeout(d, drain).await.is_ok()
     }
 
     pub async fn send(&mut self, m: &Message<'_>) {

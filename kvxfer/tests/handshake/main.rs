@@ -32,6 +32,9 @@ macro_rules! both {
     };
 }
 
+// After the macro, which it uses.
+mod mesh_auth;
+
 both!(transfer_verifies_and_goes_live);
 async fn transfer_verifies_and_goes_live(kind: Kind) {
     let node = Node::start(kind).await;

@@ -90,7 +90,8 @@ fn header_errors_are_typed() {
     let mut m = msg.clone();
     m[..4].copy_from_slice(b"HTTP");
     assert_eq!(err(&m), WireError::BadMagic { got: *b"HTTP" });
-    for v in [0u16, 2, u16::MAX] {
+    // Version 1 (before mesh authentication) is refused like any other.
+    for v in [0u16, 1, 3, u16::MAX] {
         let mut m = msg.clone();
         m[4..6].copy_from_slice(&v.to_le_bytes());
         reseal(&mut m);
@@ -98,11 +99,11 @@ fn header_errors_are_typed() {
             err(&m),
             WireError::UnsupportedVersion {
                 got: v,
-                supported: 1
+                supported: 2
             }
         );
     }
-    for tag in [0u16, 9, u16::MAX] {
+    for tag in [0u16, 10, u16::MAX] {
         let mut m = msg.clone();
         m[6..8].copy_from_slice(&tag.to_le_bytes());
         reseal(&mut m);
@@ -190,6 +191,14 @@ fn invalid_fields_are_named() {
         (patch(f, 80, &u32::MAX.to_le_bytes()), "slots.n"), // overflow
         (patch(g, 60, &0u64.to_le_bytes()), "prompt_tokens"),
         (patch(g, 90 + 3 * 12, b"\xff"), "endpoint"),
+        // The connection's opening: zero nonces were never minted, the
+        // Welcome's fields after its proof are checked as before.
+        (patch(&s[6].1, 0, &[0; 16]), "writer"),
+        (patch(&s[6].1, 16, &[0; NONCE_LEN]), "nonce"),
+        (patch(&s[8].1, 0, &[0; NONCE_LEN]), "nonce"),
+        (patch(&s[7].1, PROOF_LEN, &[3]), "data_path"),
+        (patch(&s[7].1, PROOF_LEN + 1, &[1]), "reserved"),
+        (patch(&s[7].1, PROOF_LEN, &[1]), "path"),
     ];
     for (msg, field) in cases {
         match err(&msg) {

@@ -118,12 +118,18 @@ pub(super) fn samples() -> Vec<(MessageType, Vec<u8>)> {
         }),
         Message::Hello(Hello {
             writer: WriterId::from_wire([3; 16]),
+            nonce: [4; NONCE_LEN],
+            proof: [5; PROOF_LEN],
         }),
         Message::Welcome(Welcome {
+            proof: [6; PROOF_LEN],
             data_path: DataPath::SharedMemory {
                 path: "/dev/shm/kvmesh-pool-1.shm".into(),
             },
             geometry: geo(4, 3, 1, 2),
+        }),
+        Message::Challenge(Challenge {
+            nonce: [7; NONCE_LEN],
         }),
     ];
     msgs.iter()
@@ -169,7 +175,14 @@ fn layout_sizes_match_the_doc_tables() {
         ),
         (18, 24, 16)
     );
-    assert_eq!((control::HELLO_LEN, control::WELCOME_FIXED_LEN), (16, 16));
+    assert_eq!(
+        (
+            control::CHALLENGE_LEN,
+            control::HELLO_LEN,
+            control::WELCOME_FIXED_LEN
+        ),
+        (32, 80, 48)
+    );
     assert_eq!(HEADER_LEN + frame::FRAME_FIXED_LEN, 104);
     let s = samples();
     let lens: Vec<usize> = s.iter().map(|(_, m)| m.len()).collect();
@@ -183,16 +196,17 @@ fn layout_sizes_match_the_doc_tables() {
             20 + 18,
             20 + 24,
             20 + 16,
-            20 + 16,
-            20 + 16 + "/dev/shm/kvmesh-pool-1.shm".len(),
+            20 + 80,
+            20 + 48 + "/dev/shm/kvmesh-pool-1.shm".len(),
+            20 + 32,
         ]
     );
     for (ty, m) in &s {
         assert_eq!(m[..4], *b"KVMW");
-        assert_eq!(u16::from_le_bytes([m[4], m[5]]), 1);
+        assert_eq!(u16::from_le_bytes([m[4], m[5]]), 2);
         assert_eq!(u16::from_le_bytes([m[6], m[7]]), ty.tag());
         assert_eq!(MessageType::from_tag(ty.tag()), Ok(*ty));
     }
     let tags: Vec<u16> = MessageType::ALL.iter().map(|t| t.tag()).collect();
-    assert_eq!(tags, [1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(tags, [1, 2, 3, 4, 5, 6, 7, 8, 9]);
 }

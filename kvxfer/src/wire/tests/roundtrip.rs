@@ -23,6 +23,10 @@ fn arb_cap() -> impl Strategy<Value = Capability> {
         .prop_map(Capability::from_wire)
 }
 
+fn arb_nonce() -> impl Strategy<Value = [u8; NONCE_LEN]> {
+    any::<[u8; NONCE_LEN]>().prop_filter("nonces are never zero", |b| b.iter().any(|&x| x != 0))
+}
+
 fn arb_geo() -> impl Strategy<Value = Geometry> {
     (1u32..=32, 1u16..=6, 1u16..=3, 1u16..=8).prop_map(|(p, l, h, d)| geo(p, l, h, d))
 }
@@ -178,17 +182,30 @@ fn arb_control() -> impl Strategy<Value = Message<'static>> {
             })
         }),
         arb_rid().prop_map(|reservation| Message::Revoke(Revoke { reservation })),
-        any::<[u8; 16]>()
-            .prop_filter("ids are never zero", |b| b.iter().any(|&x| x != 0))
-            .prop_map(|b| Message::Hello(Hello {
-                writer: WriterId::from_wire(b)
+        (
+            any::<[u8; 16]>().prop_filter("ids are never zero", |b| b.iter().any(|&x| x != 0)),
+            arb_nonce(),
+            any::<[u8; PROOF_LEN]>()
+        )
+            .prop_map(|(b, nonce, proof)| Message::Hello(Hello {
+                writer: WriterId::from_wire(b),
+                nonce,
+                proof,
             })),
-        (arb_geo(), proptest::option::of("\\PC{1,60}")).prop_map(|(geometry, path)| {
-            Message::Welcome(Welcome {
-                data_path: path.map_or(DataPath::Frames, |path| DataPath::SharedMemory { path }),
-                geometry,
-            })
-        }),
+        (
+            any::<[u8; PROOF_LEN]>(),
+            arb_geo(),
+            proptest::option::of("\\PC{1,60}")
+        )
+            .prop_map(|(proof, geometry, path)| {
+                Message::Welcome(Welcome {
+                    proof,
+                    data_path: path
+                        .map_or(DataPath::Frames, |path| DataPath::SharedMemory { path }),
+                    geometry,
+                })
+            }),
+        arb_nonce().prop_map(|nonce| Message::Challenge(Challenge { nonce })),
     ]
 }
 

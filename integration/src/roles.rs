@@ -1,0 +1,150 @@
+//! Mesh roles as separate processes from one mesh file (`kvmesh
+//! router|prefill|decode --config F`), and the per-mesh secret file they
+//! share.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// Writes 32 random bytes to `dir/name` (owner-only), as an operator makes
+/// a mesh secret; returns the path.
+pub fn write_secret(dir: &Path, name: &str) -> PathBuf {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut b = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|f| f.take(32).read_exact(&mut b))
+        .expect("random bytes");
+    let p = dir.join(name);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&p)
+        .expect("create secret file");
+    std::io::Write::write_all(&mut f, &b).expect("write secret");
+    p
+}
+
+/// A running role; killed on drop.
+#[derive(Debug)]
+pub struct Proc {
+    child: Child,
+    logs: Option<mpsc::Receiver<String>>,
+}
+
+impl Proc {
+    /// The next line of its log (stderr) containing `needle`, waiting at
+    /// most `within`; only for [`start_logged`] processes.
+    pub fn log_line(&self, needle: &str, within: Duration) -> Option<String> {
+        let logs = self.logs.as_ref()?;
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            match logs.recv_timeout(left) {
+                Ok(l) if l.contains(needle) => return Some(l),
+                Ok(_) => {}
+                Err(_) => return None,
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `kvmesh ROLE --config F [--name N]` (log level warn, stderr
+/// inherited); waits for its ready line.
+pub fn start(role: &str, config: &Path, name: Option<&str>, ready: &str) -> (Proc, Vec<String>) {
+    spawn(role, config, name, ready, None, &[])
+}
+
+/// [`start`] with extra flags (`--fault-injection`, say).
+pub fn start_with(
+    role: &str,
+    config: &Path,
+    name: Option<&str>,
+    ready: &str,
+    args: &[&str],
+) -> (Proc, Vec<String>) {
+    spawn(role, config, name, ready, None, args)
+}
+
+/// [`start`] with the log filter `filter` (`KVMESH_LOG`) and its stderr
+/// captured for [`Proc::log_line`] (and echoed to the test's stderr).
+pub fn start_logged(
+    role: &str,
+    config: &Path,
+    name: Option<&str>,
+    ready: &str,
+    filter: &str,
+) -> (Proc, Vec<String>) {
+    spawn(role, config, name, ready, Some(filter), &[])
+}
+
+fn spawn(
+    role: &str,
+    config: &Path,
+    name: Option<&str>,
+    ready: &str,
+    filter: Option<&str>,
+    args: &[&str],
+) -> (Proc, Vec<String>) {
+    let mut cmd = Command::new(crate::kvmesh_bin());
+    cmd.arg(role).arg("--config").arg(config).args(args);
+    if let Some(n) = name {
+        cmd.args(["--name", n]);
+    }
+    let mut child = cmd
+        .env("KVMESH_LOG", filter.unwrap_or("warn"))
+        .stdout(Stdio::piped())
+        .stderr(if filter.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::inherit()
+        })
+        .spawn()
+        .expect("spawn");
+    let logs = child.stderr.take().map(|err| {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                eprintln!("{l}");
+                let _ = tx.send(l);
+            }
+        });
+        rx
+    });
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut seen = Vec::new();
+    for l in lines.by_ref() {
+        let l = l.expect("line");
+        let done = l.contains(ready);
+        seen.push(l);
+        if done && role != "router" {
+            break;
+        }
+        if role == "router" && seen.len() >= 4 {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    assert!(
+        seen.iter().any(|l| l.contains(ready)),
+        "{role} never ready: {seen:?}"
+    );
+    (Proc { child, logs }, seen)
+}

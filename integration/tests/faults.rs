@@ -1,0 +1,670 @@
+//! The fault matrix (issue 5, items 1-3): faults injected at each step of
+//! the handshake and of decoding, through the `x-kvmesh-fault` header of a
+//! testing build started with `--fault-injection`; the cross-tenant leak
+//! test; planted bugs that switch one defence off at a time.
+//!
+//! Every case asserts its outcome: output equal to the reference engine's
+//! (`kvmesh generate`) or a clear error to the client; the pages back to
+//! free on every node within a bound; the guard-violation counter at zero
+//! except where a case plants a violation on purpose (and then that
+//! request fails).
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use kvmesh_integration::http::{self, post_streaming_headers};
+use kvmesh_integration::mesh::Mesh;
+use kvmesh_integration::{roles, tiny_model_dir};
+use serde_json::{json, Value};
+
+/// Lease and abort timeout of the meshes here: short, so that the cases
+/// that end by lease expiry or revocation end quickly.
+const LEASE_MS: &str = "2000";
+const ABORT_TIMEOUT_MS: &str = "1000";
+
+/// What a fault must lead to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Expect {
+    /// Output equal to the reference.
+    Equal,
+    /// A clear error to the client.
+    Error,
+    /// A clear error, and the decode node's guard-violation counter rises
+    /// by one (a violation planted on purpose).
+    GuardError,
+    /// A write that goes after transfer-done: a clear error where the
+    /// receiver sees frames in order (TCP); on a one-sided transport the
+    /// write may land before decode closes the path and verifies (then the
+    /// transfer is whole and the output equals the reference) or not (a
+    /// clear error). Never anything else.
+    ErrorInOrder,
+}
+
+/// The matrix: one request per row, each with its fault.
+const MATRIX: &[(&str, Expect)] = &[
+    ("", Expect::Equal),
+    ("reserve=delay:100", Expect::Equal),
+    ("reserve=duplicate", Expect::Equal),
+    ("reserve=drop", Expect::Error),
+    ("grant=delay:100", Expect::Equal),
+    ("grant=duplicate", Expect::Equal),
+    ("grant=corrupt", Expect::Error),
+    ("grant=drop", Expect::Error),
+    ("frame:0=delay:100", Expect::Equal),
+    ("frame:1=duplicate", Expect::Equal),
+    ("frame:1=reorder", Expect::Equal),
+    // Layer 1 (frame 5 on either test prompt): layer 0's KV depends only
+    // on each token and its position, so a lost layer-0 frame over the
+    // previous case's identical stale data would rightly go unnoticed.
+    ("frame:5=drop", Expect::Error),
+    ("frame:0=corrupt", Expect::Error),
+    ("done=delay:100", Expect::Equal),
+    ("done=duplicate", Expect::Equal),
+    ("done=drop", Expect::Error),
+    ("done=corrupt", Expect::Error),
+    ("done=reorder", Expect::ErrorInOrder),
+    ("verify=corrupt", Expect::Error),
+    ("step:0=delay:100", Expect::Equal),
+    ("step:2=drop", Expect::Error),
+    ("step:2=corrupt", Expect::GuardError),
+    ("release=delay:300", Expect::Equal),
+];
+
+/// A request's result: the text, or the error the client saw.
+fn complete(
+    addr: &str,
+    prompt: &str,
+    max_tokens: usize,
+    stream: bool,
+    headers: &[(&str, &str)],
+) -> Result<String, String> {
+    let body =
+        json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream});
+    if !stream {
+        let r = http::request_headers(
+            addr,
+            "POST",
+            "/v1/completions",
+            Some(&body.to_string()),
+            headers,
+        );
+        if r.status != 200 {
+            return Err(format!("{}: {}", r.status, r.body));
+        }
+        return Ok(r.json()["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned());
+    }
+    let mut s = post_streaming_headers(addr, "/v1/completions", &body, headers);
+    if s.status != 200 {
+        return Err(format!("status {}", s.status));
+    }
+    let mut text = String::new();
+    while let Some(d) = s.next_event() {
+        if d == "[DONE]" {
+            return Ok(text);
+        }
+        let v: Value = serde_json::from_str(&d).map_err(|e| format!("{e}: {d}"))?;
+        if v.get("error").is_some() {
+            return Err(d);
+        }
+        text.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
+    }
+    Err("stream ended without [DONE]".into())
+}
+
+fn guard_violations(mesh: &Mesh) -> f64 {
+    mesh.metric("kvmesh_node_kv_guard_violations_total{node=\"decode-0\"")
+        .unwrap_or(0.0)
+}
+
+/// Runs the matrix against `mesh` (model `model`): case `i` sends
+/// `Case i: PROMPT`, so that no case's KV equals what an earlier case left
+/// in the same pages (a lost frame over identical stale data would go
+/// unnoticed, rightly). Every output must equal the reference or be the
+/// expected error, must not contain any of `forbidden`, and every case
+/// must leave the pools whole. Returns the number of cases.
+fn run_matrix(
+    mesh: &Mesh,
+    model: &Path,
+    prompt: &str,
+    max_tokens: usize,
+    auth: Option<&str>,
+    forbidden: &[&str],
+    one_sided: bool,
+) -> usize {
+    let bearer = auth.map(|k| format!("Bearer {k}"));
+    for (i, &(spec, expect)) in MATRIX.iter().enumerate() {
+        let stream = i % 2 == 1;
+        let prompt = format!("Case {i}: {prompt}");
+        let may_equal = expect == Expect::Equal || (expect == Expect::ErrorInOrder && one_sided);
+        let want = may_equal.then(|| reference(model, &prompt, max_tokens));
+        let mut headers = vec![("x-kvmesh-fault", spec)];
+        if let Some(b) = &bearer {
+            headers.push(("Authorization", b.as_str()));
+        }
+        let before = guard_violations(mesh);
+        let t0 = Instant::now();
+        let got = complete(&mesh.http, &prompt, max_tokens, stream, &headers);
+        let took = t0.elapsed();
+        // Bounded: nothing waits past the lease plus margin.
+        assert!(took < Duration::from_secs(15), "{spec}: took {took:?}");
+        if let Ok(text) = &got {
+            for m in forbidden {
+                assert!(!text.contains(m), "{spec}: output carries {m:?}: {text:?}");
+            }
+        }
+        match expect {
+            Expect::Equal => {
+                assert_eq!(
+                    got.as_deref().ok(),
+                    want.as_deref(),
+                    "{spec} (stream={stream}): {got:?}"
+                )
+            }
+            Expect::ErrorInOrder if one_sided && got.is_ok() => {
+                assert_eq!(
+                    got.as_deref().ok(),
+                    want.as_deref(),
+                    "{spec} (stream={stream})"
+                )
+            }
+            Expect::Error | Expect::GuardError | Expect::ErrorInOrder => {
+                let e = got.expect_err(&format!("{spec} (stream={stream}) must fail"));
+                assert!(
+                    e.contains("error") || e.starts_with("status"),
+                    "{spec}: not a clear error: {e}"
+                );
+            }
+        }
+        mesh.assert_pages_come_back();
+        let after = guard_violations(mesh);
+        let planted = if expect == Expect::GuardError {
+            1.0
+        } else {
+            0.0
+        };
+        assert_eq!(after - before, planted, "{spec}: guard violations");
+        eprintln!("fault {spec:24} stream={stream:5} -> {expect:?} ok ({took:?})");
+    }
+    MATRIX.len()
+}
+
+fn start_tiny(extra: &[&str]) -> Mesh {
+    let mut args = vec![
+        "--fault-injection",
+        "--lease-ms",
+        LEASE_MS,
+        "--abort-timeout-ms",
+        ABORT_TIMEOUT_MS,
+    ];
+    args.extend_from_slice(extra);
+    Mesh::start(&tiny_model_dir(), &args)
+}
+
+/// A prompt of several pages (page size 16) on the tiny model.
+const PROMPT: &str =
+    "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat by the door";
+const MAX_TOKENS: usize = 12;
+
+fn reference(model: &Path, prompt: &str, max_tokens: usize) -> String {
+    kvmesh_integration::reference_text(model, prompt, false, max_tokens)
+}
+
+#[test]
+fn fault_matrix_tcp() {
+    let mesh = start_tiny(&["--transport", "tcp"]);
+    let n = run_matrix(
+        &mesh,
+        &tiny_model_dir(),
+        PROMPT,
+        MAX_TOKENS,
+        None,
+        &[],
+        false,
+    );
+    assert_eq!(n, MATRIX.len());
+}
+
+#[test]
+fn fault_matrix_shm() {
+    let mesh = start_tiny(&["--transport", "shm"]);
+    run_matrix(
+        &mesh,
+        &tiny_model_dir(),
+        PROMPT,
+        MAX_TOKENS,
+        None,
+        &[],
+        true,
+    );
+}
+
+#[test]
+fn bad_fault_specs_are_refused_with_the_header_named() {
+    let mesh = start_tiny(&[]);
+    for spec in ["frame=drop", "verify=drop", "nonsense", "done=delay:999999"] {
+        let r = complete(&mesh.http, "hi", 2, false, &[("x-kvmesh-fault", spec)]);
+        let e = r.expect_err(spec);
+        assert!(e.starts_with("400"), "{spec}: {e}");
+        assert!(e.contains("x-kvmesh-fault"), "{spec}: {e}");
+    }
+    // Without --fault-injection the header is ignored entirely.
+    let plain = Mesh::start(&tiny_model_dir(), &[]);
+    let want = reference(&tiny_model_dir(), "hi", 2);
+    let got = complete(
+        &plain.http,
+        "hi",
+        2,
+        false,
+        &[("x-kvmesh-fault", "frame:0=drop")],
+    );
+    assert_eq!(got.as_deref(), Ok(want.as_str()));
+}
+
+/// A client that leaves while its prompt is being transferred (the
+/// writer held up inside its first page write, 600 ms, shorter than the
+/// 1 s abort timeout), with the abort and its confirmation faulted: the
+/// reservation ends the way the protocol says (confirmed, or revoked when
+/// the confirmation is withheld) and the pages come back every time.
+#[test]
+fn vanishing_clients_with_faulted_aborts_and_confirmations() {
+    for transport in ["tcp", "shm"] {
+        let mesh = start_tiny(&["--transport", transport]);
+        for (spec, outcome) in [
+            ("frame:0=delay:600", "aborted"),
+            ("frame:0=delay:600,confirm=drop", "abort_timed_out"),
+            ("frame:0=delay:600,confirm=delay:200", "aborted"),
+            ("frame:0=delay:600,confirm=duplicate", "aborted"),
+            ("frame:0=delay:600,abort=drop", "aborted"),
+            ("frame:0=delay:600,abort=duplicate", "aborted"),
+            ("frame:0=delay:600,abort=delay:100", "aborted"),
+        ] {
+            let ended = format!(
+                "kvmesh_node_reservations_total{{node=\"decode-0\",outcome=\"{outcome}\"}}"
+            );
+            let before = mesh.metric(&ended).unwrap_or(0.0);
+            let body =
+                json!({"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": true});
+            let s = post_streaming_headers(
+                &mesh.http,
+                "/v1/completions",
+                &body,
+                &[("x-kvmesh-fault", spec)],
+            );
+            assert_eq!(s.status, 200, "{spec}");
+            std::thread::sleep(Duration::from_millis(150));
+            drop(s);
+            mesh.wait_for_metric(&ended, before + 1.0);
+            mesh.assert_pages_come_back();
+            assert_eq!(guard_violations(&mesh), 0.0, "{spec}");
+            eprintln!("{transport}: vanished with {spec}: {outcome}, pages back");
+        }
+        // A slow reader gets the whole answer, equal to the reference.
+        let want = reference(&tiny_model_dir(), PROMPT, 24);
+        let body = json!({"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stream": true});
+        let mut s = post_streaming_headers(&mesh.http, "/v1/completions", &body, &[]);
+        let mut text = String::new();
+        while let Some(d) = s.next_event() {
+            std::thread::sleep(Duration::from_millis(40));
+            if d == "[DONE]" {
+                break;
+            }
+            let v: Value = serde_json::from_str(&d).expect("event");
+            text.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
+        }
+        assert_eq!(text, want, "{transport}: slow reader");
+        mesh.assert_pages_come_back();
+    }
+}
+
+/// More requests than the decode pool holds at once: they wait for pages
+/// (bounded) and all complete equal to the reference; none fails, none
+/// hangs, every page comes back.
+#[test]
+fn exhausted_pool_waits_then_serves_everyone() {
+    // 64 slots: one request of ~30 tokens + 12 needs 3 pages of 16; four
+    // pages in all, so only one runs at a time.
+    let mesh = start_tiny(&["--kv-pool-tokens", "64", "--allow-small-pool"]);
+    let want = reference(&tiny_model_dir(), PROMPT, MAX_TOKENS);
+    let handles: Vec<_> = (0..6)
+        .map(|i| {
+            let addr = mesh.http.clone();
+            std::thread::spawn(move || complete(&addr, PROMPT, MAX_TOKENS, i % 2 == 0, &[]))
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().expect("client").as_deref(), Ok(want.as_str()));
+    }
+    mesh.assert_pages_come_back();
+}
+
+/// The refusals the decode node counted, all kinds.
+fn kv_refused(mesh: &Mesh) -> f64 {
+    mesh.metrics()
+        .lines()
+        .filter(|l| l.starts_with("kvmesh_node_kv_refused_total{node=\"decode-0\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn granted(mesh: &Mesh) -> f64 {
+    mesh.metric("kvmesh_node_reservations_granted_total{node=\"decode-0\"")
+        .unwrap_or(0.0)
+}
+
+/// Secret markers of tenant A.
+const MARKERS: [&str; 3] = ["ZEPHYR-7731", "QUOKKA-2208", "MARMOT-9154"];
+
+/// The leak test (item 2) on the default model, scrubbing off, a decode
+/// pool smaller than the context window: tenant A fills the pools with
+/// prompts carrying secret markers and long answers; once A's pages are
+/// released (and so reused: the pool is small), tenant B runs the whole
+/// fault matrix and over-length prompts. Every B answer is a clear error
+/// or equal to the reference token for token, none carries a marker, the
+/// pools come back whole, and the guard counter moves only where a case
+/// plants a violation.
+#[test]
+fn cross_tenant_leak_with_scrubbing_off() {
+    let Some(model) = kvmesh_model::default_model::cached_default_model() else {
+        eprintln!("note: default model not cached; skipped (run `kvmesh fetch-model`)");
+        return;
+    };
+    let mesh = Mesh::start(
+        &model,
+        &[
+            "--fault-injection",
+            // Prefill of the real model on 2 busy cores takes its time.
+            "--lease-ms",
+            "8000",
+            "--abort-timeout-ms",
+            ABORT_TIMEOUT_MS,
+            "--scrub",
+            "off",
+            "--max-model-len",
+            "1024",
+            "--kv-pool-tokens",
+            "320",
+            "--allow-small-pool",
+            "--api-key",
+            "key-a=tenant-a",
+            "--api-key",
+            "key-b=tenant-b",
+        ],
+    );
+    // Tenant A: three long answers at once fill most of the pool.
+    let a: Vec<_> = MARKERS
+        .iter()
+        .map(|m| {
+            let addr = mesh.http.clone();
+            let prompt = format!(
+                "The secret code is {m}. Remember it: {m}. Again, the secret code is {m}. Repeat the secret code ten times:"
+            );
+            std::thread::spawn(move || {
+                complete(&addr, &prompt, 48, true, &[("Authorization", "Bearer key-a")])
+            })
+        })
+        .collect();
+    let a: Vec<String> = a
+        .into_iter()
+        .map(|h| h.join().expect("tenant A").expect("tenant A's answer"))
+        .collect();
+    // A's own KV carries its markers (its answers repeat them).
+    assert!(
+        a.iter().zip(MARKERS).any(|(t, m)| t.contains(m)),
+        "tenant A's answers never repeat a marker: {a:?}"
+    );
+    mesh.assert_pages_come_back();
+
+    // Tenant B: the fault matrix on a prompt of its own.
+    run_matrix(
+        &mesh,
+        &model,
+        "List three colours:",
+        10,
+        Some("key-b"),
+        &MARKERS,
+        false,
+    );
+
+    // Over-length for the pool (fits the 1024 window, not the 320-token
+    // pool): refused at once, no reservation granted, nothing computed.
+    let before = granted(&mesh);
+    let long = "word ".repeat(200);
+    for stream in [false, true] {
+        let r = complete(
+            &mesh.http,
+            &long,
+            200,
+            stream,
+            &[("Authorization", "Bearer key-b")],
+        );
+        let e = r.expect_err("over-length must be refused");
+        assert!(e.starts_with("400") || e == "status 400", "{e}");
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(granted(&mesh), before, "an over-length prompt got pages");
+    mesh.assert_pages_come_back();
+}
+
+fn start_planted(bug: &str, extra: &[&str]) -> Mesh {
+    let mut args = vec!["--plant-bug", bug, "--transport", "tcp"];
+    args.extend_from_slice(extra);
+    start_tiny(&args)
+}
+
+/// Planted bug: the router admits everything. The nodes' own re-checks
+/// (I3 at decode) still refuse a prompt that does not fit: a clear error,
+/// no reservation granted, pages whole.
+#[test]
+fn planted_no_admission_is_stopped_by_the_nodes_own_checks() {
+    let mesh = start_planted(
+        "no-admission",
+        &["--kv-pool-tokens", "64", "--allow-small-pool"],
+    );
+    for (max_tokens, what) in [(100, "over the pool"), (300, "over the window")] {
+        let e = complete(&mesh.http, PROMPT, max_tokens, false, &[])
+            .expect_err("admitted by the bug, refused by decode");
+        assert!(e.contains("decode") && e.contains("error"), "{what}: {e}");
+    }
+    assert_eq!(granted(&mesh), 0.0);
+    mesh.assert_pages_come_back();
+    // Requests that fit still work.
+    let want = reference(&tiny_model_dir(), PROMPT, 4);
+    assert_eq!(
+        complete(&mesh.http, PROMPT, 4, false, &[]).as_deref(),
+        Ok(want.as_str())
+    );
+}
+
+/// Planted bug: decode goes live without verifying the transfer. A frame
+/// dropped on the way leaves slots that hold the previous request's KV
+/// (scrubbing off); the watermarks only cover what landed, so the first
+/// read of the hole is a guard violation (I2) and the request fails,
+/// rather than answering from foreign data.
+#[test]
+fn planted_no_verification_is_stopped_by_the_watermarks() {
+    let mesh = start_planted("no-verification", &["--scrub", "off"]);
+    // Someone else's KV in the pages first.
+    let other = "Secret QUOKKA-2208 belongs to another tenant entirely, do not read";
+    complete(&mesh.http, other, 8, false, &[]).expect("filler request");
+    let before = guard_violations(&mesh);
+    let e = complete(
+        &mesh.http,
+        PROMPT,
+        8,
+        false,
+        &[("x-kvmesh-fault", "frame:1=drop")],
+    )
+    .expect_err("an unverified hole must fail the request");
+    assert!(e.contains("unwritten"), "{e}");
+    // Node counters arrive with the next load report.
+    let t0 = Instant::now();
+    while guard_violations(&mesh) <= before {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "no guard violation counted: {e}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    mesh.assert_pages_come_back();
+    // A complete transfer is unaffected by the bug.
+    let want = reference(&tiny_model_dir(), PROMPT, 8);
+    assert_eq!(
+        complete(&mesh.http, PROMPT, 8, false, &[]).as_deref(),
+        Ok(want.as_str())
+    );
+}
+
+/// Planted bug: decode frees an aborted reservation's pages at once, with
+/// the writer still writing (no confirmation, no revocation). The next
+/// request gets those pages; the writer's late frames arrive for them and
+/// the receiver check refuses every one (counted), so that request's
+/// answer still equals the reference.
+#[test]
+fn planted_no_confirm_or_revoke_is_stopped_by_the_receiver_check() {
+    let mesh = start_planted(
+        "no-confirm-or-revoke",
+        &["--kv-pool-tokens", "64", "--allow-small-pool"],
+    );
+    let before = kv_refused(&mesh);
+    // Client A leaves while prefill is held up before its first frame.
+    let body = json!({"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": true});
+    let s = post_streaming_headers(
+        &mesh.http,
+        "/v1/completions",
+        &body,
+        &[("x-kvmesh-fault", "frame:0=delay:1500")],
+    );
+    assert_eq!(s.status, 200);
+    std::thread::sleep(Duration::from_millis(300));
+    drop(s);
+    // B takes the freed pages (the pool holds one such request at a time)
+    // while A's writer is still to send its frames.
+    std::thread::sleep(Duration::from_millis(200));
+    let want = reference(&tiny_model_dir(), "Once upon a time there was", 12);
+    let b = complete(&mesh.http, "Once upon a time there was", 12, false, &[]);
+    assert_eq!(b.as_deref(), Ok(want.as_str()));
+    let t0 = Instant::now();
+    while kv_refused(&mesh) <= before {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the late frames were never refused:\n{}",
+            mesh.metrics()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    mesh.assert_pages_come_back();
+}
+
+/// A mesh of three processes from one mesh file (tiny model), the router
+/// honouring fault headers: returns the router's address and the
+/// processes (router, prefill, decode).
+fn process_mesh(dir: &Path) -> (String, [roles::Proc; 3]) {
+    let p: Vec<u16> = (0..5).map(|_| roles::free_port()).collect();
+    roles::write_secret(dir, "mesh.secret");
+    let text = format!(
+        "model: {}\nmesh: {{secret_file: mesh.secret}}\n\
+         router: {{http: \"127.0.0.1:{}\", grpc: \"127.0.0.1:{}\"}}\n\
+         prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{}\"}}\n\
+         decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\"}}\n",
+        tiny_model_dir().display(),
+        p[0],
+        p[1],
+        p[2],
+        p[3],
+        p[4]
+    );
+    let file = dir.join("mesh.yaml");
+    std::fs::write(&file, text).expect("write mesh file");
+    let (d, _) = roles::start("decode", &file, Some("decode-0"), "ready");
+    let (pr, _) = roles::start("prefill", &file, Some("prefill-0"), "ready");
+    let (r, _) = roles::start_with("router", &file, None, "OpenAI API", &["--fault-injection"]);
+    let addr = format!("127.0.0.1:{}", p[0]);
+    let t0 = Instant::now();
+    while http::get(&addr, "/health").status != 200 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "router never healthy"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (addr, [r, pr, d])
+}
+
+fn metric_of(addr: &str, prefix: &str) -> Option<f64> {
+    http::get(addr, "/metrics")
+        .body
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// The prefill process dies inside the transfer (after one page write):
+/// the client gets a clear error within seconds, the decode node revokes
+/// the dead writer's grant (its connection is gone) and has every page
+/// back, and with no prefill node left the router answers 503.
+#[test]
+fn prefill_crash_mid_transfer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (addr, procs) = process_mesh(dir.path());
+    let t0 = Instant::now();
+    let e = complete(
+        &addr,
+        PROMPT,
+        8,
+        true,
+        &[("x-kvmesh-fault", "frame:1=crash")],
+    )
+    .expect_err("the prefill process died");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    assert!(e.contains("prefill") || e.contains("error"), "{e}");
+    let lost = "kvmesh_node_reservations_total{node=\"decode-0\",outcome=\"writer_lost\"}";
+    let t0 = Instant::now();
+    while metric_of(&addr, lost) != Some(1.0) {
+        assert!(t0.elapsed() < Duration::from_secs(10), "no writer_lost end");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let pages = |name: &str| metric_of(&addr, &format!("{name}{{node=\"decode-0\""));
+    assert_eq!(
+        pages("kvmesh_node_kv_pages_free"),
+        pages("kvmesh_node_kv_pages_total")
+    );
+    std::thread::sleep(Duration::from_millis(1000));
+    let r = http::post(
+        &addr,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 503, "{}", r.body);
+    drop(procs);
+}
+
+/// The decode process dies at its second decode step: the client's stream
+/// ends with an error event within seconds (no hang), and the router then
+/// answers 503.
+#[test]
+fn decode_crash_mid_generation() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (addr, procs) = process_mesh(dir.path());
+    let t0 = Instant::now();
+    let e = complete(
+        &addr,
+        PROMPT,
+        24,
+        true,
+        &[("x-kvmesh-fault", "step:1=crash")],
+    )
+    .expect_err("the decode process died");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    assert!(e.contains("decode"), "{e}");
+    std::thread::sleep(Duration::from_millis(1000));
+    let r = http::post(
+        &addr,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 503, "{}", r.body);
+    drop(procs);
+}
