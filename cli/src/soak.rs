@@ -11,11 +11,14 @@
 //! error is counted by kind and judged against what its fault allows.
 //! Afterwards it waits for the mesh to go idle and reads its metrics: pages
 //! still held (leaked), guard violations, reservation outcomes. Resident
-//! memory of the `serve` process is sampled once a second: start is the
-//! median over a window after warm-up (a tenth of the load, at least 5 s),
-//! end the median over the load's last window. The mesh runs in poison
-//! mode (unless `--no-poison`), which makes every pool page resident at
-//! start, so growth measures the mesh, not first touches of the pool.
+//! memory of the `serve` process is compared at idle: after warm-up (a
+//! tenth of the load, at least 5 s) the clients pause, the mesh drains and
+//! the baseline is taken (the pause does not count as load); the end is
+//! taken once the mesh is idle after the load. Memory under load moves
+//! with what is in flight, so it is only reported (sampled once a second,
+//! peak). The mesh runs in poison mode (unless `--no-poison`), which makes
+//! every pool page resident at start, so growth measures what the load
+//! left behind, not first touches of the pool.
 //!
 //! The run fails (non-zero exit) on any mismatch, any unexpected error (a
 //! 429/503 is "shed", not a failure), any leaked page, more guard
@@ -51,6 +54,9 @@ use crate::ModelArgs;
 /// Runs shorter than this do not check memory growth: their end-to-start
 /// ratio is dominated by allocator and page-cache warm-up.
 const RSS_CHECK_MIN_SECS: u64 = 120;
+
+/// How many of each stream's first requests use the largest prompts.
+const WARMUP_LONGEST: usize = 3;
 
 /// The fault header of the gateway (honoured by `serve --fault-injection`
 /// in a build with fault injection).
@@ -727,6 +733,8 @@ struct Tally {
     unexpected_errors: BTreeMap<String, u64>,
     /// One example per unexpected kind: prompt, fault, message.
     unexpected_examples: BTreeMap<String, String>,
+    /// Unexpected errors that were a lease running out.
+    unexpected_lease_expired: u64,
     shed: BTreeMap<String, u64>,
     disconnected: u64,
     faults_injected: u64,
@@ -758,6 +766,9 @@ impl Tally {
         row.sent += 1;
         let mut unexpected = |kind: String, message: String, row: &mut FaultRow| {
             row.unexpected += 1;
+            if message.contains("LeaseExpired") {
+                self.unexpected_lease_expired += 1;
+            }
             self.unexpected_examples
                 .entry(kind.clone())
                 .or_insert_with(|| {
@@ -1125,12 +1136,17 @@ async fn drive(
             fault_rate: a.fault_rate,
         };
         workers.push(tokio::spawn(async move {
+            let mut sent = 0usize;
             while gate.running(load_started) {
                 if !gate.enter() {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     continue;
                 }
-                let plan = args.draw(&mut rng, &refs);
+                // Warm-up starts at the peak: every stream's first requests
+                // are of the largest prompts, so the allocators reach their
+                // high-water mark before the memory baseline.
+                let plan = args.draw(&mut rng, &refs, sent < WARMUP_LONGEST);
+                sent += 1;
                 let r = &refs[plan.prompt];
                 let ending = match tokio::time::timeout(timeout, one_request(&addr, r, plan)).await
                 {
@@ -1180,6 +1196,7 @@ async fn drive(
             // Let the clients finish what they are doing and the mesh go
             // idle, measure, and go on; the pause does not count as load.
             let paused = Instant::now();
+            rss.start_at = Some(load_started.elapsed().as_secs_f64());
             gate.paused.store(true, Ordering::SeqCst);
             while gate.inflight.load(Ordering::SeqCst) > 0 && paused.elapsed() < timeout {
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1187,7 +1204,6 @@ async fn drive(
             let (_, idle) = wait_idle(addr, idle_bound).await;
             rss.start = idle_rss(pid).await;
             rss.start_idle = idle;
-            rss.start_at = Some(load_started.elapsed().as_secs_f64());
             rss.pause_secs = paused.elapsed().as_secs_f64();
             gate.set_deadline(duration + paused.elapsed());
             gate.paused.store(false, Ordering::SeqCst);
@@ -1321,8 +1337,15 @@ struct PlanArgs {
 }
 
 impl PlanArgs {
-    fn draw(&self, rng: &mut StdRng, refs: &[Reference]) -> Plan {
-        let prompt = rng.random_range(0..refs.len());
+    /// A random plan; with `longest`, of one of the two largest prompts.
+    fn draw(&self, rng: &mut StdRng, refs: &[Reference], longest: bool) -> Plan {
+        let prompt = if longest {
+            let mut by_size: Vec<usize> = (0..refs.len()).collect();
+            by_size.sort_by_key(|&i| std::cmp::Reverse(refs[i].prompt_tokens + refs[i].max_tokens));
+            by_size[rng.random_range(0..by_size.len().min(2))]
+        } else {
+            rng.random_range(0..refs.len())
+        };
         let disconnect = rng.random_bool(self.disconnect_rate);
         let stream = disconnect || rng.random_bool(0.5);
         let fault = rng
@@ -1550,6 +1573,13 @@ fn summarize(a: &SoakArgs, s: &Summary<'_>) -> Report {
         }
         for (k, e) in &t.unexpected_examples {
             let _ = writeln!(o, "  example of {k}: {e}");
+        }
+        if t.unexpected_lease_expired > 0 {
+            let _ = writeln!(
+                o,
+                "  hint: {} requests that should have completed ran out of their lease: prefill under this load takes longer than --lease-ms {} (raise it for a larger model)",
+                t.unexpected_lease_expired, a.lease_ms
+            );
         }
     }
     let _ = writeln!(

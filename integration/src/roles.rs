@@ -148,3 +148,39 @@ fn spawn(
     );
     (Proc { child, logs }, seen)
 }
+
+/// A mesh file in `dir` for one prefill and one decode node on the
+/// committed tiny model, with a fresh secret (`mesh.secret` beside it) and
+/// free ports; returns the file and the ports: router HTTP, router gRPC,
+/// prefill gRPC, decode gRPC, decode KV.
+pub fn tiny_mesh_file(dir: &Path) -> (PathBuf, [u16; 5]) {
+    let p: [u16; 5] = std::array::from_fn(|_| free_port());
+    write_secret(dir, "mesh.secret");
+    let text = format!(
+        "model: {}\nmesh: {{secret_file: mesh.secret}}\n\
+         router: {{http: \"127.0.0.1:{}\", grpc: \"127.0.0.1:{}\"}}\n\
+         prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{}\"}}\n\
+         decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\"}}\n",
+        crate::tiny_model_dir().display(),
+        p[0],
+        p[1],
+        p[2],
+        p[3],
+        p[4]
+    );
+    let file = dir.join("mesh.yaml");
+    std::fs::write(&file, text).expect("write mesh file");
+    (file, p)
+}
+
+/// Waits (bounded: 30 s) until the gateway at `addr` answers `/health`.
+pub fn wait_healthy(addr: &str) {
+    let t0 = Instant::now();
+    while crate::http::get(addr, "/health").status != 200 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "router at {addr} never healthy"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kvmesh_integration::http::{self, post_streaming};
-use kvmesh_integration::roles::{free_port, start, write_secret};
+use kvmesh_integration::roles::{free_port, start, tiny_mesh_file, wait_healthy, write_secret};
 use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
 use serde_json::{json, Value};
 
@@ -279,14 +279,7 @@ fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
     let (_p1, _) = start("prefill", &file, Some("prefill-1"), "ready");
     let (_router, _) = start("router", &file, None, "OpenAI API");
     let addr = format!("127.0.0.1:{}", p[0]);
-    let t0 = Instant::now();
-    while http::get(&addr, "/health").status != 200 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "router never healthy"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_healthy(&addr);
     // Let every node's first load report in, so both decode nodes are used.
     std::thread::sleep(Duration::from_millis(500));
 
@@ -388,14 +381,7 @@ fn a_dead_decode_node_fails_its_streams_fast() {
     let (_p0, _) = start("prefill", &file, Some("prefill-0"), "ready");
     let (_router, _) = start("router", &file, None, "OpenAI API");
     let addr = format!("127.0.0.1:{}", p[0]);
-    let t0 = Instant::now();
-    while http::get(&addr, "/health").status != 200 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "router never healthy"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_healthy(&addr);
     let body = json!({"prompt": "Once upon a time, in a land far away,", "max_tokens": 400, "temperature": 0, "stream": true});
     let mut s = post_streaming(&addr, "/v1/completions", &body);
     assert_eq!(s.status, 200);
@@ -447,22 +433,8 @@ async fn internal_services_stop_and_abort_across_processes() {
     use kvmesh_proto::peer_auth::{decode_client, prefill_client};
 
     let dir = tempfile::tempdir().expect("tempdir");
-    let p: Vec<u16> = (0..5).map(|_| free_port()).collect();
-    let mesh = format!(
-        "model: {}\nrouter: {{http: \"127.0.0.1:{}\", grpc: \"127.0.0.1:{}\"}}\n\
-         prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{}\"}}\n\
-         decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\"}}\n",
-        tiny_model_dir().display(),
-        p[0],
-        p[1],
-        p[2],
-        p[3],
-        p[4]
-    );
-    let file = dir.path().join("mesh.yaml");
-    let secret = write_secret(dir.path(), "mesh.secret");
-    let mesh = format!("{mesh}mesh: {{secret_file: {}}}\n", secret.display());
-    std::fs::write(&file, mesh).expect("write mesh file");
+    let (file, p) = tiny_mesh_file(dir.path());
+    let secret = dir.path().join("mesh.secret");
     let (_d, _) = start("decode", &file, Some("decode-0"), "ready");
     let (_p, _) = start("prefill", &file, Some("prefill-0"), "ready");
     // The test is a peer of this mesh: it holds the secret.

@@ -499,15 +499,9 @@ fn planted_no_verification_is_stopped_by_the_watermarks() {
     )
     .expect_err("an unverified hole must fail the request");
     assert!(e.contains("unwritten"), "{e}");
-    // Node counters arrive with the next load report.
-    let t0 = Instant::now();
-    while guard_violations(&mesh) <= before {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "no guard violation counted: {e}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_until(&format!("a guard violation counted for {e}"), || {
+        guard_violations(&mesh) > before
+    });
     mesh.assert_pages_come_back();
     // A complete transfer is unaffected by the bug.
     let want = reference(&tiny_model_dir(), PROMPT, 8);
@@ -546,15 +540,7 @@ fn planted_no_confirm_or_revoke_is_stopped_by_the_receiver_check() {
     let want = reference(&tiny_model_dir(), "Once upon a time there was", 12);
     let b = complete(&mesh.http, "Once upon a time there was", 12, false, &[]);
     assert_eq!(b.as_deref(), Ok(want.as_str()));
-    let t0 = Instant::now();
-    while kv_refused(&mesh) <= before {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the late frames were never refused:\n{}",
-            mesh.metrics()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_until("the late frames refused", || kv_refused(&mesh) > before);
     mesh.assert_pages_come_back();
 }
 
@@ -562,35 +548,23 @@ fn planted_no_confirm_or_revoke_is_stopped_by_the_receiver_check() {
 /// honouring fault headers: returns the router's address and the
 /// processes (router, prefill, decode).
 fn process_mesh(dir: &Path) -> (String, [roles::Proc; 3]) {
-    let p: Vec<u16> = (0..5).map(|_| roles::free_port()).collect();
-    roles::write_secret(dir, "mesh.secret");
-    let text = format!(
-        "model: {}\nmesh: {{secret_file: mesh.secret}}\n\
-         router: {{http: \"127.0.0.1:{}\", grpc: \"127.0.0.1:{}\"}}\n\
-         prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{}\"}}\n\
-         decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\"}}\n",
-        tiny_model_dir().display(),
-        p[0],
-        p[1],
-        p[2],
-        p[3],
-        p[4]
-    );
-    let file = dir.join("mesh.yaml");
-    std::fs::write(&file, text).expect("write mesh file");
+    let (file, p) = roles::tiny_mesh_file(dir);
     let (d, _) = roles::start("decode", &file, Some("decode-0"), "ready");
     let (pr, _) = roles::start("prefill", &file, Some("prefill-0"), "ready");
     let (r, _) = roles::start_with("router", &file, None, "OpenAI API", &["--fault-injection"]);
     let addr = format!("127.0.0.1:{}", p[0]);
-    let t0 = Instant::now();
-    while http::get(&addr, "/health").status != 200 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "router never healthy"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    roles::wait_healthy(&addr);
     (addr, [r, pr, d])
+}
+
+/// Polls `done` every 100 ms until it holds (bounded: 10 s; node counters
+/// arrive with load reports, so they lag a little).
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !done() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never happened: {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 fn metric_of(addr: &str, prefix: &str) -> Option<f64> {
@@ -621,11 +595,9 @@ fn prefill_crash_mid_transfer() {
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
     assert!(e.contains("prefill") || e.contains("error"), "{e}");
     let lost = "kvmesh_node_reservations_total{node=\"decode-0\",outcome=\"writer_lost\"}";
-    let t0 = Instant::now();
-    while metric_of(&addr, lost) != Some(1.0) {
-        assert!(t0.elapsed() < Duration::from_secs(10), "no writer_lost end");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_until("the dead writer's reservation ended", || {
+        metric_of(&addr, lost) == Some(1.0)
+    });
     let pages = |name: &str| metric_of(&addr, &format!("{name}{{node=\"decode-0\""));
     assert_eq!(
         pages("kvmesh_node_kv_pages_free"),

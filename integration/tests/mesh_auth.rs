@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kvmesh_integration::http::{self, post_streaming_headers};
-use kvmesh_integration::roles::{free_port, start, start_logged, start_with, write_secret};
+use kvmesh_integration::roles::{start, start_logged, start_with, tiny_mesh_file, wait_healthy};
 use kvmesh_integration::tiny_model_dir;
 use kvmesh_kvxfer::auth::{sign_call, MeshSecret, CALL_HEADER};
 use kvmesh_kvxfer::wire::{decode_message, KvFrame, Message};
@@ -42,28 +42,13 @@ struct Mesh {
 
 fn mesh_file() -> Mesh {
     let dir = tempfile::tempdir().expect("tempdir");
-    let ports: Vec<u16> = (0..5).map(|_| free_port()).collect();
-    let secret_file = write_secret(dir.path(), "mesh.secret");
-    let text = format!(
-        "model: {}\nmesh: {{secret_file: mesh.secret}}\n\
-         router: {{http: \"127.0.0.1:{}\", grpc: \"127.0.0.1:{}\"}}\n\
-         prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{}\"}}\n\
-         decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\"}}\n",
-        tiny_model_dir().display(),
-        ports[0],
-        ports[1],
-        ports[2],
-        ports[3],
-        ports[4]
-    );
-    let file = dir.path().join("mesh.yaml");
-    std::fs::write(&file, text).expect("write mesh file");
-    let secret = MeshSecret::load(&secret_file).expect("mesh secret");
+    let (file, ports) = tiny_mesh_file(dir.path());
+    let secret = MeshSecret::load(&dir.path().join("mesh.secret")).expect("mesh secret");
     Mesh {
         _dir: dir,
         file,
         secret,
-        ports,
+        ports: ports.to_vec(),
     }
 }
 
@@ -377,14 +362,7 @@ fn client_chosen_ids_cannot_reach_another_request() {
         &["--fault-injection"],
     );
     let addr = format!("127.0.0.1:{}", m.ports[0]);
-    let t0 = Instant::now();
-    while http::get(&addr, "/health").status != 200 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "router never healthy"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_healthy(&addr);
 
     // A streams a long answer; its first event names its id.
     let mut a = post_streaming_headers(

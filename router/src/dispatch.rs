@@ -263,7 +263,11 @@ async fn run(
         tokio::select! {
             res = &mut prefill_call, if !prefill_done => {
                 prefill_done = true;
-                if let Err(s) = res {
+                // Another copy of this grant is being written (a duplicated
+                // delivery): that writer's transfer is what decode verifies;
+                // the token stream tells how it ends.
+                let duplicate = matches!(&res, Err(s) if s.code() == tonic::Code::AlreadyExists);
+                if let (Err(s), false) = (res, duplicate) {
                     abort(decode, &rid, &job.faults).await;
                     return fail(node_err("prefill", prefill, s)).await;
                 }

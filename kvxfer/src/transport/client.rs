@@ -42,6 +42,10 @@ use super::{Endpoint, PageWrite, TransportError, WritePath};
 pub const WELCOME_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a tombstone of an unknown aborted reservation is kept.
 pub const TOMBSTONE_TTL: Duration = Duration::from_secs(600);
+/// How long past its lease a grant's slot is kept: after the lease the
+/// grant itself is refused as expired, and the decode node has ended the
+/// reservation (so no Abort for it can still come).
+pub const SLOT_GRACE: Duration = Duration::from_secs(30);
 /// Outbound queue of a connection, in messages (frames and control).
 pub const OUTBOUND_QUEUE: usize = 256;
 
@@ -292,7 +296,7 @@ impl KvClient {
         if now_ms >= grant.lease_deadline_unix_ms {
             return Err(WriterError::Expired(id));
         }
-        let ttl = Duration::from_millis(grant.lease_deadline_unix_ms - now_ms) + TOMBSTONE_TTL;
+        let ttl = Duration::from_millis(grant.lease_deadline_unix_ms - now_ms) + SLOT_GRACE;
         let slot = {
             let mut slots = lock(&self.shared.slots);
             let now = Instant::now();
