@@ -562,7 +562,10 @@ fn process_mesh(dir: &Path) -> (String, [roles::Proc; 3]) {
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !done() {
-        assert!(t0.elapsed() < Duration::from_secs(10), "never happened: {what}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "never happened: {what}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
