@@ -8,12 +8,38 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-/// A port that was free a moment ago.
+/// A port that was free a moment ago, for a mesh file (which must name
+/// its ports before any process binds them). Drawn below Linux's ephemeral
+/// range (32768 and up), so the many outbound connections of the tests
+/// running meanwhile cannot take it between this call and the bind, and
+/// never handed out twice by one test process.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    use std::collections::HashSet;
+    use std::sync::{Mutex, OnceLock};
+    static GIVEN: OnceLock<Mutex<HashSet<u16>>> = OnceLock::new();
+    let given = GIVEN.get_or_init(Mutex::default);
+    let mut seed = std::process::id() as u64
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+    for _ in 0..10_000 {
+        // xorshift: spread the draws over 20000..32000.
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let port = 20_000 + (seed % 12_000) as u16;
+        let mut g = given
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if g.contains(&port) {
+            continue;
+        }
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            g.insert(port);
+            return port;
+        }
+    }
+    panic!("no free port in 20000..32000")
 }
 
 /// Writes 32 random bytes to `dir/name` (owner-only), as an operator makes
