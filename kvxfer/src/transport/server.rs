@@ -196,15 +196,19 @@ where
         geometry: table.geometry(),
     };
     welcome.proof = welcome_proof(&auth.secret, &challenge, &hello, &welcome);
-    let mut bytes = Vec::new();
-    if welcome.encode(&mut bytes).is_err() || wr.write_all(&bytes).await.is_err() {
-        return;
-    }
+    // Registered before the Welcome goes out, so a writer that has its
+    // Welcome can be granted to at once. What the table sends meanwhile
+    // waits in the queue until the pump starts, behind the Welcome.
     let (tx, rx) = mpsc::channel(outbound_capacity(table.pool()));
     let conn = match table.register(hello.writer, tx, peer) {
         Ok(c) => c,
         Err(_) => return,
     };
+    let mut bytes = Vec::new();
+    if welcome.encode(&mut bytes).is_err() || wr.write_all(&bytes).await.is_err() {
+        table.connection_lost(conn);
+        return;
+    }
     let pump = tokio::spawn(pump(wr, rx));
     loop {
         match read_message(&mut rd, &mut buf, &limits).await {
