@@ -400,15 +400,7 @@ async fn completions(
     faults: Option<axum::Extension<FaultPlan>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let body = match body {
-        Ok(b) => b,
-        Err(e) => return body_refused(&r, &e),
-    };
-    let faults = faults.map(|f| f.0).unwrap_or_default();
-    match validate(&r, false, &body) {
-        Ok((ids, s)) => respond(r, ids, s, Kind::Completion, tenant, faults).await,
-        Err(e) => reject(&r, e),
-    }
+    generate(r, tenant, faults, body, Kind::Completion).await
 }
 
 async fn chat_completions(
@@ -417,13 +409,24 @@ async fn chat_completions(
     faults: Option<axum::Extension<FaultPlan>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    generate(r, tenant, faults, body, Kind::Chat).await
+}
+
+/// Both generation routes: the body, validated for `kind`, then dispatch.
+async fn generate(
+    r: Router,
+    tenant: Tenant,
+    faults: Option<axum::Extension<FaultPlan>>,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Response {
     let body = match body {
         Ok(b) => b,
         Err(e) => return body_refused(&r, &e),
     };
     let faults = faults.map(|f| f.0).unwrap_or_default();
-    match validate(&r, true, &body) {
-        Ok((ids, s)) => respond(r, ids, s, Kind::Chat, tenant, faults).await,
+    match validate(&r, matches!(kind, Kind::Chat), &body) {
+        Ok((ids, s)) => respond(r, ids, s, kind, tenant, faults).await,
         Err(e) => reject(&r, e),
     }
 }

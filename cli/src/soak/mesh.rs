@@ -1,0 +1,132 @@
+//! The mesh process `kvmesh soak` starts and watches.
+
+use super::*;
+
+/// The `serve` child; killed on drop.
+#[derive(Debug)]
+pub(super) struct MeshChild {
+    pub(super) child: Child,
+    pub(super) log: PathBuf,
+}
+
+impl Drop for MeshChild {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub(super) fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Starts `<this exe> serve` on free ports and returns it with the
+/// gateway's `HOST:PORT` once it printed its URLs.
+pub(super) fn start_mesh(
+    a: &SoakArgs,
+    model: &Path,
+    kv_pool_tokens: usize,
+) -> Result<(MeshChild, String)> {
+    let exe = std::env::current_exe().context("locating the kvmesh binary")?;
+    let log = a.serve_log.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("kvmesh-soak-{}-serve.log", std::process::id()))
+    });
+    let log_file =
+        std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("serve")
+        .arg("--model")
+        .arg(model)
+        .args(["--http-port", "0", "--grpc-port", "0"])
+        .args([
+            "--transport",
+            match a.transport {
+                TransportKind::Tcp => "tcp",
+                TransportKind::Shm => "shm",
+            },
+        ])
+        .args(["--page-size", &a.model.page_size.to_string()])
+        .args(["--kv-pool-tokens", &kv_pool_tokens.to_string()])
+        .args(["--scrub", a.model.scrub.as_str()]);
+    if let Some(n) = a.model.max_model_len {
+        cmd.args(["--max-model-len", &n.to_string()]);
+    }
+    if a.model.poison || !a.no_poison {
+        cmd.arg("--poison");
+    }
+    if a.model.exact {
+        cmd.arg("--exact");
+    }
+    if a.fault_rate > 0.0 {
+        cmd.arg("--fault-injection")
+            .args(["--lease-ms", &a.lease_ms.to_string()])
+            .args(["--abort-timeout-ms", &a.abort_timeout_ms.to_string()]);
+    }
+    cmd.args(&a.serve_args);
+    if std::env::var_os("KVMESH_LOG").is_none() {
+        cmd.env("KVMESH_LOG", "warn");
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log_file));
+    let mut child = cmd.spawn().context("starting kvmesh serve")?;
+    let stdout = child.stdout.take().context("serve's stdout")?;
+    let mesh = MeshChild { child, log };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        for line in lines.by_ref() {
+            let Ok(line) = line else { break };
+            if let Some(rest) = line.trim().strip_prefix("OpenAI API") {
+                if let Some(addr) = rest.trim().strip_prefix("http://") {
+                    let _ = tx.send(addr.trim_end_matches("/v1").to_owned());
+                    break;
+                }
+            }
+        }
+        // Keep draining so the server never blocks on its stdout.
+        for _ in lines {}
+    });
+    let started = Instant::now();
+    let mut mesh = mesh;
+    loop {
+        match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(addr) => return Ok((mesh, addr)),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {}
+        }
+        if let Some(status) = mesh.child.try_wait()? {
+            bail!(
+                "kvmesh serve exited ({status}) before printing its URLs; its log {}:\n{}",
+                mesh.log.display(),
+                log_tail(&mesh.log)
+            );
+        }
+        if started.elapsed() > Duration::from_secs(300) {
+            bail!(
+                "kvmesh serve printed no URL in 300 s; its log {}:\n{}",
+                mesh.log.display(),
+                log_tail(&mesh.log)
+            );
+        }
+    }
+}
+
+/// `http://HOST:PORT[/v1]` or `HOST:PORT` to `HOST:PORT`.
+pub(super) fn host_port(url: &str) -> String {
+    let u = url.trim().trim_end_matches('/');
+    let u = u.strip_prefix("http://").unwrap_or(u);
+    u.trim_end_matches("/v1").to_owned()
+}
+
+/// Resident memory of `pid`, KiB (Linux).
+pub(super) fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}

@@ -1,0 +1,133 @@
+//! The figures the soak reads from the mesh's /metrics.
+
+use super::*;
+
+/// One sample of the Prometheus text: name, labels, value.
+#[derive(Debug)]
+pub(super) struct Sample {
+    pub(super) name: String,
+    pub(super) labels: BTreeMap<String, String>,
+    pub(super) value: f64,
+}
+
+pub(super) fn parse_metrics(text: &str) -> Vec<Sample> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        }
+        let Some((head, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(value) = value.parse::<f64>() else {
+            continue;
+        };
+        let (name, labels) = match head.split_once('{') {
+            Some((n, rest)) => {
+                let labels = rest
+                    .trim_end_matches('}')
+                    .split(',')
+                    .filter_map(|kv| kv.split_once('='))
+                    .map(|(k, v)| (k.to_owned(), v.trim_matches('"').to_owned()))
+                    .collect();
+                (n.to_owned(), labels)
+            }
+            None => (head.to_owned(), BTreeMap::new()),
+        };
+        out.push(Sample {
+            name,
+            labels,
+            value,
+        });
+    }
+    out
+}
+
+/// The figures the soak reads from /metrics.
+#[derive(Debug, Default)]
+pub(super) struct MeshFigures {
+    /// node -> (pages total, pages free).
+    pub(super) pages: BTreeMap<String, (Option<f64>, Option<f64>)>,
+    /// node -> guard violations.
+    pub(super) guard: BTreeMap<String, f64>,
+    /// (node, outcome) -> reservations ended.
+    pub(super) reservations: BTreeMap<(String, String), f64>,
+    /// outcome -> router requests.
+    pub(super) requests: BTreeMap<String, f64>,
+}
+
+impl MeshFigures {
+    pub(super) fn from_text(text: &str) -> Self {
+        let mut f = Self::default();
+        for s in parse_metrics(text) {
+            let node = s.labels.get("node").cloned().unwrap_or_default();
+            match s.name.as_str() {
+                "kvmesh_node_kv_pages_total" => f.pages.entry(node).or_default().0 = Some(s.value),
+                "kvmesh_node_kv_pages_free" => f.pages.entry(node).or_default().1 = Some(s.value),
+                "kvmesh_node_kv_guard_violations_total" => {
+                    f.guard.insert(node, s.value);
+                }
+                "kvmesh_node_reservations_total" => {
+                    let outcome = s.labels.get("outcome").cloned().unwrap_or_default();
+                    f.reservations.insert((node, outcome), s.value);
+                }
+                "kvmesh_requests_total" => {
+                    let outcome = s.labels.get("outcome").cloned().unwrap_or_default();
+                    f.requests.insert(outcome, s.value);
+                }
+                _ => {}
+            }
+        }
+        f
+    }
+
+    /// Every node reports its pages, all free.
+    pub(super) fn idle(&self) -> bool {
+        !self.pages.is_empty() && self.pages.values().all(|(t, f)| t.is_some() && t == f)
+    }
+
+    /// Pages held per node (`None`: the node reports no pages).
+    pub(super) fn held(&self) -> BTreeMap<String, Option<f64>> {
+        self.pages
+            .iter()
+            .map(|(n, (t, f))| (n.clone(), t.zip(*f).map(|(t, f)| t - f)))
+            .collect()
+    }
+}
+
+pub(super) async fn figures(addr: &str) -> Result<MeshFigures, String> {
+    let (status, body) = get(addr, "/metrics").await?;
+    if status != 200 {
+        return Err(format!("/metrics answered {status}"));
+    }
+    Ok(MeshFigures::from_text(&body))
+}
+
+/// Waits for every node to report all pages free, at most `bound`; returns
+/// the last figures and whether the mesh went idle.
+pub(super) async fn wait_idle(addr: &str, bound: Duration) -> (MeshFigures, bool) {
+    // Load reports are polled every 200 ms; one older than the last request
+    // may predate it.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let deadline = Instant::now() + bound;
+    loop {
+        let f = figures(addr).await.unwrap_or_default();
+        if f.idle() {
+            return (f, true);
+        }
+        if Instant::now() >= deadline {
+            return (f, false);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+pub(super) fn delta<K: Ord + Clone>(
+    end: &BTreeMap<K, f64>,
+    start: &BTreeMap<K, f64>,
+) -> BTreeMap<K, f64> {
+    end.iter()
+        .map(|(k, v)| (k.clone(), v - start.get(k).copied().unwrap_or(0.0)))
+        .filter(|(_, v)| *v != 0.0)
+        .collect()
+}
