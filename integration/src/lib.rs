@@ -6,6 +6,7 @@ use std::process::{Command, Output};
 
 pub mod http;
 pub mod mesh;
+pub mod python;
 pub mod roles;
 
 /// The `kvmesh` binary that `cargo test --workspace` built next to the test

@@ -7,50 +7,15 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use kvmesh_integration::mesh::Mesh;
+use kvmesh_integration::python::{pip_install, python};
 use kvmesh_integration::tiny_model_dir;
 
 /// Pinned for reproducible runs.
 const OPENAI: &str = "openai==3.57.0";
 
-fn python() -> String {
-    std::env::var("KVMESH_PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
-/// The directory the client is installed into (a `pip --target`, so no
-/// venv module is needed).
+/// The directory the client is installed into.
 fn client_dir() -> PathBuf {
-    let home = std::env::var_os("KVMESH_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvmesh")))
-        .expect("KVMESH_HOME or HOME");
-    let dir = home.join("python").join(OPENAI.replace("==", "-"));
-    if !dir.join(".installed").exists() {
-        eprintln!(
-            "installing {OPENAI} with pip into {} (first run only)",
-            dir.display()
-        );
-        let out = Command::new(python())
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "--no-warn-conflicts",
-                "--target",
-            ])
-            .arg(&dir)
-            .arg(OPENAI)
-            .output()
-            .expect("run pip");
-        assert!(
-            out.status.success(),
-            "pip install {OPENAI} failed (the test needs PyPI): {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::fs::write(dir.join(".installed"), OPENAI).expect("marker");
-    }
-    dir
+    pip_install(OPENAI)
 }
 
 fn reference(prompt: &str, chat: bool) -> String {

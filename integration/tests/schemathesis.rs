@@ -17,6 +17,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use kvmesh_integration::mesh::Mesh;
+use kvmesh_integration::python::{is_installed, package_dir, pip_install, python};
 use kvmesh_integration::tiny_model_dir;
 
 /// Pinned for reproducible runs (works with Python 3.11).
@@ -37,59 +38,19 @@ const KEY: &str = "k-schemathesis";
 /// The checks, each a claim of the document (schemathesis names).
 const CHECKS: &str = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance,negative_data_rejection,unsupported_method,ignored_auth";
 
-fn python() -> String {
-    std::env::var("KVMESH_PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
-/// The directory schemathesis is installed into (a `pip --target`, so no
-/// venv module is needed), or `None` when it is not there and the run is
-/// offline.
+/// The directory schemathesis is installed into, or `None` when it is not
+/// there and the run is offline.
 fn schemathesis_dir() -> Option<PathBuf> {
-    let home = std::env::var_os("KVMESH_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvmesh")))
-        .expect("KVMESH_HOME or HOME");
-    let dir = home.join("python").join(SCHEMATHESIS.replace("==", "-"));
-    if dir.join(".installed").exists() {
-        return Some(dir);
-    }
-    if std::env::var("KVMESH_SKIP_MODEL_FETCH").is_ok_and(|v| v == "1") {
+    if !is_installed(SCHEMATHESIS)
+        && std::env::var("KVMESH_SKIP_MODEL_FETCH").is_ok_and(|v| v == "1")
+    {
         eprintln!(
             "note: {SCHEMATHESIS} is not in {} and KVMESH_SKIP_MODEL_FETCH=1 (offline); the schemathesis test is skipped",
-            dir.display()
+            package_dir(SCHEMATHESIS).display()
         );
         return None;
     }
-    eprintln!(
-        "installing {SCHEMATHESIS} with pip into {} (first run only)",
-        dir.display()
-    );
-    let start = Instant::now();
-    let out = Command::new(python())
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-warn-conflicts",
-            "--target",
-        ])
-        .arg(&dir)
-        .arg(SCHEMATHESIS)
-        .output()
-        .expect("run pip");
-    assert!(
-        out.status.success(),
-        "pip install {SCHEMATHESIS} failed (the test needs PyPI; set KVMESH_SKIP_MODEL_FETCH=1 offline): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    std::fs::write(dir.join(".installed"), SCHEMATHESIS).expect("marker");
-    eprintln!(
-        "installed {SCHEMATHESIS} in {:.1} s",
-        start.elapsed().as_secs_f64()
-    );
-    Some(dir)
+    Some(pip_install(SCHEMATHESIS))
 }
 
 #[test]
