@@ -55,7 +55,12 @@ fn median(mut xs: Vec<f64>) -> f64 {
 pub fn run(args: BenchArgs) -> Result<()> {
     let repeats = args.repeats.max(1);
     let engine = args.model.load_engine()?;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let mode = engine.model().mode();
 
     let prompt = filler(&engine, args.prompt_tokens)?;
     let mut prefill = Vec::new();
@@ -99,12 +104,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .map(|(b, r)| format!("{{\"batch\":{b},\"tokens_per_s\":{r:.1}}}"))
             .collect();
         println!(
-            "{{\"threads\":{threads},\"mode\":\"exact-f32\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},\"decode\":[{}]}}",
+            "{{\"threads\":{threads},\"mode\":\"{mode}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},\"decode\":[{}]}}",
             args.prompt_tokens,
             decode_json.join(",")
         );
     } else {
-        println!("kvmesh bench-engine  (mode exact-f32, {threads} threads, median of {repeats})");
+        println!("kvmesh bench-engine  (mode {mode}, {threads} threads, median of {repeats})");
         println!("{:<28} {:>12}", "measurement", "tokens/s");
         println!(
             "{:<28} {:>12.1}",

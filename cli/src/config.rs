@@ -5,6 +5,7 @@
 //! ```yaml
 //! model: /models/SmolLM2-135M-Instruct.Q4_1.gguf   # omit: the default model
 //! max_model_len: 2048          # omit: the model's
+//! exact: false                 # true: f32 weights (default: GGUF blocks as stored)
 //! page_size: 16
 //! transport: tcp               # or shm (prefill and decode on one host)
 //! allow_small_pool: false
@@ -48,6 +49,12 @@ pub struct MeshConfig {
     pub model: Option<PathBuf>,
     /// Context window.
     pub max_model_len: Option<usize>,
+    /// f32 weights and activations on every node (the exact mode); default:
+    /// a GGUF's Q4_1 / Q8_0 blocks as stored, with 8-bit activations. Every
+    /// node of a mesh runs the same mode, so a transfer carries the KV the
+    /// decode node would have computed itself.
+    #[serde(default)]
+    pub exact: bool,
     /// Token slots per page.
     #[serde(default = "default_page_size")]
     pub page_size: usize,
@@ -192,6 +199,15 @@ fn host_port(file: &Path, field: &str, v: &str) -> Result<()> {
 }
 
 impl MeshConfig {
+    /// The precision every node loads the model in.
+    pub fn precision(&self) -> kvmesh_model::Precision {
+        if self.exact {
+            kvmesh_model::Precision::Exact
+        } else {
+            kvmesh_model::Precision::Quantized
+        }
+    }
+
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Self> {
         let text =

@@ -4,16 +4,23 @@
 //! - `generate`: the single-process reference engine; prints only the
 //!   generated text to stdout, as it is produced. Logs go to stderr.
 //! - `bench-engine`: prefill and decode throughput of the reference engine.
+//! - `bench-router`: the router's own cost per request (in process), and
+//!   over-length refusals per second against a live mesh.
 //! - `fetch-model`: put the default model into the cache (what `generate`
 //!   does on first use).
 //! - `serve`: the mesh on loopback: router (OpenAI HTTP gateway and gRPC
 //!   API), one prefill node and one decode node, each a gRPC service.
+//! - `bench`: a load generator for the gateway (its own `serve` child, or
+//!   `--url`): TTFT, inter-token and end-to-end latency percentiles and
+//!   throughput, optionally side by side with the reference engine.
 //! - `soak`: drive a mesh (its own `serve` child, or `--url`) with
 //!   concurrent streams, disconnects and injected faults; check every
 //!   output against the reference engine, pages and memory afterwards.
 
 mod bench;
+mod bench_router;
 mod config;
+mod loadgen;
 mod serve;
 mod soak;
 
@@ -27,7 +34,7 @@ use kvmesh_kvxfer::ScrubMode;
 use kvmesh_model::default_model;
 use kvmesh_model::engine::{Engine, EngineConfig, Generation, Prompt};
 use kvmesh_model::sampling::SamplingParams;
-use kvmesh_model::ChatMessage;
+use kvmesh_model::{ChatMessage, Precision};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -46,6 +53,8 @@ enum Command {
     Generate(GenerateArgs),
     /// Measure prefill and decode throughput of the reference engine.
     BenchEngine(bench::BenchArgs),
+    /// Measure the router's own cost per request, and over-length refusals per second against a live mesh.
+    BenchRouter(Box<bench_router::BenchRouterArgs>),
     /// Download and verify the default model into the cache.
     FetchModel,
     /// Serve the mesh on loopback: router (OpenAI-compatible HTTP and gRPC), one prefill and one decode node.
@@ -56,6 +65,8 @@ enum Command {
     Prefill(serve::RoleArgs),
     /// Run one decode node of the mesh described by --config.
     Decode(serve::RoleArgs),
+    /// Load-test the OpenAI gateway (closed or open loop, length distributions), optionally against the reference engine.
+    Bench(Box<loadgen::BenchArgs>),
     /// Soak and chaos test a mesh: concurrent streams, disconnects, injected faults, outputs checked against the reference.
     Soak(Box<soak::SoakArgs>),
 }
@@ -66,7 +77,7 @@ pub struct ModelArgs {
     /// A Hugging Face model directory or a GGUF file [default: SmolLM2-135M-Instruct Q4_1, fetched on first use].
     #[arg(long, env = "KVMESH_MODEL")]
     pub model: Option<PathBuf>,
-    /// Run with f32 weights and activations (the mode compared against Hugging Face transformers). Currently the only mode.
+    /// Run with f32 weights and activations (the mode compared against Hugging Face transformers) [default: a GGUF's Q4_1/Q8_0 blocks used as stored, 8-bit activations].
     #[arg(long, env = "KVMESH_EXACT")]
     pub exact: bool,
     /// Token slots per KV page.
@@ -87,6 +98,15 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// The precision the model loads in (`--exact` or quantized).
+    pub fn precision(&self) -> Precision {
+        if self.exact {
+            Precision::Exact
+        } else {
+            Precision::Quantized
+        }
+    }
+
     /// Resolve the model path (fetching the default model if needed) and load the engine.
     pub fn load_engine(&self) -> Result<Engine> {
         let path = match &self.model {
@@ -99,6 +119,7 @@ impl ModelArgs {
             max_model_len: self.max_model_len,
             scrub: self.scrub,
             poison: self.poison,
+            precision: self.precision(),
         };
         Engine::load(&path, &cfg).with_context(|| format!("loading model {}", path.display()))
     }
@@ -232,6 +253,8 @@ fn main() -> ExitCode {
         Command::Prefill(a) => serve::run_role(serve::RoleKind::Prefill, a),
         Command::Decode(a) => serve::run_role(serve::RoleKind::Decode, a),
         Command::BenchEngine(a) => bench::run(a),
+        Command::BenchRouter(a) => bench_router::run(*a),
+        Command::Bench(a) => loadgen::run(*a),
         Command::Soak(a) => soak::run(*a),
         Command::FetchModel => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))
             .map(|p| println!("{}", p.display()))

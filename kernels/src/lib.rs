@@ -12,10 +12,12 @@
 //! - [`rope`]: rotary position embeddings (rotate-half and interleaved
 //!   layouts; plain, linear and Llama-3 frequency scaling).
 //! - [`norm`] holds RMSNorm.
+//! - [`quant`]: matrix multiplication over GGUF Q4_1 / Q8_0 blocks used as
+//!   stored, with 8-bit activations; AVX2 chosen at run time, a scalar
+//!   reference it is tested against, every core through rayon.
 //!
-//! Matrix multiplications are not here: dense and quantized matmuls go
-//! through candle-core in `kvmesh-model`. These kernels are the plain CPU
-//! reference that faster paths (SIMD, CUDA) will be tested against.
+//! Dense f32 matmuls (the exact mode) go through candle-core in
+//! `kvmesh-model`.
 //!
 //! This crate sits at the bottom of the dependency graph: it knows nothing of
 //! pools, reservations or models. The pool in `kvmesh-kvxfer` implements
@@ -24,6 +26,7 @@
 pub mod attention;
 pub mod norm;
 pub mod paged;
+pub mod quant;
 pub mod rope;
 
 pub use attention::{paged_attention, AttentionShape};

@@ -308,14 +308,21 @@ pub enum PlantedBug {
     /// Decode frees an aborted reservation's pages at once, without the
     /// writer's confirmation and without revoking its path.
     NoConfirmOrRevoke,
+    /// For measuring what the checks cost (`kvmesh bench --safety both`):
+    /// KV reads skip the generation (I1) and watermark (I2) checks and the
+    /// poison scan, writers compute no page checksums, and decode goes live
+    /// without the I4 verification. The range and owner checks stay: memory
+    /// safety rests on them.
+    NoKvChecks,
 }
 
 impl PlantedBug {
     /// Every bug, with its flag name.
-    pub const ALL: [(Self, &'static str); 3] = [
+    pub const ALL: [(Self, &'static str); 4] = [
         (Self::NoAdmission, "no-admission"),
         (Self::NoVerification, "no-verification"),
         (Self::NoConfirmOrRevoke, "no-confirm-or-revoke"),
+        (Self::NoKvChecks, "no-kv-checks"),
     ];
 
     /// By flag name.
@@ -328,6 +335,7 @@ impl PlantedBug {
             Self::NoAdmission => 1,
             Self::NoVerification => 2,
             Self::NoConfirmOrRevoke => 4,
+            Self::NoKvChecks => 8,
         }
     }
 }

@@ -17,9 +17,10 @@ use kvmesh_kvxfer::{KvPool, PoolConfig, Reservation, ScrubMode};
 
 use crate::error::{ModelError, Result};
 use crate::llama::{Llama, LogitsWanted, SeqChunk};
-use crate::loader::{load, LoadedModel};
+use crate::loader::{load_with, LoadedModel};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::{ChatMessage, TextTokenizer};
+use crate::weights::Precision;
 
 /// Engine settings (the `kvmesh generate` flags).
 #[derive(Clone, Debug)]
@@ -34,6 +35,9 @@ pub struct EngineConfig {
     pub scrub: ScrubMode,
     /// Debug poison mode (I6).
     pub poison: bool,
+    /// How weights are held when [`Engine::load`] reads the model
+    /// (f32 exact mode by default, the mode the golden files check).
+    pub precision: Precision,
 }
 
 impl Default for EngineConfig {
@@ -44,6 +48,7 @@ impl Default for EngineConfig {
             max_model_len: None,
             scrub: ScrubMode::Off,
             poison: false,
+            precision: Precision::Exact,
         }
     }
 }
@@ -128,6 +133,10 @@ impl Sequence {
     }
 }
 
+/// Where [`Engine::prefill_batch_streamed`] hands each computed layer:
+/// `(sequence index, layer, its prompt K and V or the read error)`.
+pub type LayerKvSink<'a> = dyn FnMut(usize, usize, Result<(Vec<f32>, Vec<f32>)>) + 'a;
+
 /// The reference engine.
 #[derive(Debug)]
 pub struct Engine {
@@ -142,7 +151,7 @@ impl Engine {
     /// Load a model (HF directory or GGUF file) and size its pool.
     pub fn load(path: &Path, cfg: &EngineConfig) -> Result<Self> {
         let started = Instant::now();
-        let loaded = load(path)?;
+        let loaded = load_with(path, cfg.precision)?;
         let engine = Self::from_loaded(loaded, cfg)?;
         tracing::info!(
             model = %path.display(),
@@ -187,7 +196,7 @@ impl Engine {
             Some(n) => n,
             None => limit,
         };
-        let model = Llama::new(config, weights);
+        let model = Llama::new(config, weights)?;
         let pool_tokens = cfg.kv_pool_tokens.unwrap_or(max_model_len);
         let pool_cfg = PoolConfig {
             scrub: cfg.scrub,
@@ -324,16 +333,20 @@ impl Engine {
     /// major (`prompt_len * kv_dim` values each), read through the checked
     /// reader: what a prefill node ships to a decode node.
     pub fn prompt_kv(&self, seq: &Sequence, layer: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.read_kv(&seq.kv, seq.prompt_len, layer)
+    }
+
+    /// The first `n` positions' K and V at `layer` from `kv`'s pages.
+    fn read_kv(&self, kv: &Reservation, n: usize, layer: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         use kvmesh_kernels::PagedKv;
-        let reader = seq.kv.reader();
+        let reader = kv.reader();
         let page_size = self.pool.config().page_size;
         let kv_dim = self.pool.config().geometry().kv_dim();
-        let n = seq.prompt_len;
         let (mut k, mut v) = (
             Vec::with_capacity(n * kv_dim),
             Vec::with_capacity(n * kv_dim),
         );
-        for (i, entry) in seq.kv.table().iter().enumerate() {
+        for (i, entry) in kv.table().iter().enumerate() {
             let before = i * page_size;
             if before >= n {
                 break;
@@ -344,6 +357,36 @@ impl Engine {
             v.extend_from_slice(s.v);
         }
         Ok((k, v))
+    }
+
+    /// [`Self::prefill_batch`], handing each sequence's prompt K/V of a
+    /// layer to `layer_kv(i, layer, k, v)` as soon as that layer is computed
+    /// (read back through the checked reader, as [`Self::prompt_kv`] does),
+    /// so a prefill node ships layer `l` while layers `l + 1..` compute. A
+    /// sequence whose chunk failed gets no further calls; its result is the
+    /// error.
+    pub fn prefill_batch_streamed(
+        &self,
+        seqs: &mut [&mut Sequence],
+        layer_kv: &mut LayerKvSink<'_>,
+    ) -> Result<Vec<Result<Vec<f32>>>> {
+        let results = {
+            let mut batch: Vec<SeqChunk<'_>> = seqs
+                .iter_mut()
+                .map(|s| SeqChunk {
+                    tokens: &s.tokens[s.cached..],
+                    start_pos: s.cached,
+                    kv: &mut s.kv,
+                    logits: LogitsWanted::Last,
+                })
+                .collect();
+            self.model
+                .forward_observed(&mut batch, &mut |layer, i, chunk| {
+                    let n = chunk.start_pos + chunk.tokens.len();
+                    layer_kv(i, layer, self.read_kv(chunk.kv, n, layer));
+                })?
+        };
+        Ok(last_rows(seqs, results, "prefill"))
     }
 
     /// Run the uncached prompt tokens; returns the last position's logits.
@@ -369,19 +412,7 @@ impl Engine {
     /// (prompts that arrived together); returns each one's last-position
     /// logits, or its own error.
     pub fn prefill_batch(&self, seqs: &mut [&mut Sequence]) -> Result<Vec<Result<Vec<f32>>>> {
-        let results = {
-            let mut batch: Vec<SeqChunk<'_>> = seqs
-                .iter_mut()
-                .map(|s| SeqChunk {
-                    tokens: &s.tokens[s.cached..],
-                    start_pos: s.cached,
-                    kv: &mut s.kv,
-                    logits: LogitsWanted::Last,
-                })
-                .collect();
-            self.model.forward(&mut batch)?
-        };
-        Ok(last_rows(seqs, results, "prefill"))
+        self.prefill_batch_streamed(seqs, &mut |_, _, _| {})
     }
 
     /// Append one token to each sequence and run them as one batch; returns
@@ -473,6 +504,147 @@ impl Engine {
             finish_reason: finish,
         })
     }
+
+    /// Run one mixed step over several sequences as a single batch: each
+    /// item either runs the next `n` uncached prompt tokens of its
+    /// sequence ([`StepWork::Prefill`], a chunk of a prompt) or appends one
+    /// sampled token and runs it ([`StepWork::Decode`]). This is what lets
+    /// a scheduler interleave a long prompt's chunks with other sequences'
+    /// decode tokens (chunked prefill).
+    ///
+    /// Per item, in order: `Ok(Some(logits))` for a decode token and for
+    /// the chunk that completes the uncached tokens (its last position's
+    /// logits); `Ok(None)` for a chunk that leaves tokens uncached (no
+    /// vocabulary projection is run for it); `Err` for an item that is
+    /// invalid (a chunk of 0 tokens or past the uncached ones, a decode
+    /// onto a sequence with uncached tokens or at its budget, a token id
+    /// outside the vocabulary) or that failed on its own (a guard
+    /// violation or KV write error). An invalid item is not run and does
+    /// not stop the others; a sequence whose item failed must be dropped.
+    ///
+    /// The outer `Err` is a failure of the whole batch (a compute error):
+    /// every sequence is then as before the call (a decode token pushed
+    /// here is removed again, and the cached count is unchanged; KV slots
+    /// past it may hold partial writes, which the next write overwrites).
+    ///
+    /// Cost: one [`Llama::forward`] over the sum of the items' tokens, and
+    /// the vocabulary projection only for the items that return logits.
+    pub fn step(&self, work: &mut [StepItem<'_>]) -> Result<Vec<Result<Option<Vec<f32>>>>> {
+        let vocab = self.model.config().vocab_size;
+        let bad = |field: &str, value: String, reason: String| ModelError::InvalidField {
+            path: "<step>".into(),
+            field: field.into(),
+            value,
+            reason,
+        };
+        // Per item: the span of tokens it runs, or why it is not run.
+        let mut plan: Vec<std::result::Result<(usize, usize), ModelError>> =
+            Vec::with_capacity(work.len());
+        for item in work.iter_mut() {
+            let seq = &mut *item.seq;
+            let uncached = seq.tokens.len() - seq.cached;
+            let span = match item.work {
+                StepWork::Prefill(n) if n == 0 || n > uncached => Err(bad(
+                    "prefill tokens",
+                    n.to_string(),
+                    format!(
+                        "the sequence has {uncached} uncached tokens; a chunk runs 1 to that many"
+                    ),
+                )),
+                StepWork::Prefill(n) => Ok((seq.cached, seq.cached + n)),
+                StepWork::Decode(_) if uncached > 0 => Err(bad(
+                    "decode token",
+                    String::new(),
+                    format!("the sequence still has {uncached} uncached tokens"),
+                )),
+                StepWork::Decode(_) if seq.tokens.len() >= seq.max_len => {
+                    Err(ModelError::ContextLengthExceeded {
+                        prompt_tokens: seq.prompt_len,
+                        max_new_tokens: seq.max_len - seq.prompt_len,
+                        limit: seq.max_len,
+                    })
+                }
+                StepWork::Decode(tok) => {
+                    seq.tokens.push(tok);
+                    Ok((seq.cached, seq.cached + 1))
+                }
+            };
+            // Checked per item here: the forward pass would refuse the
+            // whole batch for one bad id.
+            let span = span.and_then(|(a, b)| {
+                match seq.tokens[a..b].iter().find(|&&t| t as usize >= vocab) {
+                    Some(&t) => {
+                        if let StepWork::Decode(_) = item.work {
+                            seq.tokens.pop();
+                        }
+                        Err(bad(
+                            "token id",
+                            t.to_string(),
+                            format!("the vocabulary has {vocab} tokens"),
+                        ))
+                    }
+                    None => Ok((a, b)),
+                }
+            });
+            plan.push(span);
+        }
+        let forward = {
+            let mut batch: Vec<SeqChunk<'_>> = work
+                .iter_mut()
+                .zip(&plan)
+                .filter_map(|(item, span)| {
+                    let &(a, b) = span.as_ref().ok()?;
+                    let s = &mut *item.seq;
+                    Some(SeqChunk {
+                        tokens: &s.tokens[a..b],
+                        start_pos: a,
+                        kv: &mut s.kv,
+                        logits: if b == s.tokens.len() {
+                            LogitsWanted::Last
+                        } else {
+                            LogitsWanted::None
+                        },
+                    })
+                })
+                .collect();
+            self.model.forward(&mut batch)
+        };
+        let results = match forward {
+            Ok(r) => r,
+            Err(e) => {
+                for (item, span) in work.iter_mut().zip(&plan) {
+                    if let (StepWork::Decode(_), Ok(_)) = (item.work, span) {
+                        item.seq.tokens.pop();
+                    }
+                }
+                return Err(e);
+            }
+        };
+        let mut results = results.into_iter();
+        Ok(work
+            .iter_mut()
+            .zip(plan)
+            .map(|(item, span)| {
+                let (_, end) = span?;
+                let rows = results.next().unwrap_or_else(|| {
+                    Err(ModelError::Compute {
+                        detail: "the forward pass returned fewer results than chunks".into(),
+                    })
+                })?;
+                let seq = &mut *item.seq;
+                seq.cached = end;
+                if end < seq.tokens.len() {
+                    return Ok(None);
+                }
+                rows.into_iter()
+                    .next()
+                    .map(Some)
+                    .ok_or_else(|| ModelError::Compute {
+                        detail: "step returned no logits".into(),
+                    })
+            })
+            .collect())
+    }
 }
 
 /// After a batched forward pass: marks every sequence's tokens cached and
@@ -531,4 +703,31 @@ pub fn check_pool_capacity(
          --max-model-len to at most {pool_tokens}, or pass --allow-small-pool to serve at most \
          {pool_tokens} tokens per request"
     ))
+}
+
+/// What one sequence does in an [`Engine::step`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepWork {
+    /// Run the next this-many uncached tokens (a prompt chunk).
+    Prefill(usize),
+    /// Append this sampled token and run it (the sequence has no uncached
+    /// tokens).
+    Decode(u32),
+}
+
+/// One sequence's share of an [`Engine::step`].
+#[derive(Debug)]
+pub struct StepItem<'a> {
+    /// The sequence.
+    pub seq: &'a mut Sequence,
+    /// Its work this step.
+    pub work: StepWork,
+}
+
+impl Sequence {
+    /// Tokens whose K/V are in the cache; `tokens().len() - cached_len()`
+    /// are still to run.
+    pub fn cached_len(&self) -> usize {
+        self.cached
+    }
 }

@@ -3,7 +3,8 @@
 //! # Layout
 //! - [`error`]: [`ModelError`], the one error type of this layer.
 //! - [`config`]: [`ModelConfig`] from a Hugging Face `config.json` or GGUF metadata.
-//! - [`weights`]: tensors loaded as f32 (exact mode), GGUF Q/K rows un-permuted.
+//! - [`weights`]: tensors as f32 (exact mode) or GGUF Q4_1/Q8_0 blocks as
+//!   stored (quantized mode, [`Precision`]), GGUF Q/K rows un-permuted.
 //! - [`tokenizer`]: [`TextTokenizer`] (tokenizer.json or GGUF vocabulary),
 //!   chat templates (minijinja), incremental detokenization.
 //! - [`loader`]: [`load`] a model directory or GGUF file.
@@ -11,22 +12,28 @@
 //! - [`llama`]: the batched forward pass over the paged, checked KV pool.
 //! - [`sampling`]: greedy and seeded temperature / top-k / top-p sampling.
 //! - [`engine`]: the single-process reference engine (admission, prefill,
-//!   batched decode steps, generation).
+//!   batched decode steps, mixed steps of prompt chunks and decode tokens,
+//!   generation).
+//! - [`scheduler`]: continuous batching with chunked prefill over the
+//!   engine (an actor thread; bounded queue and event channels).
 
 pub mod config;
 pub mod default_model;
 pub mod engine;
 pub mod error;
+mod linear;
 pub mod llama;
 pub mod loader;
 pub mod sampling;
+pub mod scheduler;
 pub mod tokenizer;
 pub mod weights;
 
 pub use config::ModelConfig;
 pub use error::ModelError;
-pub use loader::{load, LoadedModel};
+pub use loader::{load, load_with, LoadedModel};
 pub use tokenizer::{ChatMessage, StreamDecoder, TextTokenizer};
+pub use weights::Precision;
 
 /// A request id for responses (`cmpl-…`): 128 bits from the OS random
 /// number generator, minted by the mesh (I8); `None` if the OS RNG fails.

@@ -10,12 +10,16 @@
 //!
 //! Exact mode: weights are f32 (dequantized at load), activations f32, the
 //! same arithmetic as the Hugging Face reference up to summation order.
+//! Quantized mode: GGUF Q4_1/Q8_0 matrices run through the block kernels
+//! (`kvmesh_kernels::quant`) with 8-bit activations; norms, RoPE, attention
+//! and the residual stream stay f32. In both modes a row's result does not
+//! depend on the other rows of the batch, so batched decode, chunked prefill
+//! and the disaggregated mesh all equal the reference engine token for token.
 //!
 //! Cost per call with `T` tokens in the batch: one `[T, hidden] x [hidden, out]`
 //! matmul per projection, attention linear in each sequence's context, and the
 //! vocabulary projection only for the rows whose logits were asked for.
 
-use candle_core::{DType, Device, Tensor};
 use kvmesh_kernels::norm::rms_norm;
 use kvmesh_kernels::rope::{Rope, RopeLayout};
 use kvmesh_kernels::{paged_attention, AttentionShape, KvGeometry};
@@ -23,7 +27,8 @@ use kvmesh_kvxfer::{PoolConfig, Reservation};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::weights::Weights;
+use crate::linear::Projection;
+use crate::weights::{Matrix, Weights};
 
 /// Which logits a chunk wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,18 +58,37 @@ pub struct SeqChunk<'a> {
 /// A chunk's outcome: its logits rows (`vocab_size` each), or why it failed.
 pub type ChunkResult = Result<Vec<Vec<f32>>>;
 
+/// One layer's projections as the forward pass runs them.
+#[derive(Debug)]
+struct LayerRt {
+    attn_norm: Vec<f32>,
+    qkv: Projection,
+    bq: Option<Vec<f32>>,
+    bk: Option<Vec<f32>>,
+    bv: Option<Vec<f32>>,
+    wo: Projection,
+    mlp_norm: Vec<f32>,
+    gate_up: Projection,
+    down: Projection,
+}
+
 /// A loaded Llama-family model ready to run.
 pub struct Llama {
     cfg: ModelConfig,
-    w: Weights,
+    embed: Matrix,
+    layers: Vec<LayerRt>,
+    final_norm: Vec<f32>,
+    lm_head: Projection,
     rope: Rope,
     shape: AttentionShape,
+    quantized: bool,
 }
 
 impl std::fmt::Debug for Llama {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Llama")
             .field("config", &self.cfg)
+            .field("quantized", &self.quantized)
             .finish_non_exhaustive()
     }
 }
@@ -75,16 +99,6 @@ fn compute(e: candle_core::Error) -> ModelError {
     }
 }
 
-/// `x [rows, in] @ w[out, in]^T` as a flat row-major vector.
-fn linear(x: &[f32], rows: usize, w: &Tensor) -> Result<Vec<f32>> {
-    let (_, inner) = w.dims2().map_err(compute)?;
-    let xt = Tensor::from_slice(x, (rows, inner), &Device::Cpu).map_err(compute)?;
-    xt.matmul(&w.t().map_err(compute)?)
-        .and_then(|t| t.flatten_all())
-        .and_then(|t| t.to_vec1::<f32>())
-        .map_err(compute)
-}
-
 fn add_bias(x: &mut [f32], bias: Option<&Vec<f32>>) {
     if let Some(b) = bias {
         for row in x.chunks_exact_mut(b.len()) {
@@ -93,9 +107,18 @@ fn add_bias(x: &mut [f32], bias: Option<&Vec<f32>>) {
     }
 }
 
+/// `silu(gate) * up`, in place into `gate`.
+fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
 impl Llama {
-    /// Build the runtime from loaded weights (exact mode: f32 throughout).
-    pub fn new(cfg: ModelConfig, w: Weights) -> Self {
+    /// Build the runtime from loaded weights: f32 matrices run dense
+    /// (exact mode), quantized ones through the block kernels, with Q/K/V
+    /// and gate/up stacked into one pass each.
+    pub fn new(cfg: ModelConfig, w: Weights) -> Result<Self> {
         let rope = Rope::new(
             cfg.head_dim,
             cfg.rope_theta,
@@ -109,11 +132,52 @@ impl Llama {
             scale: 1.0 / (cfg.head_dim as f32).sqrt(),
             window: cfg.sliding_window,
         };
-        Self {
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for l in w.layers {
+            layers.push(LayerRt {
+                qkv: Projection::new(&[&l.wq, &l.wk, &l.wv])?,
+                wo: Projection::new(&[&l.wo])?,
+                gate_up: Projection::new(&[&l.w_gate, &l.w_up])?,
+                down: Projection::new(&[&l.w_down])?,
+                attn_norm: l.attn_norm,
+                mlp_norm: l.mlp_norm,
+                bq: l.bq,
+                bk: l.bk,
+                bv: l.bv,
+            });
+        }
+        let lm_head = Projection::new(&[&w.lm_head])?;
+        let quantized = lm_head.is_quantized()
+            || layers
+                .iter()
+                .any(|l| l.qkv.is_quantized() || l.gate_up.is_quantized());
+        Ok(Self {
             cfg,
-            w,
+            embed: w.embed,
+            layers,
+            final_norm: w.final_norm,
+            lm_head,
             rope,
             shape,
+            quantized,
+        })
+    }
+
+    /// Whether any matrix runs through the quantized kernels.
+    pub fn is_quantized(&self) -> bool {
+        self.quantized
+    }
+
+    /// `exact-f32`, or `quantized-` and the kernel path this CPU runs
+    /// (`avx2`, `scalar`): for logs and benchmark output.
+    pub fn mode(&self) -> String {
+        if self.quantized {
+            format!(
+                "quantized-{}",
+                kvmesh_kernels::quant::Kernel::detect().name()
+            )
+        } else {
+            "exact-f32".to_owned()
         }
     }
 
@@ -151,6 +215,18 @@ impl Llama {
     /// (bad input that names no single sequence, or a compute error); a guard
     /// violation or a KV write error fails only its own chunk.
     pub fn forward(&self, batch: &mut [SeqChunk<'_>]) -> Result<Vec<ChunkResult>> {
+        self.forward_observed(batch, &mut |_, _, _| {})
+    }
+
+    /// [`Self::forward`], calling `layer_done(layer, i, &batch[i])` as soon
+    /// as chunk `i`'s K/V of `layer` are in its pages (for each chunk that
+    /// has not failed): a prefill node ships each layer while the next ones
+    /// compute.
+    pub fn forward_observed(
+        &self,
+        batch: &mut [SeqChunk<'_>],
+        layer_done: &mut dyn FnMut(usize, usize, &SeqChunk<'_>),
+    ) -> Result<Vec<ChunkResult>> {
         let cfg = &self.cfg;
         let hidden = cfg.hidden_size;
         let (q_dim, kv_dim) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
@@ -178,23 +254,22 @@ impl Llama {
             .flat_map(|c| c.start_pos..c.start_pos + c.tokens.len())
             .collect();
 
-        let id_tensor = Tensor::from_slice(&ids, rows, &Device::Cpu).map_err(compute)?;
-        let mut x = self
-            .w
-            .embed
-            .index_select(&id_tensor, 0)
-            .and_then(|t| t.to_dtype(DType::F32))
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(compute)?;
+        let mut x = vec![0.0f32; rows * hidden];
+        for (&id, row) in ids.iter().zip(x.chunks_exact_mut(hidden)) {
+            self.embed.row_into(id as usize, row).map_err(compute)?;
+        }
         let mut xn = vec![0.0f32; x.len()];
         let mut attn = vec![0.0f32; rows * q_dim];
 
-        for (layer, lw) in self.w.layers.iter().enumerate() {
+        for (layer, lw) in self.layers.iter().enumerate() {
             rms_norm(&x, &lw.attn_norm, cfg.rms_norm_eps, &mut xn);
-            let mut q = linear(&xn, rows, &lw.wq)?;
-            let mut k = linear(&xn, rows, &lw.wk)?;
-            let mut v = linear(&xn, rows, &lw.wv)?;
+            let mut qkv = lw.qkv.apply(&xn, rows)?.into_iter();
+            let (Some(mut q), Some(mut k), Some(mut v)) = (qkv.next(), qkv.next(), qkv.next())
+            else {
+                return Err(ModelError::Compute {
+                    detail: "the Q/K/V projection returned fewer than three outputs".into(),
+                });
+            };
             add_bias(&mut q, lw.bq.as_ref());
             add_bias(&mut k, lw.bk.as_ref());
             add_bias(&mut v, lw.bv.as_ref());
@@ -231,24 +306,23 @@ impl Llama {
                 ) {
                     failed[i] = Some(e.into());
                     out.fill(0.0);
+                    continue;
                 }
+                layer_done(layer, i, chunk);
             }
 
-            let o = linear(&attn, rows, &lw.wo)?;
+            let o = lw.wo.apply_one(&attn, rows)?;
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
 
             rms_norm(&x, &lw.mlp_norm, cfg.rms_norm_eps, &mut xn);
-            let xt = Tensor::from_slice(&xn, (rows, hidden), &Device::Cpu).map_err(compute)?;
-            let gate = xt
-                .matmul(&lw.w_gate.t().map_err(compute)?)
-                .map_err(compute)?;
-            let up = xt.matmul(&lw.w_up.t().map_err(compute)?).map_err(compute)?;
-            let h = (gate.silu().map_err(compute)? * up).map_err(compute)?;
-            let down = h
-                .matmul(&lw.w_down.t().map_err(compute)?)
-                .and_then(|t| t.flatten_all())
-                .and_then(|t| t.to_vec1::<f32>())
-                .map_err(compute)?;
+            let mut gu = lw.gate_up.apply(&xn, rows)?.into_iter();
+            let (Some(mut gate), Some(up)) = (gu.next(), gu.next()) else {
+                return Err(ModelError::Compute {
+                    detail: "the gate/up projection returned fewer than two outputs".into(),
+                });
+            };
+            swiglu(&mut gate, &up);
+            let down = lw.down.apply_one(&gate, rows)?;
             x.iter_mut().zip(&down).for_each(|(x, d)| *x += d);
         }
 
@@ -272,8 +346,8 @@ impl Llama {
                 sel.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
             }
             let mut seln = vec![0.0f32; sel.len()];
-            rms_norm(&sel, &self.w.final_norm, cfg.rms_norm_eps, &mut seln);
-            let flat = linear(&seln, want.len(), &self.w.lm_head)?;
+            rms_norm(&sel, &self.final_norm, cfg.rms_norm_eps, &mut seln);
+            let flat = self.lm_head.apply_one(&seln, want.len())?;
             logits_rows = flat
                 .chunks_exact(cfg.vocab_size)
                 .map(<[f32]>::to_vec)
@@ -303,3 +377,6 @@ impl Llama {
         Ok(results)
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -17,7 +17,7 @@ use std::time::Instant;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::tokenizer::TextTokenizer;
-use crate::weights::Weights;
+use crate::weights::{Precision, Weights};
 use gguf::{GgufFile, GGUF_MAGIC};
 
 /// The on-disk format a model was loaded from.
@@ -25,7 +25,8 @@ use gguf::{GgufFile, GGUF_MAGIC};
 pub enum ModelFormat {
     /// A Hugging Face directory with safetensors weights.
     HfSafetensors,
-    /// A single GGUF file (weights dequantized to f32 at load).
+    /// A single GGUF file (blocks kept as stored in the quantized mode,
+    /// dequantized to f32 in the exact mode).
     Gguf,
 }
 
@@ -44,8 +45,10 @@ impl ModelFormat {
 pub struct LoadedModel {
     /// Hyperparameters.
     pub config: ModelConfig,
-    /// Parameters, f32.
+    /// Parameters.
     pub weights: Weights,
+    /// How the matrices are held.
+    pub precision: Precision,
     /// Tokenizer and chat template.
     pub tokenizer: TextTokenizer,
     /// The directory or file loaded.
@@ -68,8 +71,16 @@ impl LoadedModel {
     }
 }
 
-/// Load a Hugging Face model directory or a GGUF file.
+/// Load a Hugging Face model directory or a GGUF file, f32 throughout
+/// (the exact mode).
 pub fn load(path: &Path) -> Result<LoadedModel> {
+    load_with(path, Precision::Exact)
+}
+
+/// Load a model in the given precision. A Hugging Face directory is always
+/// f32; a GGUF file's Q4_1 / Q8_0 matrices stay blocks in
+/// [`Precision::Quantized`] (other formats are dequantized).
+pub fn load_with(path: &Path, precision: Precision) -> Result<LoadedModel> {
     let started = Instant::now();
     let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => ModelError::MissingFile {
@@ -95,10 +106,10 @@ pub fn load(path: &Path) -> Result<LoadedModel> {
         let config = ModelConfig::from_gguf(&mut file)?;
         let tokenizer = TextTokenizer::from_gguf(&file)?;
         let header_done = started.elapsed();
-        let weights = Weights::from_gguf(&mut file, &config)?;
+        let weights = Weights::from_gguf(&mut file, &config, precision)?;
         tracing::debug!(
             header_ms = header_done.as_millis() as u64,
-            dequantize_ms = (started.elapsed() - header_done).as_millis() as u64,
+            tensors_ms = (started.elapsed() - header_done).as_millis() as u64,
             "GGUF read"
         );
         (config, weights, tokenizer, ModelFormat::Gguf)
@@ -125,12 +136,20 @@ pub fn load(path: &Path) -> Result<LoadedModel> {
         vocab = config.vocab_size,
         parameters = weights.parameter_count(),
         tied_embeddings = config.tie_word_embeddings,
+        matrix_mib = weights.matrix_bytes() >> 20,
         elapsed_ms = started.elapsed().as_millis() as u64,
-        "model loaded (f32)"
+        precision = precision.as_str(),
+        "model loaded"
     );
+    let precision = if format == ModelFormat::HfSafetensors {
+        Precision::Exact
+    } else {
+        precision
+    };
     Ok(LoadedModel {
         config,
         weights,
+        precision,
         tokenizer,
         path: path.to_owned(),
         format,

@@ -1,6 +1,12 @@
-//! [`Weights`]: every parameter of the model as f32 on the CPU (exact
-//! mode), in Hugging Face orientation (`[out_features, in_features]`) and
-//! Hugging Face rotate-half RoPE order, whatever the source format.
+//! [`Weights`]: every parameter of the model on the CPU, in Hugging Face
+//! orientation (`[out_features, in_features]`) and Hugging Face rotate-half
+//! RoPE order, whatever the source format.
+//!
+//! Matrices are [`Matrix`] values: f32 in the exact mode ([`Precision::Exact`])
+//! and for sources without supported blocks; in [`Precision::Quantized`] a
+//! GGUF tensor stored as Q4_1 or Q8_0 keeps its blocks as they are in the file
+//! ([`QMatrix`]), read straight from the file without dequantizing. Vectors
+//! (norms, biases) are always f32.
 //!
 //! One assembly path (`assemble`) asks a `TensorSource` for each tensor
 //! by logical role and expected shape; the sources are a Hugging Face
@@ -11,7 +17,10 @@
 
 mod hf;
 
-use candle_core::Tensor;
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use kvmesh_kernels::quant::QMatrix;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -19,19 +28,119 @@ use crate::loader::gguf::GgufFile;
 
 pub(crate) use hf::HfTensors;
 
+/// How a model's matrices are held and multiplied.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// f32 weights and activations: the mode compared against Hugging Face
+    /// transformers (GGUF blocks are dequantized at load).
+    #[default]
+    Exact,
+    /// GGUF Q4_1 / Q8_0 blocks used as stored, 8-bit activations (as
+    /// llama.cpp does); other tensors f32. Not equal to the f32 result, but
+    /// every output is independent of batching (see `kvmesh_kernels::quant`).
+    Quantized,
+}
+
+impl Precision {
+    /// Name for logs and benchmark output.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Exact => "exact-f32",
+            Self::Quantized => "quantized",
+        }
+    }
+}
+
+/// A weight matrix `[out_features, in_features]`: f32, or quantized blocks.
+#[derive(Clone, Debug)]
+pub enum Matrix {
+    /// Contiguous f32 on the CPU.
+    Dense(Tensor),
+    /// GGUF blocks (shared, so a tied LM head is the embedding).
+    Quant(Arc<QMatrix>),
+}
+
+impl Matrix {
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            Self::Dense(t) => {
+                let d = t.dims();
+                (
+                    d.first().copied().unwrap_or(0),
+                    d.get(1).copied().unwrap_or(1),
+                )
+            }
+            Self::Quant(q) => (q.rows(), q.cols()),
+        }
+    }
+
+    /// Values held (`rows * cols`).
+    pub fn elem_count(&self) -> usize {
+        let (r, c) = self.shape();
+        r * c
+    }
+
+    /// The f32 tensor, when dense.
+    pub fn dense(&self) -> Option<&Tensor> {
+        match self {
+            Self::Dense(t) => Some(t),
+            Self::Quant(_) => None,
+        }
+    }
+
+    /// The matrix as an f32 tensor (dequantizing blocks; tests and tools).
+    pub fn to_dense(&self) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense(t) => Ok(t.clone()),
+            Self::Quant(q) => {
+                let mut v = vec![0.0f32; q.rows() * q.cols()];
+                for (r, row) in v.chunks_exact_mut(q.cols()).enumerate() {
+                    q.dequantize_row(r, row);
+                }
+                Tensor::from_vec(v, (q.rows(), q.cols()), &Device::Cpu)
+            }
+        }
+    }
+
+    /// Whether both are the same storage (a tied LM head).
+    pub fn same_storage(&self, other: &Matrix) -> bool {
+        match (self, other) {
+            (Self::Dense(a), Self::Dense(b)) => a.id() == b.id(),
+            (Self::Quant(a), Self::Quant(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
+    /// Row `r` as f32 into `out` (embedding lookups).
+    pub(crate) fn row_into(&self, r: usize, out: &mut [f32]) -> candle_core::Result<()> {
+        match self {
+            Self::Dense(t) => {
+                let row = t.get(r)?.to_vec1::<f32>()?;
+                out.copy_from_slice(&row);
+                Ok(())
+            }
+            Self::Quant(q) => {
+                q.dequantize_row(r, out);
+                Ok(())
+            }
+        }
+    }
+}
+
 /// One decoder layer's parameters.
 #[derive(Clone, Debug)]
 pub struct LayerWeights {
     /// RMSNorm weight before attention, `[hidden]`.
     pub attn_norm: Vec<f32>,
     /// Query projection, `[n_heads * head_dim, hidden]`.
-    pub wq: Tensor,
+    pub wq: Matrix,
     /// Key projection, `[n_kv_heads * head_dim, hidden]`.
-    pub wk: Tensor,
+    pub wk: Matrix,
     /// Value projection, `[n_kv_heads * head_dim, hidden]`.
-    pub wv: Tensor,
+    pub wv: Matrix,
     /// Output projection, `[hidden, n_heads * head_dim]`.
-    pub wo: Tensor,
+    pub wo: Matrix,
     /// Query bias (when `attention_bias`), `[n_heads * head_dim]`.
     pub bq: Option<Vec<f32>>,
     /// Key bias (when `attention_bias`), `[n_kv_heads * head_dim]`.
@@ -41,38 +150,60 @@ pub struct LayerWeights {
     /// RMSNorm weight before the MLP, `[hidden]`.
     pub mlp_norm: Vec<f32>,
     /// MLP gate projection, `[intermediate, hidden]`.
-    pub w_gate: Tensor,
+    pub w_gate: Matrix,
     /// MLP up projection, `[intermediate, hidden]`.
-    pub w_up: Tensor,
+    pub w_up: Matrix,
     /// MLP down projection, `[hidden, intermediate]`.
-    pub w_down: Tensor,
+    pub w_down: Matrix,
 }
 
-/// All parameters of a model. Every tensor is f32, contiguous, on
-/// [`Device::Cpu`](candle_core::Device::Cpu).
+/// All parameters of a model, on the CPU.
 #[derive(Clone, Debug)]
 pub struct Weights {
     /// Token embedding, `[vocab, hidden]`.
-    pub embed: Tensor,
+    pub embed: Matrix,
     /// Decoder layers, in order.
     pub layers: Vec<LayerWeights>,
     /// Final RMSNorm weight, `[hidden]`.
     pub final_norm: Vec<f32>,
     /// LM head, `[vocab, hidden]`; a clone of `embed` (sharing its storage)
     /// when the embeddings are tied.
-    pub lm_head: Tensor,
+    pub lm_head: Matrix,
 }
 
 impl Weights {
     /// Load every `*.safetensors` file of a Hugging Face model directory.
+    /// Load every `*.safetensors` file of a Hugging Face model directory
+    /// (always f32).
     pub fn from_hf_dir(dir: &std::path::Path, config: &ModelConfig) -> Result<Self> {
         let mut source = HfTensors::read_dir(dir, &plan(config, Layout::Hf))?;
-        assemble(&mut source, config, Layout::Hf)
+        assemble(&mut source, config, Layout::Hf, Precision::Exact)
     }
 
-    /// Load (dequantize) the tensors of an open GGUF file.
-    pub(crate) fn from_gguf(file: &mut GgufFile, config: &ModelConfig) -> Result<Self> {
-        assemble(file, config, Layout::Gguf)
+    /// Load the tensors of an open GGUF file: dequantized to f32, or (in
+    /// [`Precision::Quantized`]) Q4_1 / Q8_0 blocks kept as stored.
+    pub(crate) fn from_gguf(
+        file: &mut GgufFile,
+        config: &ModelConfig,
+        precision: Precision,
+    ) -> Result<Self> {
+        assemble(file, config, Layout::Gguf, precision)
+    }
+
+    /// Bytes the matrices occupy (what a decode step reads).
+    pub fn matrix_bytes(&self) -> usize {
+        let bytes = |m: &Matrix| match m {
+            Matrix::Dense(t) => t.elem_count() * 4,
+            Matrix::Quant(q) => q.byte_len(),
+        };
+        let tied = self.lm_head.same_storage(&self.embed);
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .map(bytes)
+            .sum::<usize>()
+            + bytes(&self.embed)
+            + if tied { 0 } else { bytes(&self.lm_head) }
     }
 
     /// Parameters held, counting a tied LM head once.
@@ -89,7 +220,7 @@ impl Weights {
                     .map(|b| b.as_ref().map_or(0, Vec::len))
                     .sum::<usize>()
         };
-        let tied = self.lm_head.id() == self.embed.id();
+        let tied = self.lm_head.same_storage(&self.embed);
         self.embed.elem_count()
             + self.layers.iter().map(layer).sum::<usize>()
             + self.final_norm.len()
@@ -105,6 +236,16 @@ pub(crate) trait TensorSource {
     /// Take tensor `name`; [`ModelError::MissingTensor`] if absent,
     /// [`ModelError::ShapeMismatch`] if its shape is not `expected`.
     fn take(&mut self, name: &str, expected: &[usize]) -> Result<Tensor>;
+    /// Take a weight matrix: f32 unless the source keeps supported blocks
+    /// and `precision` asks for them.
+    fn take_matrix(
+        &mut self,
+        name: &str,
+        expected: &[usize],
+        _precision: Precision,
+    ) -> Result<Matrix> {
+        self.take(name, expected).map(Matrix::Dense)
+    }
 }
 
 impl TensorSource for GgufFile {
@@ -114,6 +255,20 @@ impl TensorSource for GgufFile {
 
     fn take(&mut self, name: &str, expected: &[usize]) -> Result<Tensor> {
         self.tensor_f32(name, expected)
+    }
+
+    fn take_matrix(
+        &mut self,
+        name: &str,
+        expected: &[usize],
+        precision: Precision,
+    ) -> Result<Matrix> {
+        if precision == Precision::Quantized {
+            if let Some(q) = self.tensor_blocks(name, expected)? {
+                return Ok(Matrix::Quant(Arc::new(q)));
+            }
+        }
+        self.tensor_f32(name, expected).map(Matrix::Dense)
     }
 }
 
@@ -256,24 +411,40 @@ pub(crate) fn plan(config: &ModelConfig, layout: Layout) -> Vec<(String, Vec<usi
 }
 
 /// Build [`Weights`] from a source, un-permuting GGUF's Q and K rows.
-fn assemble(src: &mut dyn TensorSource, config: &ModelConfig, layout: Layout) -> Result<Weights> {
+fn assemble(
+    src: &mut dyn TensorSource,
+    config: &ModelConfig,
+    layout: Layout,
+    precision: Precision,
+) -> Result<Weights> {
     let (v, h) = (config.vocab_size, config.hidden_size);
     let path = src.source_path().to_owned();
-    let embed = src.take(layout.embed(), &[v, h])?;
+    let embed = src.take_matrix(layout.embed(), &[v, h], precision)?;
     let mut layers = Vec::new();
     for i in 0..config.n_layers {
-        let mut take = |part: Part| src.take(&layout.layer(i, part), &part_shape(config, part));
         let vector = |t: Tensor, part: Part| to_vec1(&path, &layout.layer(i, part), &t);
+        let unpermute_err = |part: Part, e: String| {
+            ModelError::malformed(
+                &path,
+                format!("un-permuting `{}`: {e}", layout.layer(i, part)),
+            )
+        };
         // GGUF stores Q and K (and their biases) permuted for interleaved RoPE.
         let qk = |t: Tensor, part: Part, heads: usize| match layout {
             Layout::Hf => Ok(t),
-            Layout::Gguf => unpermute_qk_rows(&t, heads, config.head_dim).map_err(|e| {
-                ModelError::malformed(
-                    &path,
-                    format!("un-permuting `{}`: {e}", layout.layer(i, part)),
-                )
-            }),
+            Layout::Gguf => unpermute_qk_rows(&t, heads, config.head_dim)
+                .map_err(|e| unpermute_err(part, e.to_string())),
         };
+        let qk_matrix = |m: Matrix, part: Part, heads: usize| match (layout, m) {
+            (Layout::Hf, m) => Ok(m),
+            (Layout::Gguf, Matrix::Dense(t)) => qk(t, part, heads).map(Matrix::Dense),
+            (Layout::Gguf, Matrix::Quant(q)) => {
+                let order = unpermute_order(q.rows(), heads, config.head_dim)
+                    .map_err(|e| unpermute_err(part, e))?;
+                Ok(Matrix::Quant(Arc::new(q.permute_rows(&order))))
+            }
+        };
+        let mut take = |part: Part| src.take(&layout.layer(i, part), &part_shape(config, part));
         let (bq, bk, bv) = if config.attention_bias {
             let bq = qk(take(Part::QBias)?, Part::QBias, config.n_heads)?;
             let bk = qk(take(Part::KBias)?, Part::KBias, config.n_kv_heads)?;
@@ -285,19 +456,24 @@ fn assemble(src: &mut dyn TensorSource, config: &ModelConfig, layout: Layout) ->
         } else {
             (None, None, None)
         };
+        let attn_norm = vector(take(Part::AttnNorm)?, Part::AttnNorm)?;
+        let mlp_norm = vector(take(Part::MlpNorm)?, Part::MlpNorm)?;
+        let mut matrix = |part: Part| {
+            src.take_matrix(&layout.layer(i, part), &part_shape(config, part), precision)
+        };
         layers.push(LayerWeights {
-            attn_norm: vector(take(Part::AttnNorm)?, Part::AttnNorm)?,
-            wq: qk(take(Part::Q)?, Part::Q, config.n_heads)?,
-            wk: qk(take(Part::K)?, Part::K, config.n_kv_heads)?,
-            wv: take(Part::V)?,
-            wo: take(Part::O)?,
+            attn_norm,
+            wq: qk_matrix(matrix(Part::Q)?, Part::Q, config.n_heads)?,
+            wk: qk_matrix(matrix(Part::K)?, Part::K, config.n_kv_heads)?,
+            wv: matrix(Part::V)?,
+            wo: matrix(Part::O)?,
             bq,
             bk,
             bv,
-            mlp_norm: vector(take(Part::MlpNorm)?, Part::MlpNorm)?,
-            w_gate: take(Part::Gate)?,
-            w_up: take(Part::Up)?,
-            w_down: take(Part::Down)?,
+            mlp_norm,
+            w_gate: matrix(Part::Gate)?,
+            w_up: matrix(Part::Up)?,
+            w_down: matrix(Part::Down)?,
         });
     }
     let final_norm = to_vec1(
@@ -308,7 +484,7 @@ fn assemble(src: &mut dyn TensorSource, config: &ModelConfig, layout: Layout) ->
     let lm_head = if config.tie_word_embeddings {
         embed.clone()
     } else {
-        src.take(layout.lm_head(), &[v, h])?
+        src.take_matrix(layout.lm_head(), &[v, h], precision)?
     };
     Ok(Weights {
         embed,
@@ -338,6 +514,29 @@ pub(crate) fn unpermute_qk_rows(
     head_dim: usize,
 ) -> candle_core::Result<Tensor> {
     swap_row_halves(t, n_head, head_dim, [head_dim / 2, 2])
+}
+
+/// The row order that undoes llama.cpp's permutation on `rows` rows:
+/// HF row `h * d + s * d/2 + j` is GGUF row `h * d + 2j + s` (the same map
+/// as [`unpermute_qk_rows`], for matrices whose rows are blocks).
+pub(crate) fn unpermute_order(
+    rows: usize,
+    n_head: usize,
+    head_dim: usize,
+) -> std::result::Result<Vec<usize>, String> {
+    if Some(rows) != n_head.checked_mul(head_dim) || head_dim % 2 != 0 {
+        return Err(format!(
+            "{rows} rows cannot be {n_head} heads of {head_dim} (even) rows"
+        ));
+    }
+    let half = head_dim / 2;
+    Ok((0..rows)
+        .map(|hf| {
+            let (h, within) = (hf / head_dim, hf % head_dim);
+            let (s, j) = (within / half, within % half);
+            h * head_dim + 2 * j + s
+        })
+        .collect())
 }
 
 /// llama.cpp's permutation ([`unpermute_qk_rows`]'s inverse), for tests.

@@ -13,9 +13,11 @@
 //! prompt tokens, within this node's limits: I3); the writer for it is
 //! taken before any compute (an abort that overtook the grant refuses it
 //! here); the compute thread runs every prompt waiting (up to a token
-//! budget) as one batched forward pass, samples each first token, then
-//! ships each layer's K and V through the grant's writer, checking between
-//! layers whether the decode node aborted; transfer-done goes last.
+//! budget) as one batched forward pass; each layer's K and V go to the
+//! request's shipping task as soon as the layer is computed, which writes
+//! them through the grant's writer (checking before each whether the decode
+//! node aborted) while later layers compute; transfer-done, with the first
+//! sampled token, goes last, so the decode node still verifies the whole (I4).
 //! Any failure drops the writer: the decode node's abort (or lease) then
 //! ends the reservation through the confirmation path.
 
@@ -365,72 +367,104 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
     if admitted.is_empty() {
         return;
     }
-    let results = {
-        let mut seqs: Vec<&mut kvmesh_model::engine::Sequence> =
-            admitted.iter_mut().map(|(_, s)| s).collect();
-        engine.prefill_batch(&mut seqs)
-    };
-    let results = match results {
-        Ok(r) => r,
-        Err(e) => {
-            let msg = e.to_string();
-            for (job, _) in admitted {
-                let _ = job
-                    .done
-                    .send(Err(PrefillError::Invalid(format!("prefill failed: {msg}"))));
-            }
-            return;
-        }
-    };
-    for ((job, seq), logits) in admitted.into_iter().zip(results) {
+    // One shipping task per request owns its writer and writes each layer
+    // as the forward pass finishes it, so the transfer of layer l overlaps
+    // the compute of layers l + 1..; transfer-done goes last, after the first
+    // token is sampled. The feed holds at most every layer plus the end, so
+    // the compute thread never waits on a slow transfer.
+    let n_layers = engine.model().config().n_layers;
+    let mut feeds = Vec::with_capacity(admitted.len());
+    let mut seqs = Vec::with_capacity(admitted.len());
+    for (job, seq) in admitted {
         let Job {
             sampling,
-            mut writer,
+            writer,
             done,
             ..
         } = job;
-        let r = logits.map_err(PrefillError::from).and_then(|logits| {
-            ship(engine, &seq, &logits, sampling, &mut writer, rt, stopped)
-                .map(|first| (first, writer))
-        });
-        let r = match r {
-            Ok((first, writer)) => rt
-                .block_on(writer.finish(first))
-                .map(|()| first)
-                .map_err(PrefillError::from),
-            Err(e) => Err(e),
-        };
-        let _ = done.send(r);
+        let (tx, rx) = mpsc::channel(n_layers + 1);
+        rt.spawn(ship(writer, rx, done, Arc::clone(stopped)));
+        feeds.push((tx, sampling));
+        seqs.push(seq);
+    }
+    let results = {
+        let mut refs: Vec<&mut kvmesh_model::engine::Sequence> = seqs.iter_mut().collect();
+        engine.prefill_batch_streamed(&mut refs, &mut |i, layer, kv| {
+            let feed = match (u16::try_from(layer), kv) {
+                (Ok(l), Ok((k, v))) => Feed::Layer(l, k, v),
+                (Err(_), _) => Feed::Failed(PrefillError::Invalid("too many layers".into())),
+                (_, Err(e)) => Feed::Failed(e.into()),
+            };
+            // A full or closed feed means the task already ended (abort,
+            // writer lost); it answers the request itself.
+            let _ = feeds[i].0.try_send(feed);
+        })
+    };
+    match results {
+        Ok(results) => {
+            for ((tx, sampling), logits) in feeds.into_iter().zip(results) {
+                let end = match logits {
+                    Ok(l) => Feed::First(Sampler::new(sampling).sample(&l)),
+                    Err(e) => Feed::Failed(e.into()),
+                };
+                let _ = tx.try_send(end);
+            }
+        }
+        Err(e) => {
+            let msg = e.to_string();
+            for (tx, _) in feeds {
+                let _ = tx.try_send(Feed::Failed(PrefillError::Invalid(format!(
+                    "prefill failed: {msg}"
+                ))));
+            }
+        }
     }
 }
 
-/// Samples the first token and writes every layer of the prompt's KV
-/// through the grant's writer (checking for an abort between layers).
-fn ship(
-    engine: &Engine,
-    seq: &kvmesh_model::engine::Sequence,
-    logits: &[f32],
-    sampling: SamplingParams,
-    writer: &mut GrantWriter,
-    rt: &tokio::runtime::Handle,
-    stopped: &Stopped,
-) -> Result<u32, PrefillError> {
-    let first = Sampler::new(sampling).sample(logits);
-    let n_layers = engine.model().config().n_layers;
+/// What the compute thread hands a request's shipping task.
+enum Feed {
+    /// One layer's prompt K and V, position-major.
+    Layer(u16, Vec<f32>, Vec<f32>),
+    /// The first token: every layer was sent; finish the transfer.
+    First(u32),
+    /// The request failed; drop the writer.
+    Failed(PrefillError),
+}
+
+/// A request's shipping task: writes layers in order through the grant's
+/// writer (checking for an abort before each), then transfer-done with the
+/// first token; answers the request. Dropping the writer on any failure lets
+/// the decode node's abort (or lease) end the reservation.
+async fn ship(
+    mut writer: GrantWriter,
+    mut feed: mpsc::Receiver<Feed>,
+    done: oneshot::Sender<Result<u32, PrefillError>>,
+    stopped: Stopped,
+) {
     let id = writer.grant().reservation;
-    rt.block_on(async {
-        for layer in 0..n_layers {
-            if is_stopped(stopped, id) {
-                return Err(WriterError::Aborted(id).into());
+    let r = async {
+        let first = loop {
+            match feed.recv().await {
+                Some(Feed::Layer(l, k, v)) => {
+                    if is_stopped(&stopped, id) {
+                        return Err(WriterError::Aborted(id).into());
+                    }
+                    writer.write_layer(l, &k, &v).await?;
+                }
+                Some(Feed::First(t)) => break t,
+                Some(Feed::Failed(e)) => return Err(e),
+                None => {
+                    return Err(PrefillError::Invalid(
+                        "the prefill compute ended without a first token".into(),
+                    ))
+                }
             }
-            let (k, v) = engine.prompt_kv(seq, layer)?;
-            let l = u16::try_from(layer)
-                .map_err(|_| PrefillError::Invalid("too many layers".into()))?;
-            writer.write_layer(l, &k, &v).await?;
-        }
-        Ok::<_, PrefillError>(())
-    })?;
-    Ok(first)
+        };
+        writer.finish(first).await?;
+        Ok(first)
+    }
+    .await;
+    let _ = done.send(r);
 }
 
 #[tonic::async_trait]

@@ -72,6 +72,9 @@ pub struct Job {
     pub seed: u64,
     /// Stop strings.
     pub stop: Vec<String>,
+    /// End-of-sequence tokens do not end generation: the decode node gets
+    /// no stop token ids, so it runs to `max_tokens` (or a stop string).
+    pub ignore_eos: bool,
     /// The tenant, from the request's API key only.
     pub tenant: crate::auth::Tenant,
     /// Injected faults (testing builds; see `kvxfer::fault`).
@@ -208,7 +211,11 @@ async fn run(
         .tokens(TokensRequest {
             reservation_id: rid.clone(),
             sampling: Some(sampling),
-            stop_token_ids: r.stop_ids.to_vec(),
+            stop_token_ids: if job.ignore_eos {
+                Vec::new()
+            } else {
+                r.stop_ids.to_vec()
+            },
         })
         .await
     {

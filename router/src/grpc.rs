@@ -129,6 +129,7 @@ impl Generation for Api {
             top_p,
             seed: r.seed.unwrap_or(0x9E37_79B9_7F4A_7C15),
             stop: r.stop,
+            ignore_eos: false,
             tenant,
             faults: kvmesh_kvxfer::fault::FaultPlan::none(),
         };

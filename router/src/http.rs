@@ -194,6 +194,9 @@ struct Common {
     #[serde(default)]
     stream: bool,
     n: Option<u64>,
+    /// vLLM's extension: end-of-sequence tokens do not end generation.
+    #[serde(default)]
+    ignore_eos: bool,
 }
 
 #[derive(Deserialize)]
@@ -254,6 +257,9 @@ pub struct Settings {
     pub stop: Vec<String>,
     /// SSE or one body.
     pub stream: bool,
+    /// Generate exactly `max_tokens` tokens: end-of-sequence tokens do not
+    /// stop generation (stop strings still do).
+    pub ignore_eos: bool,
 }
 
 /// A request body as the gateway accepts it: prompt token ids and
@@ -348,6 +354,7 @@ fn settings(r: &Router, c: &Common) -> Result<Settings, Rejection> {
         seed: c.seed.unwrap_or_else(|| unix_now() ^ 0x9E37_79B9_7F4A_7C15),
         stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
         stream: c.stream,
+        ignore_eos: c.ignore_eos,
     })
 }
 
@@ -478,6 +485,7 @@ async fn respond(
         top_p: s.top_p,
         seed: s.seed,
         stop: s.stop,
+        ignore_eos: s.ignore_eos,
         tenant,
         faults,
     };

@@ -4,7 +4,7 @@ use super::*;
 
 /// Aborts the connection's task on drop, which closes the socket: how a
 /// client "goes away".
-pub(super) struct ConnGuard(tokio::task::JoinHandle<()>);
+pub(crate) struct ConnGuard(tokio::task::JoinHandle<()>);
 
 impl Drop for ConnGuard {
     fn drop(&mut self) {
@@ -12,7 +12,7 @@ impl Drop for ConnGuard {
     }
 }
 
-pub(super) async fn send(
+pub(crate) async fn send(
     addr: &str,
     method: hyper::Method,
     path: &str,
@@ -48,7 +48,7 @@ pub(super) async fn send(
     Ok((resp, guard))
 }
 
-pub(super) async fn read_all(
+pub(crate) async fn read_all(
     resp: hyper::Response<hyper::body::Incoming>,
 ) -> Result<String, String> {
     let bytes = resp
@@ -61,7 +61,7 @@ pub(super) async fn read_all(
 }
 
 /// GET `path`: status and body.
-pub(super) async fn get(addr: &str, path: &str) -> Result<(u16, String), String> {
+pub(crate) async fn get(addr: &str, path: &str) -> Result<(u16, String), String> {
     let (resp, _guard) = send(addr, hyper::Method::GET, path, None, None).await?;
     let status = resp.status().as_u16();
     Ok((status, read_all(resp).await?))

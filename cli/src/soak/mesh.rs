@@ -4,9 +4,9 @@ use super::*;
 
 /// The `serve` child; killed on drop.
 #[derive(Debug)]
-pub(super) struct MeshChild {
-    pub(super) child: Child,
-    pub(super) log: PathBuf,
+pub(crate) struct MeshChild {
+    pub(crate) child: Child,
+    pub(crate) log: PathBuf,
 }
 
 impl Drop for MeshChild {
@@ -16,22 +16,63 @@ impl Drop for MeshChild {
     }
 }
 
-pub(super) fn log_tail(path: &Path) -> String {
+pub(crate) fn log_tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(20)..].join("\n")
 }
 
-/// Starts `<this exe> serve` on free ports and returns it with the
-/// gateway's `HOST:PORT` once it printed its URLs.
-pub(super) fn start_mesh(
-    a: &SoakArgs,
+/// The `serve` flags of the soak's mesh.
+pub(super) fn soak_serve_flags(a: &SoakArgs, kv_pool_tokens: usize) -> Vec<String> {
+    let mut flags: Vec<String> = vec![
+        "--transport".into(),
+        match a.transport {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Shm => "shm",
+        }
+        .into(),
+        "--page-size".into(),
+        a.model.page_size.to_string(),
+        "--kv-pool-tokens".into(),
+        kv_pool_tokens.to_string(),
+        "--scrub".into(),
+        a.model.scrub.as_str().into(),
+    ];
+    if let Some(n) = a.model.max_model_len {
+        flags.extend(["--max-model-len".into(), n.to_string()]);
+    }
+    if a.model.poison || !a.no_poison {
+        flags.push("--poison".into());
+    }
+    if a.model.exact {
+        flags.push("--exact".into());
+    }
+    if a.fault_rate > 0.0 {
+        flags.extend([
+            "--fault-injection".into(),
+            "--lease-ms".into(),
+            a.lease_ms.to_string(),
+            "--abort-timeout-ms".into(),
+            a.abort_timeout_ms.to_string(),
+        ]);
+    }
+    flags.extend(a.serve_args.iter().cloned());
+    flags
+}
+
+/// Starts `<this exe> serve --model MODEL` on free ports with `flags`
+/// after the model's, its stderr to `log` (default: a file named after
+/// `label` in the temporary directory), and returns it with the gateway's
+/// `HOST:PORT` once it printed its URLs.
+pub(crate) fn start_mesh(
     model: &Path,
-    kv_pool_tokens: usize,
+    flags: &[String],
+    log: Option<PathBuf>,
+    label: &str,
 ) -> Result<(MeshChild, String)> {
     let exe = std::env::current_exe().context("locating the kvmesh binary")?;
-    let log = a.serve_log.clone().unwrap_or_else(|| {
-        std::env::temp_dir().join(format!("kvmesh-soak-{}-serve.log", std::process::id()))
+    let log = log.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("kvmesh-{label}-{}-serve.log", std::process::id()))
     });
     let log_file =
         std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -40,31 +81,7 @@ pub(super) fn start_mesh(
         .arg("--model")
         .arg(model)
         .args(["--http-port", "0", "--grpc-port", "0"])
-        .args([
-            "--transport",
-            match a.transport {
-                TransportKind::Tcp => "tcp",
-                TransportKind::Shm => "shm",
-            },
-        ])
-        .args(["--page-size", &a.model.page_size.to_string()])
-        .args(["--kv-pool-tokens", &kv_pool_tokens.to_string()])
-        .args(["--scrub", a.model.scrub.as_str()]);
-    if let Some(n) = a.model.max_model_len {
-        cmd.args(["--max-model-len", &n.to_string()]);
-    }
-    if a.model.poison || !a.no_poison {
-        cmd.arg("--poison");
-    }
-    if a.model.exact {
-        cmd.arg("--exact");
-    }
-    if a.fault_rate > 0.0 {
-        cmd.arg("--fault-injection")
-            .args(["--lease-ms", &a.lease_ms.to_string()])
-            .args(["--abort-timeout-ms", &a.abort_timeout_ms.to_string()]);
-    }
-    cmd.args(&a.serve_args);
+        .args(flags);
     if std::env::var_os("KVMESH_LOG").is_none() {
         cmd.env("KVMESH_LOG", "warn");
     }
@@ -115,7 +132,7 @@ pub(super) fn start_mesh(
 }
 
 /// `http://HOST:PORT[/v1]` or `HOST:PORT` to `HOST:PORT`.
-pub(super) fn host_port(url: &str) -> String {
+pub(crate) fn host_port(url: &str) -> String {
     let u = url.trim().trim_end_matches('/');
     let u = u.strip_prefix("http://").unwrap_or(u);
     u.trim_end_matches("/v1").to_owned()

@@ -4,13 +4,13 @@ use super::*;
 
 /// One sample of the Prometheus text: name, labels, value.
 #[derive(Debug)]
-pub(super) struct Sample {
-    pub(super) name: String,
-    pub(super) labels: BTreeMap<String, String>,
-    pub(super) value: f64,
+pub(crate) struct Sample {
+    pub(crate) name: String,
+    pub(crate) labels: BTreeMap<String, String>,
+    pub(crate) value: f64,
 }
 
-pub(super) fn parse_metrics(text: &str) -> Vec<Sample> {
+pub(crate) fn parse_metrics(text: &str) -> Vec<Sample> {
     let mut out = Vec::new();
     for line in text.lines() {
         if line.starts_with('#') || line.trim().is_empty() {

@@ -330,9 +330,9 @@ fn references(engine: &Engine) -> Result<Vec<Reference>> {
     Ok(out)
 }
 
-mod client;
-mod mesh;
-mod metrics;
+pub(crate) mod client;
+pub(crate) mod mesh;
+pub(crate) mod metrics;
 mod report;
 mod tally;
 #[cfg(test)]
@@ -392,7 +392,8 @@ pub fn run(a: SoakArgs) -> Result<()> {
     let (mesh, addr, pid) = match &a.url {
         Some(u) => (None, host_port(u), a.pid),
         None => {
-            let (m, addr) = start_mesh(&a, &model_path, kv_pool_tokens)?;
+            let flags = soak_serve_flags(&a, kv_pool_tokens);
+            let (m, addr) = start_mesh(&model_path, &flags, a.serve_log.clone(), "soak")?;
             let pid = m.child.id();
             eprintln!(
                 "soak: mesh at http://{addr} (pid {pid}), log {}",

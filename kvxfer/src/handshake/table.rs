@@ -626,7 +626,9 @@ impl Inner {
         if e.faults.at(crate::fault::Point::Verify) == Some(crate::fault::Action::Corrupt) {
             res.corrupt_landed_value(0);
         }
-        let checked = if crate::fault::planted(crate::fault::PlantedBug::NoVerification) {
+        let checked = if crate::fault::planted(crate::fault::PlantedBug::NoVerification)
+            || crate::fault::planted(crate::fault::PlantedBug::NoKvChecks)
+        {
             Ok(())
         } else {
             verify(&e.grant, &res, done)

@@ -13,7 +13,9 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
+use kvmesh_kernels::quant::{QFormat, QMatrix};
 
 use crate::error::{guarded, ModelError, Result};
 
@@ -209,6 +211,78 @@ impl GgufFile {
             content.tensor(reader, name, &Device::Cpu)
         })?;
         guarded(&self.path, &what, || qtensor.dequantize(&Device::Cpu))
+    }
+
+    /// Read tensor `name` as its GGUF blocks, unconverted, when it is stored
+    /// in a format the quantized kernels run (Q4_1, Q8_0); `None` for any
+    /// other format. Shape checked as in [`Self::tensor_f32`]; the byte range
+    /// is checked against the file's length before reading.
+    pub(crate) fn tensor_blocks(
+        &mut self,
+        name: &str,
+        expected: &[usize],
+    ) -> Result<Option<QMatrix>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let Some(info) = self.content.tensor_infos.get(name) else {
+            return Err(ModelError::MissingTensor {
+                path: self.path.clone(),
+                tensor: name.to_owned(),
+            });
+        };
+        let format = match info.ggml_dtype {
+            GgmlDType::Q4_1 => QFormat::Q4_1,
+            GgmlDType::Q8_0 => QFormat::Q8_0,
+            _ => return Ok(None),
+        };
+        let got = info.shape.dims();
+        let &[rows, cols] = got else {
+            return Err(ModelError::ShapeMismatch {
+                path: self.path.clone(),
+                tensor: name.to_owned(),
+                expected: expected.to_vec(),
+                got: got.to_vec(),
+            });
+        };
+        if got != expected {
+            return Err(ModelError::ShapeMismatch {
+                path: self.path.clone(),
+                tensor: name.to_owned(),
+                expected: expected.to_vec(),
+                got: got.to_vec(),
+            });
+        }
+        let bad = |reason: String| {
+            ModelError::malformed(&self.path, format!("tensor `{name}`: {reason}"))
+        };
+        if cols % kvmesh_kernels::quant::BLOCK != 0 {
+            return Err(bad(format!("{cols} columns is not whole blocks")));
+        }
+        let len = (rows as u64)
+            .checked_mul((cols / kvmesh_kernels::quant::BLOCK) as u64)
+            .and_then(|b| b.checked_mul(format.block_bytes() as u64));
+        let start = self.content.tensor_data_offset.checked_add(info.offset);
+        let file_len = self
+            .reader
+            .get_ref()
+            .metadata()
+            .map_err(|e| ModelError::io(&self.path, e))?
+            .len();
+        let (Some(len), Some(start)) = (len, start) else {
+            return Err(bad("size overflows".into()));
+        };
+        if start.checked_add(len).is_none_or(|end| end > file_len) {
+            return Err(bad(format!(
+                "{len} bytes at offset {start} run past the end of the file ({file_len} bytes)"
+            )));
+        }
+        let mut data = vec![0u8; len as usize];
+        self.reader
+            .seek(SeekFrom::Start(start))
+            .and_then(|_| self.reader.read_exact(&mut data))
+            .map_err(|e| ModelError::io(&self.path, e))?;
+        QMatrix::from_bytes(format, rows, cols, data)
+            .map(Some)
+            .map_err(|e| bad(e.to_string()))
     }
 
     fn missing(&self, key: &str) -> ModelError {

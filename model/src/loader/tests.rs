@@ -8,14 +8,18 @@ use super::test_util::*;
 use super::*;
 use crate::weights::LayerWeights;
 
+fn dense(m: &crate::weights::Matrix) -> Tensor {
+    m.to_dense().expect("dense")
+}
+
 /// The loaded tensor for an HF name.
 fn loaded<'a>(w: &'a Weights, name: &str) -> Tensor {
     let layer =
         |i: &str| -> &'a LayerWeights { &w.layers[i.parse::<usize>().expect("layer index")] };
     let vec = |v: &Vec<f32>| Tensor::from_slice(v, v.len(), &Device::Cpu).expect("tensor");
     match name {
-        "model.embed_tokens.weight" => w.embed.clone(),
-        "lm_head.weight" => w.lm_head.clone(),
+        "model.embed_tokens.weight" => dense(&w.embed),
+        "lm_head.weight" => dense(&w.lm_head),
         "model.norm.weight" => vec(&w.final_norm),
         _ => {
             let rest = name.strip_prefix("model.layers.").expect("layer tensor");
@@ -25,16 +29,16 @@ fn loaded<'a>(w: &'a Weights, name: &str) -> Tensor {
             match part {
                 "input_layernorm.weight" => vec(&l.attn_norm),
                 "post_attention_layernorm.weight" => vec(&l.mlp_norm),
-                "self_attn.q_proj.weight" => l.wq.clone(),
-                "self_attn.k_proj.weight" => l.wk.clone(),
-                "self_attn.v_proj.weight" => l.wv.clone(),
-                "self_attn.o_proj.weight" => l.wo.clone(),
+                "self_attn.q_proj.weight" => dense(&l.wq),
+                "self_attn.k_proj.weight" => dense(&l.wk),
+                "self_attn.v_proj.weight" => dense(&l.wv),
+                "self_attn.o_proj.weight" => dense(&l.wo),
                 "self_attn.q_proj.bias" => opt(&l.bq),
                 "self_attn.k_proj.bias" => opt(&l.bk),
                 "self_attn.v_proj.bias" => opt(&l.bv),
-                "mlp.gate_proj.weight" => l.w_gate.clone(),
-                "mlp.up_proj.weight" => l.w_up.clone(),
-                "mlp.down_proj.weight" => l.w_down.clone(),
+                "mlp.gate_proj.weight" => dense(&l.w_gate),
+                "mlp.up_proj.weight" => dense(&l.w_up),
+                "mlp.down_proj.weight" => dense(&l.w_down),
                 other => panic!("unknown part {other}"),
             }
         }
@@ -57,8 +61,10 @@ fn all_f32_contiguous(w: &Weights) -> bool {
     for l in &w.layers {
         ts.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
     }
-    ts.iter()
-        .all(|t| t.dtype() == DType::F32 && t.is_contiguous() && t.device().is_cpu())
+    ts.iter().all(|m| {
+        m.dense()
+            .is_some_and(|t| t.dtype() == DType::F32 && t.is_contiguous() && t.device().is_cpu())
+    })
 }
 
 #[test]
@@ -79,7 +85,7 @@ fn hf_directory_loads_in_each_float_dtype() {
         assert!(all_f32_contiguous(&m.weights));
         assert_weights_equal(&m.weights, &expected, tolerance);
         // Tied: the LM head is the embedding.
-        assert_eq!(m.weights.lm_head.id(), m.weights.embed.id());
+        assert!(m.weights.lm_head.same_storage(&m.weights.embed));
         assert!(m.weights.layers[0].bq.is_none());
         assert_eq!(m.tokenizer.bos_token(), Some("<s>"));
         assert_eq!(m.stop_token_ids(), vec![TINY_EOS]);
@@ -102,7 +108,7 @@ fn hf_sharded_untied_and_qwen2_biases() {
     );
     let m = load(dir.path()).expect("load");
     assert!(m.config.attention_bias && !m.config.tie_word_embeddings);
-    assert_ne!(m.weights.lm_head.id(), m.weights.embed.id());
+    assert!(!m.weights.lm_head.same_storage(&m.weights.embed));
     assert_weights_equal(&m.weights, &expected, 0.0);
     let l = &m.weights.layers[1];
     assert_eq!(
@@ -253,12 +259,30 @@ fn gguf_loads_and_unpermutes_q_and_k() {
             (8, 2, TINY_VOCAB)
         );
         assert_eq!(m.config.tie_word_embeddings, tie);
-        assert_eq!(m.weights.lm_head.id() == m.weights.embed.id(), tie);
+        assert_eq!(m.weights.lm_head.same_storage(&m.weights.embed), tie);
         assert!(all_f32_contiguous(&m.weights));
         // Exactly the dequantized originals, in HF row order.
         assert_weights_equal(&m.weights, &expected, 0.0);
         assert_eq!(m.tokenizer.eos_token_ids(), vec![TINY_EOS]);
         assert_eq!(m.config.eos_token_ids, vec![TINY_EOS]);
+
+        // Quantized: Q4_1 / Q8_0 matrices stay blocks (un-permuted by whole
+        // rows), everything else is f32; the values are the same.
+        let q = crate::load_with(&path, crate::Precision::Quantized)
+            .unwrap_or_else(|e| panic!("{dtype:?}: {e}"));
+        let kept = matches!(dtype, GgmlDType::Q4_1 | GgmlDType::Q8_0);
+        for l in &q.weights.layers {
+            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+                assert_eq!(m.dense().is_none(), kept, "{dtype:?}");
+            }
+        }
+        assert_eq!(q.weights.lm_head.same_storage(&q.weights.embed), tie);
+        assert_eq!(
+            q.precision,
+            crate::Precision::Quantized,
+            "a GGUF file keeps the precision asked for"
+        );
+        assert_weights_equal(&q.weights, &expected, 0.0);
     }
 }
 
@@ -481,7 +505,7 @@ fn smollm2_gguf_loads_like_transformers() {
         (c.bos_token_id, c.eos_token_ids.clone()),
         (Some(1), vec![2])
     );
-    assert_eq!(m.weights.lm_head.id(), m.weights.embed.id());
+    assert!(m.weights.lm_head.same_storage(&m.weights.embed));
     assert!(all_f32_contiguous(&m.weights));
     // transformers counts 134,515,008 parameters with the tied head once.
     assert_eq!(m.weights.parameter_count(), 134_515_008);

@@ -1,0 +1,375 @@
+//! The live part: over-length prompts from keep-alive clients, and the
+//! router's counters before and after.
+
+use super::*;
+
+/// Whether an answer is the over-length refusal; otherwise what it was,
+/// as an error kind.
+pub(super) fn classify(status: u16, body: &[u8]) -> Result<(), String> {
+    let code = serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| v["error"]["code"].as_str().map(str::to_owned));
+    match (status, code.as_deref()) {
+        (400, Some("context_length_exceeded")) => Ok(()),
+        (s, Some(c)) => Err(format!("HTTP {s} {c}")),
+        (s, None) => Err(format!("HTTP {s}")),
+    }
+}
+
+/// What the clients saw.
+#[derive(Debug, Default)]
+pub(super) struct LiveTally {
+    /// Requests sent (each then got an answer or counts as an error).
+    pub(super) sent: u64,
+    /// Answers that were the over-length refusal.
+    pub(super) refused: u64,
+    /// Everything else, by kind.
+    pub(super) errors: BTreeMap<String, u64>,
+    /// The first few unexpected answers, for the report.
+    pub(super) examples: Vec<String>,
+    /// Client-side latency of the refusals, microseconds.
+    pub(super) latency_us: Vec<f64>,
+}
+
+impl LiveTally {
+    pub(super) fn error(&mut self, kind: String, detail: String) {
+        *self.errors.entry(kind).or_default() += 1;
+        if self.examples.len() < 5 {
+            self.examples.push(detail);
+        }
+    }
+
+    pub(super) fn merge(&mut self, o: Self) {
+        self.sent += o.sent;
+        self.refused += o.refused;
+        for (k, v) in o.errors {
+            *self.errors.entry(k).or_default() += v;
+        }
+        self.examples.extend(o.examples);
+        self.examples.truncate(5);
+        self.latency_us.extend(o.latency_us);
+    }
+}
+
+pub(super) type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+/// One keep-alive HTTP/1.1 connection; its task ends when the sender drops
+/// (or is aborted with the handle).
+pub(super) async fn connect(addr: &str) -> Result<(Sender, tokio::task::JoinHandle<()>), String> {
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect: {}", e.kind()))?;
+    let _ = tcp.set_nodelay(true);
+    let (sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    Ok((
+        sender,
+        tokio::spawn(async move {
+            let _ = conn.await;
+        }),
+    ))
+}
+
+/// One request on `sender`: status and body.
+pub(super) async fn exchange(
+    sender: &mut Sender,
+    addr: &str,
+    method: hyper::Method,
+    path: &str,
+    body: Bytes,
+    api_key: Option<&str>,
+) -> Result<(u16, Bytes), String> {
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header(hyper::header::HOST, addr)
+        .header(hyper::header::CONTENT_TYPE, "application/json");
+    if let Some(k) = api_key {
+        req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {k}"));
+    }
+    let req = req
+        .body(Full::new(body))
+        .map_err(|e| format!("request: {e}"))?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("no response: {e}"))?;
+    let status = resp.status().as_u16();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("body: {e}"))?
+        .to_bytes();
+    Ok((status, bytes))
+}
+
+/// One client: requests back to back on one connection (a new one only if
+/// it breaks) until `deadline`, alternating the bodies from `first`.
+pub(super) async fn client(
+    addr: Arc<str>,
+    bodies: Arc<[(&'static str, Bytes)]>,
+    api_key: Option<Arc<str>>,
+    deadline: Instant,
+    first: usize,
+) -> LiveTally {
+    let mut t = LiveTally::default();
+    let mut conn: Option<(Sender, tokio::task::JoinHandle<()>)> = None;
+    let mut i = first;
+    while Instant::now() < deadline {
+        let (sender, _) = match &mut conn {
+            Some(c) => c,
+            None => match connect(&addr).await {
+                Ok(c) => conn.insert(c),
+                Err(e) => {
+                    t.error("connect".into(), e);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        // A connection the server closed is replaced before anything is
+        // sent on it: that is not an error of the request.
+        if sender.ready().await.is_err() {
+            conn = None;
+            continue;
+        }
+        let (path, body) = &bodies[i % bodies.len()];
+        i += 1;
+        t.sent += 1;
+        let started = Instant::now();
+        let answer = tokio::time::timeout(
+            REQUEST_TIMEOUT,
+            exchange(
+                sender,
+                &addr,
+                hyper::Method::POST,
+                path,
+                body.clone(),
+                api_key.as_deref(),
+            ),
+        )
+        .await;
+        match answer {
+            Ok(Ok((status, bytes))) => match classify(status, &bytes) {
+                Ok(()) => {
+                    t.refused += 1;
+                    t.latency_us.push(started.elapsed().as_secs_f64() * 1e6);
+                }
+                Err(kind) => {
+                    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned();
+                    t.error(kind, format!("{path}: HTTP {status}: {text}"));
+                }
+            },
+            Ok(Err(e)) => {
+                t.error("connection".into(), format!("{path}: {e}"));
+                conn = None;
+            }
+            Err(_) => {
+                t.error(
+                    "timeout".into(),
+                    format!("{path}: no answer in {} s", REQUEST_TIMEOUT.as_secs()),
+                );
+                conn = None;
+            }
+        }
+    }
+    if let Some((_, task)) = conn {
+        task.abort();
+    }
+    t
+}
+
+/// The router's counters the live part checks.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub(super) struct Counters {
+    /// node -> reservations granted (from its load report).
+    pub(super) granted: BTreeMap<String, f64>,
+    /// reason -> requests refused before dispatch.
+    pub(super) rejected: BTreeMap<String, f64>,
+}
+
+impl Counters {
+    pub(super) fn from_text(text: &str) -> Self {
+        let mut c = Self::default();
+        for s in parse_metrics(text) {
+            match s.name.as_str() {
+                "kvmesh_node_reservations_granted_total" => {
+                    let node = s.labels.get("node").cloned().unwrap_or_default();
+                    c.granted.insert(node, s.value);
+                }
+                "kvmesh_requests_rejected_total" => {
+                    let reason = s.labels.get("reason").cloned().unwrap_or_default();
+                    c.rejected.insert(reason, s.value);
+                }
+                _ => {}
+            }
+        }
+        c
+    }
+
+    pub(super) fn granted_total(&self) -> f64 {
+        self.granted.values().sum()
+    }
+
+    pub(super) fn rejected_total(&self) -> f64 {
+        self.rejected.values().sum()
+    }
+}
+
+pub(super) async fn counters(addr: &str) -> Result<Counters> {
+    match get(addr, "/metrics").await {
+        Ok((200, body)) => Ok(Counters::from_text(&body)),
+        Ok((s, _)) => bail!("{addr}/metrics answered {s}"),
+        Err(e) => bail!("reading {addr}/metrics: {e}"),
+    }
+}
+
+/// The live part's results.
+#[derive(Debug)]
+pub(super) struct Live {
+    pub(super) url: String,
+    pub(super) max_model_len: usize,
+    pub(super) clients: usize,
+    pub(super) secs: f64,
+    pub(super) tally: LiveTally,
+    pub(super) before: Counters,
+    pub(super) after: Counters,
+}
+
+impl Live {
+    pub(super) fn refusals_per_s(&self) -> f64 {
+        if self.secs > 0.0 {
+            self.tally.refused as f64 / self.secs
+        } else {
+            0.0
+        }
+    }
+
+    /// Reasons the run fails: the counts, never a time.
+    pub(super) fn failures(&self) -> Vec<String> {
+        let mut f = Vec::new();
+        let t = &self.tally;
+        if t.sent == 0 {
+            f.push("no request was sent".to_owned());
+        }
+        if !t.errors.is_empty() {
+            f.push(format!(
+                "{} answers were not the over-length refusal: {:?}",
+                t.errors.values().sum::<u64>(),
+                t.errors
+            ));
+        }
+        if self.after.granted.is_empty() {
+            f.push("/metrics has no kvmesh_node_reservations_granted_total".to_owned());
+        } else if self.after.granted != self.before.granted {
+            f.push(format!(
+                "node reservations were granted: {:?} before, {:?} after",
+                self.before.granted, self.after.granted
+            ));
+        }
+        let rejected = self.after.rejected_total() - self.before.rejected_total();
+        if rejected != t.sent as f64 {
+            f.push(format!(
+                "kvmesh_requests_rejected_total rose by {rejected}, but {} requests were sent",
+                t.sent
+            ));
+        }
+        f
+    }
+}
+
+pub(super) async fn live(
+    a: &BenchRouterArgs,
+    addr: &str,
+    p: &Prompts,
+    mesh: &mut Option<MeshChild>,
+) -> Result<Live> {
+    let started = Instant::now();
+    while !matches!(get(addr, "/health").await, Ok((200, _))) {
+        if let Some(m) = mesh.as_mut() {
+            if let Some(status) = m.child.try_wait()? {
+                bail!(
+                    "kvmesh serve exited ({status}); its log {}:\n{}",
+                    m.log.display(),
+                    log_tail(&m.log)
+                );
+            }
+        }
+        if started.elapsed() > Duration::from_secs(120) {
+            bail!("the mesh at {addr} was not healthy within 120 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let api_key = a.api_key.as_deref();
+    let (mut sender, task) = connect(addr).await.map_err(|e| anyhow!("{addr}: {e}"))?;
+    let models = exchange(
+        &mut sender,
+        addr,
+        hyper::Method::GET,
+        "/v1/models",
+        Bytes::new(),
+        api_key,
+    )
+    .await;
+    task.abort();
+    let max_model_len = match models {
+        Ok((200, body)) => serde_json::from_slice::<Value>(&body)
+            .ok()
+            .and_then(|v| v["data"][0]["max_model_len"].as_u64())
+            .ok_or_else(|| anyhow!("{addr}/v1/models names no max_model_len"))?
+            as usize,
+        Ok((s, body)) => bail!(
+            "{addr}/v1/models answered {s}: {}",
+            String::from_utf8_lossy(&body)
+        ),
+        Err(e) => bail!("{addr}/v1/models: {e}"),
+    };
+    let shortest = p.completion_tokens.min(p.chat_tokens);
+    if shortest + MAX_TOKENS <= max_model_len {
+        bail!(
+            "the prompts ({shortest} tokens plus {MAX_TOKENS}) fit the mesh's context window of \
+             {max_model_len}; raise --prompt-tokens or lower the mesh's --max-model-len"
+        );
+    }
+
+    let before = counters(addr).await?;
+    let bodies: Arc<[(&'static str, Bytes)]> = Arc::from(vec![
+        ("/v1/completions", Bytes::from(p.completion_body())),
+        ("/v1/chat/completions", Bytes::from(p.chat_body())),
+    ]);
+    let addr_arc: Arc<str> = Arc::from(addr);
+    let key: Option<Arc<str>> = api_key.map(Arc::from);
+    let load_started = Instant::now();
+    let deadline = load_started + Duration::from_secs(a.duration);
+    let tasks: Vec<_> = (0..a.clients)
+        .map(|i| {
+            tokio::spawn(client(
+                addr_arc.clone(),
+                bodies.clone(),
+                key.clone(),
+                deadline,
+                i,
+            ))
+        })
+        .collect();
+    let mut tally = LiveTally::default();
+    for t in tasks {
+        tally.merge(t.await.context("a client task failed")?);
+    }
+    let secs = load_started.elapsed().as_secs_f64();
+    // Node counters come from load reports polled every 200 ms: wait past
+    // one so any grant made during the load would show.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let after = counters(addr).await?;
+    Ok(Live {
+        url: format!("http://{addr}"),
+        max_model_len,
+        clients: a.clients,
+        secs,
+        tally,
+        before,
+        after,
+    })
+}

@@ -1,0 +1,78 @@
+//! `kvmesh bench-router` on the tiny model, briefly: the in-process part
+//! reports every step, and in the live part every over-length request is
+//! refused before any node is involved: no reservation granted, the
+//! router's refusal count up by exactly the number sent. Counts only; the
+//! times it prints are never checked.
+
+use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
+use serde_json::Value;
+
+#[test]
+fn over_length_prompts_are_refused_without_a_grant() {
+    let model = tiny_model_dir().to_string_lossy().into_owned();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json_path = dir.path().join("bench-router.json");
+    let log_path = dir.path().join("serve.log");
+    let json_arg = json_path.to_string_lossy().into_owned();
+    let log_arg = log_path.to_string_lossy().into_owned();
+    let out = run_kvmesh(
+        &[
+            "bench-router",
+            "--model",
+            &model,
+            "--iterations",
+            "20",
+            "--warmup",
+            "2",
+            "--duration",
+            "2",
+            "--clients",
+            "2",
+            "--json",
+            &json_arg,
+            "--serve-log",
+            &log_arg,
+        ],
+        &[],
+    );
+    let (stdout, stderr) = texts(&out);
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "bench-router failed:\n{stdout}\n{stderr}\nserve log:\n{log}"
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json_path).expect("the JSON"))
+        .expect("JSON report");
+    assert_eq!(v["pass"], true, "{v}");
+
+    let steps = v["in_process"]["steps"].as_array().expect("steps");
+    assert_eq!(steps.len(), 7, "{v}");
+    for prompt in ["completion", "chat"] {
+        let key = format!("{prompt}_prompt_tokens");
+        assert!(v["in_process"][&key].as_u64().unwrap_or(0) >= 2000, "{v}");
+        assert!(
+            steps
+                .iter()
+                .any(|s| s["prompt"] == prompt && s["step"] == "validate + admit"),
+            "{v}"
+        );
+    }
+
+    let live = &v["live"];
+    let sent = live["sent"].as_u64().expect("sent");
+    assert!(sent > 0, "{v}");
+    assert_eq!(live["refused_context_length"].as_u64(), Some(sent), "{v}");
+    assert_eq!(live["errors"].as_object().map(|e| e.len()), Some(0), "{v}");
+    // The decode node reports its grants; none were made.
+    let before = live["granted_before"].as_object().expect("granted_before");
+    assert!(before.contains_key("decode-0"), "{v}");
+    assert_eq!(live["granted_before"], live["granted_after"], "{v}");
+    let rise = live["rejected_after"].as_f64().expect("rejected_after")
+        - live["rejected_before"].as_f64().expect("rejected_before");
+    assert_eq!(rise, sent as f64, "{v}");
+    assert_eq!(
+        live["rejected_rise_by_reason"]["context_length_exceeded"].as_f64(),
+        Some(sent as f64),
+        "{v}"
+    );
+}

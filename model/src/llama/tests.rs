@@ -1,0 +1,170 @@
+//! The quantized forward pass: batch-invariant to the bit (what lets the
+//! mesh equal the reference engine), and close to the exact mode.
+
+use candle_core::quantized::GgmlDType;
+
+use crate::engine::{Engine, EngineConfig, Sequence};
+use crate::llama::{LogitsWanted, SeqChunk};
+use crate::loader::test_util::{smollm2_gguf, write_gguf_model};
+use crate::{load_with, Precision};
+
+fn tiny_engine(precision: Precision) -> (tempfile::TempDir, Engine) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny-q4_1.gguf");
+    write_gguf_model(&path, true, GgmlDType::Q4_1, |_, _| {});
+    let loaded = load_with(&path, precision).expect("load");
+    let engine = Engine::from_loaded(loaded, &EngineConfig::default()).expect("engine");
+    (dir, engine)
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn prompt(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 37 + seed * 11) % 250 + 3)
+        .collect()
+}
+
+#[test]
+fn quantized_decode_is_the_same_alone_or_batched() {
+    let (_dir, e) = tiny_engine(Precision::Quantized);
+    assert!(e.model().is_quantized(), "{}", e.model().mode());
+    let prompts = [prompt(5, 1), prompt(17, 2), prompt(9, 3), prompt(30, 4)];
+    // Alone: each sequence by itself, 6 greedy steps, every step's logits.
+    let mut alone = Vec::new();
+    for p in &prompts {
+        let mut s = e.admit(p.clone(), 8).expect("admit");
+        let mut logits = vec![e.prefill(&mut s).expect("prefill")];
+        for _ in 0..6 {
+            let next = crate::sampling::argmax(logits.last().expect("logits"));
+            let mut out = e.decode_step(&mut [&mut s], &[next]).expect("step");
+            logits.push(out.remove(0).expect("row"));
+        }
+        alone.push(logits);
+    }
+    // Together: prefilled as one batch, then decoded as one batch.
+    let mut seqs: Vec<Sequence> = prompts
+        .iter()
+        .map(|p| e.admit(p.clone(), 8).expect("admit"))
+        .collect();
+    let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+    let mut last: Vec<Vec<f32>> = e
+        .prefill_batch(&mut refs)
+        .expect("batch")
+        .into_iter()
+        .map(|r| r.expect("row"))
+        .collect();
+    for step in 0..=6 {
+        for (i, (l, a)) in last.iter().zip(&alone).enumerate() {
+            assert_eq!(bits(l), bits(&a[step]), "sequence {i}, step {step}");
+        }
+        if step == 6 {
+            break;
+        }
+        let next: Vec<u32> = last.iter().map(|l| crate::sampling::argmax(l)).collect();
+        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+        last = e
+            .decode_step(&mut refs, &next)
+            .expect("step")
+            .into_iter()
+            .map(|r| r.expect("row"))
+            .collect();
+    }
+}
+
+#[test]
+fn quantized_chunked_prefill_equals_whole_prefill() {
+    let (_dir, e) = tiny_engine(Precision::Quantized);
+    let p = prompt(41, 7);
+    let mut whole = e.admit(p.clone(), 1).expect("admit");
+    let want = e.prefill(&mut whole).expect("prefill");
+    let mut seq = e.admit(p.clone(), 1).expect("admit");
+    let mut got = Vec::new();
+    for (start, end) in [(0, 16), (16, 17), (17, 41)] {
+        let last = end == p.len();
+        let mut batch = [SeqChunk {
+            tokens: &p[start..end],
+            start_pos: start,
+            kv: seq.kv_mut(),
+            logits: if last {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::None
+            },
+        }];
+        let mut r = e.model().forward(&mut batch).expect("forward");
+        got = r.remove(0).expect("chunk");
+    }
+    assert_eq!(got.len(), 1);
+    assert_eq!(bits(&got[0]), bits(&want));
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| f64::from(*x) * f64::from(*y))
+        .sum();
+    let na: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+fn top(v: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]));
+    idx.truncate(k);
+    idx
+}
+
+/// The quantized mode is an approximation of the exact one: on the tiny
+/// model (one block per row) and, when cached, on SmolLM2, the last
+/// position's logits point the same way.
+#[test]
+fn quantized_logits_are_close_to_exact() {
+    let (_d1, exact) = tiny_engine(Precision::Exact);
+    let (_d2, quant) = tiny_engine(Precision::Quantized);
+    assert!(!exact.model().is_quantized());
+    let p = prompt(23, 5);
+    let a = exact
+        .prefill(&mut exact.admit(p.clone(), 1).expect("admit"))
+        .expect("exact");
+    let b = quant
+        .prefill(&mut quant.admit(p, 1).expect("admit"))
+        .expect("quantized");
+    assert!(cosine(&a, &b) > 0.99, "tiny: cosine {}", cosine(&a, &b));
+    assert_ne!(bits(&a), bits(&b), "the modes must actually differ");
+
+    let Some(path) = smollm2_gguf() else {
+        eprintln!("SmolLM2 not cached; tiny model only");
+        return;
+    };
+    let cfg = EngineConfig {
+        kv_pool_tokens: Some(256),
+        max_model_len: Some(256),
+        ..EngineConfig::default()
+    };
+    let exact = Engine::from_loaded(load_with(&path, Precision::Exact).expect("load"), &cfg)
+        .expect("engine");
+    let quant = Engine::from_loaded(load_with(&path, Precision::Quantized).expect("load"), &cfg)
+        .expect("engine");
+    let ids = exact
+        .tokenizer()
+        .encode("The capital of France is Paris. The capital of Italy is")
+        .expect("encode");
+    let a = exact
+        .prefill(&mut exact.admit(ids.clone(), 1).expect("admit"))
+        .expect("exact");
+    let b = quant
+        .prefill(&mut quant.admit(ids, 1).expect("admit"))
+        .expect("quantized");
+    let c = cosine(&a, &b);
+    assert!(c > 0.98, "SmolLM2: cosine {c}");
+    let (ta, tb) = (top(&a, 5), top(&b, 5));
+    assert!(
+        ta.contains(&tb[0]) && tb.contains(&ta[0]),
+        "top-5 {ta:?} vs {tb:?}"
+    );
+}
