@@ -20,7 +20,8 @@ script then re-runs itself with the venv's python. The GGUF is
 when it is missing, `kvmesh fetch-model` fetches it. A missing
 target/release/kvmesh is built with `cargo build --release -p kvmesh-cli`.
 
-Measurements (each engine; median of --repeats runs after one warm-up run):
+Measurements (llama.cpp and transformers: median of --repeats runs after one
+warm-up run; kvmesh: `bench-engine --repeats`, its own median, no warm-up run):
   prefill@512      one 512-token prompt to its last logits, tokens/s
                    llama.cpp: one llama_batch of 512 tokens (n_batch = n_ubatch = 512)
                    transformers: one forward of 512 tokens, no_grad, last logits only
