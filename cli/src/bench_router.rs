@@ -43,7 +43,7 @@ use kvmesh_router::{Rejection, Router, RouterConfig};
 use serde_json::{json, Value};
 
 use crate::soak::client::get;
-use crate::soak::mesh::{host_port, log_tail, start_mesh, MeshChild};
+use crate::soak::mesh::{host_port, start_mesh, MeshChild};
 use crate::soak::metrics::parse_metrics;
 
 /// Completion budget of every request (the gateway's default).

@@ -286,22 +286,7 @@ pub(super) async fn live(
     p: &Prompts,
     mesh: &mut Option<MeshChild>,
 ) -> Result<Live> {
-    let started = Instant::now();
-    while !matches!(get(addr, "/health").await, Ok((200, _))) {
-        if let Some(m) = mesh.as_mut() {
-            if let Some(status) = m.child.try_wait()? {
-                bail!(
-                    "kvmesh serve exited ({status}); its log {}:\n{}",
-                    m.log.display(),
-                    log_tail(&m.log)
-                );
-            }
-        }
-        if started.elapsed() > Duration::from_secs(120) {
-            bail!("the mesh at {addr} was not healthy within 120 s");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    crate::soak::mesh::wait_healthy(addr, mesh).await?;
     let api_key = a.api_key.as_deref();
     let (mut sender, task) = connect(addr).await.map_err(|e| anyhow!("{addr}: {e}"))?;
     let models = exchange(

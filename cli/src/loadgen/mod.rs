@@ -41,8 +41,7 @@ use kvmesh_model::scheduler::{Scheduler, SchedulerConfig};
 use kvmesh_model::TextTokenizer;
 use serde_json::{json, Value};
 
-use crate::soak::client::get;
-use crate::soak::mesh::{host_port, log_tail, start_mesh, MeshChild};
+use crate::soak::mesh::{host_port, start_mesh, wait_healthy};
 use crate::ModelArgs;
 
 mod dist;
@@ -306,30 +305,6 @@ fn run_mesh(
     drop(child);
     drop(rt);
     Ok(Summary::of(samples))
-}
-
-/// Waits (up to 120 s) until the gateway says a prefill and a decode node
-/// are up; fails early if the started mesh exits.
-async fn wait_healthy(addr: &str, mesh: &mut Option<MeshChild>) -> Result<()> {
-    let started = Instant::now();
-    loop {
-        if matches!(get(addr, "/health").await, Ok((200, _))) {
-            return Ok(());
-        }
-        if let Some(m) = mesh.as_mut() {
-            if let Some(status) = m.child.try_wait()? {
-                bail!(
-                    "kvmesh serve exited ({status}); its log {}:\n{}",
-                    m.log.display(),
-                    log_tail(&m.log)
-                );
-            }
-        }
-        if started.elapsed() > Duration::from_secs(120) {
-            bail!("the mesh at {addr} was not healthy within 120 s");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {

@@ -147,3 +147,27 @@ pub(super) fn rss_kib(pid: u32) -> Option<u64> {
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
 }
+
+/// Waits (up to 120 s) until the gateway says a prefill and a decode node
+/// are up; fails early if the started mesh exits.
+pub(crate) async fn wait_healthy(addr: &str, mesh: &mut Option<MeshChild>) -> Result<()> {
+    let started = Instant::now();
+    loop {
+        if matches!(get(addr, "/health").await, Ok((200, _))) {
+            return Ok(());
+        }
+        if let Some(m) = mesh.as_mut() {
+            if let Some(status) = m.child.try_wait()? {
+                bail!(
+                    "kvmesh serve exited ({status}); its log {}:\n{}",
+                    m.log.display(),
+                    log_tail(&m.log)
+                );
+            }
+        }
+        if started.elapsed() > Duration::from_secs(120) {
+            bail!("the mesh at {addr} was not healthy within 120 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

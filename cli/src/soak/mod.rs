@@ -441,25 +441,7 @@ async fn drive(
     kv_pool_tokens: usize,
     mesh: &mut Option<MeshChild>,
 ) -> Result<Report> {
-    let started = Instant::now();
-    loop {
-        if matches!(get(addr, "/health").await, Ok((200, _))) {
-            break;
-        }
-        if let Some(m) = mesh.as_mut() {
-            if let Some(status) = m.child.try_wait()? {
-                bail!(
-                    "kvmesh serve exited ({status}); its log {}:\n{}",
-                    m.log.display(),
-                    log_tail(&m.log)
-                );
-            }
-        }
-        if started.elapsed() > Duration::from_secs(120) {
-            bail!("the mesh at {addr} was not healthy within 120 s");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    mesh::wait_healthy(addr, mesh).await?;
     let before = figures(addr)
         .await
         .map_err(|e| anyhow::anyhow!("reading {addr}/metrics: {e}"))?;
