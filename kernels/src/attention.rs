@@ -25,6 +25,10 @@ pub struct AttentionShape {
     pub window: Option<usize>,
 }
 
+/// Query tokens per parallel task of a prompt chunk (all heads): their K/V
+/// rows are read once per block instead of once per query.
+const QUERY_BLOCK: usize = 16;
+
 /// Below this many multiply-adds a call runs on the calling thread: waking
 /// the pool costs tens of microseconds, more than a decode step's attention
 /// for one sequence (9 heads x 1,000 positions x 64 is about 0.6M).
@@ -117,34 +121,50 @@ pub fn paged_attention<K: PagedKv + ?Sized>(
     let kv_dim = n_kv_heads * head_dim;
     let work = positions.len() * n_heads * context * head_dim;
     let wide = wide_simd();
-    let body = |(idx, o): (usize, &mut [f32])| {
-        let t = idx / n_heads;
-        let h = idx % n_heads;
-        let kvh = h / group;
-        let pos = positions[t];
-        let qv = &q[t * q_stride + h * head_dim..][..head_dim];
-        let args = (
-            qv,
-            pos,
-            shape,
-            pages.as_slice(),
-            page_size,
-            kv_dim,
-            kvh * head_dim,
-        );
-        #[cfg(target_arch = "x86_64")]
-        if wide {
-            // SAFETY: `wide_simd` saw AVX2 and FMA on this CPU.
-            unsafe { attend_one_avx2(args, o) };
-            return;
+    if positions.len() == 1 {
+        // One query token (a decode step): one task per head.
+        let body = |(h, o): (usize, &mut [f32])| {
+            let qv = &q[h * head_dim..][..head_dim];
+            let kvh = h / group;
+            let queries = [(qv, positions[0])];
+            let args = (shape, pages.as_slice(), page_size, kv_dim, kvh * head_dim);
+            run_block(wide, &queries, &mut [o], args);
+        };
+        if work < PARALLEL_THRESHOLD {
+            out.chunks_mut(head_dim).enumerate().for_each(body);
+        } else {
+            out.par_chunks_mut(head_dim).enumerate().for_each(body);
         }
-        let _ = wide;
-        attend_one::<Portable>(args, o);
+        return Ok(());
+    }
+    // Several query tokens (a prompt chunk): blocks of QUERY_BLOCK tokens;
+    // within a block, every query head of one KV head reads each K and V
+    // row once for all of them.
+    let body = |(bi, chunk): (usize, &mut [f32])| {
+        let t0 = bi * QUERY_BLOCK;
+        let mut slots: Vec<Option<&mut [f32]>> = chunk.chunks_mut(head_dim).map(Some).collect();
+        for kvh in 0..n_kv_heads {
+            let mut queries = Vec::new();
+            let mut outs = Vec::new();
+            for (idx, slot) in slots.iter_mut().enumerate() {
+                let (t, h) = (t0 + idx / n_heads, idx % n_heads);
+                if h / group != kvh {
+                    continue;
+                }
+                if let Some(o) = slot.take() {
+                    queries.push((&q[t * q_stride + h * head_dim..][..head_dim], positions[t]));
+                    outs.push(o);
+                }
+            }
+            let args = (shape, pages.as_slice(), page_size, kv_dim, kvh * head_dim);
+            run_block(wide, &queries, &mut outs, args);
+        }
     };
+    let block = QUERY_BLOCK * q_stride;
     if work < PARALLEL_THRESHOLD {
-        out.chunks_mut(head_dim).enumerate().for_each(body);
+        out.chunks_mut(block).enumerate().for_each(body);
     } else {
-        out.par_chunks_mut(head_dim).enumerate().for_each(body);
+        out.par_chunks_mut(block).enumerate().for_each(body);
     }
     Ok(())
 }
@@ -167,11 +187,9 @@ fn wide_simd() -> bool {
     false
 }
 
-/// [`attend_one`]'s arguments: query head, its position, shape, fetched
-/// pages, page size, KV row width, and the head's offset in a KV row.
-type AttendArgs<'a, 'p> = (
-    &'a [f32],
-    usize,
+/// What every query of a block shares: shape, fetched pages, page size, KV
+/// row width, and the KV head's offset in a KV row.
+type BlockArgs<'a, 'p> = (
     &'a AttentionShape,
     &'a [Option<PageSlices<'p>>],
     usize,
@@ -179,15 +197,36 @@ type AttendArgs<'a, 'p> = (
     usize,
 );
 
-/// [`attend_one`] compiled for AVX2 + FMA, with explicit eight-lane dot and
-/// axpy. One process always runs one build.
+/// [`attend_block`] on the widest build this CPU runs.
+fn run_block(
+    wide: bool,
+    queries: &[(&[f32], usize)],
+    outs: &mut [&mut [f32]],
+    args: BlockArgs<'_, '_>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if wide {
+        // SAFETY: `wide_simd` saw AVX2 and FMA on this CPU.
+        unsafe { attend_block_avx2(queries, outs, args) };
+        return;
+    }
+    let _ = wide;
+    attend_block::<Portable>(queries, outs, args);
+}
+
+/// [`attend_block`] compiled for AVX2 + FMA, with explicit eight-lane dot
+/// and axpy. One process always runs one build.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_one_avx2(args: AttendArgs<'_, '_>, out: &mut [f32]) {
-    attend_one::<x86::Avx2>(args, out);
+unsafe fn attend_block_avx2(
+    queries: &[(&[f32], usize)],
+    outs: &mut [&mut [f32]],
+    args: BlockArgs<'_, '_>,
+) {
+    attend_block::<x86::Avx2>(queries, outs, args);
 }
 
 /// The two vector primitives of attention, per instruction set.
@@ -291,41 +330,78 @@ mod x86 {
     }
 }
 
-/// One query head at position `pos` over the cached prefix.
+/// Query heads of one KV head (`queries[i]`: the head's query vector and
+/// its position) over the cached prefix, into `outs[i]`.
+///
+/// Each K and V row is read once for every query that sees it, yet each
+/// query's result is computed by exactly the operations, in exactly the
+/// order, it would be alone: its scores in ascending position, softmax,
+/// then its weighted V rows in ascending position. So a query's output does
+/// not depend on which others share its block (a prompt chunked or whole,
+/// prefill or decode, gives the same bits).
 #[inline(always)]
-fn attend_one<L: Lanes>(args: AttendArgs<'_, '_>, out: &mut [f32]) {
-    let (qv, pos, shape, pages, page_size, kv_dim, head_off) = args;
-    let head_dim = qv.len();
-    let start = window_start(pos, shape.window);
-    let len = pos + 1 - start;
-    let mut scores = Vec::with_capacity(len);
-    let mut max = f32::NEG_INFINITY;
-    for p in start..=pos {
-        // Pages in the window were all fetched above; `None` is only used for
-        // pages below every window.
-        let page = pages[p / page_size].as_ref().map(|s| s.k);
-        let k = match page {
-            Some(k) => &k[(p % page_size) * kv_dim + head_off..][..head_dim],
+fn attend_block<L: Lanes>(
+    queries: &[(&[f32], usize)],
+    outs: &mut [&mut [f32]],
+    args: BlockArgs<'_, '_>,
+) {
+    let (shape, pages, page_size, kv_dim, head_off) = args;
+    let Some(head_dim) = queries.first().map(|(q, _)| q.len()) else {
+        return;
+    };
+    let starts: Vec<usize> = queries
+        .iter()
+        .map(|&(_, pos)| window_start(pos, shape.window))
+        .collect();
+    let lo = starts.iter().copied().min().unwrap_or(0);
+    let hi = queries.iter().map(|&(_, pos)| pos).max().unwrap_or(0);
+    let mut scores: Vec<Vec<f32>> = queries
+        .iter()
+        .zip(&starts)
+        .map(|(&(_, pos), &st)| Vec::with_capacity(pos + 1 - st))
+        .collect();
+    let mut max = vec![f32::NEG_INFINITY; queries.len()];
+    // Pages in the window were all fetched by the caller; `None` is only
+    // used for pages below every window.
+    let row = |p: usize, v: bool| -> &[f32] {
+        match pages[p / page_size].as_ref() {
+            Some(s) => {
+                let data = if v { s.v } else { s.k };
+                &data[(p % page_size) * kv_dim + head_off..][..head_dim]
+            }
             None => unreachable!("page inside the window was not fetched"),
-        };
-        let s = L::dot(qv, k) * shape.scale;
-        max = max.max(s);
-        scores.push(s);
+        }
+    };
+    for p in lo..=hi {
+        let k = row(p, false);
+        for (i, &(qv, pos)) in queries.iter().enumerate() {
+            if starts[i] <= p && p <= pos {
+                let s = L::dot(qv, k) * shape.scale;
+                max[i] = max[i].max(s);
+                scores[i].push(s);
+            }
+        }
     }
-    let mut sum = 0.0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
+    let mut inv = Vec::with_capacity(queries.len());
+    for (sc, &m) in scores.iter_mut().zip(&max) {
+        let mut sum = 0.0f32;
+        for s in sc.iter_mut() {
+            *s = (*s - m).exp();
+            sum += *s;
+        }
+        inv.push(1.0 / sum);
     }
-    let inv = 1.0 / sum;
-    out.fill(0.0);
-    for (i, p) in (start..=pos).enumerate() {
-        let v = match pages[p / page_size].as_ref() {
-            Some(s) => &s.v[(p % page_size) * kv_dim + head_off..][..head_dim],
-            None => unreachable!("page inside the window was not fetched"),
-        };
-        let w = scores[i] * inv;
-        L::axpy(w, v, out);
+    for o in outs.iter_mut() {
+        o.fill(0.0);
+    }
+    for p in lo..=hi {
+        let v = row(p, true);
+        for (i, &(_, pos)) in queries.iter().enumerate() {
+            if starts[i] <= p && p <= pos {
+                let w = scores[i][p - starts[i]] * inv[i];
+                L::axpy(w, v, &mut *outs[i]);
+            }
+        }
     }
 }
 

@@ -36,8 +36,11 @@ pub(super) fn quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, f32) {
     let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
     let mut sum = 0i32;
     for (q, x) in qs.iter_mut().zip(xs) {
-        // |x * inv| <= 127 by construction; the cast saturates on NaN.
-        let v = (x * inv).round() as i8;
+        // Round half away from zero by truncating `r + copysign(0.5, r)`
+        // (plain SSE2, vectorisable; `f32::round` is a libm call here).
+        // |r| <= 127 by construction, so |q| <= 127; the cast saturates on NaN.
+        let r = x * inv;
+        let v = (r + 0.5f32.copysign(r)) as i32 as i8;
         *q = v;
         sum += i32::from(v);
     }
