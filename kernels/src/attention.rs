@@ -349,18 +349,21 @@ fn attend_block<L: Lanes>(
     let Some(head_dim) = queries.first().map(|(q, _)| q.len()) else {
         return;
     };
-    let starts: Vec<usize> = queries
+    // One allocation for the block's per-query state, one per query for
+    // its scores (a decode step's single query: two).
+    let mut state: Vec<(usize, f32, Vec<f32>)> = queries
         .iter()
-        .map(|&(_, pos)| window_start(pos, shape.window))
+        .map(|&(_, pos)| {
+            let start = window_start(pos, shape.window);
+            (
+                start,
+                f32::NEG_INFINITY,
+                Vec::with_capacity(pos + 1 - start),
+            )
+        })
         .collect();
-    let lo = starts.iter().copied().min().unwrap_or(0);
+    let lo = state.iter().map(|s| s.0).min().unwrap_or(0);
     let hi = queries.iter().map(|&(_, pos)| pos).max().unwrap_or(0);
-    let mut scores: Vec<Vec<f32>> = queries
-        .iter()
-        .zip(&starts)
-        .map(|(&(_, pos), &st)| Vec::with_capacity(pos + 1 - st))
-        .collect();
-    let mut max = vec![f32::NEG_INFINITY; queries.len()];
     // Pages in the window were all fetched by the caller; `None` is only
     // used for pages below every window.
     let row = |p: usize, v: bool| -> &[f32] {
@@ -374,32 +377,34 @@ fn attend_block<L: Lanes>(
     };
     for p in lo..=hi {
         let k = row(p, false);
-        for (i, &(qv, pos)) in queries.iter().enumerate() {
-            if starts[i] <= p && p <= pos {
+        for (&(qv, pos), (start, max, scores)) in queries.iter().zip(state.iter_mut()) {
+            if *start <= p && p <= pos {
                 let s = L::dot(qv, k) * shape.scale;
-                max[i] = max[i].max(s);
-                scores[i].push(s);
+                *max = max.max(s);
+                scores.push(s);
             }
         }
     }
-    let mut inv = Vec::with_capacity(queries.len());
-    for (sc, &m) in scores.iter_mut().zip(&max) {
+    // Softmax in place; `max` becomes 1 / sum.
+    for (_, max, scores) in state.iter_mut() {
         let mut sum = 0.0f32;
-        for s in sc.iter_mut() {
-            *s = (*s - m).exp();
+        for s in scores.iter_mut() {
+            *s = (*s - *max).exp();
             sum += *s;
         }
-        inv.push(1.0 / sum);
+        *max = 1.0 / sum;
     }
     for o in outs.iter_mut() {
         o.fill(0.0);
     }
     for p in lo..=hi {
         let v = row(p, true);
-        for (i, &(_, pos)) in queries.iter().enumerate() {
-            if starts[i] <= p && p <= pos {
-                let w = scores[i][p - starts[i]] * inv[i];
-                L::axpy(w, v, &mut *outs[i]);
+        for ((&(_, pos), (start, inv, scores)), o) in
+            queries.iter().zip(&state).zip(outs.iter_mut())
+        {
+            if *start <= p && p <= pos {
+                let w = scores[p - start] * inv;
+                L::axpy(w, v, o);
             }
         }
     }

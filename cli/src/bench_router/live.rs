@@ -80,17 +80,11 @@ pub(super) async fn exchange(
     body: Bytes,
     api_key: Option<&str>,
 ) -> Result<(u16, Bytes), String> {
-    let mut req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header(hyper::header::HOST, addr)
-        .header(hyper::header::CONTENT_TYPE, "application/json");
-    if let Some(k) = api_key {
-        req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {k}"));
-    }
-    let req = req
-        .body(Full::new(body))
-        .map_err(|e| format!("request: {e}"))?;
+    let headers: Vec<(&str, String)> = api_key
+        .map(|k| (hyper::header::AUTHORIZATION.as_str(), format!("Bearer {k}")))
+        .into_iter()
+        .collect();
+    let req = crate::soak::client::json_request(addr, method, path, body, &headers)?;
     let resp = sender
         .send_request(req)
         .await

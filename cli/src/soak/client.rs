@@ -12,6 +12,26 @@ impl Drop for ConnGuard {
     }
 }
 
+/// A JSON request to the gateway at `addr`, with extra `headers`.
+pub(crate) fn json_request(
+    addr: &str,
+    method: hyper::Method,
+    path: &str,
+    body: Bytes,
+    headers: &[(&str, String)],
+) -> Result<hyper::Request<Full<Bytes>>, String> {
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header(hyper::header::HOST, addr)
+        .header(hyper::header::CONTENT_TYPE, "application/json");
+    for (name, value) in headers {
+        req = req.header(*name, value);
+    }
+    req.body(Full::new(body))
+        .map_err(|e| format!("request: {e}"))
+}
+
 pub(crate) async fn send(
     addr: &str,
     method: hyper::Method,
@@ -30,17 +50,17 @@ pub(crate) async fn send(
     let guard = ConnGuard(tokio::spawn(async move {
         let _ = conn.await;
     }));
-    let mut req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header(hyper::header::HOST, addr)
-        .header(hyper::header::CONTENT_TYPE, "application/json");
-    if let Some(f) = fault {
-        req = req.header(FAULT_HEADER, f);
-    }
-    let req = req
-        .body(Full::new(Bytes::from(body.unwrap_or_default())))
-        .map_err(|e| format!("request: {e}"))?;
+    let headers: Vec<(&str, String)> = fault
+        .map(|f| (FAULT_HEADER, f.to_owned()))
+        .into_iter()
+        .collect();
+    let req = json_request(
+        addr,
+        method,
+        path,
+        Bytes::from(body.unwrap_or_default()),
+        &headers,
+    )?;
     let resp = sender
         .send_request(req)
         .await

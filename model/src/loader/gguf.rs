@@ -181,14 +181,13 @@ impl GgufFile {
         self.content.tensor_infos.contains_key(name)
     }
 
-    /// Read tensor `name`, check its shape is `expected`, and dequantize it
-    /// to a contiguous f32 tensor on the CPU.
-    ///
-    /// Shapes are in candle's order, which is Hugging Face's: GGUF lists
-    /// dimensions innermost first and candle reverses them, so a projection
-    /// llama.cpp describes as `[in, out]` reads as `[out, in]` here, with
-    /// the data already row-major in that order.
-    pub(crate) fn tensor_f32(&mut self, name: &str, expected: &[usize]) -> Result<Tensor> {
+    /// Tensor `name`'s directory entry, after checking its shape is
+    /// `expected`.
+    fn info(
+        &self,
+        name: &str,
+        expected: &[usize],
+    ) -> Result<&candle_core::quantized::gguf_file::TensorInfo> {
         let Some(info) = self.content.tensor_infos.get(name) else {
             return Err(ModelError::MissingTensor {
                 path: self.path.clone(),
@@ -204,7 +203,18 @@ impl GgufFile {
                 got: got.to_vec(),
             });
         }
-        let dtype = info.ggml_dtype;
+        Ok(info)
+    }
+
+    /// Read tensor `name`, check its shape is `expected`, and dequantize it
+    /// to a contiguous f32 tensor on the CPU.
+    ///
+    /// Shapes are in candle's order, which is Hugging Face's: GGUF lists
+    /// dimensions innermost first and candle reverses them, so a projection
+    /// llama.cpp describes as `[in, out]` reads as `[out, in]` here, with
+    /// the data already row-major in that order.
+    pub(crate) fn tensor_f32(&mut self, name: &str, expected: &[usize]) -> Result<Tensor> {
+        let dtype = self.info(name, expected)?.ggml_dtype;
         let what = format!("tensor `{name}` ({dtype:?})");
         let (content, reader) = (&self.content, &mut self.reader);
         let qtensor = guarded(&self.path, &what, || {
@@ -223,34 +233,16 @@ impl GgufFile {
         expected: &[usize],
     ) -> Result<Option<QMatrix>> {
         use std::io::{Read, Seek, SeekFrom};
-        let Some(info) = self.content.tensor_infos.get(name) else {
-            return Err(ModelError::MissingTensor {
-                path: self.path.clone(),
-                tensor: name.to_owned(),
-            });
-        };
+        let info = self.info(name, expected)?;
         let format = match info.ggml_dtype {
             GgmlDType::Q4_1 => QFormat::Q4_1,
             GgmlDType::Q8_0 => QFormat::Q8_0,
             _ => return Ok(None),
         };
-        let got = info.shape.dims();
-        let &[rows, cols] = got else {
-            return Err(ModelError::ShapeMismatch {
-                path: self.path.clone(),
-                tensor: name.to_owned(),
-                expected: expected.to_vec(),
-                got: got.to_vec(),
-            });
+        let offset = info.offset;
+        let &[rows, cols] = expected else {
+            return Ok(None);
         };
-        if got != expected {
-            return Err(ModelError::ShapeMismatch {
-                path: self.path.clone(),
-                tensor: name.to_owned(),
-                expected: expected.to_vec(),
-                got: got.to_vec(),
-            });
-        }
         let bad = |reason: String| {
             ModelError::malformed(&self.path, format!("tensor `{name}`: {reason}"))
         };
@@ -260,7 +252,7 @@ impl GgufFile {
         let len = (rows as u64)
             .checked_mul((cols / kvmesh_kernels::quant::BLOCK) as u64)
             .and_then(|b| b.checked_mul(format.block_bytes() as u64));
-        let start = self.content.tensor_data_offset.checked_add(info.offset);
+        let start = self.content.tensor_data_offset.checked_add(offset);
         let file_len = self
             .reader
             .get_ref()

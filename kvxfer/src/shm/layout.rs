@@ -1,0 +1,203 @@
+//! The file's layout: header fields, lane table and page data offsets,
+//! computed with checked arithmetic ([`ShmLayout`]), and the header's
+//! encoding and checked decoding (see the module documentation for the byte
+//! layout).
+
+/// Bytes reserved for the header; also where the lanes start.
+pub const HEADER_LEN: usize = 4096;
+/// Bytes per lane: one cache line.
+pub const LANE_STRIDE: usize = 64;
+/// Alignment of the page data.
+pub(super) const DATA_ALIGN: usize = 4096;
+const MAGIC: [u8; 8] = *b"KVMSHM01";
+const VERSION: u32 = 1;
+const DTYPE_F32: u32 = 1;
+/// Bytes of the header actually used (the rest of [`HEADER_LEN`] is zero).
+pub(super) const HEADER_USED: usize = 72;
+
+/// The shape of a shared-memory pool: page geometry and lane count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShmLayout {
+    /// Token slots per page.
+    pub page_size: u32,
+    /// Transformer layers.
+    pub n_layers: u32,
+    /// KV heads per layer.
+    pub n_kv_heads: u32,
+    /// Values per head.
+    pub head_dim: u32,
+    /// Pages in the pool.
+    pub n_pages: u64,
+    /// Write gates; lane indices are `u32`, so at most 2^32.
+    pub n_lanes: u64,
+}
+
+/// Sizes derived from a valid layout, all in range of `usize` and `isize`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Sizes {
+    pub(super) kv_dim: usize,
+    /// Floats of one (page, layer) K or V block.
+    pub(super) block: usize,
+    pub(super) page_floats: usize,
+    pub(super) data_offset: usize,
+    pub(super) total_len: usize,
+}
+
+/// Why a layout is unusable.
+pub(super) enum LayoutFault {
+    Zero(&'static str),
+    TooManyLanes(u64),
+    Overflow,
+}
+
+impl LayoutFault {
+    pub(super) fn reason(&self) -> String {
+        match self {
+            Self::Zero(field) => format!("{field} is 0"),
+            Self::TooManyLanes(n) => format!("n_lanes {n} exceeds 2^32"),
+            Self::Overflow => "sizes overflow the address space".to_owned(),
+        }
+    }
+}
+
+impl ShmLayout {
+    pub(super) fn sizes(&self) -> Result<Sizes, LayoutFault> {
+        for (field, v) in [
+            ("page_size", u64::from(self.page_size)),
+            ("n_layers", u64::from(self.n_layers)),
+            ("n_kv_heads", u64::from(self.n_kv_heads)),
+            ("head_dim", u64::from(self.head_dim)),
+            ("n_pages", self.n_pages),
+            ("n_lanes", self.n_lanes),
+        ] {
+            if v == 0 {
+                return Err(LayoutFault::Zero(field));
+            }
+        }
+        if self.n_lanes > 1 << 32 {
+            return Err(LayoutFault::TooManyLanes(self.n_lanes));
+        }
+        let us = |v: u64| usize::try_from(v).ok();
+        let f = || -> Option<Sizes> {
+            let kv_dim =
+                us(u64::from(self.n_kv_heads))?.checked_mul(us(u64::from(self.head_dim))?)?;
+            let block = us(u64::from(self.page_size))?.checked_mul(kv_dim)?;
+            let page_floats = us(u64::from(self.n_layers))?
+                .checked_mul(2)?
+                .checked_mul(block)?;
+            let lanes_end = us(self.n_lanes)?
+                .checked_mul(LANE_STRIDE)?
+                .checked_add(HEADER_LEN)?;
+            let data_offset = lanes_end.checked_next_multiple_of(DATA_ALIGN)?;
+            let data_bytes = us(self.n_pages)?
+                .checked_mul(page_floats)?
+                .checked_mul(size_of::<f32>())?;
+            let total_len = data_offset.checked_add(data_bytes)?;
+            // Pointer offsets must fit in isize; header fields are u64.
+            isize::try_from(total_len).ok()?;
+            u64::try_from(total_len).ok()?;
+            Some(Sizes {
+                kv_dim,
+                block,
+                page_floats,
+                data_offset,
+                total_len,
+            })
+        };
+        f().ok_or(LayoutFault::Overflow)
+    }
+
+    /// f32 values per page (all layers, K and V); `None` if the layout is
+    /// invalid (a zero field, more than 2^32 lanes, or an overflow).
+    pub fn page_floats(&self) -> Option<usize> {
+        self.sizes().ok().map(|s| s.page_floats)
+    }
+
+    /// Byte offset of the page data; `None` if the layout is invalid.
+    pub fn data_offset(&self) -> Option<usize> {
+        self.sizes().ok().map(|s| s.data_offset)
+    }
+
+    /// Bytes of the whole file; `None` if the layout is invalid.
+    pub fn total_len(&self) -> Option<usize> {
+        self.sizes().ok().map(|s| s.total_len)
+    }
+}
+
+pub(super) fn encode_header(l: &ShmLayout, s: &Sizes) -> [u8; HEADER_USED] {
+    let mut h = [0u8; HEADER_USED];
+    h[0..8].copy_from_slice(&MAGIC);
+    let u32s = [
+        VERSION,
+        l.page_size,
+        l.n_layers,
+        l.n_kv_heads,
+        l.head_dim,
+        DTYPE_F32,
+    ];
+    for (i, v) in u32s.iter().enumerate() {
+        h[8 + 4 * i..12 + 4 * i].copy_from_slice(&v.to_le_bytes());
+    }
+    // usize -> u64 is lossless: `sizes` checked the total fits in u64.
+    let u64s = [
+        l.n_pages,
+        l.n_lanes,
+        HEADER_LEN as u64,
+        s.data_offset as u64,
+        s.total_len as u64,
+    ];
+    for (i, v) in u64s.iter().enumerate() {
+        h[32 + 8 * i..40 + 8 * i].copy_from_slice(&v.to_le_bytes());
+    }
+    h
+}
+
+/// Parses and validates a header against the file's length.
+pub(super) fn decode_header(
+    h: &[u8; HEADER_USED],
+    file_len: u64,
+) -> Result<(ShmLayout, Sizes), String> {
+    let u32_at = |o: usize| u32::from_le_bytes([h[o], h[o + 1], h[o + 2], h[o + 3]]);
+    let u64_at = |o: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&h[o..o + 8]);
+        u64::from_le_bytes(b)
+    };
+    if h[0..8] != MAGIC {
+        return Err(format!(
+            "magic is {:02x?}, expected {:02x?}",
+            &h[0..8],
+            MAGIC
+        ));
+    }
+    let version = u32_at(8);
+    if version != VERSION {
+        return Err(format!("version is {version}, expected {VERSION}"));
+    }
+    let dtype = u32_at(28);
+    if dtype != DTYPE_F32 {
+        return Err(format!("dtype is {dtype}, expected {DTYPE_F32} (f32)"));
+    }
+    let layout = ShmLayout {
+        page_size: u32_at(12),
+        n_layers: u32_at(16),
+        n_kv_heads: u32_at(20),
+        head_dim: u32_at(24),
+        n_pages: u64_at(32),
+        n_lanes: u64_at(40),
+    };
+    let sizes = layout.sizes().map_err(|f| f.reason())?;
+    // Equality with the recomputed values also gives the alignments
+    // (lanes at 4096, a multiple of 64; data at a multiple of 4096).
+    for (field, found, want) in [
+        ("lanes_offset", u64_at(48), HEADER_LEN as u64),
+        ("data_offset", u64_at(56), sizes.data_offset as u64),
+        ("total_len", u64_at(64), sizes.total_len as u64),
+        ("file length", file_len, sizes.total_len as u64),
+    ] {
+        if found != want {
+            return Err(format!("{field} is {found}, expected {want}"));
+        }
+    }
+    Ok((layout, sizes))
+}
