@@ -9,7 +9,9 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use kvmesh_kernels::quant::{matmul_with, Kernel, QFormat, QMatrix, QuantizedActs};
+use kvmesh_kernels::quant::{
+    matmul_f32_with, matmul_with, Kernel, QFormat, QMatrix, QuantizedActs,
+};
 
 fn matrix(format: QFormat, rows: usize, cols: usize, seed: u64) -> QMatrix {
     let mut x = seed | 1;
@@ -73,6 +75,15 @@ fn main() {
             let acts = QuantizedActs::quantize(&x, t, cols);
             let mut out = vec![0.0f32; t * rows];
             let f = time(budget, || matmul_with(fast, &w, &acts, black_box(&mut out)));
+            let g = time(budget, || {
+                matmul_f32_with(fast, &w, &x, t, black_box(&mut out))
+            });
+            println!(
+                "  f32 path: {:.3} ms, {:.2}x int, {:.1} GMAC/s",
+                g * 1e3,
+                f / g,
+                (t * rows * cols) as f64 / g / 1e9
+            );
             let s = if t <= 16 {
                 time(budget, || {
                     matmul_with(Kernel::Scalar, &w, &acts, black_box(&mut out))

@@ -206,8 +206,15 @@ fn run_block(
 ) {
     #[cfg(target_arch = "x86_64")]
     if wide {
+        let head_dim = queries.first().map_or(0, |(q, _)| q.len());
         // SAFETY: `wide_simd` saw AVX2 and FMA on this CPU.
-        unsafe { attend_block_avx2(queries, outs, args) };
+        unsafe {
+            if tiled::supports(head_dim) {
+                tiled::attend_block(queries, outs, args);
+            } else {
+                attend_block_avx2(queries, outs, args);
+            }
+        }
         return;
     }
     let _ = wide;
@@ -430,3 +437,5 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(test)]
 mod tests;
+#[cfg(target_arch = "x86_64")]
+mod tiled;

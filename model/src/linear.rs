@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use kvmesh_kernels::quant::{self, QMatrix, QuantizedActs};
+use kvmesh_kernels::quant::{self, QMatrix};
 
 use crate::error::{ModelError, Result};
 use crate::weights::Matrix;
@@ -85,10 +85,9 @@ impl Projection {
         match &self.kind {
             Kind::Dense(ws) => ws.iter().map(|w| dense_linear(x, rows, w)).collect(),
             Kind::Quant(w) => {
-                let acts = QuantizedActs::quantize(x, rows, self.cols);
                 let total = w.rows();
                 let mut out = vec![0.0f32; rows * total];
-                quant::matmul(w, &acts, &mut out);
+                quant::matmul_f32_with(quant::Kernel::detect(), w, x, rows, &mut out);
                 if self.widths.len() == 1 {
                     return Ok(vec![out]);
                 }

@@ -24,6 +24,7 @@ use kvmesh_kernels::norm::rms_norm;
 use kvmesh_kernels::rope::{Rope, RopeLayout};
 use kvmesh_kernels::{paged_attention, AttentionShape, KvGeometry};
 use kvmesh_kvxfer::{PoolConfig, Reservation};
+use rayon::prelude::*;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -276,11 +277,11 @@ impl Llama {
             self.rope.apply(&mut q, &positions, cfg.n_heads);
             self.rope.apply(&mut k, &positions, cfg.n_kv_heads);
 
+            // K/V into each sequence's pages (serial: each needs its
+            // reservation mutably).
             for (i, chunk) in batch.iter_mut().enumerate() {
                 let span = spans[i].clone();
-                let out = &mut attn[span.start * q_dim..span.end * q_dim];
                 if failed[i].is_some() {
-                    out.fill(0.0);
                     continue;
                 }
                 let (ks, vs) = (
@@ -289,26 +290,52 @@ impl Llama {
                 );
                 if let Err(e) = chunk.kv.write(layer, chunk.start_pos, ks, vs) {
                     failed[i] = Some(e.into());
-                    out.fill(0.0);
-                    continue;
                 }
-                let table = chunk.kv.table().to_vec();
-                let reader = chunk.kv.reader();
+            }
+            // Attention per sequence. A decode batch's sequences are one
+            // query each, too small to split inside, so they run in
+            // parallel across sequences; a prompt chunk splits itself.
+            let mut outs: Vec<&mut [f32]> = Vec::with_capacity(batch.len());
+            let mut rest = attn.as_mut_slice();
+            for span in &spans {
+                let (head, tail) = rest.split_at_mut(span.len() * q_dim);
+                outs.push(head);
+                rest = tail;
+            }
+            let one = |(i, out): (usize, &mut &mut [f32])| -> Option<ModelError> {
+                let span = spans[i].clone();
+                if failed[i].is_some() {
+                    out.fill(0.0);
+                    return None;
+                }
+                let chunk = &batch[i];
                 let qs = &q[span.start * q_dim..span.end * q_dim];
-                if let Err(e) = paged_attention(
-                    &reader,
-                    &table,
+                let r = paged_attention(
+                    &chunk.kv.reader(),
+                    chunk.kv.table(),
                     layer,
                     &self.shape,
                     qs,
-                    &positions[span.clone()],
+                    &positions[span],
                     out,
-                ) {
-                    failed[i] = Some(e.into());
+                );
+                r.err().map(|e| {
                     out.fill(0.0);
-                    continue;
+                    e.into()
+                })
+            };
+            let errors: Vec<Option<ModelError>> =
+                if batch.len() > 1 && spans.iter().all(|s| s.len() <= 1) {
+                    outs.par_iter_mut().enumerate().map(one).collect()
+                } else {
+                    outs.iter_mut().enumerate().map(one).collect()
+                };
+            for (i, e) in errors.into_iter().enumerate() {
+                if let Some(e) = e {
+                    failed[i] = Some(e);
+                } else if failed[i].is_none() {
+                    layer_done(layer, i, &batch[i]);
                 }
-                layer_done(layer, i, chunk);
             }
 
             let o = lw.wo.apply_one(&attn, rows)?;

@@ -151,6 +151,8 @@ fn matches_dense_reference_for_prefill_and_decode_shapes() {
         (9, 3, 64, 16, 70, None),
         (8, 8, 8, 1, 5, None),
         (6, 2, 32, 8, 40, Some(9)),
+        (9, 3, 64, 16, 83, Some(21)),
+        (4, 1, 128, 16, 50, None),
     ] {
         let geo = KvGeometry {
             page_size: ps,
@@ -254,4 +256,67 @@ fn sliding_window_skips_pages_outside_every_window() {
         vec![table[3].page],
         "only the last page is in the window"
     );
+}
+
+/// A query's output is the same to the bit alone (a decode step) as in a
+/// block of any prompt chunk, windowed or not: what keeps the mesh equal to
+/// the reference engine.
+#[test]
+fn a_query_computes_the_same_bits_alone_and_in_any_block() {
+    for (nh, nkv, d, ps, ctx, window) in [
+        (9, 3, 64, 16, 70usize, None),
+        (9, 3, 64, 16, 70, Some(13)),
+        (6, 2, 32, 8, 41, Some(40)),
+        (4, 4, 16, 4, 23, None),
+    ] {
+        let geo = KvGeometry {
+            page_size: ps,
+            n_kv_heads: nkv,
+            head_dim: d,
+        };
+        let shape = AttentionShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            window,
+        };
+        let n_pages = ctx.div_ceil(ps);
+        let table = shuffled_table(n_pages, n_pages + 3);
+        let k = noise(4, ctx * nkv * d);
+        let v = noise(5, ctx * nkv * d);
+        let store = paged(geo, &table, n_pages + 3, &k, &v, ctx);
+        let q = noise(6, ctx * nh * d);
+        let run = |from: usize, to: usize| {
+            let positions: Vec<usize> = (from..to).collect();
+            let mut out = vec![0.0; positions.len() * nh * d];
+            paged_attention(
+                &store,
+                &table,
+                0,
+                &shape,
+                &q[from * nh * d..to * nh * d],
+                &positions,
+                &mut out,
+            )
+            .expect("valid read");
+            out
+        };
+        let whole = run(0, ctx);
+        for (from, to) in [
+            (0, 1),
+            (5, 6),
+            (ctx - 1, ctx),
+            (3, 22),
+            (17, ctx),
+            (1, ctx - 2),
+        ] {
+            let part = run(from, to);
+            let same = part
+                .iter()
+                .zip(&whole[from * nh * d..to * nh * d])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "positions {from}..{to} differ from the whole prompt ({nh}/{nkv}/{d}, window {window:?})");
+        }
+    }
 }

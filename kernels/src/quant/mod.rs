@@ -4,10 +4,10 @@
 //! # Formats
 //! Weights are rows of 32-value blocks, exactly the GGUF bytes:
 //! - [`QFormat::Q4_1`]: 20 bytes per block, `d: f16, m: f16, qs: [u8; 16]`;
-//!   value `i` is `d * q_i + m`, with `q_i` the low nibble of `qs[i]` for
+//!   value `i` is `fma(q_i, d, m)`, with `q_i` the low nibble of `qs[i]` for
 //!   `i < 16` and the high nibble of `qs[i - 16]` otherwise.
 //! - [`QFormat::Q8_0`]: 34 bytes per block, `d: f16, qs: [i8; 32]`; value
-//!   `i` is `d * qs[i]`.
+//!   `i` is `qs[i] * d`.
 //!
 //! Activations are quantized per row to 8 bits in blocks of 32
 //! ([`QuantizedActs`]: a scale `d_a`, 32 `i8`, and `s = d_a * sum(q)`), so a
@@ -39,6 +39,9 @@
 //! reference the fast path is tested against. Nothing depends on the
 //! compile-time target, so one binary runs everywhere.
 
+mod gemm;
+#[cfg(target_arch = "x86_64")]
+mod gemm_x86;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -258,7 +261,7 @@ impl QMatrix {
     /// and the exact reference in tests.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols, "one row of output");
-        scalar::dequantize_row(self.format, self.row(r), out);
+        Kernel::detect().dequantize(self.format, self.row(r), out);
     }
 }
 
@@ -435,6 +438,12 @@ pub fn matmul_with(kernel: Kernel, w: &QMatrix, acts: &QuantizedActs, out: &mut 
     } else {
         (0..tasks).into_par_iter().for_each(task);
     }
+}
+
+/// `out[t, r] = sum_k x[t, k] * w[r, k]` with f32 activations
+/// (`x` is `[rows, w.cols()]`, `out` is `[rows, w.rows()]`).
+pub fn matmul_f32_with(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+    gemm::matmul(kernel, w, x, rows, out);
 }
 
 #[cfg(test)]

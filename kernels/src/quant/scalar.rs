@@ -47,7 +47,8 @@ pub(super) fn quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, f32) {
     (d, d * sum as f32)
 }
 
-/// Dequantize one row of blocks.
+/// Dequantize whole blocks: `fma(q, d, m)` (Q4_1) or `q * d` (Q8_0), the
+/// same bits as the SIMD path.
 pub(super) fn dequantize_row(format: QFormat, row: &[u8], out: &mut [f32]) {
     let bb = format.block_bytes();
     for (block, o) in row.chunks_exact(bb).zip(out.chunks_exact_mut(BLOCK)) {
@@ -55,14 +56,14 @@ pub(super) fn dequantize_row(format: QFormat, row: &[u8], out: &mut [f32]) {
             QFormat::Q4_1 => {
                 let (d, m) = (scale(block, 0), scale(block, 2));
                 for (i, &byte) in block[4..20].iter().enumerate() {
-                    o[i] = d * f32::from(byte & 0x0f) + m;
-                    o[i + 16] = d * f32::from(byte >> 4) + m;
+                    o[i] = f32::from(byte & 0x0f).mul_add(d, m);
+                    o[i + 16] = f32::from(byte >> 4).mul_add(d, m);
                 }
             }
             QFormat::Q8_0 => {
                 let d = scale(block, 0);
                 for (o, &q) in o.iter_mut().zip(&block[2..34]) {
-                    *o = d * f32::from(q as i8);
+                    *o = f32::from(q as i8) * d;
                 }
             }
         }

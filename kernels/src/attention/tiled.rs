@@ -1,0 +1,369 @@
+//! AVX2 + FMA build of one KV head's attention for a block of queries, in
+//! register tiles (head sizes that are a multiple of 32).
+//!
+//! # Arithmetic (independent of the block, to the bit)
+//! - Score of query `i` at position `p`: eight lanes, lane `l` accumulating
+//!   `q[l + 8s] * k[l + 8s]` over `s` in order with fused multiply-adds, then
+//!   `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, times the scale.
+//! - Softmax per query: `e = exp(s - max)` (one vector polynomial), the sum
+//!   over eight lanes in position order then reduced as above; weights
+//!   `e * (1 / sum)`.
+//! - Output element `d` of query `i`: `fma(w_ip, v_p[d], acc)` over the
+//!   query's positions in ascending order, from `+0`.
+//!
+//! Tiles only group independent results (scores) or interleave independent
+//! chains (outputs), so a query computes the same bits alone (a decode step)
+//! as in any block of a prompt chunk.
+//!
+//! # Cost
+//! Scores: 3 queries x 4 positions per tile, seven loads per twelve
+//! multiply-adds, and one transposing reduction per four scores. Outputs:
+//! 3 queries x 32 values per tile, four loads per twelve multiply-adds,
+//! accumulators in registers for the whole common range of positions.
+
+use std::arch::x86_64::*;
+
+use super::{window_start, BlockArgs};
+
+/// Whether this build takes a head of `head_dim` values.
+pub(super) fn supports(head_dim: usize) -> bool {
+    head_dim > 0 && head_dim % 32 == 0
+}
+
+/// One KV head's attention for `queries` (vector, position) into `outs`.
+///
+/// # Safety
+/// AVX2 and FMA; `supports(head_dim)`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn attend_block(
+    queries: &[(&[f32], usize)],
+    outs: &mut [&mut [f32]],
+    args: BlockArgs<'_, '_>,
+) {
+    let (shape, pages, page_size, kv_dim, head_off) = args;
+    let Some(hd) = queries.first().map(|(q, _)| q.len()) else {
+        return;
+    };
+    assert!(supports(hd) && outs.len() == queries.len());
+    for ((q, _), o) in queries.iter().zip(outs.iter()) {
+        assert!(q.len() == hd && o.len() == hd, "head sizes");
+    }
+    let spans: Vec<(usize, usize)> = queries
+        .iter()
+        .map(|&(_, pos)| (window_start(pos, shape.window), pos))
+        .collect();
+    let lo = spans.iter().map(|s| s.0).min().unwrap_or(0);
+    let hi = spans.iter().map(|s| s.1).max().unwrap_or(0);
+    // Each K and V row of the block's range, sliced (and so bounds-checked)
+    // once.
+    let (mut krows, mut vrows) = (
+        Vec::with_capacity(hi + 1 - lo),
+        Vec::with_capacity(hi + 1 - lo),
+    );
+    for p in lo..=hi {
+        match pages[p / page_size].as_ref() {
+            Some(s) => {
+                let at = (p % page_size) * kv_dim + head_off;
+                krows.push(s.k[at..][..hd].as_ptr());
+                vrows.push(s.v[at..][..hd].as_ptr());
+            }
+            None => unreachable!("page inside the window was not fetched"),
+        }
+    }
+    let row = |p: usize, v: bool| -> *const f32 {
+        if v {
+            vrows[p - lo]
+        } else {
+            krows[p - lo]
+        }
+    };
+    // Positions every query of the block sees (may be empty).
+    let common_lo = spans.iter().map(|s| s.0).max().unwrap_or(0);
+    let common_hi = spans.iter().map(|s| s.1).min().unwrap_or(0);
+    let common = common_lo <= common_hi;
+
+    // Scores, then weights, per query.
+    let mut w: Vec<Vec<f32>> = spans.iter().map(|&(a, b)| vec![0.0; b + 1 - a]).collect();
+    let qp: Vec<*const f32> = queries.iter().map(|(q, _)| q.as_ptr()).collect();
+    // SAFETY (scores): every pointer is a head's `hd` values (asserted or
+    // sliced above); positions are inside each query's span.
+    unsafe {
+        if common {
+            let mut i = 0;
+            while i < queries.len() {
+                let mr = (queries.len() - i).min(3);
+                let mut p = common_lo;
+                while p <= common_hi {
+                    let keys = [0, 1, 2, 3].map(|j| row((p + j).min(common_hi), false));
+                    let live = (common_hi + 1 - p).min(4);
+                    let s = match mr {
+                        3 => scores::<3>(&qp[i..], &keys, hd),
+                        2 => pad(scores::<2>(&qp[i..], &keys, hd)),
+                        _ => pad(scores::<1>(&qp[i..], &keys, hd)),
+                    };
+                    for (r, s) in s.iter().take(mr).enumerate() {
+                        let (start, _) = spans[i + r];
+                        for (j, v) in s.iter().take(live).enumerate() {
+                            w[i + r][p + j - start] = v * shape.scale;
+                        }
+                    }
+                    p += 4;
+                }
+                i += mr;
+            }
+        }
+        // Each query's own positions outside the common range.
+        for (i, &(start, pos)) in spans.iter().enumerate() {
+            let own: Vec<usize> = (start..=pos)
+                .filter(|&p| !common || p < common_lo || p > common_hi)
+                .collect();
+            for group in own.chunks(4) {
+                let keys = [0, 1, 2, 3].map(|j| row(group[j.min(group.len() - 1)], false));
+                let s = scores::<1>(&qp[i..], &keys, hd);
+                for (&p, v) in group.iter().zip(s[0]) {
+                    w[i][p - start] = v * shape.scale;
+                }
+            }
+        }
+        for w in w.iter_mut() {
+            softmax(w);
+        }
+    }
+
+    // Outputs: own positions below the common range, the common range in
+    // tiles, then own positions above it; each element's chain ascends.
+    for o in outs.iter_mut() {
+        o.fill(0.0);
+    }
+    let op: Vec<*mut f32> = outs.iter_mut().map(|o| o.as_mut_ptr()).collect();
+    // SAFETY (outputs): `op[i]` is query i's `hd` outputs (distinct slices);
+    // rows and weights as above.
+    unsafe {
+        for (i, &(start, pos)) in spans.iter().enumerate() {
+            let end = if common { common_lo } else { pos + 1 };
+            for p in start..end {
+                axpy1(w[i][p - start], row(p, true), op[i], hd);
+            }
+        }
+        if !common {
+            return;
+        }
+        let vr = &vrows[common_lo - lo..=common_hi - lo];
+        let mut i = 0;
+        while i < queries.len() {
+            let mr = (queries.len() - i).min(3);
+            let offs: Vec<usize> = spans[i..i + mr].iter().map(|s| common_lo - s.0).collect();
+            for d in (0..hd).step_by(32) {
+                match mr {
+                    3 => weighted::<3>(&op[i..], &w[i..], &offs, d, vr),
+                    2 => weighted::<2>(&op[i..], &w[i..], &offs, d, vr),
+                    _ => weighted::<1>(&op[i..], &w[i..], &offs, d, vr),
+                }
+            }
+            i += mr;
+        }
+        for (i, &(start, pos)) in spans.iter().enumerate() {
+            for p in common_hi + 1..=pos {
+                axpy1(w[i][p - start], row(p, true), op[i], hd);
+            }
+        }
+    }
+}
+
+fn pad<const MR: usize>(s: [[f32; 4]; MR]) -> [[f32; 4]; 3] {
+    let mut out = [[0.0; 4]; 3];
+    out[..MR].copy_from_slice(&s);
+    out
+}
+
+/// `MR` queries against four key rows: the scores before scaling.
+///
+/// # Safety
+/// Every pointer readable for `hd` values; AVX2/FMA.
+#[allow(clippy::needless_range_loop)] // tile loops index several arrays
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores<const MR: usize>(
+    q: &[*const f32],
+    k: &[*const f32; 4],
+    hd: usize,
+) -> [[f32; 4]; MR] {
+    let mut acc = [[_mm256_setzero_ps(); 4]; MR];
+    let mut d = 0;
+    while d < hd {
+        // SAFETY: d + 8 <= hd.
+        unsafe {
+            let mut qv = [_mm256_setzero_ps(); MR];
+            for (i, v) in qv.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(q[i].add(d));
+            }
+            for j in 0..4 {
+                let kv = _mm256_loadu_ps(k[j].add(d));
+                for i in 0..MR {
+                    acc[i][j] = _mm256_fmadd_ps(qv[i], kv, acc[i][j]);
+                }
+            }
+        }
+        d += 8;
+    }
+    let mut out = [[0.0; 4]; MR];
+    for i in 0..MR {
+        out[i] = reduce4(acc[i]);
+    }
+    out
+}
+
+/// Four eight-lane sums at once, each `((l0 + l1) + (l2 + l3)) + ((l4 +
+/// l5) + (l6 + l7))`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn reduce4(a: [__m256; 4]) -> [f32; 4] {
+    let h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    // Lanes 0-3 hold (l0+l1)+(l2+l3) of a0..a3; lanes 4-7 (l4+l5)+(l6+l7).
+    let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    let mut out = [0.0f32; 4];
+    // SAFETY: four floats into a four-float array.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
+    out
+}
+
+/// `e^x` for x <= 0 (and moderately above): Cody-Waite reduction by ln 2,
+/// a degree-6 polynomial, and the exponent added as an integer. About 2 ulp;
+/// inputs below -87.3 give about 1e-38 instead of 0.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn exp(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(-87.3)),
+        _mm256_set1_ps(88.3),
+    );
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+    }
+    let y = _mm256_fmadd_ps(
+        y,
+        _mm256_mul_ps(r, r),
+        _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+    );
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_mul_ps(y, _mm256_castsi256_ps(e))
+}
+
+/// Scores to softmax weights in place.
+///
+/// # Safety
+/// AVX2/FMA.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax(s: &mut [f32]) {
+    let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let n = s.len();
+    let mut buf = [0.0f32; 8];
+    let mut sum = _mm256_setzero_ps();
+    let mx = _mm256_set1_ps(max);
+    let mut i = 0;
+    while i < n {
+        let len = (n - i).min(8);
+        buf[..len].copy_from_slice(&s[i..i + len]);
+        // Lanes past the end compute exp(0); they are zeroed before the
+        // sum.
+        buf[len..].fill(max);
+        // SAFETY: an eight-float buffer.
+        let e = exp(_mm256_sub_ps(unsafe { _mm256_loadu_ps(buf.as_ptr()) }, mx));
+        // SAFETY: an eight-float buffer.
+        unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), e) };
+        buf[len..].fill(0.0);
+        // SAFETY: an eight-float buffer.
+        sum = _mm256_add_ps(sum, unsafe { _mm256_loadu_ps(buf.as_ptr()) });
+        s[i..i + len].copy_from_slice(&buf[..len]);
+        i += 8;
+    }
+    let zero = _mm256_setzero_ps();
+    let inv = 1.0 / reduce4([sum, zero, zero, zero])[0];
+    for v in s.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// `out += w * v` for one query and one value row (`hd` values).
+///
+/// # Safety
+/// Both pointers valid for `hd` values; AVX2/FMA.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy1(w: f32, v: *const f32, out: *mut f32, hd: usize) {
+    let wv = _mm256_set1_ps(w);
+    let mut d = 0;
+    while d < hd {
+        // SAFETY: d + 8 <= hd.
+        unsafe {
+            let o = out.add(d);
+            _mm256_storeu_ps(
+                o,
+                _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.add(d)), _mm256_loadu_ps(o)),
+            );
+        }
+        d += 8;
+    }
+}
+
+/// Values `d .. d + 32` of `MR` queries' outputs over the value rows
+/// `vr` (query `i`'s weight for `vr[n]` is `w[i][off[i] + n]`),
+/// accumulators in registers.
+///
+/// # Safety
+/// Output pointers valid for `d + 32` values, rows for `d + 32`; AVX2/FMA.
+#[allow(clippy::needless_range_loop)] // tile loops index several arrays
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted<const MR: usize>(
+    out: &[*mut f32],
+    w: &[Vec<f32>],
+    off: &[usize],
+    d: usize,
+    vr: &[*const f32],
+) {
+    let mut acc = [[_mm256_setzero_ps(); 4]; MR];
+    let ws: [&[f32]; MR] = std::array::from_fn(|i| &w[i][off[i]..off[i] + vr.len()]);
+    // SAFETY: by the caller.
+    unsafe {
+        for i in 0..MR {
+            for j in 0..4 {
+                acc[i][j] = _mm256_loadu_ps(out[i].add(d + 8 * j));
+            }
+        }
+        for (n, &v) in vr.iter().enumerate() {
+            let v = v.add(d);
+            let mut wv = [_mm256_setzero_ps(); MR];
+            for i in 0..MR {
+                wv[i] = _mm256_set1_ps(*ws[i].get_unchecked(n));
+            }
+            for j in 0..4 {
+                let vj = _mm256_loadu_ps(v.add(8 * j));
+                for i in 0..MR {
+                    acc[i][j] = _mm256_fmadd_ps(wv[i], vj, acc[i][j]);
+                }
+            }
+        }
+        for i in 0..MR {
+            for j in 0..4 {
+                _mm256_storeu_ps(out[i].add(d + 8 * j), acc[i][j]);
+            }
+        }
+    }
+}

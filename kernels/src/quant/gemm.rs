@@ -1,0 +1,195 @@
+//! f32 activations against quantized weights: each task dequantizes a
+//! panel of weight rows into an f32 buffer once, then every activation row
+//! passes over it in small register tiles.
+//!
+//! # Arithmetic (the same on every path, to the bit)
+//! - A weight is `fma(q, d, m)` (Q4_1) or `q * d` (Q8_0), as
+//!   [`super::QMatrix::dequantize_row`] computes it.
+//! - Output `(t, r)` keeps eight lanes; lane `j` accumulates
+//!   `x[t, k] * w[r, k]` for `k = j, j + 8, j + 16, ...` in order, each step a
+//!   fused multiply-add. The lanes are then summed as
+//!   `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
+//!
+//! Nothing in that depends on the batch, on a row's place in it, on the tile
+//! shape or on the thread, so a sequence computes the same bits alone,
+//! batched, chunked or whole; and the AVX2 path and the portable path agree
+//! to the bit (the portable one uses `f32::mul_add`, which is a single
+//! instruction where the target has FMA and a correctly rounded library
+//! call where it has not).
+//!
+//! # Cost
+//! The dequantization is paid once per call per weight (about one
+//! instruction per weight), then `rows` multiply-adds per weight run from
+//! L1/L2 at the FMA units' rate. At one row the call is bound by reading the
+//! weight bytes; from a few rows on it is bound by the multiply-adds.
+
+use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+use super::gemm_x86;
+use super::{scalar, Kernel, QFormat, QMatrix, BLOCK};
+
+/// Weight rows per task (and per dequantized panel) for small batches; a
+/// multiple of the register tiles' 4 and 8.
+const PANEL: usize = 16;
+
+/// Weight rows per panel from [`WIDE_ROWS`] activation rows on: the panel
+/// (at most 64 x 1536 f32, 384 KiB) stays in L2 while the activations
+/// stream past it, a quarter as often as with 16-row panels.
+const WIDE_PANEL: usize = 64;
+
+/// Activation rows from which [`WIDE_PANEL`] is used.
+const WIDE_ROWS: usize = 48;
+
+/// Eight-lane reduction in the fixed order of the module docs.
+#[inline]
+pub(super) fn reduce(l: [f32; 8]) -> f32 {
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+}
+
+/// Write-only view of the output shared by the tasks; each task writes the
+/// columns of its own weight rows.
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint elements (see `matmul`); the pointer outlives
+// the parallel section, which ends before `out` is used again.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+thread_local! {
+    /// One dequantized panel per thread, reused across calls.
+    static PANEL_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `out[t, r] = sum_k x[t, k] * w[r, k]`: `x` is `[rows, w.cols()]` and
+/// `out` `[rows, w.rows()]`, both row-major.
+pub(super) fn matmul(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    assert_eq!(x.len(), rows * k, "activation shape");
+    assert_eq!(out.len(), rows * n, "output shape");
+    let rb = k / BLOCK * w.format.block_bytes();
+    let ptr = OutPtr(out.as_mut_ptr());
+    let prows = if rows >= WIDE_ROWS { WIDE_PANEL } else { PANEL };
+    let task = |p: usize| {
+        let ptr = &ptr;
+        let r0 = p * prows;
+        let nr = prows.min(n - r0);
+        let bytes = &w.data[r0 * rb..(r0 + nr) * rb];
+        // SAFETY (both): the kernel writes (t, r0 + j) for t < rows,
+        // j < nr: inside `out`, and owned by this task alone (panels are
+        // disjoint).
+        if kernel.fuses(rows) {
+            unsafe { kernel.fused(w.format, x, rows, k, bytes, ptr.0.add(r0), n) };
+            return;
+        }
+        PANEL_BUF.with_borrow_mut(|buf| {
+            buf.resize(prows * k, 0.0);
+            kernel.dequantize(w.format, bytes, &mut buf[..nr * k]);
+            // Rows past the matrix's end compute zeros nobody reads.
+            buf[nr * k..].fill(0.0);
+            unsafe { kernel.panel(x, rows, k, buf, prows, nr, ptr.0.add(r0), n) };
+        });
+    };
+    let tasks = n.div_ceil(prows);
+    // Small calls are not worth waking the pool for.
+    if n * k * rows < 1 << 15 {
+        (0..tasks).for_each(task);
+    } else {
+        (0..tasks).into_par_iter().for_each(task);
+    }
+}
+
+impl Kernel {
+    pub(super) fn dequantize(self, format: QFormat, w: &[u8], out: &mut [f32]) {
+        match self {
+            Self::Scalar => scalar::dequantize_row(format, w, out),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Avx2` is only chosen when the CPU has AVX2/FMA/F16C.
+            Self::Avx2 => unsafe { gemm_x86::dequantize(format, w, out) },
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::Avx2 => scalar::dequantize_row(format, w, out),
+        }
+    }
+
+    /// Every row of `x` against the `PANEL` rows of `panel`; writes
+    /// `out[t * stride + j]` for `j < live`.
+    ///
+    /// # Safety
+    /// `out` must be valid for those writes.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn panel(
+        self,
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        panel: &[f32],
+        prows: usize,
+        live: usize,
+        out: *mut f32,
+        stride: usize,
+    ) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: features as above; `out` by the caller.
+            Self::Avx2 => unsafe { gemm_x86::panel(x, rows, k, panel, prows, live, out, stride) },
+            _ => {
+                for t in 0..rows {
+                    let xt = &x[t * k..(t + 1) * k];
+                    for j in 0..live {
+                        let v = dot(xt, &panel[j * k..(j + 1) * k]);
+                        // SAFETY: by the caller.
+                        unsafe { *out.add(t * stride + j) = v };
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Kernel {
+    /// Whether `rows` activation rows take the fused path.
+    fn fuses(self, rows: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == Self::Avx2 {
+            return rows <= gemm_x86::FUSED_ROWS;
+        }
+        let _ = rows;
+        false
+    }
+
+    /// # Safety
+    /// Only when [`Self::fuses`]; `out` valid for `rows` rows of `stride`
+    /// and the rows of `w`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn fused(
+        self,
+        format: QFormat,
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        w: &[u8],
+        out: *mut f32,
+        stride: usize,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `fuses` is only true for `Avx2`; `out` by the caller.
+        unsafe {
+            gemm_x86::fused(format, x, rows, k, w, out, stride)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!(
+            "no fused path off x86-64: {format:?} {rows} {k} {} {out:?} {stride}",
+            w.len()
+        )
+    }
+}
+
+/// One output on the portable path, in the module's order.
+pub(super) fn dot(x: &[f32], w: &[f32]) -> f32 {
+    let mut l = [0.0f32; 8];
+    for (xs, ws) in x.chunks_exact(8).zip(w.chunks_exact(8)) {
+        for q in 0..8 {
+            l[q] = xs[q].mul_add(ws[q], l[q]);
+        }
+    }
+    reduce(l)
+}
