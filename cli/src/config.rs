@@ -50,7 +50,7 @@ pub struct MeshConfig {
     /// Context window.
     pub max_model_len: Option<usize>,
     /// f32 weights and activations on every node (the exact mode); default:
-    /// a GGUF's Q4_1 / Q8_0 blocks as stored, with 8-bit activations. Every
+    /// a GGUF's Q4_1 / Q8_0 blocks as stored, with f32 activations. Every
     /// node of a mesh runs the same mode, so a transfer carries the KV the
     /// decode node would have computed itself.
     #[serde(default)]

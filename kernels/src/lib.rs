@@ -13,8 +13,8 @@
 //!   layouts; plain, linear and Llama-3 frequency scaling).
 //! - [`norm`] holds RMSNorm.
 //! - [`quant`]: matrix multiplication over GGUF Q4_1 / Q8_0 blocks used as
-//!   stored, with 8-bit activations; AVX2 chosen at run time, a scalar
-//!   reference it is tested against, every core through rayon.
+//!   stored, with f32 activations; AVX2 chosen at run time, a portable
+//!   reference it equals to the bit, every core through rayon.
 //!
 //! Dense f32 matmuls (the exact mode) go through candle-core in
 //! `kvmesh-model`.

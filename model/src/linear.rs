@@ -87,7 +87,7 @@ impl Projection {
             Kind::Quant(w) => {
                 let total = w.rows();
                 let mut out = vec![0.0f32; rows * total];
-                quant::matmul_f32_with(quant::Kernel::detect(), w, x, rows, &mut out);
+                quant::matmul(w, x, rows, &mut out);
                 if self.widths.len() == 1 {
                     return Ok(vec![out]);
                 }

@@ -35,9 +35,11 @@ pub enum Precision {
     /// transformers (GGUF blocks are dequantized at load).
     #[default]
     Exact,
-    /// GGUF Q4_1 / Q8_0 blocks used as stored, 8-bit activations (as
-    /// llama.cpp does); other tensors f32. Not equal to the f32 result, but
-    /// every output is independent of batching (see `kvmesh_kernels::quant`).
+    /// GGUF Q4_1 / Q8_0 blocks used as stored (dequantized in registers or
+    /// in small per-call panels, never whole at load), f32 activations;
+    /// other tensors f32. Differs from the exact mode by the weights'
+    /// quantization only, and every output is independent of batching (see
+    /// `kvmesh_kernels::quant`).
     Quantized,
 }
 

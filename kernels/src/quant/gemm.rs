@@ -18,15 +18,16 @@
 //! call where it has not).
 //!
 //! # Cost
-//! The dequantization is paid once per call per weight (about one
-//! instruction per weight), then `rows` multiply-adds per weight run from
-//! L1/L2 at the FMA units' rate. At one row the call is bound by reading the
-//! weight bytes; from a few rows on it is bound by the multiply-adds.
+//! From three activation rows on, the dequantization is paid once per call
+//! per weight (under one instruction per weight), then `rows` multiply-adds
+//! per weight run from L1/L2 at the FMA units' rate. One or two rows take
+//! the fused path instead (dequantized in registers, never stored), bound by
+//! reading the weight bytes.
 
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
-use super::gemm_x86;
+use super::x86;
 use super::{scalar, Kernel, QFormat, QMatrix, BLOCK};
 
 /// Weight rows per task (and per dequantized panel) for small batches; a
@@ -104,7 +105,7 @@ impl Kernel {
             Self::Scalar => scalar::dequantize_row(format, w, out),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Avx2` is only chosen when the CPU has AVX2/FMA/F16C.
-            Self::Avx2 => unsafe { gemm_x86::dequantize(format, w, out) },
+            Self::Avx2 => unsafe { x86::dequantize(format, w, out) },
             #[cfg(not(target_arch = "x86_64"))]
             Self::Avx2 => scalar::dequantize_row(format, w, out),
         }
@@ -130,7 +131,7 @@ impl Kernel {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: features as above; `out` by the caller.
-            Self::Avx2 => unsafe { gemm_x86::panel(x, rows, k, panel, prows, live, out, stride) },
+            Self::Avx2 => unsafe { x86::panel(x, rows, k, panel, prows, live, out, stride) },
             _ => {
                 for t in 0..rows {
                     let xt = &x[t * k..(t + 1) * k];
@@ -150,7 +151,7 @@ impl Kernel {
     fn fuses(self, rows: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
         if self == Self::Avx2 {
-            return rows <= gemm_x86::FUSED_ROWS;
+            return rows <= x86::FUSED_ROWS;
         }
         let _ = rows;
         false
@@ -173,7 +174,7 @@ impl Kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `fuses` is only true for `Avx2`; `out` by the caller.
         unsafe {
-            gemm_x86::fused(format, x, rows, k, w, out, stride)
+            x86::fused(format, x, rows, k, w, out, stride)
         }
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!(

@@ -9,51 +9,47 @@
 //! - [`QFormat::Q8_0`]: 34 bytes per block, `d: f16, qs: [i8; 32]`; value
 //!   `i` is `qs[i] * d`.
 //!
-//! Activations are quantized per row to 8 bits in blocks of 32
-//! ([`QuantizedActs`]: a scale `d_a`, 32 `i8`, and `s = d_a * sum(q)`), so a
-//! block's dot product is an integer dot product and two multiplies:
-//! `Q4_1 . x = d_w d_a sum(q_w q_a) + m_w s` and `Q8_0 . x = d_w d_a sum(q_w q_a)`.
-//! This is what llama.cpp does; the result is close to the f32 product but
-//! not equal to it (the `--exact` mode keeps f32 weights for that).
+//! Activations stay f32. A call dequantizes each weight once, in
+//! registers or into a small panel buffer, and multiplies in f32 with fused
+//! multiply-adds (see [`gemm`] for the order of operations). So the
+//! product differs from the `--exact` f32 weights only by the weights'
+//! quantization, and not by the activations' as llama.cpp's 8-bit-activation
+//! kernels do.
 //!
 //! # Determinism
 //! Every output element is computed by the same sequence of floating-point
 //! operations whatever the batch size, the position of its row in the batch,
-//! or the thread that computes it: integer block sums are exact, and each
-//! output accumulates its blocks in block order into the same lanes. So a
+//! the register tile, the thread, or the path (AVX2 or portable): a
 //! sequence decodes to the same tokens alone or batched, prompt chunked or
 //! whole, and a disaggregated run equals the reference engine token for
-//! token. (The AVX2 and scalar paths differ from each other in summation
-//! order; one process always uses one of them.)
+//! token.
 //!
 //! # Cost
-//! One pass over the weight bytes per call whatever the batch: each weight
-//! block is unpacked once and used for up to [`ROW_GROUP`] activation rows
-//! while it is in registers, so at batch 1 the call is bound by memory
-//! bandwidth and its cost per row falls as the batch grows. Output rows are
-//! split across the rayon pool (every core).
+//! - One or two activation rows (a decode step of one or two sequences):
+//!   each weight block is dequantized in registers and used at once, so the
+//!   call is bound by reading the weight bytes (memory bandwidth).
+//! - More rows: each task dequantizes a panel of 16 (from 48 rows, 64)
+//!   weight rows into an L1/L2-resident f32 buffer once, then every
+//!   activation row passes over it in 3 x 4 register tiles, twelve
+//!   independent multiply-add chains, bound by the FMA units.
+//!
+//! Output rows are split across the rayon pool (every core).
 //!
 //! # Paths
 //! [`Kernel::detect`] picks the AVX2 (with FMA and F16C) path at run time
-//! when the CPU has it, else the portable scalar path, which is also the
-//! reference the fast path is tested against. Nothing depends on the
-//! compile-time target, so one binary runs everywhere.
+//! when the CPU has it, else the portable path (`f32::mul_add`), which is
+//! also the reference the fast path is tested against, to the bit. Nothing
+//! depends on the compile-time target, so one binary runs everywhere.
 
 mod gemm;
-#[cfg(target_arch = "x86_64")]
-mod gemm_x86;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-use rayon::prelude::*;
 use thiserror::Error;
 
 /// Values per quantization block (both formats).
 pub const BLOCK: usize = 32;
-
-/// Activation rows that share one unpacked weight block.
-pub const ROW_GROUP: usize = 4;
 
 /// Widest inner dimension the kernels take (blocks per row), so a row's
 /// scales fit a stack buffer: 32,768 columns, beyond any Llama-family
@@ -265,77 +261,6 @@ impl QMatrix {
     }
 }
 
-/// Activations quantized to 8 bits per 32-value block, row-major.
-#[derive(Clone, Debug, Default)]
-pub struct QuantizedActs {
-    rows: usize,
-    cols: usize,
-    /// `rows * cols` quantized values.
-    qs: Vec<i8>,
-    /// Per block: scale `d_a`.
-    d: Vec<f32>,
-    /// Per block: `d_a * sum(q)`.
-    s: Vec<f32>,
-}
-
-impl QuantizedActs {
-    /// Quantize `x` (`rows` rows of `cols` values; `cols` a multiple of 32).
-    pub fn quantize(x: &[f32], rows: usize, cols: usize) -> Self {
-        assert!(
-            cols % BLOCK == 0,
-            "activation width {cols} is not whole blocks"
-        );
-        assert_eq!(x.len(), rows * cols, "activation length");
-        let blocks = rows * cols / BLOCK;
-        let mut acts = Self {
-            rows,
-            cols,
-            qs: vec![0; rows * cols],
-            d: vec![0.0; blocks],
-            s: vec![0.0; blocks],
-        };
-        for (b, xs) in x.chunks_exact(BLOCK).enumerate() {
-            let (d, s) = scalar::quantize_block(xs, &mut acts.qs[b * BLOCK..(b + 1) * BLOCK]);
-            acts.d[b] = d;
-            acts.s[b] = s;
-        }
-        acts
-    }
-
-    /// Rows.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// Values per row.
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
-    fn blocks_per_row(&self) -> usize {
-        self.cols / BLOCK
-    }
-}
-
-/// One activation row as the inner loops see it.
-#[derive(Clone, Copy)]
-pub(crate) struct ActRow<'a> {
-    pub qs: &'a [i8],
-    pub d: &'a [f32],
-    pub s: &'a [f32],
-}
-
-impl QuantizedActs {
-    fn row(&self, t: usize) -> ActRow<'_> {
-        let nb = self.blocks_per_row();
-        ActRow {
-            qs: &self.qs[t * self.cols..(t + 1) * self.cols],
-            d: &self.d[t * nb..(t + 1) * nb],
-            s: &self.s[t * nb..(t + 1) * nb],
-        }
-    }
-}
-
 /// Which implementation runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
@@ -365,84 +290,21 @@ impl Kernel {
             Self::Avx2 => "avx2",
         }
     }
-
-    /// Dot products of one weight row with every activation row, into
-    /// `out[t]`.
-    fn row(self, format: QFormat, w: &[u8], acts: &[ActRow<'_>], out: &mut [f32]) {
-        match self {
-            Self::Scalar => scalar::row(format, w, acts, out),
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Avx2` is only chosen when `x86::available()` saw
-            // AVX2, FMA and F16C on this CPU.
-            Self::Avx2 => unsafe { x86::row(format, w, acts, out) },
-            #[cfg(not(target_arch = "x86_64"))]
-            Self::Avx2 => scalar::row(format, w, acts, out),
-        }
-    }
 }
-
-/// Activation rows one weight row meets per call (about 40 KiB of 8-bit
-/// activations at the widest SmolLM2 row, so they stay in L2).
-const ACT_TILE: usize = 64;
-
-/// Weight rows one parallel task computes (a few KiB of blocks, so the
-/// rows stay in L1 while every activation row group passes over them).
-const ROWS_PER_TASK: usize = 16;
-
-/// Write-only view of the output shared by the tasks; each task writes a
-/// disjoint set of columns.
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint elements (see `matmul`); the pointer outlives
-// the parallel section, which ends before `out` is used again.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 /// `out[t, r] = sum_k x[t, k] * w[r, k]` for every activation row `t` and
-/// weight row `r`: `out` is `[acts.rows(), w.rows()]`, row-major.
-pub fn matmul(w: &QMatrix, acts: &QuantizedActs, out: &mut [f32]) {
-    matmul_with(Kernel::detect(), w, acts, out);
+/// weight row `r`: `x` is `[rows, w.cols()]` and `out` `[rows, w.rows()]`,
+/// both row-major.
+///
+/// # Panics
+/// If the slice lengths disagree with the shapes (a caller bug).
+pub fn matmul(w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+    matmul_with(Kernel::detect(), w, x, rows, out);
 }
 
-/// [`matmul`] with a chosen implementation (tests compare them).
-pub fn matmul_with(kernel: Kernel, w: &QMatrix, acts: &QuantizedActs, out: &mut [f32]) {
-    assert_eq!(w.cols, acts.cols, "inner dimensions");
-    let (t_rows, n) = (acts.rows, w.rows);
-    assert_eq!(out.len(), t_rows * n, "output shape");
-    let rows: Vec<ActRow<'_>> = (0..t_rows).map(|t| acts.row(t)).collect();
-    let ptr = OutPtr(out.as_mut_ptr());
-    let task = |task: usize| {
-        let ptr = &ptr;
-        let r0 = task * ROWS_PER_TASK;
-        let r1 = (r0 + ROWS_PER_TASK).min(n);
-        let mut col = [0.0f32; ACT_TILE];
-        // Activation rows in tiles that stay in cache while this task's
-        // weight rows pass over them.
-        for (i, tile) in rows.chunks(ACT_TILE).enumerate() {
-            for r in r0..r1 {
-                let c = &mut col[..tile.len()];
-                kernel.row(w.format, w.row(r), tile, c);
-                for (j, v) in c.iter().enumerate() {
-                    let t = i * ACT_TILE + j;
-                    // SAFETY: t < t_rows and r < n, so the index is in
-                    // `out`; element (t, r) belongs to this task alone
-                    // (tasks own disjoint weight-row ranges).
-                    unsafe { *ptr.0.add(t * n + r) = *v };
-                }
-            }
-        }
-    };
-    let tasks = n.div_ceil(ROWS_PER_TASK);
-    // Small calls are not worth waking the pool for.
-    if n * w.cols * t_rows < 1 << 15 {
-        (0..tasks).for_each(task);
-    } else {
-        (0..tasks).into_par_iter().for_each(task);
-    }
-}
-
-/// `out[t, r] = sum_k x[t, k] * w[r, k]` with f32 activations
-/// (`x` is `[rows, w.cols()]`, `out` is `[rows, w.rows()]`).
-pub fn matmul_f32_with(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+/// [`matmul`] with a chosen implementation (tests and benchmarks compare
+/// them).
+pub fn matmul_with(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
     gemm::matmul(kernel, w, x, rows, out);
 }
 

@@ -1,16 +1,11 @@
-//! AVX2 + FMA + F16C dot products (x86-64), chosen at run time.
-//!
-//! Per weight block: the 32 quantized weights are unpacked once into a
-//! 256-bit register (Q4_1: nibbles to bytes; Q8_0: absolute values, with the
-//! signs moved onto the activations), then for each of up to four
-//! activation rows one `vpmaddubsw` + `vpmaddwd` gives eight exact 32-bit
-//! partial sums, converted and fused-multiply-added with the block's scale
-//! product into that row's eight-lane accumulator. The lanes are summed
-//! once per output, always in the same order.
+//! AVX2 + FMA + F16C build of [`super::gemm`], chosen at run time: the
+//! panel dequantization, the register tiles, and the fused path for one or
+//! two activation rows. Same arithmetic, to the bit, as the portable path
+//! (see that module).
 
 use std::arch::x86_64::*;
 
-use super::{ActRow, QFormat, BLOCK, MAX_BLOCKS};
+use super::{QFormat, BLOCK};
 
 /// Whether this CPU runs this path.
 pub(super) fn available() -> bool {
@@ -19,79 +14,7 @@ pub(super) fn available() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
-/// Dot products of one weight row with every row of `acts`, into `out[t]`.
-///
-/// The activation rows go by fours through one unpacked weight block; the
-/// Q4_1 minimum term is one short vector dot per output at the end.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C ([`available`]).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn row(format: QFormat, w: &[u8], acts: &[ActRow<'_>], out: &mut [f32]) {
-    let bb = format.block_bytes();
-    let nb = w.len() / bb;
-    // The loads below read exactly these ranges; check them once per row.
-    assert!(nb <= MAX_BLOCKS && w.len() == nb * bb, "weight row");
-    assert!(out.len() == acts.len(), "one output per activation row");
-    for a in acts {
-        assert!(a.qs.len() >= nb * BLOCK && a.d.len() >= nb && a.s.len() >= nb);
-    }
-    // Q4_1: the row's minimums as f32, once, for the minimum term below.
-    let mut mins = [std::mem::MaybeUninit::<f32>::uninit(); MAX_BLOCKS];
-    if format == QFormat::Q4_1 {
-        for (b, m) in mins[..nb].iter_mut().enumerate() {
-            // SAFETY: block b lies in `w`.
-            m.write(unsafe { half(w.as_ptr().add(b * bb + 2)) });
-        }
-    }
-    for (group, o) in acts.chunks(4).zip(out.chunks_mut(4)) {
-        // SAFETY (all arms): lengths checked above; features by the caller.
-        unsafe {
-            match (format, group.len()) {
-                (QFormat::Q4_1, 1) => q4_1::<1>(w, nb, group, o),
-                (QFormat::Q4_1, 2) => q4_1::<2>(w, nb, group, o),
-                (QFormat::Q4_1, 3) => q4_1::<3>(w, nb, group, o),
-                (QFormat::Q4_1, _) => q4_1::<4>(w, nb, group, o),
-                (QFormat::Q8_0, 1) => q8_0::<1>(w, nb, group, o),
-                (QFormat::Q8_0, 2) => q8_0::<2>(w, nb, group, o),
-                (QFormat::Q8_0, 3) => q8_0::<3>(w, nb, group, o),
-                (QFormat::Q8_0, _) => q8_0::<4>(w, nb, group, o),
-            }
-        }
-    }
-    if format == QFormat::Q4_1 {
-        // SAFETY: the first `nb` entries were written above.
-        let mins: &[f32] = unsafe { std::slice::from_raw_parts(mins.as_ptr().cast(), nb) };
-        for (a, o) in acts.iter().zip(out.iter_mut()) {
-            *o += min_term(mins, &a.s[..nb]);
-        }
-    }
-}
-
-/// Q4_1's minimum term `sum_b m_b * s_b`: eight lanes, then a fixed
-/// reduction (the same order for every row and batch).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn min_term(m: &[f32], s: &[f32]) -> f32 {
-    let n = m.len().min(s.len());
-    let mut acc = _mm256_setzero_ps();
-    let mut b = 0;
-    while b + 8 <= n {
-        // SAFETY: b + 8 <= n, within both slices.
-        unsafe {
-            let mv = _mm256_loadu_ps(m.as_ptr().add(b));
-            let sv = _mm256_loadu_ps(s.as_ptr().add(b));
-            acc = _mm256_fmadd_ps(mv, sv, acc);
-        }
-        b += 8;
-    }
-    let mut tail = 0.0f32;
-    for i in b..n {
-        tail += m[i] * s[i];
-    }
-    hsum(acc) + tail
-}
-
+/// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn hsum(v: __m256) -> f32 {
@@ -101,95 +24,441 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn half(p: *const u8) -> f32 {
-    // SAFETY: the caller points at two readable bytes.
-    let bits = unsafe { p.cast::<u16>().read_unaligned() };
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
-
-/// One weight row against `N` activation rows, the scale term
-/// `sum_b d_b d_jb sum_i q_i x_jbi` (the minimum term is added by [`row`]).
-/// Even and odd blocks go to two eight-lane accumulators per output, so
-/// consecutive fused multiply-adds do not wait on each other; every batch
-/// size uses the same split.
+/// Dequantize whole blocks of `w` into `out` (32 values per block).
 ///
 /// # Safety
-/// `w` holds `nb` Q4_1 blocks; each act row at least as many; AVX2/FMA/F16C.
-#[inline]
+/// AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1<const N: usize>(w: &[u8], nb: usize, acts: &[ActRow<'_>], out: &mut [f32]) {
-    let mask = _mm256_set1_epi8(0x0f);
-    let ones = _mm256_set1_epi16(1);
-    let mut even = [_mm256_setzero_ps(); N];
-    let mut odd = [_mm256_setzero_ps(); N];
-    // One block into `acc`.
-    let block = |b: usize, acc: &mut [__m256; N]| {
-        // SAFETY: block b lies in `w` (20 bytes each); act blocks checked by
-        // the caller; CPU features as this function's.
+pub(super) unsafe fn dequantize(format: QFormat, w: &[u8], out: &mut [f32]) {
+    let bb = format.block_bytes();
+    let nb = w.len() / bb;
+    assert!(
+        w.len() == nb * bb && out.len() >= nb * BLOCK,
+        "whole blocks"
+    );
+    let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+    for b in 0..nb {
+        // SAFETY: block b's bytes lie in `w` and its 32 outputs in `out`,
+        // checked above.
         unsafe {
-            let d = half(w.as_ptr().add(b * 20));
-            let raw = _mm_loadu_si128(w.as_ptr().add(b * 20 + 4).cast());
-            let wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask);
-            for (j, e) in acc.iter_mut().enumerate() {
-                let a = acts.get_unchecked(j);
-                let x = _mm256_loadu_si256(a.qs.as_ptr().add(b * BLOCK).cast());
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, x), ones);
-                let sc = _mm256_set1_ps(d * *a.d.get_unchecked(b));
-                *e = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), *e);
+            let v = match format {
+                QFormat::Q4_1 => block::<true>(wp.add(b * bb)),
+                QFormat::Q8_0 => block::<false>(wp.add(b * bb)),
+            };
+            for (i, v) in v.into_iter().enumerate() {
+                _mm256_storeu_ps(op.add(b * BLOCK + 8 * i), v);
             }
         }
-    };
-    let mut b = 0;
-    while b + 2 <= nb {
-        block(b, &mut even);
-        block(b + 1, &mut odd);
-        b += 2;
     }
-    if b < nb {
-        block(b, &mut even);
+}
+
+/// `MR` activation rows against `NR` panel rows, `k` values each:
+/// `out[i][j]`, in the module's order.
+///
+/// # Safety
+/// `x` readable for `MR` rows of stride `xs`, `w` for `NR` rows of `k`;
+/// `k` a multiple of 8; AVX2/FMA.
+#[allow(clippy::needless_range_loop)] // tile loops index several arrays
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<const MR: usize, const NR: usize>(
+    x: *const f32,
+    xs: usize,
+    w: *const f32,
+    k: usize,
+) -> [[f32; NR]; MR] {
+    let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+    let mut kk = 0;
+    while kk < k {
+        // SAFETY: kk + 8 <= k, inside every row (the caller).
+        unsafe {
+            let mut a = [_mm256_setzero_ps(); MR];
+            for (i, a) in a.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(x.add(i * xs + kk));
+            }
+            for j in 0..NR {
+                let b = _mm256_loadu_ps(w.add(j * k + kk));
+                for i in 0..MR {
+                    acc[i][j] = _mm256_fmadd_ps(a[i], b, acc[i][j]);
+                }
+            }
+        }
+        kk += 8;
     }
-    for j in 0..N {
-        out[j] = hsum(_mm256_add_ps(even[j], odd[j]));
+    let mut out = [[0.0f32; NR]; MR];
+    for i in 0..MR {
+        for j in 0..NR {
+            out[i][j] = hsum(acc[i][j]);
+        }
+    }
+    out
+}
+
+/// Activation rows per chunk of the panel loop: a chunk (at most 24 x
+/// 1536 f32, 144 KiB) stays in L2 while each 4-row slice of the panel (in
+/// L1) passes over it.
+const T_CHUNK: usize = 24;
+
+/// Panel rows per register tile ([`tile`] is 3 x 4: twelve accumulators,
+/// three activation vectors and one panel vector in the sixteen
+/// registers). A lone last activation row takes twice as many panel rows,
+/// so eight multiply-add chains are in flight.
+pub(super) const TILE_ROWS: usize = 4;
+
+/// Every row of `x` against the `prows` rows of `panel` (a multiple of
+/// `2 * TILE_ROWS`); writes `out[t * stride + j]` for `j < live`.
+///
+/// # Safety
+/// AVX2/FMA/F16C; `out` valid for those writes.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn panel(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    panel: &[f32],
+    prows: usize,
+    live: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    assert!(
+        k % 8 == 0
+            && prows % (2 * TILE_ROWS) == 0
+            && x.len() >= rows * k
+            && panel.len() >= prows * k
+    );
+    let (xp, wp) = (x.as_ptr(), panel.as_ptr());
+    // SAFETY (all): activation rows t .. t + MR <= rows and panel rows
+    // j .. j + TILE_ROWS <= prows, checked above; writes by the caller.
+    unsafe {
+        for c in (0..rows).step_by(T_CHUNK) {
+            let end = (c + T_CHUNK).min(rows);
+            for j in (0..prows).step_by(TILE_ROWS) {
+                let live = live.saturating_sub(j);
+                let w = wp.add(j * k);
+                let mut t = c;
+                while t + 3 <= end {
+                    let r = tile::<3, TILE_ROWS>(xp.add(t * k), k, w, k);
+                    store(&r, out.add(t * stride + j), stride, live);
+                    t += 3;
+                }
+                if end - t == 2 {
+                    let r = tile::<2, TILE_ROWS>(xp.add(t * k), k, w, k);
+                    store(&r, out.add(t * stride + j), stride, live);
+                }
+            }
+            if (end - c) % 3 == 1 {
+                let t = end - 1;
+                for j in (0..prows).step_by(2 * TILE_ROWS) {
+                    let r = tile::<1, { 2 * TILE_ROWS }>(xp.add(t * k), k, wp.add(j * k), k);
+                    store(&r, out.add(t * stride + j), stride, live.saturating_sub(j));
+                }
+            }
+        }
+    }
+}
+
+/// Activation rows the fused path takes (no panel buffer): below this the
+/// dequantization is redone per row pair but never stored.
+pub(super) const FUSED_ROWS: usize = 2;
+
+/// Up to [`FUSED_ROWS`] activation rows against whole rows of blocks `w`,
+/// dequantizing in registers; `out[t * stride + r]` for every row `r` of `w`.
+/// The same arithmetic as [`dequantize`] then [`tile`].
+///
+/// # Safety
+/// AVX2/FMA/F16C; `out` valid for those writes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn fused(
+    format: QFormat,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    w: &[u8],
+    out: *mut f32,
+    stride: usize,
+) {
+    let bb = format.block_bytes();
+    let rb = k / BLOCK * bb;
+    let n = w.len() / rb;
+    assert!(w.len() == n * rb && x.len() >= rows * k && rows <= FUSED_ROWS && k % BLOCK == 0);
+    let mut r = 0;
+    // SAFETY (all): rows r .. r + NR <= n of `w`, activation rows < rows,
+    // checked above; writes by the caller.
+    unsafe {
+        while r < n {
+            let nr = (n - r).min(8);
+            let wr = w.as_ptr().add(r * rb);
+            match (format, rows, nr) {
+                (QFormat::Q4_1, 1, 8) => {
+                    put(
+                        &fused_tile::<1, 4, true>(x.as_ptr(), k, wr, rb),
+                        out.add(r),
+                        stride,
+                        4,
+                    );
+                    put(
+                        &fused_tile::<1, 4, true>(x.as_ptr(), k, wr.add(4 * rb), rb),
+                        out.add(r + 4),
+                        stride,
+                        4,
+                    );
+                }
+                (QFormat::Q8_0, 1, 8) => {
+                    put(
+                        &fused_tile::<1, 4, false>(x.as_ptr(), k, wr, rb),
+                        out.add(r),
+                        stride,
+                        4,
+                    );
+                    put(
+                        &fused_tile::<1, 4, false>(x.as_ptr(), k, wr.add(4 * rb), rb),
+                        out.add(r + 4),
+                        stride,
+                        4,
+                    );
+                }
+                (QFormat::Q4_1, 2, 8) => {
+                    put(
+                        &fused_tile::<2, 4, true>(x.as_ptr(), k, wr, rb),
+                        out.add(r),
+                        stride,
+                        4,
+                    );
+                    put(
+                        &fused_tile::<2, 4, true>(x.as_ptr(), k, wr.add(4 * rb), rb),
+                        out.add(r + 4),
+                        stride,
+                        4,
+                    );
+                }
+                (QFormat::Q8_0, 2, 8) => {
+                    put(
+                        &fused_tile::<2, 4, false>(x.as_ptr(), k, wr, rb),
+                        out.add(r),
+                        stride,
+                        4,
+                    );
+                    put(
+                        &fused_tile::<2, 4, false>(x.as_ptr(), k, wr.add(4 * rb), rb),
+                        out.add(r + 4),
+                        stride,
+                        4,
+                    );
+                }
+                // The last few rows of the matrix: one at a time.
+                (QFormat::Q4_1, _, _) => {
+                    for i in 0..nr {
+                        let wi = wr.add(i * rb);
+                        if rows == 2 {
+                            put(
+                                &fused_tile::<2, 1, true>(x.as_ptr(), k, wi, rb),
+                                out.add(r + i),
+                                stride,
+                                1,
+                            );
+                        } else {
+                            put(
+                                &fused_tile::<1, 1, true>(x.as_ptr(), k, wi, rb),
+                                out.add(r + i),
+                                stride,
+                                1,
+                            );
+                        }
+                    }
+                }
+                (QFormat::Q8_0, _, _) => {
+                    for i in 0..nr {
+                        let wi = wr.add(i * rb);
+                        if rows == 2 {
+                            put(
+                                &fused_tile::<2, 1, false>(x.as_ptr(), k, wi, rb),
+                                out.add(r + i),
+                                stride,
+                                1,
+                            );
+                        } else {
+                            put(
+                                &fused_tile::<1, 1, false>(x.as_ptr(), k, wi, rb),
+                                out.add(r + i),
+                                stride,
+                                1,
+                            );
+                        }
+                    }
+                }
+            }
+            r += nr;
+        }
     }
 }
 
 /// # Safety
-/// `w` holds `nb` Q8_0 blocks; each act row at least as many; AVX2/FMA/F16C.
+/// `out` valid for `MR` rows of stride `stride`, `cols` columns.
+#[inline]
+unsafe fn put<const MR: usize, const NR: usize>(
+    r: &[[f32; NR]; MR],
+    out: *mut f32,
+    stride: usize,
+    cols: usize,
+) {
+    // SAFETY: by the caller.
+    unsafe { store(r, out, stride, cols) }
+}
+
+/// One block's four dequantized vectors, values 0-7, 8-15, 16-23, 24-31
+/// (`Q4 = true`: Q4_1, `fma(q, d, m)`; else Q8_0, `q * d`).
+///
+/// # Safety
+/// `p` points at a whole block; AVX2/FMA/F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0<const N: usize>(w: &[u8], nb: usize, acts: &[ActRow<'_>], out: &mut [f32]) {
-    let ones = _mm256_set1_epi16(1);
-    let mut even = [_mm256_setzero_ps(); N];
-    let mut odd = [_mm256_setzero_ps(); N];
-    let block = |b: usize, acc: &mut [__m256; N]| {
-        // SAFETY: block b lies in `w` (34 bytes each); act blocks checked by
-        // the caller; CPU features as this function's.
+unsafe fn block<const Q4: bool>(p: *const u8) -> [__m256; 4] {
+    // SAFETY: by the caller.
+    unsafe {
+        if Q4 {
+            // d and m are adjacent halves: one conversion for both.
+            let s = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
+            let d = _mm256_broadcastss_ps(s);
+            let m = _mm256_broadcastss_ps(_mm_movehdup_ps(s));
+            let mask = _mm256_set1_epi32(0x0f);
+            // Bytes 0-7 hold values 0-7 (low nibbles) and 16-23 (high).
+            let a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(4).cast()));
+            let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(12).cast()));
+            [
+                _mm256_and_si256(a, mask),
+                _mm256_and_si256(b, mask),
+                _mm256_srli_epi32(a, 4),
+                _mm256_srli_epi32(b, 4),
+            ]
+            .map(|q| _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m))
+        } else {
+            let s = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
+            let d = _mm256_broadcastss_ps(s);
+            let q = p.add(2);
+            [
+                _mm_loadl_epi64(q.cast()),
+                _mm_loadl_epi64(q.add(8).cast()),
+                _mm_loadl_epi64(q.add(16).cast()),
+                _mm_loadl_epi64(q.add(24).cast()),
+            ]
+            .map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d))
+        }
+    }
+}
+
+/// A block's scale and minimum, broadcast (`m` is zero for Q8_0).
+///
+/// # Safety
+/// `p` points at a whole block; AVX2/FMA/F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scales<const Q4: bool>(p: *const u8) -> (__m256, __m256) {
+    // SAFETY: by the caller (a block is at least 20 bytes).
+    let s = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
+        p.cast::<i32>().read_unaligned()
+    }));
+    let m = if Q4 {
+        _mm256_broadcastss_ps(_mm_movehdup_ps(s))
+    } else {
+        _mm256_setzero_ps()
+    };
+    (_mm256_broadcastss_ps(s), m)
+}
+
+/// Values `8q .. 8q + 8` of a block, dequantized exactly as [`block`] does.
+///
+/// # Safety
+/// `p` points at a whole block, `q < 4`; AVX2/FMA/F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn slice<const Q4: bool>(p: *const u8, q: usize, d: __m256, m: __m256) -> __m256 {
+    // SAFETY: by the caller.
+    unsafe {
+        if Q4 {
+            let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(4 + 8 * (q & 1)).cast()));
+            let v = if q < 2 {
+                _mm256_and_si256(v, _mm256_set1_epi32(0x0f))
+            } else {
+                _mm256_srli_epi32(v, 4)
+            };
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m)
+        } else {
+            let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(2 + 8 * q).cast()));
+            _mm256_mul_ps(_mm256_cvtepi32_ps(v), d)
+        }
+    }
+}
+
+/// `MR` activation rows against `NR` rows of blocks (`rb` bytes apart),
+/// dequantized in registers. Each step feeds every output's chain once, so
+/// `MR * NR` independent multiply-adds are in flight.
+///
+/// # Safety
+/// `x` readable for `MR` rows of `k`; `w` for `NR` rows of `k / 32` blocks;
+/// AVX2/FMA/F16C.
+#[allow(clippy::needless_range_loop)] // tile loops index several arrays
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fused_tile<const MR: usize, const NR: usize, const Q4: bool>(
+    x: *const f32,
+    k: usize,
+    w: *const u8,
+    rb: usize,
+) -> [[f32; NR]; MR] {
+    let bb = if Q4 { 20 } else { 34 };
+    let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+    for b in 0..k / BLOCK {
+        // SAFETY: block b of each row, and values b*32 .. b*32+32 of each
+        // activation row, by the caller. The prefetch is only a hint (it
+        // may point past the matrix; it never faults).
         unsafe {
-            let d = half(w.as_ptr().add(b * 34));
-            let wq = _mm256_loadu_si256(w.as_ptr().add(b * 34 + 2).cast());
-            let aw = _mm256_sign_epi8(wq, wq);
-            for (j, e) in acc.iter_mut().enumerate() {
-                let a = acts.get_unchecked(j);
-                let x = _mm256_loadu_si256(a.qs.as_ptr().add(b * BLOCK).cast());
-                let sx = _mm256_sign_epi8(x, wq);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
-                let sc = _mm256_set1_ps(d * *a.d.get_unchecked(b));
-                *e = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), *e);
+            let mut sc = [(_mm256_setzero_ps(), _mm256_setzero_ps()); NR];
+            for (j, sc) in sc.iter_mut().enumerate() {
+                // The next rows, a tile ahead (many streams at once are
+                // more than the hardware prefetcher follows).
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((j + 8) * rb + b * bb).cast());
+                *sc = scales::<Q4>(w.add(j * rb + b * bb));
+            }
+            for q in 0..4 {
+                let mut a = [_mm256_setzero_ps(); MR];
+                for (i, a) in a.iter_mut().enumerate() {
+                    *a = _mm256_loadu_ps(x.add(i * k + b * BLOCK + 8 * q));
+                }
+                for (j, &(d, m)) in sc.iter().enumerate() {
+                    let v = slice::<Q4>(w.add(j * rb + b * bb), q, d, m);
+                    for i in 0..MR {
+                        acc[i][j] = _mm256_fmadd_ps(a[i], v, acc[i][j]);
+                    }
+                }
             }
         }
-    };
-    let mut b = 0;
-    while b + 2 <= nb {
-        block(b, &mut even);
-        block(b + 1, &mut odd);
-        b += 2;
     }
-    if b < nb {
-        block(b, &mut even);
+    let mut out = [[0.0f32; NR]; MR];
+    for i in 0..MR {
+        for j in 0..NR {
+            out[i][j] = hsum(acc[i][j]);
+        }
     }
-    for j in 0..N {
-        out[j] = hsum(_mm256_add_ps(even[j], odd[j]));
+    out
+}
+
+/// Write the first `live` columns of a tile.
+///
+/// # Safety
+/// `out` valid for `MR` rows of stride `stride` and `min(NR, live)` columns.
+#[inline]
+unsafe fn store<const MR: usize, const NR: usize>(
+    r: &[[f32; NR]; MR],
+    out: *mut f32,
+    stride: usize,
+    live: usize,
+) {
+    for (i, row) in r.iter().enumerate() {
+        for (j, v) in row.iter().enumerate().take(live) {
+            // SAFETY: by the caller.
+            unsafe { *out.add(i * stride + j) = *v };
+        }
     }
 }
