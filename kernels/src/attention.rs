@@ -122,18 +122,23 @@ pub fn paged_attention<K: PagedKv + ?Sized>(
     let work = positions.len() * n_heads * context * head_dim;
     let wide = wide_simd();
     if positions.len() == 1 {
-        // One query token (a decode step): one task per head.
-        let body = |(h, o): (usize, &mut [f32])| {
-            let qv = &q[h * head_dim..][..head_dim];
-            let kvh = h / group;
-            let queries = [(qv, positions[0])];
+        // One query token (a decode step): one block per KV head, its query
+        // heads together (they are adjacent), so each K and V row is read
+        // once per KV head.
+        let body = |(kvh, o): (usize, &mut [f32])| {
+            let queries: Vec<(&[f32], usize)> = (0..group)
+                .map(|g| (&q[(kvh * group + g) * head_dim..][..head_dim], positions[0]))
+                .collect();
+            let mut outs: Vec<&mut [f32]> = o.chunks_mut(head_dim).collect();
             let args = (shape, pages.as_slice(), page_size, kv_dim, kvh * head_dim);
-            run_block(wide, &queries, &mut [o], args);
+            run_block(wide, &queries, &mut outs, args);
         };
         if work < PARALLEL_THRESHOLD {
-            out.chunks_mut(head_dim).enumerate().for_each(body);
+            out.chunks_mut(group * head_dim).enumerate().for_each(body);
         } else {
-            out.par_chunks_mut(head_dim).enumerate().for_each(body);
+            out.par_chunks_mut(group * head_dim)
+                .enumerate()
+                .for_each(body);
         }
         return Ok(());
     }

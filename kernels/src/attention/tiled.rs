@@ -114,9 +114,12 @@ pub(super) unsafe fn attend_block(
         }
         // Each query's own positions outside the common range.
         for (i, &(start, pos)) in spans.iter().enumerate() {
-            let own: Vec<usize> = (start..=pos)
-                .filter(|&p| !common || p < common_lo || p > common_hi)
-                .collect();
+            let (below, above) = if common {
+                (start..common_lo, common_hi + 1..pos + 1)
+            } else {
+                (start..pos + 1, 0..0)
+            };
+            let own: Vec<usize> = below.chain(above).collect();
             for group in own.chunks(4) {
                 let keys = [0, 1, 2, 3].map(|j| row(group[j.min(group.len() - 1)], false));
                 let s = scores::<1>(&qp[i..], &keys, hd);
