@@ -79,40 +79,64 @@ impl Projection {
         matches!(self.kind, Kind::Quant(_))
     }
 
-    /// `x [rows, cols]` through every matrix: one `[rows, width_i]` output
-    /// per matrix, row-major.
-    pub(crate) fn apply(&self, x: &[f32], rows: usize) -> Result<Vec<Vec<f32>>> {
+    /// `x [rows, cols]` through every matrix into `outs[i]` (`[rows,
+    /// width_i]`, row-major), reusing their allocations; `stacked` is
+    /// scratch for a quantized projection of several matrices. Nothing is
+    /// allocated once the buffers have grown to the batch: a fresh
+    /// multi-megabyte buffer per call costs a page fault per 4 KiB, which on
+    /// a virtual machine took as long as the multiply-adds of a prompt's
+    /// MLP.
+    pub(crate) fn apply_into(
+        &self,
+        x: &[f32],
+        rows: usize,
+        outs: &mut [&mut Vec<f32>],
+        stacked: &mut Vec<f32>,
+    ) -> Result<()> {
+        if outs.len() != self.widths.len() {
+            return Err(compute(format!(
+                "{} outputs for a projection of {} matrices",
+                outs.len(),
+                self.widths.len()
+            )));
+        }
         match &self.kind {
-            Kind::Dense(ws) => ws.iter().map(|w| dense_linear(x, rows, w)).collect(),
+            Kind::Dense(ws) => {
+                for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                    **out = dense_linear(x, rows, w)?;
+                }
+            }
             Kind::Quant(w) => {
                 let total = w.rows();
-                let mut out = vec![0.0f32; rows * total];
-                quant::matmul(w, x, rows, &mut out);
-                if self.widths.len() == 1 {
-                    return Ok(vec![out]);
+                if let [out] = outs {
+                    // The kernel writes every element: no clearing needed.
+                    out.resize(rows * total, 0.0);
+                    quant::matmul(w, x, rows, out);
+                    return Ok(());
                 }
-                let mut parts: Vec<Vec<f32>> = self
-                    .widths
-                    .iter()
-                    .map(|w| Vec::with_capacity(rows * w))
-                    .collect();
-                for row in out.chunks_exact(total) {
+                stacked.resize(rows * total, 0.0);
+                quant::matmul(w, x, rows, stacked);
+                for (out, &width) in outs.iter_mut().zip(&self.widths) {
+                    out.clear();
+                    out.reserve(rows * width);
+                }
+                for row in stacked.chunks_exact(total) {
                     let mut at = 0;
-                    for (p, &w) in parts.iter_mut().zip(&self.widths) {
-                        p.extend_from_slice(&row[at..at + w]);
-                        at += w;
+                    for (out, &width) in outs.iter_mut().zip(&self.widths) {
+                        out.extend_from_slice(&row[at..at + width]);
+                        at += width;
                     }
                 }
-                Ok(parts)
             }
         }
+        Ok(())
     }
 
-    /// [`Self::apply`] for a single matrix.
+    /// A single matrix into a fresh vector (the vocabulary projection).
     pub(crate) fn apply_one(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
-        self.apply(x, rows)?
-            .pop()
-            .ok_or_else(|| compute("projection has no matrix"))
+        let mut out = Vec::new();
+        self.apply_into(x, rows, &mut [&mut out], &mut Vec::new())?;
+        Ok(out)
     }
 }
 

@@ -229,8 +229,6 @@ impl Llama {
         layer_done: &mut dyn FnMut(usize, usize, &SeqChunk<'_>),
     ) -> Result<Vec<ChunkResult>> {
         let cfg = &self.cfg;
-        let hidden = cfg.hidden_size;
-        let (q_dim, kv_dim) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
         let mut ids = Vec::new();
         let mut spans = Vec::with_capacity(batch.len());
         for chunk in batch.iter() {
@@ -255,27 +253,70 @@ impl Llama {
             .flat_map(|c| c.start_pos..c.start_pos + c.tokens.len())
             .collect();
 
-        let mut x = vec![0.0f32; rows * hidden];
+        // This thread's buffers from its last forward pass (grown as needed;
+        // see `Workspace`).
+        let mut ws = WORKSPACE.with_borrow_mut(std::mem::take);
+        let r = self.layers(
+            batch,
+            &ids,
+            &spans,
+            &positions,
+            &mut failed,
+            layer_done,
+            &mut ws,
+        );
+        let x = std::mem::take(&mut ws.x);
+        let out = r.and_then(|()| self.logits(batch, &spans, &mut failed, &x));
+        ws.x = x;
+        WORKSPACE.with_borrow_mut(|w| *w = ws);
+        out
+    }
+
+    /// Every layer over the batch's rows; the hidden state ends in `ws.x`.
+    #[allow(clippy::too_many_arguments)]
+    fn layers(
+        &self,
+        batch: &mut [SeqChunk<'_>],
+        ids: &[u32],
+        spans: &[std::ops::Range<usize>],
+        positions: &[usize],
+        failed: &mut [Option<ModelError>],
+        layer_done: &mut dyn FnMut(usize, usize, &SeqChunk<'_>),
+        ws: &mut Workspace,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let hidden = cfg.hidden_size;
+        let (q_dim, kv_dim) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
+        let rows = ids.len();
+        let Workspace {
+            x,
+            xn,
+            q,
+            k,
+            v,
+            attn,
+            o,
+            gate,
+            up,
+            down,
+            stacked,
+        } = ws;
+        x.clear();
+        x.resize(rows * hidden, 0.0);
         for (&id, row) in ids.iter().zip(x.chunks_exact_mut(hidden)) {
             self.embed.row_into(id as usize, row).map_err(compute)?;
         }
-        let mut xn = vec![0.0f32; x.len()];
-        let mut attn = vec![0.0f32; rows * q_dim];
-
+        xn.resize(x.len(), 0.0);
+        attn.resize(rows * q_dim, 0.0);
         for (layer, lw) in self.layers.iter().enumerate() {
-            rms_norm(&x, &lw.attn_norm, cfg.rms_norm_eps, &mut xn);
-            let mut qkv = lw.qkv.apply(&xn, rows)?.into_iter();
-            let (Some(mut q), Some(mut k), Some(mut v)) = (qkv.next(), qkv.next(), qkv.next())
-            else {
-                return Err(ModelError::Compute {
-                    detail: "the Q/K/V projection returned fewer than three outputs".into(),
-                });
-            };
-            add_bias(&mut q, lw.bq.as_ref());
-            add_bias(&mut k, lw.bk.as_ref());
-            add_bias(&mut v, lw.bv.as_ref());
-            self.rope.apply(&mut q, &positions, cfg.n_heads);
-            self.rope.apply(&mut k, &positions, cfg.n_kv_heads);
+            rms_norm(x, &lw.attn_norm, cfg.rms_norm_eps, xn);
+            lw.qkv
+                .apply_into(xn, rows, &mut [&mut *q, &mut *k, &mut *v], stacked)?;
+            add_bias(q, lw.bq.as_ref());
+            add_bias(k, lw.bk.as_ref());
+            add_bias(v, lw.bv.as_ref());
+            self.rope.apply(q, positions, cfg.n_heads);
+            self.rope.apply(k, positions, cfg.n_kv_heads);
 
             // K/V into each sequence's pages (serial: each needs its
             // reservation mutably).
@@ -297,7 +338,7 @@ impl Llama {
             // parallel across sequences; a prompt chunk splits itself.
             let mut outs: Vec<&mut [f32]> = Vec::with_capacity(batch.len());
             let mut rest = attn.as_mut_slice();
-            for span in &spans {
+            for span in spans {
                 let (head, tail) = rest.split_at_mut(span.len() * q_dim);
                 outs.push(head);
                 rest = tail;
@@ -338,21 +379,31 @@ impl Llama {
                 }
             }
 
-            let o = lw.wo.apply_one(&attn, rows)?;
-            x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+            lw.wo.apply_into(attn, rows, &mut [&mut *o], stacked)?;
+            x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);
 
-            rms_norm(&x, &lw.mlp_norm, cfg.rms_norm_eps, &mut xn);
-            let mut gu = lw.gate_up.apply(&xn, rows)?.into_iter();
-            let (Some(mut gate), Some(up)) = (gu.next(), gu.next()) else {
-                return Err(ModelError::Compute {
-                    detail: "the gate/up projection returned fewer than two outputs".into(),
-                });
-            };
-            swiglu(&mut gate, &up);
-            let down = lw.down.apply_one(&gate, rows)?;
-            x.iter_mut().zip(&down).for_each(|(x, d)| *x += d);
+            rms_norm(x, &lw.mlp_norm, cfg.rms_norm_eps, xn);
+            lw.gate_up
+                .apply_into(xn, rows, &mut [&mut *gate, &mut *up], stacked)?;
+            swiglu(gate, up);
+            lw.down.apply_into(gate, rows, &mut [&mut *down], stacked)?;
+            x.iter_mut().zip(down.iter()).for_each(|(x, d)| *x += d);
         }
 
+        Ok(())
+    }
+
+    /// Final norm and vocabulary projection, only for the rows asked for;
+    /// one result per chunk.
+    fn logits(
+        &self,
+        batch: &[SeqChunk<'_>],
+        spans: &[std::ops::Range<usize>],
+        failed: &mut [Option<ModelError>],
+        x: &[f32],
+    ) -> Result<Vec<ChunkResult>> {
+        let cfg = &self.cfg;
+        let hidden = cfg.hidden_size;
         // Final norm and vocabulary projection only for the rows asked for.
         let mut want = Vec::new();
         for (i, chunk) in batch.iter().enumerate() {
@@ -403,6 +454,32 @@ impl Llama {
         }
         Ok(results)
     }
+}
+
+/// A forward pass's activation buffers, kept per thread between passes so a
+/// steady stream of batches allocates nothing (a fresh multi-megabyte buffer
+/// per projection cost a page fault per 4 KiB: on this project's virtual
+/// machines, as much time as the prompt's MLP multiply-adds). Each thread
+/// that runs forward passes (a node's compute thread) holds buffers sized
+/// for the largest batch it has run: about 27 floats per hidden unit per
+/// token, 14 MiB for a 512-token SmolLM2 prompt.
+#[derive(Default)]
+struct Workspace {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+    stacked: Vec<f32>,
+}
+
+thread_local! {
+    static WORKSPACE: std::cell::RefCell<Workspace> = std::cell::RefCell::new(Workspace::default());
 }
 
 #[cfg(test)]

@@ -67,6 +67,25 @@ pub(super) fn matmul(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &
     let (n, k) = (w.rows, w.cols);
     assert_eq!(x.len(), rows * k, "activation shape");
     assert_eq!(out.len(), rows * n, "output shape");
+    // Many rows (a long prompt chunk) go in blocks whose activations stay in
+    // L2 while every panel passes over them; each panel is dequantized once
+    // per block, a small cost beside the block's multiply-adds.
+    let block = (ROW_BLOCK_BYTES / (4 * k.max(1))).max(WIDE_ROWS);
+    if rows > block {
+        for (xs, os) in x.chunks(block * k).zip(out.chunks_mut(block * n)) {
+            matmul_rows(kernel, w, xs, xs.len() / k, os);
+        }
+        return;
+    }
+    matmul_rows(kernel, w, x, rows, out);
+}
+
+/// Activation bytes per row block of [`matmul`] (half of a 512 KiB L2).
+const ROW_BLOCK_BYTES: usize = 256 << 10;
+
+/// [`matmul`] for one block of rows.
+fn matmul_rows(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
     let rb = k / BLOCK * w.format.block_bytes();
     let ptr = OutPtr(out.as_mut_ptr());
     let prows = if rows >= WIDE_ROWS { WIDE_PANEL } else { PANEL };
