@@ -144,6 +144,36 @@ fn shuffled_table(n: usize, n_phys: usize) -> Vec<PageRef> {
         .collect()
 }
 
+/// Shape, page table (scattered among `spare` more physical pages than it
+/// needs), the paged store and its K and V for one test case.
+type Case = (usize, usize, usize, usize, usize, Option<usize>);
+
+fn setup(
+    case: Case,
+    spare: usize,
+    seed: u64,
+) -> (AttentionShape, Vec<PageRef>, VecPages, Vec<f32>, Vec<f32>) {
+    let (nh, nkv, d, ps, ctx, window) = case;
+    let geo = KvGeometry {
+        page_size: ps,
+        n_kv_heads: nkv,
+        head_dim: d,
+    };
+    let shape = AttentionShape {
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: d,
+        scale: 1.0 / (d as f32).sqrt(),
+        window,
+    };
+    let n_pages = ctx.div_ceil(ps);
+    let table = shuffled_table(n_pages, n_pages + spare);
+    let k = noise(seed, ctx * nkv * d);
+    let v = noise(seed + 1, ctx * nkv * d);
+    let store = paged(geo, &table, n_pages + spare, &k, &v, ctx);
+    (shape, table, store, k, v)
+}
+
 #[test]
 fn matches_dense_reference_for_prefill_and_decode_shapes() {
     for (nh, nkv, d, ps, ctx, window) in [
@@ -154,24 +184,7 @@ fn matches_dense_reference_for_prefill_and_decode_shapes() {
         (9, 3, 64, 16, 83, Some(21)),
         (4, 1, 128, 16, 50, None),
     ] {
-        let geo = KvGeometry {
-            page_size: ps,
-            n_kv_heads: nkv,
-            head_dim: d,
-        };
-        let shape = AttentionShape {
-            n_heads: nh,
-            n_kv_heads: nkv,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-            window,
-        };
-        let n_pages = ctx.div_ceil(ps);
-        let n_phys = n_pages + 5;
-        let table = shuffled_table(n_pages, n_phys);
-        let k = noise(1, ctx * nkv * d);
-        let v = noise(2, ctx * nkv * d);
-        let store = paged(geo, &table, n_phys, &k, &v, ctx);
+        let (shape, table, store, k, v) = setup((nh, nkv, d, ps, ctx, window), 5, 1);
         // Prefill: every position; decode: the last one only.
         for positions in [(0..ctx).collect::<Vec<_>>(), vec![ctx - 1]] {
             let q = noise(3, positions.len() * nh * d);
@@ -269,23 +282,7 @@ fn a_query_computes_the_same_bits_alone_and_in_any_block() {
         (6, 2, 32, 8, 41, Some(40)),
         (4, 4, 16, 4, 23, None),
     ] {
-        let geo = KvGeometry {
-            page_size: ps,
-            n_kv_heads: nkv,
-            head_dim: d,
-        };
-        let shape = AttentionShape {
-            n_heads: nh,
-            n_kv_heads: nkv,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-            window,
-        };
-        let n_pages = ctx.div_ceil(ps);
-        let table = shuffled_table(n_pages, n_pages + 3);
-        let k = noise(4, ctx * nkv * d);
-        let v = noise(5, ctx * nkv * d);
-        let store = paged(geo, &table, n_pages + 3, &k, &v, ctx);
+        let (shape, table, store, _, _) = setup((nh, nkv, d, ps, ctx, window), 3, 4);
         let q = noise(6, ctx * nh * d);
         let run = |from: usize, to: usize| {
             let positions: Vec<usize> = (from..to).collect();

@@ -179,132 +179,67 @@ pub(super) unsafe fn fused(
     out: *mut f32,
     stride: usize,
 ) {
-    let bb = format.block_bytes();
-    let rb = k / BLOCK * bb;
+    let rb = k / BLOCK * format.block_bytes();
     let n = w.len() / rb;
     assert!(w.len() == n * rb && x.len() >= rows * k && rows <= FUSED_ROWS && k % BLOCK == 0);
-    let mut r = 0;
-    // SAFETY (all): rows r .. r + NR <= n of `w`, activation rows < rows,
-    // checked above; writes by the caller.
+    // SAFETY (all): as asserted; writes by the caller.
     unsafe {
-        while r < n {
-            let nr = (n - r).min(8);
-            let wr = w.as_ptr().add(r * rb);
-            match (format, rows, nr) {
-                (QFormat::Q4_1, 1, 8) => {
-                    put(
-                        &fused_tile::<1, 4, true>(x.as_ptr(), k, wr, rb),
-                        out.add(r),
-                        stride,
-                        4,
-                    );
-                    put(
-                        &fused_tile::<1, 4, true>(x.as_ptr(), k, wr.add(4 * rb), rb),
-                        out.add(r + 4),
-                        stride,
-                        4,
-                    );
-                }
-                (QFormat::Q8_0, 1, 8) => {
-                    put(
-                        &fused_tile::<1, 4, false>(x.as_ptr(), k, wr, rb),
-                        out.add(r),
-                        stride,
-                        4,
-                    );
-                    put(
-                        &fused_tile::<1, 4, false>(x.as_ptr(), k, wr.add(4 * rb), rb),
-                        out.add(r + 4),
-                        stride,
-                        4,
-                    );
-                }
-                (QFormat::Q4_1, 2, 8) => {
-                    put(
-                        &fused_tile::<2, 4, true>(x.as_ptr(), k, wr, rb),
-                        out.add(r),
-                        stride,
-                        4,
-                    );
-                    put(
-                        &fused_tile::<2, 4, true>(x.as_ptr(), k, wr.add(4 * rb), rb),
-                        out.add(r + 4),
-                        stride,
-                        4,
-                    );
-                }
-                (QFormat::Q8_0, 2, 8) => {
-                    put(
-                        &fused_tile::<2, 4, false>(x.as_ptr(), k, wr, rb),
-                        out.add(r),
-                        stride,
-                        4,
-                    );
-                    put(
-                        &fused_tile::<2, 4, false>(x.as_ptr(), k, wr.add(4 * rb), rb),
-                        out.add(r + 4),
-                        stride,
-                        4,
-                    );
-                }
-                // The last few rows of the matrix: one at a time.
-                (QFormat::Q4_1, _, _) => {
-                    for i in 0..nr {
-                        let wi = wr.add(i * rb);
-                        if rows == 2 {
-                            put(
-                                &fused_tile::<2, 1, true>(x.as_ptr(), k, wi, rb),
-                                out.add(r + i),
-                                stride,
-                                1,
-                            );
-                        } else {
-                            put(
-                                &fused_tile::<1, 1, true>(x.as_ptr(), k, wi, rb),
-                                out.add(r + i),
-                                stride,
-                                1,
-                            );
-                        }
-                    }
-                }
-                (QFormat::Q8_0, _, _) => {
-                    for i in 0..nr {
-                        let wi = wr.add(i * rb);
-                        if rows == 2 {
-                            put(
-                                &fused_tile::<2, 1, false>(x.as_ptr(), k, wi, rb),
-                                out.add(r + i),
-                                stride,
-                                1,
-                            );
-                        } else {
-                            put(
-                                &fused_tile::<1, 1, false>(x.as_ptr(), k, wi, rb),
-                                out.add(r + i),
-                                stride,
-                                1,
-                            );
-                        }
-                    }
-                }
+        match (format, rows) {
+            (QFormat::Q4_1, 1) => {
+                fused_rows::<1, true>(x.as_ptr(), k, w.as_ptr(), rb, n, out, stride)
             }
-            r += nr;
+            (QFormat::Q8_0, 1) => {
+                fused_rows::<1, false>(x.as_ptr(), k, w.as_ptr(), rb, n, out, stride)
+            }
+            (QFormat::Q4_1, _) => {
+                fused_rows::<2, true>(x.as_ptr(), k, w.as_ptr(), rb, n, out, stride)
+            }
+            (QFormat::Q8_0, _) => {
+                fused_rows::<2, false>(x.as_ptr(), k, w.as_ptr(), rb, n, out, stride)
+            }
         }
     }
 }
 
+/// [`fused`] for `MR` activation rows: weight rows by fours, the last few
+/// one at a time.
+///
 /// # Safety
-/// `out` valid for `MR` rows of stride `stride`, `cols` columns.
+/// `x` readable for `MR` rows of `k`, `w` for `n` rows of `rb` bytes; `out`
+/// valid for `MR` rows of stride `stride` and `n` columns; AVX2/FMA/F16C.
 #[inline]
-unsafe fn put<const MR: usize, const NR: usize>(
-    r: &[[f32; NR]; MR],
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fused_rows<const MR: usize, const Q4: bool>(
+    x: *const f32,
+    k: usize,
+    w: *const u8,
+    rb: usize,
+    n: usize,
     out: *mut f32,
     stride: usize,
-    cols: usize,
 ) {
-    // SAFETY: by the caller.
-    unsafe { store(r, out, stride, cols) }
+    let mut r = 0;
+    // SAFETY (all): rows r .. r + 4 <= n (or r < n), by the caller.
+    unsafe {
+        while r + 4 <= n {
+            store(
+                &fused_tile::<MR, 4, Q4>(x, k, w.add(r * rb), rb),
+                out.add(r),
+                stride,
+                4,
+            );
+            r += 4;
+        }
+        while r < n {
+            store(
+                &fused_tile::<MR, 1, Q4>(x, k, w.add(r * rb), rb),
+                out.add(r),
+                stride,
+                1,
+            );
+            r += 1;
+        }
+    }
 }
 
 /// One block's four dequantized vectors, values 0-7, 8-15, 16-23, 24-31
