@@ -137,6 +137,12 @@ impl Sequence {
 /// `(sequence index, layer, its prompt K and V or the read error)`.
 pub type LayerKvSink<'a> = dyn FnMut(usize, usize, Result<(Vec<f32>, Vec<f32>)>) + 'a;
 
+/// Where [`Engine::prefill_batch_streamed`] gets the two vectors it fills
+/// with a layer's K and V (cleared first): a caller that hands back the ones
+/// it has shipped makes a stream of prompts allocate nothing (a fresh
+/// buffer of a few hundred KiB per layer is a page fault per 4 KiB).
+pub type KvBuffers<'a> = dyn FnMut() -> (Vec<f32>, Vec<f32>) + 'a;
+
 /// The reference engine.
 #[derive(Debug)]
 pub struct Engine {
@@ -338,14 +344,25 @@ impl Engine {
 
     /// The first `n` positions' K and V at `layer` from `kv`'s pages.
     fn read_kv(&self, kv: &Reservation, n: usize, layer: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.read_kv_into(kv, n, layer, (Vec::new(), Vec::new()))
+    }
+
+    /// [`Self::read_kv`] into the given vectors (cleared first).
+    fn read_kv_into(
+        &self,
+        kv: &Reservation,
+        n: usize,
+        layer: usize,
+        (mut k, mut v): (Vec<f32>, Vec<f32>),
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         use kvmesh_kernels::PagedKv;
         let reader = kv.reader();
         let page_size = self.pool.config().page_size;
         let kv_dim = self.pool.config().geometry().kv_dim();
-        let (mut k, mut v) = (
-            Vec::with_capacity(n * kv_dim),
-            Vec::with_capacity(n * kv_dim),
-        );
+        k.clear();
+        v.clear();
+        k.reserve(n * kv_dim);
+        v.reserve(n * kv_dim);
         for (i, entry) in kv.table().iter().enumerate() {
             let before = i * page_size;
             if before >= n {
@@ -368,6 +385,7 @@ impl Engine {
     pub fn prefill_batch_streamed(
         &self,
         seqs: &mut [&mut Sequence],
+        buffers: &mut KvBuffers<'_>,
         layer_kv: &mut LayerKvSink<'_>,
     ) -> Result<Vec<Result<Vec<f32>>>> {
         let results = {
@@ -383,7 +401,7 @@ impl Engine {
             self.model
                 .forward_observed(&mut batch, &mut |layer, i, chunk| {
                     let n = chunk.start_pos + chunk.tokens.len();
-                    layer_kv(i, layer, self.read_kv(chunk.kv, n, layer));
+                    layer_kv(i, layer, self.read_kv_into(chunk.kv, n, layer, buffers()));
                 })?
         };
         Ok(last_rows(seqs, results, "prefill"))
@@ -412,7 +430,7 @@ impl Engine {
     /// (prompts that arrived together); returns each one's last-position
     /// logits, or its own error.
     pub fn prefill_batch(&self, seqs: &mut [&mut Sequence]) -> Result<Vec<Result<Vec<f32>>>> {
-        self.prefill_batch_streamed(seqs, &mut |_, _, _| {})
+        self.prefill_batch_streamed(seqs, &mut || (Vec::new(), Vec::new()), &mut |_, _, _| {})
     }
 
     /// Append one token to each sequence and run them as one batch; returns

@@ -373,6 +373,9 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
     // token is sampled. The feed holds at most every layer plus the end, so
     // the compute thread never waits on a slow transfer.
     let n_layers = engine.model().config().n_layers;
+    // Layer buffers the shipping tasks have written come back here to be
+    // filled again, so a stream of prompts allocates none.
+    let (spare_tx, spare_rx) = std::sync::mpsc::channel();
     let mut feeds = Vec::with_capacity(admitted.len());
     let mut seqs = Vec::with_capacity(admitted.len());
     for (job, seq) in admitted {
@@ -383,13 +386,20 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
             ..
         } = job;
         let (tx, rx) = mpsc::channel(n_layers + 1);
-        rt.spawn(ship(writer, rx, done, Arc::clone(stopped)));
+        rt.spawn(ship(
+            writer,
+            rx,
+            done,
+            Arc::clone(stopped),
+            spare_tx.clone(),
+        ));
         feeds.push((tx, sampling));
         seqs.push(seq);
     }
     let results = {
         let mut refs: Vec<&mut kvmesh_model::engine::Sequence> = seqs.iter_mut().collect();
-        engine.prefill_batch_streamed(&mut refs, &mut |i, layer, kv| {
+        let mut buffers = || spare_rx.try_recv().unwrap_or_default();
+        engine.prefill_batch_streamed(&mut refs, &mut buffers, &mut |i, layer, kv| {
             let feed = match (u16::try_from(layer), kv) {
                 (Ok(l), Ok((k, v))) => Feed::Layer(l, k, v),
                 (Err(_), _) => Feed::Failed(PrefillError::Invalid("too many layers".into())),
@@ -432,14 +442,16 @@ enum Feed {
 }
 
 /// A request's shipping task: writes layers in order through the grant's
-/// writer (checking for an abort before each), then transfer-done with the
-/// first token; answers the request. Dropping the writer on any failure lets
+/// writer (checking for an abort before each), handing each layer's
+/// buffers back to `spare`, then transfer-done with the first token;
+/// answers the request. Dropping the writer on any failure lets
 /// the decode node's abort (or lease) end the reservation.
 async fn ship(
     mut writer: GrantWriter,
     mut feed: mpsc::Receiver<Feed>,
     done: oneshot::Sender<Result<u32, PrefillError>>,
     stopped: Stopped,
+    spare: std::sync::mpsc::Sender<(Vec<f32>, Vec<f32>)>,
 ) {
     let id = writer.grant().reservation;
     let r = async {
@@ -450,6 +462,9 @@ async fn ship(
                         return Err(WriterError::Aborted(id).into());
                     }
                     writer.write_layer(l, &k, &v).await?;
+                    // Back to the compute thread (gone once the batch
+                    // ended: then they are simply freed).
+                    let _ = spare.send((k, v));
                 }
                 Some(Feed::First(t)) => break t,
                 Some(Feed::Failed(e)) => return Err(e),
