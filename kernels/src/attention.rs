@@ -310,11 +310,7 @@ mod x86 {
             }
             i += 16;
         }
-        let v = _mm256_add_ps(s0, s1);
-        let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-        let q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-        let mut sum = _mm_cvtss_f32(q);
+        let mut sum = crate::simd::hsum(_mm256_add_ps(s0, s1));
         for j in i..n {
             sum += a[j] * b[j];
         }

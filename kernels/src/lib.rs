@@ -28,6 +28,8 @@ pub mod norm;
 pub mod paged;
 pub mod quant;
 pub mod rope;
+#[cfg(target_arch = "x86_64")]
+mod simd;
 
 pub use attention::{paged_attention, AttentionShape};
 pub use paged::{GuardViolation, KvGeometry, PageRef, PageSlices, PagedKv};

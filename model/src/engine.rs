@@ -388,6 +388,19 @@ impl Engine {
         buffers: &mut KvBuffers<'_>,
         layer_kv: &mut LayerKvSink<'_>,
     ) -> Result<Vec<Result<Vec<f32>>>> {
+        self.prefill_prompts(seqs, &mut |layer, i, chunk| {
+            let n = chunk.start_pos + chunk.tokens.len();
+            layer_kv(i, layer, self.read_kv_into(chunk.kv, n, layer, buffers()));
+        })
+    }
+
+    /// The prompts of `seqs` as one batch, `observe` called per finished
+    /// layer and sequence; each one's last-position logits.
+    fn prefill_prompts(
+        &self,
+        seqs: &mut [&mut Sequence],
+        observe: &mut dyn FnMut(usize, usize, &SeqChunk<'_>),
+    ) -> Result<Vec<Result<Vec<f32>>>> {
         let results = {
             let mut batch: Vec<SeqChunk<'_>> = seqs
                 .iter_mut()
@@ -398,11 +411,7 @@ impl Engine {
                     logits: LogitsWanted::Last,
                 })
                 .collect();
-            self.model
-                .forward_observed(&mut batch, &mut |layer, i, chunk| {
-                    let n = chunk.start_pos + chunk.tokens.len();
-                    layer_kv(i, layer, self.read_kv_into(chunk.kv, n, layer, buffers()));
-                })?
+            self.model.forward_observed(&mut batch, observe)?
         };
         Ok(last_rows(seqs, results, "prefill"))
     }
@@ -430,7 +439,7 @@ impl Engine {
     /// (prompts that arrived together); returns each one's last-position
     /// logits, or its own error.
     pub fn prefill_batch(&self, seqs: &mut [&mut Sequence]) -> Result<Vec<Result<Vec<f32>>>> {
-        self.prefill_batch_streamed(seqs, &mut || (Vec::new(), Vec::new()), &mut |_, _, _| {})
+        self.prefill_prompts(seqs, &mut |_, _, _| {})
     }
 
     /// Append one token to each sequence and run them as one batch; returns

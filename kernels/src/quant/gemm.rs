@@ -28,7 +28,7 @@ use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 use super::x86;
-use super::{scalar, Kernel, QFormat, QMatrix, BLOCK};
+use super::{scalar, Kernel, QFormat, QMatrix};
 
 /// Weight rows per task (and per dequantized panel) for small batches; a
 /// multiple of the register tiles' 4 and 8.
@@ -86,7 +86,7 @@ const ROW_BLOCK_BYTES: usize = 256 << 10;
 /// [`matmul`] for one block of rows.
 fn matmul_rows(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
-    let rb = k / BLOCK * w.format.block_bytes();
+    let rb = w.row_bytes();
     let ptr = OutPtr(out.as_mut_ptr());
     let prows = if rows >= WIDE_ROWS { WIDE_PANEL } else { PANEL };
     let task = |p: usize| {

@@ -194,7 +194,8 @@ impl QMatrix {
         self.data.len()
     }
 
-    fn row_bytes(&self) -> usize {
+    /// Bytes of one row of blocks.
+    pub(super) fn row_bytes(&self) -> usize {
         self.cols / BLOCK * self.format.block_bytes()
     }
 

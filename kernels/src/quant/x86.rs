@@ -6,22 +6,13 @@
 use std::arch::x86_64::*;
 
 use super::{QFormat, BLOCK};
+use crate::simd::hsum;
 
 /// Whether this CPU runs this path.
 pub(super) fn available() -> bool {
     is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c")
-}
-
-/// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    _mm_cvtss_f32(s)
 }
 
 /// Dequantize whole blocks of `w` into `out` (32 values per block).
