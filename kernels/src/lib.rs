@@ -23,6 +23,7 @@
 //! pools, reservations or models. The pool in `kvmesh-kvxfer` implements
 //! [`PagedKv`].
 
+pub mod activation;
 pub mod attention;
 pub mod norm;
 pub mod paged;

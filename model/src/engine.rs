@@ -16,7 +16,7 @@ use std::time::Instant;
 use kvmesh_kvxfer::{KvPool, PoolConfig, Reservation, ScrubMode};
 
 use crate::error::{ModelError, Result};
-use crate::llama::{Llama, LogitsWanted, SeqChunk};
+use crate::llama::{LayerDone, Llama, LogitsWanted, SeqChunk};
 use crate::loader::{load_with, LoadedModel};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::{ChatMessage, TextTokenizer};
@@ -135,13 +135,13 @@ impl Sequence {
 
 /// Where [`Engine::prefill_batch_streamed`] hands each computed layer:
 /// `(sequence index, layer, its prompt K and V or the read error)`.
-pub type LayerKvSink<'a> = dyn FnMut(usize, usize, Result<(Vec<f32>, Vec<f32>)>) + 'a;
+pub type LayerKvSink<'a> = dyn FnMut(usize, usize, Result<(Vec<f32>, Vec<f32>)>) + Send + 'a;
 
 /// Where [`Engine::prefill_batch_streamed`] gets the two vectors it fills
 /// with a layer's K and V (cleared first): a caller that hands back the ones
 /// it has shipped makes a stream of prompts allocate nothing (a fresh
 /// buffer of a few hundred KiB per layer is a page fault per 4 KiB).
-pub type KvBuffers<'a> = dyn FnMut() -> (Vec<f32>, Vec<f32>) + 'a;
+pub type KvBuffers<'a> = dyn FnMut() -> (Vec<f32>, Vec<f32>) + Send + 'a;
 
 /// The reference engine.
 #[derive(Debug)]
@@ -399,7 +399,7 @@ impl Engine {
     fn prefill_prompts(
         &self,
         seqs: &mut [&mut Sequence],
-        observe: &mut dyn FnMut(usize, usize, &SeqChunk<'_>),
+        observe: &mut LayerDone<'_>,
     ) -> Result<Vec<Result<Vec<f32>>>> {
         let results = {
             let mut batch: Vec<SeqChunk<'_>> = seqs

@@ -133,6 +133,31 @@ impl Projection {
     }
 
     /// A single matrix into a fresh vector (the vocabulary projection).
+    /// Every part's output side by side in one buffer: row `t` of `out` is
+    /// part 0's row `t`, then part 1's, and so on (the layout a stacked
+    /// quantized matrix produces directly, with no split copy).
+    pub(crate) fn apply_stacked(&self, x: &[f32], rows: usize, out: &mut Vec<f32>) -> Result<()> {
+        match &self.kind {
+            Kind::Quant(w) => {
+                out.resize(rows * w.rows(), 0.0);
+                quant::matmul(w, x, rows, out);
+            }
+            Kind::Dense(ws) => {
+                let parts = ws
+                    .iter()
+                    .map(|w| dense_linear(x, rows, w))
+                    .collect::<Result<Vec<_>>>()?;
+                out.clear();
+                for t in 0..rows {
+                    for (part, &width) in parts.iter().zip(&self.widths) {
+                        out.extend_from_slice(&part[t * width..(t + 1) * width]);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) fn apply_one(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         let mut out = Vec::new();
         self.apply_into(x, rows, &mut [&mut out], &mut Vec::new())?;

@@ -398,7 +398,8 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
     }
     let results = {
         let mut refs: Vec<&mut kvmesh_model::engine::Sequence> = seqs.iter_mut().collect();
-        let mut buffers = || spare_rx.try_recv().unwrap_or_default();
+        // Moved in: the closure runs on a compute pool thread (`Send`).
+        let mut buffers = move || spare_rx.try_recv().unwrap_or_default();
         engine.prefill_batch_streamed(&mut refs, &mut buffers, &mut |i, layer, kv| {
             let feed = match (u16::try_from(layer), kv) {
                 (Ok(l), Ok((k, v))) => Feed::Layer(l, k, v),

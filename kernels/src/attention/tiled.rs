@@ -24,6 +24,7 @@
 use std::arch::x86_64::*;
 
 use super::{window_start, BlockArgs};
+use crate::simd::exp;
 
 /// Whether this build takes a head of `head_dim` values.
 pub(super) fn supports(head_dim: usize) -> bool {
@@ -230,62 +231,46 @@ fn reduce4(a: [__m256; 4]) -> [f32; 4] {
     out
 }
 
-/// `e^x` for x <= 0 (and moderately above): Cody-Waite reduction by ln 2,
-/// a degree-6 polynomial, and the exponent added as an integer. About 2 ulp;
-/// inputs below -87.3 give about 1e-38 instead of 0.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn exp(x: __m256) -> __m256 {
-    let x = _mm256_min_ps(
-        _mm256_max_ps(x, _mm256_set1_ps(-87.3)),
-        _mm256_set1_ps(88.3),
-    );
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        _mm256_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
-        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
-    }
-    let y = _mm256_fmadd_ps(
-        y,
-        _mm256_mul_ps(r, r),
-        _mm256_add_ps(r, _mm256_set1_ps(1.0)),
-    );
-    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-        _mm256_cvtps_epi32(n),
-        _mm256_set1_epi32(127),
-    ));
-    _mm256_mul_ps(y, _mm256_castsi256_ps(e))
-}
-
-/// Scores to softmax weights in place.
+/// Scores to softmax weights in place: whole groups of eight in vectors,
+/// the last few through a padded buffer (lane `l` always sums the
+/// positions `l, l + 8, ...`, so the bits do not depend on the length's
+/// remainder).
 ///
 /// # Safety
 /// AVX2/FMA.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn softmax(s: &mut [f32]) {
-    let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let n = s.len();
-    let mut buf = [0.0f32; 8];
-    let mut sum = _mm256_setzero_ps();
+    let whole = s.len() / 8 * 8;
+    let (body, tail) = s.split_at_mut(whole);
+    // The maximum is exact in any order.
+    let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+    for c in body.chunks_exact(8) {
+        // SAFETY (every vector access below): a chunk of eight floats.
+        mv = _mm256_max_ps(mv, unsafe { _mm256_loadu_ps(c.as_ptr()) });
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: an eight-float array.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), mv) };
+    let max = lanes
+        .iter()
+        .chain(tail.iter())
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let mx = _mm256_set1_ps(max);
-    let mut i = 0;
-    while i < n {
-        let len = (n - i).min(8);
-        buf[..len].copy_from_slice(&s[i..i + len]);
+    let mut sum = _mm256_setzero_ps();
+    for c in body.chunks_exact_mut(8) {
+        // SAFETY: as above.
+        unsafe {
+            let e = exp(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mx));
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
+            sum = _mm256_add_ps(sum, e);
+        }
+    }
+    if !tail.is_empty() {
+        let len = tail.len();
+        let mut buf = [max; 8];
+        buf[..len].copy_from_slice(tail);
         // Lanes past the end compute exp(0); they are zeroed before the
         // sum.
-        buf[len..].fill(max);
         // SAFETY: an eight-float buffer.
         let e = exp(_mm256_sub_ps(unsafe { _mm256_loadu_ps(buf.as_ptr()) }, mx));
         // SAFETY: an eight-float buffer.
@@ -293,12 +278,16 @@ unsafe fn softmax(s: &mut [f32]) {
         buf[len..].fill(0.0);
         // SAFETY: an eight-float buffer.
         sum = _mm256_add_ps(sum, unsafe { _mm256_loadu_ps(buf.as_ptr()) });
-        s[i..i + len].copy_from_slice(&buf[..len]);
-        i += 8;
+        tail.copy_from_slice(&buf[..len]);
     }
     let zero = _mm256_setzero_ps();
     let inv = 1.0 / reduce4([sum, zero, zero, zero])[0];
-    for v in s.iter_mut() {
+    let iv = _mm256_set1_ps(inv);
+    for c in body.chunks_exact_mut(8) {
+        // SAFETY: as above.
+        unsafe { _mm256_storeu_ps(c.as_mut_ptr(), _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), iv)) };
+    }
+    for v in tail.iter_mut() {
         *v *= inv;
     }
 }

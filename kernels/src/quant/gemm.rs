@@ -63,42 +63,38 @@ thread_local! {
 
 /// `out[t, r] = sum_k x[t, k] * w[r, k]`: `x` is `[rows, w.cols()]` and
 /// `out` `[rows, w.rows()]`, both row-major.
+///
+/// Many rows (a long prompt chunk) go in blocks whose activations stay in
+/// L2 while every panel passes over them; each panel is dequantized once
+/// per block, a small cost beside the block's multiply-adds. All (block,
+/// panel) pairs are one parallel section, so the cores stay evenly loaded
+/// however few panels a matrix has (576 rows are only nine wide panels).
 pub(super) fn matmul(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     assert_eq!(x.len(), rows * k, "activation shape");
     assert_eq!(out.len(), rows * n, "output shape");
-    // Many rows (a long prompt chunk) go in blocks whose activations stay in
-    // L2 while every panel passes over them; each panel is dequantized once
-    // per block, a small cost beside the block's multiply-adds.
-    let block = (ROW_BLOCK_BYTES / (4 * k.max(1))).max(WIDE_ROWS);
-    if rows > block {
-        for (xs, os) in x.chunks(block * k).zip(out.chunks_mut(block * n)) {
-            matmul_rows(kernel, w, xs, xs.len() / k, os);
-        }
+    if rows == 0 || n == 0 {
         return;
     }
-    matmul_rows(kernel, w, x, rows, out);
-}
-
-/// Activation bytes per row block of [`matmul`] (half of a 512 KiB L2).
-const ROW_BLOCK_BYTES: usize = 256 << 10;
-
-/// [`matmul`] for one block of rows.
-fn matmul_rows(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
-    let (n, k) = (w.rows, w.cols);
+    let block = rows.min((ROW_BLOCK_BYTES / (4 * k.max(1))).max(WIDE_ROWS));
     let rb = w.row_bytes();
     let ptr = OutPtr(out.as_mut_ptr());
-    let prows = if rows >= WIDE_ROWS { WIDE_PANEL } else { PANEL };
-    let task = |p: usize| {
+    let prows = if block >= WIDE_ROWS { WIDE_PANEL } else { PANEL };
+    let panels = n.div_ceil(prows);
+    // Task `i`: rows of block `i / panels` against panel `i % panels`, so a
+    // thread's consecutive tasks share their activations.
+    let task = |i: usize| {
         let ptr = &ptr;
-        let r0 = p * prows;
-        let nr = prows.min(n - r0);
+        let (t0, r0) = ((i / panels) * block, (i % panels) * prows);
+        let (nt, nr) = (block.min(rows - t0), prows.min(n - r0));
+        let xs = &x[t0 * k..(t0 + nt) * k];
         let bytes = &w.data[r0 * rb..(r0 + nr) * rb];
-        // SAFETY (both): the kernel writes (t, r0 + j) for t < rows,
-        // j < nr: inside `out`, and owned by this task alone (panels are
-        // disjoint).
-        if kernel.fuses(rows) {
-            unsafe { kernel.fused(w.format, x, rows, k, bytes, ptr.0.add(r0), n) };
+        // SAFETY (both): the kernel writes (t0 + t, r0 + j) for t < nt,
+        // j < nr: inside `out`, and owned by this task alone (tasks are
+        // disjoint blocks of rows and columns).
+        let at = unsafe { ptr.0.add(t0 * n + r0) };
+        if kernel.fuses(nt) {
+            unsafe { kernel.fused(w.format, xs, nt, k, bytes, at, n) };
             return;
         }
         PANEL_BUF.with_borrow_mut(|buf| {
@@ -106,10 +102,10 @@ fn matmul_rows(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f
             kernel.dequantize(w.format, bytes, &mut buf[..nr * k]);
             // Rows past the matrix's end compute zeros nobody reads.
             buf[nr * k..].fill(0.0);
-            unsafe { kernel.panel(x, rows, k, buf, prows, nr, ptr.0.add(r0), n) };
+            unsafe { kernel.panel(xs, nt, k, buf, prows, nr, at, n) };
         });
     };
-    let tasks = n.div_ceil(prows);
+    let tasks = rows.div_ceil(block) * panels;
     // Small calls are not worth waking the pool for.
     if n * k * rows < 1 << 15 {
         (0..tasks).for_each(task);
@@ -117,6 +113,9 @@ fn matmul_rows(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f
         (0..tasks).into_par_iter().for_each(task);
     }
 }
+
+/// Activation bytes per row block of [`matmul`] (half of a 512 KiB L2).
+const ROW_BLOCK_BYTES: usize = 256 << 10;
 
 impl Kernel {
     pub(super) fn dequantize(self, format: QFormat, w: &[u8], out: &mut [f32]) {

@@ -1,0 +1,152 @@
+//! The MLP's gated activation, SwiGLU: `silu(gate) * up`, with
+//! `silu(g) = g / (1 + e^-g)`.
+//!
+//! # Arithmetic (the same on every path, to the bit)
+//! `e^x` is one polynomial ([`exp`]; its AVX2 build is `simd::exp`), then
+//! `g / (1 + e) * u` in that order. The AVX2 path computes eight values at
+//! once with the same operations, so a row's result does not depend on the
+//! path, its place in the batch, or the batch.
+//!
+//! # Cost
+//! About 20 vector operations per eight values (the polynomial), where the
+//! C library's `expf` took 2% of a prompt's time on its own; reads the
+//! projection's stacked `[gate | up]` rows in place (no split copy).
+
+/// `e^x` as `simd::exp` computes it, on one value: clamp to
+/// `[-87.3, 88.3]`, `n = round(x * log2 e)` (ties to even), `r = x - n ln 2`
+/// in two steps, a degree-6 polynomial in `r`, times `2^n`. About 2 ulp.
+pub fn exp(x: f32) -> f32 {
+    let x = x.max(-87.3).min(88.3);
+    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+    let r = (-n).mul_add(0.693_359_4, x);
+    let r = (-n).mul_add(-2.121_944_4e-4, r);
+    let mut y = 1.987_569_1e-4f32;
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        y = y.mul_add(r, c);
+    }
+    let y = y.mul_add(r * r, r + 1.0);
+    // n is in [-126, 128]: the biased exponent n + 127 fits the field.
+    let e = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    y * e
+}
+
+/// `out[t][j] = silu(gate_up[t][j]) * gate_up[t][width + j]`: each row of
+/// `gate_up` is a row of gate values then a row of up values (`2 * width`),
+/// as a stacked gate/up projection writes them.
+///
+/// # Panics
+/// If `gate_up` is not `out.len() / width` rows of `2 * width` (a caller
+/// bug, not input).
+pub fn swiglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
+    assert!(width > 0, "swiglu width");
+    assert_eq!(out.len() % width, 0, "swiglu output rows");
+    assert_eq!(gate_up.len(), 2 * out.len(), "swiglu input rows");
+    #[cfg(target_arch = "x86_64")]
+    if wide() {
+        // SAFETY: `wide` saw AVX2 and FMA on this CPU.
+        unsafe { x86::swiglu(gate_up, width, out) };
+        return;
+    }
+    portable(gate_up, width, out, 0);
+}
+
+/// The portable path from column `from` of every row on (the AVX2 path's
+/// tail, and the whole of it elsewhere).
+fn portable(gate_up: &[f32], width: usize, out: &mut [f32], from: usize) {
+    for (gu, o) in gate_up.chunks_exact(2 * width).zip(out.chunks_exact_mut(width)) {
+        let (g, u) = gu.split_at(width);
+        for j in from..width {
+            o[j] = g[j] / (1.0 + exp(-g[j])) * u[j];
+        }
+    }
+}
+
+/// Whether this CPU runs the AVX2 build (checked once).
+#[cfg(target_arch = "x86_64")]
+fn wide() -> bool {
+    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WIDE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// [`super::swiglu`], eight columns at a time.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; shapes as [`super::swiglu`] asserts.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn swiglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
+        let whole = width / 8 * 8;
+        let (one, sign) = (_mm256_set1_ps(1.0), _mm256_set1_ps(-0.0));
+        for (gu, o) in gate_up.chunks_exact(2 * width).zip(out.chunks_exact_mut(width)) {
+            let (g, u) = gu.split_at(width);
+            for j in (0..whole).step_by(8) {
+                // SAFETY: j + 8 <= width, inside each of the three rows.
+                unsafe {
+                    let gv = _mm256_loadu_ps(g.as_ptr().add(j));
+                    let e = crate::simd::exp(_mm256_xor_ps(gv, sign));
+                    let s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+                    let r = _mm256_mul_ps(s, _mm256_loadu_ps(u.as_ptr().add(j)));
+                    _mm256_storeu_ps(o.as_mut_ptr().add(j), r);
+                }
+            }
+        }
+        super::portable(gate_up, width, out, whole);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_a_few_ulp_of_the_library() {
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let (ours, libm) = (exp(x), x.exp());
+            let ulp = (libm.to_bits() as i64 - ours.to_bits() as i64).abs();
+            assert!(ulp <= 3, "exp({x}) = {ours}, library {libm}: {ulp} ulp");
+            x += 0.0137;
+        }
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(-200.0) < 1e-37 && exp(-200.0) >= 0.0);
+        assert!(exp(200.0).is_finite());
+    }
+
+    /// The AVX2 path (where this CPU has it) equals the portable one to the
+    /// bit, tail columns included, and both are SwiGLU.
+    #[test]
+    fn swiglu_matches_the_definition_and_the_portable_path() {
+        let (rows, width) = (3, 37);
+        let gate_up: Vec<f32> = (0..rows * 2 * width)
+            .map(|i| ((i * 7919 % 211) as f32 - 105.0) / 9.0)
+            .collect();
+        let mut fast = vec![0.0f32; rows * width];
+        swiglu(&gate_up, width, &mut fast);
+        let mut slow = vec![0.0f32; rows * width];
+        portable(&gate_up, width, &mut slow, 0);
+        assert_eq!(
+            fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        for t in 0..rows {
+            for j in 0..width {
+                let (g, u) = (gate_up[t * 2 * width + j], gate_up[t * 2 * width + width + j]);
+                let want = g as f64 / (1.0 + (-g as f64).exp()) * u as f64;
+                let got = fast[t * width + j] as f64;
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "row {t} col {j}: {got} vs {want}"
+                );
+            }
+        }
+    }
+}
