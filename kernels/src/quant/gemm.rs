@@ -102,7 +102,13 @@ pub(super) fn matmul(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &
             kernel.dequantize(w.format, bytes, &mut buf[..nr * k]);
             // Rows past the matrix's end compute zeros nobody reads.
             buf[nr * k..].fill(0.0);
-            unsafe { kernel.panel(xs, nt, k, buf, prows, nr, at, n) };
+            // The next panel's weights come from memory while this one's
+            // multiply-adds run, a few cache lines per register tile (a
+            // thread's tasks are mostly consecutive panels; another
+            // thread's find them in L3).
+            let next = ((i % panels + 1) * prows).min(n) * rb;
+            let ahead = &w.data[next..(next + prows * rb).min(w.data.len())];
+            unsafe { kernel.panel(xs, nt, k, buf, prows, nr, at, n, ahead) };
         });
     };
     let tasks = rows.div_ceil(block) * panels;
@@ -145,12 +151,16 @@ impl Kernel {
         live: usize,
         out: *mut f32,
         stride: usize,
+        ahead: &[u8],
     ) {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: features as above; `out` by the caller.
-            Self::Avx2 => unsafe { x86::panel(x, rows, k, panel, prows, live, out, stride) },
+            Self::Avx2 => unsafe {
+                x86::panel(x, rows, k, panel, prows, live, out, stride, ahead)
+            },
             _ => {
+                let _ = ahead; // no prefetch hints on the portable path
                 for t in 0..rows {
                     let xt = &x[t * k..(t + 1) * k];
                     for j in 0..live {
