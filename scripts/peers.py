@@ -4,7 +4,7 @@ Face transformers (PyTorch, CPU, float32), on the default model
 (SmolLM2-135M-Instruct, Q4_1 GGUF), the same prompt tokens and the same thread
 count for every engine.
 
-Usage: python3 scripts/peers.py [--threads N] [--repeats 3] [--decode-tokens 64]
+Usage: python3 scripts/peers.py [--threads N] [--rounds 3] [--repeats 3] [--decode-tokens 64]
                                 [--skip transformers] [--skip llama.cpp] [--skip kvmesh]
                                 [--kvmesh target/release/kvmesh] [--gguf PATH] [--json PATH]
 
@@ -20,8 +20,15 @@ script then re-runs itself with the venv's python. The GGUF is
 when it is missing, `kvmesh fetch-model` fetches it. A missing
 target/release/kvmesh is built with `cargo build --release -p kvmesh-cli`.
 
-Measurements (llama.cpp and transformers: median of --repeats runs after one
-warm-up run; kvmesh: `bench-engine --repeats`, its own median, no warm-up run):
+Rounds: transformers is measured once first; then llama.cpp and kvmesh take
+turns for --rounds rounds, so that a slow spell of a shared host falls on both.
+In a round each measurement is the median of --repeats runs (llama.cpp: after
+one warm-up run in the first round; kvmesh: `bench-engine --repeats`, its own
+median). The table holds each engine's median over the rounds; the ratio column
+and the goals use the median of the rounds' own kvmesh/llama.cpp ratios, and
+the goals list every round's ratio.
+
+Measurements:
   prefill@512      one 512-token prompt to its last logits, tokens/s
                    llama.cpp: one llama_batch of 512 tokens (n_batch = n_ubatch = 512)
                    transformers: one forward of 512 tokens, no_grad, last logits only
@@ -325,23 +332,23 @@ class LlamaCpp:
         return n_seq * n_new / (time.perf_counter() - t)
 
 
-def run_llama_cpp(gguf, threads, repeats, decode_tokens, ids):
+def llama_cpp_round(eng, ids, repeats, decode_tokens, warm_up):
+    """One round of the three measurements on a loaded engine: each the
+    median of `repeats` runs (after one warm-up run when `warm_up`)."""
+    runs = (lambda run: median_of(run, repeats)) if warm_up else (
+        lambda run: statistics.median(run() for _ in range(repeats)))
+    short = ids[:SHORT_PROMPT_TOKENS]
+    prefill = runs(lambda: eng.prefill(ids))
+    b1 = runs(lambda: eng.decode_rate(short, 1, decode_tokens))
+    b16 = runs(lambda: eng.decode_rate(short, BATCH, decode_tokens))
+    log(f"llama.cpp: prefill {prefill:.1f}, decode b1 {b1:.1f}, decode @{BATCH} {b16:.1f} tokens/s")
+    return {"prefill": prefill, "decode_b1": b1, f"decode_b{BATCH}": b16}
+
+
+def llama_cpp_info():
     import llama_cpp
 
-    log(f"llama.cpp: llama-cpp-python {llama_cpp.__version__}, {threads} threads")
-    eng = LlamaCpp(gguf, threads)
-    try:
-        short = ids[:SHORT_PROMPT_TOKENS]
-        prefill = median_of(lambda: eng.prefill(ids), repeats)
-        log(f"llama.cpp: prefill {prefill:.1f} tokens/s")
-        b1 = median_of(lambda: eng.decode_rate(short, 1, decode_tokens), repeats)
-        log(f"llama.cpp: decode b1 {b1:.1f} tokens/s")
-        b16 = median_of(lambda: eng.decode_rate(short, BATCH, decode_tokens), repeats)
-        log(f"llama.cpp: decode @{BATCH} {b16:.1f} tokens/s")
-    finally:
-        eng.close()
-    info = {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode().strip()}
-    return {"prefill": prefill, "decode_b1": b1, f"decode_b{BATCH}": b16, "info": info}
+    return {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode().strip()}
 
 
 # --------------------------------------------------------------------------------------
@@ -414,8 +421,18 @@ ROWS = [
 ]
 
 
+def paired_ratio(res, ours, theirs):
+    """kvmesh's `ours` over llama.cpp's `theirs`: the median of the rounds'
+    own ratios, and those ratios (None when either was not measured)."""
+    k, l = res.get("kvmesh") or {}, res.get("llama.cpp") or {}
+    kr, lr = k.get("rounds") or [], l.get("rounds") or []
+    per_round = [a[ours] / b[theirs] for a, b in zip(kr, lr) if a.get(ours) and b.get(theirs)]
+    if not per_round:
+        return None, []
+    return statistics.median(per_round), per_round
+
+
 def goals(res):
-    k, l = res.get("kvmesh"), res.get("llama.cpp")
     specs = [
         ("decode b1 >= 1.5x llama.cpp b1", "decode_b1", "decode_b1", 1.5),
         (f"aggregate @{BATCH} >= 4x llama.cpp b1", f"decode_b{BATCH}", "decode_b1", 4.0),
@@ -423,19 +440,18 @@ def goals(res):
     ]
     out = []
     for name, ours, theirs, factor in specs:
-        a = k and k.get(ours)
-        b = l and l.get(theirs)
-        if not a or not b:
+        ratio, per_round = paired_ratio(res, ours, theirs)
+        if ratio is None:
             out.append({"goal": name, "status": "NOT EVALUATED", "detail": "kvmesh or llama.cpp not measured"})
             continue
-        need = factor * b
+        met = sum(r >= factor for r in per_round)
         out.append({
             "goal": name,
-            "status": "MET" if a >= need else "NOT MET",
-            "kvmesh": round(a, 1),
-            "target": round(need, 1),
-            "ratio": round(a / b, 2),
-            "detail": f"kvmesh {a:.1f} vs {factor}x {b:.1f} = {need:.1f} ({a / b:.2f}x)",
+            "status": "MET" if ratio >= factor else "NOT MET",
+            "ratio": round(ratio, 2),
+            "rounds": [round(r, 2) for r in per_round],
+            "detail": f"{ratio:.2f}x, the median of the rounds' ratios "
+            f"({', '.join(f'{r:.2f}' for r in per_round)}; {met} of {len(per_round)} at {factor}x or more)",
         })
     return out
 
@@ -446,8 +462,11 @@ def render(report):
     lines = [
         f"kvmesh vs peers: {report['model']}, {report['threads']} threads, "
         f"{report['cores']} cores ({report['cpu']}; {' '.join(report['cpu_flags']) or 'no AVX2'})",
-        f"median of {report['repeats']} after a warm-up; decode: {report['decode_tokens']} tokens after a "
-        f"{SHORT_PROMPT_TOKENS}-token prompt; load average {report['load_average_at_start']} at the start",
+        f"llama.cpp and kvmesh alternate over {report['rounds']} rounds, each value the median of "
+        f"{report['repeats']} runs (a warm-up first); the table holds the medians over the rounds, the last "
+        "column the median of the rounds' own ratios",
+        f"decode: {report['decode_tokens']} tokens after a {SHORT_PROMPT_TOKENS}-token prompt; "
+        f"load average {report['load_average_at_start']} at the start",
         "",
         f"{'':<30} {'kvmesh':>10} {'llama.cpp':>10} {'transformers':>13} {'kvmesh/llama.cpp':>17}",
     ]
@@ -455,7 +474,8 @@ def render(report):
         k = (res.get("kvmesh") or {}).get(key)
         l = (res.get("llama.cpp") or {}).get(key)
         t = (res.get("transformers") or {}).get(key)
-        ratio = f"{k / l:.2f}x" if k and l else "-"
+        paired, _ = paired_ratio(res, key, key)
+        ratio = f"{paired:.2f}x" if paired else "-"
         lines.append(f"{label:<30} {cell(k):>10} {cell(l):>10} {cell(t):>13} {ratio:>17}")
     for name in PEERS:
         r = res.get(name)
@@ -493,25 +513,52 @@ def measure(args):
     res = {}
     ids = prompt_ids(gguf)
     log(f"prompt: {len(ids)} tokens, the filler's {len(set(ids))} distinct ids repeated")
-    if "llama.cpp" not in skip:
-        try:
-            res["llama.cpp"] = run_llama_cpp(gguf, threads, args.repeats, args.decode_tokens, ids)
-        except Exception as e:  # report, and go on with the others
-            log(f"llama.cpp failed: {type(e).__name__}: {e}")
-            res["llama.cpp"] = {"error": f"{type(e).__name__}: {e}"}
     if "transformers" not in skip:
         try:
             res["transformers"] = run_transformers(gguf, threads, args.repeats, args.decode_tokens, ids)
-        except Exception as e:
+        except Exception as e:  # report, and go on with the others
             log(f"transformers failed: {type(e).__name__}: {e}")
             res["transformers"] = {"error": f"{type(e).__name__}: {e}"}
-    if "kvmesh" not in skip:
+    # llama.cpp and kvmesh take turns, round by round, so a slow spell of
+    # the shared host falls on both; the goals use each round's own ratio.
+    rounds = {"llama.cpp": [], "kvmesh": []}
+    eng = None
+    if "llama.cpp" not in skip:
         try:
-            res["kvmesh"] = run_kvmesh(kvmesh_path, gguf, threads, args.repeats, args.decode_tokens)
-            log(f"kvmesh: {res['kvmesh']}")
+            import llama_cpp
+
+            log(f"llama.cpp: llama-cpp-python {llama_cpp.__version__}, {threads} threads")
+            eng = LlamaCpp(gguf, threads)
         except Exception as e:
-            log(f"kvmesh failed: {e}")
-            res["kvmesh"] = {"error": str(e)}
+            log(f"llama.cpp failed: {type(e).__name__}: {e}")
+            res["llama.cpp"] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        for r in range(args.rounds):
+            log(f"round {r + 1} of {args.rounds}")
+            if eng is not None and "llama.cpp" not in res:
+                try:
+                    rounds["llama.cpp"].append(
+                        llama_cpp_round(eng, ids, args.repeats, args.decode_tokens, warm_up=r == 0))
+                except Exception as e:
+                    log(f"llama.cpp failed: {type(e).__name__}: {e}")
+                    res["llama.cpp"] = {"error": f"{type(e).__name__}: {e}"}
+            if "kvmesh" not in skip and "kvmesh" not in res:
+                try:
+                    rounds["kvmesh"].append(
+                        run_kvmesh(kvmesh_path, gguf, threads, args.repeats, args.decode_tokens))
+                    log(f"kvmesh: {rounds['kvmesh'][-1]}")
+                except Exception as e:
+                    log(f"kvmesh failed: {e}")
+                    res["kvmesh"] = {"error": str(e)}
+    finally:
+        if eng is not None:
+            eng.close()
+    for name, rs in rounds.items():
+        if name in res or not rs:
+            continue
+        res[name] = {key: statistics.median(r[key] for r in rs) for key, _ in ROWS}
+        res[name]["rounds"] = [{key: round(r[key], 1) for key, _ in ROWS} for r in rs]
+        res[name]["info"] = rs[0].get("info") or llama_cpp_info()
     for r in res.values():
         for key, _ in ROWS:
             if isinstance(r.get(key), float):
@@ -528,6 +575,7 @@ def measure(args):
         "decode_tokens": args.decode_tokens,
         "batch": BATCH,
         "repeats": args.repeats,
+        "rounds": args.rounds,
         "results": res,
         "goals": goals(res),
     }
@@ -547,13 +595,15 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="threads for every engine (default: the number of cores)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is reported")
     ap.add_argument("--decode-tokens", type=int, default=64, help="tokens each sequence decodes")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds in which llama.cpp and kvmesh take turns (the goals use each round's own ratio)")
     ap.add_argument("--skip", action="append", default=[], help=f"leave out a peer (repeat or comma list): {', '.join(PEERS)}")
     ap.add_argument("--kvmesh", default=None, help="the kvmesh binary (default: target/release/kvmesh, built if missing)")
     ap.add_argument("--gguf", default=str(DEFAULT_GGUF), help="the model (default: the cached SmolLM2 Q4_1 GGUF; env KVMESH_GGUF)")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
     args = ap.parse_args()
-    if args.repeats < 1 or args.decode_tokens < 1:
-        sys.exit("--repeats and --decode-tokens must be at least 1")
+    if args.repeats < 1 or args.decode_tokens < 1 or args.rounds < 1:
+        sys.exit("--repeats, --decode-tokens and --rounds must be at least 1")
     if not in_venv():
         py = ensure_venv()
         log(f"running in the virtual environment: {py}")
