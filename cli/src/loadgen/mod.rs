@@ -53,7 +53,7 @@ mod tests;
 mod workload;
 
 use dist::LenDist;
-use stats::Summary;
+use stats::{Sample, Summary};
 use workload::{check_lengths, one_token_words, Workload, WorkloadSpec};
 
 /// Measured requests when neither `--requests` nor `--duration` is given.
@@ -110,6 +110,13 @@ pub struct BenchArgs {
     /// (chunked-prefill scheduler) and report both, with ratios.
     #[arg(long)]
     reference: bool,
+    /// Targets take turns (the mesh, the mesh with checks off, the
+    /// reference) over this many rounds, each running the whole workload
+    /// (--requests, after --warmup) every round; a target's figures pool its
+    /// rounds. A slow spell of a shared host then falls on every target,
+    /// not on whichever ran during it.
+    #[arg(long, default_value_t = 1, conflicts_with = "duration")]
+    rounds: usize,
     /// The reference scheduler's token budget per step.
     #[arg(long, default_value_t = 256)]
     ref_step_tokens: usize,
@@ -151,7 +158,7 @@ pub(crate) enum Mode {
 }
 
 /// Everything a target's run needs; both targets get the same.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Load {
     pub(crate) mode: Mode,
     pub(crate) duration: Option<Duration>,
@@ -281,7 +288,7 @@ fn run_mesh(
     model_path: &std::path::Path,
     kv_pool_tokens: usize,
     extra: &[String],
-) -> Result<Summary> {
+) -> Result<Vec<Sample>> {
     let (mut child, addr) = match &a.url {
         Some(u) => (None, host_port(u)),
         None => {
@@ -304,13 +311,16 @@ fn run_mesh(
     // The mesh stops before anything else runs: targets never share cores.
     drop(child);
     drop(rt);
-    Ok(Summary::of(samples))
+    Ok(samples)
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
     let prompt_len = LenDist::parse("--prompt-len", &a.prompt_len).map_err(anyhow::Error::msg)?;
     let output_len = LenDist::parse("--output-len", &a.output_len).map_err(anyhow::Error::msg)?;
     let (mode, requests, duration) = mode_of(&a)?;
+    if a.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
     let model_path = match &a.model.model {
         Some(p) => p.clone(),
         None => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))?,
@@ -355,41 +365,56 @@ pub fn run(a: BenchArgs) -> Result<()> {
         .kv_pool_tokens
         .unwrap_or_else(|| in_flight.saturating_mul(longest).max(max_model_len));
 
-    let mesh = run_mesh(&a, &load, &model_path, kv_pool_tokens, &[])?;
-    let unchecked = if a.compare_safety {
-        eprintln!("bench: the same workload with the KV checks off (--plant-bug no-kv-checks)");
-        let off = ["--plant-bug".to_owned(), "no-kv-checks".to_owned()];
-        Some(run_mesh(&a, &load, &model_path, kv_pool_tokens, &off)?)
-    } else {
-        None
-    };
-
-    let reference = if a.reference {
-        eprintln!("bench: the same workload on the reference engine");
+    // The reference engine is loaded once and idles while the mesh runs.
+    let sched = if a.reference {
         let mut model = a.model.clone();
         model.model = Some(model_path.clone());
         model.kv_pool_tokens = Some(kv_pool_tokens);
         let engine = Arc::new(model.load_engine()?);
-        let sched = Scheduler::start(
+        Some(Scheduler::start(
             engine,
             SchedulerConfig {
                 step_tokens: a.ref_step_tokens,
                 max_running: a.ref_max_running,
                 queue: REFERENCE_QUEUE,
             },
-        )?;
-        let samples = reference::run(&sched, &load)?;
-        sched.shutdown();
-        Some(Summary::of(samples))
+        )?)
     } else {
         None
     };
+    let off = ["--plant-bug".to_owned(), "no-kv-checks".to_owned()];
+    let (mut mesh, mut unchecked, mut reference) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 1..=a.rounds {
+        if a.rounds > 1 {
+            eprintln!("bench: round {round} of {}", a.rounds);
+        }
+        mesh.push(run_mesh(&a, &load, &model_path, kv_pool_tokens, &[])?);
+        if a.compare_safety {
+            eprintln!("bench: the same workload with the KV checks off (--plant-bug no-kv-checks)");
+            unchecked.push(run_mesh(&a, &load, &model_path, kv_pool_tokens, &off)?);
+        }
+        if let Some(sched) = &sched {
+            eprintln!("bench: the same workload on the reference engine");
+            reference.push(reference::run(sched, &load)?);
+        }
+    }
+    if let Some(sched) = sched {
+        sched.shutdown();
+    }
+    let mesh = Summary::of_rounds(mesh);
+    let unchecked = a.compare_safety.then(|| Summary::of_rounds(unchecked));
+    let reference = a.reference.then(|| Summary::of_rounds(reference));
 
     let name = model_path.file_name().map_or_else(
         || model_path.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    let title = format!("kvmesh bench: {}, model {name}", load.describe());
+    let rounds = if a.rounds > 1 {
+        format!(", {} rounds (targets take turns)", a.rounds)
+    } else {
+        String::new()
+    };
+    let title = format!("kvmesh bench: {}{rounds}, model {name}", load.describe());
     print!("{}", stats::table(&title, &mesh, reference.as_ref()));
     if let Some(off) = &unchecked {
         let t = stats::table_of(

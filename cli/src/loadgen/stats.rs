@@ -123,19 +123,34 @@ pub(crate) struct Summary {
 }
 
 impl Summary {
-    pub(crate) fn of(mut samples: Vec<Sample>) -> Self {
+    /// One run's samples.
+    #[cfg(test)]
+    pub(crate) fn of(samples: Vec<Sample>) -> Self {
+        Self::of_rounds(vec![samples])
+    }
+
+    /// A target's samples over several rounds (other targets ran between
+    /// them): latencies pool every round, rates divide by the sum of the
+    /// rounds' own spans (first send to last end of each).
+    pub(crate) fn of_rounds(rounds: Vec<Vec<Sample>>) -> Self {
+        let duration_s = rounds
+            .iter()
+            .map(|r| {
+                let start = r.iter().map(|s| s.sent).min();
+                let end = r.iter().map(|s| s.end).max();
+                match (start, end) {
+                    (Some(a), Some(b)) => (b - a).as_secs_f64(),
+                    _ => 0.0,
+                }
+            })
+            .sum();
+        let mut samples: Vec<Sample> = rounds.into_iter().flatten().collect();
         samples.sort_by_key(|s| s.index);
         let done = || samples.iter().filter(|s| s.error.is_none());
         let mut errors = BTreeMap::new();
         for e in samples.iter().filter_map(|s| s.error.as_ref()) {
             *errors.entry(e.clone()).or_insert(0) += 1;
         }
-        let start = samples.iter().map(|s| s.sent).min();
-        let end = samples.iter().map(|s| s.end).max();
-        let duration_s = match (start, end) {
-            (Some(a), Some(b)) => (b - a).as_secs_f64(),
-            _ => 0.0,
-        };
         Self {
             requests: samples.len(),
             completed: done().count(),

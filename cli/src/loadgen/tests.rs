@@ -145,6 +145,37 @@ fn sample(index: usize, output_len: usize, output_tokens: usize, error: Option<&
     }
 }
 
+/// Rounds pool their latencies, and their rates count only the rounds' own
+/// spans, not the time other targets ran in between.
+#[test]
+fn rounds_pool_latencies_and_rate_over_their_own_spans() {
+    let at = |s: Sample, from_ms: u64, to_ms: u64, base: Instant| Sample {
+        sent: base + Duration::from_millis(from_ms),
+        end: base + Duration::from_millis(to_ms),
+        ..s
+    };
+    let base = Instant::now();
+    // Round 1 spans 0-1000 ms, round 2 spans 5000-6000 ms (another target
+    // ran from 1000 to 5000): 2 s of this target's time, not 6.
+    let s = Summary::of_rounds(vec![
+        vec![
+            at(sample(0, 8, 8, None), 0, 500, base),
+            at(sample(1, 8, 8, None), 500, 1000, base),
+        ],
+        vec![
+            at(sample(0, 8, 8, None), 5000, 5500, base),
+            at(sample(1, 8, 8, None), 5500, 6000, base),
+        ],
+    ]);
+    assert_eq!((s.requests, s.completed), (4, 4));
+    assert!((s.duration_s - 2.0).abs() < 1e-9, "{}", s.duration_s);
+    assert!((s.requests_per_s() - 2.0).abs() < 1e-9);
+    assert!((s.output_tokens_per_s() - 16.0).abs() < 1e-9);
+    // TTFTs 10 and 20 ms in each round: all four pooled.
+    let ttft = s.ttft.expect("ttft");
+    assert!((ttft.mean - 15.0).abs() < 1e-9, "{ttft:?}");
+}
+
 #[test]
 fn a_summary_counts_only_completed_requests() {
     let s = Summary::of(vec![
