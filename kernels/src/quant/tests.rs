@@ -218,6 +218,34 @@ fn results_do_not_depend_on_the_batch() {
     }
 }
 
+/// A call longer than one row block (activations of 48 rows of 1,536 are
+/// one block) runs its blocks and panels as one parallel section, the last
+/// block short and the last panel partial: every row still equals itself
+/// computed alone, or in a batch inside one block.
+#[test]
+fn row_blocks_and_partial_panels_do_not_change_results() {
+    for format in [QFormat::Q4_1, QFormat::Q8_0] {
+        let mut rng = Rng(11);
+        let (n, k, rows) = (130, 1536, 101);
+        let w = random_matrix(&mut rng, format, n, k);
+        let x = random_acts(&mut rng, rows, k);
+        for kernel in kernels() {
+            let mut whole = vec![0.0; rows * n];
+            matmul_with(kernel, &w, &x, rows, &mut whole);
+            for (from, to) in [(0, 1), (47, 48), (48, 49), (100, 101), (40, 60), (96, 101)] {
+                let part_rows = to - from;
+                let mut part = vec![0.0; part_rows * n];
+                matmul_with(kernel, &w, &x[from * k..to * k], part_rows, &mut part);
+                assert_eq!(
+                    bits(&part),
+                    bits(&whole[from * n..to * n]),
+                    "{format:?} {kernel:?}: rows {from}..{to} differ in a {rows}-row call"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn stack_and_permute_move_whole_rows() {
     let mut rng = Rng(13);
