@@ -61,7 +61,10 @@ pub fn swiglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
 /// The portable path from column `from` of every row on (the AVX2 path's
 /// tail, and the whole of it elsewhere).
 fn portable(gate_up: &[f32], width: usize, out: &mut [f32], from: usize) {
-    for (gu, o) in gate_up.chunks_exact(2 * width).zip(out.chunks_exact_mut(width)) {
+    for (gu, o) in gate_up
+        .chunks_exact(2 * width)
+        .zip(out.chunks_exact_mut(width))
+    {
         let (g, u) = gu.split_at(width);
         for j in from..width {
             o[j] = g[j] / (1.0 + exp(-g[j])) * u[j];
@@ -88,7 +91,10 @@ mod x86 {
     pub(super) unsafe fn swiglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
         let whole = width / 8 * 8;
         let (one, sign) = (_mm256_set1_ps(1.0), _mm256_set1_ps(-0.0));
-        for (gu, o) in gate_up.chunks_exact(2 * width).zip(out.chunks_exact_mut(width)) {
+        for (gu, o) in gate_up
+            .chunks_exact(2 * width)
+            .zip(out.chunks_exact_mut(width))
+        {
             let (g, u) = gu.split_at(width);
             for j in (0..whole).step_by(8) {
                 // SAFETY: j + 8 <= width, inside each of the three rows.
@@ -141,7 +147,10 @@ mod tests {
         );
         for t in 0..rows {
             for j in 0..width {
-                let (g, u) = (gate_up[t * 2 * width + j], gate_up[t * 2 * width + width + j]);
+                let (g, u) = (
+                    gate_up[t * 2 * width + j],
+                    gate_up[t * 2 * width + width + j],
+                );
                 let want = g as f64 / (1.0 + (-g as f64).exp()) * u as f64;
                 let got = fast[t * width + j] as f64;
                 assert!(

@@ -285,7 +285,12 @@ unsafe fn softmax(s: &mut [f32]) {
     let iv = _mm256_set1_ps(inv);
     for c in body.chunks_exact_mut(8) {
         // SAFETY: as above.
-        unsafe { _mm256_storeu_ps(c.as_mut_ptr(), _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), iv)) };
+        unsafe {
+            _mm256_storeu_ps(
+                c.as_mut_ptr(),
+                _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), iv),
+            )
+        };
     }
     for v in tail.iter_mut() {
         *v *= inv;

@@ -79,7 +79,11 @@ pub(super) fn matmul(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &
     let block = rows.min((ROW_BLOCK_BYTES / (4 * k.max(1))).max(WIDE_ROWS));
     let rb = w.row_bytes();
     let ptr = OutPtr(out.as_mut_ptr());
-    let prows = if block >= WIDE_ROWS { WIDE_PANEL } else { PANEL };
+    let prows = if block >= WIDE_ROWS {
+        WIDE_PANEL
+    } else {
+        PANEL
+    };
     let panels = n.div_ceil(prows);
     // Task `i`: rows of block `i / panels` against panel `i % panels`, so a
     // thread's consecutive tasks share their activations.
@@ -156,9 +160,7 @@ impl Kernel {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: features as above; `out` by the caller.
-            Self::Avx2 => unsafe {
-                x86::panel(x, rows, k, panel, prows, live, out, stride, ahead)
-            },
+            Self::Avx2 => unsafe { x86::panel(x, rows, k, panel, prows, live, out, stride, ahead) },
             _ => {
                 let _ = ahead; // no prefetch hints on the portable path
                 for t in 0..rows {
