@@ -21,6 +21,7 @@ mod bench;
 mod bench_router;
 mod config;
 mod loadgen;
+mod percentile;
 mod serve;
 mod soak;
 

@@ -1,16 +1,7 @@
-//! Percentiles, and the table and JSON of a run.
+//! Percentiles (`crate::percentile`), and the table and JSON of a run.
 
 use super::*;
-
-/// Nearest-rank percentile `p` (in (0, 100]) of `sorted` (ascending);
-/// `None` when there is no sample.
-pub(super) fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
-    Some(sorted[rank.clamp(1, sorted.len()) - 1])
-}
+use crate::percentile::percentile;
 
 /// p50, p90 and p99 of some samples, in their unit.
 #[derive(Clone, Copy, Debug, PartialEq)]

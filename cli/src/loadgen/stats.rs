@@ -1,4 +1,4 @@
-//! What one request measured, the summary of a run, percentiles, and the
+//! What one request measured, the summary of a run, and the
 //! report as a table and as JSON.
 
 use std::collections::BTreeMap;
@@ -6,6 +6,8 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use serde_json::{json, Value};
+
+use crate::percentile::percentile;
 
 /// One measured request, as its client saw it.
 #[derive(Clone, Debug)]
@@ -56,16 +58,6 @@ pub(crate) fn timings(sent: Instant, arrivals: &[(Instant, usize)]) -> (Option<f
         itl.extend(std::iter::repeat_n(gap, k));
     }
     (Some((first - sent).as_secs_f64()), itl)
-}
-
-/// Percentile `p` (0 to 100) of ascending `sorted`, interpolating
-/// linearly between the two nearest ranks (numpy's default, as vLLM's
-/// benchmark reports); `None` without samples.
-pub(crate) fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
-    let last = sorted.len().checked_sub(1)?;
-    let pos = (p / 100.0).clamp(0.0, 1.0) * last as f64;
-    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
-    Some(sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64))
 }
 
 /// p50, p90, p99 and mean, in milliseconds.
