@@ -15,67 +15,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
-use http_body_util::BodyExt;
 use kvmesh_model::TextTokenizer;
 use serde_json::{json, Value};
 
 use super::stats::{timings, Sample};
 use super::workload::{Arrivals, RequestSpec, Workload};
 use super::{Load, Mode};
-use crate::soak::client::{read_all, send};
-
-/// A line of an event stream longer than this is refused (the stream is
-/// counted broken) rather than buffered without bound.
-const MAX_SSE_LINE: usize = 1 << 20;
-
-/// The `data` of server-sent events, read off a response body.
-struct SseReader {
-    body: hyper::body::Incoming,
-    buf: Vec<u8>,
-    data: String,
-}
-
-impl SseReader {
-    fn new(body: hyper::body::Incoming) -> Self {
-        Self {
-            body,
-            buf: Vec::new(),
-            data: String::new(),
-        }
-    }
-
-    /// The next event's data; `Ok(None)` when the body ends.
-    async fn next(&mut self) -> Result<Option<String>, String> {
-        loop {
-            while let Some(nl) = self.buf.iter().position(|&b| b == b'\n') {
-                let raw: Vec<u8> = self.buf.drain(..=nl).collect();
-                let line = String::from_utf8_lossy(&raw);
-                let line = line.trim_end_matches(['\n', '\r']);
-                if let Some(d) = line.strip_prefix("data:") {
-                    if !self.data.is_empty() {
-                        self.data.push('\n');
-                    }
-                    self.data.push_str(d.strip_prefix(' ').unwrap_or(d));
-                } else if line.is_empty() && !self.data.is_empty() {
-                    return Ok(Some(std::mem::take(&mut self.data)));
-                }
-                // Otherwise a comment (keep-alive) or another field.
-            }
-            if self.buf.len() > MAX_SSE_LINE || self.data.len() > MAX_SSE_LINE {
-                return Err("an SSE line over 1 MiB".into());
-            }
-            match self.body.frame().await {
-                None => return Ok(None),
-                Some(Err(e)) => return Err(format!("stream cut: {e}")),
-                Some(Ok(f)) => {
-                    if let Ok(d) = f.into_data() {
-                        self.buf.extend_from_slice(&d);
-                    }
-                }
-            }
-        }
-    }
-}
+use crate::soak::client::{read_all, send, SseReader};
 
 /// What a stream delivered.
 #[derive(Default)]

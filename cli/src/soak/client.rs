@@ -68,6 +68,60 @@ pub(crate) async fn send(
     Ok((resp, guard))
 }
 
+/// A line of an event stream longer than this is refused (the stream is
+/// counted broken) rather than buffered without bound.
+const MAX_SSE_LINE: usize = 1 << 20;
+
+/// The `data` of server-sent events, read off a response body (the soak
+/// client's and the load generator's streams).
+pub(crate) struct SseReader {
+    body: hyper::body::Incoming,
+    buf: Vec<u8>,
+    data: String,
+}
+
+impl SseReader {
+    pub(crate) fn new(body: hyper::body::Incoming) -> Self {
+        Self {
+            body,
+            buf: Vec::new(),
+            data: String::new(),
+        }
+    }
+
+    /// The next event's data; `Ok(None)` when the body ends.
+    pub(crate) async fn next(&mut self) -> Result<Option<String>, String> {
+        loop {
+            while let Some(nl) = self.buf.iter().position(|&b| b == b'\n') {
+                let raw: Vec<u8> = self.buf.drain(..=nl).collect();
+                let line = String::from_utf8_lossy(&raw);
+                let line = line.trim_end_matches(['\n', '\r']);
+                if let Some(d) = line.strip_prefix("data:") {
+                    if !self.data.is_empty() {
+                        self.data.push('\n');
+                    }
+                    self.data.push_str(d.strip_prefix(' ').unwrap_or(d));
+                } else if line.is_empty() && !self.data.is_empty() {
+                    return Ok(Some(std::mem::take(&mut self.data)));
+                }
+                // Otherwise a comment (keep-alive) or another field.
+            }
+            if self.buf.len() > MAX_SSE_LINE || self.data.len() > MAX_SSE_LINE {
+                return Err("an SSE line over 1 MiB".into());
+            }
+            match self.body.frame().await {
+                None => return Ok(None),
+                Some(Err(e)) => return Err(format!("stream cut: {e}")),
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        self.buf.extend_from_slice(&d);
+                    }
+                }
+            }
+        }
+    }
+}
+
 pub(crate) async fn read_all(
     resp: hyper::Response<hyper::body::Incoming>,
 ) -> Result<String, String> {
@@ -197,62 +251,39 @@ pub(super) async fn one_request(addr: &str, r: &Reference, plan: Plan) -> Ending
         drop(guard);
         return Ending::Disconnected;
     }
-    let mut body = resp.into_body();
-    let mut buf: Vec<u8> = Vec::new();
-    let mut data = String::new();
+    let mut sse = SseReader::new(resp.into_body());
     let mut events = 0usize;
     let mut text = String::new();
     let mut finish: Option<String> = None;
     loop {
-        while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
-            let raw: Vec<u8> = buf.drain(..=nl).collect();
-            let line = String::from_utf8_lossy(&raw);
-            let line = line.trim_end_matches(['\n', '\r']);
-            if let Some(d) = line.strip_prefix("data:") {
-                if !data.is_empty() {
-                    data.push('\n');
-                }
-                data.push_str(d.strip_prefix(' ').unwrap_or(d));
-                continue;
-            }
-            if !line.is_empty() || data.is_empty() {
-                // Comments (keep-alives), other fields, empty events.
-                continue;
-            }
-            let event = std::mem::take(&mut data);
-            if event == "[DONE]" {
-                return match finish {
-                    Some(finish) => Ending::Completed { text, finish },
-                    None => Ending::Broken("[DONE] without a finish_reason".into()),
-                };
-            }
-            let Ok(v) = serde_json::from_str::<Value>(&event) else {
-                return Ending::Broken("an SSE event that is not JSON".into());
+        let event = match sse.next().await {
+            Ok(Some(event)) => event,
+            Ok(None) => return Ending::Broken("the stream ended without [DONE]".into()),
+            Err(e) => return Ending::Broken(e),
+        };
+        if event == "[DONE]" {
+            return match finish {
+                Some(finish) => Ending::Completed { text, finish },
+                None => Ending::Broken("[DONE] without a finish_reason".into()),
             };
-            if v.get("error").is_some() {
-                let (kind, message) = error_kind(&v);
-                return Ending::SseError { kind, message };
-            }
-            let c = &v["choices"][0];
-            text.push_str(choice_text(c));
-            if let Some(f) = c["finish_reason"].as_str() {
-                finish = Some(f.to_owned());
-            }
-            events += 1;
-            if finish.is_none() && plan.disconnect_after.is_some_and(|k| events >= k) {
-                drop(body);
-                drop(guard);
-                return Ending::Disconnected;
-            }
         }
-        match body.frame().await {
-            None => return Ending::Broken("the stream ended without [DONE]".into()),
-            Some(Err(e)) => return Ending::Broken(format!("stream cut: {e}")),
-            Some(Ok(f)) => {
-                if let Ok(d) = f.into_data() {
-                    buf.extend_from_slice(&d);
-                }
-            }
+        let Ok(v) = serde_json::from_str::<Value>(&event) else {
+            return Ending::Broken("an SSE event that is not JSON".into());
+        };
+        if v.get("error").is_some() {
+            let (kind, message) = error_kind(&v);
+            return Ending::SseError { kind, message };
+        }
+        let c = &v["choices"][0];
+        text.push_str(choice_text(c));
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = Some(f.to_owned());
+        }
+        events += 1;
+        if finish.is_none() && plan.disconnect_after.is_some_and(|k| events >= k) {
+            drop(sse);
+            drop(guard);
+            return Ending::Disconnected;
         }
     }
 }
