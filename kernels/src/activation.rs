@@ -12,26 +12,38 @@
 //! C library's `expf` took 2% of a prompt's time on its own; reads the
 //! projection's stacked `[gate | up]` rows in place (no split copy).
 
-/// `e^x` as `simd::exp` computes it, on one value: clamp to
-/// `[-87.3, 88.3]`, `n = round(x * log2 e)` (ties to even), `r = x - n ln 2`
-/// in two steps, a degree-6 polynomial in `r`, times `2^n`. About 2 ulp.
-pub fn exp(x: f32) -> f32 {
-    // Not `clamp`: a NaN becomes -87.3 here, as `_mm256_max_ps` makes it.
-    #[allow(clippy::manual_clamp)]
-    let x = x.max(-87.3).min(88.3);
-    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
-    let r = (-n).mul_add(0.693_359_4, x);
-    let r = (-n).mul_add(-2.121_944_4e-4, r);
-    let mut y = 1.987_569_1e-4f32;
-    for c in [
+/// The constants of `e^x` ([`exp`] and its AVX2 build `simd::exp`, one
+/// definition so the two stay the same arithmetic).
+pub(crate) mod exp_consts {
+    /// Inputs are clamped to `[MIN, MAX]` (the result stays a normal float).
+    pub(crate) const MIN: f32 = -87.3;
+    /// See [`MIN`].
+    pub(crate) const MAX: f32 = 88.3;
+    /// `ln 2` in two parts, high then low (Cody-Waite reduction).
+    pub(crate) const LN2: [f32; 2] = [0.693_359_4, -2.121_944_4e-4];
+    /// The polynomial's coefficients, highest degree first (Horner).
+    pub(crate) const POLY: [f32; 6] = [
+        1.987_569_1e-4,
         1.398_199_9e-3,
         8.333_452e-3,
         4.166_579_6e-2,
         0.166_666_65,
         0.5,
-    ] {
-        y = y.mul_add(r, c);
-    }
+    ];
+}
+
+/// `e^x` as `simd::exp` computes it, on one value: clamp to
+/// `[-87.3, 88.3]`, `n = round(x * log2 e)` (ties to even), `r = x - n ln 2`
+/// in two steps, a degree-6 polynomial in `r`, times `2^n`. About 2 ulp.
+pub fn exp(x: f32) -> f32 {
+    use exp_consts::{LN2, MAX, MIN, POLY};
+    // Not `clamp`: a NaN becomes MIN here, as `_mm256_max_ps` makes it.
+    #[allow(clippy::manual_clamp)]
+    let x = x.max(MIN).min(MAX);
+    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+    let r = (-n).mul_add(LN2[0], x);
+    let r = (-n).mul_add(LN2[1], r);
+    let y = POLY[1..].iter().fold(POLY[0], |y, &c| y.mul_add(r, c));
     let y = y.mul_add(r * r, r + 1.0);
     // n is in [-126, 128]: the biased exponent n + 127 fits the field.
     let e = f32::from_bits(((n as i32 + 127) as u32) << 23);

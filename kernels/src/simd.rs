@@ -21,24 +21,16 @@ pub(crate) fn hsum(v: __m256) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn exp(x: __m256) -> __m256 {
-    let x = _mm256_min_ps(
-        _mm256_max_ps(x, _mm256_set1_ps(-87.3)),
-        _mm256_set1_ps(88.3),
-    );
+    use crate::activation::exp_consts::{LN2, MAX, MIN, POLY};
+    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(MIN)), _mm256_set1_ps(MAX));
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
         x,
         _mm256_set1_ps(std::f32::consts::LOG2_E),
     ));
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2[0]), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2[1]), r);
+    let mut y = _mm256_set1_ps(POLY[0]);
+    for &c in &POLY[1..] {
         y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
     }
     let y = _mm256_fmadd_ps(

@@ -109,13 +109,9 @@ impl Projection {
             Kind::Quant(w) => {
                 let total = w.rows();
                 if let [out] = outs {
-                    // The kernel writes every element: no clearing needed.
-                    out.resize(rows * total, 0.0);
-                    quant::matmul(w, x, rows, out);
-                    return Ok(());
+                    return self.apply_stacked(x, rows, out);
                 }
-                stacked.resize(rows * total, 0.0);
-                quant::matmul(w, x, rows, stacked);
+                self.apply_stacked(x, rows, stacked)?;
                 for (out, &width) in outs.iter_mut().zip(&self.widths) {
                     out.clear();
                     out.reserve(rows * width);
@@ -132,7 +128,6 @@ impl Projection {
         Ok(())
     }
 
-    /// A single matrix into a fresh vector (the vocabulary projection).
     /// Every part's output side by side in one buffer: row `t` of `out` is
     /// part 0's row `t`, then part 1's, and so on (the layout a stacked
     /// quantized matrix produces directly, with no split copy).
@@ -158,6 +153,7 @@ impl Projection {
         Ok(())
     }
 
+    /// A single matrix into a fresh vector (the vocabulary projection).
     pub(crate) fn apply_one(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         let mut out = Vec::new();
         self.apply_into(x, rows, &mut [&mut out], &mut Vec::new())?;

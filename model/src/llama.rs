@@ -270,9 +270,7 @@ impl Llama {
                 layer_done,
                 &mut ws,
             );
-            let x = std::mem::take(&mut ws.x);
-            let out = r.and_then(|()| self.logits(batch, &spans, &mut failed, &x));
-            ws.x = x;
+            let out = r.and_then(|()| self.logits(batch, &spans, &mut failed, &ws.x));
             WORKSPACE.with_borrow_mut(|w| *w = ws);
             out
         })

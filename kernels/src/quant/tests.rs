@@ -204,17 +204,33 @@ fn results_do_not_depend_on_the_batch() {
             matmul_with(kernel, &w, &x, 53, &mut whole);
             // Single rows (fused), pairs (fused), odd groups (panel tiles
             // with a lone row), and a smaller panel batch.
-            for (from, to) in [(0, 1), (52, 53), (10, 12), (3, 10), (20, 36), (0, 47)] {
-                let rows = to - from;
-                let mut part = vec![0.0; rows * n];
-                matmul_with(kernel, &w, &x[from * k..to * k], rows, &mut part);
-                assert_eq!(
-                    bits(&part),
-                    bits(&whole[from * n..to * n]),
-                    "{format:?} {kernel:?}: rows {from}..{to} differ batched"
-                );
-            }
+            let parts = [(0, 1), (52, 53), (10, 12), (3, 10), (20, 36), (0, 47)];
+            assert_parts_equal_whole(kernel, &w, &x, &whole, &parts);
         }
+    }
+}
+
+/// Rows `from..to` of `x` run on their own give, to the bit, the rows of
+/// `whole` (all of `x` in one call).
+fn assert_parts_equal_whole(
+    kernel: Kernel,
+    w: &QMatrix,
+    x: &[f32],
+    whole: &[f32],
+    parts: &[(usize, usize)],
+) {
+    let (n, k) = (w.rows(), w.cols());
+    for &(from, to) in parts {
+        let rows = to - from;
+        let mut part = vec![0.0; rows * n];
+        matmul_with(kernel, w, &x[from * k..to * k], rows, &mut part);
+        assert_eq!(
+            bits(&part),
+            bits(&whole[from * n..to * n]),
+            "{:?} {kernel:?}: rows {from}..{to} differ from the {}-row call",
+            w.format(),
+            x.len() / k
+        );
     }
 }
 
@@ -232,16 +248,8 @@ fn row_blocks_and_partial_panels_do_not_change_results() {
         for kernel in kernels() {
             let mut whole = vec![0.0; rows * n];
             matmul_with(kernel, &w, &x, rows, &mut whole);
-            for (from, to) in [(0, 1), (47, 48), (48, 49), (100, 101), (40, 60), (96, 101)] {
-                let part_rows = to - from;
-                let mut part = vec![0.0; part_rows * n];
-                matmul_with(kernel, &w, &x[from * k..to * k], part_rows, &mut part);
-                assert_eq!(
-                    bits(&part),
-                    bits(&whole[from * n..to * n]),
-                    "{format:?} {kernel:?}: rows {from}..{to} differ in a {rows}-row call"
-                );
-            }
+            let parts = [(0, 1), (47, 48), (48, 49), (100, 101), (40, 60), (96, 101)];
+            assert_parts_equal_whole(kernel, &w, &x, &whole, &parts);
         }
     }
 }
