@@ -152,13 +152,6 @@ impl Projection {
         }
         Ok(())
     }
-
-    /// A single matrix into a fresh vector (the vocabulary projection).
-    pub(crate) fn apply_one(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
-        let mut out = Vec::new();
-        self.apply_into(x, rows, &mut [&mut out], &mut Vec::new())?;
-        Ok(out)
-    }
 }
 
 fn dense_all(parts: &[&Matrix]) -> Result<Vec<Tensor>> {
