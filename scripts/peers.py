@@ -42,7 +42,8 @@ Measurements:
 The prompt tokens are the filler text of `kvmesh bench-engine` (cli/src/bench.rs),
 tokenized by llama.cpp and repeated to length; the same ids go to every engine.
 Threads: llama.cpp n_threads and n_threads_batch, torch.set_num_threads, and
-RAYON_NUM_THREADS for kvmesh.
+RAYON_NUM_THREADS for kvmesh. KV cache: f16 in llama.cpp (its default) and in
+kvmesh (`--kv-cache-dtype auto` with quantized weights); f32 in transformers.
 
 Output: a table (rows: the three measurements; columns: kvmesh, llama.cpp,
 transformers, kvmesh/llama.cpp), the goals (decode b1 >= 1.5x llama.cpp's b1;
@@ -213,7 +214,7 @@ def run_kvmesh(kvmesh, gguf, threads, repeats, decode_tokens):
         "prefill": v["prefill_tokens_per_s"],
         "decode_b1": decode.get(1),
         f"decode_b{BATCH}": decode.get(BATCH),
-        "info": {"mode": v.get("mode"), "threads": v.get("threads"), "binary": str(kvmesh)},
+        "info": {"mode": v.get("mode"), "kv_dtype": v.get("kv_dtype"), "threads": v.get("threads"), "binary": str(kvmesh)},
     }
 
 

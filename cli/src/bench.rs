@@ -61,6 +61,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .filter(|&n| n > 0)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let mode = engine.model().mode();
+    let kv = engine.pool().config().dtype;
 
     let prompt = filler(&engine, args.prompt_tokens)?;
     let mut prefill = Vec::new();
@@ -104,12 +105,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .map(|(b, r)| format!("{{\"batch\":{b},\"tokens_per_s\":{r:.1}}}"))
             .collect();
         println!(
-            "{{\"threads\":{threads},\"mode\":\"{mode}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},\"decode\":[{}]}}",
+            "{{\"threads\":{threads},\"mode\":\"{mode}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},\"decode\":[{}]}}",
             args.prompt_tokens,
             decode_json.join(",")
         );
     } else {
-        println!("kvmesh bench-engine  (mode {mode}, {threads} threads, median of {repeats})");
+        println!(
+            "kvmesh bench-engine  (mode {mode}, KV {kv}, {threads} threads, median of {repeats})"
+        );
         println!("{:<28} {:>12}", "measurement", "tokens/s");
         println!(
             "{:<28} {:>12.1}",

@@ -6,6 +6,7 @@
 //! model: /models/SmolLM2-135M-Instruct.Q4_1.gguf   # omit: the default model
 //! max_model_len: 2048          # omit: the model's
 //! exact: false                 # true: f32 weights (default: GGUF blocks as stored)
+//! kv_cache_dtype: auto         # f16 or f32; auto: f16 with quantized weights, f32 exact
 //! page_size: 16
 //! transport: tcp               # or shm (prefill and decode on one host)
 //! allow_small_pool: false
@@ -55,6 +56,11 @@ pub struct MeshConfig {
     /// decode node would have computed itself.
     #[serde(default)]
     pub exact: bool,
+    /// Element type of every node's KV pool: `auto` (f16 with quantized
+    /// weights, f32 in the exact mode), `f16` or `f32`. One for the whole
+    /// mesh: a prefill node refuses grants of another dtype.
+    #[serde(default = "default_kv_cache_dtype")]
+    pub kv_cache_dtype: String,
     /// Token slots per page.
     #[serde(default = "default_page_size")]
     pub page_size: usize,
@@ -198,7 +204,20 @@ fn host_port(file: &Path, field: &str, v: &str) -> Result<()> {
     }
 }
 
+fn default_kv_cache_dtype() -> String {
+    "auto".into()
+}
+
 impl MeshConfig {
+    /// The KV pool element type of every node (`None`: auto); the file was
+    /// validated, so the value parses.
+    pub fn kv_dtype(&self) -> Option<kvmesh_kvxfer::KvDtype> {
+        self.kv_cache_dtype
+            .parse::<crate::KvCacheDtype>()
+            .ok()
+            .and_then(|d| d.0)
+    }
+
     /// The precision every node loads the model in.
     pub fn precision(&self) -> kvmesh_model::Precision {
         if self.exact {
@@ -259,6 +278,9 @@ impl MeshConfig {
     }
 
     fn validate(&self, file: &Path) -> Result<()> {
+        if let Err(e) = self.kv_cache_dtype.parse::<crate::KvCacheDtype>() {
+            bail!(refuse(file, "kv_cache_dtype", &self.kv_cache_dtype, &e));
+        }
         if self.page_size == 0 {
             bail!(refuse(file, "page_size", "0", "must be at least 1"));
         }

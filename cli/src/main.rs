@@ -31,7 +31,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use kvmesh_kvxfer::ScrubMode;
+use kvmesh_kvxfer::{KvDtype, ScrubMode};
 use kvmesh_model::default_model;
 use kvmesh_model::engine::{Engine, EngineConfig, Generation, Prompt};
 use kvmesh_model::sampling::SamplingParams;
@@ -96,6 +96,27 @@ pub struct ModelArgs {
     /// Debug: fill free pages with a canary and detect any read of one.
     #[arg(long, env = "KVMESH_POISON")]
     pub poison: bool,
+    /// Element type of the KV cache: auto (f16 with quantized weights, f32 with --exact), f16 or f32. Prefill and decode nodes must agree.
+    #[arg(long, env = "KVMESH_KV_CACHE_DTYPE", default_value = "auto")]
+    pub kv_cache_dtype: KvCacheDtype,
+}
+
+/// `--kv-cache-dtype`: `auto` or a [`KvDtype`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvCacheDtype(pub Option<KvDtype>);
+
+impl std::str::FromStr for KvCacheDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self(None)),
+            other => other
+                .parse::<KvDtype>()
+                .map(|d| Self(Some(d)))
+                .map_err(|e| format!("{e}, or auto")),
+        }
+    }
 }
 
 impl ModelArgs {
@@ -108,21 +129,27 @@ impl ModelArgs {
         }
     }
 
-    /// Resolve the model path (fetching the default model if needed) and load the engine.
-    pub fn load_engine(&self) -> Result<Engine> {
-        let path = match &self.model {
-            Some(p) => p.clone(),
-            None => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))?,
-        };
-        let cfg = EngineConfig {
+    /// The engine settings these flags give.
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
             kv_pool_tokens: self.kv_pool_tokens,
             page_size: self.page_size,
             max_model_len: self.max_model_len,
             scrub: self.scrub,
             poison: self.poison,
             precision: self.precision(),
+            kv_dtype: self.kv_cache_dtype.0,
+        }
+    }
+
+    /// Resolve the model path (fetching the default model if needed) and load the engine.
+    pub fn load_engine(&self) -> Result<Engine> {
+        let path = match &self.model {
+            Some(p) => p.clone(),
+            None => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))?,
         };
-        Engine::load(&path, &cfg).with_context(|| format!("loading model {}", path.display()))
+        Engine::load(&path, &self.engine_config())
+            .with_context(|| format!("loading model {}", path.display()))
     }
 }
 

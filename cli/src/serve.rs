@@ -257,14 +257,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
 async fn serve(a: ServeArgs) -> Result<()> {
     let fault_injection = a.testing.apply()?;
     let path = model_path(&a.model.model)?;
-    let engine = EngineConfig {
-        kv_pool_tokens: a.model.kv_pool_tokens,
-        page_size: a.model.page_size,
-        max_model_len: a.model.max_model_len,
-        scrub: a.model.scrub,
-        poison: a.model.poison,
-        precision: a.model.precision(),
-    };
+    let engine = a.model.engine_config();
     let keys = api_keys(&a.api_keys)?;
     let decode_model = load(&path, engine.precision)?;
     let max_model_len = engine
@@ -404,6 +397,7 @@ fn engine_config(cfg: &MeshConfig, kv_pool_tokens: Option<usize>) -> EngineConfi
         page_size: cfg.page_size,
         max_model_len: cfg.max_model_len,
         precision: cfg.precision(),
+        kv_dtype: cfg.kv_dtype(),
         ..EngineConfig::default()
     }
 }

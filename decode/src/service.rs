@@ -122,6 +122,7 @@ impl DecodeNode {
         let pool_cfg = kvmesh_kvxfer::PoolConfig {
             scrub: cfg.engine.scrub,
             poison: cfg.engine.poison,
+            dtype: cfg.engine.kv_dtype_for(loaded.precision),
             ..kvmesh_kvxfer::PoolConfig::for_tokens(
                 pool_tokens,
                 cfg.engine.page_size,

@@ -88,6 +88,18 @@ pub fn reference_text(
     chat: bool,
     max_tokens: usize,
 ) -> String {
+    reference_text_with(model, prompt, chat, max_tokens, &[])
+}
+
+/// [`reference_text`] with `extra` flags for `kvmesh generate` (say
+/// `--kv-cache-dtype f16`, to match a mesh started with it).
+pub fn reference_text_with(
+    model: &std::path::Path,
+    prompt: &str,
+    chat: bool,
+    max_tokens: usize,
+    extra: &[&str],
+) -> String {
     let model = model.to_string_lossy().into_owned();
     let n = max_tokens.to_string();
     let mut args = vec![
@@ -104,6 +116,7 @@ pub fn reference_text(
     if chat {
         args.push("--chat");
     }
+    args.extend_from_slice(extra);
     let out = run_kvmesh(&args, &[]);
     let (stdout, stderr) = texts(&out);
     assert!(out.status.success(), "reference failed: {stderr}");

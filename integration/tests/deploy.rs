@@ -125,6 +125,10 @@ fn bad_mesh_files_are_refused_with_field_value_and_reason() {
             format!("{good}page_size: 0\n"),
             "page_size = \"0\": must be at least 1",
         ),
+        (
+            format!("{good}kv_cache_dtype: fp8\n"),
+            "kv_cache_dtype = \"fp8\": unknown KV dtype \"fp8\" (f32 or f16), or auto",
+        ),
         (format!("{good}colour: blue\n"), "unknown field `colour`"),
         (
             good.replace(

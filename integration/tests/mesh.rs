@@ -98,10 +98,21 @@ const PROMPTS: [&str; 12] = [
 ];
 
 fn differential(mesh: &Mesh, model: &Path, prompts: &[&str], max_tokens: usize) -> usize {
+    differential_with(mesh, model, prompts, max_tokens, &[])
+}
+
+/// [`differential`] against a reference run with `extra` flags.
+fn differential_with(
+    mesh: &Mesh,
+    model: &Path,
+    prompts: &[&str],
+    max_tokens: usize,
+    extra: &[&str],
+) -> usize {
     let mut cases = 0;
     for (i, p) in prompts.iter().enumerate() {
         for chat in [false, true] {
-            let want = reference(model, p, chat, max_tokens);
+            let want = kvmesh_integration::reference_text_with(model, p, chat, max_tokens, extra);
             let stream = (i + usize::from(chat)) % 2 == 0;
             let (got, finish) = through_mesh(mesh, p, chat, stream, max_tokens);
             assert_eq!(got, want, "prompt {p:?} chat={chat} stream={stream}");
@@ -135,6 +146,30 @@ fn mesh_output_equals_the_reference_engine_shm() {
     let mesh = Mesh::start(&model, &["--transport", "shm"]);
     differential(&mesh, &model, &PROMPTS[..4], MAX_TOKENS);
     mesh.assert_pages_come_back();
+}
+
+/// The same over f16 KV pools (`--kv-cache-dtype f16`, what a quantized
+/// model gets by default) on both transports: prefill's f16 pages travel as
+/// f16 (frames, or one-sided writes into the mapping), their checksums cover
+/// the f16 bytes, and decode attends over them; the reference engine keeps
+/// f16 too, so the output still matches token for token.
+#[test]
+fn mesh_output_equals_the_reference_engine_with_f16_kv() {
+    let model = tiny_model_dir();
+    let f16 = ["--kv-cache-dtype", "f16"];
+    for transport in ["tcp", "shm"] {
+        let mesh = Mesh::start(&model, &["--transport", transport, f16[0], f16[1]]);
+        let cases = differential_with(&mesh, &model, &PROMPTS[..5], MAX_TOKENS, &f16);
+        mesh.wait_for_metric(
+            "kvmesh_node_reservations_total{node=\"decode-0\",outcome=\"completed\"}",
+            cases as f64,
+        );
+        mesh.assert_pages_come_back();
+        assert_eq!(
+            mesh.metric("kvmesh_node_kv_guard_violations_total{node=\"decode-0\"}"),
+            Some(0.0)
+        );
+    }
 }
 
 /// The incident: nodes whose pools are smaller than the context window,

@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use crate::paged::{GuardViolation, PageRef, PageSlices, PagedKv};
+use crate::paged::{GuardViolation, KvDtype, KvValues, PageRef, PageSlices, PagedKv};
 
 /// The head layout of one attention call.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -181,12 +181,17 @@ fn window_start(pos: usize, window: Option<usize>) -> usize {
     }
 }
 
-/// Whether this CPU runs the AVX2 build of [`attend_one`] (checked once).
+/// Whether this CPU runs the AVX2 builds (AVX2, FMA and F16C, which every
+/// AVX2 CPU has; checked once).
 fn wide_simd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *WIDE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+        *WIDE.get_or_init(|| {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
@@ -212,7 +217,7 @@ fn run_block(
     #[cfg(target_arch = "x86_64")]
     if wide {
         let head_dim = queries.first().map_or(0, |(q, _)| q.len());
-        // SAFETY: `wide_simd` saw AVX2 and FMA on this CPU.
+        // SAFETY: `wide_simd` saw AVX2, FMA and F16C on this CPU.
         unsafe {
             if tiled::supports(head_dim) {
                 tiled::attend_block(queries, outs, args);
@@ -374,13 +379,26 @@ fn attend_block<L: Lanes>(
     let hi = queries.iter().map(|&(_, pos)| pos).max().unwrap_or(0);
     // Pages in the window were all fetched by the caller; `None` is only
     // used for pages below every window.
+    let values = |p: usize, v: bool| -> KvValues<'_> {
+        let Some(s) = pages[p / page_size].as_ref() else {
+            unreachable!("page inside the window was not fetched")
+        };
+        let at = (p % page_size) * kv_dim + head_off;
+        (if v { s.v } else { s.k }).slice(at..at + head_dim)
+    };
+    // An f16 pool's rows of this head, widened once for the block (exact).
+    let widened: Option<[Vec<f32>; 2]> = (values(lo, false).dtype() == KvDtype::F16).then(|| {
+        [false, true].map(|v| {
+            let mut out = Vec::with_capacity((hi + 1 - lo) * head_dim);
+            (lo..=hi).for_each(|p| values(p, v).extend_f32(&mut out));
+            out
+        })
+    });
     let row = |p: usize, v: bool| -> &[f32] {
-        match pages[p / page_size].as_ref() {
-            Some(s) => {
-                let data = if v { s.v } else { s.k };
-                &data[(p % page_size) * kv_dim + head_off..][..head_dim]
-            }
-            None => unreachable!("page inside the window was not fetched"),
+        match (&widened, values(p, v)) {
+            (Some(w), _) => &w[usize::from(v)][(p - lo) * head_dim..][..head_dim],
+            (None, KvValues::F32(row)) => row,
+            (None, KvValues::F16(_)) => unreachable!("every page of a pool has the pool's dtype"),
         }
     };
     for p in lo..=hi {

@@ -33,4 +33,7 @@ pub mod rope;
 mod simd;
 
 pub use attention::{paged_attention, AttentionShape};
-pub use paged::{GuardViolation, KvGeometry, PageRef, PageSlices, PagedKv};
+pub use paged::{
+    f16_from_f32, f32_to_f16_slice, GuardViolation, KvDtype, KvGeometry, KvValues, PageRef,
+    PageSlices, PagedKv,
+};

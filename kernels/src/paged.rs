@@ -33,7 +33,7 @@ pub struct PageRef {
 /// The shape of one page's KV for one layer.
 ///
 /// Within a page, for each layer, K and V are each stored slot-major:
-/// `[page_size][n_kv_heads][head_dim]` f32 values.
+/// `[page_size][n_kv_heads][head_dim]` values of the pool's [`KvDtype`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvGeometry {
     /// Token slots per page.
@@ -45,9 +45,154 @@ pub struct KvGeometry {
 }
 
 impl KvGeometry {
-    /// f32 values of K (or of V) for one token slot of one layer.
+    /// Values of K (or of V) for one token slot of one layer.
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+}
+
+/// Element type of a KV pool, chosen when the pool is made; every page of
+/// a pool has it.
+///
+/// - `F32`: the values exactly as the model computed them (the exact mode,
+///   compared against Hugging Face transformers).
+/// - `F16`: IEEE binary16, rounded to nearest even from the model's f32 on
+///   write (values beyond the f16 range saturate to +-65504 instead of
+///   becoming infinite). Half the memory and half the bytes read per
+///   attention step and sent per transfer; what llama.cpp keeps by default
+///   and what vLLM keeps for a half-precision model.
+///
+/// Every read converts to f32 exactly, so attention's arithmetic is f32
+/// either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// 4 bytes per value.
+    #[default]
+    F32,
+    /// 2 bytes per value.
+    F16,
+}
+
+impl KvDtype {
+    /// Bytes per value.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 => 2,
+        }
+    }
+
+    /// The name used in flags and configs: `f32` or `f16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "f32" | "float32" => Ok(Self::F32),
+            "f16" | "float16" | "half" => Ok(Self::F16),
+            other => Err(format!("unknown KV dtype {other:?} (f32 or f16)")),
+        }
+    }
+}
+
+/// f32 to the f16 a pool stores: rounded to nearest even, saturated to the
+/// finite range (a NaN stays a NaN).
+#[inline]
+pub fn f16_from_f32(x: f32) -> half::f16 {
+    half::f16::from_f32(x.clamp(-65504.0, 65504.0))
+}
+
+/// `src` converted into `dst` as [`f16_from_f32`] does; equal lengths.
+pub fn f32_to_f16_slice(src: &[f32], dst: &mut [half::f16]) {
+    assert_eq!(src.len(), dst.len(), "f16 conversion lengths");
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = f16_from_f32(*s);
+    }
+}
+
+/// Some K (or V) values of a page, as the pool stores them.
+#[derive(Clone, Copy, Debug)]
+pub enum KvValues<'a> {
+    /// A pool of [`KvDtype::F32`].
+    F32(&'a [f32]),
+    /// A pool of [`KvDtype::F16`].
+    F16(&'a [half::f16]),
+}
+
+impl<'a> KvValues<'a> {
+    /// Values held.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::F16(v) => v.len(),
+        }
+    }
+
+    /// Whether no value is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> KvDtype {
+        match self {
+            Self::F32(_) => KvDtype::F32,
+            Self::F16(_) => KvDtype::F16,
+        }
+    }
+
+    /// The values in `range` (panics outside, like slicing).
+    pub fn slice(&self, range: std::ops::Range<usize>) -> KvValues<'a> {
+        match self {
+            Self::F32(v) => Self::F32(&v[range]),
+            Self::F16(v) => Self::F16(&v[range]),
+        }
+    }
+
+    /// The values of an f32 pool; `None` for another dtype.
+    pub fn as_f32(&self) -> Option<&'a [f32]> {
+        match self {
+            Self::F32(v) => Some(v),
+            Self::F16(_) => None,
+        }
+    }
+
+    /// The values as f32 (exact for both types), in a new vector.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.len());
+        self.extend_f32(&mut out);
+        out
+    }
+
+    /// Appends the values to `out` as f32 (exact for both types).
+    pub fn extend_f32(&self, out: &mut Vec<f32>) {
+        match self {
+            Self::F32(v) => out.extend_from_slice(v),
+            Self::F16(v) => out.extend(v.iter().map(|x| x.to_f32())),
+        }
+    }
+
+    /// Whether any value has the bits of `canary` (the pool's poison
+    /// pattern for this type).
+    pub fn contains_bits(&self, canary: u32) -> bool {
+        match self {
+            Self::F32(v) => v.iter().any(|x| x.to_bits() == canary),
+            Self::F16(v) => v.iter().any(|x| u32::from(x.to_bits()) == canary),
+        }
     }
 }
 
@@ -56,9 +201,9 @@ impl KvGeometry {
 #[derive(Clone, Copy, Debug)]
 pub struct PageSlices<'a> {
     /// Keys, `[n_slots][n_kv_heads][head_dim]`.
-    pub k: &'a [f32],
+    pub k: KvValues<'a>,
     /// Values, `[n_slots][n_kv_heads][head_dim]`.
-    pub v: &'a [f32],
+    pub v: KvValues<'a>,
 }
 
 /// A read that would break I1 or I2. The sequence that attempted it fails;

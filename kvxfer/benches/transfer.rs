@@ -28,7 +28,7 @@ use kvmesh_kvxfer::transport::shm::ShmLanding;
 use kvmesh_kvxfer::transport::tcp::TcpLanding;
 use kvmesh_kvxfer::transport::Landing;
 use kvmesh_kvxfer::wire::WriterId;
-use kvmesh_kvxfer::{KvPool, PoolConfig, ScrubMode};
+use kvmesh_kvxfer::{KvDtype, KvPool, PoolConfig, ScrubMode};
 
 const PAGE_SIZE: usize = 16;
 const N_LAYERS: usize = 30;
@@ -36,13 +36,14 @@ const KV_DIM: usize = 192;
 const REPS: usize = 15;
 const WARMUP: usize = 3;
 
-fn config() -> PoolConfig {
+fn config(dtype: KvDtype) -> PoolConfig {
     PoolConfig {
         page_size: PAGE_SIZE,
         n_pages: 64,
         n_layers: N_LAYERS,
         n_kv_heads: 3,
         head_dim: 64,
+        dtype,
         scrub: ScrubMode::Off,
         poison: false,
     }
@@ -60,14 +61,18 @@ struct Setup {
     _dir: tempfile::TempDir,
 }
 
-async fn setup(shm: bool) -> Setup {
+async fn setup(shm: bool, dtype: KvDtype) -> Setup {
     let dir = tempfile::tempdir().expect("tempdir");
     let (pool, landing): (KvPool, Arc<dyn Landing>) = if shm {
-        let pool = KvPool::new_shared(config(), std::path::Path::new("/dev/shm")).expect("pool");
+        let pool =
+            KvPool::new_shared(config(dtype), std::path::Path::new("/dev/shm")).expect("pool");
         let region = Arc::clone(pool.shm_region().expect("mapping"));
         (pool, Arc::new(ShmLanding::new(region)))
     } else {
-        (KvPool::new(config()).expect("pool"), Arc::new(TcpLanding))
+        (
+            KvPool::new(config(dtype)).expect("pool"),
+            Arc::new(TcpLanding),
+        )
     };
     let cfg = TableConfig {
         lease: Duration::from_secs(30),
@@ -152,9 +157,14 @@ fn main() {
         };
         row("memcpy", memcpy);
         row("checksum", median(sum));
-        for (name, shm) in [("tcp", false), ("shared-memory", true)] {
+        for (name, shm, dtype) in [
+            ("tcp", false, KvDtype::F32),
+            ("shared-memory", true, KvDtype::F32),
+            ("tcp f16", false, KvDtype::F16),
+            ("shm f16", true, KvDtype::F16),
+        ] {
             let secs = rt.block_on(async {
-                let s = setup(shm).await;
+                let s = setup(shm, dtype).await;
                 let mut times = Vec::new();
                 for i in 0..WARMUP + REPS {
                     let t = transfer(&s, prompt, &k, &v).await;

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use kvmesh_kernels::KvGeometry;
+use kvmesh_kernels::{KvDtype, KvGeometry};
 use thiserror::Error;
 
 use crate::error::PoolError;
@@ -103,6 +103,9 @@ pub struct PoolConfig {
     pub n_kv_heads: usize,
     /// Dimension of one head.
     pub head_dim: usize,
+    /// Element type of the stored K and V values (see [`KvDtype`]): every
+    /// page, every transfer of a page, and its checksum use it.
+    pub dtype: KvDtype,
     /// When pages are zeroed.
     pub scrub: ScrubMode,
     /// Debug poison mode: fill free pages with a canary NaN (at creation and
@@ -119,7 +122,7 @@ pub struct PoolConfig {
 
 impl PoolConfig {
     /// A pool of at least `kv_pool_tokens` tokens: `ceil(kv_pool_tokens /
-    /// page_size)` pages, scrub off, poison off. A `page_size` of 0 gives 0
+    /// page_size)` pages, f32 values, scrub off, poison off. A `page_size` of 0 gives 0
     /// pages; [`PoolConfig::validate`] rejects both.
     pub fn for_tokens(
         kv_pool_tokens: usize,
@@ -138,9 +141,15 @@ impl PoolConfig {
             n_layers,
             n_kv_heads,
             head_dim,
+            dtype: KvDtype::F32,
             scrub: ScrubMode::Off,
             poison: false,
         }
+    }
+
+    /// This config with values of `dtype`.
+    pub fn with_dtype(self, dtype: KvDtype) -> Self {
+        Self { dtype, ..self }
     }
 
     /// Checks every field; the error names the first bad one, its value and
@@ -174,7 +183,7 @@ impl PoolConfig {
             _ => Err(PoolError::InvalidConfig {
                 field: "n_pages",
                 value: self.n_pages,
-                reason: "the pool's size in bytes (n_pages * n_layers * 2 * page_size * n_kv_heads * head_dim * 4) overflows isize",
+                reason: "the pool's size in bytes (n_pages * n_layers * 2 * page_size * n_kv_heads * head_dim * dtype size) overflows isize",
             }),
         }
     }
@@ -195,8 +204,8 @@ impl PoolConfig {
         }
     }
 
-    /// f32 values in the whole pool, `None` on overflow.
-    pub(crate) fn checked_floats(&self) -> Option<usize> {
+    /// Values in the whole pool, `None` on overflow.
+    pub(crate) fn checked_values(&self) -> Option<usize> {
         self.n_pages
             .checked_mul(self.n_layers)?
             .checked_mul(2)?
@@ -206,8 +215,7 @@ impl PoolConfig {
     }
 
     fn checked_bytes(&self) -> Option<usize> {
-        self.checked_floats()?
-            .checked_mul(std::mem::size_of::<f32>())
+        self.checked_values()?.checked_mul(self.dtype.size())
     }
 }
 

@@ -89,7 +89,8 @@ mod tests;
 
 pub use config::{ParseScrubModeError, PoolConfig, ScrubMode};
 pub use error::PoolError;
-pub use pool::{KvPool, POISON_BITS};
+pub use kvmesh_kernels::KvDtype;
+pub use pool::{KvPool, POISON_BITS, POISON_BITS_F16};
 pub use reader::SeqKv;
 pub use reservation::{OwnerTag, Reservation};
 pub use stats::{PoolStats, GUARD_VIOLATION_KINDS};

@@ -38,11 +38,15 @@ use crate::config::{PoolConfig, ScrubMode};
 use crate::error::PoolError;
 use crate::reservation::{OwnerTag, Reservation};
 use crate::stats::{PoolStats, ViolationCounters};
-use crate::storage::{Storage, StorageShape};
+use crate::storage::{Fill, Storage, StorageShape};
 
 /// The debug poison canary: a quiet NaN with a payload no arithmetic
 /// produces (hardware NaNs are 0x7FC00000 or 0xFFC00000). Compared by bits.
 pub const POISON_BITS: u32 = 0x7FDE_ADED;
+
+/// The canary of an f16 pool: a signalling NaN (quiet bit clear), which no
+/// f32-to-f16 conversion produces (converted NaNs are quiet).
+pub const POISON_BITS_F16: u16 = 0x7DAD;
 
 /// A paged KV pool. Cloning is cheap and shares the pool.
 #[derive(Clone, Debug)]
@@ -121,6 +125,7 @@ impl KvPool {
             n_layers: u32::try_from(cfg.n_layers).map_err(|_| bad("n_layers over u32"))?,
             n_kv_heads: u32::try_from(cfg.n_kv_heads).map_err(|_| bad("n_kv_heads over u32"))?,
             head_dim: u32::try_from(cfg.head_dim).map_err(|_| bad("head_dim over u32"))?,
+            dtype: cfg.dtype,
             n_pages: cfg.n_pages as u64,
             n_lanes: cfg.n_pages as u64,
         };
@@ -145,12 +150,9 @@ impl KvPool {
             n_layers: cfg.n_layers,
             page_size: cfg.page_size,
             kv_dim: cfg.geometry().kv_dim(),
+            dtype: cfg.dtype,
         };
-        let fill = if cfg.poison {
-            f32::from_bits(POISON_BITS)
-        } else {
-            0.0
-        };
+        let fill = if cfg.poison { Fill::Canary } else { Fill::Zero };
         let storage = match &region {
             None => Storage::try_new(shape, fill)?,
             Some(r) => Storage::try_new_shared(shape, fill, Arc::clone(r))?,
@@ -319,7 +321,7 @@ impl Shared {
             if zero {
                 // SAFETY: `p` came from the free list, so it is in range, and
                 // it is exclusively ours (see above).
-                unsafe { self.storage.fill_page(p, 0.0) };
+                unsafe { self.storage.fill_page(p, Fill::Zero) };
             }
             let generation = self.generation[p]
                 .fetch_add(1, Ordering::AcqRel)
@@ -340,9 +342,9 @@ impl Shared {
     pub(crate) fn release(&self, owner: OwnerTag, table: &[PageRef]) {
         let n_layers = self.cfg.n_layers;
         let fill = if self.cfg.poison {
-            Some(f32::from_bits(POISON_BITS))
+            Some(Fill::Canary)
         } else if self.cfg.scrub == ScrubMode::OnRelease {
-            Some(0.0)
+            Some(Fill::Zero)
         } else {
             None
         };
@@ -391,13 +393,16 @@ impl Shared {
         self.lock().next_owner = next;
     }
 
-    /// A copy of a whole page's storage, for the scrub and poison tests.
-    /// Tests call it only while no write runs.
+    /// A copy of a whole page's storage as f32 (an f16 pool's widened),
+    /// for the scrub and poison tests. Tests call it only while no write
+    /// runs.
     #[cfg(test)]
     pub(crate) fn page_copy(&self, page: usize) -> Vec<f32> {
         assert!(page < self.cfg.n_pages);
+        let mut out = Vec::new();
         // SAFETY: in range; single-threaded tests, no write in flight.
-        unsafe { self.storage.page_copy(page) }
+        unsafe { self.storage.page(page) }.extend_f32(&mut out);
+        out
     }
 
     /// Sets the watermark of (`page`, `layer`) without writing anything: a

@@ -3,9 +3,9 @@
 
 use std::sync::atomic::Ordering;
 
-use kvmesh_kernels::{GuardViolation, KvGeometry, PageRef, PageSlices, PagedKv};
+use kvmesh_kernels::{GuardViolation, KvDtype, KvGeometry, PageRef, PageSlices, PagedKv};
 
-use crate::pool::{Shared, POISON_BITS};
+use crate::pool::{Shared, POISON_BITS, POISON_BITS_F16};
 use crate::reservation::OwnerTag;
 
 /// Read access to the pool on behalf of one reservation, borrowed from it by
@@ -87,13 +87,11 @@ impl<'a> SeqKv<'a> {
         // borrows (`'a`), which can neither write nor release it while the
         // borrow lasts; no other reservation can reach it (crate::pool).
         let slices = unsafe { shared.storage().read(p, layer, n_slots) };
-        if cfg.poison
-            && slices
-                .k
-                .iter()
-                .chain(slices.v)
-                .any(|x| x.to_bits() == POISON_BITS)
-        {
+        let canary = match cfg.dtype {
+            KvDtype::F32 => POISON_BITS,
+            KvDtype::F16 => u32::from(POISON_BITS_F16),
+        };
+        if cfg.poison && (slices.k.contains_bits(canary) || slices.v.contains_bits(canary)) {
             return Err(GuardViolation::Poisoned { page, layer });
         }
         Ok(slices)

@@ -5,7 +5,7 @@ use std::num::NonZeroU64;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use kvmesh_kernels::{GuardViolation, PageRef};
+use kvmesh_kernels::{GuardViolation, KvValues, PageRef};
 
 use crate::error::PoolError;
 use crate::pool::Shared;
@@ -179,9 +179,13 @@ impl Reservation {
             // reservation can read or write it (see `crate::pool`). The slot
             // range ends within the page: `slot + take <= page_size`.
             unsafe {
-                self.shared
-                    .storage()
-                    .write(page, layer, slot, &k[range.clone()], &v[range])
+                self.shared.storage().write(
+                    page,
+                    layer,
+                    slot,
+                    KvValues::F32(&k[range.clone()]),
+                    KvValues::F32(&v[range]),
+                )
             };
             if let Some(w) = self.shared.watermark(page, layer) {
                 w.fetch_max(slot + take, Ordering::AcqRel);

@@ -17,11 +17,11 @@
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 
-use kvmesh_kernels::PageRef;
+use kvmesh_kernels::{KvDtype, KvValues, PageRef};
 
 use crate::error::PoolError;
 use crate::reservation::Reservation;
-use crate::wire::{f32s_from_le, Checksummer};
+use crate::wire::{f16s_from_le, f32s_from_le, Checksummer};
 
 /// A granted page that no longer has the generation or owner it was
 /// granted with: the reservation no longer holds what it was granted.
@@ -37,7 +37,8 @@ pub(crate) struct NotHeld {
 
 impl Reservation {
     /// Lands a frame's payload (per layer of `layers`: K of `slots`, then V,
-    /// little-endian f32, as in [`crate::wire::KvFrame`]) in logical page
+    /// little-endian values of the pool's dtype, as in
+    /// [`crate::wire::KvFrame`]) in logical page
     /// `index`. Watermarks are not touched. All checks come first: on error
     /// nothing was written.
     ///
@@ -73,7 +74,7 @@ impl Reservation {
             });
         }
         let block = slots.len() * kv_dim;
-        let expected = layers.len() * 2 * block * 4;
+        let expected = layers.len() * 2 * block * cfg.dtype.size();
         if payload.len() != expected {
             return Err(PoolError::BadLength {
                 field: "payload",
@@ -81,40 +82,49 @@ impl Reservation {
                 got: payload.len(),
             });
         }
-        // The payload is little-endian f32 at an 8-byte-aligned offset of
-        // its message: on a little-endian host it is usually usable in
-        // place; otherwise it is converted into `scratch`.
-        let values: &[f32] = match bytemuck::try_cast_slice::<u8, f32>(payload) {
-            Ok(v) if cfg!(target_endian = "little") => v,
-            _ => {
-                scratch.clear();
-                scratch.resize(payload.len() / 4, 0.0);
-                if f32s_from_le(payload, scratch).is_err() {
-                    return Err(PoolError::BadLength {
-                        field: "payload",
-                        expected,
-                        got: payload.len(),
-                    });
+        // The payload is little-endian values of the pool's dtype at an
+        // 8-byte-aligned offset of its message: on a little-endian host it
+        // is usually usable in place; otherwise it is converted into
+        // `scratch` (f32) or a fresh buffer (f16).
+        let bad = || PoolError::BadLength {
+            field: "payload",
+            expected,
+            got: payload.len(),
+        };
+        let f16_copy: Vec<half::f16>;
+        let values: KvValues<'_> = match cfg.dtype {
+            KvDtype::F32 => match bytemuck::try_cast_slice::<u8, f32>(payload) {
+                Ok(v) if cfg!(target_endian = "little") => KvValues::F32(v),
+                _ => {
+                    scratch.clear();
+                    scratch.resize(payload.len() / 4, 0.0);
+                    f32s_from_le(payload, scratch).map_err(|_| bad())?;
+                    KvValues::F32(scratch)
                 }
-                scratch
-            }
+            },
+            KvDtype::F16 => match bytemuck::try_cast_slice::<u8, half::f16>(payload) {
+                Ok(v) if cfg!(target_endian = "little") => KvValues::F16(v),
+                _ => {
+                    let mut v = vec![half::f16::ZERO; payload.len() / 2];
+                    f16s_from_le(payload, &mut v).map_err(|_| bad())?;
+                    f16_copy = v;
+                    KvValues::F16(&f16_copy)
+                }
+            },
         };
         let page = entry.page as usize;
         for (i, layer) in layers.enumerate() {
             let base = i * 2 * block;
-            let (Some(k), Some(v)) = (
-                values.get(base..base + block),
-                values.get(base + block..base + 2 * block),
-            ) else {
+            if values.len() < base + 2 * block {
                 // Unreachable: the length was checked above. Nothing of
                 // this layer was written; earlier layers are unverified
                 // data, which verification will refuse.
-                return Err(PoolError::BadLength {
-                    field: "payload",
-                    expected,
-                    got: payload.len(),
-                });
-            };
+                return Err(bad());
+            }
+            let (k, v) = (
+                values.slice(base..base + block),
+                values.slice(base + block..base + 2 * block),
+            );
             // SAFETY: the page is on this reservation's table (in range,
             // owned by it); `&mut self` rules out its readers, and no other
             // reservation can reach it (crate::pool). `layer < n_layers` and
@@ -151,8 +161,8 @@ impl Reservation {
                     .storage()
                     .read(entry.page as usize, layer, slots)
             };
-            h.update_f32s(s.k);
-            h.update_f32s(s.v);
+            h.update_values(s.k);
+            h.update_values(s.v);
         }
         Some(h.finish())
     }
@@ -222,15 +232,22 @@ impl Reservation {
         // SAFETY: the page is on this reservation's table; `&mut self`
         // rules out readers; the write path was revoked by the caller.
         let first = unsafe { self.shared().storage().read(entry.page as usize, 0, 1) };
-        let (mut k, v) = (first.k.to_vec(), first.v.to_vec());
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        first.k.extend_f32(&mut k);
+        first.v.extend_f32(&mut v);
         if let Some(x) = k.first_mut() {
+            // Both are exact in every dtype.
             *x = if *x == 1.0 { 2.0 } else { 1.0 };
         }
         // SAFETY: as above; slot 0 of layer 0 is in range.
         unsafe {
-            self.shared()
-                .storage()
-                .write(entry.page as usize, 0, 0, &k, &v)
+            self.shared().storage().write(
+                entry.page as usize,
+                0,
+                0,
+                KvValues::F32(&k),
+                KvValues::F32(&v),
+            )
         };
     }
 }

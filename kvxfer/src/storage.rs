@@ -35,7 +35,7 @@ use std::sync::Arc;
 
 use crate::shm::ShmRegion;
 
-use kvmesh_kernels::PageSlices;
+use kvmesh_kernels::{f32_to_f16_slice, KvDtype, KvValues, PageSlices};
 
 use crate::error::PoolError;
 
@@ -47,22 +47,34 @@ pub(crate) struct StorageShape {
     pub n_layers: usize,
     pub page_size: usize,
     pub kv_dim: usize,
+    pub dtype: KvDtype,
 }
 
 impl StorageShape {
-    /// f32 values in one K (or V) block of one (page, layer).
+    /// Values in one K (or V) block of one (page, layer).
     fn block(&self) -> usize {
         self.page_size * self.kv_dim
     }
 
-    /// f32 values in one page, all layers, K and V.
-    pub fn page_floats(&self) -> usize {
+    /// Values in one page, all layers, K and V.
+    pub fn page_values(&self) -> usize {
         self.n_layers * 2 * self.block()
     }
 
+    /// Offset, in values, of (`page`, `layer`)'s K block.
     fn k_offset(&self, page: usize, layer: usize) -> usize {
-        page * self.page_floats() + layer * 2 * self.block()
+        page * self.page_values() + layer * 2 * self.block()
     }
+}
+
+/// What a page is filled with while nobody owns it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fill {
+    /// Zeros (scrubbing).
+    Zero,
+    /// The debug canary of the pool's dtype ([`crate::POISON_BITS`] or
+    /// [`crate::POISON_BITS_F16`]).
+    Canary,
 }
 
 /// Where the memory lives.
@@ -73,9 +85,9 @@ enum Memory {
     Shared(Arc<ShmRegion>),
 }
 
-/// Raw KV memory with the layout above.
+/// Raw KV memory with the layout above, values of `shape.dtype`.
 pub(crate) struct Storage {
-    base: NonNull<f32>,
+    base: NonNull<u8>,
     memory: Memory,
     shape: StorageShape,
 }
@@ -91,13 +103,15 @@ unsafe impl Sync for Storage {}
 
 impl Storage {
     /// Allocates zeroed memory for `shape`, then fills it with `fill` unless
-    /// that is 0.0 (so a large unpoisoned pool costs no up-front pass: the
+    /// that is zeros (so a large unpoisoned pool costs no up-front pass: the
     /// OS hands out zero pages lazily). An allocation failure is an error,
     /// not an abort.
-    pub fn try_new(shape: StorageShape, fill: f32) -> Result<Self, PoolError> {
-        let floats = shape.n_pages * shape.page_floats();
-        let bytes = floats.saturating_mul(std::mem::size_of::<f32>());
-        let layout = Layout::array::<f32>(floats).map_err(|_| PoolError::OutOfMemory { bytes })?;
+    pub fn try_new(shape: StorageShape, fill: Fill) -> Result<Self, PoolError> {
+        let values = shape.n_pages * shape.page_values();
+        let bytes = values.saturating_mul(shape.dtype.size());
+        // Aligned for f32 whatever the dtype.
+        let layout = Layout::from_size_align(bytes, std::mem::align_of::<f32>())
+            .map_err(|_| PoolError::OutOfMemory { bytes })?;
         if layout.size() == 0 {
             // `validate` rejects every zero dimension; the allocator must
             // never see a zero-sized layout.
@@ -105,7 +119,7 @@ impl Storage {
         }
         // SAFETY: `layout` has non-zero size.
         let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let base = NonNull::new(raw.cast::<f32>()).ok_or(PoolError::OutOfMemory { bytes })?;
+        let base = NonNull::new(raw).ok_or(PoolError::OutOfMemory { bytes })?;
         let storage = Self {
             base,
             memory: Memory::Heap(layout),
@@ -117,17 +131,18 @@ impl Storage {
 
     /// Storage in `region`'s page data, which must have exactly this shape
     /// (the mapping is zero-filled when created), then filled with `fill`
-    /// unless that is 0.0.
+    /// unless that is zeros.
     pub fn try_new_shared(
         shape: StorageShape,
-        fill: f32,
+        fill: Fill,
         region: Arc<ShmRegion>,
     ) -> Result<Self, PoolError> {
         let l = region.layout();
         let matches = l.n_pages as usize == shape.n_pages
             && l.n_layers as usize == shape.n_layers
             && l.page_size as usize == shape.page_size
-            && (l.n_kv_heads as usize).checked_mul(l.head_dim as usize) == Some(shape.kv_dim);
+            && (l.n_kv_heads as usize).checked_mul(l.head_dim as usize) == Some(shape.kv_dim)
+            && l.dtype == shape.dtype;
         if !matches {
             return Err(PoolError::InvalidConfig {
                 field: "shared memory layout",
@@ -144,8 +159,8 @@ impl Storage {
         Ok(storage)
     }
 
-    fn fill_all(&self, fill: f32) {
-        if fill.to_bits() != 0 {
+    fn fill_all(&self, fill: Fill) {
+        if fill != Fill::Zero {
             for page in 0..self.shape.n_pages {
                 // SAFETY: `page` is in range and the storage is not shared
                 // yet (a new mapping has no open lane, so no writer).
@@ -168,21 +183,50 @@ impl Storage {
         // are not written while borrowed (caller's contract).
         unsafe {
             PageSlices {
-                k: std::slice::from_raw_parts(self.base.as_ptr().add(k), n),
-                v: std::slice::from_raw_parts(self.base.as_ptr().add(k + s.block()), n),
+                k: self.values(k, n),
+                v: self.values(k + s.block(), n),
             }
         }
     }
 
-    /// Copies `k` and `v` (whole slots, equal lengths) into (`page`,
-    /// `layer`) from `slot` on.
+    /// `n` values from value offset `at`.
+    ///
+    /// # Safety
+    /// In range, and not written while the view is alive.
+    unsafe fn values(&self, at: usize, n: usize) -> KvValues<'_> {
+        let base = self.base.as_ptr();
+        // SAFETY: by the caller; the base is f32-aligned, so any value
+        // offset is aligned for its type.
+        unsafe {
+            match self.shape.dtype {
+                KvDtype::F32 => {
+                    KvValues::F32(std::slice::from_raw_parts(base.cast::<f32>().add(at), n))
+                }
+                KvDtype::F16 => KvValues::F16(std::slice::from_raw_parts(
+                    base.cast::<half::f16>().add(at),
+                    n,
+                )),
+            }
+        }
+    }
+
+    /// Stores `k` and `v` (whole slots, equal lengths) into (`page`,
+    /// `layer`) from `slot` on, converted to the pool's dtype (f16: rounded
+    /// to nearest even, saturated; exact for values an f16 pool produced).
     ///
     /// # Safety
     /// `page < n_pages`, `layer < n_layers`, `k.len() == v.len()`,
     /// `slot * kv_dim + k.len() <= page_size * kv_dim`, and the caller has
     /// exclusive access to the page: no other read or write of it runs
     /// during the call.
-    pub unsafe fn write(&self, page: usize, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+    pub unsafe fn write(
+        &self,
+        page: usize,
+        layer: usize,
+        slot: usize,
+        k: KvValues<'_>,
+        v: KvValues<'_>,
+    ) {
         let s = &self.shape;
         debug_assert!(page < s.n_pages && layer < s.n_layers && k.len() == v.len());
         debug_assert!(slot * s.kv_dim + k.len() <= s.block());
@@ -191,46 +235,77 @@ impl Storage {
         // page is exclusively ours (caller's contract); sources are
         // caller-owned slices, so they cannot overlap pool memory mutably.
         unsafe {
-            let base = self.base.as_ptr();
-            std::ptr::copy_nonoverlapping(k.as_ptr(), base.add(dst), k.len());
-            std::ptr::copy_nonoverlapping(v.as_ptr(), base.add(dst + s.block()), v.len());
+            self.store(dst, k);
+            self.store(dst + s.block(), v);
         }
     }
 
-    /// Sets every value of `page` (all layers, K and V) to `value`.
+    /// `src` converted into the values from offset `at`.
+    ///
+    /// # Safety
+    /// In range and exclusively the caller's.
+    unsafe fn store(&self, at: usize, src: KvValues<'_>) {
+        let base = self.base.as_ptr();
+        let n = src.len();
+        // SAFETY: by the caller; aligned as in `values`.
+        unsafe {
+            match (self.shape.dtype, src) {
+                (KvDtype::F32, KvValues::F32(x)) => {
+                    std::ptr::copy_nonoverlapping(x.as_ptr(), base.cast::<f32>().add(at), n)
+                }
+                (KvDtype::F16, KvValues::F16(x)) => {
+                    std::ptr::copy_nonoverlapping(x.as_ptr(), base.cast::<half::f16>().add(at), n)
+                }
+                (KvDtype::F16, KvValues::F32(x)) => f32_to_f16_slice(
+                    x,
+                    std::slice::from_raw_parts_mut(base.cast::<half::f16>().add(at), n),
+                ),
+                (KvDtype::F32, KvValues::F16(x)) => {
+                    let dst = std::slice::from_raw_parts_mut(base.cast::<f32>().add(at), n);
+                    dst.iter_mut().zip(x).for_each(|(d, x)| *d = x.to_f32());
+                }
+            }
+        }
+    }
+
+    /// Sets every value of `page` (all layers, K and V) to `fill`.
     ///
     /// # Safety
     /// `page < n_pages` and the caller has exclusive access to the page.
-    pub unsafe fn fill_page(&self, page: usize, value: f32) {
+    pub unsafe fn fill_page(&self, page: usize, fill: Fill) {
         let s = &self.shape;
         debug_assert!(page < s.n_pages);
+        let (at, n) = (page * s.page_values(), s.page_values());
+        let base = self.base.as_ptr();
         // SAFETY: the page's range lies inside the allocation and is
         // exclusively ours (caller's contract).
-        let dst = unsafe {
-            std::slice::from_raw_parts_mut(
-                self.base.as_ptr().add(page * s.page_floats()),
-                s.page_floats(),
-            )
-        };
-        dst.fill(value);
+        unsafe {
+            match s.dtype {
+                KvDtype::F32 => {
+                    std::slice::from_raw_parts_mut(base.cast::<f32>().add(at), n).fill(match fill {
+                        Fill::Zero => 0.0,
+                        Fill::Canary => f32::from_bits(crate::POISON_BITS),
+                    })
+                }
+                KvDtype::F16 => std::slice::from_raw_parts_mut(base.cast::<half::f16>().add(at), n)
+                    .fill(match fill {
+                        Fill::Zero => half::f16::ZERO,
+                        Fill::Canary => half::f16::from_bits(crate::POISON_BITS_F16),
+                    }),
+            }
+        }
     }
 
-    /// A copy of a whole page, for tests that inspect what scrubbing and
-    /// poisoning left behind.
+    /// A whole page (all layers, K then V per layer) as stored, for tests
+    /// that inspect what scrubbing and poisoning left behind.
     ///
     /// # Safety
-    /// `page < n_pages` and no write to the page runs during the call.
+    /// `page < n_pages` and no write to the page runs while the view lives.
     #[cfg(test)]
-    pub unsafe fn page_copy(&self, page: usize) -> Vec<f32> {
+    pub unsafe fn page(&self, page: usize) -> KvValues<'_> {
         let s = &self.shape;
         // SAFETY: in range and not written concurrently (caller's contract).
-        unsafe {
-            std::slice::from_raw_parts(
-                self.base.as_ptr().add(page * s.page_floats()),
-                s.page_floats(),
-            )
-        }
-        .to_vec()
+        unsafe { self.values(page * s.page_values(), s.page_values()) }
     }
 }
 
@@ -240,7 +315,7 @@ impl Drop for Storage {
             // SAFETY: `base` came from `alloc_zeroed(layout)` and is freed
             // exactly once, here; `&mut self` means no slice into it is
             // alive.
-            unsafe { alloc::dealloc(self.base.as_ptr().cast(), layout) }
+            unsafe { alloc::dealloc(self.base.as_ptr(), layout) }
         }
         // A mapping is unmapped when the last reference to the region goes.
     }

@@ -13,6 +13,7 @@
 use std::path::Path;
 use std::time::Instant;
 
+use kvmesh_kernels::KvDtype;
 use kvmesh_kvxfer::{KvPool, PoolConfig, Reservation, ScrubMode};
 
 use crate::error::{ModelError, Result};
@@ -38,6 +39,22 @@ pub struct EngineConfig {
     /// How weights are held when [`Engine::load`] reads the model
     /// (f32 exact mode by default, the mode the golden files check).
     pub precision: Precision,
+    /// Element type of the KV pool; `None` ("auto", as vLLM's
+    /// `--kv-cache-dtype auto`): f32 for a model loaded exact, f16 for one
+    /// loaded quantized (as llama.cpp keeps it). See
+    /// [`EngineConfig::kv_dtype_for`].
+    pub kv_dtype: Option<KvDtype>,
+}
+
+impl EngineConfig {
+    /// The KV pool's element type for a model loaded in `precision`:
+    /// `kv_dtype`, or its automatic choice.
+    pub fn kv_dtype_for(&self, precision: Precision) -> KvDtype {
+        self.kv_dtype.unwrap_or(match precision {
+            Precision::Exact => KvDtype::F32,
+            Precision::Quantized => KvDtype::F16,
+        })
+    }
 }
 
 impl Default for EngineConfig {
@@ -49,6 +66,7 @@ impl Default for EngineConfig {
             scrub: ScrubMode::Off,
             poison: false,
             precision: Precision::Exact,
+            kv_dtype: None,
         }
     }
 }
@@ -183,6 +201,7 @@ impl Engine {
 
     fn build(loaded: LoadedModel, cfg: &EngineConfig, pool: Option<KvPool>) -> Result<Self> {
         let eos = loaded.stop_token_ids();
+        let kv_dtype = cfg.kv_dtype_for(loaded.precision);
         let LoadedModel {
             config,
             weights,
@@ -207,22 +226,28 @@ impl Engine {
         let pool_cfg = PoolConfig {
             scrub: cfg.scrub,
             poison: cfg.poison,
+            dtype: kv_dtype,
             ..model.pool_config(pool_tokens, cfg.page_size)
         };
         let pool = match pool {
             None => KvPool::new(pool_cfg)?,
             Some(p) => {
                 let c = p.config();
-                if (c.n_layers, c.n_kv_heads, c.head_dim)
-                    != (pool_cfg.n_layers, pool_cfg.n_kv_heads, pool_cfg.head_dim)
+                if (c.n_layers, c.n_kv_heads, c.head_dim, c.dtype)
+                    != (
+                        pool_cfg.n_layers,
+                        pool_cfg.n_kv_heads,
+                        pool_cfg.head_dim,
+                        pool_cfg.dtype,
+                    )
                 {
                     return Err(invalid(
                         "kv pool",
                         &format!(
-                            "{} layers x {} KV heads x {}",
-                            c.n_layers, c.n_kv_heads, c.head_dim
+                            "{} layers x {} KV heads x {} {}",
+                            c.n_layers, c.n_kv_heads, c.head_dim, c.dtype
                         ),
-                        "the pool's shape is not the model's KV shape",
+                        "the pool's shape or dtype is not the model's KV shape and --kv-cache-dtype",
                     ));
                 }
                 p
@@ -370,8 +395,8 @@ impl Engine {
             }
             let slots = (n - before).min(page_size);
             let s = reader.read_page(*entry, layer, slots)?;
-            k.extend_from_slice(s.k);
-            v.extend_from_slice(s.v);
+            s.k.extend_f32(&mut k);
+            s.v.extend_f32(&mut v);
         }
         Ok((k, v))
     }

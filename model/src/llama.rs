@@ -205,11 +205,6 @@ impl Llama {
         )
     }
 
-    /// KV bytes one token occupies across all layers (f32 K and V).
-    pub fn kv_bytes_per_token(&self) -> usize {
-        self.cfg.n_layers * 2 * self.cfg.n_kv_heads * self.cfg.head_dim * std::mem::size_of::<f32>()
-    }
-
     /// Run a batch of chunks. The outer `Err` is a failure of the whole call
     /// (bad input that names no single sequence, or a compute error); a guard
     /// violation or a KV write error fails only its own chunk.

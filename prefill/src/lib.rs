@@ -259,6 +259,17 @@ impl PrefillNode {
             }
         };
         check(&grant, &r.prompt_ids, self.inner.max_seq_tokens)?;
+        // Pages of another shape or dtype than this node computes would be
+        // refused page by page (lengths) or, for the dtype, rounded on the
+        // way: refuse the grant up front instead.
+        let own = kvmesh_kvxfer::wire::Geometry::from_pool(self.pool().config())
+            .map_err(|e| PrefillError::Invalid(e.to_string()))?;
+        if grant.geometry != own {
+            return Err(PrefillError::Invalid(format!(
+                "the decode node's KV pages are {:?}, this node's {own:?}: start both with the same model and --kv-cache-dtype",
+                grant.geometry
+            )));
+        }
         let s = r.sampling.unwrap_or_default();
         let sampling = SamplingParams {
             temperature: s.temperature,

@@ -17,6 +17,40 @@ struct VecPages {
     written: Vec<usize>,
     reads: RefCell<Vec<u32>>,
     reported: RefCell<Vec<GuardViolation>>,
+    /// When set, the pages as an f16 pool holds them (reads return these).
+    half: Option<HalfPages>,
+}
+
+/// K and V pages in f16.
+type HalfPages = (Vec<Vec<half::f16>>, Vec<Vec<half::f16>>);
+
+impl VecPages {
+    /// The same pages as an f16 pool stores them, and as an f32 pool holding
+    /// those f16 values: the pair attention must agree on to the bit.
+    fn into_f16_pair(mut self) -> (VecPages, VecPages) {
+        let round = |pages: &mut Vec<Vec<f32>>| -> Vec<Vec<half::f16>> {
+            pages
+                .iter_mut()
+                .map(|p| {
+                    let h: Vec<half::f16> = p.iter().map(|&x| crate::f16_from_f32(x)).collect();
+                    p.iter_mut().zip(&h).for_each(|(x, h)| *x = h.to_f32());
+                    h
+                })
+                .collect()
+        };
+        let (k, v) = (round(&mut self.k), round(&mut self.v));
+        let f16 = VecPages {
+            geo: self.geo,
+            k: self.k.clone(),
+            v: self.v.clone(),
+            generation: self.generation.clone(),
+            written: self.written.clone(),
+            reads: RefCell::new(Vec::new()),
+            reported: RefCell::new(Vec::new()),
+            half: Some((k, v)),
+        };
+        (f16, self)
+    }
 }
 
 impl PagedKv for VecPages {
@@ -47,9 +81,15 @@ impl PagedKv for VecPages {
         }
         self.reads.borrow_mut().push(e.page);
         let d = self.geo.kv_dim();
-        Ok(PageSlices {
-            k: &self.k[p][..n * d],
-            v: &self.v[p][..n * d],
+        Ok(match &self.half {
+            Some((k, v)) => PageSlices {
+                k: KvValues::F16(&k[p][..n * d]),
+                v: KvValues::F16(&v[p][..n * d]),
+            },
+            None => PageSlices {
+                k: KvValues::F32(&self.k[p][..n * d]),
+                v: KvValues::F32(&self.v[p][..n * d]),
+            },
         })
     }
     fn report(&self, v: &GuardViolation) {
@@ -122,6 +162,7 @@ fn paged(
         written: vec![0; n_phys],
         reads: RefCell::new(Vec::new()),
         reported: RefCell::new(Vec::new()),
+        half: None,
     };
     for pos in 0..ctx {
         let e = table[pos / geo.page_size];
@@ -315,5 +356,64 @@ fn a_query_computes_the_same_bits_alone_and_in_any_block() {
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "positions {from}..{to} differ from the whole prompt ({nh}/{nkv}/{d}, window {window:?})");
         }
+    }
+}
+
+#[test]
+fn an_f16_pool_gives_the_bits_of_an_f32_pool_holding_its_values() {
+    // Head sizes for every build: the tiled one (multiples of 32) and the
+    // eight-lane one; prefill and decode shapes; windows.
+    for (nh, nkv, d, ps, ctx, window) in [
+        (9, 3, 64, 16, 70usize, None),
+        (9, 3, 64, 16, 83, Some(21)),
+        (4, 1, 128, 16, 50, None),
+        (6, 2, 32, 8, 41, Some(40)),
+        (4, 2, 16, 4, 13, None),
+        (8, 8, 8, 1, 5, None),
+    ] {
+        let (shape, table, store, _, _) = setup((nh, nkv, d, ps, ctx, window), 5, 8);
+        let (f16, f32) = store.into_f16_pair();
+        for positions in [
+            (0..ctx).collect::<Vec<_>>(),
+            vec![ctx - 1],
+            (ctx / 2..ctx).collect(),
+        ] {
+            let q = noise(9, positions.len() * nh * d);
+            let run = |pages: &VecPages| {
+                let mut out = vec![0.0; q.len()];
+                paged_attention(pages, &table, 0, &shape, &q, &positions, &mut out)
+                    .expect("valid read");
+                out
+            };
+            let (a, b) = (run(&f16), run(&f32));
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "f16 and f32 pools differ ({nh}/{nkv}/{d}, page {ps}, ctx {ctx}, {} queries)",
+                positions.len()
+            );
+            assert!(a.iter().all(|x| x.is_finite()));
+        }
+    }
+}
+
+#[test]
+fn f16_conversion_rounds_to_nearest_and_saturates() {
+    use crate::f16_from_f32;
+    assert_eq!(f16_from_f32(1.0).to_f32(), 1.0);
+    // 1 + 2^-11 is halfway between 1 and the next f16 (1 + 2^-10): to even.
+    assert_eq!(f16_from_f32(1.0 + 2f32.powi(-11)).to_f32(), 1.0);
+    assert_eq!(
+        f16_from_f32(1.0 + 3.0 * 2f32.powi(-11)).to_f32(),
+        1.0 + 2.0 * 2f32.powi(-10)
+    );
+    assert_eq!(f16_from_f32(1.0e6).to_f32(), 65504.0);
+    assert_eq!(f16_from_f32(-1.0e6).to_f32(), -65504.0);
+    assert_eq!(f16_from_f32(f32::INFINITY).to_f32(), 65504.0);
+    assert!(f16_from_f32(f32::NAN).is_nan());
+    let src = noise(3, 37);
+    let mut dst = vec![half::f16::ZERO; 37];
+    crate::f32_to_f16_slice(&src, &mut dst);
+    for (s, d) in src.iter().zip(&dst) {
+        assert!((s - d.to_f32()).abs() <= s.abs() * 2f32.powi(-11));
     }
 }

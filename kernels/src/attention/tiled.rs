@@ -11,6 +11,11 @@
 //! - Output element `d` of query `i`: `fma(w_ip, v_p[d], acc)` over the
 //!   query's positions in ascending order, from `+0`.
 //!
+//! K and V rows are f32 or f16 (the pool's [`crate::KvDtype`]); an f16 row
+//! is widened eight values at a time (`vcvtph2ps`, exact), so the arithmetic
+//! above is the same for both and an f16 pool gives the bits an f32 pool
+//! holding the same (f16-representable) values gives.
+//!
 //! Tiles only group independent results (scores) or interleave independent
 //! chains (outputs), so a query computes the same bits alone (a decode step)
 //! as in any block of a prompt chunk.
@@ -24,7 +29,52 @@
 use std::arch::x86_64::*;
 
 use super::{window_start, BlockArgs};
+use crate::paged::KvValues;
 use crate::simd::exp;
+
+/// A KV element type this build loads eight at a time.
+pub(super) trait Elem: Copy {
+    /// The pool values if they are of this type.
+    fn values(v: KvValues<'_>) -> Option<&[Self]>;
+
+    /// Eight values from `p`, as f32.
+    ///
+    /// # Safety
+    /// `p` readable for eight values; AVX2/F16C.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn values(v: KvValues<'_>) -> Option<&[f32]> {
+        match v {
+            KvValues::F32(s) => Some(s),
+            KvValues::F16(_) => None,
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: by the caller.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+impl Elem for half::f16 {
+    #[inline(always)]
+    fn values(v: KvValues<'_>) -> Option<&[half::f16]> {
+        match v {
+            KvValues::F16(s) => Some(s),
+            KvValues::F32(_) => None,
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load8(p: *const half::f16) -> __m256 {
+        // SAFETY: by the caller (eight f16 are sixteen bytes).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
 
 /// Whether this build takes a head of `head_dim` values.
 pub(super) fn supports(head_dim: usize) -> bool {
@@ -34,9 +84,35 @@ pub(super) fn supports(head_dim: usize) -> bool {
 /// One KV head's attention for `queries` (vector, position) into `outs`.
 ///
 /// # Safety
-/// AVX2 and FMA; `supports(head_dim)`.
-#[target_feature(enable = "avx2,fma")]
+/// AVX2, FMA and F16C; `supports(head_dim)`.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn attend_block(
+    queries: &[(&[f32], usize)],
+    outs: &mut [&mut [f32]],
+    args: BlockArgs<'_, '_>,
+) {
+    let f16 = args
+        .1
+        .iter()
+        .flatten()
+        .any(|s| s.k.dtype() == crate::KvDtype::F16);
+    // SAFETY: by the caller.
+    unsafe {
+        if f16 {
+            attend_typed::<half::f16>(queries, outs, args)
+        } else {
+            attend_typed::<f32>(queries, outs, args)
+        }
+    }
+}
+
+/// [`attend_block`] over K/V rows of type `E`.
+///
+/// # Safety
+/// As [`attend_block`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_typed<E: Elem>(
     queries: &[(&[f32], usize)],
     outs: &mut [&mut [f32]],
     args: BlockArgs<'_, '_>,
@@ -62,16 +138,17 @@ pub(super) unsafe fn attend_block(
         Vec::with_capacity(hi + 1 - lo),
     );
     for p in lo..=hi {
-        match pages[p / page_size].as_ref() {
-            Some(s) => {
-                let at = (p % page_size) * kv_dim + head_off;
-                krows.push(s.k[at..][..hd].as_ptr());
-                vrows.push(s.v[at..][..hd].as_ptr());
-            }
-            None => unreachable!("page inside the window was not fetched"),
-        }
+        let Some(s) = pages[p / page_size].as_ref() else {
+            unreachable!("page inside the window was not fetched")
+        };
+        let (Some(k), Some(v)) = (E::values(s.k), E::values(s.v)) else {
+            unreachable!("every page of a pool has the pool's dtype")
+        };
+        let at = (p % page_size) * kv_dim + head_off;
+        krows.push(k[at..][..hd].as_ptr());
+        vrows.push(v[at..][..hd].as_ptr());
     }
-    let row = |p: usize, v: bool| -> *const f32 {
+    let row = |p: usize, v: bool| -> *const E {
         if v {
             vrows[p - lo]
         } else {
@@ -98,9 +175,9 @@ pub(super) unsafe fn attend_block(
                     let keys = [0, 1, 2, 3].map(|j| row((p + j).min(common_hi), false));
                     let live = (common_hi + 1 - p).min(4);
                     let s = match mr {
-                        3 => scores::<3>(&qp[i..], &keys, hd),
-                        2 => pad(scores::<2>(&qp[i..], &keys, hd)),
-                        _ => pad(scores::<1>(&qp[i..], &keys, hd)),
+                        3 => scores::<3, E>(&qp[i..], &keys, hd),
+                        2 => pad(scores::<2, E>(&qp[i..], &keys, hd)),
+                        _ => pad(scores::<1, E>(&qp[i..], &keys, hd)),
                     };
                     for (r, s) in s.iter().take(mr).enumerate() {
                         let (start, _) = spans[i + r];
@@ -123,7 +200,7 @@ pub(super) unsafe fn attend_block(
             let own: Vec<usize> = below.chain(above).collect();
             for group in own.chunks(4) {
                 let keys = [0, 1, 2, 3].map(|j| row(group[j.min(group.len() - 1)], false));
-                let s = scores::<1>(&qp[i..], &keys, hd);
+                let s = scores::<1, E>(&qp[i..], &keys, hd);
                 for (&p, v) in group.iter().zip(s[0]) {
                     w[i][p - start] = v * shape.scale;
                 }
@@ -159,9 +236,9 @@ pub(super) unsafe fn attend_block(
             let offs: Vec<usize> = spans[i..i + mr].iter().map(|s| common_lo - s.0).collect();
             for d in (0..hd).step_by(32) {
                 match mr {
-                    3 => weighted::<3>(&op[i..], &w[i..], &offs, d, vr),
-                    2 => weighted::<2>(&op[i..], &w[i..], &offs, d, vr),
-                    _ => weighted::<1>(&op[i..], &w[i..], &offs, d, vr),
+                    3 => weighted::<3, E>(&op[i..], &w[i..], &offs, d, vr),
+                    2 => weighted::<2, E>(&op[i..], &w[i..], &offs, d, vr),
+                    _ => weighted::<1, E>(&op[i..], &w[i..], &offs, d, vr),
                 }
             }
             i += mr;
@@ -186,10 +263,10 @@ fn pad<const MR: usize>(s: [[f32; 4]; MR]) -> [[f32; 4]; 3] {
 /// Every pointer readable for `hd` values; AVX2/FMA.
 #[allow(clippy::needless_range_loop)] // tile loops index several arrays
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn scores<const MR: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores<const MR: usize, E: Elem>(
     q: &[*const f32],
-    k: &[*const f32; 4],
+    k: &[*const E; 4],
     hd: usize,
 ) -> [[f32; 4]; MR] {
     let mut acc = [[_mm256_setzero_ps(); 4]; MR];
@@ -202,7 +279,7 @@ unsafe fn scores<const MR: usize>(
                 *v = _mm256_loadu_ps(q[i].add(d));
             }
             for j in 0..4 {
-                let kv = _mm256_loadu_ps(k[j].add(d));
+                let kv = E::load8(k[j].add(d));
                 for i in 0..MR {
                     acc[i][j] = _mm256_fmadd_ps(qv[i], kv, acc[i][j]);
                 }
@@ -302,8 +379,8 @@ unsafe fn softmax(s: &mut [f32]) {
 /// # Safety
 /// Both pointers valid for `hd` values; AVX2/FMA.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn axpy1(w: f32, v: *const f32, out: *mut f32, hd: usize) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy1<E: Elem>(w: f32, v: *const E, out: *mut f32, hd: usize) {
     let wv = _mm256_set1_ps(w);
     let mut d = 0;
     while d < hd {
@@ -312,7 +389,7 @@ unsafe fn axpy1(w: f32, v: *const f32, out: *mut f32, hd: usize) {
             let o = out.add(d);
             _mm256_storeu_ps(
                 o,
-                _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.add(d)), _mm256_loadu_ps(o)),
+                _mm256_fmadd_ps(wv, E::load8(v.add(d)), _mm256_loadu_ps(o)),
             );
         }
         d += 8;
@@ -327,13 +404,13 @@ unsafe fn axpy1(w: f32, v: *const f32, out: *mut f32, hd: usize) {
 /// Output pointers valid for `d + 32` values, rows for `d + 32`; AVX2/FMA.
 #[allow(clippy::needless_range_loop)] // tile loops index several arrays
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn weighted<const MR: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn weighted<const MR: usize, E: Elem>(
     out: &[*mut f32],
     w: &[Vec<f32>],
     off: &[usize],
     d: usize,
-    vr: &[*const f32],
+    vr: &[*const E],
 ) {
     let mut acc = [[_mm256_setzero_ps(); 4]; MR];
     let ws: [&[f32]; MR] = std::array::from_fn(|i| &w[i][off[i]..off[i] + vr.len()]);
@@ -351,7 +428,7 @@ unsafe fn weighted<const MR: usize>(
                 wv[i] = _mm256_set1_ps(*ws[i].get_unchecked(n));
             }
             for j in 0..4 {
-                let vj = _mm256_loadu_ps(v.add(8 * j));
+                let vj = E::load8(v.add(8 * j));
                 for i in 0..MR {
                     acc[i][j] = _mm256_fmadd_ps(wv[i], vj, acc[i][j]);
                 }

@@ -3,6 +3,8 @@
 //! encoding and checked decoding (see the module documentation for the byte
 //! layout).
 
+use kvmesh_kernels::KvDtype;
+
 /// Bytes reserved for the header; also where the lanes start.
 pub const HEADER_LEN: usize = 4096;
 /// Bytes per lane: one cache line.
@@ -11,7 +13,9 @@ pub const LANE_STRIDE: usize = 64;
 pub(super) const DATA_ALIGN: usize = 4096;
 const MAGIC: [u8; 8] = *b"KVMSHM01";
 const VERSION: u32 = 1;
+/// The header's dtype codes (the wire's: [`crate::wire::Dtype::code`]).
 const DTYPE_F32: u32 = 1;
+const DTYPE_F16: u32 = 2;
 /// Bytes of the header actually used (the rest of [`HEADER_LEN`] is zero).
 pub(super) const HEADER_USED: usize = 72;
 
@@ -26,6 +30,8 @@ pub struct ShmLayout {
     pub n_kv_heads: u32,
     /// Values per head.
     pub head_dim: u32,
+    /// Element type of the page data.
+    pub dtype: KvDtype,
     /// Pages in the pool.
     pub n_pages: u64,
     /// Write gates; lane indices are `u32`, so at most 2^32.
@@ -36,9 +42,10 @@ pub struct ShmLayout {
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Sizes {
     pub(super) kv_dim: usize,
-    /// Floats of one (page, layer) K or V block.
+    /// Values of one (page, layer) K or V block.
     pub(super) block: usize,
-    pub(super) page_floats: usize,
+    /// Values of one page.
+    pub(super) page_values: usize,
     pub(super) data_offset: usize,
     pub(super) total_len: usize,
 }
@@ -82,7 +89,7 @@ impl ShmLayout {
             let kv_dim =
                 us(u64::from(self.n_kv_heads))?.checked_mul(us(u64::from(self.head_dim))?)?;
             let block = us(u64::from(self.page_size))?.checked_mul(kv_dim)?;
-            let page_floats = us(u64::from(self.n_layers))?
+            let page_values = us(u64::from(self.n_layers))?
                 .checked_mul(2)?
                 .checked_mul(block)?;
             let lanes_end = us(self.n_lanes)?
@@ -90,8 +97,8 @@ impl ShmLayout {
                 .checked_add(HEADER_LEN)?;
             let data_offset = lanes_end.checked_next_multiple_of(DATA_ALIGN)?;
             let data_bytes = us(self.n_pages)?
-                .checked_mul(page_floats)?
-                .checked_mul(size_of::<f32>())?;
+                .checked_mul(page_values)?
+                .checked_mul(self.dtype.size())?;
             let total_len = data_offset.checked_add(data_bytes)?;
             // Pointer offsets must fit in isize; header fields are u64.
             isize::try_from(total_len).ok()?;
@@ -99,7 +106,7 @@ impl ShmLayout {
             Some(Sizes {
                 kv_dim,
                 block,
-                page_floats,
+                page_values,
                 data_offset,
                 total_len,
             })
@@ -107,10 +114,10 @@ impl ShmLayout {
         f().ok_or(LayoutFault::Overflow)
     }
 
-    /// f32 values per page (all layers, K and V); `None` if the layout is
+    /// Values per page (all layers, K and V); `None` if the layout is
     /// invalid (a zero field, more than 2^32 lanes, or an overflow).
-    pub fn page_floats(&self) -> Option<usize> {
-        self.sizes().ok().map(|s| s.page_floats)
+    pub fn page_values(&self) -> Option<usize> {
+        self.sizes().ok().map(|s| s.page_values)
     }
 
     /// Byte offset of the page data; `None` if the layout is invalid.
@@ -133,7 +140,10 @@ pub(super) fn encode_header(l: &ShmLayout, s: &Sizes) -> [u8; HEADER_USED] {
         l.n_layers,
         l.n_kv_heads,
         l.head_dim,
-        DTYPE_F32,
+        match l.dtype {
+            KvDtype::F32 => DTYPE_F32,
+            KvDtype::F16 => DTYPE_F16,
+        },
     ];
     for (i, v) in u32s.iter().enumerate() {
         h[8 + 4 * i..12 + 4 * i].copy_from_slice(&v.to_le_bytes());
@@ -174,15 +184,21 @@ pub(super) fn decode_header(
     if version != VERSION {
         return Err(format!("version is {version}, expected {VERSION}"));
     }
-    let dtype = u32_at(28);
-    if dtype != DTYPE_F32 {
-        return Err(format!("dtype is {dtype}, expected {DTYPE_F32} (f32)"));
-    }
+    let dtype = match u32_at(28) {
+        DTYPE_F32 => KvDtype::F32,
+        DTYPE_F16 => KvDtype::F16,
+        other => {
+            return Err(format!(
+                "dtype is {other}, expected {DTYPE_F32} (f32) or {DTYPE_F16} (f16)"
+            ))
+        }
+    };
     let layout = ShmLayout {
         page_size: u32_at(12),
         n_layers: u32_at(16),
         n_kv_heads: u32_at(20),
         head_dim: u32_at(24),
+        dtype,
         n_pages: u64_at(32),
         n_lanes: u64_at(40),
     };

@@ -15,7 +15,7 @@
 //! # File layout (little-endian; native atomics)
 //! - Header at offset 0, [`HEADER_LEN`] bytes reserved: magic `KVMSHM01`,
 //!   version `u32` = 1, `page_size`, `n_layers`, `n_kv_heads`, `head_dim`,
-//!   `dtype` (`u32` each; dtype 1 = f32), `n_pages`, `n_lanes`,
+//!   `dtype` (`u32` each; dtype 1 = f32, 2 = f16), `n_pages`, `n_lanes`,
 //!   `lanes_offset`, `data_offset`, `total_len` (`u64` each). [`ShmRegion::open`]
 //!   recomputes every derived field from the layout with checked arithmetic
 //!   and refuses any difference, and `total_len` must equal the file length.
@@ -23,7 +23,8 @@
 //!   cache line each, so lanes do not false-share): `epoch: AtomicU32` at +0,
 //!   `active: AtomicU32` at +4, the rest padding.
 //! - Page data at `data_offset` (the end of the lanes rounded up to 4096):
-//!   `n_pages` pages of `n_layers * 2 * page_size * kv_dim` f32, page-major
+//!   `n_pages` pages of `n_layers * 2 * page_size * kv_dim` values of the
+//!   dtype, page-major
 //!   as in the heap pool: page `p`, layer `l` is a K block
 //!   `[page_size][kv_dim]` followed by a V block of the same shape.
 //!
@@ -79,6 +80,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+use kvmesh_kernels::{f16_from_f32, KvDtype};
 use memmap2::{MmapOptions, MmapRaw};
 use thiserror::Error;
 
@@ -251,7 +253,7 @@ impl Drop for Entered<'_> {
 pub struct ShmRegion {
     map: MmapRaw,
     /// Start of the page data inside `map`.
-    data: NonNull<f32>,
+    data: NonNull<u8>,
     path: PathBuf,
     layout: ShmLayout,
     sizes: Sizes,
@@ -368,11 +370,11 @@ impl ShmRegion {
             return Err(bad("mapping length differs from total_len"));
         }
         // mmap returns page-aligned addresses; checked because the lane
-        // atomics and the f32 data rely on it.
+        // atomics and the data's alignment rely on it.
         if base.align_offset(LANE_STRIDE) != 0 {
             return Err(bad("mapping is not 64-byte aligned"));
         }
-        let data = NonNull::new(base.wrapping_add(sizes.data_offset).cast::<f32>())
+        let data = NonNull::new(base.wrapping_add(sizes.data_offset))
             .ok_or_else(|| bad("null mapping"))?;
         Ok(Self {
             map,
@@ -394,10 +396,10 @@ impl ShmRegion {
         &self.layout
     }
 
-    /// Start of the page data, for the decode pool's storage: f32-aligned,
-    /// `n_pages * page_floats` floats. Read only pages whose grants' lanes
-    /// are `Drained` (module doc).
-    pub(crate) fn data_ptr(&self) -> NonNull<f32> {
+    /// Start of the page data, for the decode pool's storage: 4096-aligned,
+    /// `n_pages * page_values` values of the layout's dtype. Read only pages
+    /// whose grants' lanes are `Drained` (module doc).
+    pub(crate) fn data_ptr(&self) -> NonNull<u8> {
         self.data
     }
 
@@ -552,10 +554,10 @@ impl ShmRegion {
             return Err(oob("slot_end", slot_end, self.layout.page_size.into()));
         }
         // All below page < n_pages, layer < n_layers, slot + n <= page_size,
-        // so within n_pages * page_floats, which `sizes` checked; checked
+        // so within n_pages * page_values, which `sizes` checked; checked
         // anyway so that a mistake here is an error, not a wild write.
         let k_off = (page as usize)
-            .checked_mul(s.page_floats)
+            .checked_mul(s.page_values)
             .and_then(|o| o.checked_add((layer as usize).checked_mul(2)?.checked_mul(s.block)?))
             .and_then(|o| o.checked_add((slot as usize).checked_mul(s.kv_dim)?))
             .ok_or(ShmError::TooLarge)?;
@@ -582,9 +584,25 @@ impl ShmRegion {
         // write `dst`, so it cannot overlap them. Concurrent access to these
         // slots is excluded by the lane contract: the grant gives them to one
         // writer, and decode reads them only after `Drained`.
+        // The data is 4096-aligned, so every value offset is aligned for its
+        // type. An f16 region takes the values as `f16_from_f32` rounds them
+        // (exact for values read from an f16 pool).
         unsafe {
-            std::ptr::copy_nonoverlapping(k.as_ptr(), dst.add(k_off), k.len());
-            std::ptr::copy_nonoverlapping(v.as_ptr(), dst.add(v_off), v.len());
+            match self.layout.dtype {
+                KvDtype::F32 => {
+                    let dst = dst.cast::<f32>();
+                    std::ptr::copy_nonoverlapping(k.as_ptr(), dst.add(k_off), k.len());
+                    std::ptr::copy_nonoverlapping(v.as_ptr(), dst.add(v_off), v.len());
+                }
+                KvDtype::F16 => {
+                    let dst = dst.cast::<half::f16>();
+                    for (off, src) in [(k_off, k), (v_off, v)] {
+                        for (i, x) in src.iter().enumerate() {
+                            dst.add(off + i).write(f16_from_f32(*x));
+                        }
+                    }
+                }
+            }
         }
         Ok(())
     }

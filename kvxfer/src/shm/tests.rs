@@ -10,6 +10,7 @@ const L: ShmLayout = ShmLayout {
     n_layers: 2,
     n_kv_heads: 2,
     head_dim: 3,
+    dtype: kvmesh_kernels::KvDtype::F32,
     n_pages: 5,
     n_lanes: 8,
 };
@@ -17,15 +18,15 @@ const KV: usize = 6;
 
 /// Float offset of the K value of (page, layer, slot); V is `block` on.
 fn k_at(page: usize, layer: usize, slot: usize) -> usize {
-    page * L.page_floats().unwrap() + layer * 2 * 4 * KV + slot * KV
+    page * L.page_values().unwrap() + layer * 2 * 4 * KV + slot * KV
 }
 
 fn read(r: &ShmRegion, off: usize) -> f32 {
     let l = r.layout();
-    assert!(off < l.n_pages as usize * l.page_floats().unwrap());
+    assert!(off < l.n_pages as usize * l.page_values().unwrap());
     // SAFETY: in bounds (asserted); volatile because other threads or
     // mappings write here, and the test wants the value in memory now.
-    unsafe { r.data_ptr().as_ptr().add(off).read_volatile() }
+    unsafe { r.data_ptr().as_ptr().cast::<f32>().add(off).read_volatile() }
 }
 
 fn slots(n: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
@@ -36,7 +37,7 @@ fn slots(n: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
 
 #[test]
 fn sizes_and_key() {
-    assert_eq!(L.page_floats(), Some(2 * 2 * 4 * 6));
+    assert_eq!(L.page_values(), Some(2 * 2 * 4 * 6));
     assert_eq!(L.data_offset(), Some(8192));
     assert_eq!(L.total_len(), Some(8192 + 5 * 96 * 4));
     assert_eq!(ShmLayout { head_dim: 0, ..L }.total_len(), None);
@@ -280,7 +281,7 @@ fn bad_arguments_are_typed_and_write_nothing() {
         } => {}
         e => panic!("{e}"),
     }
-    let all = L.n_pages as usize * L.page_floats().unwrap();
+    let all = L.n_pages as usize * L.page_values().unwrap();
     assert!((0..all).all(|i| read(&r, i) == 0.0), "nothing was written");
     // No failed call left a writer inside.
     assert_eq!(r.lane_close(key).unwrap(), LaneClose::Drained);
@@ -299,6 +300,7 @@ fn no_write_lands_after_drained() {
         n_layers: 1,
         n_kv_heads: 4,
         head_dim: 32,
+        dtype: kvmesh_kernels::KvDtype::F32,
         n_pages: WRITERS as u64,
         n_lanes: 2,
     };

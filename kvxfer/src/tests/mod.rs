@@ -2,6 +2,7 @@
 //! simulated watermark bug). The forged-page tests, which need only the
 //! public API, are in `tests/forged_pages.rs`.
 
+mod f16_pool;
 mod poison_scrub;
 mod props;
 mod reservation;
@@ -18,6 +19,7 @@ pub(crate) fn cfg(n_pages: usize) -> PoolConfig {
         n_layers: 2,
         n_kv_heads: 1,
         head_dim: 2,
+        dtype: kvmesh_kernels::KvDtype::F32,
         scrub: ScrubMode::Off,
         poison: false,
     }

@@ -112,8 +112,8 @@ fn check(pool: &KvPool, lives: &[Live], gens: &mut [u64]) -> Result<(), TestCase
                     .map_err(|v| TestCaseError::fail(v.to_string()))?;
                 for slot in 0..wm {
                     let want = l.data[layer][lp * PS + slot].unwrap_or_default();
-                    prop_assert_eq!(&s.k[slot * KVD..][..KVD], &want[..KVD]);
-                    prop_assert_eq!(&s.v[slot * KVD..][..KVD], &want[KVD..]);
+                    prop_assert_eq!(&s.k.to_f32()[slot * KVD..][..KVD], &want[..KVD]);
+                    prop_assert_eq!(&s.v.to_f32()[slot * KVD..][..KVD], &want[KVD..]);
                 }
                 if wm < PS {
                     let err = kv.read_page(*e, layer, wm + 1).err();

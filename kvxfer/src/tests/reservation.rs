@@ -76,15 +76,19 @@ fn writes_span_pages_and_read_back() {
     let kv = r.reader();
     let p0 = kv.read_page(r.table()[0], 1, 4).expect("page 0");
     let p1 = kv.read_page(r.table()[1], 1, 2).expect("page 1");
-    assert_eq!([p0.k, p1.k].concat(), k);
-    assert_eq!([p0.v, p1.v].concat(), v);
+    assert_eq!([p0.k.to_f32(), p1.k.to_f32()].concat(), k);
+    assert_eq!([p0.v.to_f32(), p1.v.to_f32()].concat(), v);
 
     // Rewriting below the watermark is allowed and keeps the watermark.
     let k2 = tokens(3, 2);
     r.write(1, 1, &k2, &k2).expect("rewrite 1..3");
     assert_eq!(r.written_tokens(1), 6);
     assert_eq!(
-        &r.reader().read_page(r.table()[0], 1, 4).expect("page 0").k[KV_DIM..3 * KV_DIM],
+        &r.reader()
+            .read_page(r.table()[0], 1, 4)
+            .expect("page 0")
+            .k
+            .to_f32()[KV_DIM..3 * KV_DIM],
         &k2[..]
     );
     // A page may be filled before the one before it is complete (transfers

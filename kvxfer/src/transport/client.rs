@@ -326,6 +326,7 @@ impl KvClient {
             slot,
             next_layer: 0,
             sums: vec![Checksummer::new(); n_pages],
+            encoded: Vec::new(),
             faults: FaultPlan::none(),
             frames: 0,
             held_back: None,
@@ -420,6 +421,9 @@ pub struct GrantWriter {
     slot: SlotRef,
     next_layer: u16,
     sums: Vec<Checksummer>,
+    /// Scratch for the values as the grant's dtype encodes them (f16), fed
+    /// to `sums`.
+    encoded: Vec<u8>,
     /// Injected faults (testing builds).
     faults: FaultPlan,
     /// Page writes made so far (the `frame:N` fault index).
@@ -516,8 +520,9 @@ impl GrantWriter {
             let (kp, vp) = (&k[start..end], &v[start..end]);
             if let Some(h) = self.sums.get_mut(index) {
                 if !crate::fault::planted(crate::fault::PlantedBug::NoKvChecks) {
-                    h.update_f32s(kp);
-                    h.update_f32s(vp);
+                    let dtype = self.grant.geometry.dtype;
+                    h.update_encoded(dtype, kp, &mut self.encoded);
+                    h.update_encoded(dtype, vp, &mut self.encoded);
                 }
             }
             let fault = self.faults.at(Point::Frame(self.frames));

@@ -92,9 +92,11 @@ pub struct PageWrite<'a> {
     pub layer: u16,
     /// Slot range within the page.
     pub slots: Range<u32>,
-    /// K values, slot-major.
+    /// K values, slot-major, as f32 (a path converts them to the grant's
+    /// dtype as it sends or stores them; exact for values read from a pool
+    /// of that dtype).
     pub k: &'a [f32],
-    /// V values, slot-major.
+    /// V values, slot-major, as `k`.
     pub v: &'a [f32],
 }
 

@@ -5,7 +5,7 @@
 use tokio::sync::mpsc;
 
 use crate::shm::PeerProcess;
-use crate::wire::{f32s_to_le, DataPath, KvFrame};
+use crate::wire::{encode_values, DataPath, KvFrame};
 
 use super::{BoxFuture, Landing, PageWrite, Revocation, TransportError, WritePath};
 
@@ -59,9 +59,10 @@ impl WritePath for TcpWritePath {
                     "page index {} outside the grant",
                     w.index
                 )))?;
-            let mut payload = Vec::with_capacity((w.k.len() + w.v.len()) * 4);
-            f32s_to_le(w.k, &mut payload);
-            f32s_to_le(w.v, &mut payload);
+            let dtype = g.geometry.dtype;
+            let mut payload = Vec::with_capacity((w.k.len() + w.v.len()) * dtype.size() as usize);
+            encode_values(dtype, w.k, &mut payload);
+            encode_values(dtype, w.v, &mut payload);
             let frame = KvFrame {
                 reservation: g.reservation,
                 capability: g.capability.clone(),

@@ -69,7 +69,9 @@
 
 use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
-use super::geometry::Geometry;
+use kvmesh_kernels::KvValues;
+
+use super::geometry::{Dtype, Geometry};
 
 /// The checksum of `bytes`: xxh3-64 with the default secret and seed 0.
 pub fn checksum(bytes: &[u8]) -> u64 {
@@ -108,6 +110,31 @@ impl Checksummer {
         }
     }
 
+    /// Adds `values` as they are stored, little-endian (the payload
+    /// encoding of their dtype).
+    pub fn update_values(&mut self, values: KvValues<'_>) {
+        match values {
+            KvValues::F32(v) => self.update_f32s(v),
+            #[cfg(target_endian = "little")]
+            KvValues::F16(v) => self.0.update(bytemuck::cast_slice(v)),
+            #[cfg(not(target_endian = "little"))]
+            KvValues::F16(v) => v.iter().for_each(|x| self.0.update(&x.to_le_bytes())),
+        }
+    }
+
+    /// Adds `values` encoded in `dtype` as a frame carries them
+    /// ([`super::encode_values`]), using `scratch` for the encoding.
+    pub fn update_encoded(&mut self, dtype: Dtype, values: &[f32], scratch: &mut Vec<u8>) {
+        match dtype {
+            Dtype::F32 => self.update_f32s(values),
+            Dtype::F16 => {
+                scratch.clear();
+                super::encode_values(dtype, values, scratch);
+                self.0.update(scratch);
+            }
+        }
+    }
+
     /// The checksum of everything fed so far.
     pub fn finish(&self) -> u64 {
         self.0.digest()
@@ -115,13 +142,13 @@ impl Checksummer {
 }
 
 /// The per-page checksum that `TransferDone` carries, over a page as the
-/// pool stores it: `page` holds `n_layers * 2 * page_size * kv_dim` f32,
-/// layer-major, each layer's K block then V block, each
-/// `[page_size][n_kv_heads][head_dim]`.
+/// pool stores it: `page` holds `n_layers * 2 * page_size * kv_dim` values
+/// of the geometry's dtype, layer-major, each layer's K block then V block,
+/// each `[page_size][n_kv_heads][head_dim]`.
 ///
 /// Definition: [`checksum()`] of, for each layer `0..n_layers` in order, the
 /// K values of slots `0..written_slots` then the V values of those slots,
-/// as little-endian f32 bytes. That is exactly the payload of one
+/// as little-endian bytes of the dtype. That is exactly the payload of one
 /// [`super::KvFrame`] covering all layers and slots `0..written_slots`, so a
 /// sender that ships a page as one frame can checksum that payload, and
 /// one that ships a page layer by layer (each frame covering slots
@@ -130,22 +157,27 @@ impl Checksummer {
 /// ([`super::Grant::prompt_slots`]): `page_size` for every page but the
 /// last, which holds the rest.
 ///
-/// `None` if `written_slots > page_size` or `page` has the wrong length.
-pub fn page_checksum(geometry: &Geometry, written_slots: u32, page: &[f32]) -> Option<u64> {
+/// `None` if `written_slots > page_size`, or `page` has the wrong length
+/// or another dtype.
+pub fn page_checksum(geometry: &Geometry, written_slots: u32, page: KvValues<'_>) -> Option<u64> {
     let kv_dim = usize::try_from(geometry.kv_dim()).ok()?;
     let block = (geometry.page_size as usize).checked_mul(kv_dim)?;
     let expected = usize::from(geometry.n_layers)
         .checked_mul(2)?
         .checked_mul(block)?;
-    if written_slots > geometry.page_size || page.len() != expected || block == 0 {
+    if written_slots > geometry.page_size
+        || page.len() != expected
+        || block == 0
+        || page.dtype() != geometry.dtype.kv()
+    {
         return None;
     }
     let used = written_slots as usize * kv_dim;
     let mut h = Checksummer::new();
-    for layer in page.chunks_exact(2 * block) {
-        let (k, v) = layer.split_at(block);
-        h.update_f32s(k.get(..used)?);
-        h.update_f32s(v.get(..used)?);
+    for layer in 0..usize::from(geometry.n_layers) {
+        let k = layer * 2 * block;
+        h.update_values(page.slice(k..k + used));
+        h.update_values(page.slice(k + block..k + block + used));
     }
     Some(h.finish())
 }
@@ -153,7 +185,6 @@ pub fn page_checksum(geometry: &Geometry, written_slots: u32, page: &[f32]) -> O
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::Dtype;
 
     #[test]
     fn pieces_match_one_shot() {
@@ -189,14 +220,40 @@ mod tests {
             want.extend(&page[base + 8..base + 14]);
         }
         let le: Vec<u8> = want.iter().flat_map(|v| v.to_le_bytes()).collect();
-        assert_eq!(page_checksum(geo, 3, &page), Some(checksum(&le)));
+        let sum = |p: &[f32], slots| page_checksum(geo, slots, KvValues::F32(p));
+        assert_eq!(sum(&page, 3), Some(checksum(&le)));
         // The unwritten slot does not count.
         let mut other = page.clone();
         other[7] = 99.0;
-        assert_eq!(page_checksum(geo, 3, &other), page_checksum(geo, 3, &page));
+        assert_eq!(sum(&other, 3), sum(&page, 3));
         other[5] = 99.0;
-        assert_ne!(page_checksum(geo, 3, &other), page_checksum(geo, 3, &page));
-        assert_eq!(page_checksum(geo, 5, &page), None);
-        assert_eq!(page_checksum(geo, 3, &page[1..]), None);
+        assert_ne!(sum(&other, 3), sum(&page, 3));
+        assert_eq!(sum(&page, 5), None);
+        assert_eq!(sum(&page[1..], 3), None);
+        // An f16 page: its own bytes, and only under an f16 geometry.
+        let half: Vec<half::f16> = page.iter().map(|&x| half::f16::from_f32(x)).collect();
+        assert_eq!(page_checksum(geo, 3, KvValues::F16(&half)), None);
+        let geo16 = &Geometry {
+            dtype: Dtype::F16,
+            ..*geo
+        };
+        let mut le16 = Vec::new();
+        crate::wire::encode_values(Dtype::F16, &want, &mut le16);
+        assert_eq!(le16.len(), 2 * want.len());
+        assert_eq!(
+            page_checksum(geo16, 3, KvValues::F16(&half)),
+            Some(checksum(&le16))
+        );
+        let mut h = Checksummer::new();
+        let mut scratch = Vec::new();
+        for layer in 0..2 {
+            let base = layer * 16;
+            h.update_encoded(Dtype::F16, &page[base..base + 6], &mut scratch);
+            h.update_encoded(Dtype::F16, &page[base + 8..base + 14], &mut scratch);
+        }
+        assert_eq!(
+            Some(h.finish()),
+            page_checksum(geo16, 3, KvValues::F16(&half))
+        );
     }
 }

@@ -7,7 +7,7 @@ use kvmesh_kernels::PageRef;
 
 use super::codec::{fit, seal, Put, Reader};
 use super::error::WireError;
-use super::geometry::{Geometry, GEOMETRY_LEN};
+use super::geometry::{Dtype, Geometry, GEOMETRY_LEN};
 use super::ids::{Capability, ReservationId, CAPABILITY_LEN};
 use super::{MessageType, HEADER_LEN, TRAILER_LEN};
 
@@ -19,7 +19,8 @@ pub const FRAME_FIXED_LEN: usize =
 ///
 /// The payload is, for each layer in `layers` in order, the K values of
 /// those slots then the V values (each `[n_slots][n_kv_heads][head_dim]`),
-/// as little-endian f32: the page's own layout restricted to the range, so
+/// as little-endian values of the geometry's dtype (f32 or f16): the page's
+/// own layout restricted to the range, so
 /// a frame of all layers and all slots is the page's bytes as they lie in
 /// the pool. Decoding borrows the payload from the input buffer.
 ///
@@ -51,9 +52,9 @@ pub struct KvFrame<'a> {
 pub struct LayerKv<'a> {
     /// The layer.
     pub layer: u16,
-    /// K values of the frame's slots, little-endian f32.
+    /// K values of the frame's slots, little-endian, of the geometry's dtype.
     pub k: &'a [u8],
-    /// V values of the frame's slots, little-endian f32.
+    /// V values of the frame's slots, little-endian, of the geometry's dtype.
     pub v: &'a [u8],
 }
 
@@ -227,6 +228,38 @@ pub fn f32s_to_le(values: &[f32], out: &mut Vec<u8>) {
     out.extend_from_slice(bytemuck::cast_slice(values));
     #[cfg(not(target_endian = "little"))]
     out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+}
+
+/// Appends `values` in `dtype`'s little-endian encoding (a frame payload,
+/// or what its checksum covers): f32 as they are; f16 rounded by
+/// [`kvmesh_kernels::f16_from_f32`], which is exact for values read from an
+/// f16 pool.
+pub fn encode_values(dtype: Dtype, values: &[f32], out: &mut Vec<u8>) {
+    match dtype {
+        Dtype::F32 => f32s_to_le(values, out),
+        Dtype::F16 => {
+            out.reserve(values.len() * 2);
+            for v in values {
+                out.extend_from_slice(&kvmesh_kernels::f16_from_f32(*v).to_le_bytes());
+            }
+        }
+    }
+}
+
+/// Fills `out` from little-endian f16 bytes; `bytes` must hold exactly
+/// `2 * out.len()` bytes. Copies, so `bytes` need not be aligned.
+pub fn f16s_from_le(bytes: &[u8], out: &mut [half::f16]) -> Result<(), WireError> {
+    if bytes.len() != out.len().saturating_mul(2) {
+        return Err(WireError::LengthMismatch {
+            field: "f16 values",
+            declared: bytes.len() as u64,
+            actual: (out.len() as u64).saturating_mul(2),
+        });
+    }
+    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+        *o = half::f16::from_le_bytes([b[0], b[1]]);
+    }
+    Ok(())
 }
 
 /// Fills `out` from little-endian f32 bytes; `bytes` must hold exactly

@@ -2,19 +2,21 @@
 
 use std::ops::Range;
 
-use kvmesh_kernels::KvGeometry;
+use kvmesh_kernels::{KvDtype, KvGeometry};
 
 use super::codec::{Put, Reader};
 use super::error::WireError;
 use crate::PoolConfig;
 
-/// Element type of the KV values on the wire. Only f32 today; a new dtype
-/// is a new code (receivers refuse codes they do not know), not a new
-/// layout.
+/// Element type of the KV values on the wire: the pool's [`KvDtype`], sent
+/// as stored (a frame's payload is the page's own bytes). A new dtype is a
+/// new code (receivers refuse codes they do not know), not a new layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dtype {
     /// IEEE 754 binary32, little-endian. Code 1.
     F32,
+    /// IEEE 754 binary16, little-endian. Code 2.
+    F16,
 }
 
 impl Dtype {
@@ -22,6 +24,7 @@ impl Dtype {
     pub fn code(self) -> u8 {
         match self {
             Self::F32 => 1,
+            Self::F16 => 2,
         }
     }
 
@@ -29,17 +32,36 @@ impl Dtype {
     pub fn size(self) -> u64 {
         match self {
             Self::F32 => 4,
+            Self::F16 => 2,
+        }
+    }
+
+    /// The pool element type it carries.
+    pub fn kv(self) -> KvDtype {
+        match self {
+            Self::F32 => KvDtype::F32,
+            Self::F16 => KvDtype::F16,
         }
     }
 
     fn from_code(code: u8) -> Result<Self, WireError> {
         match code {
             1 => Ok(Self::F32),
+            2 => Ok(Self::F16),
             _ => Err(WireError::InvalidField {
                 field: "geometry.dtype",
                 value: code.into(),
-                reason: "unknown dtype code (1 = f32)",
+                reason: "unknown dtype code (1 = f32, 2 = f16)",
             }),
+        }
+    }
+}
+
+impl From<KvDtype> for Dtype {
+    fn from(d: KvDtype) -> Self {
+        match d {
+            KvDtype::F32 => Self::F32,
+            KvDtype::F16 => Self::F16,
         }
     }
 }
@@ -84,7 +106,7 @@ impl Geometry {
             n_layers: narrow(cfg.n_layers, "geometry.n_layers")?,
             n_kv_heads: narrow(cfg.n_kv_heads, "geometry.n_kv_heads")?,
             head_dim: narrow(cfg.head_dim, "geometry.head_dim")?,
-            dtype: Dtype::F32,
+            dtype: cfg.dtype.into(),
         };
         g.validate()?;
         Ok(g)

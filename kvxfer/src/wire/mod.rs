@@ -33,7 +33,7 @@
 //!
 //! Ids are 16 bytes, the [`Capability`] 32; [`Geometry`] is 12 bytes:
 //! page_size u32, n_layers u16, n_kv_heads u16, head_dim u16, dtype u8
-//! (1 = f32), reserved u8 = 0.
+//! (1 = f32, 2 = f16: the pool's dtype), reserved u8 = 0.
 //!
 //! **KvFrame** (tag 1), 92 bytes + payload:
 //!
@@ -50,7 +50,7 @@
 //! | 80 | 4 | first slot u32 |
 //! | 84 | 4 | slot count u32 |
 //! | 88 | 4 | payload length u32 = layers * 2 * slots * kv_dim * 4 |
-//! | 92 | payload length | per layer: K of the slots, then V, f32 LE, each `[slots][n_kv_heads][head_dim]` |
+//! | 92 | payload length | per layer: K of the slots, then V, little-endian values of the geometry's dtype, each `[slots][n_kv_heads][head_dim]` |
 //!
 //! The payload starts at byte 104 of the message, a multiple of 8.
 //!
@@ -177,7 +177,7 @@ pub use control::{
     NONCE_LEN, PROOF_LEN,
 };
 pub use error::{FrameReject, RejectCounters, WireError, REJECT_KINDS};
-pub use frame::{f32s_from_le, f32s_to_le, KvFrame, LayerKv};
+pub use frame::{encode_values, f16s_from_le, f32s_from_le, f32s_to_le, KvFrame, LayerKv};
 pub use geometry::{Dtype, Geometry};
 pub use grant::Grant;
 pub use ids::{Capability, MintError, RequestId, ReservationId, TransferId, WriterId};

@@ -18,7 +18,7 @@ use kvmesh_kvxfer::wire::{
     decode_message, peek_header, DecodeLimits, Grant, Hello, Message, WriterId, HEADER_LEN,
     NONCE_LEN,
 };
-use kvmesh_kvxfer::{KvPool, PoolConfig, Reservation, ScrubMode};
+use kvmesh_kvxfer::{KvDtype, KvPool, PoolConfig, Reservation, ScrubMode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -35,12 +35,17 @@ pub const N_LAYERS: usize = 2;
 pub const KV_DIM: usize = 4;
 
 pub fn pool_config() -> PoolConfig {
+    pool_config_of(KvDtype::F32)
+}
+
+pub fn pool_config_of(dtype: KvDtype) -> PoolConfig {
     PoolConfig {
         page_size: PAGE_SIZE,
         n_pages: N_PAGES,
         n_layers: N_LAYERS,
         n_kv_heads: 1,
         head_dim: KV_DIM,
+        dtype,
         scrub: ScrubMode::Off,
         // Released pages hold the canary: any read of one fails loudly.
         poison: true,
@@ -80,14 +85,15 @@ impl Node {
     }
 
     pub async fn with(kind: Kind, cfg: TableConfig) -> Self {
+        Self::with_pool(kind, cfg, pool_config()).await
+    }
+
+    pub async fn with_pool(kind: Kind, cfg: TableConfig, pool_cfg: PoolConfig) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let (pool, landing): (KvPool, Arc<dyn Landing>) = match kind {
-            Kind::Tcp => (
-                KvPool::new(pool_config()).expect("pool"),
-                Arc::new(TcpLanding),
-            ),
+            Kind::Tcp => (KvPool::new(pool_cfg).expect("pool"), Arc::new(TcpLanding)),
             Kind::Shm => {
-                let pool = KvPool::new_shared(pool_config(), dir.path()).expect("shared pool");
+                let pool = KvPool::new_shared(pool_cfg, dir.path()).expect("shared pool");
                 let region = Arc::clone(pool.shm_region().expect("mapping"));
                 (pool, Arc::new(ShmLanding::new(region)))
             }
@@ -187,8 +193,9 @@ pub async fn write_layers(w: &mut GrantWriter, layers: std::ops::Range<u16>, see
 }
 
 /// Reads every prompt position of `res` through the checked reader and
-/// compares with the data written with `seed`; checks that exactly the
-/// prompt is readable (watermarks), nothing past it.
+/// compares with the data written with `seed` (as an f16 pool rounds it,
+/// for one); checks that exactly the prompt is readable (watermarks),
+/// nothing past it.
 pub fn assert_prompt(res: &Reservation, prompt: usize, seed: f32) {
     let reader = res.reader();
     for layer in 0..N_LAYERS as u16 {
@@ -207,8 +214,20 @@ pub fn assert_prompt(res: &Reservation, prompt: usize, seed: f32) {
             let s = reader
                 .read_page(*entry, layer.into(), slots)
                 .expect("verified prompt is readable");
-            assert_eq!(s.k, &k[before * KV_DIM..(before + slots) * KV_DIM]);
-            assert_eq!(s.v, &v[before * KV_DIM..(before + slots) * KV_DIM]);
+            let stored = |x: &[f32]| -> Vec<f32> {
+                match s.k.dtype() {
+                    KvDtype::F32 => x.to_vec(),
+                    KvDtype::F16 => x.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
+                }
+            };
+            assert_eq!(
+                s.k.to_f32(),
+                stored(&k[before * KV_DIM..(before + slots) * KV_DIM])
+            );
+            assert_eq!(
+                s.v.to_f32(),
+                stored(&v[before * KV_DIM..(before + slots) * KV_DIM])
+            );
         }
     }
 }

@@ -13,8 +13,9 @@ use common::*;
 use kvmesh_kvxfer::handshake::{Outcome, ReserveError, RevokeCause, TableConfig, VerifyError};
 use kvmesh_kvxfer::transport::client::WriterError;
 use kvmesh_kvxfer::wire::{
-    decode_message, AbortConfirmed, AbortReason, Capability, Message, TransferDone, WriterId,
+    decode_message, AbortConfirmed, AbortReason, Capability, Dtype, Message, TransferDone, WriterId,
 };
+use kvmesh_kvxfer::KvDtype;
 
 /// One test per transport.
 macro_rules! both {
@@ -57,6 +58,29 @@ async fn transfer_verifies_and_goes_live(kind: Kind) {
     drop(live);
     node.assert_idle().await;
     assert_eq!(node.table.stats().ended_total(), 1);
+}
+
+both!(an_f16_pool_transfer_verifies_and_goes_live);
+/// The same transfer into an f16 pool: the writer encodes f16 (half the
+/// bytes), its checksums cover the f16 bytes, and they match the pages as
+/// they landed; the prompt reads back as f16 rounds it.
+async fn an_f16_pool_transfer_verifies_and_goes_live(kind: Kind) {
+    let node = Node::with_pool(kind, table_config(), pool_config_of(KvDtype::F16)).await;
+    let client = node.client().await;
+    assert_eq!(client.geometry().dtype, Dtype::F16);
+    let (grant, pending) = node
+        .table
+        .reserve(Node::request(10, 6, client.writer()))
+        .expect("reserve");
+    assert_eq!(grant.geometry.dtype, Dtype::F16);
+    let mut w = client.begin(grant).expect("begin");
+    write_layers(&mut w, 0..N_LAYERS as u16, 1.5).await;
+    w.finish(5).await.expect("finish");
+    let live = pending.wait().await.expect("verified and live");
+    assert_prompt(live.reservation(), 10, 1.5);
+    assert_eq!(node.table.stats().ended("completed"), 1);
+    drop(live);
+    node.assert_idle().await;
 }
 
 both!(abort_before_the_grant_reaches_the_writer);

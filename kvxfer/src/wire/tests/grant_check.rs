@@ -230,7 +230,8 @@ fn page_checksum_matches_frame_payloads() {
             ..frame(&whole)
         };
         f.validate().expect("a whole-page frame");
-        let want = page_checksum(&g, written, &page).expect("valid page");
+        let want =
+            page_checksum(&g, written, kvmesh_kernels::KvValues::F32(&page)).expect("valid page");
         assert_eq!(checksum(f.payload), want);
         assert_eq!(by_layer.finish(), want);
         // And the receiver can turn the payload back into the page's values.
