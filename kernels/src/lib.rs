@@ -34,6 +34,6 @@ mod simd;
 
 pub use attention::{paged_attention, AttentionShape};
 pub use paged::{
-    f16_from_f32, f32_to_f16_slice, GuardViolation, KvDtype, KvGeometry, KvValues, PageRef,
-    PageSlices, PagedKv,
+    f16_from_f32, f16_to_f32_slice, f32_to_f16_slice, GuardViolation, KvDtype, KvGeometry,
+    KvValues, PageRef, PageSlices, PagedKv,
 };

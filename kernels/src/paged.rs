@@ -116,11 +116,86 @@ pub fn f16_from_f32(x: f32) -> half::f16 {
     half::f16::from_f32(x.clamp(-65504.0, 65504.0))
 }
 
-/// `src` converted into `dst` as [`f16_from_f32`] does; equal lengths.
+/// `src` converted into `dst` as [`f16_from_f32`] does, to the bit; equal
+/// lengths. Eight values per instruction (F16C) where the CPU has it.
 pub fn f32_to_f16_slice(src: &[f32], dst: &mut [half::f16]) {
     assert_eq!(src.len(), dst.len(), "f16 conversion lengths");
-    for (d, s) in dst.iter_mut().zip(src) {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if convert::f16c() {
+        // SAFETY: the CPU has F16C and AVX (checked); equal lengths.
+        done = unsafe { convert::narrow(src, dst) };
+    }
+    for (d, s) in dst[done..].iter_mut().zip(&src[done..]) {
         *d = f16_from_f32(*s);
+    }
+}
+
+/// `src` widened into `dst` (exact); equal lengths. Eight values per
+/// instruction (F16C) where the CPU has it.
+pub fn f16_to_f32_slice(src: &[half::f16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "f16 conversion lengths");
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if convert::f16c() {
+        // SAFETY: the CPU has F16C and AVX (checked); equal lengths.
+        done = unsafe { convert::widen(src, dst) };
+    }
+    for (d, s) in dst[done..].iter_mut().zip(&src[done..]) {
+        *d = s.to_f32();
+    }
+}
+
+/// The F16C builds of the slice conversions: whole groups of eight; the
+/// caller converts the rest one by one.
+#[cfg(target_arch = "x86_64")]
+mod convert {
+    use std::arch::x86_64::*;
+
+    /// Whether this CPU converts in vectors (checked once).
+    pub(super) fn f16c() -> bool {
+        static F16C: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *F16C.get_or_init(|| is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c"))
+    }
+
+    /// As [`super::f16_from_f32`]: clamped to +-65504 with the value as
+    /// the second operand of min and max, so a NaN passes through (they
+    /// return the second operand when either is a NaN), then rounded to
+    /// nearest even. Returns the values converted.
+    ///
+    /// # Safety
+    /// AVX and F16C; `dst.len() >= src.len()`.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn narrow(src: &[f32], dst: &mut [half::f16]) -> usize {
+        let n = src.len() / 8 * 8;
+        let (hi, lo) = (_mm256_set1_ps(65504.0), _mm256_set1_ps(-65504.0));
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= n, within both slices.
+            unsafe {
+                let x = _mm256_loadu_ps(src.as_ptr().add(i));
+                let x = _mm256_max_ps(lo, _mm256_min_ps(hi, x));
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
+                _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), h);
+            }
+        }
+        n
+    }
+
+    /// Exact widening. Returns the values converted.
+    ///
+    /// # Safety
+    /// AVX and F16C; `dst.len() >= src.len()`.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn widen(src: &[half::f16], dst: &mut [f32]) -> usize {
+        let n = src.len() / 8 * 8;
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= n, within both slices.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+        }
+        n
     }
 }
 
@@ -182,7 +257,11 @@ impl<'a> KvValues<'a> {
     pub fn extend_f32(&self, out: &mut Vec<f32>) {
         match self {
             Self::F32(v) => out.extend_from_slice(v),
-            Self::F16(v) => out.extend(v.iter().map(|x| x.to_f32())),
+            Self::F16(v) => {
+                let at = out.len();
+                out.resize(at + v.len(), 0.0);
+                f16_to_f32_slice(v, &mut out[at..]);
+            }
         }
     }
 
@@ -317,4 +396,82 @@ pub trait PagedKv {
     /// short for the positions read), so that every refused read raises the
     /// same alarm as the ones `read_page` refuses.
     fn report(&self, violation: &GuardViolation);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Inputs that exercise every branch of f32 -> f16: halfway cases
+    /// (ties to even, both ways), subnormals, the edges of the range,
+    /// overflow to the saturation, infinities, NaNs with payloads, zeros.
+    fn hard_inputs() -> Vec<f32> {
+        let mut v = vec![
+            0.0,
+            -0.0,
+            1.0,
+            1.0 + 2f32.powi(-11),
+            1.0 + 3.0 * 2f32.powi(-11),
+            -(1.0 + 2f32.powi(-11)),
+            65504.0,
+            65519.99,
+            65520.0,
+            -65520.0,
+            1.0e9,
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7FA0_0001),
+            f32::from_bits(0xFFC1_2345),
+            2f32.powi(-24),
+            2f32.powi(-25),
+            3.0 * 2f32.powi(-26),
+            2f32.powi(-14),
+            2f32.powi(-14) - 2f32.powi(-25),
+            f32::MIN_POSITIVE,
+            1.0e-30,
+        ];
+        let mut s = 0x9E37_79B9u32;
+        for _ in 0..4000 {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            v.push(f32::from_bits(s));
+            v.push((s as f32 / u32::MAX as f32 - 0.5) * 300.0);
+        }
+        v
+    }
+
+    #[test]
+    fn slice_conversions_equal_the_scalar_ones_to_the_bit() {
+        let src = hard_inputs();
+        // Lengths that leave a tail after the groups of eight.
+        for n in [0, 1, 7, 8, 9, 31, src.len()] {
+            let mut h = vec![half::f16::ZERO; n];
+            f32_to_f16_slice(&src[..n], &mut h);
+            for (x, y) in src[..n].iter().zip(&h) {
+                let want = f16_from_f32(*x);
+                assert!(
+                    want.to_bits() == y.to_bits(),
+                    "{x:e} ({:#x}): {:#x} vs {:#x}",
+                    x.to_bits(),
+                    y.to_bits(),
+                    want.to_bits()
+                );
+            }
+            let mut back = vec![0.0f32; n];
+            f16_to_f32_slice(&h, &mut back);
+            for (h, b) in h.iter().zip(&back) {
+                let want = h.to_f32();
+                assert_eq!(want.to_bits(), b.to_bits());
+            }
+        }
+        // Saturation, not infinity, in both.
+        let mut h = vec![half::f16::ZERO; 16];
+        f32_to_f16_slice(&[1.0e9; 16], &mut h);
+        assert!(h.iter().all(|h| h.to_f32() == 65504.0));
+    }
 }

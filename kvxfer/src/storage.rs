@@ -35,7 +35,7 @@ use std::sync::Arc;
 
 use crate::shm::ShmRegion;
 
-use kvmesh_kernels::{f32_to_f16_slice, KvDtype, KvValues, PageSlices};
+use kvmesh_kernels::{f16_to_f32_slice, f32_to_f16_slice, KvDtype, KvValues, PageSlices};
 
 use crate::error::PoolError;
 
@@ -260,10 +260,10 @@ impl Storage {
                     x,
                     std::slice::from_raw_parts_mut(base.cast::<half::f16>().add(at), n),
                 ),
-                (KvDtype::F32, KvValues::F16(x)) => {
-                    let dst = std::slice::from_raw_parts_mut(base.cast::<f32>().add(at), n);
-                    dst.iter_mut().zip(x).for_each(|(d, x)| *d = x.to_f32());
-                }
+                (KvDtype::F32, KvValues::F16(x)) => f16_to_f32_slice(
+                    x,
+                    std::slice::from_raw_parts_mut(base.cast::<f32>().add(at), n),
+                ),
             }
         }
     }

@@ -80,7 +80,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use kvmesh_kernels::{f16_from_f32, KvDtype};
+use kvmesh_kernels::{f32_to_f16_slice, KvDtype};
 use memmap2::{MmapOptions, MmapRaw};
 use thiserror::Error;
 
@@ -585,7 +585,7 @@ impl ShmRegion {
         // slots is excluded by the lane contract: the grant gives them to one
         // writer, and decode reads them only after `Drained`.
         // The data is 4096-aligned, so every value offset is aligned for its
-        // type. An f16 region takes the values as `f16_from_f32` rounds them
+        // type. An f16 region takes the values as `f32_to_f16_slice` rounds them
         // (exact for values read from an f16 pool).
         unsafe {
             match self.layout.dtype {
@@ -595,10 +595,17 @@ impl ShmRegion {
                     std::ptr::copy_nonoverlapping(v.as_ptr(), dst.add(v_off), v.len());
                 }
                 KvDtype::F16 => {
+                    // Converted in a local buffer, then copied through raw
+                    // pointers like the f32 data (no reference into the
+                    // mapping).
                     let dst = dst.cast::<half::f16>();
+                    let mut buf = [half::f16::ZERO; 512];
                     for (off, src) in [(k_off, k), (v_off, v)] {
-                        for (i, x) in src.iter().enumerate() {
-                            dst.add(off + i).write(f16_from_f32(*x));
+                        for (c, chunk) in src.chunks(buf.len()).enumerate() {
+                            let h = &mut buf[..chunk.len()];
+                            f32_to_f16_slice(chunk, h);
+                            let at = dst.add(off + c * 512);
+                            std::ptr::copy_nonoverlapping(h.as_ptr(), at, h.len());
                         }
                     }
                 }

@@ -239,8 +239,16 @@ pub fn encode_values(dtype: Dtype, values: &[f32], out: &mut Vec<u8>) {
         Dtype::F32 => f32s_to_le(values, out),
         Dtype::F16 => {
             out.reserve(values.len() * 2);
-            for v in values {
-                out.extend_from_slice(&kvmesh_kernels::f16_from_f32(*v).to_le_bytes());
+            // Through a small buffer, converted eight at a time.
+            let mut buf = [half::f16::ZERO; 512];
+            for chunk in values.chunks(buf.len()) {
+                let h = &mut buf[..chunk.len()];
+                kvmesh_kernels::f32_to_f16_slice(chunk, h);
+                #[cfg(target_endian = "little")]
+                out.extend_from_slice(bytemuck::cast_slice(h));
+                #[cfg(not(target_endian = "little"))]
+                h.iter()
+                    .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
             }
         }
     }
