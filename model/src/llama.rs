@@ -385,7 +385,7 @@ impl Llama {
             // `silu(gate) * up` straight from the stacked projection's rows.
             lw.gate_up.apply_stacked(xn, rows, stacked)?;
             gate.resize(rows * cfg.intermediate_size, 0.0);
-            swiglu(stacked, cfg.intermediate_size, gate);
+            swiglu_rows(stacked, cfg.intermediate_size, gate);
             lw.down.apply_into(gate, rows, &mut [&mut *down], stacked)?;
             x.iter_mut().zip(down.iter()).for_each(|(x, d)| *x += d);
         }
@@ -465,6 +465,27 @@ impl Llama {
         }
         Ok(results)
     }
+}
+
+/// Values from which [`swiglu_rows`] splits its rows across the pool.
+const SWIGLU_PARALLEL: usize = 1 << 14;
+
+/// [`swiglu`] over whole rows, in parallel from [`SWIGLU_PARALLEL`] values
+/// on (rows are independent, so the bits do not change). Serial, a batch's
+/// SwiGLU left the other cores idle long enough to fall asleep (16
+/// sequences: tens of microseconds per layer; a 512-token prompt chunk: a
+/// millisecond or more).
+fn swiglu_rows(gate_up: &[f32], width: usize, out: &mut [f32]) {
+    let rows = out.len() / width.max(1);
+    if out.len() < SWIGLU_PARALLEL || rows < 2 {
+        swiglu(gate_up, width, out);
+        return;
+    }
+    let per = rows.div_ceil(rayon::current_num_threads().max(1));
+    gate_up
+        .par_chunks(2 * width * per)
+        .zip(out.par_chunks_mut(width * per))
+        .for_each(|(gu, o)| swiglu(gu, width, o));
 }
 
 /// A forward pass's activation buffers, kept per thread between passes so a

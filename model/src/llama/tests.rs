@@ -168,3 +168,17 @@ fn quantized_logits_are_close_to_exact() {
         "top-5 {ta:?} vs {tb:?}"
     );
 }
+
+#[test]
+fn swiglu_rows_in_parallel_equal_the_serial_pass_to_the_bit() {
+    // 37 rows of 1536 (over the parallel threshold, an uneven split).
+    let (rows, width) = (37, 1536);
+    let gate_up: Vec<f32> = (0..rows * 2 * width)
+        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 97.0)
+        .collect();
+    let (mut serial, mut split) = (vec![0.0; rows * width], vec![0.0; rows * width]);
+    kvmesh_kernels::activation::swiglu(&gate_up, width, &mut serial);
+    super::swiglu_rows(&gate_up, width, &mut split);
+    assert_eq!(bits(&serial), bits(&split));
+    assert!(rows * width >= super::SWIGLU_PARALLEL);
+}
