@@ -80,7 +80,6 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use kvmesh_kernels::{f32_to_f16_slice, KvDtype};
 use memmap2::{MmapOptions, MmapRaw};
 use thiserror::Error;
 
@@ -515,19 +514,22 @@ impl ShmRegion {
         Ok(())
     }
 
-    /// Writes K and V of `k.len() / kv_dim` consecutive slots from `slot`
-    /// into (`page`, `layer`), one-sided, if `key` is still open. On any
-    /// error nothing was written.
+    /// Writes K and V of consecutive slots from `slot` into (`page`,
+    /// `layer`), one-sided, if `key` is still open: `k` and `v` are the
+    /// values encoded in the region's dtype, little-endian, as a frame
+    /// carries them ([`crate::wire::encode_values`]), whole slots of equal
+    /// length. Length errors count values. On any error nothing was written.
     pub fn write_slots(
         &self,
         key: WriteKey,
         page: u32,
         layer: u32,
         slot: u32,
-        k: &[f32],
-        v: &[f32],
+        k: &[u8],
+        v: &[u8],
     ) -> Result<(), ShmError> {
         let s = &self.sizes;
+        let size = self.layout.dtype.size();
         let oob = |what, value: u64, limit: u64| ShmError::OutOfBounds { what, value, limit };
         if u64::from(page) >= self.layout.n_pages {
             return Err(oob("page", page.into(), self.layout.n_pages));
@@ -537,15 +539,16 @@ impl ShmRegion {
         }
         if k.len() != v.len() {
             return Err(ShmError::BadLength {
-                expected: k.len(),
-                got: v.len(),
+                expected: k.len() / size,
+                got: v.len() / size,
             });
         }
-        let n = k.len() / s.kv_dim;
-        if k.len() % s.kv_dim != 0 {
+        let values = k.len() / size;
+        let n = values / s.kv_dim;
+        if values % s.kv_dim != 0 || k.len() % size != 0 {
             return Err(ShmError::BadLength {
                 expected: n * s.kv_dim,
-                got: k.len(),
+                got: values,
             });
         }
         // n <= k.len() fits u64; the sum cannot overflow u64.
@@ -556,12 +559,18 @@ impl ShmRegion {
         // All below page < n_pages, layer < n_layers, slot + n <= page_size,
         // so within n_pages * page_values, which `sizes` checked; checked
         // anyway so that a mistake here is an error, not a wild write.
+        // Offsets in bytes.
         let k_off = (page as usize)
             .checked_mul(s.page_values)
             .and_then(|o| o.checked_add((layer as usize).checked_mul(2)?.checked_mul(s.block)?))
             .and_then(|o| o.checked_add((slot as usize).checked_mul(s.kv_dim)?))
+            .and_then(|o| o.checked_mul(size))
             .ok_or(ShmError::TooLarge)?;
-        let v_off = k_off.checked_add(s.block).ok_or(ShmError::TooLarge)?;
+        let v_off = s
+            .block
+            .checked_mul(size)
+            .and_then(|b| k_off.checked_add(b))
+            .ok_or(ShmError::TooLarge)?;
 
         let l = self.lane(key.lane)?;
         // W1; `_inside` is W3 on every path from here.
@@ -584,32 +593,9 @@ impl ShmRegion {
         // write `dst`, so it cannot overlap them. Concurrent access to these
         // slots is excluded by the lane contract: the grant gives them to one
         // writer, and decode reads them only after `Drained`.
-        // The data is 4096-aligned, so every value offset is aligned for its
-        // type. An f16 region takes the values as `f32_to_f16_slice` rounds them
-        // (exact for values read from an f16 pool).
         unsafe {
-            match self.layout.dtype {
-                KvDtype::F32 => {
-                    let dst = dst.cast::<f32>();
-                    std::ptr::copy_nonoverlapping(k.as_ptr(), dst.add(k_off), k.len());
-                    std::ptr::copy_nonoverlapping(v.as_ptr(), dst.add(v_off), v.len());
-                }
-                KvDtype::F16 => {
-                    // Converted in a local buffer, then copied through raw
-                    // pointers like the f32 data (no reference into the
-                    // mapping).
-                    let dst = dst.cast::<half::f16>();
-                    let mut buf = [half::f16::ZERO; 512];
-                    for (off, src) in [(k_off, k), (v_off, v)] {
-                        for (c, chunk) in src.chunks(buf.len()).enumerate() {
-                            let h = &mut buf[..chunk.len()];
-                            f32_to_f16_slice(chunk, h);
-                            let at = dst.add(off + c * 512);
-                            std::ptr::copy_nonoverlapping(h.as_ptr(), at, h.len());
-                        }
-                    }
-                }
-            }
+            std::ptr::copy_nonoverlapping(k.as_ptr(), dst.add(k_off), k.len());
+            std::ptr::copy_nonoverlapping(v.as_ptr(), dst.add(v_off), v.len());
         }
         Ok(())
     }

@@ -29,6 +29,11 @@ fn read(r: &ShmRegion, off: usize) -> f32 {
     unsafe { r.data_ptr().as_ptr().cast::<f32>().add(off).read_volatile() }
 }
 
+/// Values as `write_slots` takes them (an f32 region's encoding).
+fn le(v: &[f32]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
 fn slots(n: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
     let k: Vec<f32> = (0..n * KV).map(|i| base + i as f32).collect();
     let v = k.iter().map(|x| -x).collect();
@@ -83,7 +88,7 @@ fn create_open_round_trip_both_ways() {
 
     let key = a.lane_open(3).unwrap();
     let (k, v) = slots(2, 1.0);
-    a.write_slots(key, 4, 1, 2, &k, &v).unwrap();
+    a.write_slots(key, 4, 1, 2, le(&k), le(&v)).unwrap();
     let off = k_at(4, 1, 2);
     assert_eq!(read(&b, off), 1.0);
     assert_eq!(read(&b, off + 2 * KV - 1), 12.0);
@@ -91,12 +96,14 @@ fn create_open_round_trip_both_ways() {
 
     // The opener writes, the creator reads; both see one lane state.
     let (k, v) = slots(1, 100.0);
-    b.write_slots(key, 0, 0, 0, &k, &v).unwrap();
+    b.write_slots(key, 0, 0, 0, le(&k), le(&v)).unwrap();
     assert_eq!(read(&a, 0), 100.0);
     assert_eq!(read(&a, 4 * KV), -100.0);
     assert_eq!(b.lane_close(key).unwrap(), LaneClose::Drained);
     assert_eq!(
-        a.write_slots(key, 0, 0, 0, &k, &v).unwrap_err().kind(),
+        a.write_slots(key, 0, 0, 0, le(&k), le(&v))
+            .unwrap_err()
+            .kind(),
         "lane_closed"
     );
 
@@ -105,7 +112,7 @@ fn create_open_round_trip_both_ways() {
     drop(a);
     assert!(!path.exists());
     let key = b.lane_open(3).unwrap();
-    b.write_slots(key, 1, 0, 0, &k, &v).unwrap();
+    b.write_slots(key, 1, 0, 0, le(&k), le(&v)).unwrap();
     assert_eq!(read(&b, k_at(1, 0, 0)), 100.0);
 }
 
@@ -159,12 +166,12 @@ fn lane_protocol() {
     assert_eq!(key, WriteKey { lane: 2, epoch: 1 });
     assert_eq!(r.lane_open(2).unwrap_err().kind(), "lane_busy");
     let (k, v) = slots(1, 5.0);
-    r.write_slots(key, 1, 0, 3, &k, &v).unwrap();
+    r.write_slots(key, 1, 0, 3, le(&k), le(&v)).unwrap();
     assert_eq!(r.lane_close(key).unwrap(), LaneClose::Drained);
     assert_eq!(r.lane_close(key).unwrap(), LaneClose::Drained, "idempotent");
 
     let (k2, v2) = slots(1, 9.0);
-    match r.write_slots(key, 1, 0, 3, &k2, &v2).unwrap_err() {
+    match r.write_slots(key, 1, 0, 3, le(&k2), le(&v2)).unwrap_err() {
         ShmError::LaneClosed {
             lane: 2,
             key_epoch: 1,
@@ -181,7 +188,9 @@ fn lane_protocol() {
     let key2 = r.lane_open(2).unwrap();
     assert_eq!(key2.epoch, 3);
     assert_eq!(
-        r.write_slots(key, 1, 0, 3, &k2, &v2).unwrap_err().kind(),
+        r.write_slots(key, 1, 0, 3, le(&k2), le(&v2))
+            .unwrap_err()
+            .kind(),
         "lane_closed"
     );
     assert_eq!(r.lane_close(key).unwrap(), LaneClose::Drained, "moved on");
@@ -189,7 +198,9 @@ fn lane_protocol() {
     // A forged even key matching the closed epoch, or a future one, never works.
     let even = WriteKey { lane: 2, epoch: 4 };
     assert_eq!(
-        r.write_slots(even, 1, 0, 3, &k2, &v2).unwrap_err().kind(),
+        r.write_slots(even, 1, 0, 3, le(&k2), le(&v2))
+            .unwrap_err()
+            .kind(),
         "lane_closed"
     );
     assert_eq!(r.lane_close(even).unwrap_err().kind(), "lane_closed");
@@ -236,10 +247,10 @@ fn bad_arguments_are_typed_and_write_nothing() {
     );
     let far = WriteKey { lane: 9, epoch: 1 };
     assert_eq!(
-        kind(r.write_slots(far, 0, 0, 0, &k, &v).unwrap_err()),
+        kind(r.write_slots(far, 0, 0, 0, le(&k), le(&v)).unwrap_err()),
         "lane_out_of_range"
     );
-    match r.write_slots(key, 5, 0, 0, &k, &v).unwrap_err() {
+    match r.write_slots(key, 5, 0, 0, le(&k), le(&v)).unwrap_err() {
         ShmError::OutOfBounds {
             what: "page",
             value: 5,
@@ -247,7 +258,7 @@ fn bad_arguments_are_typed_and_write_nothing() {
         } => {}
         e => panic!("{e}"),
     }
-    match r.write_slots(key, 0, 2, 0, &k, &v).unwrap_err() {
+    match r.write_slots(key, 0, 2, 0, le(&k), le(&v)).unwrap_err() {
         ShmError::OutOfBounds {
             what: "layer",
             value: 2,
@@ -255,7 +266,7 @@ fn bad_arguments_are_typed_and_write_nothing() {
         } => {}
         e => panic!("{e}"),
     }
-    match r.write_slots(key, 0, 0, 3, &k2, &v2).unwrap_err() {
+    match r.write_slots(key, 0, 0, 3, le(&k2), le(&v2)).unwrap_err() {
         ShmError::OutOfBounds {
             what: "slot_end",
             value: 5,
@@ -264,17 +275,23 @@ fn bad_arguments_are_typed_and_write_nothing() {
         e => panic!("{e}"),
     }
     assert_eq!(
-        kind(r.write_slots(key, 0, 0, u32::MAX, &k, &v).unwrap_err()),
+        kind(
+            r.write_slots(key, 0, 0, u32::MAX, le(&k), le(&v))
+                .unwrap_err()
+        ),
         "out_of_bounds"
     );
-    match r.write_slots(key, 0, 0, 0, &k2, &v).unwrap_err() {
+    match r.write_slots(key, 0, 0, 0, le(&k2), le(&v)).unwrap_err() {
         ShmError::BadLength {
             expected: 12,
             got: 6,
         } => {}
         e => panic!("{e}"),
     }
-    match r.write_slots(key, 0, 0, 0, &k2[..8], &v2[..8]).unwrap_err() {
+    match r
+        .write_slots(key, 0, 0, 0, le(&k2[..8]), le(&v2[..8]))
+        .unwrap_err()
+    {
         ShmError::BadLength {
             expected: 6,
             got: 8,
@@ -323,7 +340,7 @@ fn no_write_lands_after_drained() {
                 while !(stop.load(Ordering::Relaxed) && refused > 0) {
                     c += 1;
                     kv.fill(f32::from_bits(c));
-                    match r.write_slots(key, w as u32, 0, 0, &kv, &kv) {
+                    match r.write_slots(key, w as u32, 0, 0, le(&kv), le(&kv)) {
                         Ok(()) if last_ok == 0 => {
                             last_ok = c;
                             started.fetch_add(1, Ordering::SeqCst);

@@ -28,8 +28,8 @@ use crate::auth::MeshSecret;
 use crate::fault::{Action, FaultPlan, Point};
 use crate::shm::ShmRegion;
 use crate::wire::{
-    decode, AbortConfirmed, Checksummer, DataPath, DecodeLimits, Geometry, Grant, Message,
-    ReservationId, TransferDone, WriterId,
+    decode, encode_values, AbortConfirmed, Checksummer, DataPath, DecodeLimits, Dtype, Geometry,
+    Grant, Message, ReservationId, TransferDone, WriterId,
 };
 
 use super::greeting::greet;
@@ -421,8 +421,8 @@ pub struct GrantWriter {
     slot: SlotRef,
     next_layer: u16,
     sums: Vec<Checksummer>,
-    /// Scratch for the values as the grant's dtype encodes them (f16), fed
-    /// to `sums`.
+    /// A page's K then V as the grant's dtype encodes them: what is
+    /// hashed into `sums` and handed to the path (reused per page).
     encoded: Vec<u8>,
     /// Injected faults (testing builds).
     faults: FaultPlan,
@@ -439,8 +439,9 @@ struct HeldWrite {
     index: u32,
     layer: u16,
     slots: u32,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    /// K then V, encoded; K is the first `split` bytes.
+    kv: Vec<u8>,
+    split: usize,
 }
 
 impl GrantWriter {
@@ -518,11 +519,27 @@ impl GrantWriter {
             let start = index * page_size * kv_dim;
             let end = start + slots as usize * kv_dim;
             let (kp, vp) = (&k[start..end], &v[start..end]);
+            // Encoded once (f32 on a little-endian host is its own
+            // encoding, borrowed as is): hashed here, sent or stored as is
+            // by the path.
+            let dtype = self.grant.geometry.dtype;
+            let mut kv = std::mem::take(&mut self.encoded);
+            let (kb, vb): (&[u8], &[u8]) = match dtype {
+                Dtype::F32 if cfg!(target_endian = "little") => {
+                    (bytemuck::cast_slice(kp), bytemuck::cast_slice(vp))
+                }
+                _ => {
+                    kv.clear();
+                    encode_values(dtype, kp, &mut kv);
+                    let split = kv.len();
+                    encode_values(dtype, vp, &mut kv);
+                    kv.split_at(split)
+                }
+            };
             if let Some(h) = self.sums.get_mut(index) {
                 if !crate::fault::planted(crate::fault::PlantedBug::NoKvChecks) {
-                    let dtype = self.grant.geometry.dtype;
-                    h.update_encoded(dtype, kp, &mut self.encoded);
-                    h.update_encoded(dtype, vp, &mut self.encoded);
+                    h.update(kb);
+                    h.update(vb);
                 }
             }
             let fault = self.faults.at(Point::Frame(self.frames));
@@ -535,8 +552,8 @@ impl GrantWriter {
                     index: index as u32,
                     layer,
                     slots,
-                    k: kp.to_vec(),
-                    v: vp.to_vec(),
+                    kv: [kb, vb].concat(),
+                    split: kb.len(),
                 });
                 continue;
             }
@@ -546,18 +563,20 @@ impl GrantWriter {
                 Some(Action::Crash) => crate::fault::crash(Point::Frame(self.frames - 1)),
                 Some(Action::Delay(d)) => {
                     tokio::time::sleep(d).await;
-                    (kp, 1)
+                    (kb, 1)
                 }
-                Some(Action::Duplicate) => (kp, 2),
+                Some(Action::Duplicate) => (kb, 2),
                 Some(Action::Corrupt) => {
                     let mut c = kp.to_vec();
                     if let Some(x) = c.first_mut() {
                         *x = if *x == 1.0 { 2.0 } else { 1.0 };
                     }
-                    corrupted = c;
+                    let mut e = Vec::with_capacity(kb.len());
+                    encode_values(dtype, &c, &mut e);
+                    corrupted = e;
                     (corrupted.as_slice(), 1)
                 }
-                Some(Action::Reorder) | None => (kp, 1),
+                Some(Action::Reorder) | None => (kb, 1),
             };
             for _ in 0..times {
                 self.shared
@@ -568,11 +587,12 @@ impl GrantWriter {
                         layer,
                         slots: 0..slots,
                         k: kw,
-                        v: vp,
+                        v: vb,
                     })
                     .await?;
                 s.frames_sent += 1;
             }
+            self.encoded = std::mem::take(&mut kv);
         }
         self.next_layer += 1;
         Ok(())
@@ -638,8 +658,8 @@ impl GrantWriter {
                     index: h.index,
                     layer: h.layer,
                     slots: 0..h.slots,
-                    k: &h.k,
-                    v: &h.v,
+                    k: &h.kv[..h.split],
+                    v: &h.kv[h.split..],
                 })
                 .await;
         }

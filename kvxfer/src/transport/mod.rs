@@ -92,12 +92,12 @@ pub struct PageWrite<'a> {
     pub layer: u16,
     /// Slot range within the page.
     pub slots: Range<u32>,
-    /// K values, slot-major, as f32 (a path converts them to the grant's
-    /// dtype as it sends or stores them; exact for values read from a pool
-    /// of that dtype).
-    pub k: &'a [f32],
-    /// V values, slot-major, as `k`.
-    pub v: &'a [f32],
+    /// K values, slot-major, encoded in the grant's dtype, little-endian
+    /// ([`crate::wire::encode_values`]): the bytes a frame carries and the
+    /// page checksum covers, encoded once by the writer.
+    pub k: &'a [u8],
+    /// V values, as `k`.
+    pub v: &'a [u8],
 }
 
 /// Prefill side of a transport: one connection's data path.

@@ -5,7 +5,7 @@
 use tokio::sync::mpsc;
 
 use crate::shm::PeerProcess;
-use crate::wire::{encode_values, DataPath, KvFrame};
+use crate::wire::{DataPath, KvFrame};
 
 use super::{BoxFuture, Landing, PageWrite, Revocation, TransportError, WritePath};
 
@@ -59,10 +59,9 @@ impl WritePath for TcpWritePath {
                     "page index {} outside the grant",
                     w.index
                 )))?;
-            let dtype = g.geometry.dtype;
-            let mut payload = Vec::with_capacity((w.k.len() + w.v.len()) * dtype.size() as usize);
-            encode_values(dtype, w.k, &mut payload);
-            encode_values(dtype, w.v, &mut payload);
+            let mut payload = Vec::with_capacity(w.k.len() + w.v.len());
+            payload.extend_from_slice(w.k);
+            payload.extend_from_slice(w.v);
             let frame = KvFrame {
                 reservation: g.reservation,
                 capability: g.capability.clone(),

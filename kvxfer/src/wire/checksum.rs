@@ -71,7 +71,7 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
 use kvmesh_kernels::KvValues;
 
-use super::geometry::{Dtype, Geometry};
+use super::geometry::Geometry;
 
 /// The checksum of `bytes`: xxh3-64 with the default secret and seed 0.
 pub fn checksum(bytes: &[u8]) -> u64 {
@@ -119,19 +119,6 @@ impl Checksummer {
             KvValues::F16(v) => self.0.update(bytemuck::cast_slice(v)),
             #[cfg(not(target_endian = "little"))]
             KvValues::F16(v) => v.iter().for_each(|x| self.0.update(&x.to_le_bytes())),
-        }
-    }
-
-    /// Adds `values` encoded in `dtype` as a frame carries them
-    /// ([`super::encode_values`]), using `scratch` for the encoding.
-    pub fn update_encoded(&mut self, dtype: Dtype, values: &[f32], scratch: &mut Vec<u8>) {
-        match dtype {
-            Dtype::F32 => self.update_f32s(values),
-            Dtype::F16 => {
-                scratch.clear();
-                super::encode_values(dtype, values, scratch);
-                self.0.update(scratch);
-            }
         }
     }
 
@@ -185,6 +172,7 @@ pub fn page_checksum(geometry: &Geometry, written_slots: u32, page: KvValues<'_>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::Dtype;
 
     #[test]
     fn pieces_match_one_shot() {
@@ -245,11 +233,13 @@ mod tests {
             Some(checksum(&le16))
         );
         let mut h = Checksummer::new();
-        let mut scratch = Vec::new();
         for layer in 0..2 {
             let base = layer * 16;
-            h.update_encoded(Dtype::F16, &page[base..base + 6], &mut scratch);
-            h.update_encoded(Dtype::F16, &page[base + 8..base + 14], &mut scratch);
+            for range in [base..base + 6, base + 8..base + 14] {
+                let mut piece = Vec::new();
+                crate::wire::encode_values(Dtype::F16, &page[range], &mut piece);
+                h.update(&piece);
+            }
         }
         assert_eq!(
             Some(h.finish()),

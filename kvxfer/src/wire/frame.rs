@@ -257,31 +257,34 @@ pub fn encode_values(dtype: Dtype, values: &[f32], out: &mut Vec<u8>) {
 /// Fills `out` from little-endian f16 bytes; `bytes` must hold exactly
 /// `2 * out.len()` bytes. Copies, so `bytes` need not be aligned.
 pub fn f16s_from_le(bytes: &[u8], out: &mut [half::f16]) -> Result<(), WireError> {
-    if bytes.len() != out.len().saturating_mul(2) {
-        return Err(WireError::LengthMismatch {
-            field: "f16 values",
-            declared: bytes.len() as u64,
-            actual: (out.len() as u64).saturating_mul(2),
-        });
-    }
-    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-        *o = half::f16::from_le_bytes([b[0], b[1]]);
-    }
-    Ok(())
+    values_from_le(bytes, out, "f16 values", half::f16::from_le_bytes)
 }
 
 /// Fills `out` from little-endian f32 bytes; `bytes` must hold exactly
 /// `4 * out.len()` bytes. Copies, so `bytes` need not be aligned.
 pub fn f32s_from_le(bytes: &[u8], out: &mut [f32]) -> Result<(), WireError> {
-    if bytes.len() != out.len().saturating_mul(4) {
+    values_from_le(bytes, out, "f32 values", f32::from_le_bytes)
+}
+
+/// `out[i] = from(bytes[N * i..N * (i + 1)])`, refused unless the lengths
+/// match exactly.
+fn values_from_le<T, const N: usize>(
+    bytes: &[u8],
+    out: &mut [T],
+    field: &'static str,
+    from: fn([u8; N]) -> T,
+) -> Result<(), WireError> {
+    if bytes.len() != out.len().saturating_mul(N) {
         return Err(WireError::LengthMismatch {
-            field: "f32 values",
+            field,
             declared: bytes.len() as u64,
-            actual: (out.len() as u64).saturating_mul(4),
+            actual: (out.len() as u64).saturating_mul(N as u64),
         });
     }
-    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(N)) {
+        let mut a = [0u8; N];
+        a.copy_from_slice(b);
+        *o = from(a);
     }
     Ok(())
 }

@@ -324,8 +324,8 @@ async fn late_one_sided_write_after_release_shm() {
         a.pages[0].page,
         0,
         0,
-        &k,
-        &v,
+        bytemuck::cast_slice(&k),
+        bytemuck::cast_slice(&v),
     );
     assert!(
         late.is_err(),
