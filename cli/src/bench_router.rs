@@ -35,7 +35,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
-use kvmesh_kvxfer::auth::MeshSecret;
+use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::{default_model, ChatMessage, TextTokenizer};
 use kvmesh_router::http::validate;
 use kvmesh_router::nodes::Nodes;
@@ -204,7 +204,7 @@ where
 async fn validate_and_admit(r: &Router, chat: bool, body: &[u8]) -> Result<()> {
     let (ids, s) = validate(r, chat, body)
         .map_err(|e| anyhow!("the benchmark's own request was refused: {e}"))?;
-    black_box(kvmesh_model::request_id());
+    black_box(kvmesh_kvwire::RequestId::mint().ok());
     match r.admit(ids.len(), s.max_tokens).await {
         // No node is registered: admission ends here, before the queue.
         Err(Rejection::NoHealthyNode { .. }) => Ok(()),

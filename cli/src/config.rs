@@ -39,7 +39,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use kvmesh_kvxfer::auth::{readable_by_others, MeshSecret};
+use kvmesh_meshauth::{readable_by_others, MeshSecret};
 use serde::Deserialize;
 
 /// The whole file.
@@ -211,7 +211,7 @@ fn default_kv_cache_dtype() -> String {
 impl MeshConfig {
     /// The KV pool element type of every node (`None`: auto); the file was
     /// validated, so the value parses.
-    pub fn kv_dtype(&self) -> Option<kvmesh_kvxfer::KvDtype> {
+    pub fn kv_dtype(&self) -> Option<kvmesh_kvpool::KvDtype> {
         self.kv_cache_dtype
             .parse::<crate::KvCacheDtype>()
             .ok()

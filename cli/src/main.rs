@@ -31,7 +31,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use kvmesh_kvxfer::{KvDtype, ScrubMode};
+use kvmesh_kvpool::{KvDtype, ScrubMode};
 use kvmesh_model::default_model;
 use kvmesh_model::engine::{Engine, EngineConfig, Generation, Prompt};
 use kvmesh_model::sampling::SamplingParams;

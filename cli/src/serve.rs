@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use axum::serve::ListenerExt;
 use clap::{Args, ValueEnum};
 use kvmesh_decode::{DecodeConfig, DecodeNode, Transport};
-use kvmesh_kvxfer::auth::MeshSecret;
+use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::default_model;
 use kvmesh_model::engine::EngineConfig;
 use kvmesh_model::Precision;
@@ -79,7 +79,7 @@ pub struct ServeArgs {
 }
 
 /// Test-only switches, refused by builds without fault injection (see
-/// `kvmesh_kvxfer::fault`).
+/// `kvmesh_faults`).
 #[derive(Args, Debug, Clone, Default)]
 pub struct TestingArgs {
     /// Testing builds: honour the `x-kvmesh-fault` request header.
@@ -95,19 +95,21 @@ impl TestingArgs {
     /// Plants the bugs; whether the router honours fault headers.
     /// Refused in a build without fault injection.
     pub fn apply(&self) -> Result<bool> {
-        use kvmesh_kvxfer::fault;
         if !self.fault_injection && self.plant_bugs.is_empty() {
             return Ok(false);
         }
-        if !fault::enabled() {
-            return Err(fault::NotAvailable.into());
+        if !kvmesh_faults::enabled() {
+            return Err(kvmesh_faults::NotAvailable.into());
         }
         for name in &self.plant_bugs {
-            let bug = fault::PlantedBug::from_name(name).ok_or_else(|| {
-                let known: Vec<&str> = fault::PlantedBug::ALL.iter().map(|(_, n)| *n).collect();
+            let bug = kvmesh_faults::PlantedBug::from_name(name).ok_or_else(|| {
+                let known: Vec<&str> = kvmesh_faults::PlantedBug::ALL
+                    .iter()
+                    .map(|(_, n)| *n)
+                    .collect();
                 anyhow::anyhow!("--plant-bug {name}: unknown; one of {}", known.join(", "))
             })?;
-            fault::plant(bug)?;
+            kvmesh_faults::plant(bug)?;
         }
         Ok(self.fault_injection)
     }

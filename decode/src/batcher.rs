@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use kvmesh_kvxfer::fault::{Action, FaultPlan, Point};
+use kvmesh_faults::{Action, FaultPlan, Point};
 use kvmesh_model::engine::{Engine, Sequence};
 use kvmesh_model::sampling::Sampler;
 use kvmesh_proto::internal::v1::{token_event, Finished, TokenEvent};
@@ -62,9 +62,9 @@ impl Running {
         self.steps += 1;
         match self.faults.at(Point::Step(step)) {
             Some(Action::Delay(d)) => std::thread::sleep(d),
-            Some(Action::Crash) => kvmesh_kvxfer::fault::crash(Point::Step(step)),
+            Some(Action::Crash) => kvmesh_faults::crash(Point::Step(step)),
             Some(Action::Corrupt) => {
-                kvmesh_kvxfer::fault::corrupt_page_table(self.seq.kv_mut());
+                self.seq.kv_mut().corrupt_page_table();
             }
             Some(Action::Drop) => {
                 let _ = self.events.try_send(Err(Status::aborted(format!(

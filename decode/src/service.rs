@@ -6,8 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use kvmesh_kvxfer::auth::{CallVerifier, MeshSecret};
-use kvmesh_kvxfer::fault::{Action, FaultPlan, Point};
+use kvmesh_faults::{Action, FaultPlan, Point};
+use kvmesh_kvpool::KvPool;
+use kvmesh_kvwire::{AbortReason, ReservationId, WriterId};
 use kvmesh_kvxfer::handshake::{
     Pending, ReservationTable, ReserveError, ReserveRequest, TableConfig,
 };
@@ -15,8 +16,8 @@ use kvmesh_kvxfer::transport::server::KvServer;
 use kvmesh_kvxfer::transport::shm::ShmLanding;
 use kvmesh_kvxfer::transport::tcp::TcpLanding;
 use kvmesh_kvxfer::transport::Landing;
-use kvmesh_kvxfer::wire::{AbortReason, ReservationId, WriterId};
-use kvmesh_kvxfer::KvPool;
+use kvmesh_meshauth::grpc::Authenticated;
+use kvmesh_meshauth::{CallVerifier, MeshSecret};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
 use kvmesh_model::sampling::{Sampler, SamplingParams};
 use kvmesh_model::LoadedModel;
@@ -25,7 +26,6 @@ use kvmesh_proto::internal::v1::{
     AbortRequest, AbortResponse, LoadReport, LoadRequest, ReserveResponse, TokenEvent,
     TokensRequest,
 };
-use kvmesh_proto::peer_auth::Authenticated;
 use thiserror::Error;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -119,11 +119,11 @@ impl DecodeNode {
         let pool_tokens = cfg.engine.kv_pool_tokens.unwrap_or(max_model_len);
         let max_seq_tokens = check_pool_capacity(pool_tokens, max_model_len, cfg.allow_small_pool)
             .map_err(NodeError::Config)?;
-        let pool_cfg = kvmesh_kvxfer::PoolConfig {
+        let pool_cfg = kvmesh_kvpool::PoolConfig {
             scrub: cfg.engine.scrub,
             poison: cfg.engine.poison,
             dtype: cfg.engine.kv_dtype_for(loaded.precision),
-            ..kvmesh_kvxfer::PoolConfig::for_tokens(
+            ..kvmesh_kvpool::PoolConfig::for_tokens(
                 pool_tokens,
                 cfg.engine.page_size,
                 loaded.config.n_layers,
@@ -137,12 +137,8 @@ impl DecodeNode {
                 Arc::new(TcpLanding),
             ),
             Transport::Shm { dir, .. } => {
-                let pool =
-                    KvPool::new_shared(pool_cfg, dir).map_err(kvmesh_model::ModelError::from)?;
-                let region = pool
-                    .shm_region()
-                    .cloned()
-                    .ok_or_else(|| NodeError::Config("shared pool without a mapping".into()))?;
+                let (pool, region) = kvmesh_kvxfer::shm::shared_pool(pool_cfg, dir)
+                    .map_err(kvmesh_model::ModelError::from)?;
                 (pool, Arc::new(ShmLanding::new(region)))
             }
         };
@@ -267,7 +263,7 @@ type Waiting = (Pending, Vec<u32>, usize, std::time::Instant, FaultPlan);
 fn request_faults<T>(req: &Request<T>) -> Result<FaultPlan, Status> {
     FaultPlan::from_header(
         req.metadata()
-            .get(kvmesh_kvxfer::fault::HEADER)
+            .get(kvmesh_faults::HEADER)
             .and_then(|v| v.to_str().ok()),
     )
     .map_err(|e| Status::invalid_argument(e.to_string()))

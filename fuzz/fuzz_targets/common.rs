@@ -2,7 +2,7 @@
 //! whose length and checksum are right, so the fuzzer explores the body
 //! parsers instead of stopping at the checksum (which no mutation passes).
 
-use kvmesh_kvxfer::wire::{checksum, HEADER_LEN, TRAILER_LEN, VERSION};
+use kvmesh_kvwire::{checksum, HEADER_LEN, TRAILER_LEN, VERSION};
 
 /// `bytes` with the header's body length set to span them all and the
 /// trailer set to their checksum; `None` if too short for an envelope.

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use kvmesh_kvxfer::handshake::{ReservationTable, ReserveRequest, TableConfig};
 use kvmesh_kvxfer::transport::tcp::TcpLanding;
-use kvmesh_kvxfer::wire::{decode_message, AbortReason, Message, WriterId};
-use kvmesh_kvxfer::{KvPool, PoolConfig, ScrubMode};
+use kvmesh_kvwire::{decode_message, AbortReason, Message, WriterId};
+use kvmesh_kvpool::{KvPool, PoolConfig, ScrubMode};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

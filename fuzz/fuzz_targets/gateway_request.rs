@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use kvmesh_kvxfer::auth::MeshSecret;
+use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::TextTokenizer;
 use kvmesh_router::nodes::Nodes;
 use kvmesh_router::{Rejection, Router, RouterConfig};

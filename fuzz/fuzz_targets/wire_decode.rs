@@ -7,7 +7,7 @@
 
 mod common;
 
-use kvmesh_kvxfer::wire::{decode_message, peek_header, DecodeLimits};
+use kvmesh_kvwire::{decode_message, peek_header, DecodeLimits};
 use libfuzzer_sys::fuzz_target;
 
 fn check(data: &[u8]) {

@@ -432,9 +432,9 @@ fn a_dead_decode_node_fails_its_streams_fast() {
 /// abort completes through the writer's confirmation, pages back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn internal_services_stop_and_abort_across_processes() {
-    use kvmesh_kvxfer::auth::MeshSecret;
+    use kvmesh_meshauth::MeshSecret;
     use kvmesh_proto::internal::v1::{AbortRequest, LoadRequest, PrefillRequest, ReserveRequest};
-    use kvmesh_proto::peer_auth::{decode_client, prefill_client};
+    use kvmesh_proto::peer::{decode_client, prefill_client};
 
     let dir = tempfile::tempdir().expect("tempdir");
     let (file, p) = tiny_mesh_file(dir.path());

@@ -12,6 +12,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use kvmesh_faults::{Expect, CATALOG};
 use kvmesh_integration::http::{self, post_streaming_headers};
 use kvmesh_integration::mesh::Mesh;
 use kvmesh_integration::{roles, tiny_model_dir};
@@ -22,53 +23,12 @@ use serde_json::{json, Value};
 const LEASE_MS: &str = "2000";
 const ABORT_TIMEOUT_MS: &str = "1000";
 
-/// What a fault must lead to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Expect {
-    /// Output equal to the reference.
-    Equal,
-    /// A clear error to the client.
-    Error,
-    /// A clear error, and the decode node's guard-violation counter rises
-    /// by one (a violation planted on purpose).
-    GuardError,
-    /// A write that goes after transfer-done: a clear error where the
-    /// receiver sees frames in order (TCP); on a one-sided transport the
-    /// write may land before decode closes the path and verifies (then the
-    /// transfer is whole and the output equals the reference) or not (a
-    /// clear error). Never anything else.
-    ErrorInOrder,
+/// The matrix: one request without a fault, then one per entry of the
+/// fault catalogue (`kvmesh_faults::CATALOG`, which the soak draws from
+/// too), each held to its expected outcome.
+fn matrix() -> impl Iterator<Item = (&'static str, Expect)> {
+    std::iter::once(("", Expect::Equal)).chain(CATALOG.iter().map(|e| (e.spec, e.expect)))
 }
-
-/// The matrix: one request per row, each with its fault.
-const MATRIX: &[(&str, Expect)] = &[
-    ("", Expect::Equal),
-    ("reserve=delay:100", Expect::Equal),
-    ("reserve=duplicate", Expect::Equal),
-    ("reserve=drop", Expect::Error),
-    ("grant=delay:100", Expect::Equal),
-    ("grant=duplicate", Expect::Equal),
-    ("grant=corrupt", Expect::Error),
-    ("grant=drop", Expect::Error),
-    ("frame:0=delay:100", Expect::Equal),
-    ("frame:1=duplicate", Expect::Equal),
-    ("frame:1=reorder", Expect::Equal),
-    // Layer 1 (frame 5 on either test prompt): layer 0's KV depends only
-    // on each token and its position, so a lost layer-0 frame over the
-    // previous case's identical stale data would rightly go unnoticed.
-    ("frame:5=drop", Expect::Error),
-    ("frame:0=corrupt", Expect::Error),
-    ("done=delay:100", Expect::Equal),
-    ("done=duplicate", Expect::Equal),
-    ("done=drop", Expect::Error),
-    ("done=corrupt", Expect::Error),
-    ("done=reorder", Expect::ErrorInOrder),
-    ("verify=corrupt", Expect::Error),
-    ("step:0=delay:100", Expect::Equal),
-    ("step:2=drop", Expect::Error),
-    ("step:2=corrupt", Expect::GuardError),
-    ("release=delay:300", Expect::Equal),
-];
 
 /// A request's result: the text, or the error the client saw.
 fn complete(
@@ -135,7 +95,9 @@ fn run_matrix(
     one_sided: bool,
 ) -> usize {
     let bearer = auth.map(|k| format!("Bearer {k}"));
-    for (i, &(spec, expect)) in MATRIX.iter().enumerate() {
+    let mut cases = 0;
+    for (i, (spec, expect)) in matrix().enumerate() {
+        cases += 1;
         let stream = i % 2 == 1;
         let prompt = format!("Case {i}: {prompt}");
         let may_equal = expect == Expect::Equal || (expect == Expect::ErrorInOrder && one_sided);
@@ -188,7 +150,7 @@ fn run_matrix(
         assert_eq!(after - before, planted, "{spec}: guard violations");
         eprintln!("fault {spec:24} stream={stream:5} -> {expect:?} ok ({took:?})");
     }
-    MATRIX.len()
+    cases
 }
 
 fn start_tiny(extra: &[&str]) -> Mesh {
@@ -224,7 +186,7 @@ fn fault_matrix_tcp() {
         &[],
         false,
     );
-    assert_eq!(n, MATRIX.len());
+    assert_eq!(n, CATALOG.len() + 1);
 }
 
 #[test]

@@ -20,14 +20,15 @@ use std::time::{Duration, Instant};
 use kvmesh_integration::http::{self, post_streaming_headers};
 use kvmesh_integration::roles::{start, start_logged, start_with, tiny_mesh_file, wait_healthy};
 use kvmesh_integration::tiny_model_dir;
-use kvmesh_kvxfer::auth::{sign_call, MeshSecret, CALL_HEADER};
-use kvmesh_kvxfer::wire::{decode_message, KvFrame, Message};
+use kvmesh_kvwire::{decode_message, KvFrame, Message};
+use kvmesh_meshauth::grpc::unix_ms;
+use kvmesh_meshauth::{sign_call, MeshSecret, CALL_HEADER};
 use kvmesh_proto::internal::v1::decode_client::DecodeClient;
 use kvmesh_proto::internal::v1::prefill_client::PrefillClient;
 use kvmesh_proto::internal::v1::{
     AbortRequest, LoadReport, LoadRequest, PrefillRequest, ReserveRequest,
 };
-use kvmesh_proto::peer_auth::{decode_client, prefill_client, unix_ms};
+use kvmesh_proto::peer::{decode_client, prefill_client};
 use serde_json::{json, Value};
 use tonic::transport::{Channel, Endpoint};
 use tonic::Code;
@@ -87,7 +88,7 @@ fn kinds(pairs: &[(&str, u64)]) -> Vec<(String, u64)> {
     pairs.iter().map(|(k, n)| ((*k).to_owned(), *n)).collect()
 }
 
-async fn load_decode(d: &mut DecodeClient<kvmesh_proto::peer_auth::PeerChannel>) -> LoadReport {
+async fn load_decode(d: &mut DecodeClient<kvmesh_meshauth::grpc::PeerChannel>) -> LoadReport {
     d.load(LoadRequest {}).await.expect("load").into_inner()
 }
 

@@ -12,6 +12,9 @@
 //! - [`rope`]: rotary position embeddings (rotate-half and interleaved
 //!   layouts; plain, linear and Llama-3 frequency scaling).
 //! - [`norm`] holds RMSNorm.
+//! - [`counters`]: [`counters::KindCounters`], lock-free event counters by
+//!   kind label (the guard alarm and every refusal counter above this
+//!   crate).
 //! - [`quant`]: matrix multiplication over GGUF Q4_1 / Q8_0 blocks used as
 //!   stored, with f32 activations; AVX2 chosen at run time, a portable
 //!   reference it equals to the bit, every core through rayon.
@@ -20,11 +23,12 @@
 //! `kvmesh-model`.
 //!
 //! This crate sits at the bottom of the dependency graph: it knows nothing of
-//! pools, reservations or models. The pool in `kvmesh-kvxfer` implements
+//! pools, reservations or models. The pool in `kvmesh-kvpool` implements
 //! [`PagedKv`].
 
 pub mod activation;
 pub mod attention;
+pub mod counters;
 pub mod norm;
 pub mod paged;
 pub mod quant;

@@ -24,15 +24,15 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_kvxfer::auth::MeshSecret;
+use kvmesh_kvpool::{KvDtype, KvPool, PoolConfig, ScrubMode};
+use kvmesh_kvwire::WriterId;
 use kvmesh_kvxfer::handshake::{ReservationTable, ReserveRequest, TableConfig};
 use kvmesh_kvxfer::transport::client::KvClient;
 use kvmesh_kvxfer::transport::server::KvServer;
 use kvmesh_kvxfer::transport::shm::ShmLanding;
 use kvmesh_kvxfer::transport::tcp::TcpLanding;
 use kvmesh_kvxfer::transport::Landing;
-use kvmesh_kvxfer::wire::WriterId;
-use kvmesh_kvxfer::{KvDtype, KvPool, PoolConfig, ScrubMode};
+use kvmesh_meshauth::MeshSecret;
 
 const PAGE_SIZE: usize = 16;
 const N_LAYERS: usize = 30;
@@ -68,9 +68,9 @@ struct Setup {
 async fn setup(shm: bool, dtype: KvDtype) -> Setup {
     let dir = tempfile::tempdir().expect("tempdir");
     let (pool, landing): (KvPool, Arc<dyn Landing>) = if shm {
-        let pool =
-            KvPool::new_shared(config(dtype), std::path::Path::new("/dev/shm")).expect("pool");
-        let region = Arc::clone(pool.shm_region().expect("mapping"));
+        let (pool, region) =
+            kvmesh_kvxfer::shm::shared_pool(config(dtype), std::path::Path::new("/dev/shm"))
+                .expect("pool");
         (pool, Arc::new(ShmLanding::new(region)))
     } else {
         (
@@ -143,7 +143,7 @@ fn main() {
             std::hint::black_box(&dst);
             let c = t.elapsed().as_secs_f64();
             let t = Instant::now();
-            std::hint::black_box(kvmesh_kvxfer::wire::checksum(std::hint::black_box(&dst)));
+            std::hint::black_box(kvmesh_kvwire::checksum(std::hint::black_box(&dst)));
             let h = t.elapsed().as_secs_f64();
             if i >= WARMUP {
                 copy.push(c);

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use kvmesh_kernels::KvDtype;
-use kvmesh_kvxfer::{KvPool, PoolConfig, Reservation, ScrubMode};
+use kvmesh_kvpool::{KvPool, PoolConfig, Reservation, ScrubMode};
 
 use crate::error::{ModelError, Result};
 use crate::llama::{LayerDone, Llama, LogitsWanted, SeqChunk};

@@ -127,7 +127,7 @@ pub enum ModelError {
     EmptyPrompt,
     /// The KV pool refused an operation.
     #[error("KV pool: {0}")]
-    Kv(#[from] kvmesh_kvxfer::PoolError),
+    Kv(#[from] kvmesh_kvpool::PoolError),
     /// A KV read failed its ownership or initialisation check.
     #[error("KV guard: {0}")]
     Guard(#[from] kvmesh_kernels::GuardViolation),

@@ -34,11 +34,3 @@ pub use error::ModelError;
 pub use loader::{load, load_with, LoadedModel};
 pub use tokenizer::{ChatMessage, StreamDecoder, TextTokenizer};
 pub use weights::Precision;
-
-/// A request id for responses (`cmpl-…`): 128 bits from the OS random
-/// number generator, minted by the mesh (I8); `None` if the OS RNG fails.
-pub fn request_id() -> Option<String> {
-    kvmesh_kvxfer::wire::RequestId::mint()
-        .ok()
-        .map(|id| id.to_string())
-}

@@ -24,7 +24,7 @@ use kvmesh_kernels::activation::swiglu;
 use kvmesh_kernels::norm::rms_norm;
 use kvmesh_kernels::rope::{Rope, RopeLayout};
 use kvmesh_kernels::{paged_attention, AttentionShape, KvGeometry};
-use kvmesh_kvxfer::{PoolConfig, Reservation};
+use kvmesh_kvpool::{PoolConfig, Reservation};
 use rayon::prelude::*;
 
 use crate::config::ModelConfig;

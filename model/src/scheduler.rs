@@ -616,7 +616,7 @@ impl Actor {
             let admitted = self
                 .engine
                 .admit(w.req.prompt.clone(), w.req.max_new_tokens);
-            if let Err(ModelError::Kv(kvmesh_kvxfer::PoolError::Exhausted { .. })) = admitted {
+            if let Err(ModelError::Kv(kvmesh_kvpool::PoolError::Exhausted { .. })) = admitted {
                 // Taken meanwhile by another user of the pool.
                 return;
             }

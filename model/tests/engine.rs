@@ -3,7 +3,7 @@
 
 mod common;
 
-use kvmesh_kvxfer::PoolError;
+use kvmesh_kvpool::PoolError;
 use kvmesh_model::engine::{Engine, EngineConfig, FinishReason, Prompt};
 use kvmesh_model::sampling::SamplingParams;
 use kvmesh_model::{ChatMessage, ModelError};

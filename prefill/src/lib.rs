@@ -25,10 +25,11 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use kvmesh_kvxfer::auth::{CallVerifier, MeshSecret};
-use kvmesh_kvxfer::fault::FaultPlan;
+use kvmesh_faults::FaultPlan;
+use kvmesh_kvwire::{decode_message, Grant, Message, ReservationId, WriterId};
 use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient, WriterError};
-use kvmesh_kvxfer::wire::{decode_message, Grant, Message, ReservationId, WriterId};
+use kvmesh_meshauth::grpc::Authenticated;
+use kvmesh_meshauth::{CallVerifier, MeshSecret};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
 use kvmesh_model::sampling::{Sampler, SamplingParams};
 use kvmesh_model::LoadedModel;
@@ -36,7 +37,6 @@ use kvmesh_proto::internal::v1::prefill_server::{Prefill, PrefillServer};
 use kvmesh_proto::internal::v1::{
     AbortRequest, AbortResponse, LoadReport, LoadRequest, PrefillRequest, PrefillResponse,
 };
-use kvmesh_proto::peer_auth::Authenticated;
 use thiserror::Error;
 use tokio::sync::{mpsc, oneshot, Mutex as AsyncMutex};
 use tonic::{Request, Response, Status};
@@ -241,7 +241,7 @@ impl PrefillNode {
     }
 
     /// The engine's pool (tests and metrics).
-    pub fn pool(&self) -> &kvmesh_kvxfer::KvPool {
+    pub fn pool(&self) -> &kvmesh_kvpool::KvPool {
         self.inner.engine.pool()
     }
 
@@ -262,7 +262,7 @@ impl PrefillNode {
         // Pages of another shape or dtype than this node computes would be
         // refused page by page (lengths) or, for the dtype, rounded on the
         // way: refuse the grant up front instead.
-        let own = kvmesh_kvxfer::wire::Geometry::from_pool(self.pool().config())
+        let own = kvmesh_kvxfer::pool_geometry(self.pool().config())
             .map_err(|e| PrefillError::Invalid(e.to_string()))?;
         if grant.geometry != own {
             return Err(PrefillError::Invalid(format!(
@@ -502,7 +502,7 @@ impl Prefill for PrefillNode {
     ) -> Result<Response<PrefillResponse>, Status> {
         let faults = FaultPlan::from_header(
             req.metadata()
-                .get(kvmesh_kvxfer::fault::HEADER)
+                .get(kvmesh_faults::HEADER)
                 .and_then(|v| v.to_str().ok()),
         )
         .map_err(|e| Status::invalid_argument(e.to_string()))?;

@@ -3,13 +3,13 @@
 //! Prefill services the router drives. The `.proto` files under `proto/`
 //! are the source of truth, every field documented there; `build.rs`
 //! compiles them with protox (pure Rust, no system `protoc`) and
-//! tonic-prost-build. [`peer_auth`] is the mesh authentication of the
-//! internal services: the server wrapper that refuses calls without a
-//! proof of the mesh secret, and the client interceptor that adds one.
+//! tonic-prost-build. [`peer`] builds the internal clients whose calls
+//! prove the mesh secret (`kvmesh_meshauth::grpc` holds the interceptor and
+//! the server wrapper that refuses calls without a proof).
 
 #![allow(missing_docs, clippy::all)]
 
-pub mod peer_auth;
+pub mod peer;
 
 /// The public API.
 pub mod v1 {

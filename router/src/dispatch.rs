@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_kvxfer::fault::{self, Action, FaultPlan, PlantedBug, Point};
+use kvmesh_faults::{Action, FaultPlan, PlantedBug, Point};
 use kvmesh_proto::internal::v1::{
     token_event, AbortRequest, PrefillRequest, ReserveRequest, Sampling, TokensRequest,
 };
@@ -86,7 +86,7 @@ fn with_faults<T>(msg: T, faults: &FaultPlan) -> tonic::Request<T> {
     let mut req = tonic::Request::new(msg);
     if !faults.is_empty() {
         if let Ok(v) = faults.to_string().parse() {
-            req.metadata_mut().insert(fault::HEADER, v);
+            req.metadata_mut().insert(kvmesh_faults::HEADER, v);
         }
     }
     req
@@ -95,7 +95,7 @@ fn with_faults<T>(msg: T, faults: &FaultPlan) -> tonic::Request<T> {
 /// Capacity the node must have: none asked when a test planted the bug
 /// that switches admission off (the nodes' re-checks must then refuse).
 fn needed(tokens: usize) -> Option<usize> {
-    (!fault::planted(PlantedBug::NoAdmission)).then_some(tokens)
+    (!kvmesh_faults::planted(PlantedBug::NoAdmission)).then_some(tokens)
 }
 
 /// Starts a request; events arrive on the receiver. Refused before

@@ -131,7 +131,7 @@ impl Generation for Api {
             stop: r.stop,
             ignore_eos: false,
             tenant,
-            faults: kvmesh_kvxfer::fault::FaultPlan::none(),
+            faults: kvmesh_faults::FaultPlan::none(),
         };
         let mut rx = dispatch::start(&self.router, job, permit).map_err(|e| e.grpc())?;
         let (tx, out) = tokio::sync::mpsc::channel(64);

@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
-use kvmesh_kvxfer::fault::FaultPlan;
+use kvmesh_faults::FaultPlan;
 
 use crate::auth::Tenant;
 use crate::dispatch::{self, Event, Job};
@@ -151,14 +151,14 @@ async fn authenticate(
             if r.config().fault_injection {
                 let spec = req
                     .headers()
-                    .get(kvmesh_kvxfer::fault::HEADER)
+                    .get(kvmesh_faults::HEADER)
                     .map(|v| v.to_str().unwrap_or("\u{fffd}"));
                 match FaultPlan::from_header(spec) {
                     Ok(plan) => {
                         req.extensions_mut().insert(plan);
                     }
                     Err(e) => {
-                        let body = json!({"error": {"message": e.to_string(), "type": "invalid_request_error", "param": kvmesh_kvxfer::fault::HEADER, "code": "invalid_fault_spec"}});
+                        let body = json!({"error": {"message": e.to_string(), "type": "invalid_request_error", "param": kvmesh_faults::HEADER, "code": "invalid_fault_spec"}});
                         return (StatusCode::BAD_REQUEST, Json(body)).into_response();
                     }
                 }
@@ -239,7 +239,9 @@ fn unix_now() -> u64 {
 /// The response id: the mesh's 128 random bits (I8), never a client's
 /// and never a weaker fallback; `None` if the OS RNG failed.
 fn request_id(prefix: &str) -> Option<String> {
-    kvmesh_model::request_id().map(|id| format!("{prefix}-{id}"))
+    kvmesh_kvwire::RequestId::mint()
+        .ok()
+        .map(|id| format!("{prefix}-{id}"))
 }
 
 /// Validated sampling and budget fields.

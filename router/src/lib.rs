@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvmesh_kvxfer::fault::{planted, PlantedBug};
+use kvmesh_faults::{planted, PlantedBug};
 use kvmesh_model::TextTokenizer;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 

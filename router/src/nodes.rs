@@ -1,5 +1,5 @@
 //! The router's view of the mesh: every prefill and decode node, its gRPC
-//! client (every call proves the mesh secret: `kvmesh_proto::peer_auth`),
+//! client (every call proves the mesh secret: `kvmesh_meshauth::grpc`),
 //! its last load report and whether it is healthy. A poller asks
 //! each node for its load every [`POLL`]; a node that does not answer
 //! within [`LOAD_TIMEOUT`] is taken out until it answers again.
@@ -7,11 +7,12 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use kvmesh_kvxfer::auth::MeshSecret;
+use kvmesh_meshauth::grpc::PeerChannel;
+use kvmesh_meshauth::MeshSecret;
 use kvmesh_proto::internal::v1::decode_client::DecodeClient;
 use kvmesh_proto::internal::v1::prefill_client::PrefillClient;
 use kvmesh_proto::internal::v1::{LoadReport, LoadRequest};
-use kvmesh_proto::peer_auth::{decode_client, prefill_client, PeerChannel};
+use kvmesh_proto::peer::{decode_client, prefill_client};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::Rejection;

@@ -47,7 +47,7 @@ mod tests {
             api_keys,
             ..RouterConfig::default()
         };
-        let secret = kvmesh_kvxfer::auth::MeshSecret::generate().expect("mesh secret");
+        let secret = kvmesh_meshauth::MeshSecret::generate().expect("mesh secret");
         Router::new(
             cfg,
             tok,

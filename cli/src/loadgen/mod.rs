@@ -137,7 +137,8 @@ pub struct BenchArgs {
     /// Cost of safety: run the mesh workload a second time with the KV
     /// checks switched off (`serve --plant-bug no-kv-checks`: no generation
     /// or watermark check on reads, no checksums, no I4 verification; needs a
-    /// build with the kvxfer `testing` feature) and print both, with the
+    /// build with fault injection, `--features fault-injection`) and print
+    /// both, with the
     /// ratio checks-on / checks-off.
     #[arg(long, conflicts_with = "url")]
     compare_safety: bool,

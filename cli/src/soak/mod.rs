@@ -7,7 +7,7 @@
 //! OpenAI gateway: each request a random prompt of the set, streamed or not,
 //! greedy; some dropped by the client mid-stream (`--disconnect-rate`), some
 //! carrying an injected fault (`--fault-rate`, header `x-kvmesh-fault`, from
-//! [`FAULTS`]). Every completed output is compared with the reference; every
+//! `kvmesh_faults::CATALOG`). Every completed output is compared with the reference; every
 //! error is counted by kind and judged against what its fault allows.
 //! Afterwards it waits for the mesh to go idle and reads its metrics: pages
 //! still held (leaked), guard violations, reservation outcomes. Resident
@@ -60,73 +60,15 @@ const WARMUP_LONGEST: usize = 3;
 
 /// The fault header of the gateway (honoured by `serve --fault-injection`
 /// in a build with fault injection).
-const FAULT_HEADER: &str = kvmesh_kvxfer::fault::HEADER;
+const FAULT_HEADER: &str = kvmesh_faults::HEADER;
 
-/// How a request carrying a fault must end.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Expect {
-    /// As without the fault: the output equals the reference.
-    Recovers,
-    /// A clear error: HTTP status >= 400 before the stream starts, or an
-    /// SSE error event. Completing with the reference output is accepted
-    /// too (the fault may fall past the request's end, e.g. a step it
-    /// never reaches); completing with any other output is a mismatch.
-    Fails,
-}
-
-/// One injectable fault (header value: `POINT=ACTION[,...]`).
-#[derive(Debug)]
-struct Fault {
-    spec: &'static str,
-    expect: Expect,
-    /// May make the decode node count a guard violation (a corrupted page
-    /// table is refused by the read path, I1).
-    trips_guard: bool,
-}
-
-const fn recovers(spec: &'static str) -> Fault {
-    Fault {
-        spec,
-        expect: Expect::Recovers,
-        trips_guard: false,
-    }
-}
-
-const fn fails(spec: &'static str, trips_guard: bool) -> Fault {
-    Fault {
-        spec,
-        expect: Expect::Fails,
-        trips_guard,
-    }
-}
-
-/// The faults a request may carry, each with the outcome it must have.
-/// Extend here; every entry is drawn with equal probability.
-const FAULTS: &[Fault] = &[
-    recovers("reserve=delay:50"),
-    recovers("reserve=duplicate"),
-    recovers("grant=delay:50"),
-    recovers("grant=duplicate"),
-    recovers("frame:0=delay:30"),
-    recovers("frame:1=duplicate"),
-    recovers("frame:1=reorder"),
-    recovers("done=delay:30"),
-    recovers("done=duplicate"),
-    recovers("step:2=delay:30"),
-    recovers("confirm=delay:50"),
-    recovers("abort=duplicate"),
-    fails("grant=corrupt", false),
-    fails("frame:1=drop", false),
-    fails("frame:0=corrupt", false),
-    fails("done=corrupt", false),
-    fails("done=reorder", false),
-    fails("verify=corrupt", false),
-    fails("step:3=corrupt", true),
-    fails("step:3=drop", false),
-    // These two end only when the grant's lease runs out (--lease-ms).
-    fails("grant=drop", false),
-    fails("done=drop", false),
-];
+/// The faults a request may carry, each with the outcome it must have:
+/// the one catalogue the fault matrix runs too (`kvmesh_faults::CATALOG`).
+/// Every entry is drawn with equal probability. A failing fault
+/// (`Expect::fails`) may also end with the reference output here: under
+/// load it may fall past a request's end (a step it never reaches, a
+/// frame its prompt does not have).
+use kvmesh_faults::CATALOG as FAULTS;
 
 /// One prompt of the built-in set: `head` followed by `filler` repeated
 /// `repeats` times (fewer when the model's context cannot hold it).

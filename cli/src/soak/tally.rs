@@ -61,11 +61,11 @@ impl Tally {
         self.streamed += u64::from(plan.stream);
         let fault = plan.fault.map(|i| &FAULTS[i]);
         let spec = fault.map_or("none", |f| f.spec);
-        let expect_fail = fault.is_some_and(|f| f.expect == Expect::Fails);
+        let expect_fail = fault.is_some_and(|f| f.expect.fails());
         if let Some(f) = fault {
             self.faults_injected += 1;
             self.failing_faults_injected += u64::from(expect_fail);
-            self.guard_faults_injected += u64::from(f.trips_guard);
+            self.guard_faults_injected += u64::from(f.expect.trips_guard());
         }
         let row = self.per_fault.entry(spec).or_default();
         row.sent += 1;

@@ -2,8 +2,8 @@
 
 use thiserror::Error;
 
-use crate::error::PoolError;
-use crate::wire::{AbortReason, FrameReject, MintError, ReservationId, WriterId};
+use kvmesh_kvpool::PoolError;
+use kvmesh_kvwire::{AbortReason, FrameReject, MintError, ReservationId, WriterId};
 
 /// Why a Reserve was refused. Nothing was allocated (no partial grants).
 #[derive(Debug, Error)]

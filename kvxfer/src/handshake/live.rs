@@ -5,8 +5,8 @@ use std::sync::Weak;
 
 use tokio::sync::oneshot;
 
-use crate::reservation::Reservation;
-use crate::wire::{AbortReason, ReservationId};
+use kvmesh_kvpool::Reservation;
+use kvmesh_kvwire::{AbortReason, ReservationId};
 
 use super::error::{Ended, Outcome};
 use super::table::Inner;

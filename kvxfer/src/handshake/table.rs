@@ -8,12 +8,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::counters::KindCounters;
-use crate::pool::KvPool;
-use crate::reservation::Reservation;
 use crate::shm::PeerProcess;
 use crate::transport::{Landing, Revocation};
-use crate::wire::{
+use kvmesh_kernels::counters::KindCounters;
+use kvmesh_kvpool::KvPool;
+use kvmesh_kvpool::Reservation;
+use kvmesh_kvwire::{
     Abort, AbortConfirmed, AbortReason, Capability, FrameReject, Geometry, Grant, KvFrame,
     RejectCounters, ReservationId, Revoke, TransferDone, WriterId,
 };
@@ -119,7 +119,7 @@ struct Entry {
     /// watermark past what landed, whatever transfer-done claims.
     landed: Vec<u32>,
     /// Injected faults (testing builds).
-    faults: crate::fault::FaultPlan,
+    faults: kvmesh_faults::FaultPlan,
 }
 
 #[derive(Debug)]
@@ -212,8 +212,8 @@ impl ReservationTable {
         pool: KvPool,
         landing: Arc<dyn Landing>,
         cfg: TableConfig,
-    ) -> Result<Self, crate::wire::WireError> {
-        let geometry = Geometry::from_pool(pool.config())?;
+    ) -> Result<Self, kvmesh_kvwire::WireError> {
+        let geometry = crate::landing::pool_geometry(pool.config())?;
         Ok(Self {
             inner: Arc::new(Inner {
                 pool,
@@ -306,7 +306,7 @@ impl ReservationTable {
 
     /// Attaches a request's injected faults to reservation `id` (testing
     /// builds act on them; see [`crate::fault`]). Unknown ids are ignored.
-    pub fn set_faults(&self, id: ReservationId, faults: crate::fault::FaultPlan) {
+    pub fn set_faults(&self, id: ReservationId, faults: kvmesh_faults::FaultPlan) {
         if let Ok(entry) = self.inner.entry(id) {
             lock(&entry).faults = faults;
         }
@@ -491,7 +491,7 @@ impl Inner {
             (id, conns.by_id.get(&id).and_then(|c| c.peer.clone()))
         };
         let res = self.pool.reserve(requested).map_err(|e| match e {
-            crate::PoolError::Exhausted {
+            kvmesh_kvpool::PoolError::Exhausted {
                 requested_pages,
                 free_pages,
             } => ReserveError::Exhausted {
@@ -529,7 +529,7 @@ impl Inner {
             waiter: Some(tx),
             scratch: Vec::new(),
             landed: vec![0; grant.pages.len() * usize::from(self.geometry.n_layers)],
-            faults: crate::fault::FaultPlan::none(),
+            faults: kvmesh_faults::FaultPlan::none(),
         };
         lock(&self.entries).insert(reservation, Arc::new(Mutex::new(entry)));
         self.granted.fetch_add(1, Ordering::Relaxed);
@@ -559,7 +559,8 @@ impl Inner {
         };
         let layers = usize::from(frame.layers.start)..usize::from(frame.layers.end);
         let slots = frame.slots.start as usize..frame.slots.end as usize;
-        res.land(
+        crate::landing::land_payload(
+            res,
             frame.page_index as usize,
             layers,
             slots,
@@ -625,11 +626,11 @@ impl Inner {
                 event: "transfer_done",
             });
         };
-        if e.faults.at(crate::fault::Point::Verify) == Some(crate::fault::Action::Corrupt) {
+        if e.faults.at(kvmesh_faults::Point::Verify) == Some(kvmesh_faults::Action::Corrupt) {
             res.corrupt_landed_value(0);
         }
-        let checked = if crate::fault::planted(crate::fault::PlantedBug::NoVerification)
-            || crate::fault::planted(crate::fault::PlantedBug::NoKvChecks)
+        let checked = if kvmesh_faults::planted(kvmesh_faults::PlantedBug::NoVerification)
+            || kvmesh_faults::planted(kvmesh_faults::PlantedBug::NoKvChecks)
         {
             Ok(())
         } else {

@@ -1,7 +1,7 @@
 //! Verification before live (I4).
 
-use crate::reservation::Reservation;
-use crate::wire::{Grant, TransferDone};
+use kvmesh_kvpool::Reservation;
+use kvmesh_kvwire::{Grant, TransferDone};
 
 use super::error::VerifyError;
 
@@ -33,7 +33,7 @@ pub(super) fn verify(
         })?;
     for (index, &reported) in done.page_checksums.iter().enumerate() {
         let slots = grant.prompt_slots(index).unwrap_or(0) as usize;
-        let landed = res.landed_checksum(index, slots).unwrap_or(!reported);
+        let landed = crate::landing::landed_checksum(res, index, slots).unwrap_or(!reported);
         if landed != reported {
             return Err(VerifyError::Checksum {
                 index,

@@ -13,7 +13,7 @@ pub const LANE_STRIDE: usize = 64;
 pub(super) const DATA_ALIGN: usize = 4096;
 const MAGIC: [u8; 8] = *b"KVMSHM01";
 const VERSION: u32 = 1;
-/// The header's dtype codes (the wire's: [`crate::wire::Dtype::code`]).
+/// The header's dtype codes (the wire's: [`kvmesh_kvwire::Dtype::code`]).
 const DTYPE_F32: u32 = 1;
 const DTYPE_F16: u32 = 2;
 /// Bytes of the header actually used (the rest of [`HEADER_LEN`] is zero).

@@ -286,8 +286,7 @@ impl ShmRegion {
                 reason: f.reason(),
             },
         })?;
-        let mut rnd = [0u8; 16];
-        getrandom::fill(&mut rnd).map_err(|e| ShmError::Io {
+        let rnd: [u8; 16] = kvmesh_kvwire::ids::random_nonzero().map_err(|e| ShmError::Io {
             path: dir.to_owned(),
             source: io::Error::other(e),
             what: "random file name",
@@ -395,11 +394,11 @@ impl ShmRegion {
         &self.layout
     }
 
-    /// Start of the page data, for the decode pool's storage: 4096-aligned,
-    /// `n_pages * page_values` values of the layout's dtype. Read only pages
-    /// whose grants' lanes are `Drained` (module doc).
-    pub(crate) fn data_ptr(&self) -> NonNull<u8> {
-        self.data
+    /// Bytes of page data from its start (4096-aligned, `n_pages *
+    /// page_values` values of the layout's dtype) to the mapping's end. Read
+    /// only pages whose grants' lanes are `Drained` (module doc).
+    fn data_len(&self) -> usize {
+        self.sizes.total_len - self.sizes.data_offset
     }
 
     fn lane(&self, lane: u32) -> Result<Lane<'_>, ShmError> {
@@ -517,7 +516,7 @@ impl ShmRegion {
     /// Writes K and V of consecutive slots from `slot` into (`page`,
     /// `layer`), one-sided, if `key` is still open: `k` and `v` are the
     /// values encoded in the region's dtype, little-endian, as a frame
-    /// carries them ([`crate::wire::encode_values`]), whole slots of equal
+    /// carries them ([`kvmesh_kvwire::encode_values`]), whole slots of equal
     /// length. Length errors count values. On any error nothing was written.
     pub fn write_slots(
         &self,
@@ -620,6 +619,58 @@ impl ShmRegion {
         }
         Ok(())
     }
+}
+
+// SAFETY: the page data is `data_len()` bytes of the mapping from
+// `data_ptr()`, which stays mapped (and never moves) as long as the region
+// lives; it is 4096-aligned and zero-filled by `ftruncate` when the file is
+// created; this process touches it only through the pool's storage and the
+// lane-gated copies of `write_slots`, whose fencing is the lanes' job (the
+// module doc).
+unsafe impl kvmesh_kvpool::PoolMemory for ShmRegion {
+    fn data_ptr(&self) -> NonNull<u8> {
+        self.data
+    }
+
+    fn len_bytes(&self) -> usize {
+        self.data_len()
+    }
+}
+
+/// A pool whose storage is a new shared-memory mapping in `dir` (e.g.
+/// `/dev/shm`) that writer processes on this host map and write one-sided,
+/// through one lane per grant ([`crate::transport::shm`]). One lane per
+/// page: a grant holds at least one page, so lanes never run out first.
+/// Returns the region too, for the KV listener that hands it to writers.
+pub fn shared_pool(
+    cfg: kvmesh_kvpool::PoolConfig,
+    dir: &Path,
+) -> Result<(kvmesh_kvpool::KvPool, Arc<ShmRegion>), kvmesh_kvpool::PoolError> {
+    use kvmesh_kvpool::PoolError;
+    cfg.validate()?;
+    let bad = |reason| PoolError::InvalidConfig {
+        field: "shared memory",
+        value: cfg.n_pages,
+        reason,
+    };
+    let layout = ShmLayout {
+        page_size: u32::try_from(cfg.page_size).map_err(|_| bad("page_size over u32"))?,
+        n_layers: u32::try_from(cfg.n_layers).map_err(|_| bad("n_layers over u32"))?,
+        n_kv_heads: u32::try_from(cfg.n_kv_heads).map_err(|_| bad("n_kv_heads over u32"))?,
+        head_dim: u32::try_from(cfg.head_dim).map_err(|_| bad("head_dim over u32"))?,
+        dtype: cfg.dtype,
+        n_pages: cfg.n_pages as u64,
+        n_lanes: cfg.n_pages as u64,
+    };
+    let region = ShmRegion::create(dir, layout).map_err(|e| match e {
+        ShmError::Io { source, .. } if source.kind() == io::ErrorKind::OutOfMemory => {
+            PoolError::OutOfMemory { bytes: cfg.bytes() }
+        }
+        _ => bad("could not create the shared mapping (see logs)"),
+    })?;
+    let memory: Arc<dyn kvmesh_kvpool::PoolMemory> = region.clone();
+    let pool = kvmesh_kvpool::KvPool::new_in(cfg, memory)?;
+    Ok((pool, region))
 }
 
 impl Drop for ShmRegion {

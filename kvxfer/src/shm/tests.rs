@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used)]
 
 use super::*;
+use kvmesh_kvpool::PoolMemory;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 

@@ -24,13 +24,13 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, Mutex as AsyncMutex};
 use tokio::task::JoinHandle;
 
-use crate::auth::MeshSecret;
-use crate::fault::{Action, FaultPlan, Point};
 use crate::shm::ShmRegion;
-use crate::wire::{
+use kvmesh_faults::{Action, FaultPlan, Point};
+use kvmesh_kvwire::{
     decode, encode_values, AbortConfirmed, Checksummer, DataPath, DecodeLimits, Dtype, Geometry,
     Grant, Message, ReservationId, TransferDone, WriterId,
 };
+use kvmesh_meshauth::MeshSecret;
 
 use super::greeting::greet;
 use super::shm::ShmWritePath;
@@ -185,7 +185,7 @@ impl KvClient {
     /// Connects to `endpoint` (`tcp://HOST:PORT` or `unix:PATH`) as
     /// `writer`, answers the decode node's Challenge with a Hello proving
     /// `secret`, checks the Welcome's proof (the decode node is of this
-    /// mesh: [`crate::auth::kv`]), and maps the pool if the data path is
+    /// mesh: [`kvmesh_meshauth::kv`]), and maps the pool if the data path is
     /// shared memory.
     pub async fn connect(
         endpoint: &str,
@@ -537,7 +537,7 @@ impl GrantWriter {
                 }
             };
             if let Some(h) = self.sums.get_mut(index) {
-                if !crate::fault::planted(crate::fault::PlantedBug::NoKvChecks) {
+                if !kvmesh_faults::planted(kvmesh_faults::PlantedBug::NoKvChecks) {
                     h.update(kb);
                     h.update(vb);
                 }
@@ -560,7 +560,7 @@ impl GrantWriter {
             let corrupted;
             let (kw, times) = match fault {
                 Some(Action::Drop) => continue,
-                Some(Action::Crash) => crate::fault::crash(Point::Frame(self.frames - 1)),
+                Some(Action::Crash) => kvmesh_faults::crash(Point::Frame(self.frames - 1)),
                 Some(Action::Delay(d)) => {
                     tokio::time::sleep(d).await;
                     (kb, 1)
@@ -615,7 +615,7 @@ impl GrantWriter {
         let fault = self.faults.at(Point::Done);
         let mut page_checksums: Vec<u64> = self.sums.iter().map(Checksummer::finish).collect();
         match fault {
-            Some(Action::Crash) => crate::fault::crash(Point::Done),
+            Some(Action::Crash) => kvmesh_faults::crash(Point::Done),
             Some(Action::Delay(d)) => tokio::time::sleep(d).await,
             Some(Action::Corrupt) => {
                 if let Some(c) = page_checksums.first_mut() {

@@ -1,16 +1,16 @@
 //! The opening of a transport connection, both sides: the decode node's
 //! Challenge, the writer's Hello with its proof, the decode node's Welcome
-//! with its own (the protocol and its reasons: [`crate::auth::kv`]).
+//! with its own (the protocol and its reasons: [`kvmesh_meshauth::kv`]).
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::auth::kv::{hello_ok, hello_proof, mint_nonce, welcome_ok};
-use crate::auth::{KvAuthRefusal, MeshSecret};
-use crate::wire::control::HELLO_LEN;
-use crate::wire::{
+use kvmesh_kvwire::control::HELLO_LEN;
+use kvmesh_kvwire::{
     decode, peek_header, Challenge, DecodeLimits, Hello, Message, MessageType, Welcome, WriterId,
     HEADER_LEN, NONCE_LEN, TRAILER_LEN,
 };
+use kvmesh_meshauth::kv::{hello_ok, hello_proof, mint_nonce, welcome_ok};
+use kvmesh_meshauth::{KvAuthRefusal, MeshSecret};
 
 use super::stream::read_message;
 use super::TransportError;

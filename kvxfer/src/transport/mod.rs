@@ -3,7 +3,7 @@
 //!
 //! | | TCP ([`tcp`]) | shared memory ([`shm`]) | RDMA (later) |
 //! |---|---|---|---|
-//! | data | [`crate::wire::KvFrame`]s on the connection | one-sided copies into the pool's mapping | one-sided `RDMA WRITE` into a registered region |
+//! | data | [`kvmesh_kvwire::KvFrame`]s on the connection | one-sided copies into the pool's mapping | one-sided `RDMA WRITE` into a registered region |
 //! | receiver checks each write before it lands | yes | no | no |
 //! | grant's write key | 0 (unused) | lane and epoch of a write gate | remote key of a memory window |
 //! | revoke | refuse the reservation's frames (under its entry lock) | close the lane, wait for active writes to end | invalidate the window / move the QP to error, flush |
@@ -14,7 +14,7 @@
 //! AbortConfirmed, Revoke) always travel on the connection (`stream`), in
 //! order with the frames where frames travel there too. A connection
 //! carries nothing before its writer proved the mesh secret
-//! ([`crate::auth::kv`]). [`server`] is the decode side's
+//! ([`kvmesh_meshauth::kv`]). [`server`] is the decode side's
 //! listener, [`client`] the prefill side's connection.
 //!
 //! # The two traits
@@ -41,7 +41,7 @@ use std::pin::Pin;
 use thiserror::Error;
 
 use crate::shm::{PeerProcess, ShmError};
-use crate::wire::{DataPath, Grant, MintError, WireError};
+use kvmesh_kvwire::{DataPath, Grant, MintError, WireError};
 
 /// A boxed future, so the traits stay usable as trait objects.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -93,7 +93,7 @@ pub struct PageWrite<'a> {
     /// Slot range within the page.
     pub slots: Range<u32>,
     /// K values, slot-major, encoded in the grant's dtype, little-endian
-    /// ([`crate::wire::encode_values`]): the bytes a frame carries and the
+    /// ([`kvmesh_kvwire::encode_values`]): the bytes a frame carries and the
     /// page checksum covers, encoded once by the writer.
     pub k: &'a [u8],
     /// V values, as `k`.

@@ -1,6 +1,6 @@
 //! The decode node's transport listener: accepts writer connections, runs
 //! the mesh-authenticated Challenge/Hello/Welcome exchange
-//! ([`crate::auth::kv`]; nothing from a connection reaches the table before
+//! ([`kvmesh_meshauth::kv`]; nothing from a connection reaches the table before
 //! its Hello proved the mesh secret), feeds frames and control messages to
 //! the [`ReservationTable`], carries its Abort and Revoke messages back,
 //! and reports a lost connection so everything bound to it is revoked.
@@ -14,11 +14,11 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::auth::kv::{mint_nonce, welcome_proof};
-use crate::auth::{KvAuthCounters, KvAuthRefusal, MeshSecret};
 use crate::handshake::{outbound_capacity, HandshakeError, ReservationTable};
 use crate::shm::PeerProcess;
-use crate::wire::{decode, DecodeLimits, Message, MessageType, Welcome, PROOF_LEN};
+use kvmesh_kvwire::{decode, DecodeLimits, Message, MessageType, Welcome, PROOF_LEN};
+use kvmesh_meshauth::kv::{mint_nonce, welcome_proof};
+use kvmesh_meshauth::{KvAuthCounters, KvAuthRefusal, MeshSecret};
 
 use super::greeting::authenticate;
 use super::stream::{pump, read_message};

@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::shm::{LaneClose, PeerProcess, ShmRegion, WriteKey};
-use crate::wire::DataPath;
+use kvmesh_kvwire::DataPath;
 
 use super::{BoxFuture, Landing, PageWrite, Revocation, TransportError, WritePath};
 

@@ -5,7 +5,7 @@
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use crate::wire::{peek_header, DecodeLimits, WireError, HEADER_LEN};
+use kvmesh_kvwire::{peek_header, DecodeLimits, WireError, HEADER_LEN};
 
 use super::TransportError;
 

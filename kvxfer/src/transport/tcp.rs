@@ -5,7 +5,7 @@
 use tokio::sync::mpsc;
 
 use crate::shm::PeerProcess;
-use crate::wire::{DataPath, KvFrame};
+use kvmesh_kvwire::{DataPath, KvFrame};
 
 use super::{BoxFuture, Landing, PageWrite, Revocation, TransportError, WritePath};
 

@@ -6,11 +6,11 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use kvmesh_kvxfer::auth::MeshSecret;
+use kvmesh_kvwire::{decode_message, Message, WriterId};
 use kvmesh_kvxfer::handshake::{Outcome, RevokeCause};
 use kvmesh_kvxfer::shm::{ShmRegion, WriteKey};
 use kvmesh_kvxfer::transport::client::KvClient;
-use kvmesh_kvxfer::wire::{decode_message, Message, WriterId};
+use kvmesh_meshauth::MeshSecret;
 use tokio::sync::mpsc;
 
 use super::common::*;
@@ -71,13 +71,7 @@ struct Writer {
 
 impl Writer {
     fn spawn(node: &Node, mode: &str) -> Self {
-        let shm = node
-            .table
-            .pool()
-            .shm_region()
-            .expect("mapping")
-            .path()
-            .to_owned();
+        let shm = node.shm_path();
         let mut child = Command::new(std::env::current_exe().expect("test binary"))
             .args([
                 "child::child_writer",
@@ -122,7 +116,7 @@ impl Writer {
         assert_eq!(got, Ok(true), "the writer process never said {want:?}");
     }
 
-    fn send_grant(&mut self, grant: &kvmesh_kvxfer::wire::Grant) {
+    fn send_grant(&mut self, grant: &kvmesh_kvwire::Grant) {
         let mut bytes = Vec::new();
         grant.encode(&mut bytes).expect("encode");
         let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();

@@ -6,19 +6,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvmesh_kernels::{PageRef, PagedKv};
-use kvmesh_kvxfer::auth::kv::{hello_proof, welcome_ok};
-use kvmesh_kvxfer::auth::MeshSecret;
+use kvmesh_kvpool::{KvDtype, KvPool, PoolConfig, Reservation, ScrubMode};
+use kvmesh_kvwire::{
+    decode_message, peek_header, DecodeLimits, Grant, Hello, Message, WriterId, HEADER_LEN,
+    NONCE_LEN,
+};
 use kvmesh_kvxfer::handshake::{ReservationTable, ReserveRequest, TableConfig};
 use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient};
 use kvmesh_kvxfer::transport::server::KvServer;
 use kvmesh_kvxfer::transport::shm::ShmLanding;
 use kvmesh_kvxfer::transport::tcp::TcpLanding;
 use kvmesh_kvxfer::transport::Landing;
-use kvmesh_kvxfer::wire::{
-    decode_message, peek_header, DecodeLimits, Grant, Hello, Message, WriterId, HEADER_LEN,
-    NONCE_LEN,
-};
-use kvmesh_kvxfer::{KvDtype, KvPool, PoolConfig, Reservation, ScrubMode};
+use kvmesh_meshauth::kv::{hello_proof, welcome_ok};
+use kvmesh_meshauth::MeshSecret;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -59,6 +59,8 @@ pub struct Node {
     /// (for writer processes).
     pub secret: MeshSecret,
     pub secret_file: std::path::PathBuf,
+    /// The pool's mapping, for a shared-memory node.
+    pub region: Option<Arc<kvmesh_kvxfer::shm::ShmRegion>>,
     _dir: tempfile::TempDir,
 }
 
@@ -90,12 +92,20 @@ impl Node {
 
     pub async fn with_pool(kind: Kind, cfg: TableConfig, pool_cfg: PoolConfig) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (pool, landing): (KvPool, Arc<dyn Landing>) = match kind {
-            Kind::Tcp => (KvPool::new(pool_cfg).expect("pool"), Arc::new(TcpLanding)),
+        let (pool, landing, region): (KvPool, Arc<dyn Landing>, _) = match kind {
+            Kind::Tcp => (
+                KvPool::new(pool_cfg).expect("pool"),
+                Arc::new(TcpLanding),
+                None,
+            ),
             Kind::Shm => {
-                let pool = KvPool::new_shared(pool_cfg, dir.path()).expect("shared pool");
-                let region = Arc::clone(pool.shm_region().expect("mapping"));
-                (pool, Arc::new(ShmLanding::new(region)))
+                let (pool, region) =
+                    kvmesh_kvxfer::shm::shared_pool(pool_cfg, dir.path()).expect("shared pool");
+                (
+                    pool,
+                    Arc::new(ShmLanding::new(region.clone())),
+                    Some(region),
+                )
             }
         };
         let table = ReservationTable::new(pool, landing, cfg).expect("table");
@@ -114,8 +124,18 @@ impl Node {
             server,
             secret,
             secret_file,
+            region,
             _dir: dir,
         }
+    }
+
+    /// The shared-memory mapping's file (shared-memory nodes only).
+    pub fn shm_path(&self) -> std::path::PathBuf {
+        self.region
+            .as_ref()
+            .expect("a shared-memory node")
+            .path()
+            .to_owned()
     }
 
     pub fn endpoint(&self) -> String {
@@ -340,7 +360,7 @@ impl RawWriter {
 /// Encodes the frames a correct writer would send for `grant`'s layer
 /// `layer`, one per page.
 pub fn frames_for(grant: &Grant, layer: u16, seed: f32) -> Vec<Vec<u8>> {
-    use kvmesh_kvxfer::wire::{f32s_to_le, KvFrame};
+    use kvmesh_kvwire::{f32s_to_le, KvFrame};
     let n = grant.prompt_tokens as usize;
     let (k, v) = layer_kv(n, layer, seed);
     let mut out = Vec::new();
@@ -372,7 +392,7 @@ pub fn frames_for(grant: &Grant, layer: u16, seed: f32) -> Vec<Vec<u8>> {
 
 /// The checksums `TransferDone` carries for data written with `seed`.
 pub fn checksums_for(grant: &Grant, seed: f32) -> Vec<u64> {
-    use kvmesh_kvxfer::wire::Checksummer;
+    use kvmesh_kvwire::Checksummer;
     let n = grant.prompt_tokens as usize;
     let mut sums = vec![Checksummer::new(); grant.pages.len()];
     for layer in 0..grant.geometry.n_layers {

@@ -10,12 +10,12 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use kvmesh_kvxfer::handshake::{Outcome, ReserveError, RevokeCause, TableConfig, VerifyError};
-use kvmesh_kvxfer::transport::client::WriterError;
-use kvmesh_kvxfer::wire::{
+use kvmesh_kvpool::KvDtype;
+use kvmesh_kvwire::{
     decode_message, AbortConfirmed, AbortReason, Capability, Dtype, Message, TransferDone, WriterId,
 };
-use kvmesh_kvxfer::KvDtype;
+use kvmesh_kvxfer::handshake::{Outcome, ReserveError, RevokeCause, TableConfig, VerifyError};
+use kvmesh_kvxfer::transport::client::WriterError;
 
 /// One test per transport.
 macro_rules! both {
@@ -305,19 +305,7 @@ async fn late_one_sided_write_after_release_shm() {
     write_layers(&mut wb, 0..N_LAYERS as u16, 6.0).await;
     // A stale writer still holding a's grant writes one-sided into the
     // mapping, as a late RDMA write would.
-    let region = kvmesh_kvxfer::shm::ShmRegion::open(
-        std::path::Path::new(
-            &node
-                .table
-                .pool()
-                .shm_region()
-                .expect("mapping")
-                .path()
-                .to_owned(),
-        ),
-        None,
-    )
-    .expect("map");
+    let region = kvmesh_kvxfer::shm::ShmRegion::open(&node.shm_path(), None).expect("map");
     let (k, v) = layer_kv(4, 0, 5.0);
     let late = region.write_slots(
         kvmesh_kvxfer::shm::WriteKey::from_u64(a.write_key),
@@ -384,7 +372,7 @@ async fn no_confirmation_within_the_abort_timeout() {
         let m = raw.recv().await.expect("message");
         kinds.push(decode_message(&m).expect("decodes").0.message_type());
     }
-    use kvmesh_kvxfer::wire::MessageType;
+    use kvmesh_kvwire::MessageType;
     assert_eq!(kinds, [MessageType::Abort, MessageType::Revoke]);
     // A confirmation after the revocation is late: refused, nothing freed twice.
     raw.send(&Message::AbortConfirmed(AbortConfirmed {

@@ -6,15 +6,15 @@
 
 use std::time::Duration;
 
-use kvmesh_kvxfer::auth::kv::hello_proof;
-use kvmesh_kvxfer::auth::MeshSecret;
+use kvmesh_kvwire::{
+    AbortConfirmed, Challenge, DataPath, Message, TransferDone, Welcome, WriterId, NONCE_LEN,
+};
 use kvmesh_kvxfer::handshake::ReserveError;
 use kvmesh_kvxfer::transport::client::KvClient;
 use kvmesh_kvxfer::transport::server::HELLO_TIMEOUT;
 use kvmesh_kvxfer::transport::TransportError;
-use kvmesh_kvxfer::wire::{
-    AbortConfirmed, Challenge, DataPath, Message, TransferDone, Welcome, WriterId, NONCE_LEN,
-};
+use kvmesh_meshauth::kv::hello_proof;
+use kvmesh_meshauth::MeshSecret;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::common::*;
@@ -231,7 +231,7 @@ async fn a_writer_refuses_a_decode_node_of_another_mesh() {
             s.write_all(&out).await.expect("challenge");
             let mut hello = vec![0u8; 12 + 80 + 8];
             s.read_exact(&mut hello).await.expect("hello");
-            let Ok((Message::Hello(h), _)) = kvmesh_kvxfer::wire::decode_message(&hello) else {
+            let Ok((Message::Hello(h), _)) = kvmesh_kvwire::decode_message(&hello) else {
                 panic!("not a hello")
             };
             let proof = if reflect {
@@ -244,12 +244,12 @@ async fn a_writer_refuses_a_decode_node_of_another_mesh() {
             Message::Welcome(Welcome {
                 proof,
                 data_path: DataPath::Frames,
-                geometry: kvmesh_kvxfer::wire::Geometry {
+                geometry: kvmesh_kvwire::Geometry {
                     page_size: PAGE_SIZE as u32,
                     n_layers: N_LAYERS as u16,
                     n_kv_heads: 1,
                     head_dim: KV_DIM as u16,
-                    dtype: kvmesh_kvxfer::wire::Dtype::F32,
+                    dtype: kvmesh_kvwire::Dtype::F32,
                 },
             })
             .encode(&mut out)

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_kvxfer::Reservation;
+use kvmesh_kvpool::Reservation;
 
 use super::*;
 use crate::engine::{EngineConfig, Prompt};

@@ -21,7 +21,7 @@ impl Inner {
         let mut e = lock(&entry);
         match std::mem::replace(&mut e.phase, Phase::Moving) {
             Phase::Granted(res) | Phase::Writing(res)
-                if crate::fault::planted(crate::fault::PlantedBug::NoConfirmOrRevoke) =>
+                if kvmesh_faults::planted(kvmesh_faults::PlantedBug::NoConfirmOrRevoke) =>
             {
                 // The planted bug: tell the writer, then free at once,
                 // neither waiting for its confirmation nor revoking its
@@ -222,17 +222,17 @@ impl Inner {
 
 /// Messages the table sends.
 pub(super) trait Encode {
-    fn encode_into(&self, out: &mut Vec<u8>) -> Result<usize, crate::wire::WireError>;
+    fn encode_into(&self, out: &mut Vec<u8>) -> Result<usize, kvmesh_kvwire::WireError>;
 }
 
 impl Encode for Abort {
-    fn encode_into(&self, out: &mut Vec<u8>) -> Result<usize, crate::wire::WireError> {
+    fn encode_into(&self, out: &mut Vec<u8>) -> Result<usize, kvmesh_kvwire::WireError> {
         self.encode(out)
     }
 }
 
 impl Encode for Revoke {
-    fn encode_into(&self, out: &mut Vec<u8>) -> Result<usize, crate::wire::WireError> {
+    fn encode_into(&self, out: &mut Vec<u8>) -> Result<usize, kvmesh_kvwire::WireError> {
         self.encode(out)
     }
 }
