@@ -8,12 +8,12 @@ use std::sync::Arc;
 use kvmesh_faults::{Action, FaultPlan, Point};
 use kvmesh_model::engine::{Engine, Sequence};
 use kvmesh_model::sampling::Sampler;
-use kvmesh_proto::internal::v1::{token_event, Finished, TokenEvent};
+use kvmesh_proto::internal::v1::{decode_event, DecodeEvent, FinishReason, Finished};
 use tokio::sync::mpsc;
 use tonic::Status;
 
 /// Events of one sequence's token stream.
-pub(crate) type Events = mpsc::Sender<Result<TokenEvent, Status>>;
+pub(crate) type Events = mpsc::Sender<Result<DecodeEvent, Status>>;
 
 /// A verified sequence ready to decode.
 pub(crate) struct Job {
@@ -78,15 +78,15 @@ impl Running {
     }
 }
 
-fn token(t: u32) -> Result<TokenEvent, Status> {
-    Ok(TokenEvent {
-        event: Some(token_event::Event::Token(t)),
+fn token(t: u32) -> Result<DecodeEvent, Status> {
+    Ok(DecodeEvent {
+        event: Some(decode_event::Event::Token(t)),
     })
 }
 
-fn finished(reason: &str) -> Result<TokenEvent, Status> {
-    Ok(TokenEvent {
-        event: Some(token_event::Event::Finished(Finished {
+fn finished(reason: FinishReason) -> Result<DecodeEvent, Status> {
+    Ok(DecodeEvent {
+        event: Some(decode_event::Event::Finished(Finished {
             reason: reason.into(),
         })),
     })
@@ -102,7 +102,7 @@ enum Next {
 
 fn emit(r: &mut Running, tok: u32) -> Next {
     if r.stop_ids.contains(&tok) {
-        let _ = r.events.try_send(finished("stop"));
+        let _ = r.events.try_send(finished(FinishReason::Stop));
         return Next::Done;
     }
     // Bounded channel sized to the budget: never full.
@@ -111,7 +111,7 @@ fn emit(r: &mut Running, tok: u32) -> Next {
     }
     r.generated += 1;
     if r.generated >= r.max_new_tokens {
-        let _ = r.events.try_send(finished("length"));
+        let _ = r.events.try_send(finished(FinishReason::Length));
         return Next::Done;
     }
     r.next = tok;
@@ -209,7 +209,7 @@ fn admit(running: &mut Vec<Running>, j: Job) {
         steps: 0,
     };
     if r.max_new_tokens == 0 {
-        let _ = r.events.try_send(finished("length"));
+        let _ = r.events.try_send(finished(FinishReason::Length));
         r.release();
         return;
     }

@@ -3,15 +3,13 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvmesh_faults::{Action, FaultPlan, Point};
 use kvmesh_kvpool::KvPool;
 use kvmesh_kvwire::{AbortReason, ReservationId, WriterId};
-use kvmesh_kvxfer::handshake::{
-    Pending, ReservationTable, ReserveError, ReserveRequest, TableConfig,
-};
+use kvmesh_kvxfer::handshake::{ReservationTable, ReserveError, ReserveRequest, TableConfig};
 use kvmesh_kvxfer::transport::server::KvServer;
 use kvmesh_kvxfer::transport::shm::ShmLanding;
 use kvmesh_kvxfer::transport::tcp::TcpLanding;
@@ -23,8 +21,8 @@ use kvmesh_model::sampling::{Sampler, SamplingParams};
 use kvmesh_model::LoadedModel;
 use kvmesh_proto::internal::v1::decode_server::{Decode, DecodeServer};
 use kvmesh_proto::internal::v1::{
-    AbortRequest, AbortResponse, LoadReport, LoadRequest, ReserveResponse, TokenEvent,
-    TokensRequest,
+    decode_event, AbortRequest, AbortResponse, DecodeEvent, GenerateRequest, Granted, LoadReport,
+    LoadRequest, NodeRole, RefuseKind, Refused,
 };
 use thiserror::Error;
 use tokio::sync::mpsc;
@@ -95,15 +93,11 @@ pub struct DecodeNode {
 struct Inner {
     name: String,
     table: ReservationTable,
-    lease: Duration,
     engine: Arc<Engine>,
     max_seq_tokens: usize,
     kv_endpoint: String,
     jobs: mpsc::Sender<Job>,
     depth: Arc<AtomicUsize>,
-    /// Granted reservations not yet streaming: the handle that aborts on
-    /// drop, the prompt, the budget.
-    pending: Mutex<HashMap<ReservationId, Waiting>>,
     kv_server: KvServer,
     /// Checks every gRPC call's proof of the mesh secret; counts refusals.
     calls: Arc<CallVerifier>,
@@ -186,13 +180,11 @@ impl DecodeNode {
             inner: Arc::new(Inner {
                 name: cfg.name,
                 table,
-                lease: cfg.lease,
                 engine,
                 max_seq_tokens,
                 kv_endpoint,
                 jobs,
                 depth,
-                pending: Mutex::default(),
                 kv_server: server,
                 calls: Arc::new(CallVerifier::new(cfg.mesh_secret)),
             }),
@@ -223,7 +215,7 @@ impl DecodeNode {
         let pool = self.inner.table.pool().stats();
         LoadReport {
             node: self.inner.name.clone(),
-            role: "decode".into(),
+            role: NodeRole::Decode.into(),
             kv_pages_total: pool.capacity_pages as u64,
             kv_pages_free: pool.free_pages as u64,
             page_size: self.inner.table.pool().config().page_size as u32,
@@ -253,11 +245,6 @@ impl DecodeNode {
     }
 }
 
-/// A granted reservation waiting for its token stream: the handle (which
-/// aborts on drop), the prompt, the budget, when it was granted, its
-/// injected faults.
-type Waiting = (Pending, Vec<u32>, usize, std::time::Instant, FaultPlan);
-
 /// The faults a request carries in its metadata (testing builds; none
 /// otherwise).
 fn request_faults<T>(req: &Request<T>) -> Result<FaultPlan, Status> {
@@ -274,10 +261,6 @@ fn by_kind(counts: &[(&'static str, u64)]) -> HashMap<String, u64> {
     counts.iter().map(|(k, n)| ((*k).to_owned(), *n)).collect()
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 fn reservation_id(bytes: &[u8]) -> Result<ReservationId, Status> {
     <[u8; 16]>::try_from(bytes)
         .ok()
@@ -285,104 +268,155 @@ fn reservation_id(bytes: &[u8]) -> Result<ReservationId, Status> {
         .ok_or_else(|| Status::invalid_argument("reservation_id: 16 bytes, not all zero"))
 }
 
-/// The one mapping from reserve refusals to gRPC status codes.
-fn reserve_status(e: ReserveError) -> Status {
+/// The one mapping from reserve refusals to their typed kind on the wire.
+fn refuse_kind(e: &ReserveError) -> RefuseKind {
     match e {
-        ReserveError::EmptyPrompt
-        | ReserveError::TooLong { .. }
-        | ReserveError::OverCapacity { .. } => Status::invalid_argument(e.to_string()),
-        ReserveError::Exhausted { .. } => Status::resource_exhausted(e.to_string()),
-        ReserveError::WriterNotConnected { .. } => Status::failed_precondition(e.to_string()),
+        ReserveError::EmptyPrompt => RefuseKind::EmptyPrompt,
+        ReserveError::TooLong { .. } => RefuseKind::TooLong,
+        ReserveError::OverCapacity { .. } => RefuseKind::OverCapacity,
+        ReserveError::Exhausted { .. } => RefuseKind::Exhausted,
+        ReserveError::WriterNotConnected { .. } => RefuseKind::WriterNotConnected,
         ReserveError::Transport(_) | ReserveError::Mint(_) | ReserveError::Pool(_) => {
-            Status::internal(e.to_string())
+            RefuseKind::Internal
         }
+    }
+}
+
+fn refused(kind: RefuseKind, message: String) -> DecodeEvent {
+    DecodeEvent {
+        event: Some(decode_event::Event::Refused(Refused {
+            kind: kind.into(),
+            message,
+        })),
+    }
+}
+
+/// A Generate request, checked: what the reservation and the sampler need.
+struct Checked {
+    writer: WriterId,
+    max_new: usize,
+    params: SamplingParams,
+}
+
+fn check(r: &GenerateRequest) -> Result<Checked, String> {
+    let writer = <[u8; 16]>::try_from(r.writer_id.as_slice())
+        .ok()
+        .and_then(WriterId::from_bytes)
+        .ok_or("writer_id: 16 bytes, not all zero")?;
+    let s = r.sampling.unwrap_or_default();
+    let params = SamplingParams {
+        temperature: s.temperature,
+        top_p: if s.top_p > 0.0 { s.top_p } else { 1.0 },
+        top_k: None,
+        seed: Some(s.seed),
+    };
+    params.validate()?;
+    Ok(Checked {
+        writer,
+        max_new: r.max_new_tokens as usize,
+        params,
+    })
+}
+
+/// The router went away (it dropped the stream) before the transfer was
+/// verified: the caller then drops `wait`, whose `Pending` aborts through
+/// the confirmation path. `abort` faults (testing builds) lose, delay or
+/// repeat that abort, as a lost or late cancellation would.
+async fn abandon<F: std::future::Future>(
+    table: &ReservationTable,
+    id: ReservationId,
+    wait: std::pin::Pin<&mut F>,
+    faults: &FaultPlan,
+) {
+    match faults.at(Point::Abort) {
+        Some(Action::Drop) => {
+            // The abort is lost: the lease ends the reservation.
+            let _ = wait.await;
+        }
+        Some(Action::Delay(d)) => tokio::time::sleep(d).await,
+        Some(Action::Duplicate) => {
+            // This one, then the handle's own when the caller drops it.
+            let state = table.abort(id, AbortReason::CLIENT_GONE);
+            tracing::debug!(reservation = %id, ?state, "first of a duplicated abort");
+        }
+        _ => {}
     }
 }
 
 #[tonic::async_trait]
 impl Decode for DecodeNode {
-    async fn reserve(
+    type GenerateStream = ReceiverStream<Result<DecodeEvent, Status>>;
+
+    async fn generate(
         &self,
-        req: Request<kvmesh_proto::internal::v1::ReserveRequest>,
-    ) -> Result<Response<ReserveResponse>, Status> {
+        req: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
         let faults = request_faults(&req)?;
         let r = req.into_inner();
-        let writer = <[u8; 16]>::try_from(r.writer_id.as_slice())
-            .ok()
-            .and_then(WriterId::from_bytes)
-            .ok_or_else(|| Status::invalid_argument("writer_id: 16 bytes, not all zero"))?;
-        let max_new = r.max_new_tokens as usize;
-        let (grant, pending) = self
-            .inner
-            .table
-            .reserve(ReserveRequest {
-                prompt_tokens: r.prompt_ids.len(),
-                max_new_tokens: max_new,
-                writer,
-            })
-            .map_err(reserve_status)?;
+        // Room for the grant, every token and the end, so neither this task
+        // nor the batcher ever blocks on a slow reader.
+        let (tx, rx) = mpsc::channel((r.max_new_tokens as usize).saturating_add(3).min(1 << 16));
+        let stream = Response::new(ReceiverStream::new(rx));
+        let c = match check(&r) {
+            Ok(c) => c,
+            Err(message) => {
+                let _ = tx.try_send(Ok(refused(RefuseKind::InvalidRequest, message)));
+                return Ok(stream);
+            }
+        };
+        let reserved = self.inner.table.reserve(ReserveRequest {
+            prompt_tokens: r.prompt_ids.len(),
+            max_new_tokens: c.max_new,
+            writer: c.writer,
+        });
+        let (grant, pending) = match reserved {
+            Ok(g) => g,
+            Err(e) => {
+                let _ = tx.try_send(Ok(refused(refuse_kind(&e), e.to_string())));
+                return Ok(stream);
+            }
+        };
         let mut bytes = Vec::new();
-        grant
-            .encode(&mut bytes)
-            .map_err(|e| Status::internal(format!("encode grant: {e}")))?;
+        if let Err(e) = grant.encode(&mut bytes) {
+            // `pending` drops here: the reservation ends unused.
+            let _ = tx.try_send(Ok(refused(
+                RefuseKind::Internal,
+                format!("encode grant: {e}"),
+            )));
+            return Ok(stream);
+        }
         let id = grant.reservation;
-        tracing::debug!(reservation = %id, tenant = %r.tenant, prompt_tokens = r.prompt_ids.len(), max_new, "granted");
+        tracing::debug!(reservation = %id, tenant = %r.tenant, prompt_tokens = r.prompt_ids.len(), max_new = c.max_new, "granted");
         if !faults.is_empty() {
             self.inner.table.set_faults(id, faults.clone());
         }
-        let lost = faults.at(Point::Grant) == Some(Action::Drop);
-        let now = std::time::Instant::now();
-        let mut waiting = lock(&self.inner.pending);
-        // A router that never opened the stream (it crashed, say): the lease
-        // has ended the reservation long since; forget its handle.
-        let stale = self.inner.lease * 2;
-        waiting.retain(|_, w| now.duration_since(w.3) < stale);
-        waiting.insert(id, (pending, r.prompt_ids, max_new, now, faults));
-        if lost {
-            // Injected: the grant was made but its answer is lost; the
-            // router cannot abort what it never heard of, so the lease
-            // ends the reservation.
-            return Err(Status::aborted(
-                "injected fault: the grant's answer was lost",
-            ));
+        if faults.at(Point::Grant) == Some(Action::Drop) {
+            // Injected: the grant was made but never reaches the router,
+            // which cannot abort what it never heard of: the lease ends it.
+            tracing::debug!(reservation = %id, "injected fault: grant withheld");
+        } else {
+            let granted = DecodeEvent {
+                event: Some(decode_event::Event::Granted(Granted {
+                    grant: bytes,
+                    reservation_id: id.to_bytes().to_vec(),
+                })),
+            };
+            let _ = tx.try_send(Ok(granted));
         }
-        Ok(Response::new(ReserveResponse {
-            grant: bytes,
-            reservation_id: id.to_bytes().to_vec(),
-        }))
-    }
-
-    type TokensStream = ReceiverStream<Result<TokenEvent, Status>>;
-
-    async fn tokens(
-        &self,
-        req: Request<TokensRequest>,
-    ) -> Result<Response<Self::TokensStream>, Status> {
-        let r = req.into_inner();
-        let id = reservation_id(&r.reservation_id)?;
-        let (pending, prompt, max_new, _, faults) =
-            lock(&self.inner.pending).remove(&id).ok_or_else(|| {
-                Status::not_found(format!(
-                    "no granted reservation {id} waiting for its stream"
-                ))
-            })?;
-        let s = r.sampling.unwrap_or_default();
-        let params = SamplingParams {
-            temperature: s.temperature,
-            top_p: if s.top_p > 0.0 { s.top_p } else { 1.0 },
-            top_k: None,
-            seed: Some(s.seed),
-        };
-        params.validate().map_err(Status::invalid_argument)?;
-        // Room for every token and the end, so the batcher never blocks.
-        let (tx, rx) = mpsc::channel(max_new + 2);
         let node = self.clone();
+        let (prompt, stop_ids) = (r.prompt_ids, r.stop_token_ids);
         tokio::spawn(async move {
-            // The client may leave while the transfer runs: dropping
-            // `pending` then aborts through the confirmation path.
+            // The router may leave while the transfer runs: dropping the
+            // wait (and the `Pending` in it) then aborts through the
+            // confirmation path.
+            let wait = pending.wait();
+            tokio::pin!(wait);
             let live = tokio::select! {
-                r = pending.wait() => r,
-                () = tx.closed() => return,
+                r = &mut wait => r,
+                () = tx.closed() => {
+                    abandon(&node.inner.table, id, wait, &faults).await;
+                    return;
+                }
             };
             let live = match live {
                 Ok(l) => l,
@@ -399,7 +433,7 @@ impl Decode for DecodeNode {
             let seq = match node
                 .inner
                 .engine
-                .adopt(prompt, max_new, live.into_reservation())
+                .adopt(prompt, c.max_new, live.into_reservation())
             {
                 Ok(s) => s,
                 Err(e) => {
@@ -411,15 +445,15 @@ impl Decode for DecodeNode {
                     return;
                 }
             };
-            let mut sampler = Sampler::new(params);
+            let mut sampler = Sampler::new(c.params);
             // Prefill drew the first token from the same seed.
             sampler.advance();
             let job = Job {
                 seq,
                 first_token: first,
-                max_new_tokens: max_new,
+                max_new_tokens: c.max_new,
                 sampler,
-                stop_ids: r.stop_token_ids,
+                stop_ids,
                 events: tx,
                 faults,
             };
@@ -430,21 +464,18 @@ impl Decode for DecodeNode {
                         .await;
             }
         });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(stream)
     }
 
     async fn abort(&self, req: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
         let r = req.into_inner();
         let id = reservation_id(&r.reservation_id)?;
         let reason = AbortReason(u16::try_from(r.reason).unwrap_or(AbortReason::CANCELLED.0));
-        // A granted reservation not yet streaming: drop its handle too.
-        let waiting = lock(&self.inner.pending).remove(&id);
         let state = self
             .inner
             .table
             .abort(id, reason)
             .map_err(|e| Status::not_found(e.to_string()))?;
-        drop(waiting);
         Ok(Response::new(AbortResponse {
             state: state.into(),
         }))

@@ -15,13 +15,13 @@
 //!
 //! | point      | where                    | actions                                      |
 //! |------------|--------------------------|----------------------------------------------|
-//! | `reserve`  | router -> decode Reserve | drop, delay:MS, duplicate                    |
+//! | `reserve`  | router -> decode Generate | drop, delay:MS, duplicate                   |
 //! | `grant`    | decode -> router -> prefill | drop (at decode), delay:MS, duplicate, corrupt |
 //! | `frame:N`  | prefill's Nth page write | drop, delay:MS, duplicate, reorder, corrupt, crash |
 //! | `done`     | prefill's transfer-done  | drop, delay:MS, duplicate, reorder, corrupt, crash |
 //! | `verify`   | decode, before I4 checks | corrupt (a landed value)                     |
 //! | `step:N`   | decode step N of the sequence | drop (cut the stream), delay:MS, corrupt (page table), crash |
-//! | `abort`    | router -> decode Abort   | drop, delay:MS, duplicate                    |
+//! | `abort`    | decode, when the router drops its stream | drop, delay:MS, duplicate     |
 //! | `confirm`  | prefill's AbortConfirmed | drop (withhold), delay:MS, duplicate         |
 //! | `release`  | decode, sequence end     | delay:MS (pages held longer)                 |
 //!
@@ -63,7 +63,7 @@ pub const fn enabled() -> bool {
 /// A step of the handshake or of decoding where a fault can be injected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Point {
-    /// The router's Reserve call.
+    /// The router's Generate call (the reservation it asks for).
     Reserve,
     /// The grant on its way from decode through the router to prefill.
     Grant,
@@ -75,7 +75,7 @@ pub enum Point {
     Verify,
     /// The sequence's Nth decode step (0-based).
     Step(u32),
-    /// The router's Abort call to decode.
+    /// The abort of a reservation whose stream the router dropped.
     Abort,
     /// The writer's abort confirmation.
     Confirm,

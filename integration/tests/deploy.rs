@@ -433,7 +433,9 @@ fn a_dead_decode_node_fails_its_streams_fast() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn internal_services_stop_and_abort_across_processes() {
     use kvmesh_meshauth::MeshSecret;
-    use kvmesh_proto::internal::v1::{AbortRequest, LoadRequest, PrefillRequest, ReserveRequest};
+    use kvmesh_proto::internal::v1::{
+        decode_event, AbortRequest, GenerateRequest, LoadRequest, PrefillRequest,
+    };
     use kvmesh_proto::peer::{decode_client, prefill_client};
 
     let dir = tempfile::tempdir().expect("tempdir");
@@ -458,16 +460,28 @@ async fn internal_services_stop_and_abort_across_processes() {
         .into_inner()
         .writer_id;
     assert_eq!(writer_id.len(), 16);
-    let grant = decode
-        .reserve(ReserveRequest {
+    // The stream stays open to the end (its drop would abort).
+    let mut stream = decode
+        .generate(GenerateRequest {
             prompt_ids: vec![1, 2, 3, 4, 5],
             max_new_tokens: 4,
             writer_id,
             tenant: "test".into(),
+            sampling: None,
+            stop_token_ids: Vec::new(),
         })
         .await
-        .expect("reserve")
+        .expect("generate")
         .into_inner();
+    let grant = match stream
+        .message()
+        .await
+        .expect("first event")
+        .and_then(|e| e.event)
+    {
+        Some(decode_event::Event::Granted(g)) => g,
+        other => panic!("not a grant: {other:?}"),
+    };
     let before = decode
         .load(LoadRequest {})
         .await

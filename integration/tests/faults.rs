@@ -228,8 +228,10 @@ fn bad_fault_specs_are_refused_with_the_header_named() {
 /// A client that leaves while its prompt is being transferred (the
 /// writer held up inside its first page write, 600 ms, shorter than the
 /// 1 s abort timeout), with the abort and its confirmation faulted: the
-/// reservation ends the way the protocol says (confirmed, or revoked when
-/// the confirmation is withheld) and the pages come back every time.
+/// reservation ends the way the protocol says (confirmed, revoked when the
+/// confirmation is withheld, or by its lease when the abort itself is lost:
+/// dropping the Generate stream is the only abort there is) and the pages
+/// come back every time.
 #[test]
 fn vanishing_clients_with_faulted_aborts_and_confirmations() {
     for transport in ["tcp", "shm"] {
@@ -239,7 +241,7 @@ fn vanishing_clients_with_faulted_aborts_and_confirmations() {
             ("frame:0=delay:600,confirm=drop", "abort_timed_out"),
             ("frame:0=delay:600,confirm=delay:200", "aborted"),
             ("frame:0=delay:600,confirm=duplicate", "aborted"),
-            ("frame:0=delay:600,abort=drop", "aborted"),
+            ("frame:0=delay:600,abort=drop", "lease_expired"),
             ("frame:0=delay:600,abort=duplicate", "aborted"),
             ("frame:0=delay:600,abort=delay:100", "aborted"),
         ] {

@@ -26,7 +26,7 @@ use kvmesh_meshauth::{sign_call, MeshSecret, CALL_HEADER};
 use kvmesh_proto::internal::v1::decode_client::DecodeClient;
 use kvmesh_proto::internal::v1::prefill_client::PrefillClient;
 use kvmesh_proto::internal::v1::{
-    AbortRequest, LoadReport, LoadRequest, PrefillRequest, ReserveRequest,
+    decode_event, AbortRequest, GenerateRequest, LoadReport, LoadRequest, PrefillRequest,
 };
 use kvmesh_proto::peer::{decode_client, prefill_client};
 use serde_json::{json, Value};
@@ -106,11 +106,13 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
         .expect("load with the secret")
         .into_inner()
         .writer_id;
-    let reserve = || ReserveRequest {
+    let reserve = || GenerateRequest {
         prompt_ids: vec![1, 2, 3, 4, 5],
         max_new_tokens: 4,
         writer_id: writer_id.clone(),
         tenant: "intruder".into(),
+        sampling: None,
+        stop_token_ids: Vec::new(),
     };
     let some_grant = |rid: &[u8]| AbortRequest {
         reservation_id: rid.to_vec(),
@@ -121,7 +123,7 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
     // them.
     let mut anon_d = DecodeClient::new(channel(dport));
     let mut anon_p = PrefillClient::new(channel(pport));
-    let e = refused(anon_d.reserve(reserve()).await, "reserve without a proof");
+    let e = refused(anon_d.generate(reserve()).await, "reserve without a proof");
     assert!(e.message().contains("missing x-kvmesh-peer"), "{e}");
     refused(
         anon_d.abort(some_grant(&[7; 16])).await,
@@ -143,7 +145,7 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
     let wrong = MeshSecret::generate().expect("rng");
     let mut other_d = decode_client(channel(dport), wrong.clone());
     let mut other_p = prefill_client(channel(pport), wrong);
-    let e = refused(other_d.reserve(reserve()).await, "another mesh's reserve");
+    let e = refused(other_d.generate(reserve()).await, "another mesh's reserve");
     assert!(e.message().contains("does not prove"), "{e}");
     refused(
         other_d.abort(some_grant(&[7; 16])).await,
@@ -161,7 +163,7 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
     );
 
     // Made up, kept past the window, replayed: all refused. A proof made
-    // for Load is not one for Reserve either.
+    // for Load is not one for Generate either.
     refused(
         anon_d.load(with_token(LoadRequest {}, "1.2.3")).await,
         "malformed",
@@ -180,8 +182,8 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
     );
     let for_load = sign_call(&m.secret, load_path, unix_ms()).expect("sign");
     refused(
-        anon_d.reserve(with_token(reserve(), &for_load)).await,
-        "a Load proof on Reserve",
+        anon_d.generate(with_token(reserve(), &for_load)).await,
+        "a Load proof on Generate",
     );
 
     // Counted by kind, in the nodes' own load reports; nothing granted.
@@ -210,12 +212,22 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
         "{pr:?}"
     );
 
-    // The mesh's own peer: the reserve works.
-    let grant = decode
-        .reserve(reserve())
+    // The mesh's own peer: the reserve works. The stream stays open (its
+    // drop would abort the reservation) until the test aborts it by id.
+    let mut stream = decode
+        .generate(reserve())
         .await
-        .expect("reserve")
+        .expect("generate")
         .into_inner();
+    let grant = match stream
+        .message()
+        .await
+        .expect("first event")
+        .and_then(|e| e.event)
+    {
+        Some(decode_event::Event::Granted(g)) => g,
+        other => panic!("not a grant: {other:?}"),
+    };
     let Ok((Message::Grant(g), _)) = decode_message(&grant.grant) else {
         panic!("not a grant")
     };

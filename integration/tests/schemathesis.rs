@@ -177,7 +177,12 @@ fn the_gateway_conforms_to_its_openapi_document() {
         mesh.metrics()
     );
     let metrics = mesh.metrics();
-    for failed in ["prefill_failed", "decode_failed", "tokenizer"] {
+    for failed in [
+        "prefill_failed",
+        "decode_failed",
+        "decode_refused",
+        "tokenizer",
+    ] {
         assert!(
             !metrics.contains(&format!("kvmesh_requests_total{{outcome=\"{failed}\"}}")),
             "{failed} after fuzzing:\n{metrics}"

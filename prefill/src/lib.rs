@@ -532,7 +532,7 @@ impl Prefill for PrefillNode {
         let pool = self.inner.engine.pool().stats();
         Ok(Response::new(LoadReport {
             node: self.inner.name.clone(),
-            role: "prefill".into(),
+            role: kvmesh_proto::internal::v1::NodeRole::Prefill.into(),
             kv_pages_total: pool.capacity_pages as u64,
             kv_pages_free: pool.free_pages as u64,
             page_size: self.inner.engine.pool().config().page_size as u32,

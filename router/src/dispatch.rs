@@ -1,16 +1,19 @@
-//! One request through the mesh: pick a decode and a prefill node, reserve
-//! at decode (the grant), open the token stream, prefill into the grant,
-//! then turn token ids into text (incremental detokenization, stop
-//! strings) for the gateway. Dropping the receiver (client gone) cancels
-//! the node calls and aborts the reservation: the pages come back through
-//! the confirmation path.
+//! One request through the mesh: pick a decode and a prefill node, open
+//! the decode node's Generate stream (its first event is the grant, or a
+//! typed refusal), prefill into the grant, then turn the streamed token ids
+//! into text (incremental detokenization, stop strings) for the gateway.
+//! Every way out of a request drops the decode stream, which aborts the
+//! reservation at decode through the confirmation path, and the prefill
+//! call's [`AbortOnDrop`] guard, which tells prefill to stop unless it
+//! finished: no path sends an abort by hand.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvmesh_faults::{Action, FaultPlan, PlantedBug, Point};
 use kvmesh_proto::internal::v1::{
-    token_event, AbortRequest, PrefillRequest, ReserveRequest, Sampling, TokensRequest,
+    decode_event, AbortRequest, DecodeEvent, FinishReason, GenerateRequest, Granted,
+    PrefillRequest, RefuseKind, Sampling,
 };
 use tokio::sync::mpsc;
 
@@ -148,13 +151,34 @@ async fn run(
         let _ = tx.send(Event::Error(e)).await;
         kind
     };
+    let sampling = Sampling {
+        temperature: job.temperature,
+        top_p: job.top_p,
+        seed: job.seed,
+    };
+    let generate = GenerateRequest {
+        prompt_ids: job.prompt_ids.clone(),
+        max_new_tokens: job.max_tokens as u32,
+        writer_id,
+        tenant: job.tenant.0.clone(),
+        sampling: Some(sampling),
+        stop_token_ids: if job.ignore_eos {
+            Vec::new()
+        } else {
+            r.stop_ids.to_vec()
+        },
+    };
     // Reserve at the decode node with the most free pages. A full pool is
     // transient: wait (bounded by the queue timeout, with backoff, giving
     // up at once if the client leaves) and choose again, rather than fail.
     let total = job.prompt_ids.len() + job.max_tokens;
     let deadline = started + r.cfg.queue_timeout;
     let mut backoff = Duration::from_millis(2);
-    let (decode, grant) = loop {
+    // An injected `reserve=duplicate`: a first Generate whose answer is
+    // lost; held unread to the end of the request, so its reservation ends
+    // by lease (or by the drop at the end).
+    let mut _lost = None;
+    let (decode, mut stream, granted) = loop {
         let decode = match r.nodes.pick(Role::Decode, needed(total)) {
             Ok((n, _)) => n,
             Err(e) => {
@@ -162,70 +186,67 @@ async fn run(
                 return "no_healthy_node";
             }
         };
-        let req = ReserveRequest {
-            prompt_ids: job.prompt_ids.clone(),
-            max_new_tokens: job.max_tokens as u32,
-            writer_id: writer_id.clone(),
-            tenant: job.tenant.0.clone(),
-        };
-        let res = match job.faults.at(Point::Reserve) {
+        match job.faults.at(Point::Reserve) {
             Some(Action::Drop) => {
                 return fail(DispatchError::Injected("the reserve request was lost")).await
             }
-            Some(Action::Delay(d)) => {
-                tokio::time::sleep(d).await;
-                decode.decode().reserve(with_faults(req, &job.faults)).await
-            }
-            Some(Action::Duplicate) => {
-                // The first answer is lost (as with a retried request):
-                // its reservation ends by lease; the second is used.
-                let _ = decode
+            Some(Action::Delay(d)) => tokio::time::sleep(d).await,
+            Some(Action::Duplicate) if _lost.is_none() => {
+                _lost = decode
                     .decode()
-                    .reserve(with_faults(req.clone(), &job.faults))
-                    .await;
-                decode.decode().reserve(with_faults(req, &job.faults)).await
+                    .generate(with_faults(generate.clone(), &job.faults))
+                    .await
+                    .ok();
             }
-            _ => decode.decode().reserve(with_faults(req, &job.faults)).await,
+            _ => {}
+        }
+        let mut stream = match decode
+            .decode()
+            .generate(with_faults(generate.clone(), &job.faults))
+            .await
+        {
+            Ok(s) => s.into_inner(),
+            Err(s) => return fail(node_err("decode", &decode, s)).await,
         };
-        match res {
-            Ok(g) => break (decode, g.into_inner()),
-            Err(s) if s.code() == tonic::Code::ResourceExhausted && Instant::now() < deadline => {
-                tokio::select! {
-                    () = tokio::time::sleep(backoff) => {}
-                    () = tx.closed() => return "client_gone",
+        let first = tokio::select! {
+            ev = stream.message() => ev,
+            () = tx.closed() => return "client_gone",
+        };
+        match first {
+            Ok(Some(DecodeEvent {
+                event: Some(decode_event::Event::Granted(g)),
+            })) => break (decode, stream, g),
+            Ok(Some(DecodeEvent {
+                event: Some(decode_event::Event::Refused(refused)),
+            })) => {
+                let kind = refused.kind();
+                if kind == RefuseKind::Exhausted && Instant::now() < deadline {
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff) => {}
+                        () = tx.closed() => return "client_gone",
+                    }
+                    backoff = (backoff * 2).min(Duration::from_millis(50));
+                    continue;
                 }
-                backoff = (backoff * 2).min(Duration::from_millis(50));
+                return fail(DispatchError::Refused {
+                    node: decode.name.clone(),
+                    kind,
+                    message: refused.message,
+                })
+                .await;
+            }
+            Ok(_) => {
+                let status = tonic::Status::internal("Generate did not start with a grant");
+                return fail(node_err("decode", &decode, status)).await;
             }
             Err(s) => return fail(node_err("decode", &decode, s)).await,
         }
     };
     let decode = &decode;
-    let rid = grant.reservation_id.clone();
-    let sampling = Sampling {
-        temperature: job.temperature,
-        top_p: job.top_p,
-        seed: job.seed,
-    };
-    let mut stream = match decode
-        .decode()
-        .tokens(TokensRequest {
-            reservation_id: rid.clone(),
-            sampling: Some(sampling),
-            stop_token_ids: if job.ignore_eos {
-                Vec::new()
-            } else {
-                r.stop_ids.to_vec()
-            },
-        })
-        .await
-    {
-        Ok(s) => s.into_inner(),
-        Err(s) => {
-            abort(decode, &rid, &job.faults).await;
-            return fail(node_err("decode", decode, s)).await;
-        }
-    };
-    let mut grant_bytes = grant.grant;
+    let Granted {
+        grant: mut grant_bytes,
+        reservation_id: rid,
+    } = granted;
     match job.faults.at(Point::Grant) {
         Some(Action::Delay(d)) => tokio::time::sleep(d).await,
         Some(Action::Corrupt) => {
@@ -253,6 +274,9 @@ async fn run(
         _ => {}
     }
     let mut p = prefill.prefill();
+    // Tells prefill to stop unless the call finished, however this
+    // function returns.
+    let mut prefill_guard = AbortOnDrop::new(Arc::clone(prefill), rid);
     let prefill_call = p.prefill(with_faults(
         PrefillRequest {
             prompt_ids: job.prompt_ids.clone(),
@@ -266,42 +290,30 @@ async fn run(
     let mut text = TextOut::new(&r.tokenizer, &job.stop);
     let mut completion = 0usize;
     let mut last = None::<Instant>;
+    // Every return below drops `stream` (decode aborts the reservation or
+    // drops the sequence) and `prefill_guard`.
     loop {
         tokio::select! {
             res = &mut prefill_call, if !prefill_done => {
                 prefill_done = true;
+                prefill_guard.disarm();
                 // Another copy of this grant is being written (a duplicated
                 // delivery): that writer's transfer is what decode verifies;
                 // the token stream tells how it ends.
                 let duplicate = matches!(&res, Err(s) if s.code() == tonic::Code::AlreadyExists);
                 if let (Err(s), false) = (res, duplicate) {
-                    abort(decode, &rid, &job.faults).await;
                     return fail(node_err("prefill", prefill, s)).await;
                 }
             }
-            () = tx.closed() => {
-                // The client is gone: cancel both calls (dropped here) and
-                // abort the reservation.
-                abort(decode, &rid, &job.faults).await;
-                if !prefill_done {
-                    stop_prefill(prefill, &rid);
-                }
-                return "client_gone";
-            }
+            () = tx.closed() => return "client_gone",
             ev = stream.message() => {
                 let ev = match ev {
                     Ok(Some(e)) => e,
                     Ok(None) => return fail(DispatchError::Node { role: "decode", node: decode.name.clone(), status: tonic::Status::internal("token stream ended without a finish") }).await,
-                    Err(s) => {
-                        abort(decode, &rid, &job.faults).await;
-                        if !prefill_done {
-                            stop_prefill(prefill, &rid);
-                        }
-                        return fail(node_err("decode", decode, s)).await;
-                    }
+                    Err(s) => return fail(node_err("decode", decode, s)).await,
                 };
                 match ev.event {
-                    Some(token_event::Event::Token(t)) => {
+                    Some(decode_event::Event::Token(t)) => {
                         let now = Instant::now();
                         match last {
                             None => r.metrics.ttft(now - started),
@@ -312,10 +324,6 @@ async fn run(
                         match text.push(t) {
                             Ok((piece, hit_stop)) => {
                                 if !piece.is_empty() && tx.send(Event::Text(piece)).await.is_err() {
-                                    abort(decode, &rid, &job.faults).await;
-                                    if !prefill_done {
-                                        stop_prefill(prefill, &rid);
-                                    }
                                     return "client_gone";
                                 }
                                 if hit_stop {
@@ -325,67 +333,75 @@ async fn run(
                                     return "stop";
                                 }
                             }
-                            Err(e) => {
-                                abort(decode, &rid, &job.faults).await;
-                                if !prefill_done {
-                                    stop_prefill(prefill, &rid);
-                                }
-                                return fail(e).await;
-                            }
+                            Err(e) => return fail(e).await,
                         }
                     }
-                    Some(token_event::Event::Finished(f)) => {
+                    Some(decode_event::Event::Finished(f)) => {
                         match text.finish() {
                             Ok(piece) if !piece.is_empty() => { let _ = tx.send(Event::Text(piece)).await; }
                             Ok(_) => {}
                             Err(e) => return fail(e).await,
                         }
-                        let finish = if f.reason == "length" { Finish::Length } else { Finish::Stop };
+                        let finish = match f.reason() {
+                            FinishReason::Length => Finish::Length,
+                            FinishReason::Stop | FinishReason::Unspecified => Finish::Stop,
+                        };
                         let _ = tx.send(Event::Done { finish, completion_tokens: completion }).await;
                         return finish.as_str();
                     }
-                    None => {}
+                    Some(decode_event::Event::Granted(_) | decode_event::Event::Refused(_)) | None => {
+                        let status = tonic::Status::internal("a grant or refusal after the grant");
+                        return fail(node_err("decode", decode, status)).await;
+                    }
                 }
             }
         }
     }
 }
 
-async fn abort(decode: &Arc<crate::nodes::Node>, rid: &[u8], faults: &FaultPlan) {
-    let req = AbortRequest {
-        reservation_id: rid.to_vec(),
-        reason: CLIENT_GONE,
-    };
-    let times = match faults.at(Point::Abort) {
-        Some(Action::Drop) => 0,
-        Some(Action::Delay(d)) => {
-            tokio::time::sleep(d).await;
-            1
+/// Tells a prefill node to stop work for a reservation when dropped,
+/// unless [`AbortOnDrop::disarm`]ed first (the call finished): the one
+/// place the router aborts prefill, whichever way a request ends.
+struct AbortOnDrop {
+    node: Arc<crate::nodes::Node>,
+    rid: Vec<u8>,
+    armed: bool,
+}
+
+impl AbortOnDrop {
+    fn new(node: Arc<crate::nodes::Node>, rid: Vec<u8>) -> Self {
+        Self {
+            node,
+            rid,
+            armed: true,
         }
-        Some(Action::Duplicate) => 2,
-        _ => 1,
-    };
-    for _ in 0..times {
-        if let Err(e) = decode.decode().abort(req.clone()).await {
-            tracing::debug!(node = %decode.name, error = %e, "abort");
-        }
+    }
+
+    fn disarm(&mut self) {
+        self.armed = false;
     }
 }
 
-/// Tells the prefill node to stop computing for `rid`, without waiting.
-fn stop_prefill(prefill: &Arc<crate::nodes::Node>, rid: &[u8]) {
-    let (node, req) = (
-        Arc::clone(prefill),
-        AbortRequest {
-            reservation_id: rid.to_vec(),
-            reason: CLIENT_GONE,
-        },
-    );
-    tokio::spawn(async move {
-        if let Err(e) = node.prefill().abort(req).await {
-            tracing::debug!(node = %node.name, error = %e, "prefill abort");
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
         }
-    });
+        let node = Arc::clone(&self.node);
+        let req = AbortRequest {
+            reservation_id: std::mem::take(&mut self.rid),
+            reason: CLIENT_GONE,
+        };
+        // Without waiting: a drop cannot await. Outside a runtime (the
+        // process is ending) there is nothing to tell.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                if let Err(e) = node.prefill().abort(req).await {
+                    tracing::debug!(node = %node.name, error = %e, "prefill abort");
+                }
+            });
+        }
+    }
 }
 
 /// Token ids to text: incremental detokenization (whole characters only)

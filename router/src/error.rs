@@ -119,6 +119,16 @@ pub enum DispatchError {
         /// What it said.
         status: tonic::Status,
     },
+    /// The decode node refused to reserve (nothing was allocated).
+    #[error("decode node {node}: refused ({}): {message}", refuse_label(*kind))]
+    Refused {
+        /// The node's name.
+        node: String,
+        /// Why, as the node typed it.
+        kind: kvmesh_proto::internal::v1::RefuseKind,
+        /// The node's words.
+        message: String,
+    },
     /// Tokenizer or detokenizer failure.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
@@ -138,6 +148,7 @@ impl DispatchError {
                 role: "prefill", ..
             } => "prefill_failed",
             Self::Node { .. } => "decode_failed",
+            Self::Refused { .. } => "decode_refused",
             Self::Tokenizer(_) => "tokenizer",
             Self::Rejected(r) => r.reason(),
             Self::Injected(_) => "injected_fault",
@@ -154,11 +165,39 @@ impl IntoResponse for DispatchError {
             Self::Node { status, .. } if status.code() == tonic::Code::InvalidArgument => {
                 StatusCode::BAD_REQUEST
             }
+            Self::Refused { kind, .. } => refused_status(*kind),
             Self::Node { .. } | Self::Injected(_) => StatusCode::BAD_GATEWAY,
             Self::Tokenizer(_) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Rejected(r) => return r.clone().into_response(),
         };
         let body = json!({"error": {"message": self.to_string(), "type": "server_error", "param": null, "code": self.kind()}});
         (code, axum::Json(body)).into_response()
+    }
+}
+
+/// A decode refusal's label (logs, messages).
+fn refuse_label(kind: kvmesh_proto::internal::v1::RefuseKind) -> &'static str {
+    use kvmesh_proto::internal::v1::RefuseKind as K;
+    match kind {
+        K::EmptyPrompt => "empty_prompt",
+        K::TooLong => "too_long",
+        K::OverCapacity => "over_capacity",
+        K::Exhausted => "exhausted",
+        K::WriterNotConnected => "writer_not_connected",
+        K::InvalidRequest => "invalid_request",
+        K::Internal | K::Unspecified => "internal",
+    }
+}
+
+/// The HTTP status of a decode refusal: the request's fault (400), a full
+/// pool past the queue timeout (429), or the mesh's (502).
+fn refused_status(kind: kvmesh_proto::internal::v1::RefuseKind) -> StatusCode {
+    use kvmesh_proto::internal::v1::RefuseKind as K;
+    match kind {
+        K::EmptyPrompt | K::TooLong | K::OverCapacity | K::InvalidRequest => {
+            StatusCode::BAD_REQUEST
+        }
+        K::Exhausted => StatusCode::TOO_MANY_REQUESTS,
+        K::WriterNotConnected | K::Internal | K::Unspecified => StatusCode::BAD_GATEWAY,
     }
 }

@@ -472,7 +472,8 @@ mod tests {
             .iter()
             .map(|r| (format!("{r:?}"), r.clone().into_response()))
             .collect();
-        // Left out: a node's INVALID_ARGUMENT (400, server_error). Past
+        // Left out: a node's INVALID_ARGUMENT and a decode refusal of the
+        // request's own (400, server_error). Past
         // validation and admission no node refuses a request as invalid, so
         // the document keeps 400 for the gateway's own refusals, and a
         // schemathesis run flags any that reaches a node (as the empty
@@ -482,6 +483,16 @@ mod tests {
             node("prefill", tonic::Code::Unavailable),
             node("decode", tonic::Code::Internal),
             node("decode", tonic::Code::DeadlineExceeded),
+            DispatchError::Refused {
+                node: "n-0".into(),
+                kind: kvmesh_proto::internal::v1::RefuseKind::Exhausted,
+                message: "x".into(),
+            },
+            DispatchError::Refused {
+                node: "n-0".into(),
+                kind: kvmesh_proto::internal::v1::RefuseKind::WriterNotConnected,
+                message: "x".into(),
+            },
             DispatchError::Tokenizer("bad id".into()),
             DispatchError::Rejected(Rejection::NoHealthyNode { role: "decode" }),
         ];
