@@ -16,7 +16,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::Json;
-use kvmesh_model::ChatMessage;
+use kvmesh_tokenizer::ChatMessage;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio_stream::wrappers::ReceiverStream;
@@ -239,7 +239,9 @@ fn unix_now() -> u64 {
 /// The response id: the mesh's 128 random bits (I8), never a client's
 /// and never a weaker fallback; `None` if the OS RNG failed.
 fn request_id(prefix: &str) -> Option<String> {
-    kvmesh_model::request_id().map(|id| format!("{prefix}-{id}"))
+    kvmesh_kvxfer::wire::RequestId::mint()
+        .ok()
+        .map(|id| format!("{prefix}-{id}"))
 }
 
 /// Validated sampling and budget fields.
