@@ -312,11 +312,12 @@ pub fn run(a: BenchRouterArgs) -> Result<()> {
         Some(p) => p.clone(),
         None => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))?,
     };
-    let loaded =
-        kvmesh_model::load(&model).with_context(|| format!("loading model {}", model.display()))?;
-    let stop_ids = loaded.stop_token_ids();
-    let tok = loaded.tokenizer.clone();
-    drop(loaded);
+    // The router's own cost needs the router's inputs only: the metadata,
+    // as `kvmesh router` reads it, not the weights.
+    let info = kvmesh_tokenizer::ModelInfo::read(&model)
+        .with_context(|| format!("reading model metadata {}", model.display()))?;
+    let stop_ids = info.stop_token_ids();
+    let tok = info.tokenizer;
     let prompts = Prompts::build(&tok, a.prompt_tokens)?;
     eprintln!(
         "bench-router: in process, {} iterations of each step ({} and {} prompt tokens)",

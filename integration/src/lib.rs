@@ -29,8 +29,19 @@ pub fn kvmesh_bin() -> PathBuf {
     // tests of its own needs it; refuse to test a binary older than its code.
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     for krate in [
-        "cli", "model", "kvxfer", "kvpool", "kvwire", "meshauth", "faults", "kernels", "router",
-        "prefill", "decode", "proto",
+        "cli",
+        "model",
+        "tokenizer",
+        "kvxfer",
+        "kvpool",
+        "kvwire",
+        "meshauth",
+        "faults",
+        "kernels",
+        "router",
+        "prefill",
+        "decode",
+        "proto",
     ] {
         if let Some(newest) = newest_mtime(&root.join(krate).join("src")) {
             assert!(

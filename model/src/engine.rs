@@ -20,8 +20,8 @@ use crate::error::{ModelError, Result};
 use crate::llama::{LayerDone, Llama, LogitsWanted, SeqChunk};
 use crate::loader::{load_with, LoadedModel};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::tokenizer::{ChatMessage, TextTokenizer};
 use crate::weights::Precision;
+use kvmesh_tokenizer::{ChatMessage, TextTokenizer};
 
 /// Engine settings (the `kvmesh generate` flags).
 #[derive(Clone, Debug)]
@@ -286,8 +286,8 @@ impl Engine {
     /// Turn a prompt into token ids.
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         match prompt {
-            Prompt::Text(t) => self.tokenizer.encode(t),
-            Prompt::Chat(messages) => self.tokenizer.encode_chat(messages),
+            Prompt::Text(t) => Ok(self.tokenizer.encode(t)?),
+            Prompt::Chat(messages) => Ok(self.tokenizer.encode_chat(messages)?),
             Prompt::Tokens(ids) => Ok(ids.clone()),
         }
     }

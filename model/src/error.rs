@@ -220,6 +220,33 @@ pub(crate) fn guarded<T>(
     }
 }
 
+impl From<kvmesh_tokenizer::TokenizerError> for ModelError {
+    /// Variant to the variant of the same name: a tokenizer or metadata
+    /// failure reads, and is matched, the same whichever crate found it.
+    fn from(e: kvmesh_tokenizer::TokenizerError) -> Self {
+        use kvmesh_tokenizer::TokenizerError as T;
+        match e {
+            T::Io { path, source } => Self::Io { path, source },
+            T::MissingFile { path, what } => Self::MissingFile { path, what },
+            T::Malformed { path, detail } => Self::Malformed { path, detail },
+            T::MissingField { path, field } => Self::MissingField { path, field },
+            T::InvalidField {
+                path,
+                field,
+                value,
+                reason,
+            } => Self::InvalidField {
+                path,
+                field,
+                value,
+                reason,
+            },
+            T::Tokenizer { detail } => Self::Tokenizer { detail },
+            T::ChatTemplate { detail } => Self::ChatTemplate { detail },
+        }
+    }
+}
+
 /// Result with [`ModelError`] as the default error.
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 

@@ -5,9 +5,12 @@
 //! - [`config`]: [`ModelConfig`] from a Hugging Face `config.json` or GGUF metadata.
 //! - [`weights`]: tensors as f32 (exact mode) or GGUF Q4_1/Q8_0 blocks as
 //!   stored (quantized mode, [`Precision`]), GGUF Q/K rows un-permuted.
-//! - [`tokenizer`]: [`TextTokenizer`] (tokenizer.json or GGUF vocabulary),
-//!   chat templates (minijinja), incremental detokenization.
-//! - [`loader`]: [`load`] a model directory or GGUF file.
+//! - tokenizer, chat templates, incremental detokenization and the GGUF
+//!   header reader live in `kvmesh-tokenizer` (which links no candle, so
+//!   the gateway can use it alone); [`TextTokenizer`], [`ChatMessage`],
+//!   [`StreamDecoder`] and [`ModelInfo`] are re-exported here.
+//! - [`loader`]: [`load`] a model directory or GGUF file (the GGUF header
+//!   through `kvmesh_tokenizer::gguf`, the tensor data here).
 //! - [`default_model`]: the default model's cache and its fetch through pip.
 //! - [`llama`]: the batched forward pass over the paged, checked KV pool.
 //! - [`sampling`]: greedy and seeded temperature / top-k / top-p sampling.
@@ -26,11 +29,10 @@ pub mod llama;
 pub mod loader;
 pub mod sampling;
 pub mod scheduler;
-pub mod tokenizer;
 pub mod weights;
 
 pub use config::ModelConfig;
 pub use error::ModelError;
+pub use kvmesh_tokenizer::{ChatMessage, ModelInfo, StreamDecoder, TextTokenizer};
 pub use loader::{load, load_with, LoadedModel};
-pub use tokenizer::{ChatMessage, StreamDecoder, TextTokenizer};
 pub use weights::Precision;

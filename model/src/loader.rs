@@ -10,15 +10,15 @@ pub(crate) mod gguf;
 #[cfg(test)]
 pub(crate) mod test_util;
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::tokenizer::TextTokenizer;
 use crate::weights::{Precision, Weights};
-use gguf::{GgufFile, GGUF_MAGIC};
+use gguf::GgufFile;
+use kvmesh_tokenizer::gguf::starts_with_gguf_magic;
+use kvmesh_tokenizer::TextTokenizer;
 
 /// The on-disk format a model was loaded from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,14 +60,21 @@ pub struct LoadedModel {
 impl LoadedModel {
     /// Ids that end generation: the model configuration's and the
     /// tokenizer's, without repeats (checkpoints often list only one side).
+    /// The same definition as the gateway's `ModelInfo::stop_token_ids`
+    /// ([`kvmesh_tokenizer::stop_token_ids`]).
     pub fn stop_token_ids(&self) -> Vec<u32> {
-        let mut ids = self.config.eos_token_ids.clone();
-        for id in self.tokenizer.eos_token_ids() {
-            if !ids.contains(&id) {
-                ids.push(id);
-            }
+        kvmesh_tokenizer::stop_token_ids(&self.config.eos_token_ids, &self.tokenizer)
+    }
+
+    /// What a gateway needs of this model, as `ModelInfo::read` would read
+    /// it from the same path, without reading the file again.
+    pub fn info(&self) -> kvmesh_tokenizer::ModelInfo {
+        kvmesh_tokenizer::ModelInfo {
+            path: self.path.clone(),
+            tokenizer: self.tokenizer.clone(),
+            context_length: self.config.max_position_embeddings,
+            config_eos_token_ids: self.config.eos_token_ids.clone(),
         }
-        ids
     }
 }
 
@@ -96,15 +103,11 @@ pub fn load_with(path: &Path, precision: Precision) -> Result<LoadedModel> {
         (config, weights, tokenizer, ModelFormat::HfSafetensors)
     } else {
         if !starts_with_gguf_magic(path)? {
-            return Err(ModelError::malformed(
-                path,
-                "not a model: expected a Hugging Face model directory or a GGUF file, and this file \
-                 does not start with the GGUF magic bytes",
-            ));
+            return Err(kvmesh_tokenizer::info::not_a_model(path).into());
         }
         let mut file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&mut file)?;
-        let tokenizer = TextTokenizer::from_gguf(&file)?;
+        let tokenizer = TextTokenizer::from_gguf(file.header())?;
         let header_done = started.elapsed();
         let weights = Weights::from_gguf(&mut file, &config, precision)?;
         tracing::debug!(
@@ -154,22 +157,6 @@ pub fn load_with(path: &Path, precision: Precision) -> Result<LoadedModel> {
         path: path.to_owned(),
         format,
     })
-}
-
-/// Whether the file begins with `GGUF`; a file shorter than that does not.
-fn starts_with_gguf_magic(path: &Path) -> Result<bool> {
-    let mut file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
-    let mut magic = [0u8; 4];
-    let mut filled = 0;
-    while filled < magic.len() {
-        match file.read(&mut magic[filled..]) {
-            Ok(0) => return Ok(false),
-            Ok(n) => filled += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(ModelError::io(path, e)),
-        }
-    }
-    Ok(&magic == GGUF_MAGIC)
 }
 
 #[cfg(test)]

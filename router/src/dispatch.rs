@@ -15,6 +15,7 @@ use kvmesh_proto::internal::v1::{
     decode_event, AbortRequest, DecodeEvent, FinishReason, GenerateRequest, Granted,
     PrefillRequest, RefuseKind, Sampling,
 };
+use kvmesh_tokenizer::TextOut;
 use tokio::sync::mpsc;
 
 use crate::error::{DispatchError, Rejection};
@@ -321,7 +322,7 @@ async fn run(
                         }
                         last = Some(now);
                         completion += 1;
-                        match text.push(t) {
+                        match text.push(t).map_err(|e| DispatchError::Tokenizer(e.to_string())) {
                             Ok((piece, hit_stop)) => {
                                 if !piece.is_empty() && tx.send(Event::Text(piece)).await.is_err() {
                                     return "client_gone";
@@ -337,7 +338,7 @@ async fn run(
                         }
                     }
                     Some(decode_event::Event::Finished(f)) => {
-                        match text.finish() {
+                        match text.finish().map_err(|e| DispatchError::Tokenizer(e.to_string())) {
                             Ok(piece) if !piece.is_empty() => { let _ = tx.send(Event::Text(piece)).await; }
                             Ok(_) => {}
                             Err(e) => return fail(e).await,
@@ -401,79 +402,5 @@ impl Drop for AbortOnDrop {
                 }
             });
         }
-    }
-}
-
-/// Token ids to text: incremental detokenization (whole characters only)
-/// and stop strings (text is held back while it could be the start of
-/// one; output ends before the first full match).
-struct TextOut<'a> {
-    decoder: kvmesh_model::StreamDecoder<'a>,
-    stop: &'a [String],
-    held: String,
-}
-
-impl<'a> TextOut<'a> {
-    fn new(tokenizer: &'a kvmesh_model::TextTokenizer, stop: &'a [String]) -> Self {
-        Self {
-            decoder: tokenizer.stream_decoder(),
-            stop,
-            held: String::new(),
-        }
-    }
-
-    /// Text to emit now, and whether a stop string was hit.
-    fn push(&mut self, id: u32) -> Result<(String, bool), DispatchError> {
-        let piece = self
-            .decoder
-            .push(id)
-            .map_err(|e| DispatchError::Tokenizer(e.to_string()))?
-            .unwrap_or_default();
-        self.held.push_str(&piece);
-        Ok(self.release())
-    }
-
-    fn finish(&mut self) -> Result<String, DispatchError> {
-        if let Some(rest) = self
-            .decoder
-            .finish()
-            .map_err(|e| DispatchError::Tokenizer(e.to_string()))?
-        {
-            self.held.push_str(&rest);
-        }
-        let (out, hit) = self.release();
-        if hit {
-            return Ok(out);
-        }
-        Ok(out + &std::mem::take(&mut self.held))
-    }
-
-    fn release(&mut self) -> (String, bool) {
-        if let Some(at) = self
-            .stop
-            .iter()
-            .filter(|s| !s.is_empty())
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min()
-        {
-            let out = self.held[..at].to_owned();
-            self.held.clear();
-            return (out, true);
-        }
-        // Hold back the longest tail that could begin a stop string.
-        let mut keep = 0;
-        for s in self.stop.iter().filter(|s| !s.is_empty()) {
-            for (i, _) in self.held.char_indices() {
-                let tail = &self.held[i..];
-                if s.starts_with(tail) {
-                    keep = keep.max(tail.len());
-                    break;
-                }
-            }
-        }
-        let cut = self.held.len() - keep;
-        let out = self.held[..cut].to_owned();
-        self.held.drain(..cut);
-        (out, false)
     }
 }

@@ -4,12 +4,12 @@
 
 use std::pin::Pin;
 
-use kvmesh_model::ChatMessage;
 use kvmesh_proto::v1::generation_server::{Generation, GenerationServer};
 use kvmesh_proto::v1::{
     generate_request, tokenize_request, Chat, FinishReason, GenerateRequest, GenerateResponse,
     ListModelsRequest, ListModelsResponse, Model, TokenizeRequest, TokenizeResponse, Usage,
 };
+use kvmesh_tokenizer::ChatMessage;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 

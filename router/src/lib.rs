@@ -14,15 +14,16 @@
 //! - [`openapi`]: the gateway's OpenAPI document, held to those routes.
 //! - [`nodes`]: the nodes, their gRPC clients, load reports, health, and
 //!   the choice of node per request.
-//! - [`dispatch`]: one request through the handshake, token ids to text.
+//! - [`dispatch`]: one request through the handshake, token ids to text
+//!   (`kvmesh_tokenizer::TextOut`: detokenization and stop strings).
 //! - [`error`]: [`Rejection`] (refused before dispatch: its own type) and
 //!   [`error::DispatchError`], and their one mapping to HTTP and gRPC.
 //! - [`grpc`]: the public gRPC API (`kvmesh.v1.Generation`), health and
 //!   reflection.
 //! - `metrics` (private): Prometheus text.
 //!
-//! The router links `kvmesh-model` for its tokenizer and chat templates
-//! only; it runs no model compute.
+//! Tokenizer, chat templates and stop strings come from `kvmesh-tokenizer`;
+//! the router links no model runtime (no candle) and reads no weights.
 
 pub mod auth;
 pub mod dispatch;
@@ -38,7 +39,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvmesh_faults::{planted, PlantedBug};
-use kvmesh_model::TextTokenizer;
+use kvmesh_tokenizer::TextTokenizer;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use error::Rejection;

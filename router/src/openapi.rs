@@ -35,7 +35,7 @@ mod tests {
     /// admitted gets 503), with API keys when `keys`.
     fn router(keys: bool) -> Router {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/data/tiny-llama");
-        let tok = kvmesh_model::TextTokenizer::from_hf_dir(&dir).expect("tiny tokenizer");
+        let tok = kvmesh_tokenizer::TextTokenizer::from_hf_dir(&dir).expect("tiny tokenizer");
         let api_keys = if keys {
             ApiKeys::new([("k-test".to_owned(), "tenant".to_owned())]).expect("keys")
         } else {

@@ -56,18 +56,20 @@ impl ModelConfig {
                     "llama.attention.head_count",
                     n_heads.to_string(),
                     format!("must divide llama.embedding_length ({hidden_size}) when llama.attention.key_length is absent"),
-                ))
+                ).into())
             }
         };
         if let Some(v) = g
             .opt_usize("llama.attention.value_length")?
             .filter(|&v| v != head_dim)
         {
-            return Err(g.invalid_field(
-                "llama.attention.value_length",
-                v.to_string(),
-                format!("must equal the key length ({head_dim})"),
-            ));
+            return Err(g
+                .invalid_field(
+                    "llama.attention.value_length",
+                    v.to_string(),
+                    format!("must equal the key length ({head_dim})"),
+                )
+                .into());
         }
         if let Some(r) = g
             .opt_usize("llama.rope.dimension_count")?
@@ -77,7 +79,7 @@ impl ModelConfig {
                 "llama.rope.dimension_count",
                 r.to_string(),
                 format!("partial rotary embeddings are not implemented: must equal the head size ({head_dim})"),
-            ));
+            ).into());
         }
         let vocab_size = match g.opt_usize("llama.vocab_size")? {
             Some(v) => v,
@@ -87,18 +89,7 @@ impl ModelConfig {
         };
         let rope_theta = g.opt_f32("llama.rope.freq_base")?.unwrap_or(10_000.0);
 
-        let mut eos_token_ids = Vec::new();
-        for key in [
-            "tokenizer.ggml.eos_token_id",
-            "tokenizer.ggml.eot_token_id",
-            "tokenizer.ggml.eom_token_id",
-        ] {
-            if let Some(id) = g.opt_u32(key)? {
-                if !eos_token_ids.contains(&id) {
-                    eos_token_ids.push(id);
-                }
-            }
-        }
+        let eos_token_ids = kvmesh_tokenizer::info::gguf_eos_token_ids(g)?;
 
         let config = ModelConfig {
             architecture: arch.to_owned(),
@@ -116,7 +107,7 @@ impl ModelConfig {
                 .ok_or_else(|| g.missing_field("llama.attention.layer_norm_rms_epsilon"))?,
             rope_theta,
             rope_scaling: rope_scaling(g, head_dim, rope_theta)?,
-            max_position_embeddings: g.req_usize("llama.context_length")?,
+            max_position_embeddings: kvmesh_tokenizer::info::gguf_context_length(g, "llama")?,
             tie_word_embeddings: !g.has_tensor("output.weight"),
             attention_bias: false,
             sliding_window: g.opt_usize("llama.attention.sliding_window")?,
@@ -136,27 +127,29 @@ fn rope_scaling(g: &mut GgufFile, head_dim: usize, theta: f32) -> Result<RopeSca
         Some("linear") => match g.opt_f32("llama.rope.scaling.factor")? {
             Some(factor) if factor.is_finite() && factor > 0.0 => RopeScaling::Linear { factor },
             Some(factor) => {
-                return Err(g.invalid_field("llama.rope.scaling.factor", factor.to_string(), "must be positive"))
+                return Err(g.invalid_field("llama.rope.scaling.factor", factor.to_string(), "must be positive").into())
             }
-            None => return Err(g.missing_field("llama.rope.scaling.factor")),
+            None => return Err(g.missing_field("llama.rope.scaling.factor").into()),
         },
         Some(other) => {
             return Err(g.invalid_field(
                 "llama.rope.scaling.type",
                 format!("{other:?}"),
                 "supported RoPE scalings are none and linear (Llama 3 scaling comes as rope_freqs.weight)",
-            ))
+            ).into())
         }
     };
     if !g.has_tensor(ROPE_FREQS_TENSOR) {
         return Ok(scaling);
     }
     if scaling != RopeScaling::None {
-        return Err(g.invalid_field(
-            "llama.rope.scaling.type",
-            "\"linear\"",
-            "cannot be combined with a rope_freqs.weight tensor",
-        ));
+        return Err(g
+            .invalid_field(
+                "llama.rope.scaling.type",
+                "\"linear\"",
+                "cannot be combined with a rope_freqs.weight tensor",
+            )
+            .into());
     }
     if head_dim % 2 != 0 || head_dim == 0 {
         // validate() reports the head size itself.

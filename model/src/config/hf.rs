@@ -82,12 +82,14 @@ impl HfConfig<'_> {
             rms_norm_eps: self.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta: self.opt_f32("rope_theta")?.unwrap_or(10_000.0),
             rope_scaling: self.rope_scaling()?,
-            max_position_embeddings: self.opt_usize("max_position_embeddings")?.unwrap_or(2048),
+            max_position_embeddings: kvmesh_tokenizer::info::hf_context_length(
+                self.path, self.obj,
+            )?,
             tie_word_embeddings: self.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             attention_bias,
             sliding_window: self.sliding_window(&model_type, n_layers)?,
             bos_token_id: self.opt_token_id("bos_token_id")?,
-            eos_token_ids: self.eos_token_ids()?,
+            eos_token_ids: kvmesh_tokenizer::info::hf_eos_token_ids(self.path, self.obj)?,
         };
         config.validate(self.path, &HF_FIELDS)?;
         Ok(config)
@@ -242,21 +244,6 @@ impl HfConfig<'_> {
             }
         }
         Ok(window)
-    }
-
-    fn eos_token_ids(&self) -> Result<Vec<u32>> {
-        let mut ids = Vec::new();
-        match self.get("eos_token_id") {
-            None | Some(Value::Null) => {}
-            Some(Value::Array(list)) => {
-                for v in list {
-                    ids.push(self.token_id_value("eos_token_id", v)?);
-                }
-            }
-            Some(v) => ids.push(self.token_id_value("eos_token_id", v)?),
-        }
-        ids.dedup();
-        Ok(ids)
     }
 
     fn opt_token_id(&self, key: &str) -> Result<Option<u32>> {

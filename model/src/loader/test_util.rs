@@ -1,6 +1,9 @@
-//! Tiny models written to a temporary directory for tests: a byte-level BPE
-//! tokenizer, a Hugging Face directory and a GGUF file, with the f32 tensors
-//! the loader should produce from them.
+//! Tiny models written to a temporary directory for tests: a Hugging Face
+//! directory and a GGUF file, with the f32 tensors the loader should
+//! produce from them. The tokenizer and its metadata are the tokenizer
+//! crate's fixtures (`kvmesh_tokenizer::testing`); the GGUF files are
+//! written by candle's writer, so the tokenizer crate's parser is also
+//! tested against a writer that is not its own.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::HashMap;
@@ -10,78 +13,11 @@ use candle_core::quantized::gguf_file::{self, Value as GgufValue};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use serde_json::json;
-use tokenizers::models::bpe::BPE;
-use tokenizers::AddedToken;
 
 use crate::weights::{permute_qk_rows, plan, Layout};
 use crate::ModelConfig;
 
-/// Merges of the tiny tokenizer, in rank order.
-pub(crate) const TINY_MERGES: [(&str, &str); 4] =
-    [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o")];
-/// Special tokens of the tiny tokenizer, after the bytes and merges.
-pub(crate) const TINY_SPECIALS: [&str; 4] = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"];
-/// 256 byte tokens + 4 merges + 4 specials.
-pub(crate) const TINY_VOCAB: usize = 264;
-/// Id of `<s>`.
-pub(crate) const TINY_BOS: u32 = 260;
-/// Id of `</s>`.
-pub(crate) const TINY_EOS: u32 = 261;
-
-/// GPT-2's byte-to-character table: printable bytes map to themselves,
-/// the rest to code points from 256 up, in byte order.
-pub(crate) fn byte_chars() -> Vec<char> {
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-    let mut next = 256;
-    (0u32..256)
-        .map(|b| {
-            if printable(b) {
-                char::from_u32(b).unwrap()
-            } else {
-                next += 1;
-                char::from_u32(next - 1).unwrap()
-            }
-        })
-        .collect()
-}
-
-/// The tiny tokenizer's vocabulary in id order.
-pub(crate) fn tiny_tokens() -> Vec<String> {
-    let mut tokens: Vec<String> = byte_chars().into_iter().map(String::from).collect();
-    tokens.extend(TINY_MERGES.iter().map(|(a, b)| format!("{a}{b}")));
-    tokens.extend(TINY_SPECIALS.iter().map(|s| (*s).to_owned()));
-    tokens
-}
-
-/// A byte-level BPE tokenizer over [`tiny_tokens`].
-pub(crate) fn tiny_tokenizer() -> tokenizers::Tokenizer {
-    let tokens = tiny_tokens();
-    let vocab: tokenizers::models::bpe::Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
-        .collect();
-    let merges = TINY_MERGES
-        .iter()
-        .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
-        .collect();
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .build()
-        .unwrap();
-    let mut t = tokenizers::Tokenizer::new(bpe);
-    t.with_pre_tokenizer(Some(
-        tokenizers::pre_tokenizers::byte_level::ByteLevel::new(false, true, true),
-    ));
-    t.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
-    let specials: Vec<AddedToken> = TINY_SPECIALS
-        .iter()
-        .map(|s| AddedToken::from(*s, true))
-        .collect();
-    t.add_special_tokens(specials).expect("add special tokens");
-    t
-}
+pub(crate) use kvmesh_tokenizer::testing::{TINY_BOS, TINY_EOS, TINY_VOCAB};
 
 /// What to write.
 #[derive(Clone, Copy, Debug)]
@@ -157,18 +93,7 @@ pub(crate) fn tiny_tensors(config: &ModelConfig) -> Vec<(String, Tensor)> {
 /// rounded through `spec.dtype`.
 pub(crate) fn write_hf_model(dir: &Path, spec: TinySpec) -> HashMap<String, Tensor> {
     std::fs::write(dir.join("config.json"), tiny_config_json(spec).to_string()).unwrap();
-    tiny_tokenizer()
-        .save(dir.join("tokenizer.json"), false)
-        .unwrap();
-    let tokenizer_config = json!({
-        "bos_token": {"content": "<s>", "special": true}, "eos_token": "</s>", "add_bos_token": false,
-        "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    });
-    std::fs::write(
-        dir.join("tokenizer_config.json"),
-        tokenizer_config.to_string(),
-    )
-    .unwrap();
+    kvmesh_tokenizer::testing::write_hf_tokenizer(dir);
 
     let config = tiny_config(spec);
     let tensors = tiny_tensors(&config);
@@ -220,60 +145,31 @@ pub(crate) fn gguf_name(hf: &str) -> String {
     format!("blk.{layer}.{part}")
 }
 
-/// Metadata of the tiny GGUF model.
+/// Metadata of the tiny GGUF model (the tokenizer crate's), as candle's
+/// writer takes it.
 pub(crate) fn tiny_gguf_metadata() -> Vec<(String, GgufValue)> {
-    let tokens = tiny_tokens();
-    let types: Vec<GgufValue> = (0..tokens.len())
-        .map(|i| GgufValue::I32(if i >= TINY_BOS as usize { 3 } else { 1 }))
-        .collect();
-    let s = |v: &str| GgufValue::String(v.to_owned());
-    vec![
-        ("general.architecture".into(), s("llama")),
-        ("llama.context_length".into(), GgufValue::U32(128)),
-        ("llama.embedding_length".into(), GgufValue::U32(32)),
-        ("llama.block_count".into(), GgufValue::U32(2)),
-        ("llama.feed_forward_length".into(), GgufValue::U32(64)),
-        ("llama.attention.head_count".into(), GgufValue::U32(4)),
-        ("llama.attention.head_count_kv".into(), GgufValue::U32(2)),
-        ("llama.rope.freq_base".into(), GgufValue::F32(10000.0)),
-        (
-            "llama.attention.layer_norm_rms_epsilon".into(),
-            GgufValue::F32(1e-5),
-        ),
-        ("llama.rope.dimension_count".into(), GgufValue::U32(8)),
-        ("tokenizer.ggml.model".into(), s("gpt2")),
-        ("tokenizer.ggml.pre".into(), s("smollm")),
-        (
-            "tokenizer.ggml.tokens".into(),
-            GgufValue::Array(tokens.iter().map(|t| s(t)).collect()),
-        ),
-        ("tokenizer.ggml.token_type".into(), GgufValue::Array(types)),
-        (
-            "tokenizer.ggml.merges".into(),
-            GgufValue::Array(
-                TINY_MERGES
-                    .iter()
-                    .map(|(a, b)| s(&format!("{a} {b}")))
-                    .collect(),
-            ),
-        ),
-        (
-            "tokenizer.ggml.bos_token_id".into(),
-            GgufValue::U32(TINY_BOS),
-        ),
-        (
-            "tokenizer.ggml.eos_token_id".into(),
-            GgufValue::U32(TINY_EOS),
-        ),
-        (
-            "tokenizer.ggml.add_bos_token".into(),
-            GgufValue::Bool(false),
-        ),
-        (
-            "tokenizer.chat_template".into(),
-            s("{% for m in messages %}{{ m.content }}{% endfor %}"),
-        ),
-    ]
+    fn candle(v: kvmesh_tokenizer::GgufValue) -> GgufValue {
+        use kvmesh_tokenizer::GgufValue as T;
+        match v {
+            T::U8(x) => GgufValue::U8(x),
+            T::I8(x) => GgufValue::I8(x),
+            T::U16(x) => GgufValue::U16(x),
+            T::I16(x) => GgufValue::I16(x),
+            T::U32(x) => GgufValue::U32(x),
+            T::I32(x) => GgufValue::I32(x),
+            T::U64(x) => GgufValue::U64(x),
+            T::I64(x) => GgufValue::I64(x),
+            T::F32(x) => GgufValue::F32(x),
+            T::F64(x) => GgufValue::F64(x),
+            T::Bool(x) => GgufValue::Bool(x),
+            T::String(x) => GgufValue::String(x),
+            T::Array(xs) => GgufValue::Array(xs.into_iter().map(candle).collect()),
+        }
+    }
+    kvmesh_tokenizer::testing::tiny_gguf_metadata()
+        .into_iter()
+        .map(|(k, v)| (k, candle(v)))
+        .collect()
 }
 
 /// Write a tiny GGUF model with 2-D weights stored as `matrix_dtype` (norms
@@ -339,14 +235,13 @@ pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 
 /// The default model in the cache, or `None` with a note (tests on it skip).
 pub(crate) fn smollm2_gguf() -> Option<std::path::PathBuf> {
-    let path = crate::default_model::cache_dir().join(crate::default_model::DEFAULT_MODEL_FILE);
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "note: {} is not there; skipping the test on SmolLM2 (run `kvmesh fetch-model`)",
-            path.display()
-        );
-        None
-    }
+    kvmesh_tokenizer::testing::smollm2_gguf()
+}
+
+#[test]
+fn the_tokenizer_crate_looks_for_the_default_model_where_it_is_cached() {
+    assert_eq!(
+        kvmesh_tokenizer::testing::default_model_path(),
+        crate::default_model::cache_dir().join(crate::default_model::DEFAULT_MODEL_FILE)
+    );
 }

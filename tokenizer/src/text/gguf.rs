@@ -26,8 +26,8 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use super::TextTokenizer;
-use crate::error::{ModelError, Result};
-use crate::loader::gguf::GgufFile;
+use crate::error::{Result, TokenizerError};
+use crate::gguf::GgufHeader;
 
 /// Llama 3's pre-tokenization regex (from its `tokenizer.json`).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -39,7 +39,7 @@ const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
 impl TextTokenizer {
     /// Build the tokenizer of a GGUF file (`tokenizer.ggml.model` = `gpt2`).
-    pub(crate) fn from_gguf(g: &GgufFile) -> Result<Self> {
+    pub fn from_gguf(g: &GgufHeader) -> Result<Self> {
         let model = g
             .opt_str("tokenizer.ggml.model")?
             .ok_or_else(|| g.missing_field("tokenizer.ggml.model"))?;
@@ -109,7 +109,7 @@ impl TextTokenizer {
                     SplitDelimiterBehavior::Isolated,
                     false,
                 )
-                .map_err(|e| ModelError::Tokenizer {
+                .map_err(|e| TokenizerError::Tokenizer {
                     detail: format!("Llama 3 pre-tokenizer regex: {e}"),
                 })?;
                 (
@@ -130,7 +130,9 @@ impl TextTokenizer {
             .vocab_and_merges(vocab, merge_pairs)
             .ignore_merges(ignore_merges)
             .build()
-            .map_err(|e| ModelError::malformed(g.path(), format!("tokenizer.ggml.merges: {e}")))?;
+            .map_err(|e| {
+                TokenizerError::malformed(g.path(), format!("tokenizer.ggml.merges: {e}"))
+            })?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner.with_pre_tokenizer(Some(pre_tokenizer));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
@@ -144,7 +146,7 @@ impl TextTokenizer {
                 .map(|(token, _)| AddedToken::from((*token).to_owned(), special))
                 .collect()
         };
-        let tokenizer_err = |e: tokenizers::Error| ModelError::Tokenizer {
+        let tokenizer_err = |e: tokenizers::Error| TokenizerError::Tokenizer {
             detail: format!("adding the GGUF's added tokens: {e}"),
         };
         inner

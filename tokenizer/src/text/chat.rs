@@ -14,7 +14,7 @@ use minijinja::{Environment, ErrorKind, Value as JinjaValue};
 use serde_json::Value;
 
 use super::{invalid, ChatMessage};
-use crate::error::{ModelError, Result};
+use crate::error::{Result, TokenizerError};
 
 /// `chat_template` of `tokenizer_config.json`: a string, or a list of
 /// `{"name", "template"}` from which the one named `default` (else the
@@ -48,19 +48,19 @@ pub(super) fn template_from_side_files(dir: &Path) -> Result<Option<String>> {
     match std::fs::read_to_string(&jinja) {
         Ok(text) => return Ok(Some(text)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(ModelError::io(&jinja, e)),
+        Err(e) => return Err(TokenizerError::io(&jinja, e)),
     }
     let json = dir.join("chat_template.json");
     let text = match std::fs::read_to_string(&json) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(ModelError::io(&json, e)),
+        Err(e) => return Err(TokenizerError::io(&json, e)),
     };
     let value: Value = serde_json::from_str(&text)
-        .map_err(|e| ModelError::malformed(&json, format!("not valid JSON: {e}")))?;
+        .map_err(|e| TokenizerError::malformed(&json, format!("not valid JSON: {e}")))?;
     match value.get("chat_template") {
         Some(v) => template_from_config_value(&json, v).map(Some),
-        None => Err(ModelError::MissingField {
+        None => Err(TokenizerError::MissingField {
             path: json,
             field: "chat_template".into(),
         }),
@@ -94,12 +94,12 @@ pub(super) fn render(
         strftime_utc(&format, unix_now())
     });
     env.add_template("chat_template", template)
-        .map_err(|e| ModelError::ChatTemplate {
+        .map_err(|e| TokenizerError::ChatTemplate {
             detail: format!("the template does not compile: {e}"),
         })?;
     let compiled = env
         .get_template("chat_template")
-        .map_err(|e| ModelError::ChatTemplate {
+        .map_err(|e| TokenizerError::ChatTemplate {
             detail: format!("the template does not compile: {e}"),
         })?;
 
@@ -115,20 +115,22 @@ pub(super) fn render(
     if let Some(t) = eos_token {
         ctx.insert("eos_token", JinjaValue::from(t));
     }
-    compiled.render(ctx).map_err(|e| ModelError::ChatTemplate {
-        detail: match e.detail() {
-            Some(d)
-                if e.kind() == ErrorKind::InvalidOperation
-                    && d.starts_with("raise_exception: ") =>
-            {
-                format!(
-                    "the template refused the conversation: {}",
-                    &d["raise_exception: ".len()..]
-                )
-            }
-            _ => format!("rendering failed: {e}"),
-        },
-    })
+    compiled
+        .render(ctx)
+        .map_err(|e| TokenizerError::ChatTemplate {
+            detail: match e.detail() {
+                Some(d)
+                    if e.kind() == ErrorKind::InvalidOperation
+                        && d.starts_with("raise_exception: ") =>
+                {
+                    format!(
+                        "the template refused the conversation: {}",
+                        &d["raise_exception: ".len()..]
+                    )
+                }
+                _ => format!("rendering failed: {e}"),
+            },
+        })
 }
 
 fn unix_now() -> i64 {

@@ -21,7 +21,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::error::{ModelError, Result};
+use crate::error::{Result, TokenizerError};
 
 pub use stream::StreamDecoder;
 
@@ -82,14 +82,14 @@ impl TextTokenizer {
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let bytes = std::fs::read(&path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => ModelError::MissingFile {
+            std::io::ErrorKind::NotFound => TokenizerError::MissingFile {
                 path: path.clone(),
                 what: "tokenizer.json",
             },
-            _ => ModelError::io(&path, e),
+            _ => TokenizerError::io(&path, e),
         })?;
         let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-            ModelError::malformed(
+            TokenizerError::malformed(
                 &path,
                 format!("not a tokenizer the tokenizers crate can read: {e}"),
             )
@@ -100,20 +100,20 @@ impl TextTokenizer {
             Ok(text) => match serde_json::from_str::<Value>(&text) {
                 Ok(Value::Object(obj)) => obj,
                 Ok(_) => {
-                    return Err(ModelError::malformed(
+                    return Err(TokenizerError::malformed(
                         &config_path,
                         "the top level is not a JSON object",
                     ))
                 }
                 Err(e) => {
-                    return Err(ModelError::malformed(
+                    return Err(TokenizerError::malformed(
                         &config_path,
                         format!("not valid JSON: {e}"),
                     ))
                 }
             },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Map::new(),
-            Err(e) => return Err(ModelError::io(&config_path, e)),
+            Err(e) => return Err(TokenizerError::io(&config_path, e)),
         };
         let token_field = |key: &str| -> Result<Option<String>> {
             match config.get(key) {
@@ -166,7 +166,7 @@ impl TextTokenizer {
         ))
     }
 
-    fn assemble(
+    pub(crate) fn assemble(
         inner: tokenizers::Tokenizer,
         bos_token: Option<String>,
         bos_id: Option<u32>,
@@ -216,7 +216,7 @@ impl TextTokenizer {
         self.inner
             .encode(text, add_special_tokens)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| ModelError::Tokenizer {
+            .map_err(|e| TokenizerError::Tokenizer {
                 detail: format!("cannot encode the text: {e}"),
             })
     }
@@ -226,7 +226,7 @@ impl TextTokenizer {
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         self.inner
             .decode(ids, skip_special_tokens)
-            .map_err(|e| ModelError::Tokenizer {
+            .map_err(|e| TokenizerError::Tokenizer {
                 detail: format!("cannot decode {} ids: {e}", ids.len()),
             })
     }
@@ -270,15 +270,15 @@ impl TextTokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let template = self
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| ModelError::ChatTemplate {
-                detail:
-                    "the model has no chat template (none in tokenizer_config.json or the GGUF \
+        let template =
+            self.chat_template
+                .as_deref()
+                .ok_or_else(|| TokenizerError::ChatTemplate {
+                    detail:
+                        "the model has no chat template (none in tokenizer_config.json or the GGUF \
                      metadata); send a plain prompt instead"
-                        .into(),
-            })?;
+                            .into(),
+                })?;
         chat::render(
             template,
             messages,
@@ -303,7 +303,7 @@ impl TextTokenizer {
     }
 }
 
-fn invalid(path: &Path, field: &str, v: &Value, reason: &str) -> ModelError {
+pub(crate) fn invalid(path: &Path, field: &str, v: &Value, reason: &str) -> TokenizerError {
     let mut value = v.to_string();
     if value.len() > 80 {
         let cut = (0..=77)
@@ -313,7 +313,7 @@ fn invalid(path: &Path, field: &str, v: &Value, reason: &str) -> ModelError {
         value.truncate(cut);
         value.push_str("...");
     }
-    ModelError::InvalidField {
+    TokenizerError::InvalidField {
         path: path.to_owned(),
         field: field.to_owned(),
         value,

@@ -1,7 +1,8 @@
 use super::*;
-use crate::loader::gguf::GgufFile;
-use crate::loader::test_util::{
-    smollm2_gguf, tiny_tokenizer, write_hf_model, TinySpec, TINY_BOS, TINY_EOS,
+use crate::gguf::{GgufHeader, GgufValue};
+use crate::testing::{
+    set_metadata, smollm2_gguf, tiny_gguf_metadata, tiny_tokenizer, write_gguf, write_hf_tokenizer,
+    TINY_BOS, TINY_EOS,
 };
 
 /// SmolLM2-135M-Instruct's chat template (from its GGUF metadata).
@@ -138,7 +139,7 @@ fn chat_template_features_and_failures() {
         "ok"
     );
     match t.apply_chat_template(&[ChatMessage::new("assistant", "x")], false) {
-        Err(ModelError::ChatTemplate { detail }) => {
+        Err(TokenizerError::ChatTemplate { detail }) => {
             assert!(
                 detail.contains("Conversation must start with the user"),
                 "{detail}"
@@ -157,12 +158,12 @@ fn chat_template_features_and_failures() {
 
     let t = tiny(Some("{% for %}"), false);
     assert!(
-        matches!(t.apply_chat_template(&[], false), Err(ModelError::ChatTemplate { ref detail }) if detail.contains("compile"))
+        matches!(t.apply_chat_template(&[], false), Err(TokenizerError::ChatTemplate { ref detail }) if detail.contains("compile"))
     );
 
     let t = tiny(None, false);
     match t.apply_chat_template(&[user("x")], true) {
-        Err(ModelError::ChatTemplate { detail }) => {
+        Err(TokenizerError::ChatTemplate { detail }) => {
             assert!(detail.contains("no chat template"), "{detail}")
         }
         other => panic!("expected ChatTemplate, got {other:?}"),
@@ -172,7 +173,7 @@ fn chat_template_features_and_failures() {
 #[test]
 fn hf_directory_tokenizer_reads_its_config() {
     let dir = tempfile::tempdir().expect("tempdir");
-    write_hf_model(dir.path(), TinySpec::default());
+    write_hf_tokenizer(dir.path());
     let t = TextTokenizer::from_hf_dir(dir.path()).expect("load");
     assert_eq!(
         (t.bos_token(), t.eos_token(), t.eos_token_ids()),
@@ -209,7 +210,7 @@ fn hf_directory_tokenizer_reads_its_config() {
     )
     .expect("write");
     assert!(
-        matches!(TextTokenizer::from_hf_dir(dir.path()), Err(ModelError::InvalidField { ref field, .. }) if field == "bos_token")
+        matches!(TextTokenizer::from_hf_dir(dir.path()), Err(TokenizerError::InvalidField { ref field, .. }) if field == "bos_token")
     );
     std::fs::write(dir.path().join("tokenizer_config.json"), "{").expect("write");
     assert_eq!(
@@ -220,14 +221,14 @@ fn hf_directory_tokenizer_reads_its_config() {
     );
     std::fs::write(dir.path().join("tokenizer.json"), "{\"model\": 1}").expect("write");
     match TextTokenizer::from_hf_dir(dir.path()) {
-        Err(ModelError::Malformed { path, .. }) => assert!(path.ends_with("tokenizer.json")),
+        Err(TokenizerError::Malformed { path, .. }) => assert!(path.ends_with("tokenizer.json")),
         other => panic!("expected Malformed, got {other:?}"),
     }
 }
 
 fn smollm2() -> Option<TextTokenizer> {
     let path = smollm2_gguf()?;
-    let file = GgufFile::open(&path).expect("open GGUF");
+    let file = GgufHeader::read(&path).expect("open GGUF");
     Some(TextTokenizer::from_gguf(&file).expect("tokenizer"))
 }
 
@@ -300,4 +301,49 @@ fn smollm2_stream_decoder_on_multibyte_text() {
     out.push_str(&stream.finish().expect("finish").unwrap_or_default());
     assert_eq!(out, text);
     assert_eq!(out, t.decode(&ids, true).expect("decode"));
+}
+
+#[test]
+fn gguf_pre_tokenizer_names_map_to_working_tokenizers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("m.gguf");
+    for pre in ["smollm", "gpt2", "default", "llama-bpe", "llama3"] {
+        let mut md = tiny_gguf_metadata();
+        set_metadata(&mut md, "tokenizer.ggml.pre", GgufValue::String(pre.into()));
+        write_gguf(&path, &md);
+        let file = GgufHeader::read(&path).expect("open");
+        let t = TextTokenizer::from_gguf(&file).unwrap_or_else(|e| panic!("{pre}: {e}"));
+        let hello = t.token_to_id("hello").expect("merged token");
+        let text = "hello  there, 12345 héllo!\n\n";
+        let ids = t.encode(text).expect("encode");
+        assert_eq!(ids[0], hello, "{pre}");
+        assert_eq!(t.decode(&ids, false).expect("decode"), text, "{pre}");
+    }
+}
+
+#[test]
+fn gguf_vocabulary_errors_name_the_field() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("m.gguf");
+    let with = |key: &str, v: GgufValue| {
+        let mut md = tiny_gguf_metadata();
+        set_metadata(&mut md, key, v);
+        write_gguf(&path, &md);
+        TextTokenizer::from_gguf(&GgufHeader::read(&path).expect("open"))
+    };
+    assert!(
+        matches!(with("tokenizer.ggml.model", GgufValue::String("llama".into())), Err(TokenizerError::InvalidField { ref field, .. }) if field == "tokenizer.ggml.model")
+    );
+    assert!(
+        matches!(with("tokenizer.ggml.pre", GgufValue::String("qwen2".into())), Err(TokenizerError::InvalidField { ref field, ref value, .. }) if field == "tokenizer.ggml.pre" && value.contains("qwen2"))
+    );
+    assert!(
+        matches!(with("tokenizer.ggml.eos_token_id", GgufValue::U32(100_000)), Err(TokenizerError::InvalidField { ref field, .. }) if field == "tokenizer.ggml.eos_token_id")
+    );
+    let t = with("tokenizer.ggml.eot_token_id", GgufValue::U32(263)).expect("eot");
+    assert_eq!(
+        t.eos_token_ids(),
+        vec![TINY_EOS, 263],
+        "EOT ends generation too"
+    );
 }

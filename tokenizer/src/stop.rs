@@ -1,0 +1,198 @@
+//! [`TextOut`]: generated token ids to the text a client may see, with
+//! stop strings.
+//!
+//! Invariant: no emitted text contains a stop string or any part of one
+//! that the next tokens could complete. Text is held back while its tail
+//! could begin a stop string; output ends just before the first full match
+//! (earliest in the text, whichever stop string it is), and the match and
+//! anything after it are never emitted. This is what OpenAI's `stop`
+//! promises, and it must hold across token boundaries, because a stop
+//! string rarely is one token.
+
+use crate::error::Result;
+use crate::text::{StreamDecoder, TextTokenizer};
+
+/// Incremental detokenization ([`StreamDecoder`]: whole characters only)
+/// followed by stop-string matching.
+#[derive(Debug)]
+pub struct TextOut<'a> {
+    decoder: StreamDecoder<'a>,
+    stop: &'a [String],
+    held: String,
+}
+
+impl<'a> TextOut<'a> {
+    /// Decode with `tokenizer`, ending at the first of `stop` (empty
+    /// strings are ignored).
+    pub fn new(tokenizer: &'a TextTokenizer, stop: &'a [String]) -> Self {
+        Self {
+            decoder: tokenizer.stream_decoder(),
+            stop,
+            held: String::new(),
+        }
+    }
+
+    /// Add one generated id: the text to emit now (possibly empty), and
+    /// whether a stop string was hit, in which case generation should end
+    /// and nothing more be pushed.
+    pub fn push(&mut self, id: u32) -> Result<(String, bool)> {
+        let piece = self.decoder.push(id)?.unwrap_or_default();
+        self.held.push_str(&piece);
+        Ok(self.release())
+    }
+
+    /// Generation ended without a stop string: everything still pending,
+    /// text held back included (an incomplete character as U+FFFD), up to
+    /// a stop string the flushed tail completes.
+    pub fn finish(&mut self) -> Result<String> {
+        if let Some(rest) = self.decoder.finish()? {
+            self.held.push_str(&rest);
+        }
+        let (out, hit) = self.release();
+        if hit {
+            return Ok(out);
+        }
+        Ok(out + &std::mem::take(&mut self.held))
+    }
+
+    fn release(&mut self) -> (String, bool) {
+        if let Some(at) = self
+            .stop
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
+            let out = self.held[..at].to_owned();
+            self.held.clear();
+            return (out, true);
+        }
+        // Hold back the longest tail that could begin a stop string.
+        let mut keep = 0;
+        for s in self.stop.iter().filter(|s| !s.is_empty()) {
+            for (i, _) in self.held.char_indices() {
+                let tail = &self.held[i..];
+                if s.starts_with(tail) {
+                    keep = keep.max(tail.len());
+                    break;
+                }
+            }
+        }
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_owned();
+        self.held.drain(..cut);
+        (out, false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{tiny_tokenizer, TINY_BOS, TINY_EOS};
+
+    fn tiny() -> TextTokenizer {
+        TextTokenizer::assemble(
+            tiny_tokenizer(),
+            Some("<s>".into()),
+            Some(TINY_BOS),
+            Some("</s>".into()),
+            vec![TINY_EOS],
+            false,
+            None,
+        )
+    }
+
+    /// Push every id of `text` (one token per byte or merge), collecting
+    /// what is emitted after each, and whether and when a stop hit.
+    fn run(t: &TextTokenizer, text: &str, stop: &[String]) -> (Vec<String>, Option<usize>, String) {
+        let ids = t.encode_raw(text).expect("encode");
+        let mut out = TextOut::new(t, stop);
+        let mut pieces = Vec::new();
+        for (i, &id) in ids.iter().enumerate() {
+            let (piece, hit) = out.push(id).expect("push");
+            pieces.push(piece);
+            if hit {
+                return (pieces, Some(i), String::new());
+            }
+        }
+        let rest = out.finish().expect("finish");
+        (pieces, None, rest)
+    }
+
+    #[test]
+    fn a_stop_string_across_tokens_ends_output_before_it() {
+        let t = tiny();
+        let stop = vec!["lo w".to_owned()];
+        // "hello world": "hello" is one token, then " ", "w", ...
+        let (pieces, hit, rest) = run(&t, "ab hello world", &stop);
+        let shown: String = pieces.concat();
+        assert_eq!(shown, "ab hel", "text before the match only");
+        assert!(hit.is_some(), "the stop string was found");
+        assert_eq!(rest, "");
+        assert!(!shown.contains("lo w"));
+    }
+
+    #[test]
+    fn text_that_could_begin_a_stop_string_is_held_back_then_released() {
+        let t = tiny();
+        let stop = vec!["xyz".to_owned()];
+        let ids = t.encode_raw("axyb").expect("encode");
+        let mut out = TextOut::new(&t, &stop);
+        let emitted: Vec<(String, bool)> =
+            ids.iter().map(|&id| out.push(id).expect("push")).collect();
+        assert_eq!(
+            emitted,
+            vec![
+                ("a".to_owned(), false),
+                (String::new(), false),    // "x" could begin "xyz"
+                (String::new(), false),    // "xy" too
+                ("xyb".to_owned(), false)  // "xyb" cannot: released whole
+            ]
+        );
+        assert_eq!(out.finish().expect("finish"), "");
+    }
+
+    #[test]
+    fn finish_flushes_held_text_and_no_stop_means_everything() {
+        let t = tiny();
+        let stop = vec!["xyz".to_owned(), String::new()];
+        let (pieces, hit, rest) = run(&t, "hello xy", &stop);
+        assert_eq!(hit, None, "an empty stop string matches nothing");
+        assert_eq!(pieces.concat(), "hello ");
+        assert_eq!(rest, "xy", "the held-back prefix comes out at the end");
+
+        let (pieces, hit, rest) = run(&t, "hello", &[]);
+        assert_eq!(
+            (pieces.concat(), hit, rest),
+            ("hello".to_owned(), None, String::new())
+        );
+    }
+
+    #[test]
+    fn the_earliest_match_wins_and_multibyte_text_is_whole() {
+        let t = tiny();
+        let stop = vec!["world".to_owned(), "o w".to_owned()];
+        let (pieces, hit, _) = run(&t, "hello world", &stop);
+        assert!(hit.is_some());
+        assert_eq!(pieces.concat(), "hell", "\"o w\" starts before \"world\"");
+
+        // Byte tokens of "é" and "世": no piece ends inside a character,
+        // and a stop string made of one is found.
+        let stop = vec!["世".to_owned()];
+        let (pieces, hit, _) = run(&t, "é世界", &stop);
+        assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
+        assert_eq!((pieces.concat(), hit.is_some()), ("é".to_owned(), true));
+    }
+
+    #[test]
+    fn an_incomplete_character_is_flushed_as_a_replacement_that_matches_no_stop() {
+        let t = tiny();
+        let stop = vec!["é".to_owned()];
+        // The first byte of "é" alone: held as an incomplete character by
+        // the decoder, flushed by finish as U+FFFD, which is no match.
+        let e = t.encode_raw("é").expect("encode");
+        let mut out = TextOut::new(&t, &stop);
+        assert_eq!(out.push(e[0]).expect("push"), (String::new(), false));
+        assert_eq!(out.finish().expect("finish"), "\u{FFFD}");
+    }
+}
