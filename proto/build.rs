@@ -1,6 +1,8 @@
 //! Compiles `proto/**/*.proto` with protox (pure Rust: no system protoc)
 //! into prost messages and tonic clients and servers, and writes the
-//! encoded descriptor set for gRPC server reflection.
+//! encoded descriptor set of the public API alone for the public port's
+//! gRPC server reflection (the internal services are not served there, so
+//! reflection must not list them).
 
 use std::path::PathBuf;
 
@@ -15,9 +17,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for p in PROTOS {
         println!("cargo:rerun-if-changed={p}");
     }
-    let fds = protox::compile(PROTOS, ["proto"])?;
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
-    std::fs::write(out.join("kvmesh_descriptor.bin"), fds.encode_to_vec())?;
+    let public = protox::compile([PROTOS[0]], ["proto"])?;
+    std::fs::write(
+        out.join("kvmesh_public_descriptor.bin"),
+        public.encode_to_vec(),
+    )?;
+    let fds = protox::compile(PROTOS, ["proto"])?;
     tonic_prost_build::configure().compile_fds(fds)?;
     Ok(())
 }

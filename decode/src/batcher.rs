@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use kvmesh_faults::{Action, FaultPlan, Point};
-use kvmesh_model::engine::{Engine, Sequence};
+use kvmesh_model::engine::{Engine, FinishReason as Why, Sequence, Stopping};
 use kvmesh_model::sampling::Sampler;
 use kvmesh_proto::internal::v1::{decode_event, DecodeEvent, FinishReason, Finished};
 use tokio::sync::mpsc;
@@ -30,10 +30,9 @@ pub(crate) struct Job {
 struct Running {
     seq: Sequence,
     next: u32,
-    generated: usize,
-    max_new_tokens: usize,
+    /// The stop and budget rule the reference engine applies too.
+    stopping: Stopping,
     sampler: Sampler,
-    stop_ids: Vec<u32>,
     events: Events,
     faults: FaultPlan,
     /// Decode steps taken (the `step:N` fault index).
@@ -92,16 +91,18 @@ fn finished(reason: FinishReason) -> Result<DecodeEvent, Status> {
     })
 }
 
-/// What happens after a token is sampled: the reference engine's rules, so
-/// greedy output through the mesh equals `kvmesh generate`'s. A stop token
-/// ends generation without being emitted; the budget counts emitted tokens.
+/// What happens after a token is sampled.
 enum Next {
     Continue,
     Done,
 }
 
+/// Applies the stop and budget rule to `tok` ([`Stopping`], the reference
+/// engine's, so greedy output through the mesh equals `kvmesh
+/// generate`'s) and sends what it says.
 fn emit(r: &mut Running, tok: u32) -> Next {
-    if r.stop_ids.contains(&tok) {
+    let verdict = r.stopping.after(tok);
+    if verdict == Some(Why::Stop) {
         let _ = r.events.try_send(finished(FinishReason::Stop));
         return Next::Done;
     }
@@ -109,8 +110,7 @@ fn emit(r: &mut Running, tok: u32) -> Next {
     if r.events.try_send(token(tok)).is_err() {
         return Next::Done;
     }
-    r.generated += 1;
-    if r.generated >= r.max_new_tokens {
+    if verdict == Some(Why::Length) {
         let _ = r.events.try_send(finished(FinishReason::Length));
         return Next::Done;
     }
@@ -200,15 +200,13 @@ fn admit(running: &mut Vec<Running>, j: Job) {
     let mut r = Running {
         seq: j.seq,
         next: 0,
-        generated: 0,
-        max_new_tokens: j.max_new_tokens,
+        stopping: Stopping::new(j.stop_ids, j.max_new_tokens),
         sampler: j.sampler,
-        stop_ids: j.stop_ids,
         events: j.events,
         faults: j.faults,
         steps: 0,
     };
-    if r.max_new_tokens == 0 {
+    if r.stopping.spent() {
         let _ = r.events.try_send(finished(FinishReason::Length));
         r.release();
         return;

@@ -1,6 +1,7 @@
 //! The public gRPC API of `kvmesh serve`, from a client generated from the
 //! repository's protos: Generate (streamed) equals the reference engine and
-//! the HTTP gateway, Tokenize, ListModels, the standard health service, and
+//! the HTTP gateway, Tokenize, ListModels, the standard health service,
+//! reflection that lists only what the port serves, and
 //! typed refusals.
 
 use kvmesh_integration::mesh::Mesh;
@@ -105,7 +106,7 @@ async fn public_grpc_api() {
         .expect_err("unknown model");
     assert_eq!(err.code(), tonic::Code::NotFound);
 
-    let channel = tonic::transport::Endpoint::from_shared(url)
+    let channel = tonic::transport::Endpoint::from_shared(url.clone())
         .expect("url")
         .connect()
         .await
@@ -123,6 +124,51 @@ async fn public_grpc_api() {
         status,
         tonic_health::pb::health_check_response::ServingStatus::Serving as i32
     );
+
+    // Reflection names exactly what this port serves: not the internal
+    // Decode and Prefill services, which answer only on the nodes' ports.
+    assert_eq!(
+        reflected_services(url).await,
+        [
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "kvmesh.v1.Generation",
+        ]
+    );
+}
+
+/// The services a gRPC server reflection lists, sorted.
+async fn reflected_services(url: String) -> Vec<String> {
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let channel = tonic::transport::Endpoint::from_shared(url)
+        .expect("url")
+        .connect()
+        .await
+        .expect("reflection channel");
+    let mut client = ServerReflectionClient::new(channel);
+    let req = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut answers = client
+        .server_reflection_info(tokio_stream::iter([req]))
+        .await
+        .expect("reflection call")
+        .into_inner();
+    let answer = answers
+        .message()
+        .await
+        .expect("reflection answer")
+        .expect("one answer");
+    let Some(MessageResponse::ListServicesResponse(list)) = answer.message_response else {
+        panic!("not a service list: {answer:?}")
+    };
+    let mut names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    names.sort();
+    names
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,6 +10,10 @@
 //! reserves its whole budget (prompt + new tokens) up front, so decoding can
 //! never run out of pages halfway.
 
+mod stopping;
+
+pub use stopping::Stopping;
+
 use std::path::Path;
 use std::time::Instant;
 
@@ -520,12 +524,14 @@ impl Engine {
         let mut sampler = Sampler::new(params);
         let mut decoder = self.tokenizer.stream_decoder();
         let mut text = String::new();
+        let mut stopping = Stopping::new(self.eos.clone(), max_new_tokens);
         let mut finish = FinishReason::Length;
-        if max_new_tokens > 0 {
+        if !stopping.spent() {
             let mut logits = self.prefill(&mut seq)?;
             loop {
                 let tok = sampler.sample(&logits);
-                if self.eos.contains(&tok) {
+                let verdict = stopping.after(tok);
+                if verdict == Some(FinishReason::Stop) {
                     finish = FinishReason::Stop;
                     break;
                 }
@@ -533,7 +539,7 @@ impl Engine {
                     on_text(&piece);
                     text.push_str(&piece);
                 }
-                if seq.generated().len() + 1 >= max_new_tokens {
+                if verdict == Some(FinishReason::Length) {
                     seq.tokens.push(tok);
                     break;
                 }

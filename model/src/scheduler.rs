@@ -54,7 +54,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::engine::{Engine, FinishReason, Sequence, StepItem, StepWork};
+use crate::engine::{Engine, FinishReason, Sequence, StepItem, StepWork, Stopping};
 use crate::error::ModelError;
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -460,9 +460,8 @@ struct Active {
     seq: Sequence,
     sampler: Sampler,
     events: SyncSender<SchedEvent>,
-    max_new_tokens: usize,
-    ignore_eos: bool,
-    generated: usize,
+    /// The stop and budget rule (no stop ids with `ignore_eos`).
+    stopping: Stopping,
     /// The token to decode next; `None` while the prompt is prefilling.
     next: Option<u32>,
 }
@@ -633,9 +632,14 @@ impl Actor {
                     seq,
                     sampler: Sampler::new(w.req.sampling),
                     events: w.events,
-                    max_new_tokens: w.req.max_new_tokens,
-                    ignore_eos: w.req.ignore_eos,
-                    generated: 0,
+                    stopping: Stopping::new(
+                        if w.req.ignore_eos {
+                            Vec::new()
+                        } else {
+                            self.engine.eos_token_ids().to_vec()
+                        },
+                        w.req.max_new_tokens,
+                    ),
                     next: None,
                 }),
                 Err(e) => {
@@ -713,13 +717,12 @@ impl Actor {
                 }
             }
             Ok(results) => {
-                let eos = self.engine.eos_token_ids();
                 for (&i, r) in ran.iter().zip(results) {
                     let a = &mut self.running[i];
                     ends[i] = match r {
                         Err(e) => Some(End::Failed(e.to_string())),
                         Ok(None) => None,
-                        Ok(Some(logits)) => a.sampled(&logits, eos),
+                        Ok(Some(logits)) => a.sampled(&logits),
                     };
                 }
             }
@@ -778,18 +781,18 @@ fn finished(reason: FinishReason) -> SchedEvent {
 impl Active {
     /// Samples from `logits` and applies the stop rules; `Some` when the
     /// request ends.
-    fn sampled(&mut self, logits: &[f32], eos: &[u32]) -> Option<End> {
+    fn sampled(&mut self, logits: &[f32]) -> Option<End> {
         let tok = self.sampler.sample(logits);
-        if !self.ignore_eos && eos.contains(&tok) {
+        let verdict = self.stopping.after(tok);
+        if verdict == Some(FinishReason::Stop) {
             return Some(End::Finished(FinishReason::Stop));
         }
         let at = Instant::now();
         if !send(&self.events, SchedEvent::Token { id: tok, at }) {
             return Some(End::Cancelled);
         }
-        self.generated += 1;
-        if self.generated >= self.max_new_tokens {
-            return Some(End::Finished(FinishReason::Length));
+        if let Some(reason) = verdict {
+            return Some(End::Finished(reason));
         }
         self.next = Some(tok);
         None

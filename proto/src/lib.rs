@@ -24,7 +24,8 @@ pub mod internal {
     }
 }
 
-/// The encoded `FileDescriptorSet` of every service, for gRPC server
-/// reflection.
-pub const FILE_DESCRIPTOR_SET: &[u8] =
-    include_bytes!(concat!(env!("OUT_DIR"), "/kvmesh_descriptor.bin"));
+/// The encoded `FileDescriptorSet` of the public API (`kvmesh.v1`) alone,
+/// for the public port's gRPC server reflection: the internal services are
+/// not served there, so reflection does not name them.
+pub const PUBLIC_FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/kvmesh_public_descriptor.bin"));

@@ -29,8 +29,10 @@ pub fn service(router: Router) -> tonic::transport::server::Router {
     let routes = server
         .add_service(health)
         .add_service(GenerationServer::new(Api { router }));
+    // Reflection lists what this port serves: the public API and health.
     match tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(kvmesh_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(kvmesh_proto::PUBLIC_FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
     {
         Ok(reflection) => routes.add_service(reflection),
