@@ -6,6 +6,7 @@ use std::process::{Command, Output};
 
 pub mod http;
 pub mod mesh;
+pub mod nodes;
 pub mod python;
 pub mod roles;
 

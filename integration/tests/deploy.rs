@@ -433,9 +433,7 @@ fn a_dead_decode_node_fails_its_streams_fast() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn internal_services_stop_and_abort_across_processes() {
     use kvmesh_meshauth::MeshSecret;
-    use kvmesh_proto::internal::v1::{
-        decode_event, AbortRequest, GenerateRequest, LoadRequest, PrefillRequest,
-    };
+    use kvmesh_proto::internal::v1::{AbortRequest, GenerateRequest, LoadRequest, PrefillRequest};
     use kvmesh_proto::peer::{decode_client, prefill_client};
 
     let dir = tempfile::tempdir().expect("tempdir");
@@ -473,15 +471,7 @@ async fn internal_services_stop_and_abort_across_processes() {
         .await
         .expect("generate")
         .into_inner();
-    let grant = match stream
-        .message()
-        .await
-        .expect("first event")
-        .and_then(|e| e.event)
-    {
-        Some(decode_event::Event::Granted(g)) => g,
-        other => panic!("not a grant: {other:?}"),
-    };
+    let grant = kvmesh_integration::nodes::first_grant(&mut stream).await;
     let before = decode
         .load(LoadRequest {})
         .await

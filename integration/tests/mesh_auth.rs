@@ -26,7 +26,7 @@ use kvmesh_meshauth::{sign_call, MeshSecret, CALL_HEADER};
 use kvmesh_proto::internal::v1::decode_client::DecodeClient;
 use kvmesh_proto::internal::v1::prefill_client::PrefillClient;
 use kvmesh_proto::internal::v1::{
-    decode_event, AbortRequest, GenerateRequest, LoadReport, LoadRequest, PrefillRequest,
+    AbortRequest, GenerateRequest, LoadReport, LoadRequest, PrefillRequest,
 };
 use kvmesh_proto::peer::{decode_client, prefill_client};
 use serde_json::{json, Value};
@@ -219,15 +219,7 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
         .await
         .expect("generate")
         .into_inner();
-    let grant = match stream
-        .message()
-        .await
-        .expect("first event")
-        .and_then(|e| e.event)
-    {
-        Some(decode_event::Event::Granted(g)) => g,
-        other => panic!("not a grant: {other:?}"),
-    };
+    let grant = kvmesh_integration::nodes::first_grant(&mut stream).await;
     let Ok((Message::Grant(g), _)) = decode_message(&grant.grant) else {
         panic!("not a grant")
     };

@@ -54,7 +54,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::engine::{Engine, FinishReason, Sequence, StepItem, StepWork, Stopping};
+use crate::engine::{Engine, FinishReason, StepItem, StepWork, Stopping};
 use crate::error::ModelError;
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -453,51 +453,6 @@ struct Waiting {
     events: SyncSender<SchedEvent>,
 }
 
-/// An admitted request.
-#[derive(Debug)]
-struct Active {
-    id: u64,
-    seq: Sequence,
-    sampler: Sampler,
-    events: SyncSender<SchedEvent>,
-    /// The stop and budget rule (no stop ids with `ignore_eos`).
-    stopping: Stopping,
-    /// The token to decode next; `None` while the prompt is prefilling.
-    next: Option<u32>,
-}
-
-impl Active {
-    fn need(&self) -> Need {
-        match self.next {
-            Some(_) => Need::Decode,
-            None => Need::Prefill(self.seq.tokens().len() - self.seq.cached_len()),
-        }
-    }
-}
-
-/// How a request ends this step.
-enum End {
-    Finished(FinishReason),
-    Failed(String),
-    /// The receiver is gone: nothing to send.
-    Cancelled,
-}
-
-/// Sends `ev` without blocking; `false` if the receiver is gone (a full
-/// channel cannot happen by its sizing, and is treated the same).
-fn send(events: &SyncSender<SchedEvent>, ev: SchedEvent) -> bool {
-    events.try_send(ev).is_ok()
-}
-
-fn end_event(end: End) -> Option<SchedEvent> {
-    let at = Instant::now();
-    match end {
-        End::Finished(reason) => Some(SchedEvent::Finished { reason, at }),
-        End::Failed(error) => Some(SchedEvent::Failed { error, at }),
-        End::Cancelled => None,
-    }
-}
-
 /// The actor's state.
 struct Actor {
     engine: Arc<Engine>,
@@ -771,33 +726,9 @@ impl Actor {
     }
 }
 
-fn finished(reason: FinishReason) -> SchedEvent {
-    SchedEvent::Finished {
-        reason,
-        at: Instant::now(),
-    }
-}
+mod active;
 
-impl Active {
-    /// Samples from `logits` and applies the stop rules; `Some` when the
-    /// request ends.
-    fn sampled(&mut self, logits: &[f32]) -> Option<End> {
-        let tok = self.sampler.sample(logits);
-        let verdict = self.stopping.after(tok);
-        if verdict == Some(FinishReason::Stop) {
-            return Some(End::Finished(FinishReason::Stop));
-        }
-        let at = Instant::now();
-        if !send(&self.events, SchedEvent::Token { id: tok, at }) {
-            return Some(End::Cancelled);
-        }
-        if let Some(reason) = verdict {
-            return Some(End::Finished(reason));
-        }
-        self.next = Some(tok);
-        None
-    }
-}
+use active::{end_event, finished, send, Active, End};
 
 #[cfg(test)]
 mod tests;
