@@ -10,6 +10,10 @@
 //! page_size: 16
 //! transport: tcp               # or shm (prefill and decode on one host)
 //! allow_small_pool: false
+//! lease_ms: 60000              # how long a grant waits for its transfer
+//! abort_timeout_ms: 10000      # how long an abort waits for the writer's confirmation
+//! scrub: off                   # zero KV pages: off, on-release or on-allocate
+//! poison: false                # debug: a canary in free pages, checked on every read
 //! mesh:                        # mesh-internal authentication (required)
 //!   secret_file: mesh.secret   # 32+ random bytes, the same file on every
 //!                              #   node; relative to this file's folder
@@ -38,7 +42,10 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
+use std::time::Duration;
+
 use anyhow::{bail, Context, Result};
+use kvmesh_kvpool::{ParseScrubModeError, ScrubMode};
 use kvmesh_meshauth::{readable_by_others, MeshSecret};
 use serde::Deserialize;
 
@@ -73,6 +80,22 @@ pub struct MeshConfig {
     /// Start nodes whose pool cannot hold one max-context request.
     #[serde(default)]
     pub allow_small_pool: bool,
+    /// How long a decode node's grant may wait for its transfer before the
+    /// lease ends it (revoked, then freed), milliseconds.
+    #[serde(default = "default_lease_ms")]
+    pub lease_ms: u64,
+    /// How long a decode node waits for a writer's abort confirmation
+    /// before it revokes the writer's path, milliseconds.
+    #[serde(default = "default_abort_timeout_ms")]
+    pub abort_timeout_ms: u64,
+    /// Zeroing of every node's KV pages (I6): `off`, `on-release` or
+    /// `on-allocate`; parsed once, here.
+    #[serde(default, deserialize_with = "scrub_mode")]
+    pub scrub: ScrubMode,
+    /// Debug poison mode on every node: free pages hold a canary that any
+    /// read refuses (costs a scan per read; off in production).
+    #[serde(default)]
+    pub poison: bool,
     /// Mesh-internal authentication; required.
     pub mesh: Option<MeshSection>,
     /// The router.
@@ -208,6 +231,21 @@ fn default_kv_cache_dtype() -> String {
     "auto".into()
 }
 
+fn default_lease_ms() -> u64 {
+    crate::serve::LEASE.as_millis() as u64
+}
+
+fn default_abort_timeout_ms() -> u64 {
+    crate::serve::ABORT_TIMEOUT.as_millis() as u64
+}
+
+/// `scrub:` as its typed value, refused naming the field and the value.
+fn scrub_mode<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ScrubMode, D::Error> {
+    let s = String::deserialize(d)?;
+    s.parse()
+        .map_err(|e: ParseScrubModeError| serde::de::Error::custom(format!("scrub = {s:?}: {e}")))
+}
+
 impl MeshConfig {
     /// The KV pool element type of every node (`None`: auto); the file was
     /// validated, so the value parses.
@@ -216,6 +254,27 @@ impl MeshConfig {
             .parse::<crate::KvCacheDtype>()
             .ok()
             .and_then(|d| d.0)
+    }
+
+    /// How long a grant may wait for its transfer.
+    pub fn lease(&self) -> Duration {
+        Duration::from_millis(self.lease_ms)
+    }
+
+    /// How long an abort may wait for the writer's confirmation.
+    pub fn abort_timeout(&self) -> Duration {
+        Duration::from_millis(self.abort_timeout_ms)
+    }
+
+    /// The pool and handshake settings, for `--check-config` and the logs.
+    pub fn describe_pools(&self) -> String {
+        format!(
+            "lease {} ms, abort timeout {} ms, scrub {}, poison {}",
+            self.lease_ms,
+            self.abort_timeout_ms,
+            self.scrub,
+            if self.poison { "on" } else { "off" }
+        )
     }
 
     /// The precision every node loads the model in.
@@ -286,6 +345,12 @@ impl MeshConfig {
         }
         if self.max_model_len == Some(0) {
             bail!(refuse(file, "max_model_len", "0", "must be at least 1"));
+        }
+        if self.lease_ms == 0 {
+            bail!(refuse(file, "lease_ms", "0", "must be at least 1"));
+        }
+        if self.abort_timeout_ms == 0 {
+            bail!(refuse(file, "abort_timeout_ms", "0", "must be at least 1"));
         }
         match &self.mesh {
             None

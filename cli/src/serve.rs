@@ -26,10 +26,11 @@ use tonic::transport::server::TcpIncoming;
 use crate::config::MeshConfig;
 use crate::ModelArgs;
 
-/// How long a grant may wait for its transfer.
-const LEASE: Duration = Duration::from_secs(60);
-/// How long an abort may wait for the writer's confirmation.
-const ABORT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a grant may wait for its transfer (`--lease-ms`, `lease_ms:`).
+pub(crate) const LEASE: Duration = Duration::from_secs(60);
+/// How long an abort may wait for the writer's confirmation
+/// (`--abort-timeout-ms`, `abort_timeout_ms:`).
+pub(crate) const ABORT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How KV pages travel from prefill to decode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -368,12 +369,13 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
     let auth = cfg.mesh_auth()?;
     if a.check_config {
         println!(
-            "config ok: {}: {role_name}{}; {} prefill and {} decode nodes, transport {}; {}",
+            "config ok: {}: {role_name}{}; {} prefill and {} decode nodes, transport {}; {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
             cfg.prefill.len(),
             cfg.decode.len(),
             cfg.transport,
+            cfg.describe_pools(),
             auth.describe()
         );
         return Ok(());
@@ -411,7 +413,8 @@ fn engine_config(cfg: &MeshConfig, kv_pool_tokens: Option<usize>) -> EngineConfi
         max_model_len: cfg.max_model_len,
         precision: cfg.precision(),
         kv_dtype: cfg.kv_dtype(),
-        ..EngineConfig::default()
+        scrub: cfg.scrub,
+        poison: cfg.poison,
     }
 }
 
@@ -438,8 +441,8 @@ async fn decode_process(cfg: &MeshConfig, name: &str, mesh_secret: MeshSecret) -
             engine: engine_config(cfg, n.kv_pool_tokens),
             allow_small_pool: cfg.allow_small_pool,
             transport,
-            lease: LEASE,
-            abort_timeout: ABORT_TIMEOUT,
+            lease: cfg.lease(),
+            abort_timeout: cfg.abort_timeout(),
             kv_advertise: Some(cfg.kv_endpoint(n)),
             mesh_secret,
         },

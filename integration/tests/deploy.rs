@@ -131,6 +131,18 @@ fn bad_mesh_files_are_refused_with_field_value_and_reason() {
         ),
         (format!("{good}colour: blue\n"), "unknown field `colour`"),
         (
+            format!("{good}scrub: sometimes\n"),
+            "scrub = \"sometimes\": ",
+        ),
+        (
+            format!("{good}lease_ms: 0\n"),
+            "lease_ms = \"0\": must be at least 1",
+        ),
+        (
+            format!("{good}abort_timeout_ms: 0\n"),
+            "abort_timeout_ms = \"0\": must be at least 1",
+        ),
+        (
             good.replace(
                 "decode: [{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}]",
                 "decode: []",
@@ -185,6 +197,22 @@ fn bad_mesh_files_are_refused_with_field_value_and_reason() {
         assert!(!out.status.success(), "accepted: {text}");
         assert!(stderr.contains(want), "{want:?} not in {stderr}");
     }
+    // The pool and handshake settings of `serve` are the mesh file's too,
+    // parsed into typed values once.
+    let f = dir.path().join("settings.yaml");
+    let text =
+        format!("{good}lease_ms: 5000\nabort_timeout_ms: 700\nscrub: on-release\npoison: true\n");
+    std::fs::write(&f, text).expect("write");
+    let out = run_kvmesh(
+        &["decode", "--config", &f.to_string_lossy(), "--check-config"],
+        &[],
+    );
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("lease 5000 ms, abort timeout 700 ms, scrub on-release, poison on"),
+        "{stdout}"
+    );
     // A node name the file does not have.
     let f = dir.path().join("good.yaml");
     std::fs::write(&f, good).expect("write");
