@@ -203,7 +203,8 @@ where
 /// validation, the response id, admission.
 async fn validate_and_admit(r: &Router, chat: bool, body: &[u8]) -> Result<()> {
     let (ids, s) = validate(r, chat, body)
-        .map_err(|e| anyhow!("the benchmark's own request was refused: {e}"))?;
+        .map_err(|e| anyhow!("the benchmark's own request was refused: {e}"))?
+        .into_parts();
     black_box(kvmesh_kvwire::RequestId::mint().ok());
     match r.admit(ids.len(), s.max_tokens).await {
         // No node is registered: admission ends here, before the queue.

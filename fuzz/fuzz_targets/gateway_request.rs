@@ -39,7 +39,8 @@ fuzz_target!(|data: &[u8]| {
         None => return,
     };
     match kvmesh_router::http::validate(router(), chat, body) {
-        Ok((ids, s)) => {
+        Ok(v) => {
+            let (ids, s) = (v.ids(), v.settings());
             assert!(s.max_tokens >= 1);
             assert!((0.0..=2.0).contains(&s.temperature));
             assert!(s.top_p > 0.0 && s.top_p <= 1.0);

@@ -96,6 +96,35 @@ async fn public_grpc_api() {
         "{}",
         err.message()
     );
+    // The HTTP gateway's validation, with its defaults and limits: an empty
+    // prompt and a fifth stop string are refused before admission, named,
+    // and counted like any refusal.
+    let rejected = |m: &Mesh| {
+        m.metric("kvmesh_requests_rejected_total{reason=\"invalid_request\"}")
+            .unwrap_or(0.0)
+    };
+    let before = rejected(&mesh);
+    for (req, what) in [
+        (
+            GenerateRequest {
+                input: Some(generate_request::Input::Prompt(String::new())),
+                ..Default::default()
+            },
+            "prompt",
+        ),
+        (
+            GenerateRequest {
+                input: Some(generate_request::Input::Prompt("Hello".into())),
+                stop: vec!["a".into(); 5],
+                ..Default::default()
+            },
+            "stop",
+        ),
+    ] {
+        let err = client.generate(req).await.expect_err(what);
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{what}: {err}");
+    }
+    assert_eq!(rejected(&mesh), before + 2.0);
     let err = client
         .generate(GenerateRequest {
             model: "other".into(),

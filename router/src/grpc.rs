@@ -16,6 +16,7 @@ use tonic::{Request, Response, Status};
 use crate::auth::Tenant;
 use crate::dispatch::{self, Event, Finish, Job};
 use crate::error::Rejection;
+use crate::validate::{self, invalid, Prompt};
 use crate::Router;
 
 /// The public gRPC server: Generation (behind the API-key check), health,
@@ -105,33 +106,51 @@ impl Generation for Api {
             generate_request::Input::Prompt(p) => Ok(p),
             generate_request::Input::Chat(c) => Err(c),
         });
-        let ids = self.tokenize_input(&r.model, input)?;
-        let max_tokens = if r.max_tokens == 0 {
-            16
-        } else {
-            r.max_tokens as usize
+        let prompt = match input {
+            Some(Ok(text)) => Prompt::Text(text),
+            Some(Err(c)) => Prompt::Chat(chat(c)),
+            None => {
+                let e = invalid("input", "input: a prompt or a chat is required");
+                self.router.refused(&e);
+                return Err(e.grpc());
+            }
         };
-        let temperature = r.temperature.unwrap_or(1.0);
-        let top_p = r.top_p.unwrap_or(1.0);
-        if !((0.0..=2.0).contains(&temperature) && top_p > 0.0 && top_p <= 1.0) {
-            return Err(Status::invalid_argument(
-                "temperature must be in [0, 2] and top_p in (0, 1]",
-            ));
-        }
+        let checked = validate::request(
+            &self.router,
+            validate::Request {
+                model: Some(r.model),
+                prompt,
+                // 0 is the proto's unset: the default budget.
+                max_tokens: (r.max_tokens != 0).then_some(u64::from(r.max_tokens)),
+                max_tokens_param: "max_tokens",
+                temperature: r.temperature.map(f64::from),
+                top_p: r.top_p.map(f64::from),
+                seed: r.seed,
+                stop: r.stop,
+                ignore_eos: false,
+            },
+        );
+        let (ids, s) = match checked {
+            Ok(v) => v.into_parts(),
+            Err(e) => {
+                self.router.refused(&e);
+                return Err(e.grpc());
+            }
+        };
         let prompt_tokens = ids.len();
         let permit = self
             .router
-            .admit(prompt_tokens, max_tokens)
+            .admit(prompt_tokens, s.max_tokens)
             .await
             .map_err(|e| e.grpc())?;
         let job = Job {
             prompt_ids: ids,
-            max_tokens,
-            temperature,
-            top_p,
-            seed: r.seed.unwrap_or(0x9E37_79B9_7F4A_7C15),
-            stop: r.stop,
-            ignore_eos: false,
+            max_tokens: s.max_tokens,
+            temperature: s.temperature,
+            top_p: s.top_p,
+            seed: s.seed,
+            stop: s.stop,
+            ignore_eos: s.ignore_eos,
             tenant,
             faults: kvmesh_faults::FaultPlan::none(),
         };

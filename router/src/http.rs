@@ -27,13 +27,11 @@ use kvmesh_faults::FaultPlan;
 use crate::auth::Tenant;
 use crate::dispatch::{self, Event, Job};
 use crate::error::Rejection;
+use crate::validate::{self, invalid, Prompt, Valid};
 use crate::Router;
 
 /// Interval of SSE keep-alive comments (see `stream`).
 const SSE_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_millis(250);
-
-/// Default completion budget (OpenAI's for completions).
-const DEFAULT_MAX_TOKENS: usize = 16;
 
 /// Who may call a route.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -219,13 +217,6 @@ struct ChatIn {
     content: Option<Value>,
 }
 
-fn invalid(param: &'static str, message: impl Into<String>) -> Rejection {
-    Rejection::Invalid {
-        param,
-        message: message.into(),
-    }
-}
-
 fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, Rejection> {
     serde_json::from_slice(body).map_err(|e| invalid("body", format!("invalid JSON body: {e}")))
 }
@@ -244,127 +235,62 @@ fn request_id(prefix: &str) -> Option<String> {
         .map(|id| format!("{prefix}-{id}"))
 }
 
-/// Validated sampling and budget fields.
-#[derive(Debug)]
-pub struct Settings {
-    /// Completion budget.
-    pub max_tokens: usize,
-    /// Temperature in [0, 2].
-    pub temperature: f32,
-    /// Nucleus mass in (0, 1].
-    pub top_p: f32,
-    /// Sampler seed.
-    pub seed: u64,
-    /// Non-empty stop strings, at most 4.
-    pub stop: Vec<String>,
-    /// SSE or one body.
-    pub stream: bool,
-    /// Generate exactly `max_tokens` tokens: end-of-sequence tokens do not
-    /// stop generation (stop strings still do).
-    pub ignore_eos: bool,
+/// A request body as the gateway accepts it: validated and tokenized
+/// (through [`validate::request`], the one validation the gRPC API uses
+/// too), or the typed refusal the client gets. Everything a client sends
+/// passes through here first (fuzzed: `fuzz/`).
+pub fn validate(r: &Router, chat: bool, body: &[u8]) -> Result<Valid, Rejection> {
+    parse_body(chat, body).and_then(|(req, _)| validate::request(r, req))
 }
 
-/// A request body as the gateway accepts it: prompt token ids and
-/// validated settings, or the typed refusal the client gets. Everything a
-/// client sends passes through here first (fuzzed: `fuzz/`).
-pub fn validate(r: &Router, chat: bool, body: &[u8]) -> Result<(Vec<u32>, Settings), Rejection> {
-    if chat {
+/// A body as the front-end-neutral request, and whether to stream.
+fn parse_body(chat: bool, body: &[u8]) -> Result<(validate::Request, bool), Rejection> {
+    let (prompt, c) = if chat {
         let b: ChatBody = parse(body)?;
-        let s = settings(r, &b.common)?;
-        let msgs = chat_messages(b.messages)?;
-        let ids = r
-            .tokenizer()
-            .encode_chat(&msgs)
-            .map_err(|e| invalid("messages", e.to_string()))?;
-        return not_empty(ids, "messages").map(|ids| (ids, s));
-    }
-    let b: CompletionBody = parse(body)?;
-    let s = settings(r, &b.common)?;
-    let prompt = match b.prompt {
-        Some(OneOrMany::One(p)) => p,
-        Some(OneOrMany::Many(mut v)) if v.len() == 1 => v.remove(0),
-        Some(OneOrMany::Many(_)) => return Err(invalid("prompt", "one prompt per request")),
-        None => return Err(invalid("prompt", "prompt is required")),
+        (Prompt::Chat(chat_messages(b.messages)?), b.common)
+    } else {
+        let b: CompletionBody = parse(body)?;
+        let prompt = match b.prompt {
+            Some(OneOrMany::One(p)) => p,
+            Some(OneOrMany::Many(mut v)) if v.len() == 1 => v.remove(0),
+            Some(OneOrMany::Many(_)) => return Err(invalid("prompt", "one prompt per request")),
+            None => return Err(invalid("prompt", "prompt is required")),
+        };
+        (Prompt::Text(prompt), b.common)
     };
-    let ids = r
-        .tokenizer()
-        .encode(&prompt)
-        .map_err(|e| invalid("prompt", e.to_string()))?;
-    not_empty(ids, "prompt").map(|ids| (ids, s))
-}
-
-/// A prompt of no tokens is refused here, before admission: no node can
-/// reserve for it.
-fn not_empty(ids: Vec<u32>, param: &'static str) -> Result<Vec<u32>, Rejection> {
-    if ids.is_empty() {
-        return Err(invalid(
-            param,
-            "the prompt is empty: it encodes to no tokens",
-        ));
-    }
-    Ok(ids)
-}
-
-fn settings(r: &Router, c: &Common) -> Result<Settings, Rejection> {
-    if let Some(m) = &c.model {
-        if !m.is_empty() && *m != r.config().model_id {
-            return Err(Rejection::UnknownModel(m.clone()));
-        }
-    }
     if c.n.is_some_and(|n| n != 1) {
         return Err(invalid("n", "only n=1 is supported"));
     }
-    // Each field is checked on its own, the ignored one too: a request
-    // with `max_tokens: 0` is refused whatever else it says.
-    for (param, v) in [
-        ("max_tokens", c.max_tokens),
-        ("max_completion_tokens", c.max_completion_tokens),
-    ] {
-        if v == Some(0) {
-            return Err(invalid(param, format!("{param} must be at least 1")));
-        }
+    // Each budget field is checked on its own, the ignored one too: a
+    // request with `max_tokens: 0` is refused whatever else it says.
+    if c.max_tokens == Some(0) && c.max_completion_tokens.is_some() {
+        return Err(invalid("max_tokens", "max_tokens must be at least 1"));
     }
-    let max_tokens = c
-        .max_completion_tokens
-        .or(c.max_tokens)
-        .unwrap_or(DEFAULT_MAX_TOKENS as u64);
-    let max_tokens = usize::try_from(max_tokens).unwrap_or(usize::MAX);
-    let temperature = c.temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(invalid(
-            "temperature",
-            format!("temperature {temperature} is not in [0, 2]"),
-        ));
-    }
-    let top_p = c.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(invalid("top_p", format!("top_p {top_p} is not in (0, 1]")));
-    }
-    // In range, so the narrowing only rounds; a top_p below f32's range
-    // keeps the smallest positive mass (the most likely token only).
-    let (temperature, top_p) = (temperature as f32, (top_p as f32).max(f32::MIN_POSITIVE));
-    let stop = match &c.stop {
-        None => Vec::new(),
-        Some(OneOrMany::One(s)) => vec![s.clone()],
-        Some(OneOrMany::Many(v)) if v.len() <= 4 => v.clone(),
-        Some(OneOrMany::Many(_)) => return Err(invalid("stop", "at most 4 stop strings")),
+    let (max_tokens, max_tokens_param) = match (c.max_completion_tokens, c.max_tokens) {
+        (Some(n), _) => (Some(n), "max_completion_tokens"),
+        (None, n) => (n, "max_tokens"),
     };
-    Ok(Settings {
+    let stop = match c.stop {
+        None => Vec::new(),
+        Some(OneOrMany::One(s)) => vec![s],
+        Some(OneOrMany::Many(v)) => v,
+    };
+    let req = validate::Request {
+        model: c.model,
+        prompt,
         max_tokens,
-        temperature,
-        top_p,
-        seed: c.seed.unwrap_or_else(|| unix_now() ^ 0x9E37_79B9_7F4A_7C15),
-        stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
-        stream: c.stream,
+        max_tokens_param,
+        temperature: c.temperature,
+        top_p: c.top_p,
+        seed: c.seed,
+        stop,
         ignore_eos: c.ignore_eos,
-    })
+    };
+    Ok((req, c.stream))
 }
 
 fn chat_messages(msgs: Option<Vec<ChatIn>>) -> Result<Vec<ChatMessage>, Rejection> {
     let msgs = msgs.ok_or_else(|| invalid("messages", "messages is required"))?;
-    if msgs.is_empty() {
-        return Err(invalid("messages", "messages must not be empty"));
-    }
     msgs.into_iter()
         .map(|m| {
             let content = match m.content {
@@ -434,23 +360,15 @@ async fn generate(
         Err(e) => return body_refused(&r, &e),
     };
     let faults = faults.map(|f| f.0).unwrap_or_default();
-    match validate(&r, matches!(kind, Kind::Chat), &body) {
-        Ok((ids, s)) => respond(r, ids, s, kind, tenant, faults).await,
-        Err(e) => reject(&r, e),
+    let checked = parse_body(matches!(kind, Kind::Chat), &body)
+        .and_then(|(req, stream)| Ok((validate::request(&r, req)?, stream)));
+    match checked {
+        Ok((valid, stream)) => respond(r, valid, stream, kind, tenant, faults).await,
+        Err(e) => {
+            r.refused(&e);
+            e.into_response()
+        }
     }
-}
-
-fn reject(r: &Router, e: Rejection) -> Response {
-    // Admission counts its own refusals; these are the parse refusals.
-    if !matches!(
-        e,
-        Rejection::ContextLengthExceeded { .. }
-            | Rejection::Saturated { .. }
-            | Rejection::NoHealthyNode { .. }
-    ) {
-        r.metrics.rejected(e.reason());
-    }
-    e.into_response()
 }
 
 #[derive(Clone, Copy)]
@@ -461,12 +379,13 @@ enum Kind {
 
 async fn respond(
     r: Router,
-    ids: Vec<u32>,
-    s: Settings,
+    valid: Valid,
+    stream_it: bool,
     kind: Kind,
     tenant: Tenant,
     faults: FaultPlan,
 ) -> Response {
+    let (ids, s) = valid.into_parts();
     let prompt_tokens = ids.len();
     let (id, object) = match kind {
         Kind::Completion => (request_id("cmpl"), "text_completion"),
@@ -500,7 +419,7 @@ async fn respond(
     };
     let model = r.config().model_id.clone();
     let created = unix_now();
-    if s.stream {
+    if stream_it {
         return stream(rx, kind, id, model, created, prompt_tokens).into_response();
     }
     let mut rx = rx;

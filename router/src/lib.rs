@@ -33,6 +33,7 @@ pub mod http;
 mod metrics;
 pub mod nodes;
 pub mod openapi;
+pub mod validate;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -125,6 +126,20 @@ impl Router {
     /// The settings.
     pub fn config(&self) -> &RouterConfig {
         &self.cfg
+    }
+
+    /// Counts a refusal made before admission (parse and validation:
+    /// [`validate::request`]), whichever front end made it; admission
+    /// counts its own ([`Router::admit`]).
+    pub fn refused(&self, e: &Rejection) {
+        if !matches!(
+            e,
+            Rejection::ContextLengthExceeded { .. }
+                | Rejection::Saturated { .. }
+                | Rejection::NoHealthyNode { .. }
+        ) {
+            self.metrics.rejected(e.reason());
+        }
     }
 
     /// The HTTP gateway.

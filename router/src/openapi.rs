@@ -10,7 +10,7 @@
 pub const DOCUMENT: &str = include_str!("../openapi.json");
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::collections::BTreeSet;
     use std::path::PathBuf;
 
@@ -33,7 +33,7 @@ mod tests {
 
     /// A router with the tiny model's tokenizer and no nodes (so anything
     /// admitted gets 503), with API keys when `keys`.
-    fn router(keys: bool) -> Router {
+    pub(crate) fn router(keys: bool) -> Router {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/data/tiny-llama");
         let tok = kvmesh_tokenizer::TextTokenizer::from_hf_dir(&dir).expect("tiny tokenizer");
         let api_keys = if keys {
