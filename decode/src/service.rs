@@ -485,3 +485,91 @@ impl Decode for DecodeNode {
         Ok(Response::new(self.load_report()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvmesh_proto::internal::v1::Sampling;
+
+    use super::*;
+
+    fn generate(writer_id: Vec<u8>, sampling: Option<Sampling>) -> GenerateRequest {
+        GenerateRequest {
+            prompt_ids: vec![1, 2, 3],
+            max_new_tokens: 4,
+            writer_id,
+            tenant: "t".into(),
+            sampling,
+            stop_token_ids: vec![2],
+        }
+    }
+
+    fn writer() -> Vec<u8> {
+        WriterId::mint().expect("rng").to_bytes().to_vec()
+    }
+
+    #[test]
+    fn a_generate_request_is_checked_before_anything_is_reserved() {
+        let c = check(&generate(writer(), None)).expect("valid");
+        assert_eq!(c.max_new, 4);
+        // Unset top_p is the whole distribution, not zero mass.
+        assert_eq!(c.params.top_p, 1.0);
+        for bad in [vec![], vec![7; 15], vec![0; 16]] {
+            let e = check(&generate(bad.clone(), None)).err().expect("refused");
+            assert!(e.contains("writer_id"), "{bad:?}: {e}");
+        }
+        let hot = Sampling {
+            temperature: -1.0,
+            top_p: 1.0,
+            seed: 1,
+        };
+        assert!(check(&generate(writer(), Some(hot))).is_err());
+    }
+
+    #[test]
+    fn every_reserve_refusal_has_its_typed_kind() {
+        let writer = WriterId::mint().expect("rng");
+        let cases = [
+            (ReserveError::EmptyPrompt, RefuseKind::EmptyPrompt),
+            (
+                ReserveError::TooLong {
+                    prompt_tokens: 3,
+                    max_new_tokens: 9,
+                    requested: 12,
+                    max_seq_tokens: 8,
+                },
+                RefuseKind::TooLong,
+            ),
+            (
+                ReserveError::OverCapacity {
+                    requested: 99,
+                    capacity: 64,
+                },
+                RefuseKind::OverCapacity,
+            ),
+            (
+                ReserveError::Exhausted {
+                    needed_pages: 2,
+                    free_pages: 1,
+                },
+                RefuseKind::Exhausted,
+            ),
+            (
+                ReserveError::WriterNotConnected { writer },
+                RefuseKind::WriterNotConnected,
+            ),
+            (
+                ReserveError::Transport("no lane".into()),
+                RefuseKind::Internal,
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(refuse_kind(&e), want, "{e}");
+            let ev = refused(refuse_kind(&e), e.to_string());
+            let Some(decode_event::Event::Refused(r)) = ev.event else {
+                panic!("not a refusal: {ev:?}")
+            };
+            assert_eq!(r.kind(), want);
+            assert_eq!(r.message, e.to_string());
+        }
+    }
+}
