@@ -88,18 +88,10 @@ impl<'a> TextOut<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{tiny_tokenizer, TINY_BOS, TINY_EOS};
+    use crate::testing::tiny_text_tokenizer;
 
     fn tiny() -> TextTokenizer {
-        TextTokenizer::assemble(
-            tiny_tokenizer(),
-            Some("<s>".into()),
-            Some(TINY_BOS),
-            Some("</s>".into()),
-            vec![TINY_EOS],
-            false,
-            None,
-        )
+        tiny_text_tokenizer(None, false)
     }
 
     /// Push every id of `text` (one token per byte or merge), collecting

@@ -80,6 +80,20 @@ pub fn tiny_tokenizer() -> tokenizers::Tokenizer {
     t
 }
 
+/// The tiny tokenizer as a [`crate::TextTokenizer`]: `<s>` / `</s>` as
+/// BOS / EOS, with `template` as its chat template.
+pub fn tiny_text_tokenizer(template: Option<&str>, add_bos: bool) -> crate::TextTokenizer {
+    crate::TextTokenizer::assemble(
+        tiny_tokenizer(),
+        Some("<s>".into()),
+        Some(TINY_BOS),
+        Some("</s>".into()),
+        vec![TINY_EOS],
+        add_bos,
+        template.map(str::to_owned),
+    )
+}
+
 /// Write the tiny tokenizer's files of a Hugging Face directory:
 /// `tokenizer.json` and `tokenizer_config.json` (BOS `<s>` in the object
 /// form, EOS `</s>`, no BOS added, [`TINY_HF_TEMPLATE`]).

@@ -1,23 +1,15 @@
 use super::*;
 use crate::gguf::{GgufHeader, GgufValue};
 use crate::testing::{
-    set_metadata, smollm2_gguf, tiny_gguf_metadata, tiny_tokenizer, write_gguf, write_hf_tokenizer,
-    TINY_BOS, TINY_EOS,
+    set_metadata, smollm2_gguf, tiny_gguf_metadata, tiny_text_tokenizer, write_gguf,
+    write_hf_tokenizer, TINY_BOS, TINY_EOS,
 };
 
 /// SmolLM2-135M-Instruct's chat template (from its GGUF metadata).
 const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 fn tiny(template: Option<&str>, add_bos: bool) -> TextTokenizer {
-    TextTokenizer::assemble(
-        tiny_tokenizer(),
-        Some("<s>".into()),
-        Some(TINY_BOS),
-        Some("</s>".into()),
-        vec![TINY_EOS],
-        add_bos,
-        template.map(str::to_owned),
-    )
+    tiny_text_tokenizer(template, add_bos)
 }
 
 fn user(content: &str) -> ChatMessage {
