@@ -12,6 +12,7 @@
 //! allow_small_pool: false
 //! lease_ms: 60000              # how long a grant waits for its transfer
 //! abort_timeout_ms: 10000      # how long an abort waits for the writer's confirmation
+//! drain_timeout_ms: 30000      # on SIGTERM: how long work in flight may run on
 //! scrub: off                   # zero KV pages: off, on-release or on-allocate
 //! poison: false                # debug: a canary in free pages, checked on every read
 //! mesh:                        # mesh-internal authentication (required)
@@ -88,6 +89,10 @@ pub struct MeshConfig {
     /// before it revokes the writer's path, milliseconds.
     #[serde(default = "default_abort_timeout_ms")]
     pub abort_timeout_ms: u64,
+    /// On SIGTERM or ctrl-c, how long every node lets work in flight run
+    /// on before it ends it, milliseconds (`--drain-timeout` overrides).
+    #[serde(default = "default_drain_timeout_ms")]
+    pub drain_timeout_ms: u64,
     /// Zeroing of every node's KV pages (I6): `off`, `on-release` or
     /// `on-allocate`; parsed once, here.
     #[serde(default, deserialize_with = "scrub_mode")]
@@ -239,6 +244,10 @@ fn default_abort_timeout_ms() -> u64 {
     crate::serve::ABORT_TIMEOUT.as_millis() as u64
 }
 
+fn default_drain_timeout_ms() -> u64 {
+    crate::serve::DRAIN_TIMEOUT.as_millis() as u64
+}
+
 /// `scrub:` as its typed value, refused naming the field and the value.
 fn scrub_mode<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ScrubMode, D::Error> {
     let s = String::deserialize(d)?;
@@ -266,12 +275,18 @@ impl MeshConfig {
         Duration::from_millis(self.abort_timeout_ms)
     }
 
+    /// How long a drain lets work in flight run on.
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.drain_timeout_ms)
+    }
+
     /// The pool and handshake settings, for `--check-config` and the logs.
     pub fn describe_pools(&self) -> String {
         format!(
-            "lease {} ms, abort timeout {} ms, scrub {}, poison {}",
+            "lease {} ms, abort timeout {} ms, drain timeout {} ms, scrub {}, poison {}",
             self.lease_ms,
             self.abort_timeout_ms,
+            self.drain_timeout_ms,
             self.scrub,
             if self.poison { "on" } else { "off" }
         )

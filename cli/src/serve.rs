@@ -4,24 +4,21 @@
 //! --config mesh.yaml` (one service per process, for several processes or
 //! hosts).
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use axum::serve::ListenerExt;
 use clap::{Args, ValueEnum};
-use kvmesh_decode::{DecodeConfig, DecodeNode, Transport};
+use kvmesh_decode::{DecodeConfig, DecodeNode, Drained, Transport};
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::default_model;
 use kvmesh_model::engine::EngineConfig;
 use kvmesh_model::Precision;
 use kvmesh_prefill::{PrefillConfig, PrefillNode};
 use kvmesh_router::nodes::{Nodes, Role};
-use kvmesh_router::{Router, RouterConfig};
+use kvmesh_router::{Listeners, Router, RouterConfig};
 use kvmesh_tokenizer::ModelInfo;
 use tokio::net::TcpListener;
-use tonic::transport::server::TcpIncoming;
 
 use crate::config::MeshConfig;
 use crate::ModelArgs;
@@ -31,6 +28,26 @@ pub(crate) const LEASE: Duration = Duration::from_secs(60);
 /// How long an abort may wait for the writer's confirmation
 /// (`--abort-timeout-ms`, `abort_timeout_ms:`).
 pub(crate) const ABORT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a drain lets work in flight finish (`--drain-timeout`,
+/// `drain_timeout_ms:`).
+pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `--drain-timeout`: seconds (`30`, `30s`) or milliseconds (`500ms`).
+pub(crate) fn parse_duration(v: &str) -> Result<Duration, String> {
+    let v = v.trim();
+    let (digits, scale) = if let Some(ms) = v.strip_suffix("ms") {
+        (ms, 1)
+    } else {
+        (v.strip_suffix('s').unwrap_or(v), 1000)
+    };
+    digits
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .map(Duration::from_millis)
+        .ok_or_else(|| format!("{v:?}: expected seconds (30, 30s) or milliseconds (500ms)"))
+}
 
 /// How KV pages travel from prefill to decode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -76,6 +93,10 @@ pub struct ServeArgs {
     /// its path is revoked, in milliseconds.
     #[arg(long, env = "KVMESH_ABORT_TIMEOUT_MS", default_value_t = ABORT_TIMEOUT.as_millis() as u64)]
     pub abort_timeout_ms: u64,
+    /// On SIGTERM or ctrl-c, how long requests in flight may run on before
+    /// they end with an error (seconds, or e.g. 500ms).
+    #[arg(long, env = "KVMESH_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
     #[command(flatten)]
     pub testing: TestingArgs,
 }
@@ -143,6 +164,11 @@ pub struct RoleArgs {
     /// without loading the model or opening a port.
     #[arg(long)]
     pub check_config: bool,
+    /// On SIGTERM or ctrl-c, how long work in flight may run on before it
+    /// is ended (seconds, or e.g. 500ms); default: the mesh file's
+    /// `drain_timeout_ms`.
+    #[arg(long, env = "KVMESH_DRAIN_TIMEOUT", value_parser = parse_duration)]
+    pub drain_timeout: Option<Duration>,
     #[command(flatten)]
     pub testing: TestingArgs,
 }
@@ -186,74 +212,55 @@ fn model_info(path: &Path) -> Result<ModelInfo> {
     ModelInfo::read(path).with_context(|| format!("reading model metadata {}", path.display()))
 }
 
-/// Accepted gRPC connections with TCP_NODELAY: a streamed token is one
-/// small write, which Nagle's algorithm would hold until the peer's delayed
-/// ACK (measured: about 40 ms added to every TTFT through the mesh).
-fn no_delay(l: TcpListener) -> TcpIncoming {
-    TcpIncoming::from(l).with_nodelay(Some(true))
-}
-
-async fn listen(addr: &str) -> Result<(TcpListener, SocketAddr)> {
-    let l = TcpListener::bind(addr)
+async fn listen(addr: &str, what: &str) -> Result<TcpListener> {
+    TcpListener::bind(addr)
         .await
-        .with_context(|| format!("binding {addr}"))?;
-    let a = l.local_addr()?;
-    Ok((l, a))
+        .with_context(|| format!("binding {addr} ({what})"))
 }
 
-/// Serves one node's gRPC service on `addr`; returns the bound address.
-async fn serve_grpc(
-    routes: tonic::service::Routes,
-    addr: &str,
-    what: &'static str,
-) -> Result<SocketAddr> {
-    let (l, a) = listen(addr).await?;
-    tokio::spawn(async move {
-        let r = tonic::transport::Server::builder()
-            .add_routes(routes)
-            .serve_with_incoming(no_delay(l))
-            .await;
-        if let Err(e) = r {
-            tracing::error!(error = %e, "{what} gRPC server");
+/// Resolves at the first SIGTERM or ctrl-c: the start of a drain.
+async fn terminated(drain: Duration) {
+    let term = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch for SIGTERM; ctrl-c still drains");
+                std::future::pending::<()>().await;
+            }
         }
-    });
-    Ok(a)
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+    eprintln!(
+        "kvmesh: shutting down: draining (at most {} ms)",
+        drain.as_millis()
+    );
 }
 
-async fn serve_decode(node: &DecodeNode, addr: &str) -> Result<SocketAddr> {
-    serve_grpc(tonic::service::Routes::new(node.service()), addr, "decode").await
-}
-
-async fn serve_prefill(node: &PrefillNode, addr: &str) -> Result<SocketAddr> {
-    serve_grpc(tonic::service::Routes::new(node.service()), addr, "prefill").await
-}
-
-/// Starts the router's gateway and public gRPC API; prints the URLs; runs
-/// until ctrl-c.
-async fn run_router(router: Router, http: &str, grpc: &str) -> Result<()> {
-    let (hl, http_addr) = listen(http).await.context("the HTTP gateway")?;
-    let (gl, grpc_addr) = listen(grpc).await.context("the public gRPC API")?;
-    let public = kvmesh_router::grpc::service(router.clone());
-    tokio::spawn(async move {
-        if let Err(e) = public.serve_with_incoming(no_delay(gl)).await {
-            tracing::error!(error = %e, "public gRPC server");
-        }
-    });
+/// The gateway's listeners, bound; prints the URLs.
+async fn router_listeners(router: &Router, http: &str, grpc: &str) -> Result<Listeners> {
+    let l = Listeners {
+        http: listen(http, "the HTTP gateway").await?,
+        grpc: listen(grpc, "the public gRPC API").await?,
+    };
+    let (http_addr, grpc_addr) = l.addrs()?;
     println!("kvmesh ready: model {}", router.config().model_id);
     println!("  OpenAI API  http://{http_addr}/v1");
     println!("  gRPC API    grpc://{grpc_addr}");
     println!("  metrics     http://{http_addr}/metrics");
-    // Tokens are small writes: without TCP_NODELAY the first one waits for
-    // the client's delayed ACK (about 40 ms of TTFT).
-    let hl = hl.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(hl, router.http())
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await
-        .context("HTTP gateway")
+    Ok(l)
+}
+
+/// Prints what a node's drain found; an error if it left anything behind.
+fn drained(role: &str, name: &str, d: &Drained) -> Result<()> {
+    println!("{role} node {name} drained: {d}");
+    anyhow::ensure!(d.is_clean(), "{role} node {name} left state behind: {d}");
+    Ok(())
 }
 
 fn model_id(path: &Path) -> String {
@@ -300,6 +307,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             abort_timeout: Duration::from_millis(a.abort_timeout_ms),
             kv_advertise: None,
             mesh_secret: mesh_secret.clone(),
+            drain_timeout: a.drain_timeout,
         },
         decode_model,
     )
@@ -310,6 +318,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             allow_small_pool: a.allow_small_pool,
             mesh_secret: mesh_secret.clone(),
             engine,
+            drain_timeout: a.drain_timeout,
         },
         load(&path, a.model.precision())?,
     )?;
@@ -317,8 +326,21 @@ async fn serve(a: ServeArgs) -> Result<()> {
         .connect(decode.kv_endpoint())
         .await
         .context("connecting prefill to the decode node's KV transport")?;
-    let daddr = serve_decode(&decode, "127.0.0.1:0").await?;
-    let paddr = serve_prefill(&prefill, "127.0.0.1:0").await?;
+    let (dl, pl) = (
+        listen("127.0.0.1:0", "the decode node").await?,
+        listen("127.0.0.1:0", "the prefill node").await?,
+    );
+    let (daddr, paddr) = (dl.local_addr()?, pl.local_addr()?);
+    // The nodes drain after the router has: by then nothing is in flight.
+    let (router_done, nodes_stop) = tokio::sync::watch::channel(false);
+    let stop_nodes = || {
+        let mut rx = nodes_stop.clone();
+        async move {
+            let _ = rx.wait_for(|done| *done).await;
+        }
+    };
+    let decode_run = tokio::spawn(kvmesh_decode::run(decode, dl, stop_nodes()));
+    let prefill_run = tokio::spawn(kvmesh_prefill::run(prefill, pl, stop_nodes()));
     let nodes = Nodes::new(
         &[
             ("prefill-0".into(), Role::Prefill, format!("http://{paddr}")),
@@ -327,26 +349,34 @@ async fn serve(a: ServeArgs) -> Result<()> {
         mesh_secret,
     )
     .map_err(anyhow::Error::msg)?;
-    nodes.poll_all().await;
-    let _poller = nodes.spawn_poller();
     let router = Router::new(
         RouterConfig {
             model_id: model_id(&path),
             max_model_len,
             api_keys: keys,
             fault_injection,
+            drain_timeout: a.drain_timeout,
             ..RouterConfig::default()
         },
         tokenizer,
         stop_ids,
         nodes,
     );
-    run_router(
-        router,
+    let listeners = router_listeners(
+        &router,
         &format!("{}:{}", a.host, a.http_port),
         &format!("{}:{}", a.host, a.grpc_port),
     )
-    .await
+    .await?;
+    let served = kvmesh_router::run(router, listeners, terminated(a.drain_timeout)).await;
+    router_done.send_replace(true);
+    let p = prefill_run.await.context("the prefill node's task")??;
+    let d = decode_run.await.context("the decode node's task")??;
+    served.context("the gateway")?;
+    drained("prefill", "prefill-0", &p)?;
+    drained("decode", "decode-0", &d)?;
+    println!("kvmesh: drained, exiting");
+    Ok(())
 }
 
 /// `kvmesh router|prefill|decode --config mesh.yaml`.
@@ -382,15 +412,13 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
     }
     let secret = auth.secret();
     let fault_injection = a.testing.apply()?;
+    let drain = a.drain_timeout.unwrap_or_else(|| cfg.drain_timeout());
+    let name = name.as_deref().unwrap_or_default();
     runtime()?.block_on(async move {
         match role {
-            RoleKind::Router => router_process(&cfg, fault_injection, secret).await,
-            RoleKind::Prefill => {
-                prefill_process(&cfg, name.as_deref().unwrap_or_default(), secret).await
-            }
-            RoleKind::Decode => {
-                decode_process(&cfg, name.as_deref().unwrap_or_default(), secret).await
-            }
+            RoleKind::Router => router_process(&cfg, fault_injection, secret, drain).await,
+            RoleKind::Prefill => prefill_process(&cfg, name, secret, drain).await,
+            RoleKind::Decode => decode_process(&cfg, name, secret, drain).await,
         }
     })
 }
@@ -418,11 +446,12 @@ fn engine_config(cfg: &MeshConfig, kv_pool_tokens: Option<usize>) -> EngineConfi
     }
 }
 
-async fn wait_for_ctrl_c() -> Result<()> {
-    tokio::signal::ctrl_c().await.context("waiting for ctrl-c")
-}
-
-async fn decode_process(cfg: &MeshConfig, name: &str, mesh_secret: MeshSecret) -> Result<()> {
+async fn decode_process(
+    cfg: &MeshConfig,
+    name: &str,
+    mesh_secret: MeshSecret,
+    drain: Duration,
+) -> Result<()> {
     let n = cfg.node("decode", name)?;
     let path = model_path(&cfg.model)?;
     let kv = n.kv.clone().unwrap_or_default();
@@ -445,19 +474,27 @@ async fn decode_process(cfg: &MeshConfig, name: &str, mesh_secret: MeshSecret) -
             abort_timeout: cfg.abort_timeout(),
             kv_advertise: Some(cfg.kv_endpoint(n)),
             mesh_secret,
+            drain_timeout: drain,
         },
         load(&path, cfg.precision())?,
     )
     .await?;
-    let addr = serve_decode(&node, n.listen.as_deref().unwrap_or(&n.grpc)).await?;
+    let l = listen(n.listen.as_deref().unwrap_or(&n.grpc), "the decode node").await?;
     println!(
-        "decode node {name} ready: gRPC {addr}, KV {}",
+        "decode node {name} ready: gRPC {}, KV {}",
+        l.local_addr()?,
         node.kv_endpoint()
     );
-    wait_for_ctrl_c().await
+    let d = kvmesh_decode::run(node, l, terminated(drain)).await?;
+    drained("decode", name, &d)
 }
 
-async fn prefill_process(cfg: &MeshConfig, name: &str, mesh_secret: MeshSecret) -> Result<()> {
+async fn prefill_process(
+    cfg: &MeshConfig,
+    name: &str,
+    mesh_secret: MeshSecret,
+    drain: Duration,
+) -> Result<()> {
     let n = cfg.node("prefill", name)?;
     let path = model_path(&cfg.model)?;
     let node = PrefillNode::start(
@@ -466,6 +503,7 @@ async fn prefill_process(cfg: &MeshConfig, name: &str, mesh_secret: MeshSecret) 
             engine: engine_config(cfg, n.kv_pool_tokens),
             allow_small_pool: cfg.allow_small_pool,
             mesh_secret,
+            drain_timeout: drain,
         },
         load(&path, cfg.precision())?,
     )?;
@@ -482,15 +520,17 @@ async fn prefill_process(cfg: &MeshConfig, name: &str, mesh_secret: MeshSecret) 
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
-    let addr = serve_prefill(&node, n.listen.as_deref().unwrap_or(&n.grpc)).await?;
-    println!("prefill node {name} ready: gRPC {addr}");
-    wait_for_ctrl_c().await
+    let l = listen(n.listen.as_deref().unwrap_or(&n.grpc), "the prefill node").await?;
+    println!("prefill node {name} ready: gRPC {}", l.local_addr()?);
+    let d = kvmesh_prefill::run(node, l, terminated(drain)).await?;
+    drained("prefill", name, &d)
 }
 
 async fn router_process(
     cfg: &MeshConfig,
     fault_injection: bool,
     mesh_secret: MeshSecret,
+    drain: Duration,
 ) -> Result<()> {
     let path = model_path(&cfg.model)?;
     // The router needs only the tokenizer and limits: no weight is read.
@@ -509,8 +549,6 @@ async fn router_process(
         )
         .collect();
     let nodes = Nodes::new(&specs, mesh_secret).map_err(anyhow::Error::msg)?;
-    nodes.poll_all().await;
-    let _poller = nodes.spawn_poller();
     let router = Router::new(
         RouterConfig {
             model_id: model_id(&path),
@@ -518,6 +556,7 @@ async fn router_process(
             max_running: cfg.router.max_running,
             max_queued: cfg.router.max_queued,
             fault_injection,
+            drain_timeout: drain,
             api_keys: kvmesh_router::auth::ApiKeys::new(
                 cfg.router
                     .api_keys
@@ -531,5 +570,10 @@ async fn router_process(
         stop_ids,
         nodes,
     );
-    run_router(router, &cfg.router.http, &cfg.router.grpc).await
+    let listeners = router_listeners(&router, &cfg.router.http, &cfg.router.grpc).await?;
+    kvmesh_router::run(router, listeners, terminated(drain))
+        .await
+        .context("the gateway")?;
+    println!("kvmesh router drained, exiting");
+    Ok(())
 }

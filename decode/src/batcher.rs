@@ -2,18 +2,52 @@
 //! runs every running sequence one token forward as one batch; sequences
 //! that arrive (verified transfers) join at the next step, sequences that
 //! finish, fail, or whose client is gone leave, releasing their pages.
+//! At a drain's deadline ([`crate::run`]) every running sequence and every
+//! one that still arrives ends with a terminal error; [`Work::Stop`] ends
+//! the thread once nothing runs.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use kvmesh_faults::{Action, FaultPlan, Point};
 use kvmesh_model::engine::{Engine, FinishReason as Why, Sequence, Stopping};
 use kvmesh_model::sampling::Sampler;
 use kvmesh_proto::internal::v1::{decode_event, DecodeEvent, FinishReason, Finished};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tonic::Status;
+
+/// The terminal error of a sequence cut at a drain's deadline.
+pub(crate) fn cut_status() -> Status {
+    Status::unavailable("decode node shutting down: generation stopped at the drain deadline")
+}
 
 /// Events of one sequence's token stream.
 pub(crate) type Events = mpsc::Sender<Result<DecodeEvent, Status>>;
+
+/// What the batcher is sent.
+pub(crate) enum Work {
+    /// A verified sequence to run (boxed: the channel holds many).
+    Job(Box<Job>),
+    /// Return once nothing runs (the node has drained).
+    Stop,
+}
+
+/// Counts a Generate stream until it ends: the drain waits for none.
+#[derive(Debug)]
+pub(crate) struct Open(Arc<AtomicUsize>);
+
+impl Open {
+    pub(crate) fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(count))
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 /// A verified sequence ready to decode.
 pub(crate) struct Job {
@@ -25,6 +59,8 @@ pub(crate) struct Job {
     pub events: Events,
     /// Injected faults (testing builds).
     pub faults: FaultPlan,
+    /// This stream, counted until it ends.
+    pub open: Open,
 }
 
 struct Running {
@@ -37,6 +73,7 @@ struct Running {
     faults: FaultPlan,
     /// Decode steps taken (the `step:N` fault index).
     steps: u32,
+    _open: Open,
 }
 
 impl Running {
@@ -118,29 +155,43 @@ fn emit(r: &mut Running, tok: u32) -> Next {
     Next::Continue
 }
 
-/// Runs until `jobs` closes and nothing is running.
+/// Runs until [`Work::Stop`] (or every sender is gone) and nothing is
+/// running. Once `cut` is set, every sequence ends with [`cut_status`].
 pub(crate) fn run(
     engine: Arc<Engine>,
-    mut jobs: mpsc::Receiver<Job>,
-    depth: Arc<std::sync::atomic::AtomicUsize>,
+    mut jobs: mpsc::Receiver<Work>,
+    depth: Arc<AtomicUsize>,
+    cut: watch::Receiver<bool>,
 ) {
-    use std::sync::atomic::Ordering;
     let mut running: Vec<Running> = Vec::new();
+    let mut stopping = false;
     loop {
         // Block only when idle; otherwise take whatever arrived.
         if running.is_empty() {
+            if stopping {
+                return;
+            }
             match jobs.blocking_recv() {
-                Some(j) => admit(&mut running, j),
-                None => return,
+                Some(Work::Job(j)) => admit(&mut running, *j),
+                Some(Work::Stop) | None => return,
             }
         }
-        while let Ok(j) = jobs.try_recv() {
-            admit(&mut running, j);
+        loop {
+            match jobs.try_recv() {
+                Ok(Work::Job(j)) => admit(&mut running, *j),
+                Ok(Work::Stop) => stopping = true,
+                Err(_) => break,
+            }
         }
-        // Clients that went away leave before the step.
+        let cutting = *cut.borrow();
+        // Clients that went away leave before the step; at the drain
+        // deadline everyone does, told why.
         let mut stay = Vec::with_capacity(running.len());
         for mut r in running.drain(..) {
-            if !r.events.is_closed() && r.before_step() {
+            if cutting {
+                let _ = r.events.try_send(Err(cut_status()));
+                r.release();
+            } else if !r.events.is_closed() && r.before_step() {
                 stay.push(r);
             } else {
                 r.release();
@@ -205,6 +256,7 @@ fn admit(running: &mut Vec<Running>, j: Job) {
         events: j.events,
         faults: j.faults,
         steps: 0,
+        _open: j.open,
     };
     if r.stopping.spent() {
         let _ = r.events.try_send(finished(FinishReason::Length));

@@ -10,8 +10,16 @@
 //!   batch at the next step, finished or abandoned ones leave it.
 //! - `service` (private): the `kvmesh.internal.v1.Decode` gRPC service and
 //!   the one mapping from this crate's errors to gRPC status codes.
+//! - [`run`]: the node's lifecycle: serve on a listener until shutdown,
+//!   then drain (refuse new work, finish or cut what is in flight through
+//!   the handshake, join the batcher, count the pool: [`Drained`]).
 
 mod batcher;
+mod run;
+#[cfg(test)]
+mod run_tests;
 mod service;
 
+pub use kvmesh_proto::serve::Drained;
+pub use run::run;
 pub use service::{DecodeConfig, DecodeNode, NodeError, Transport};

@@ -2,8 +2,9 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvmesh_faults::{Action, FaultPlan, Point};
@@ -25,11 +26,12 @@ use kvmesh_proto::internal::v1::{
     LoadRequest, NodeRole, RefuseKind, Refused,
 };
 use thiserror::Error;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::batcher::{self, Job};
+use crate::batcher::{self, Job, Open, Work};
+use kvmesh_proto::serve::cut_set;
 
 /// How prefill writers reach this node's pool.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -67,9 +69,12 @@ pub struct DecodeConfig {
     /// The per-mesh secret: KV writers (Hello) and gRPC callers (every
     /// call) must prove it.
     pub mesh_secret: MeshSecret,
+    /// How long a drain waits for in-flight streams to finish before it
+    /// ends them ([`crate::run`]).
+    pub drain_timeout: Duration,
 }
 
-/// Why a decode node could not start.
+/// Why a decode node could not start, or did not stop cleanly.
 #[derive(Debug, Error)]
 pub enum NodeError {
     /// The startup check or another setting.
@@ -81,6 +86,12 @@ pub enum NodeError {
     /// The KV transport listener.
     #[error(transparent)]
     Transport(#[from] kvmesh_kvxfer::transport::TransportError),
+    /// The gRPC server failed.
+    #[error("decode gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    /// The batcher thread panicked.
+    #[error("the batcher thread panicked")]
+    BatcherPanicked,
 }
 
 /// A running decode node.
@@ -90,17 +101,31 @@ pub struct DecodeNode {
 }
 
 #[derive(Debug)]
-struct Inner {
+pub(crate) struct Inner {
     name: String,
     table: ReservationTable,
     engine: Arc<Engine>,
     max_seq_tokens: usize,
     kv_endpoint: String,
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Work>,
     depth: Arc<AtomicUsize>,
     kv_server: KvServer,
     /// Checks every gRPC call's proof of the mesh secret; counts refusals.
     calls: Arc<CallVerifier>,
+    /// Set when a drain starts: Generate is refused
+    /// ([`RefuseKind::Draining`]) and the load report says so, so the
+    /// router stops choosing this node.
+    pub(crate) draining: AtomicBool,
+    /// Set at the drain deadline: transfers still awaited are given up
+    /// (their reservations abort through the confirmation path) and the
+    /// batcher ends every running sequence with a terminal error.
+    pub(crate) cut: watch::Sender<bool>,
+    /// Generate streams granted and not yet ended.
+    pub(crate) open: Arc<AtomicUsize>,
+    pub(crate) drain_timeout: Duration,
+    pub(crate) abort_timeout: Duration,
+    /// The batcher thread, joined when the node stops.
+    batcher: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl DecodeNode {
@@ -169,13 +194,14 @@ impl DecodeNode {
         let engine = Arc::new(Engine::with_pool(loaded, &cfg.engine, pool)?);
         let (jobs, rx) = mpsc::channel(1024);
         let depth = Arc::new(AtomicUsize::new(0));
-        {
+        let (cut, cut_rx) = watch::channel(false);
+        let batcher = {
             let (engine, depth) = (Arc::clone(&engine), Arc::clone(&depth));
             std::thread::Builder::new()
                 .name(format!("decode-{}", cfg.name))
-                .spawn(move || batcher::run(engine, rx, depth))
-                .map_err(|e| NodeError::Config(format!("cannot start the batcher thread: {e}")))?;
-        }
+                .spawn(move || batcher::run(engine, rx, depth, cut_rx))
+                .map_err(|e| NodeError::Config(format!("cannot start the batcher thread: {e}")))?
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 name: cfg.name,
@@ -187,8 +213,36 @@ impl DecodeNode {
                 depth,
                 kv_server: server,
                 calls: Arc::new(CallVerifier::new(cfg.mesh_secret)),
+                draining: AtomicBool::new(false),
+                cut,
+                open: Arc::default(),
+                drain_timeout: cfg.drain_timeout,
+                abort_timeout: cfg.abort_timeout,
+                batcher: Mutex::new(Some(batcher)),
             }),
         })
+    }
+
+    pub(crate) fn inner(&self) -> &Inner {
+        &self.inner
+    }
+
+    /// Stops the batcher once nothing runs and joins its thread.
+    pub(crate) async fn join_batcher(&self) -> Result<(), NodeError> {
+        let _ = self.inner.jobs.send(Work::Stop).await;
+        let handle = self
+            .inner
+            .batcher
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(handle) = handle else {
+            return Ok(());
+        };
+        tokio::task::spawn_blocking(move || handle.join())
+            .await
+            .map_err(|_| NodeError::BatcherPanicked)?
+            .map_err(|_| NodeError::BatcherPanicked)
     }
 
     /// Where prefill writers connect (`tcp://…` or `unix:…`).
@@ -221,6 +275,7 @@ impl DecodeNode {
             page_size: self.inner.table.pool().config().page_size as u32,
             max_seq_tokens: self.inner.max_seq_tokens as u64,
             queue_depth: (self.inner.depth.load(Ordering::Relaxed) + stats.open) as u32,
+            draining: self.inner.draining.load(Ordering::Acquire),
             writer_id: Vec::new(),
             reservations_ended: stats
                 .ended_by
@@ -357,6 +412,13 @@ impl Decode for DecodeNode {
         // nor the batcher ever blocks on a slow reader.
         let (tx, rx) = mpsc::channel((r.max_new_tokens as usize).saturating_add(3).min(1 << 16));
         let stream = Response::new(ReceiverStream::new(rx));
+        if self.inner.draining.load(Ordering::Acquire) {
+            let _ = tx.try_send(Ok(refused(
+                RefuseKind::Draining,
+                "decode node draining: it takes no new requests".into(),
+            )));
+            return Ok(stream);
+        }
         let c = match check(&r) {
             Ok(c) => c,
             Err(message) => {
@@ -386,6 +448,7 @@ impl Decode for DecodeNode {
             return Ok(stream);
         }
         let id = grant.reservation;
+        let open = Open::new(&self.inner.open);
         tracing::debug!(reservation = %id, tenant = %r.tenant, prompt_tokens = r.prompt_ids.len(), max_new = c.max_new, "granted");
         if !faults.is_empty() {
             self.inner.table.set_faults(id, faults.clone());
@@ -411,10 +474,17 @@ impl Decode for DecodeNode {
             // confirmation path.
             let wait = pending.wait();
             tokio::pin!(wait);
+            let mut cut = node.inner.cut.subscribe();
             let live = tokio::select! {
                 r = &mut wait => r,
                 () = tx.closed() => {
                     abandon(&node.inner.table, id, wait, &faults).await;
+                    return;
+                }
+                () = cut_set(&mut cut) => {
+                    // The drain deadline: dropping `wait` aborts the
+                    // reservation through the confirmation path.
+                    let _ = tx.send(Err(batcher::cut_status())).await;
                     return;
                 }
             };
@@ -456,12 +526,15 @@ impl Decode for DecodeNode {
                 stop_ids,
                 events: tx,
                 faults,
+                open,
             };
-            if let Err(e) = node.inner.jobs.send(job).await {
-                let _ =
-                    e.0.events
+            if let Err(e) = node.inner.jobs.send(Work::Job(Box::new(job))).await {
+                if let Work::Job(job) = e.0 {
+                    let _ = job
+                        .events
                         .send(Err(Status::unavailable("decode node shutting down")))
                         .await;
+                }
             }
         });
         Ok(stream)

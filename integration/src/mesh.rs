@@ -67,6 +67,12 @@ impl Mesh {
         mesh
     }
 
+    /// Sends SIGTERM and waits at most `within` for the exit status.
+    pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        crate::roles::terminate(&self.child);
+        crate::roles::wait_exit(&mut self.child, within)
+    }
+
     /// The metrics text.
     pub fn metrics(&self) -> String {
         http::get(&self.http, "/metrics").body

@@ -66,9 +66,35 @@ pub fn write_secret(dir: &Path, name: &str) -> PathBuf {
 pub struct Proc {
     child: Child,
     logs: Option<mpsc::Receiver<String>>,
+    /// Its stdout after the ready line.
+    out: mpsc::Receiver<String>,
 }
 
 impl Proc {
+    /// Sends SIGTERM, as an orchestrator stops a process.
+    pub fn terminate(&self) {
+        terminate(&self.child);
+    }
+
+    /// Its exit status, waiting at most `within`; `None` if still running.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        wait_exit(&mut self.child, within)
+    }
+
+    /// The next line of its stdout (after the ready line) containing
+    /// `needle`, waiting at most `within`.
+    pub fn out_line(&self, needle: &str, within: Duration) -> Option<String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            match self.out.recv_timeout(left) {
+                Ok(l) if l.contains(needle) => return Some(l),
+                Ok(_) => {}
+                Err(_) => return None,
+            }
+        }
+    }
+
     /// The next line of its log (stderr) containing `needle`, waiting at
     /// most `within`; only for [`start_logged`] processes.
     pub fn log_line(&self, needle: &str, within: Duration) -> Option<String> {
@@ -82,6 +108,29 @@ impl Proc {
                 Err(_) => return None,
             }
         }
+    }
+}
+
+/// Sends `child` SIGTERM, as an orchestrator stops a process.
+pub(crate) fn terminate(child: &Child) {
+    let pid = libc::pid_t::try_from(child.id()).expect("pid");
+    // SAFETY: kill(2) with a pid this test spawned and still holds (not
+    // yet reaped, so not reused) and a valid signal number.
+    let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert_eq!(rc, 0, "kill -TERM {pid}");
+}
+
+/// `child`'s exit status, waiting at most `within`; `None` if it still runs.
+pub(crate) fn wait_exit(child: &mut Child, within: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            return Some(s);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -119,6 +168,18 @@ pub fn start_logged(
     filter: &str,
 ) -> (Proc, Vec<String>) {
     spawn(role, config, name, ready, Some(filter), &[])
+}
+
+/// [`start_logged`] with extra flags.
+pub fn start_logged_with(
+    role: &str,
+    config: &Path,
+    name: Option<&str>,
+    ready: &str,
+    filter: &str,
+    args: &[&str],
+) -> (Proc, Vec<String>) {
+    spawn(role, config, name, ready, Some(filter), args)
 }
 
 fn spawn(
@@ -167,12 +228,17 @@ fn spawn(
             break;
         }
     }
-    std::thread::spawn(move || for _ in lines {});
+    let (tx, out) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in lines.map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
     assert!(
         seen.iter().any(|l| l.contains(ready)),
         "{role} never ready: {seen:?}"
     );
-    (Proc { child, logs }, seen)
+    (Proc { child, logs, out }, seen)
 }
 
 /// A mesh file in `dir` for one prefill and one decode node on the

@@ -201,7 +201,7 @@ fn bad_mesh_files_are_refused_with_field_value_and_reason() {
     // parsed into typed values once.
     let f = dir.path().join("settings.yaml");
     let text =
-        format!("{good}lease_ms: 5000\nabort_timeout_ms: 700\nscrub: on-release\npoison: true\n");
+        format!("{good}lease_ms: 5000\nabort_timeout_ms: 700\ndrain_timeout_ms: 2500\nscrub: on-release\npoison: true\n");
     std::fs::write(&f, text).expect("write");
     let out = run_kvmesh(
         &["decode", "--config", &f.to_string_lossy(), "--check-config"],
@@ -210,7 +210,9 @@ fn bad_mesh_files_are_refused_with_field_value_and_reason() {
     let (stdout, stderr) = texts(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(
-        stdout.contains("lease 5000 ms, abort timeout 700 ms, scrub on-release, poison on"),
+        stdout.contains(
+            "lease 5000 ms, abort timeout 700 ms, drain timeout 2500 ms, scrub on-release, poison on"
+        ),
         "{stdout}"
     );
     // A node name the file does not have.

@@ -20,10 +20,21 @@
 //! sampled token, goes last, so the decode node still verifies the whole (I4).
 //! Any failure drops the writer: the decode node's abort (or lease) then
 //! ends the reservation through the confirmation path.
+//!
+//! # Lifecycle
+//! [`run`] serves the node on a listener until shutdown, then drains:
+//! Prefill is refused and the load report says `draining`; calls in flight
+//! finish (bounded by the drain timeout; past it they stop before their
+//! next layer and the decode node's abort ends their reservations); the
+//! server stops and the compute thread is joined.
+
+mod run;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 use kvmesh_faults::FaultPlan;
 use kvmesh_kvwire::{decode_message, Grant, Message, ReservationId, WriterId};
@@ -38,7 +49,11 @@ use kvmesh_proto::internal::v1::{
     AbortRequest, AbortResponse, LoadReport, LoadRequest, PrefillRequest, PrefillResponse,
 };
 use thiserror::Error;
-use tokio::sync::{mpsc, oneshot, Mutex as AsyncMutex};
+use tokio::sync::{mpsc, oneshot, watch, Mutex as AsyncMutex};
+
+use kvmesh_proto::serve::cut_set;
+pub use kvmesh_proto::serve::Drained;
+pub use run::run;
 use tonic::{Request, Response, Status};
 
 /// A prefill node's settings.
@@ -53,6 +68,9 @@ pub struct PrefillConfig {
     /// The per-mesh secret: proven to decode nodes' KV listeners, and
     /// required of every gRPC caller.
     pub mesh_secret: MeshSecret,
+    /// How long a drain waits for prompts in flight before it stops them
+    /// ([`run`]).
+    pub drain_timeout: Duration,
 }
 
 /// Why a prefill request failed.
@@ -76,6 +94,12 @@ pub enum PrefillError {
     /// The node is shutting down.
     #[error("prefill node shutting down")]
     ShuttingDown,
+    /// The gRPC server failed.
+    #[error("prefill gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    /// The compute thread panicked.
+    #[error("the prefill compute thread panicked")]
+    ComputePanicked,
 }
 
 /// The one mapping from prefill errors to gRPC status codes.
@@ -97,9 +121,20 @@ impl From<PrefillError> for Status {
             }
             PrefillError::Writer(_) => Status::failed_precondition(e.to_string()),
             PrefillError::Model(_) => Status::internal(e.to_string()),
-            PrefillError::ShuttingDown => Status::unavailable(e.to_string()),
+            PrefillError::ShuttingDown => kvmesh_proto::serve::draining(e.to_string()),
+            PrefillError::Serve(_) | PrefillError::ComputePanicked => {
+                Status::internal(e.to_string())
+            }
         }
     }
+}
+
+/// What the compute thread is sent.
+enum Work {
+    /// Boxed: the channel holds many.
+    Job(Box<Job>),
+    /// Return (the node has drained).
+    Stop,
 }
 
 struct Job {
@@ -121,7 +156,7 @@ struct Inner {
     writer: WriterId,
     max_seq_tokens: usize,
     engine: Arc<Engine>,
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Work>,
     depth: Arc<AtomicUsize>,
     /// One transport connection per decode endpoint.
     clients: AsyncMutex<HashMap<String, KvClient>>,
@@ -132,6 +167,33 @@ struct Inner {
     /// Reservations the router stopped, with when (forgotten after
     /// [`FORGET_STOPPED`]).
     stopped: Stopped,
+    /// Set when a drain starts: Prefill is refused (`UNAVAILABLE`) and the
+    /// load report says `draining`, so the router stops choosing this node.
+    draining: AtomicBool,
+    /// Set at the drain deadline: calls still waiting stop their transfer
+    /// (the decode node's abort then ends the reservation).
+    cut: watch::Sender<bool>,
+    /// Prefill calls in flight.
+    open: Arc<AtomicUsize>,
+    drain_timeout: Duration,
+    /// The compute thread, joined when the node stops.
+    compute: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// Counts a Prefill call until it returns: the drain waits for none.
+struct Open(Arc<AtomicUsize>);
+
+impl Open {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(count))
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// How long a stop request is remembered (longer than any lease).
@@ -179,7 +241,7 @@ impl PrefillNode {
         let handle = tokio::runtime::Handle::try_current().map_err(|_| {
             PrefillError::Invalid("start the prefill node inside a tokio runtime".into())
         })?;
-        {
+        let compute = {
             let (engine, depth, stopped) = (
                 Arc::clone(&engine),
                 Arc::clone(&depth),
@@ -190,8 +252,8 @@ impl PrefillNode {
                 .spawn(move || compute(engine, rx, depth, handle, stopped))
                 .map_err(|e| {
                     PrefillError::Invalid(format!("cannot start the compute thread: {e}"))
-                })?;
-        }
+                })?
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 name: cfg.name,
@@ -204,8 +266,44 @@ impl PrefillNode {
                 calls: Arc::new(CallVerifier::new(cfg.mesh_secret.clone())),
                 secret: cfg.mesh_secret,
                 stopped,
+                draining: AtomicBool::new(false),
+                cut: watch::channel(false).0,
+                open: Arc::default(),
+                drain_timeout: cfg.drain_timeout,
+                compute: Mutex::new(Some(compute)),
             }),
         })
+    }
+
+    /// Stops the compute thread (after the batch it runs) and joins it.
+    async fn join_compute(&self) -> Result<(), PrefillError> {
+        let _ = self.inner.jobs.send(Work::Stop).await;
+        let handle = self
+            .inner
+            .compute
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(handle) = handle else {
+            return Ok(());
+        };
+        tokio::task::spawn_blocking(move || handle.join())
+            .await
+            .map_err(|_| PrefillError::ComputePanicked)?
+            .map_err(|_| PrefillError::ComputePanicked)
+    }
+
+    /// Remembers that reservation `id` was stopped: its shipping task
+    /// stops before its next layer.
+    fn stop(&self, id: ReservationId) {
+        let now = std::time::Instant::now();
+        let mut stopped = self
+            .inner
+            .stopped
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        stopped.retain(|_, at| now.duration_since(*at) < FORGET_STOPPED);
+        stopped.insert(id, now);
     }
 
     /// The writer id its KV connections announce.
@@ -246,6 +344,10 @@ impl PrefillNode {
     }
 
     async fn prefill(&self, r: PrefillRequest, faults: FaultPlan) -> Result<u32, PrefillError> {
+        if self.inner.draining.load(Ordering::Acquire) {
+            return Err(PrefillError::ShuttingDown);
+        }
+        let _open = Open::new(&self.inner.open);
         let grant = match decode_message(&r.grant)
             .map_err(|e| PrefillError::Grant(e.to_string()))?
             .0
@@ -279,20 +381,31 @@ impl PrefillNode {
         };
         sampling.validate().map_err(PrefillError::Invalid)?;
         let client = self.client(&grant.endpoint).await?;
+        let id = grant.reservation;
         let mut writer = client.begin(grant)?;
+        tracing::debug!(reservation = %id, prompt_tokens = r.prompt_ids.len(), "prefill accepted");
         writer.set_faults(faults);
         let (done, rx) = oneshot::channel();
         self.inner
             .jobs
-            .send(Job {
+            .send(Work::Job(Box::new(Job {
                 prompt: r.prompt_ids,
                 sampling,
                 writer,
                 done,
-            })
+            })))
             .await
             .map_err(|_| PrefillError::ShuttingDown)?;
-        rx.await.map_err(|_| PrefillError::ShuttingDown)?
+        let mut cut = self.inner.cut.subscribe();
+        tokio::select! {
+            r = rx => r.map_err(|_| PrefillError::ShuttingDown)?,
+            () = cut_set(&mut cut) => {
+                // The drain deadline: the shipping task stops before its
+                // next layer and drops the writer.
+                self.stop(id);
+                Err(PrefillError::ShuttingDown)
+            }
+        }
     }
 }
 
@@ -326,19 +439,27 @@ type Stopped = Arc<std::sync::Mutex<HashMap<ReservationId, std::time::Instant>>>
 
 fn compute(
     engine: Arc<Engine>,
-    mut jobs: mpsc::Receiver<Job>,
+    mut jobs: mpsc::Receiver<Work>,
     depth: Arc<AtomicUsize>,
     rt: tokio::runtime::Handle,
     stopped: Stopped,
 ) {
-    while let Some(first) = jobs.blocking_recv() {
-        let mut batch = vec![first];
+    let mut stopping = false;
+    while !stopping {
+        let Some(Work::Job(first)) = jobs.blocking_recv() else {
+            return;
+        };
+        let mut batch = vec![*first];
         let mut tokens = batch[0].prompt.len();
         while tokens < BATCH_TOKENS {
             match jobs.try_recv() {
-                Ok(j) => {
+                Ok(Work::Job(j)) => {
                     tokens += j.prompt.len();
-                    batch.push(j);
+                    batch.push(*j);
+                }
+                Ok(Work::Stop) => {
+                    stopping = true;
+                    break;
                 }
                 Err(_) => break,
             }
@@ -515,14 +636,7 @@ impl Prefill for PrefillNode {
             .ok()
             .and_then(ReservationId::from_bytes)
             .ok_or_else(|| Status::invalid_argument("reservation_id: 16 bytes, not all zero"))?;
-        let now = std::time::Instant::now();
-        let mut stopped = self
-            .inner
-            .stopped
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        stopped.retain(|_, at| now.duration_since(*at) < FORGET_STOPPED);
-        stopped.insert(id, now);
+        self.stop(id);
         Ok(Response::new(AbortResponse {
             state: "stopping".into(),
         }))
@@ -551,6 +665,10 @@ impl Prefill for PrefillNode {
                 .collect(),
             kv_auth_refused: HashMap::new(),
             kv_refused: HashMap::new(),
+            draining: self.inner.draining.load(Ordering::Acquire),
         }))
     }
 }
+
+#[cfg(test)]
+mod tests;

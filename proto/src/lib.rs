@@ -5,11 +5,13 @@
 //! compiles them with protox (pure Rust, no system `protoc`) and
 //! tonic-prost-build. [`peer`] builds the internal clients whose calls
 //! prove the mesh secret (`kvmesh_meshauth::grpc` holds the interceptor and
-//! the server wrapper that refuses calls without a proof).
+//! the server wrapper that refuses calls without a proof); [`serve`] how
+//! every node serves its service and drains.
 
 #![allow(missing_docs, clippy::all)]
 
 pub mod peer;
+pub mod serve;
 
 /// The public API.
 pub mod v1 {

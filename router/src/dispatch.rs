@@ -117,10 +117,22 @@ pub fn start(
         .pick(Role::Prefill, needed(job.prompt_ids.len()))?;
     let (tx, rx) = mpsc::channel(64);
     let r = router.clone();
+    let mut cut = r.cut.subscribe();
     tokio::spawn(async move {
         let _permit = permit;
         let started = Instant::now();
-        let outcome = run(&r, job, &prefill, p_report.writer_id, &tx, started).await;
+        // At the drain deadline the request ends with a terminal error;
+        // dropping `run` drops the decode stream and the prefill guard,
+        // which abort through the confirmation path.
+        let outcome = tokio::select! {
+            o = run(&r, job, &prefill, p_report.writer_id, &tx, started) => o,
+            () = kvmesh_proto::serve::cut_set(&mut cut) => {
+                let e = DispatchError::ShuttingDown;
+                let kind = e.kind();
+                let _ = tx.send(Event::Error(e)).await;
+                kind
+            }
+        };
         r.metrics.finished(outcome);
     });
     Ok(rx)
@@ -221,6 +233,12 @@ async fn run(
                 event: Some(decode_event::Event::Refused(refused)),
             })) => {
                 let kind = refused.kind();
+                if kind == RefuseKind::Draining {
+                    // It was told to stop before our poll saw it: out of
+                    // the choice from now on; another node may take this.
+                    decode.mark_down();
+                    continue;
+                }
                 if kind == RefuseKind::Exhausted && Instant::now() < deadline {
                     tokio::select! {
                         () = tokio::time::sleep(backoff) => {}
@@ -303,6 +321,13 @@ async fn run(
                 // the token stream tells how it ends.
                 let duplicate = matches!(&res, Err(s) if s.code() == tonic::Code::AlreadyExists);
                 if let (Err(s), false) = (res, duplicate) {
+                    if kvmesh_proto::serve::is_draining(&s) {
+                        // Told to stop before our poll saw it: out of the
+                        // choice; the client may retry (503).
+                        prefill.mark_down();
+                        let e = Rejection::NoHealthyNode { role: "prefill" };
+                        return fail(DispatchError::Rejected(e)).await;
+                    }
                     return fail(node_err("prefill", prefill, s)).await;
                 }
             }

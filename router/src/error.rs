@@ -48,6 +48,9 @@ pub enum Rejection {
     /// The model named is not served.
     #[error("the model {0:?} does not exist")]
     UnknownModel(String),
+    /// The gateway is draining: it finishes what it holds, takes nothing new.
+    #[error("the server is shutting down; retry on another replica")]
+    ShuttingDown,
 }
 
 impl Rejection {
@@ -59,6 +62,7 @@ impl Rejection {
             Self::Saturated { .. } => "saturated",
             Self::NoHealthyNode { .. } => "no_healthy_node",
             Self::UnknownModel(_) => "model_not_found",
+            Self::ShuttingDown => "shutting_down",
         }
     }
 
@@ -67,7 +71,7 @@ impl Rejection {
         match self {
             Self::ContextLengthExceeded { .. } | Self::Invalid { .. } => StatusCode::BAD_REQUEST,
             Self::Saturated { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Self::NoHealthyNode { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::NoHealthyNode { .. } | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             Self::UnknownModel(_) => StatusCode::NOT_FOUND,
         }
     }
@@ -83,6 +87,7 @@ impl Rejection {
             Self::Saturated { .. } => ("rate_limit_error", "rate_limit_exceeded", None),
             Self::NoHealthyNode { .. } => ("server_error", "service_unavailable", None),
             Self::UnknownModel(_) => ("invalid_request_error", "model_not_found", Some("model")),
+            Self::ShuttingDown => ("server_error", "shutting_down", None),
         };
         json!({"error": {"message": self.to_string(), "type": ty, "param": param, "code": code}})
     }
@@ -94,7 +99,9 @@ impl Rejection {
                 tonic::Status::invalid_argument(self.to_string())
             }
             Self::Saturated { .. } => tonic::Status::resource_exhausted(self.to_string()),
-            Self::NoHealthyNode { .. } => tonic::Status::unavailable(self.to_string()),
+            Self::NoHealthyNode { .. } | Self::ShuttingDown => {
+                tonic::Status::unavailable(self.to_string())
+            }
             Self::UnknownModel(_) => tonic::Status::not_found(self.to_string()),
         }
     }
@@ -138,6 +145,9 @@ pub enum DispatchError {
     /// An injected fault ended the request (testing builds only).
     #[error("injected fault: {0}")]
     Injected(&'static str),
+    /// The gateway's drain deadline passed with the request in flight.
+    #[error("the server is shutting down: generation stopped at the drain deadline")]
+    ShuttingDown,
 }
 
 impl DispatchError {
@@ -152,6 +162,7 @@ impl DispatchError {
             Self::Tokenizer(_) => "tokenizer",
             Self::Rejected(r) => r.reason(),
             Self::Injected(_) => "injected_fault",
+            Self::ShuttingDown => "shutting_down",
         }
     }
 }
@@ -168,6 +179,7 @@ impl IntoResponse for DispatchError {
             Self::Refused { kind, .. } => refused_status(*kind),
             Self::Node { .. } | Self::Injected(_) => StatusCode::BAD_GATEWAY,
             Self::Tokenizer(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             Self::Rejected(r) => return r.clone().into_response(),
         };
         let body = json!({"error": {"message": self.to_string(), "type": "server_error", "param": null, "code": self.kind()}});
@@ -185,6 +197,7 @@ fn refuse_label(kind: kvmesh_proto::internal::v1::RefuseKind) -> &'static str {
         K::Exhausted => "exhausted",
         K::WriterNotConnected => "writer_not_connected",
         K::InvalidRequest => "invalid_request",
+        K::Draining => "draining",
         K::Internal | K::Unspecified => "internal",
     }
 }
@@ -198,6 +211,7 @@ fn refused_status(kind: kvmesh_proto::internal::v1::RefuseKind) -> StatusCode {
             StatusCode::BAD_REQUEST
         }
         K::Exhausted => StatusCode::TOO_MANY_REQUESTS,
+        K::Draining => StatusCode::SERVICE_UNAVAILABLE,
         K::WriterNotConnected | K::Internal | K::Unspecified => StatusCode::BAD_GATEWAY,
     }
 }

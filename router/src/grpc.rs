@@ -23,8 +23,15 @@ use crate::Router;
 /// reflection.
 pub fn service(router: Router) -> tonic::transport::server::Router {
     let (reporter, health) = tonic_health::server::health_reporter();
+    let mut draining = router.draining.subscribe();
     tokio::spawn(async move {
         reporter.set_serving::<GenerationServer<Api>>().await;
+        // A drain: health says not serving, for the whole server too.
+        let _ = draining.wait_for(|d| *d).await;
+        reporter.set_not_serving::<GenerationServer<Api>>().await;
+        reporter
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
     });
     let mut server = tonic::transport::Server::builder();
     let routes = server

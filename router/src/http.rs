@@ -536,6 +536,9 @@ async fn models(State(r): State<Router>) -> Json<Value> {
 }
 
 async fn health(State(r): State<Router>) -> Response {
+    if r.is_draining() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response();
+    }
     match r.nodes().capacity() {
         Some(_) => (StatusCode::OK, "ok\n").into_response(),
         None => (

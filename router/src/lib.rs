@@ -22,6 +22,10 @@
 //!   reflection.
 //! - `metrics` (private): Prometheus text.
 //!
+//! - [`run`]: the gateway's lifecycle: serve both ports until shutdown,
+//!   then drain (admission refuses, health says not serving, requests in
+//!   flight finish or end with a terminal error at the drain deadline).
+//!
 //! Tokenizer, chat templates and stop strings come from `kvmesh-tokenizer`;
 //! the router links no model runtime (no candle) and reads no weights.
 
@@ -33,6 +37,7 @@ pub mod http;
 mod metrics;
 pub mod nodes;
 pub mod openapi;
+mod run;
 pub mod validate;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -46,6 +51,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub use error::Rejection;
 use metrics::Metrics;
 use nodes::Nodes;
+pub use run::{run, Listeners};
 
 /// The router's settings.
 #[derive(Clone, Debug)]
@@ -65,6 +71,9 @@ pub struct RouterConfig {
     /// Honour the fault-injection header (`kvxfer::fault::HEADER`); only
     /// a testing build may set it (see `kvxfer::fault`).
     pub fault_injection: bool,
+    /// How long a drain ([`run`]) lets requests in flight finish before it
+    /// ends them with a terminal error.
+    pub drain_timeout: Duration,
 }
 
 impl Default for RouterConfig {
@@ -77,6 +86,7 @@ impl Default for RouterConfig {
             queue_timeout: Duration::from_secs(30),
             api_keys: auth::ApiKeys::default(),
             fault_injection: false,
+            drain_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -91,6 +101,10 @@ pub struct Router {
     slots: Arc<Semaphore>,
     queued: Arc<AtomicUsize>,
     metrics: Arc<Metrics>,
+    /// Set when a drain starts: admission refuses, health says not serving.
+    draining: Arc<tokio::sync::watch::Sender<bool>>,
+    /// Set at the drain deadline: requests in flight end with an error.
+    cut: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Router {
@@ -110,7 +124,22 @@ impl Router {
             nodes,
             queued: Arc::default(),
             metrics: Arc::default(),
+            draining: Arc::new(tokio::sync::watch::channel(false).0),
+            cut: Arc::new(tokio::sync::watch::channel(false).0),
         }
+    }
+
+    /// Whether a drain has started.
+    pub fn is_draining(&self) -> bool {
+        *self.draining.borrow()
+    }
+
+    /// Requests holding a dispatch slot now.
+    pub fn in_flight(&self) -> usize {
+        self.cfg
+            .max_running
+            .max(1)
+            .saturating_sub(self.slots.available_permits())
     }
 
     /// The nodes.
@@ -169,6 +198,9 @@ impl Router {
         prompt_tokens: usize,
         max_tokens: usize,
     ) -> Result<OwnedSemaphorePermit, Rejection> {
+        if self.is_draining() {
+            return Err(Rejection::ShuttingDown);
+        }
         let requested = prompt_tokens.saturating_add(max_tokens);
         let too_long = |limit| Rejection::ContextLengthExceeded {
             prompt_tokens,
@@ -203,6 +235,8 @@ impl Router {
         )
         .await
         {
+            // A drain that began while this request queued refuses it.
+            Ok(Ok(_)) if self.is_draining() => Err(Rejection::ShuttingDown),
             Ok(Ok(p)) => Ok(p),
             _ => Err(Rejection::Saturated { queued }),
         }

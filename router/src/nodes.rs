@@ -74,10 +74,14 @@ impl Node {
         prefill_client(self.channel.clone(), self.secret.clone())
     }
 
-    /// The last load report, if the node is healthy.
+    /// The last load report, if the node is healthy and not draining (a
+    /// draining node finishes what it holds and takes nothing new).
     pub fn report(&self) -> Option<LoadReport> {
         let s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        s.healthy.then(|| s.report.clone()).flatten()
+        s.healthy
+            .then(|| s.report.clone())
+            .flatten()
+            .filter(|r| !r.draining)
     }
 
     /// Takes the node out until its next good load report (a request to it
@@ -98,10 +102,14 @@ impl Node {
         let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         match r {
             Ok(Ok(resp)) => {
+                let report = resp.into_inner();
                 if !s.healthy {
                     tracing::info!(node = %self.name, role = self.role.as_str(), "node healthy");
                 }
-                s.report = Some(resp.into_inner());
+                if report.draining && !s.report.as_ref().is_some_and(|r| r.draining) {
+                    tracing::info!(node = %self.name, role = self.role.as_str(), "node draining");
+                }
+                s.report = Some(report);
                 s.healthy = true;
             }
             _ => {

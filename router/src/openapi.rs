@@ -467,6 +467,7 @@ pub(crate) mod tests {
                 role: "prefill or decode",
             },
             Rejection::UnknownModel("gpt-x".into()),
+            Rejection::ShuttingDown,
         ];
         let mut responses: Vec<(String, axum::response::Response)> = rejections
             .iter()
@@ -494,6 +495,12 @@ pub(crate) mod tests {
                 message: "x".into(),
             },
             DispatchError::Tokenizer("bad id".into()),
+            DispatchError::ShuttingDown,
+            DispatchError::Refused {
+                node: "n-0".into(),
+                kind: kvmesh_proto::internal::v1::RefuseKind::Draining,
+                message: "x".into(),
+            },
             DispatchError::Rejected(Rejection::NoHealthyNode { role: "decode" }),
         ];
         responses.extend(

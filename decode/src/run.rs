@@ -1,0 +1,94 @@
+//! The decode node's lifecycle: serve until told to stop, then drain.
+//!
+//! The drain, in order:
+//! 1. the node is marked draining: Generate answers
+//!    `RefuseKind::Draining` and the load report says `draining`, so the
+//!    router stops choosing it (within one load poll);
+//! 2. every stream already granted runs on, to its end, for at most the
+//!    drain timeout;
+//! 3. at the deadline, what is left is cut: transfers still awaited are
+//!    given up (the reservation aborts through the confirmation path,
+//!    bounded by the abort timeout: confirmed, or revoked) and running
+//!    sequences end with a terminal `UNAVAILABLE` their router passes on
+//!    to its client as an error event;
+//! 4. once the reservation table is empty the gRPC server stops (no stream
+//!    is cut by the transport) and the batcher thread is joined;
+//! 5. the pool is counted: [`Drained::pages_in_use`] is zero unless a page
+//!    leaked.
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kvmesh_proto::serve::{serve, settle, Drained};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+use crate::{DecodeNode, NodeError};
+
+/// How long the server may take to end once nothing is in flight.
+const SERVER_GRACE: Duration = Duration::from_secs(5);
+
+/// Serves `node` on `listener` until `shutdown` resolves, then drains it
+/// (see the module docs) and returns what the drain found.
+pub async fn run<F>(
+    node: DecodeNode,
+    listener: TcpListener,
+    shutdown: F,
+) -> Result<Drained, NodeError>
+where
+    F: Future<Output = ()>,
+{
+    let (stop, stopped) = oneshot::channel::<()>();
+    let mut server = serve(
+        tonic::service::Routes::new(node.service()),
+        listener,
+        async {
+            let _ = stopped.await;
+        },
+    );
+    tokio::select! {
+        () = shutdown => {}
+        r = &mut server => {
+            // The server ended before any signal: it failed.
+            node.join_batcher().await?;
+            return match r {
+                Ok(Err(e)) => Err(NodeError::Serve(e)),
+                _ => Err(NodeError::Config("the decode gRPC server ended".into())),
+            };
+        }
+    }
+    let inner = node.inner();
+    inner.draining.store(true, Ordering::Release);
+    let table = node.table();
+    tracing::info!(
+        open = inner.open.load(Ordering::Acquire),
+        "decode node draining"
+    );
+    let deadline = Instant::now() + inner.drain_timeout;
+    let open = || inner.open.load(Ordering::Acquire);
+    let mut cut = 0;
+    if !settle(deadline, || open() == 0).await {
+        cut = open();
+        tracing::warn!(cut, "drain deadline: ending the streams left");
+        inner.cut.send_replace(true);
+    }
+    // Cut streams end within a step; their aborts within the abort
+    // timeout (confirmed, or the path is revoked).
+    let bound = Instant::now() + inner.abort_timeout + Duration::from_secs(2);
+    settle(bound, || open() == 0 && table.stats().open == 0).await;
+    let _ = stop.send(());
+    match tokio::time::timeout(SERVER_GRACE, server).await {
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "decode gRPC server"),
+        Ok(_) => {}
+        Err(_) => tracing::warn!("decode gRPC server did not end within its grace"),
+    }
+    node.join_batcher().await?;
+    let pool = table.pool().stats();
+    Ok(Drained {
+        cut,
+        reservations_open: table.stats().open,
+        pages_in_use: pool.capacity_pages - pool.free_pages,
+        pages_total: pool.capacity_pages,
+    })
+}

@@ -1,0 +1,146 @@
+//! How a node serves its gRPC service and drains: the one shape the
+//! router's public port, prefill and decode share.
+//!
+//! A node's `run` serves on a listener it is handed ([`serve`]), waits for
+//! its shutdown signal, then drains: it refuses new work, waits for what it
+//! holds to end ([`settle`], bounded by its drain timeout), ends the rest
+//! through the handshake, and only then stops the server (so no stream in
+//! flight is cut by the transport) and joins its compute thread.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tonic::service::Routes;
+use tonic::transport::server::TcpIncoming;
+
+/// The metadata key of a call a draining node refused (value
+/// [`DRAINING`]): the caller may choose another node, and its client gets
+/// a retryable 503, not a node failure.
+pub const REFUSED_KEY: &str = "kvmesh-refused";
+/// [`REFUSED_KEY`]'s value for a node that is draining.
+pub const DRAINING: &str = "draining";
+
+/// The status of a call refused because the node is draining.
+pub fn draining(message: impl Into<String>) -> tonic::Status {
+    let mut s = tonic::Status::unavailable(message);
+    s.metadata_mut().insert(
+        REFUSED_KEY,
+        tonic::metadata::MetadataValue::from_static(DRAINING),
+    );
+    s
+}
+
+/// Whether `s` is a draining node's refusal ([`draining`]).
+pub fn is_draining(s: &tonic::Status) -> bool {
+    s.code() == tonic::Code::Unavailable
+        && s.metadata().get(REFUSED_KEY).is_some_and(|v| v == DRAINING)
+}
+
+/// How often [`settle`] looks.
+const SETTLE_POLL: Duration = Duration::from_millis(10);
+
+/// Serves `routes` on `listener` (TCP_NODELAY on every connection: a
+/// streamed token is one small write, which Nagle's algorithm would hold
+/// until the peer's delayed ACK, about 40 ms) until `stop` resolves; then
+/// stops accepting and ends once every call in flight has ended.
+pub fn serve<F>(
+    routes: Routes,
+    listener: TcpListener,
+    stop: F,
+) -> JoinHandle<Result<(), tonic::transport::Error>>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_routes(routes)
+            .serve_with_incoming_shutdown(incoming, stop),
+    )
+}
+
+/// What a drain found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Drained {
+    /// Streams still open at the deadline, ended with an error.
+    pub cut: usize,
+    /// Reservations still in the table when the node stopped (decode).
+    pub reservations_open: usize,
+    /// Pool pages not free when the node stopped: zero unless one leaked.
+    pub pages_in_use: usize,
+    /// Pool pages in all.
+    pub pages_total: usize,
+}
+
+impl Drained {
+    /// Nothing left behind.
+    pub fn is_clean(&self) -> bool {
+        self.reservations_open == 0 && self.pages_in_use == 0
+    }
+}
+
+impl std::fmt::Display for Drained {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} streams cut at the deadline, {} reservations open, {} of {} pages in use",
+            self.cut, self.reservations_open, self.pages_in_use, self.pages_total
+        )
+    }
+}
+
+/// Resolves once `flag` is set (the drain deadline's cut), or at once if
+/// its sender is gone.
+pub async fn cut_set(flag: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = flag.wait_for(|set| *set).await;
+}
+
+/// Waits until `done()` holds or `deadline` passes; whether it held.
+pub async fn settle(deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
+    loop {
+        if done() {
+            return true;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return false;
+        }
+        tokio::time::sleep(SETTLE_POLL.min(deadline - now)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_draining_refusal_is_told_apart_from_a_node_that_is_down() {
+        assert!(is_draining(&draining("prefill node draining")));
+        assert!(!is_draining(&tonic::Status::unavailable(
+            "connection refused"
+        )));
+        let mut other = tonic::Status::internal("x");
+        other.metadata_mut().insert(
+            REFUSED_KEY,
+            tonic::metadata::MetadataValue::from_static(DRAINING),
+        );
+        assert!(!is_draining(&other));
+    }
+
+    #[tokio::test]
+    async fn settle_reports_whether_the_condition_held_in_time() {
+        let t0 = Instant::now();
+        let mut n = 0;
+        assert!(
+            settle(t0 + Duration::from_secs(5), || {
+                n += 1;
+                n == 3
+            })
+            .await
+        );
+        assert_eq!(n, 3);
+        assert!(!settle(Instant::now() + Duration::from_millis(30), || false).await);
+    }
+}

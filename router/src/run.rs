@@ -1,0 +1,114 @@
+//! The gateway's lifecycle: serve the HTTP gateway and the public gRPC API
+//! until told to stop, then drain.
+//!
+//! The drain, in order:
+//! 1. admission refuses (`503 shutting_down`), `/health` answers 503 and
+//!    the gRPC health service `NOT_SERVING`; both servers stop accepting
+//!    connections (requests already in flight go on);
+//! 2. requests in flight finish, for at most the drain timeout;
+//! 3. at the deadline, what is left ends with a terminal error event
+//!    (`shutting_down`) and its decode stream and prefill call are dropped,
+//!    which abort through the confirmation path at the nodes;
+//! 4. the servers end once their responses are written; the load poller
+//!    stops.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::serve::ListenerExt;
+use kvmesh_proto::serve::settle;
+use tokio::net::TcpListener;
+use tonic::transport::server::TcpIncoming;
+
+use crate::Router;
+
+/// How long requests cut at the deadline, and the servers, may take to end.
+const GRACE: Duration = Duration::from_secs(5);
+
+/// The gateway's two listeners.
+#[derive(Debug)]
+pub struct Listeners {
+    /// The OpenAI-compatible HTTP gateway.
+    pub http: TcpListener,
+    /// The public gRPC API.
+    pub grpc: TcpListener,
+}
+
+impl Listeners {
+    /// Binds both.
+    pub async fn bind(http: &str, grpc: &str) -> std::io::Result<Self> {
+        Ok(Self {
+            http: TcpListener::bind(http).await?,
+            grpc: TcpListener::bind(grpc).await?,
+        })
+    }
+
+    /// Their addresses (HTTP, gRPC).
+    pub fn addrs(&self) -> std::io::Result<(SocketAddr, SocketAddr)> {
+        Ok((self.http.local_addr()?, self.grpc.local_addr()?))
+    }
+}
+
+/// Serves `router` on `listeners` until `shutdown` resolves, then drains
+/// (see the module docs). Polls the nodes' load meanwhile.
+pub async fn run<F>(router: Router, listeners: Listeners, shutdown: F) -> std::io::Result<()>
+where
+    F: Future<Output = ()>,
+{
+    router.nodes().poll_all().await;
+    let poller = router.nodes().spawn_poller();
+    let draining = router.draining.subscribe();
+    let stop = move || {
+        let mut d = draining.clone();
+        async move {
+            let _ = d.wait_for(|d| *d).await;
+        }
+    };
+    let grpc = tokio::spawn(
+        crate::grpc::service(router.clone()).serve_with_incoming_shutdown(
+            TcpIncoming::from(listeners.grpc).with_nodelay(Some(true)),
+            stop(),
+        ),
+    );
+    // Tokens are small writes: without TCP_NODELAY the first one waits for
+    // the client's delayed ACK (about 40 ms of TTFT).
+    let http_listener = listeners.http.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let app = router.http();
+    let http_stop = stop();
+    let http = tokio::spawn(async move {
+        axum::serve(http_listener, app)
+            .with_graceful_shutdown(http_stop)
+            .await
+    });
+    shutdown.await;
+    router.draining.send_replace(true);
+    tracing::info!(in_flight = router.in_flight(), "router draining");
+    let deadline = Instant::now() + router.config().drain_timeout;
+    if !settle(deadline, || router.in_flight() == 0).await {
+        tracing::warn!(
+            in_flight = router.in_flight(),
+            "drain deadline: ending the requests left"
+        );
+        router.cut.send_replace(true);
+        settle(Instant::now() + GRACE, || router.in_flight() == 0).await;
+    }
+    let ended = tokio::time::timeout(GRACE, async {
+        let h = http.await;
+        let g = grpc.await;
+        (h, g)
+    })
+    .await;
+    poller.abort();
+    match ended {
+        Ok((Ok(Err(e)), _)) => Err(e),
+        Ok((_, Ok(Err(e)))) => Err(std::io::Error::other(e)),
+        Ok(_) => Ok(()),
+        Err(_) => {
+            tracing::warn!("router servers did not end within their grace");
+            Ok(())
+        }
+    }
+}
