@@ -202,15 +202,18 @@ where
 /// What the gateway does with a body before any node is involved:
 /// validation, the response id, admission.
 async fn validate_and_admit(r: &Router, chat: bool, body: &[u8]) -> Result<()> {
-    let (ids, s) = validate(r, chat, body)
-        .map_err(|e| anyhow!("the benchmark's own request was refused: {e}"))?
-        .into_parts();
+    let valid = validate(r, chat, body)
+        .map_err(|e| anyhow!("the benchmark's own request was refused: {e}"))?;
     black_box(kvmesh_kvwire::RequestId::mint().ok());
-    match r.admit(ids.len(), s.max_tokens).await {
+    let tenant = kvmesh_router::auth::Tenant("bench".into());
+    match r
+        .admit(valid, tenant, kvmesh_faults::FaultPlan::none())
+        .await
+    {
         // No node is registered: admission ends here, before the queue.
         Err(Rejection::NoHealthyNode { .. }) => Ok(()),
-        Ok(permit) => {
-            drop(black_box(permit));
+        Ok(admitted) => {
+            drop(black_box(admitted));
             Ok(())
         }
         Err(e) => bail!("admission refused the benchmark's prompt: {e}"),

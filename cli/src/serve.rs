@@ -349,6 +349,8 @@ async fn serve(a: ServeArgs) -> Result<()> {
         mesh_secret,
     )
     .map_err(anyhow::Error::msg)?;
+    nodes.poll_all().await;
+    let poller = nodes.spawn_poller();
     let router = Router::new(
         RouterConfig {
             model_id: model_id(&path),
@@ -369,6 +371,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
     )
     .await?;
     let served = kvmesh_router::run(router, listeners, terminated(a.drain_timeout)).await;
+    poller.abort();
     router_done.send_replace(true);
     let p = prefill_run.await.context("the prefill node's task")??;
     let d = decode_run.await.context("the decode node's task")??;
@@ -549,6 +552,8 @@ async fn router_process(
         )
         .collect();
     let nodes = Nodes::new(&specs, mesh_secret).map_err(anyhow::Error::msg)?;
+    nodes.poll_all().await;
+    let poller = nodes.spawn_poller();
     let router = Router::new(
         RouterConfig {
             model_id: model_id(&path),
@@ -571,9 +576,9 @@ async fn router_process(
         nodes,
     );
     let listeners = router_listeners(&router, &cfg.router.http, &cfg.router.grpc).await?;
-    kvmesh_router::run(router, listeners, terminated(drain))
-        .await
-        .context("the gateway")?;
+    let served = kvmesh_router::run(router, listeners, terminated(drain)).await;
+    poller.abort();
+    served.context("the gateway")?;
     println!("kvmesh router drained, exiting");
     Ok(())
 }

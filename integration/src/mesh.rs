@@ -3,6 +3,7 @@
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::http;
@@ -15,22 +16,64 @@ pub struct Mesh {
     pub http: String,
     /// The public gRPC API's `HOST:PORT`.
     pub grpc: String,
+    logs: Option<mpsc::Receiver<String>>,
 }
 
 impl Mesh {
     /// Starts `kvmesh serve --model MODEL` with any free ports and `extra`
     /// flags, and waits until it prints its URLs and reports healthy.
     pub fn start(model: &Path, extra: &[&str]) -> Self {
+        Self::spawn(model, extra, None)
+    }
+
+    /// [`Mesh::start`] with the log filter `filter` (`KVMESH_LOG`) and the
+    /// process's log (stderr) captured for [`Mesh::log_line`] (and echoed
+    /// to the test's stderr).
+    pub fn start_logged(model: &Path, extra: &[&str], filter: &str) -> Self {
+        Self::spawn(model, extra, Some(filter))
+    }
+
+    /// The next line of the log (stderr) containing every one of
+    /// `needles`, waiting at most `within`; only for [`Mesh::start_logged`]
+    /// meshes.
+    pub fn log_line(&self, needles: &[&str], within: Duration) -> Option<String> {
+        let logs = self.logs.as_ref()?;
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            match logs.recv_timeout(left) {
+                Ok(l) if needles.iter().all(|n| l.contains(n)) => return Some(l),
+                Ok(_) => {}
+                Err(_) => return None,
+            }
+        }
+    }
+
+    fn spawn(model: &Path, extra: &[&str], filter: Option<&str>) -> Self {
         let mut cmd = Command::new(crate::kvmesh_bin());
         cmd.arg("serve")
             .arg("--model")
             .arg(model)
             .args(["--http-port", "0", "--grpc-port", "0"])
             .args(extra)
-            .env("KVMESH_LOG", "warn")
+            .env("KVMESH_LOG", filter.unwrap_or("warn"))
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+            .stderr(if filter.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            });
         let mut child = cmd.spawn().expect("spawn kvmesh serve");
+        let logs = child.stderr.take().map(|err| {
+            let (tx, rx) = mpsc::channel();
+            std::thread::spawn(move || {
+                for l in BufReader::new(err).lines().map_while(Result::ok) {
+                    eprintln!("{l}");
+                    let _ = tx.send(l);
+                }
+            });
+            rx
+        });
         let out = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(out).lines();
         let (mut http, mut grpc) = (None, None);
@@ -55,7 +98,12 @@ impl Mesh {
             let _ = child.kill();
             panic!("kvmesh serve exited before printing its URLs");
         };
-        let mesh = Self { child, http, grpc };
+        let mesh = Self {
+            child,
+            http,
+            grpc,
+            logs,
+        };
         let start = Instant::now();
         while http::get(&mesh.http, "/health").status != 200 {
             assert!(

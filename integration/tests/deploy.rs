@@ -262,6 +262,12 @@ fn reference(prompt: &str, n: usize) -> String {
     kvmesh_integration::reference_text(&tiny_model_dir(), prompt, false, n)
 }
 
+/// The `error.code` of an OpenAI-style error body or SSE error event.
+fn error_code(e: &str) -> Option<String> {
+    let v: Value = serde_json::from_str(e).ok()?;
+    Some(v["error"]["code"].as_str()?.to_owned())
+}
+
 fn complete(addr: &str, prompt: &str, n: usize, stream: bool) -> Result<String, String> {
     let body = json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": stream});
     if !stream {
@@ -366,7 +372,9 @@ fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
             Ok(text) => assert_eq!(text, want[i]),
             // A request routed to the dead node before the router noticed
             // fails fast with a clear error, never hangs.
-            Err(e) => assert!(e.contains("decode"), "{e}"),
+            // (`decode_failed`: the client is told which role failed,
+            // never the node's name or words).
+            Err(e) => assert_eq!(error_code(&e), Some("decode_failed".into()), "{e}"),
         }
     }
     assert!(
@@ -445,7 +453,11 @@ fn a_dead_decode_node_fails_its_streams_fast() {
     }
     let took = killed.elapsed();
     let error = error.expect("the stream ends with an error event");
-    assert!(error.contains("decode"), "{error}");
+    assert_eq!(error_code(&error), Some("decode_failed".into()), "{error}");
+    assert!(
+        !error.contains("decode-0"),
+        "a node name reached the client: {error}"
+    );
     assert!(took < Duration::from_secs(5), "the failure took {took:?}");
     // The router takes the node out; new requests get 503, not a hang.
     std::thread::sleep(Duration::from_millis(2500));

@@ -74,6 +74,19 @@ fn complete(
     Err("stream ended without [DONE]".into())
 }
 
+/// The HTTP status and error code of a failure [`complete`] returned: an
+/// unstreamed `STATUS: BODY`, or a stream's error event (status 200: the
+/// stream had begun). `None` for a stream refused before it began (only
+/// its status is read) or anything that is not an OpenAI-style error.
+fn failure(e: &str) -> Option<(u16, String)> {
+    let (status, body) = match e.split_once(": {") {
+        Some((s, rest)) if s.parse::<u16>().is_ok() => (s.parse().ok()?, format!("{{{rest}")),
+        _ => (200, e.to_owned()),
+    };
+    let v: Value = serde_json::from_str(&body).ok()?;
+    Some((status, v["error"]["code"].as_str()?.to_owned()))
+}
+
 fn guard_violations(mesh: &Mesh) -> f64 {
     mesh.metric("kvmesh_node_kv_guard_violations_total{node=\"decode-0\"")
         .unwrap_or(0.0)
@@ -134,10 +147,20 @@ fn run_matrix(
             }
             Expect::Error | Expect::GuardError | Expect::ErrorInOrder => {
                 let e = got.expect_err(&format!("{spec} (stream={stream}) must fail"));
-                assert!(
-                    e.contains("error") || e.starts_with("status"),
-                    "{spec}: not a clear error: {e}"
-                );
+                match failure(&e) {
+                    Some((status, code)) => assert!(
+                        !code.is_empty() && (status == 200 || status >= 400),
+                        "{spec}: not a clear error: {e}"
+                    ),
+                    None => assert!(
+                        e.starts_with("status 4") || e.starts_with("status 5"),
+                        "{spec}: not a clear error: {e}"
+                    ),
+                }
+                // What the client reads names no node (the router logs it).
+                for node in ["decode-0", "prefill-0"] {
+                    assert!(!e.contains(node), "{spec}: {node} in {e}");
+                }
             }
         }
         mesh.assert_pages_come_back();
@@ -209,8 +232,12 @@ fn bad_fault_specs_are_refused_with_the_header_named() {
     for spec in ["frame=drop", "verify=drop", "nonsense", "done=delay:999999"] {
         let r = complete(&mesh.http, "hi", 2, false, &[("x-kvmesh-fault", spec)]);
         let e = r.expect_err(spec);
-        assert!(e.starts_with("400"), "{spec}: {e}");
-        assert!(e.contains("x-kvmesh-fault"), "{spec}: {e}");
+        assert_eq!(
+            failure(&e),
+            Some((400, "invalid_fault_spec".to_owned())),
+            "{spec}: {e}"
+        );
+        assert!(e.contains("\"param\":\"x-kvmesh-fault\""), "{spec}: {e}");
     }
     // Without --fault-injection the header is ignored entirely.
     let plain = Mesh::start(&tiny_model_dir(), &[]);
@@ -418,9 +445,27 @@ fn start_planted(bug: &str, extra: &[&str]) -> Mesh {
     start_tiny(&args)
 }
 
+/// [`start_planted`] with the mesh's log captured (level warn).
+fn start_planted_logged(bug: &str, extra: &[&str]) -> Mesh {
+    let mut args = vec![
+        "--fault-injection",
+        "--lease-ms",
+        LEASE_MS,
+        "--abort-timeout-ms",
+        ABORT_TIMEOUT_MS,
+        "--plant-bug",
+        bug,
+        "--transport",
+        "tcp",
+    ];
+    args.extend_from_slice(extra);
+    Mesh::start_logged(&tiny_model_dir(), &args, "warn")
+}
+
 /// Planted bug: the router admits everything. The nodes' own re-checks
-/// (I3 at decode) still refuse a prompt that does not fit: a clear error,
-/// no reservation granted, pages whole.
+/// (I3 at decode) still refuse a prompt that does not fit: the decode
+/// node's typed refusal (400 `decode_refused`), no reservation granted,
+/// pages whole.
 #[test]
 fn planted_no_admission_is_stopped_by_the_nodes_own_checks() {
     let mesh = start_planted(
@@ -430,7 +475,11 @@ fn planted_no_admission_is_stopped_by_the_nodes_own_checks() {
     for (max_tokens, what) in [(100, "over the pool"), (300, "over the window")] {
         let e = complete(&mesh.http, PROMPT, max_tokens, false, &[])
             .expect_err("admitted by the bug, refused by decode");
-        assert!(e.contains("decode") && e.contains("error"), "{what}: {e}");
+        assert_eq!(
+            failure(&e),
+            Some((400, "decode_refused".to_owned())),
+            "{what}: {e}"
+        );
     }
     assert_eq!(granted(&mesh), 0.0);
     mesh.assert_pages_come_back();
@@ -446,10 +495,12 @@ fn planted_no_admission_is_stopped_by_the_nodes_own_checks() {
 /// dropped on the way leaves slots that hold the previous request's KV
 /// (scrubbing off); the watermarks only cover what landed, so the first
 /// read of the hole is a guard violation (I2) and the request fails,
-/// rather than answering from foreign data.
+/// rather than answering from foreign data: the client gets 502
+/// `decode_failed` with a fixed message, and the router's log carries the
+/// decode node's reason (the unwritten slot).
 #[test]
 fn planted_no_verification_is_stopped_by_the_watermarks() {
-    let mesh = start_planted("no-verification", &["--scrub", "off"]);
+    let mesh = start_planted_logged("no-verification", &["--scrub", "off"]);
     // Someone else's KV in the pages first.
     let other = "Secret QUOKKA-2208 belongs to another tenant entirely, do not read";
     complete(&mesh.http, other, 8, false, &[]).expect("filler request");
@@ -462,7 +513,19 @@ fn planted_no_verification_is_stopped_by_the_watermarks() {
         &[("x-kvmesh-fault", "frame:1=drop")],
     )
     .expect_err("an unverified hole must fail the request");
-    assert!(e.contains("unwritten"), "{e}");
+    assert_eq!(failure(&e), Some((502, "decode_failed".to_owned())), "{e}");
+    assert!(
+        !e.contains("unwritten"),
+        "the node's words reached the client: {e}"
+    );
+    let logged = mesh.log_line(
+        &["a node failed a request", "decode-0", "unwritten"],
+        Duration::from_secs(10),
+    );
+    assert!(
+        logged.is_some(),
+        "the router did not log the decode node's reason"
+    );
     wait_until(&format!("a guard violation counted for {e}"), || {
         guard_violations(&mesh) > before
     });
@@ -560,7 +623,11 @@ fn prefill_crash_mid_transfer() {
     )
     .expect_err("the prefill process died");
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
-    assert!(e.contains("prefill") || e.contains("error"), "{e}");
+    // The router hears of it from whichever node tells first: the prefill
+    // call cut, or decode's stream ending with the writer lost.
+    let (status, code) = failure(&e).expect("an error event");
+    assert_eq!(status, 200, "the stream had begun: {e}");
+    assert!(code == "prefill_failed" || code == "decode_failed", "{e}");
     let lost = "kvmesh_node_reservations_total{node=\"decode-0\",outcome=\"writer_lost\"}";
     wait_until("the dead writer's reservation ended", || {
         metric_of(&addr, lost) == Some(1.0)
@@ -597,7 +664,7 @@ fn decode_crash_mid_generation() {
     )
     .expect_err("the decode process died");
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
-    assert!(e.contains("decode"), "{e}");
+    assert_eq!(failure(&e), Some((200, "decode_failed".to_owned())), "{e}");
     std::thread::sleep(Duration::from_millis(1000));
     let r = http::post(
         &addr,

@@ -1,6 +1,8 @@
 //! The public gRPC API (`kvmesh.v1.Generation`), the standard gRPC health
-//! service and server reflection, over the same admission and dispatch as
-//! the HTTP gateway.
+//! service and server reflection, over the same validation, admission and
+//! mesh as the HTTP gateway. Every status and stream error comes from
+//! [`GatewayError`] (`crate::error`), counted once through
+//! [`Router::fail`].
 
 use std::pin::Pin;
 
@@ -14,8 +16,8 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::auth::Tenant;
-use crate::dispatch::{self, Event, Finish, Job};
-use crate::error::Rejection;
+use crate::error::{GatewayError, Rejection};
+use crate::mesh::{Event, Finish};
 use crate::validate::{self, invalid, Prompt};
 use crate::Router;
 
@@ -65,6 +67,11 @@ fn chat(c: Chat) -> Vec<ChatMessage> {
 }
 
 impl Api {
+    /// `e`, counted, as the status the caller gets.
+    fn fail(&self, e: impl Into<GatewayError>) -> Status {
+        self.router.fail(e.into()).grpc()
+    }
+
     /// The caller's tenant from its `authorization` metadata; every call
     /// starts here (UNAUTHENTICATED before anything else).
     fn tenant<T>(&self, req: &Request<T>) -> Result<Tenant, Status> {
@@ -72,57 +79,45 @@ impl Api {
             .metadata()
             .get("authorization")
             .and_then(|v| v.to_str().ok());
-        self.router.config().api_keys.check(header).map_err(|e| {
-            self.router.metrics.rejected("unauthenticated");
-            Status::unauthenticated(e.message())
-        })
+        self.router
+            .config()
+            .api_keys
+            .check(header)
+            .map_err(|e| self.fail(e))
     }
 
+    /// Tokenize's input, checked like Generate's (model, then the prompt);
+    /// refusals are not counted (nothing was asked to generate).
     fn tokenize_input(
         &self,
         model: &str,
         prompt: Option<Result<String, Chat>>,
-    ) -> Result<Vec<u32>, Status> {
+    ) -> Result<Vec<u32>, GatewayError> {
         if !model.is_empty() && model != self.router.config().model_id {
-            return Err(Rejection::UnknownModel(model.to_owned()).grpc());
+            return Err(Rejection::UnknownModel(model.to_owned()).into());
         }
         let t = self.router.tokenizer();
-        match prompt {
-            Some(Ok(text)) => t.encode(&text),
-            Some(Err(c)) => t.encode_chat(&chat(c)),
-            None => {
-                return Err(Status::invalid_argument(
-                    "input: a prompt or a chat is required",
-                ))
-            }
-        }
-        .map_err(|e| Status::invalid_argument(e.to_string()))
-    }
-}
-
-type GenStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl Generation for Api {
-    type GenerateStream = GenStream;
-
-    async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<GenStream>, Status> {
-        let tenant = self.tenant(&req)?;
-        let r = req.into_inner();
-        let input = r.input.map(|i| match i {
-            generate_request::Input::Prompt(p) => Ok(p),
-            generate_request::Input::Chat(c) => Err(c),
-        });
-        let prompt = match input {
-            Some(Ok(text)) => Prompt::Text(text),
-            Some(Err(c)) => Prompt::Chat(chat(c)),
-            None => {
-                let e = invalid("input", "input: a prompt or a chat is required");
-                self.router.refused(&e);
-                return Err(e.grpc());
-            }
+        let (ids, param) = match prompt {
+            Some(Ok(text)) => (t.encode(&text), "prompt"),
+            Some(Err(c)) => (t.encode_chat(&chat(c)), "messages"),
+            None => return Err(invalid("input", "input: a prompt or a chat is required").into()),
         };
-        let checked = validate::request(
+        Ok(ids.map_err(|e| invalid(param, e.to_string()))?)
+    }
+
+    /// Everything before the stream starts: the front-end-neutral request,
+    /// validated, admitted, started on the mesh.
+    async fn start(
+        &self,
+        tenant: Tenant,
+        r: GenerateRequest,
+    ) -> Result<crate::mesh::Generation, GatewayError> {
+        let prompt = match r.input {
+            Some(generate_request::Input::Prompt(text)) => Prompt::Text(text),
+            Some(generate_request::Input::Chat(c)) => Prompt::Chat(chat(c)),
+            None => return Err(invalid("input", "input: a prompt or a chat is required").into()),
+        };
+        let valid = validate::request(
             &self.router,
             validate::Request {
                 model: Some(r.model),
@@ -136,35 +131,36 @@ impl Generation for Api {
                 stop: r.stop,
                 ignore_eos: false,
             },
-        );
-        let (ids, s) = match checked {
-            Ok(v) => v.into_parts(),
-            Err(e) => {
-                self.router.refused(&e);
-                return Err(e.grpc());
-            }
-        };
-        let prompt_tokens = ids.len();
-        let permit = self
-            .router
-            .admit(prompt_tokens, s.max_tokens)
+        )?;
+        self.router
+            .generate(valid, tenant, kvmesh_faults::FaultPlan::none())
             .await
-            .map_err(|e| e.grpc())?;
-        let job = Job {
-            prompt_ids: ids,
-            max_tokens: s.max_tokens,
-            temperature: s.temperature,
-            top_p: s.top_p,
-            seed: s.seed,
-            stop: s.stop,
-            ignore_eos: s.ignore_eos,
-            tenant,
-            faults: kvmesh_faults::FaultPlan::none(),
-        };
-        let mut rx = dispatch::start(&self.router, job, permit).map_err(|e| e.grpc())?;
+    }
+}
+
+type GenStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Generation for Api {
+    type GenerateStream = GenStream;
+
+    async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<GenStream>, Status> {
+        let tenant = self.tenant(&req)?;
+        let mut g = self
+            .start(tenant, req.into_inner())
+            .await
+            .map_err(|e| self.fail(e))?;
         let (tx, out) = tokio::sync::mpsc::channel(64);
         tokio::spawn(async move {
-            while let Some(ev) = rx.recv().await {
+            let prompt_tokens = g.prompt_tokens();
+            loop {
+                // Leave as soon as the caller is gone: dropping the
+                // generation tells the mesh to abort.
+                let ev = tokio::select! {
+                    ev = g.next() => ev,
+                    () = tx.closed() => return,
+                };
+                let Some(ev) = ev else { return };
                 let msg = match ev {
                     Event::Text(text) => GenerateResponse {
                         text,
@@ -179,16 +175,12 @@ impl Generation for Api {
                             Finish::Length => FinishReason::Length,
                         } as i32,
                         usage: Some(Usage {
-                            prompt_tokens: prompt_tokens as u32,
-                            completion_tokens: completion_tokens as u32,
+                            prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
+                            completion_tokens: u32::try_from(completion_tokens).unwrap_or(u32::MAX),
                         }),
                         ..Default::default()
                     },
-                    Event::Error(e) => GenerateResponse {
-                        finish_reason: FinishReason::Error as i32,
-                        error: e.to_string(),
-                        ..Default::default()
-                    },
+                    Event::Error(e) => GatewayError::from(e).grpc_stream_end(),
                 };
                 if tx.send(Ok(msg)).await.is_err() {
                     return;
@@ -209,7 +201,7 @@ impl Generation for Api {
             tokenize_request::Input::Prompt(p) => Ok(p),
             tokenize_request::Input::Chat(c) => Err(c),
         });
-        let token_ids = self.tokenize_input(&r.model, input)?;
+        let token_ids = self.tokenize_input(&r.model, input).map_err(|e| e.grpc())?;
         Ok(Response::new(TokenizeResponse { token_ids }))
     }
 
@@ -226,3 +218,6 @@ impl Generation for Api {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -25,8 +25,8 @@ use tokio_stream::StreamExt;
 use kvmesh_faults::FaultPlan;
 
 use crate::auth::Tenant;
-use crate::dispatch::{self, Event, Job};
-use crate::error::Rejection;
+use crate::error::{GatewayError, Rejection};
+use crate::mesh::{Event, Generation};
 use crate::validate::{self, invalid, Prompt, Valid};
 use crate::Router;
 
@@ -141,34 +141,26 @@ async fn authenticate(
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    match r.config().api_keys.check(header) {
-        Ok(tenant) => {
-            req.extensions_mut().insert(tenant);
-            // Injected faults: only a testing build started with
-            // --fault-injection honours the header.
-            if r.config().fault_injection {
-                let spec = req
-                    .headers()
-                    .get(kvmesh_faults::HEADER)
-                    .map(|v| v.to_str().unwrap_or("\u{fffd}"));
-                match FaultPlan::from_header(spec) {
-                    Ok(plan) => {
-                        req.extensions_mut().insert(plan);
-                    }
-                    Err(e) => {
-                        let body = json!({"error": {"message": e.to_string(), "type": "invalid_request_error", "param": kvmesh_faults::HEADER, "code": "invalid_fault_spec"}});
-                        return (StatusCode::BAD_REQUEST, Json(body)).into_response();
-                    }
-                }
+    let tenant = match r.config().api_keys.check(header) {
+        Ok(tenant) => tenant,
+        Err(e) => return r.fail(e.into()).into_response(),
+    };
+    req.extensions_mut().insert(tenant);
+    // Injected faults: only a testing build started with --fault-injection
+    // honours the header.
+    if r.config().fault_injection {
+        let spec = req
+            .headers()
+            .get(kvmesh_faults::HEADER)
+            .map(|v| v.to_str().unwrap_or("\u{fffd}"));
+        match FaultPlan::from_header(spec) {
+            Ok(plan) => {
+                req.extensions_mut().insert(plan);
             }
-            next.run(req).await
-        }
-        Err(e) => {
-            r.metrics.rejected("unauthenticated");
-            let body = json!({"error": {"message": e.message(), "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}});
-            (StatusCode::UNAUTHORIZED, Json(body)).into_response()
+            Err(e) => return r.fail(GatewayError::FaultSpec(e)).into_response(),
         }
     }
+    next.run(req).await
 }
 
 #[derive(Deserialize)]
@@ -321,14 +313,6 @@ fn chat_messages(msgs: Option<Vec<ChatIn>>) -> Result<Vec<ChatMessage>, Rejectio
         .collect()
 }
 
-/// The OpenAI-style error of a body that could not be read (over axum's
-/// size limit: 413; a broken stream: 400), instead of axum's plain text.
-fn body_refused(r: &Router, e: &BytesRejection) -> Response {
-    r.metrics.rejected("invalid_request");
-    let body = json!({"error": {"message": e.body_text(), "type": "invalid_request_error", "param": "body", "code": "invalid_body"}});
-    (e.status(), Json(body)).into_response()
-}
-
 async fn completions(
     State(r): State<Router>,
     axum::Extension(tenant): axum::Extension<Tenant>,
@@ -347,7 +331,10 @@ async fn chat_completions(
     generate(r, tenant, faults, body, Kind::Chat).await
 }
 
-/// Both generation routes: the body, validated for `kind`, then dispatch.
+/// Both generation routes: the body, validated for `kind`, admitted, then
+/// the mesh's events as one response or as SSE. Every refusal or failure
+/// before the response starts is counted once ([`Router::fail`]) and
+/// mapped by [`GatewayError`].
 async fn generate(
     r: Router,
     tenant: Tenant,
@@ -355,20 +342,47 @@ async fn generate(
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
 ) -> Response {
-    let body = match body {
-        Ok(b) => b,
-        Err(e) => return body_refused(&r, &e),
-    };
     let faults = faults.map(|f| f.0).unwrap_or_default();
-    let checked = parse_body(matches!(kind, Kind::Chat), &body)
-        .and_then(|(req, stream)| Ok((validate::request(&r, req)?, stream)));
-    match checked {
-        Ok((valid, stream)) => respond(r, valid, stream, kind, tenant, faults).await,
-        Err(e) => {
-            r.refused(&e);
-            e.into_response()
+    match start(&r, tenant, faults, body, kind).await {
+        Ok((generation, stream_it, id)) => {
+            let meta = Meta {
+                kind,
+                id,
+                model: r.config().model_id.clone(),
+                created: unix_now(),
+            };
+            if stream_it {
+                stream(generation, meta).into_response()
+            } else {
+                match whole(generation, &meta).await {
+                    Ok(body) => Json(body).into_response(),
+                    Err(e) => e.into_response(),
+                }
+            }
         }
+        Err(e) => r.fail(e).into_response(),
     }
+}
+
+/// Everything before the response starts: read, parse and validate the
+/// body, mint the response id, admit, start the mesh.
+async fn start(
+    r: &Router,
+    tenant: Tenant,
+    faults: FaultPlan,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Result<(Generation, bool, String), GatewayError> {
+    let body = body?;
+    let (req, stream_it) = parse_body(matches!(kind, Kind::Chat), &body)?;
+    let valid = validate::request(r, req)?;
+    let id = match kind {
+        Kind::Completion => request_id("cmpl"),
+        Kind::Chat => request_id("chatcmpl"),
+    }
+    .ok_or(GatewayError::Internal("cannot mint a request id"))?;
+    let generation = r.generate(valid, tenant, faults).await?;
+    Ok((generation, stream_it, id))
 }
 
 #[derive(Clone, Copy)]
@@ -377,91 +391,65 @@ enum Kind {
     Chat,
 }
 
-async fn respond(
-    r: Router,
-    valid: Valid,
-    stream_it: bool,
+/// What every response of one request repeats.
+struct Meta {
     kind: Kind,
-    tenant: Tenant,
-    faults: FaultPlan,
-) -> Response {
-    let (ids, s) = valid.into_parts();
-    let prompt_tokens = ids.len();
-    let (id, object) = match kind {
-        Kind::Completion => (request_id("cmpl"), "text_completion"),
-        Kind::Chat => (request_id("chatcmpl"), "chat.completion"),
-    };
-    let Some(id) = id else {
-        let body = json!({"error": {"message": "cannot mint a request id", "type": "server_error", "param": null, "code": "internal"}});
-        return (StatusCode::INTERNAL_SERVER_ERROR, Json(body)).into_response();
-    };
-    let permit = match r.admit(prompt_tokens, s.max_tokens).await {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
-    };
-    let job = Job {
-        prompt_ids: ids,
-        max_tokens: s.max_tokens,
-        temperature: s.temperature,
-        top_p: s.top_p,
-        seed: s.seed,
-        stop: s.stop,
-        ignore_eos: s.ignore_eos,
-        tenant,
-        faults,
-    };
-    let rx = match dispatch::start(&r, job, permit) {
-        Ok(rx) => rx,
-        Err(e) => {
-            r.metrics.rejected(e.reason());
-            return e.into_response();
-        }
-    };
-    let model = r.config().model_id.clone();
-    let created = unix_now();
-    if stream_it {
-        return stream(rx, kind, id, model, created, prompt_tokens).into_response();
-    }
-    let mut rx = rx;
+    id: String,
+    model: String,
+    created: u64,
+}
+
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+}
+
+/// The unstreamed response: the whole text, or the failure (its status
+/// and body).
+async fn whole(mut g: Generation, m: &Meta) -> Result<Value, GatewayError> {
     let mut text = String::new();
-    while let Some(ev) = rx.recv().await {
+    while let Some(ev) = g.next().await {
         match ev {
             Event::Text(t) => text.push_str(&t),
             Event::Done {
                 finish,
                 completion_tokens,
             } => {
-                let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
-                let choice = match kind {
-                    Kind::Completion => {
-                        json!({"index": 0, "text": text, "finish_reason": finish.as_str(), "logprobs": null})
-                    }
-                    Kind::Chat => {
-                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish.as_str(), "logprobs": null})
-                    }
+                let (object, choice) = match m.kind {
+                    Kind::Completion => (
+                        "text_completion",
+                        json!({"index": 0, "text": text, "finish_reason": finish.as_str(), "logprobs": null}),
+                    ),
+                    Kind::Chat => (
+                        "chat.completion",
+                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish.as_str(), "logprobs": null}),
+                    ),
                 };
-                return Json(json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice], "usage": usage})).into_response();
+                return Ok(
+                    json!({"id": m.id, "object": object, "created": m.created, "model": m.model, "choices": [choice], "usage": usage(g.prompt_tokens(), completion_tokens)}),
+                );
             }
-            Event::Error(e) => return e.into_response(),
+            Event::Error(e) => return Err(e.into()),
         }
     }
-    (StatusCode::INTERNAL_SERVER_ERROR, Json(json!({"error": {"message": "generation ended without a result", "type": "server_error", "param": null, "code": "internal"}}))).into_response()
+    // `next` ends only after a terminal event, which returned above.
+    Err(crate::error::DispatchError::Unfinished.into())
 }
 
+/// The SSE response: a chunk per text event (a chat stream opens with the
+/// assistant's role), the last chunk with the finish reason and usage,
+/// then `[DONE]`; a failure after the response began is one error event
+/// ([`GatewayError::sse_event`]) and then `[DONE]`.
 fn stream(
-    rx: tokio::sync::mpsc::Receiver<Event>,
-    kind: Kind,
-    id: String,
-    model: String,
-    created: u64,
-    prompt_tokens: usize,
+    g: Generation,
+    m: Meta,
 ) -> Sse<impl tokio_stream::Stream<Item = Result<SseEvent, Infallible>>> {
+    let kind = m.kind;
     let object = match kind {
         Kind::Completion => "text_completion",
         Kind::Chat => "chat.completion.chunk",
     };
     let chunk = move |delta: Value, finish: Value, usage: Option<Value>| {
-        let choice = match kind {
+        let choice = match m.kind {
             Kind::Completion => {
                 json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish, "logprobs": null})
             }
@@ -469,7 +457,7 @@ fn stream(
                 json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null})
             }
         };
-        let mut v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
+        let mut v = json!({"id": m.id, "object": object, "created": m.created, "model": m.model, "choices": [choice]});
         if let Some(u) = usage {
             v["usage"] = u;
         }
@@ -477,11 +465,11 @@ fn stream(
     };
     // Events to SSE frames on a task of their own: when the client goes
     // away (noticed by hyper on a write: an event or a keep-alive comment)
-    // its receiver drops, this task drops `rx`, and dispatch sees the
-    // request abandoned.
+    // its receiver drops, this task drops the generation, and the mesh
+    // sees the request abandoned.
     let (tx, out) = tokio::sync::mpsc::channel::<SseEvent>(64);
     tokio::spawn(async move {
-        let mut rx = rx;
+        let mut g = g;
         if let Kind::Chat = kind {
             if tx
                 .send(chunk(
@@ -497,20 +485,27 @@ fn stream(
         }
         loop {
             // Leave as soon as the client is gone, not at the next event:
-            // dropping `rx` is what tells dispatch to abort.
+            // dropping the generation is what tells the mesh to abort.
             let ev = tokio::select! {
-                ev = rx.recv() => ev,
+                ev = g.next() => ev,
                 () = tx.closed() => return,
             };
             let Some(ev) = ev else { return };
             let frames = match ev {
                 Event::Text(t) => vec![chunk(json!({"content": t}), Value::Null, None)],
-                Event::Done { finish, completion_tokens } => {
-                    let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
-                    vec![chunk(json!({}), json!(finish.as_str()), Some(usage)), SseEvent::default().data("[DONE]")]
-                }
+                Event::Done {
+                    finish,
+                    completion_tokens,
+                } => vec![
+                    chunk(
+                        json!({}),
+                        json!(finish.as_str()),
+                        Some(usage(g.prompt_tokens(), completion_tokens)),
+                    ),
+                    SseEvent::default().data("[DONE]"),
+                ],
                 Event::Error(e) => vec![
-                    SseEvent::default().data(json!({"error": {"message": e.to_string(), "type": "server_error", "param": null, "code": e.kind()}}).to_string()),
+                    GatewayError::from(e).sse_event(),
                     SseEvent::default().data("[DONE]"),
                 ],
             };
@@ -539,7 +534,7 @@ async fn health(State(r): State<Router>) -> Response {
     if r.is_draining() {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response();
     }
-    match r.nodes().capacity() {
+    match r.mesh().capacity() {
         Some(_) => (StatusCode::OK, "ok\n").into_response(),
         None => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -560,7 +555,10 @@ async fn openapi() -> Response {
 async fn metrics(State(r): State<Router>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        r.metrics.render(r.nodes()),
+        r.metrics_text(),
     )
         .into_response()
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,25 +1,34 @@
-//! kvmesh router: the OpenAI-compatible HTTP gateway, tokenization and chat
-//! templates, admission control (invariant I3: refuse before anything is
-//! allocated anywhere), and dispatch to prefill and decode nodes.
+//! kvmesh router: the OpenAI-compatible HTTP gateway and the public gRPC
+//! API, tokenization and chat templates, admission control (invariant I3:
+//! refuse before anything is allocated anywhere), and the mesh behind them.
 //!
 //! # Layout
 //! - [`auth`]: API keys, each mapped to a tenant (401 before anything
 //!   else when keys are configured).
-//! - [`Router`]: the shared state (tokenizer, limits, nodes, queue,
-//!   metrics) and [`Router::admit`], the admission decision.
+//! - [`Router`]: the shared state (tokenizer, limits, the mesh, queue,
+//!   metrics); [`Router::admit`], the admission decision (the only maker
+//!   of [`mesh::Admitted`]); [`Router::generate`], admission then the mesh.
+//! - [`validate`]: the one validation of both front ends
+//!   (front-end-neutral request in, [`validate::Valid`] out).
 //! - [`http`]: the axum gateway and [`http::validate`], the one entry of
 //!   client request bodies: `/v1/completions`,
 //!   `/v1/chat/completions` (SSE streaming or not), `/v1/models`,
 //!   `/health`, `/metrics`, `/openapi.json`; [`http::endpoints`] lists them.
+//! - [`grpc`]: the public gRPC API (`kvmesh.v1.Generation`), health and
+//!   reflection.
+//! - [`error`]: [`error::GatewayError`], the one error type of both front
+//!   ends ([`Rejection`], refused before dispatch, is its own type inside
+//!   it), and its one mapping to HTTP bodies, SSE events and gRPC statuses;
+//!   clients get a code and a safe message, node names and statuses go to
+//!   the logs.
+//! - [`mesh`]: the [`mesh::Mesh`] trait the gateway reaches the nodes
+//!   through, its events, and [`mesh::Generation`] (each request's outcome
+//!   counted once); `mesh::grpc` is the real one (the prefill and decode
+//!   nodes, the handshake, token ids to text through
+//!   `kvmesh_tokenizer::TextOut`); unit tests use a scripted fake.
 //! - [`openapi`]: the gateway's OpenAPI document, held to those routes.
 //! - [`nodes`]: the nodes, their gRPC clients, load reports, health, and
 //!   the choice of node per request.
-//! - [`dispatch`]: one request through the handshake, token ids to text
-//!   (`kvmesh_tokenizer::TextOut`: detokenization and stop strings).
-//! - [`error`]: [`Rejection`] (refused before dispatch: its own type) and
-//!   [`error::DispatchError`], and their one mapping to HTTP and gRPC.
-//! - [`grpc`]: the public gRPC API (`kvmesh.v1.Generation`), health and
-//!   reflection.
 //! - `metrics` (private): Prometheus text.
 //!
 //! - [`run`]: the gateway's lifecycle: serve both ports until shutdown,
@@ -30,10 +39,10 @@
 //! the router links no model runtime (no candle) and reads no weights.
 
 pub mod auth;
-pub mod dispatch;
 pub mod error;
 pub mod grpc;
 pub mod http;
+pub mod mesh;
 mod metrics;
 pub mod nodes;
 pub mod openapi;
@@ -44,14 +53,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvmesh_faults::{planted, PlantedBug};
+use kvmesh_faults::{planted, FaultPlan, PlantedBug};
 use kvmesh_tokenizer::TextTokenizer;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use auth::Tenant;
 pub use error::Rejection;
+use error::{Count, GatewayError};
+use mesh::{Admitted, Generation, Mesh};
 use metrics::Metrics;
 use nodes::Nodes;
 pub use run::{run, Listeners};
+use validate::Valid;
 
 /// The router's settings.
 #[derive(Clone, Debug)]
@@ -96,8 +109,7 @@ impl Default for RouterConfig {
 pub struct Router {
     cfg: Arc<RouterConfig>,
     tokenizer: Arc<TextTokenizer>,
-    stop_ids: Arc<[u32]>,
-    nodes: Nodes,
+    mesh: Arc<dyn Mesh>,
     slots: Arc<Semaphore>,
     queued: Arc<AtomicUsize>,
     metrics: Arc<Metrics>,
@@ -108,22 +120,44 @@ pub struct Router {
 }
 
 impl Router {
-    /// A router over `nodes` that tokenizes with `tokenizer` and ends
-    /// generation at `stop_ids`.
+    /// A router over the gRPC mesh of `nodes` that tokenizes with
+    /// `tokenizer` and ends generation at `stop_ids`.
     pub fn new(
         cfg: RouterConfig,
         tokenizer: TextTokenizer,
         stop_ids: Vec<u32>,
         nodes: Nodes,
     ) -> Self {
+        let tokenizer = Arc::new(tokenizer);
+        let metrics = Arc::<Metrics>::default();
+        let mesh = mesh::grpc::GrpcMesh::new(
+            nodes,
+            Arc::clone(&tokenizer),
+            stop_ids.into(),
+            cfg.queue_timeout,
+            Arc::clone(&metrics),
+        );
+        Self::build(cfg, tokenizer, Arc::new(mesh), metrics)
+    }
+
+    /// A router over any [`Mesh`] (a scripted one in tests).
+    pub fn with_mesh(cfg: RouterConfig, tokenizer: TextTokenizer, mesh: Arc<dyn Mesh>) -> Self {
+        Self::build(cfg, Arc::new(tokenizer), mesh, Arc::default())
+    }
+
+    fn build(
+        cfg: RouterConfig,
+        tokenizer: Arc<TextTokenizer>,
+        mesh: Arc<dyn Mesh>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self {
             slots: Arc::new(Semaphore::new(cfg.max_running.max(1))),
             cfg: Arc::new(cfg),
-            tokenizer: Arc::new(tokenizer),
-            stop_ids: stop_ids.into(),
-            nodes,
+            tokenizer,
+            mesh,
             queued: Arc::default(),
-            metrics: Arc::default(),
+            metrics,
             draining: Arc::new(tokio::sync::watch::channel(false).0),
             cut: Arc::new(tokio::sync::watch::channel(false).0),
         }
@@ -142,9 +176,9 @@ impl Router {
             .saturating_sub(self.slots.available_permits())
     }
 
-    /// The nodes.
-    pub fn nodes(&self) -> &Nodes {
-        &self.nodes
+    /// The mesh.
+    pub fn mesh(&self) -> &dyn Mesh {
+        &*self.mesh
     }
 
     /// The tokenizer.
@@ -157,18 +191,21 @@ impl Router {
         &self.cfg
     }
 
-    /// Counts a refusal made before admission (parse and validation:
-    /// [`validate::request`]), whichever front end made it; admission
-    /// counts its own ([`Router::admit`]).
-    pub fn refused(&self, e: &Rejection) {
-        if !matches!(
-            e,
-            Rejection::ContextLengthExceeded { .. }
-                | Rejection::Saturated { .. }
-                | Rejection::NoHealthyNode { .. }
-        ) {
-            self.metrics.rejected(e.reason());
+    /// Counts a failure the client is about to be told of, in the counter
+    /// its kind names ([`GatewayError::count`]), and hands it back for
+    /// mapping. Every front end calls this once per refused or failed
+    /// request; a failure inside a [`Generation`] counts itself.
+    pub fn fail(&self, e: GatewayError) -> GatewayError {
+        match e.count() {
+            Count::Rejected(reason) => self.metrics.rejected(reason),
+            Count::Finished(outcome) => self.metrics.finished(outcome),
         }
+        e
+    }
+
+    /// The Prometheus text: the gateway's counters, then the mesh's.
+    pub fn metrics_text(&self) -> String {
+        self.metrics.render(&*self.mesh)
     }
 
     /// The HTTP gateway.
@@ -178,19 +215,39 @@ impl Router {
 
     /// Admission (I3), decided here with no call to any node: prompt plus
     /// `max_tokens` against the context window, then against the largest
-    /// sequence the healthy nodes advertise (a node started with
+    /// sequence the mesh can take ([`Mesh::capacity`]: a node started with
     /// `--allow-small-pool` advertises its real pool). Then a slot in the
-    /// bounded queue, or 429.
+    /// bounded queue, or 429. The only maker of an [`Admitted`].
     pub async fn admit(
         &self,
-        prompt_tokens: usize,
-        max_tokens: usize,
-    ) -> Result<OwnedSemaphorePermit, Rejection> {
-        let r = self.check(prompt_tokens, max_tokens).await;
-        if let Err(e) = &r {
-            self.metrics.rejected(e.reason());
-        }
-        r
+        valid: Valid,
+        tenant: Tenant,
+        faults: FaultPlan,
+    ) -> Result<Admitted, Rejection> {
+        let permit = self
+            .check(valid.ids().len(), valid.settings().max_tokens)
+            .await?;
+        Ok(Admitted::new(valid, tenant, faults, permit))
+    }
+
+    /// [`Router::admit`], then the mesh: the request's events, or why it
+    /// did not start. Not counted here: the caller passes an error through
+    /// [`Router::fail`].
+    pub async fn generate(
+        &self,
+        valid: Valid,
+        tenant: Tenant,
+        faults: FaultPlan,
+    ) -> Result<Generation, GatewayError> {
+        let prompt_tokens = valid.ids().len();
+        let admitted = self.admit(valid, tenant, faults).await?;
+        let rx = self.mesh.generate(admitted)?;
+        Ok(Generation::new(
+            rx,
+            Arc::clone(&self.metrics),
+            prompt_tokens,
+            self.cut.subscribe(),
+        ))
     }
 
     async fn check(
@@ -214,7 +271,7 @@ impl Router {
             if requested > self.cfg.max_model_len {
                 return Err(too_long(self.cfg.max_model_len));
             }
-            let capacity = self.nodes.capacity().ok_or(Rejection::NoHealthyNode {
+            let capacity = self.mesh.capacity().ok_or(Rejection::NoHealthyNode {
                 role: "prefill or decode",
             })?;
             if requested > capacity {

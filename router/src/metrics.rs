@@ -1,12 +1,15 @@
 //! The router's Prometheus metrics, rendered by hand in the text format:
 //! request outcomes, rejections by reason, TTFT and inter-token latency
-//! histograms, and per node the figures of its last load report.
+//! histograms, then the mesh's own series ([`crate::mesh::Mesh::render_metrics`]:
+//! for the gRPC mesh, per node the figures of its last load report,
+//! [`render_nodes`]).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+use crate::mesh::Mesh;
 use crate::nodes::Nodes;
 
 /// Histogram bucket bounds, seconds.
@@ -85,8 +88,8 @@ impl Metrics {
         self.with(|s| s.itl.observe(d.as_secs_f64()));
     }
 
-    /// The Prometheus text.
-    pub fn render(&self, nodes: &Nodes) -> String {
+    /// The Prometheus text: the gateway's series, then `mesh`'s.
+    pub fn render(&self, mesh: &dyn Mesh) -> String {
         let mut out = String::new();
         self.with(|s| {
             let _ = writeln!(out, "# HELP kvmesh_requests_total Requests by outcome.\n# TYPE kvmesh_requests_total counter");
@@ -100,7 +103,14 @@ impl Metrics {
             s.ttft.render("kvmesh_time_to_first_token_seconds", "Time from dispatch to the first token.", &mut out);
             s.itl.render("kvmesh_inter_token_latency_seconds", "Time between consecutive tokens.", &mut out);
         });
-        let gauges = [
+        mesh.render_metrics(&mut out);
+        out
+    }
+}
+
+/// Per node, the figures of its last load report (and whether it is up).
+pub(crate) fn render_nodes(nodes: &Nodes, out: &mut String) {
+    let gauges = [
             (
                 "kvmesh_node_kv_pages_total",
                 "KV pool pages of the node.",
@@ -142,72 +152,66 @@ impl Metrics {
                 "gauge",
             ),
         ];
-        for (name, help, ty) in gauges {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {ty}");
-            for n in nodes.all() {
-                let report = n.report();
-                let labels = format!("node=\"{}\",role=\"{}\"", n.name, n.role.as_str());
-                match (name, &report) {
-                    ("kvmesh_node_up", r) => {
-                        let _ = writeln!(out, "{name}{{{labels}}} {}", u8::from(r.is_some()));
+    for (name, help, ty) in gauges {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {ty}");
+        for n in nodes.all() {
+            let report = n.report();
+            let labels = format!("node=\"{}\",role=\"{}\"", n.name, n.role.as_str());
+            match (name, &report) {
+                ("kvmesh_node_up", r) => {
+                    let _ = writeln!(out, "{name}{{{labels}}} {}", u8::from(r.is_some()));
+                }
+                (_, None) => {}
+                ("kvmesh_node_kv_pages_total", Some(r)) => {
+                    let _ = writeln!(out, "{name}{{{labels}}} {}", r.kv_pages_total);
+                }
+                ("kvmesh_node_kv_pages_free", Some(r)) => {
+                    let _ = writeln!(out, "{name}{{{labels}}} {}", r.kv_pages_free);
+                }
+                ("kvmesh_node_reservations_granted_total", Some(r)) => {
+                    if n.role == crate::nodes::Role::Decode {
+                        let _ = writeln!(
+                            out,
+                            "{name}{{node=\"{}\"}} {}",
+                            n.name, r.reservations_granted
+                        );
                     }
-                    (_, None) => {}
-                    ("kvmesh_node_kv_pages_total", Some(r)) => {
-                        let _ = writeln!(out, "{name}{{{labels}}} {}", r.kv_pages_total);
+                }
+                ("kvmesh_node_kv_refused_total", Some(r)) => {
+                    let mut refused: Vec<_> = r.kv_refused.iter().collect();
+                    refused.sort();
+                    for (kind, v) in refused {
+                        let _ = writeln!(out, "{name}{{node=\"{}\",kind=\"{kind}\"}} {v}", n.name);
                     }
-                    ("kvmesh_node_kv_pages_free", Some(r)) => {
-                        let _ = writeln!(out, "{name}{{{labels}}} {}", r.kv_pages_free);
-                    }
-                    ("kvmesh_node_reservations_granted_total", Some(r)) => {
-                        if n.role == crate::nodes::Role::Decode {
-                            let _ = writeln!(
-                                out,
-                                "{name}{{node=\"{}\"}} {}",
-                                n.name, r.reservations_granted
-                            );
-                        }
-                    }
-                    ("kvmesh_node_kv_refused_total", Some(r)) => {
-                        let mut refused: Vec<_> = r.kv_refused.iter().collect();
+                }
+                ("kvmesh_node_auth_refused_total", Some(r)) => {
+                    for (via, map) in [("grpc", &r.grpc_auth_refused), ("kv", &r.kv_auth_refused)] {
+                        let mut refused: Vec<_> = map.iter().collect();
                         refused.sort();
                         for (kind, v) in refused {
-                            let _ =
-                                writeln!(out, "{name}{{node=\"{}\",kind=\"{kind}\"}} {v}", n.name);
-                        }
-                    }
-                    ("kvmesh_node_auth_refused_total", Some(r)) => {
-                        for (via, map) in
-                            [("grpc", &r.grpc_auth_refused), ("kv", &r.kv_auth_refused)]
-                        {
-                            let mut refused: Vec<_> = map.iter().collect();
-                            refused.sort();
-                            for (kind, v) in refused {
-                                let _ = writeln!(
-                                    out,
-                                    "{name}{{node=\"{}\",via=\"{via}\",kind=\"{kind}\"}} {v}",
-                                    n.name
-                                );
-                            }
-                        }
-                    }
-                    ("kvmesh_node_kv_guard_violations_total", Some(r)) => {
-                        let _ =
-                            writeln!(out, "{name}{{node=\"{}\"}} {}", n.name, r.guard_violations);
-                    }
-                    (_, Some(r)) => {
-                        let mut ended: Vec<_> = r.reservations_ended.iter().collect();
-                        ended.sort();
-                        for (outcome, v) in ended {
                             let _ = writeln!(
                                 out,
-                                "{name}{{node=\"{}\",outcome=\"{outcome}\"}} {v}",
+                                "{name}{{node=\"{}\",via=\"{via}\",kind=\"{kind}\"}} {v}",
                                 n.name
                             );
                         }
                     }
                 }
+                ("kvmesh_node_kv_guard_violations_total", Some(r)) => {
+                    let _ = writeln!(out, "{name}{{node=\"{}\"}} {}", n.name, r.guard_violations);
+                }
+                (_, Some(r)) => {
+                    let mut ended: Vec<_> = r.reservations_ended.iter().collect();
+                    ended.sort();
+                    for (outcome, v) in ended {
+                        let _ = writeln!(
+                            out,
+                            "{name}{{node=\"{}\",outcome=\"{outcome}\"}} {v}",
+                            n.name
+                        );
+                    }
+                }
             }
         }
-        out
     }
 }

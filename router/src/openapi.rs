@@ -438,76 +438,45 @@ pub(crate) mod tests {
         Ok(())
     }
 
-    /// Every refusal and failure the router's error types turn into HTTP
+    /// Every refusal and failure the router's error type turns into HTTP
     /// has its status documented on the generation routes, with a schema
-    /// its body conforms to.
+    /// its body conforms to; every failure after dispatch, as an SSE
+    /// event, conforms to the stream's error schema.
     #[test]
     fn every_error_the_router_returns_is_documented() {
-        use crate::error::DispatchError;
+        use crate::error::GatewayError;
         use axum::response::IntoResponse;
         let doc = doc();
-        let node = |role, code| DispatchError::Node {
-            role,
-            node: "n-0".into(),
-            status: tonic::Status::new(code, "x"),
-        };
-        let rejections = [
-            Rejection::ContextLengthExceeded {
-                prompt_tokens: 60,
-                max_tokens: 10,
-                requested: 70,
-                limit: 64,
-            },
-            Rejection::Invalid {
-                param: "top_p",
-                message: "top_p 2 is not in (0, 1]".into(),
-            },
-            Rejection::Saturated { queued: 3 },
-            Rejection::NoHealthyNode {
-                role: "prefill or decode",
-            },
-            Rejection::UnknownModel("gpt-x".into()),
-            Rejection::ShuttingDown,
-        ];
-        let mut responses: Vec<(String, axum::response::Response)> = rejections
-            .iter()
-            .map(|r| (format!("{r:?}"), r.clone().into_response()))
-            .collect();
         // Left out: a node's INVALID_ARGUMENT and a decode refusal of the
-        // request's own (400, server_error). Past
-        // validation and admission no node refuses a request as invalid, so
-        // the document keeps 400 for the gateway's own refusals, and a
-        // schemathesis run flags any that reaches a node (as the empty
-        // prompt did).
-        let failures = [
-            node("decode", tonic::Code::ResourceExhausted),
-            node("prefill", tonic::Code::Unavailable),
-            node("decode", tonic::Code::Internal),
-            node("decode", tonic::Code::DeadlineExceeded),
-            DispatchError::Refused {
-                node: "n-0".into(),
-                kind: kvmesh_proto::internal::v1::RefuseKind::Exhausted,
-                message: "x".into(),
-            },
-            DispatchError::Refused {
-                node: "n-0".into(),
-                kind: kvmesh_proto::internal::v1::RefuseKind::WriterNotConnected,
-                message: "x".into(),
-            },
-            DispatchError::Tokenizer("bad id".into()),
-            DispatchError::ShuttingDown,
-            DispatchError::Refused {
-                node: "n-0".into(),
-                kind: kvmesh_proto::internal::v1::RefuseKind::Draining,
-                message: "x".into(),
-            },
-            DispatchError::Rejected(Rejection::NoHealthyNode { role: "decode" }),
-        ];
-        responses.extend(
-            failures
-                .into_iter()
-                .map(|e| (format!("{e:?}"), e.into_response())),
-        );
+        // request's own (400, server_error). Past validation and admission
+        // no node refuses a request as invalid, so the document keeps 400
+        // for the gateway's own refusals, and a schemathesis run flags any
+        // that reaches a node (as the empty prompt did). Also left out: the
+        // fault-injection header's refusal and injected faults (testing
+        // builds only).
+        let kinds: Vec<GatewayError> = crate::error::tests::every_kind()
+            .into_iter()
+            .map(|k| k.0)
+            .filter(|e| {
+                let dispatch_400 = matches!(e, GatewayError::Dispatch(_))
+                    && e.status() == axum::http::StatusCode::BAD_REQUEST;
+                let testing = matches!(e.code(), "invalid_fault_spec" | "injected_fault");
+                !dispatch_400 && !testing
+            })
+            .collect();
+        assert!(kinds.len() >= 15, "{} kinds", kinds.len());
+        let stream_error = &doc["components"]["schemas"]["StreamError"];
+        for e in kinds
+            .iter()
+            .filter(|e| matches!(e, GatewayError::Dispatch(_)))
+        {
+            conforms(&doc, stream_error, &e.body(), "event")
+                .unwrap_or_else(|err| panic!("SSE {e:?}: {err}"));
+        }
+        let mut responses: Vec<(String, axum::response::Response)> = kinds
+            .into_iter()
+            .map(|e| (format!("{e:?}"), e.into_response()))
+            .collect();
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .expect("runtime");

@@ -9,8 +9,7 @@
 //! 3. at the deadline, what is left ends with a terminal error event
 //!    (`shutting_down`) and its decode stream and prefill call are dropped,
 //!    which abort through the confirmation path at the nodes;
-//! 4. the servers end once their responses are written; the load poller
-//!    stops.
+//! 4. the servers end once their responses are written.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -51,13 +50,12 @@ impl Listeners {
 }
 
 /// Serves `router` on `listeners` until `shutdown` resolves, then drains
-/// (see the module docs). Polls the nodes' load meanwhile.
+/// (see the module docs). The caller keeps the mesh's view fresh (the
+/// nodes' load poller, `nodes::Nodes::spawn_poller`) while this runs.
 pub async fn run<F>(router: Router, listeners: Listeners, shutdown: F) -> std::io::Result<()>
 where
     F: Future<Output = ()>,
 {
-    router.nodes().poll_all().await;
-    let poller = router.nodes().spawn_poller();
     let draining = router.draining.subscribe();
     let stop = move || {
         let mut d = draining.clone();
@@ -101,7 +99,6 @@ where
         (h, g)
     })
     .await;
-    poller.abort();
     match ended {
         Ok((Ok(Err(e)), _)) => Err(e),
         Ok((_, Ok(Err(e)))) => Err(std::io::Error::other(e)),

@@ -38,8 +38,6 @@ pub(super) struct Tally {
     pub(super) unexpected_errors: BTreeMap<String, u64>,
     /// One example per unexpected kind: prompt, fault, message.
     pub(super) unexpected_examples: BTreeMap<String, String>,
-    /// Unexpected errors that were a lease running out.
-    pub(super) unexpected_lease_expired: u64,
     pub(super) shed: BTreeMap<String, u64>,
     pub(super) disconnected: u64,
     pub(super) faults_injected: u64,
@@ -71,9 +69,6 @@ impl Tally {
         row.sent += 1;
         let mut unexpected = |kind: String, message: String, row: &mut FaultRow| {
             row.unexpected += 1;
-            if message.contains("LeaseExpired") {
-                self.unexpected_lease_expired += 1;
-            }
             self.unexpected_examples
                 .entry(kind.clone())
                 .or_insert_with(|| {
@@ -126,7 +121,7 @@ impl Tally {
                     unexpected(kind, message, row);
                 }
             }
-            Ending::SseError { kind, message } if sse_shed(&kind, &message) => {
+            Ending::SseError { kind, .. } if sse_shed(&kind) => {
                 row.shed += 1;
                 *self.shed.entry(format!("SSE error {kind}")).or_default() += 1;
             }
@@ -155,11 +150,11 @@ impl Tally {
     }
 }
 
-/// An SSE error that is the streamed form of a 429 or 503: the queue or
-/// the nodes' pools stayed full, or no node was healthy (the status was
-/// already 200 when the router found out).
-pub(super) fn sse_shed(kind: &str, message: &str) -> bool {
-    kind.ends_with("/saturated")
-        || kind.ends_with("/no_healthy_node")
-        || message.contains("Some resource has been exhausted")
+/// An SSE error that is the streamed form of a 429 or 503 (the status was
+/// already 200 when the router found out), told by its `type/code`: every
+/// 429 is a `rate_limit_error` (the queue stayed full, or the decode nodes'
+/// pools stayed out of pages for the queue timeout), every 503 a
+/// `service_unavailable` (no healthy node was left).
+pub(super) fn sse_shed(kind: &str) -> bool {
+    kind.starts_with("rate_limit_error/") || kind.ends_with("/service_unavailable")
 }

@@ -114,6 +114,26 @@ fn outcomes_are_classified_against_the_fault() {
         },
     );
     assert_eq!(t.mismatches.len(), 3);
+    // Streamed 429s and 503s are shed, told by type and code (the message
+    // is the router's fixed sentence, never the node's words).
+    let before = Tally::count(&t.shed);
+    for kind in [
+        "rate_limit_error/decode_refused",
+        "rate_limit_error/rate_limit_exceeded",
+        "server_error/service_unavailable",
+    ] {
+        t.record(
+            &r,
+            plan(None),
+            Ending::SseError {
+                kind: kind.into(),
+                message: "m".into(),
+            },
+        );
+    }
+    assert_eq!(Tally::count(&t.shed), before + 3);
+    assert!(!tally::sse_shed("server_error/decode_refused"));
+    assert!(!tally::sse_shed("server_error/decode_failed"));
 }
 
 #[test]

@@ -1,11 +1,15 @@
-//! One request through the mesh: pick a decode and a prefill node, open
-//! the decode node's Generate stream (its first event is the grant, or a
-//! typed refusal), prefill into the grant, then turn the streamed token ids
-//! into text (incremental detokenization, stop strings) for the gateway.
+//! The real [`Mesh`]: one request through the prefill and decode nodes
+//! over gRPC. Pick a decode and a prefill node, open the decode node's
+//! Generate stream (its first event is the grant, or a typed refusal),
+//! prefill into the grant, then turn the streamed token ids into text
+//! (incremental detokenization, stop strings) for the gateway.
 //! Every way out of a request drops the decode stream, which aborts the
 //! reservation at decode through the confirmation path, and the prefill
 //! call's [`AbortOnDrop`] guard, which tells prefill to stop unless it
 //! finished: no path sends an abort by hand.
+//!
+//! Failures keep the node's name and status in [`DispatchError`]; they
+//! reach the logs when `crate::error` maps them, never a client.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,74 +19,85 @@ use kvmesh_proto::internal::v1::{
     decode_event, AbortRequest, DecodeEvent, FinishReason, GenerateRequest, Granted,
     PrefillRequest, RefuseKind, Sampling,
 };
-use kvmesh_tokenizer::TextOut;
+use kvmesh_tokenizer::{TextOut, TextTokenizer};
 use tokio::sync::mpsc;
 
+use super::{Admitted, Event, Finish, Job, Mesh};
 use crate::error::{DispatchError, Rejection};
-use crate::nodes::Role;
-use crate::Router;
+use crate::metrics::Metrics;
+use crate::nodes::{Node, Nodes, Role};
 
 /// Abort reason code sent to decode when the client is gone (kvxfer's
 /// `AbortReason::CLIENT_GONE`).
 const CLIENT_GONE: u32 = 1;
 
-/// Why generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Finish {
-    /// A stop token or stop string.
-    Stop,
-    /// The budget.
-    Length,
+/// The prefill and decode nodes behind the gateway. Cheap to clone.
+#[derive(Clone, Debug)]
+pub(crate) struct GrpcMesh {
+    nodes: Nodes,
+    tokenizer: Arc<TextTokenizer>,
+    stop_ids: Arc<[u32]>,
+    /// How long a request waits for decode pages (a full pool is
+    /// transient) before the refusal reaches the client.
+    queue_timeout: Duration,
+    /// TTFT and inter-token latency are measured here, at the tokens.
+    metrics: Arc<Metrics>,
 }
 
-impl Finish {
-    /// The OpenAI name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Stop => "stop",
-            Self::Length => "length",
+impl GrpcMesh {
+    /// `nodes`, detokenizing with `tokenizer`, ending generation at
+    /// `stop_ids` (unless a request ignores end-of-sequence).
+    pub(crate) fn new(
+        nodes: Nodes,
+        tokenizer: Arc<TextTokenizer>,
+        stop_ids: Arc<[u32]>,
+        queue_timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            nodes,
+            tokenizer,
+            stop_ids,
+            queue_timeout,
+            metrics,
         }
     }
 }
 
-/// What the gateway receives.
-#[derive(Debug)]
-pub enum Event {
-    /// New text (whole UTF-8 characters).
-    Text(String),
-    /// The end.
-    Done {
-        /// Why.
-        finish: Finish,
-        /// Tokens generated.
-        completion_tokens: usize,
-    },
-    /// A failure after dispatch.
-    Error(DispatchError),
-}
+impl Mesh for GrpcMesh {
+    fn capacity(&self) -> Option<usize> {
+        self.nodes.capacity()
+    }
 
-/// A validated request.
-#[derive(Clone, Debug)]
-pub struct Job {
-    /// Prompt token ids.
-    pub prompt_ids: Vec<u32>,
-    /// Completion budget.
-    pub max_tokens: usize,
-    /// Sampling.
-    pub temperature: f32,
-    /// Nucleus mass.
-    pub top_p: f32,
-    /// Seed.
-    pub seed: u64,
-    /// Stop strings.
-    pub stop: Vec<String>,
-    /// End-of-sequence tokens do not end generation: the decode node gets
-    /// no stop token ids, so it runs to `max_tokens` (or a stop string).
-    pub ignore_eos: bool,
-    /// The tenant, from the request's API key only.
-    pub tenant: crate::auth::Tenant,
-    /// Injected faults (testing builds; see `kvxfer::fault`).
-    pub faults: FaultPlan,
+    /// Refused before anything is allocated when no node can take it.
+    fn generate(&self, req: Admitted) -> Result<mpsc::Receiver<Event>, Rejection> {
+        let (job, slot) = req.into_parts();
+        let total = job.prompt_ids.len() + job.max_tokens;
+        // Fail fast with no node; the node itself is chosen again per try.
+        self.nodes.pick(Role::Decode, needed(total))?;
+        let (prefill, p_report) = self
+            .nodes
+            .pick(Role::Prefill, needed(job.prompt_ids.len()))?;
+        let (tx, rx) = mpsc::channel(64);
+        let mesh = self.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            run(
+                &mesh,
+                job,
+                &prefill,
+                p_report.writer_id,
+                &tx,
+                Instant::now(),
+            )
+            .await;
+        });
+        Ok(rx)
+    }
+
+    fn render_metrics(&self, out: &mut String) {
+        crate::metrics::render_nodes(&self.nodes, out);
+    }
 }
 
 /// `msg` as a gRPC request carrying `faults` in its metadata.
@@ -102,51 +117,18 @@ fn needed(tokens: usize) -> Option<usize> {
     (!kvmesh_faults::planted(PlantedBug::NoAdmission)).then_some(tokens)
 }
 
-/// Starts a request; events arrive on the receiver. Refused before
-/// anything is allocated when no node can take it.
-pub fn start(
-    router: &Router,
-    job: Job,
-    permit: tokio::sync::OwnedSemaphorePermit,
-) -> Result<mpsc::Receiver<Event>, Rejection> {
-    let total = job.prompt_ids.len() + job.max_tokens;
-    // Fail fast with no node; the node itself is chosen again per try.
-    router.nodes.pick(Role::Decode, needed(total))?;
-    let (prefill, p_report) = router
-        .nodes
-        .pick(Role::Prefill, needed(job.prompt_ids.len()))?;
-    let (tx, rx) = mpsc::channel(64);
-    let r = router.clone();
-    let mut cut = r.cut.subscribe();
-    tokio::spawn(async move {
-        let _permit = permit;
-        let started = Instant::now();
-        // At the drain deadline the request ends with a terminal error;
-        // dropping `run` drops the decode stream and the prefill guard,
-        // which abort through the confirmation path.
-        let outcome = tokio::select! {
-            o = run(&r, job, &prefill, p_report.writer_id, &tx, started) => o,
-            () = kvmesh_proto::serve::cut_set(&mut cut) => {
-                let e = DispatchError::ShuttingDown;
-                let kind = e.kind();
-                let _ = tx.send(Event::Error(e)).await;
-                kind
-            }
-        };
-        r.metrics.finished(outcome);
-    });
-    Ok(rx)
-}
-
+/// Runs one request to its end; every failure is sent as the terminal
+/// [`Event::Error`], and a client that leaves ends it silently (the
+/// gateway counts that).
 async fn run(
-    r: &Router,
+    r: &GrpcMesh,
     job: Job,
-    prefill: &Arc<crate::nodes::Node>,
+    prefill: &Arc<Node>,
     writer_id: Vec<u8>,
     tx: &mpsc::Sender<Event>,
     started: Instant,
-) -> &'static str {
-    let node_err = |role, node: &Arc<crate::nodes::Node>, status: tonic::Status| {
+) {
+    let node_err = |role, node: &Arc<Node>, status: tonic::Status| {
         if matches!(
             status.code(),
             tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
@@ -160,9 +142,7 @@ async fn run(
         }
     };
     let fail = |e: DispatchError| async move {
-        let kind = e.kind();
         let _ = tx.send(Event::Error(e)).await;
-        kind
     };
     let sampling = Sampling {
         temperature: job.temperature,
@@ -185,7 +165,7 @@ async fn run(
     // transient: wait (bounded by the queue timeout, with backoff, giving
     // up at once if the client leaves) and choose again, rather than fail.
     let total = job.prompt_ids.len() + job.max_tokens;
-    let deadline = started + r.cfg.queue_timeout;
+    let deadline = started + r.queue_timeout;
     let mut backoff = Duration::from_millis(2);
     // An injected `reserve=duplicate`: a first Generate whose answer is
     // lost; held unread to the end of the request, so its reservation ends
@@ -194,9 +174,8 @@ async fn run(
     let (decode, mut stream, granted) = loop {
         let decode = match r.nodes.pick(Role::Decode, needed(total)) {
             Ok((n, _)) => n,
-            Err(e) => {
-                let _ = tx.send(Event::Error(DispatchError::Rejected(e))).await;
-                return "no_healthy_node";
+            Err(_) => {
+                return fail(DispatchError::NoHealthyNode { role: Role::Decode }).await;
             }
         };
         match job.faults.at(Point::Reserve) {
@@ -219,11 +198,11 @@ async fn run(
             .await
         {
             Ok(s) => s.into_inner(),
-            Err(s) => return fail(node_err("decode", &decode, s)).await,
+            Err(s) => return fail(node_err(Role::Decode, &decode, s)).await,
         };
         let first = tokio::select! {
             ev = stream.message() => ev,
-            () = tx.closed() => return "client_gone",
+            () = tx.closed() => return,
         };
         match first {
             Ok(Some(DecodeEvent {
@@ -242,7 +221,7 @@ async fn run(
                 if kind == RefuseKind::Exhausted && Instant::now() < deadline {
                     tokio::select! {
                         () = tokio::time::sleep(backoff) => {}
-                        () = tx.closed() => return "client_gone",
+                        () = tx.closed() => return,
                     }
                     backoff = (backoff * 2).min(Duration::from_millis(50));
                     continue;
@@ -256,9 +235,9 @@ async fn run(
             }
             Ok(_) => {
                 let status = tonic::Status::internal("Generate did not start with a grant");
-                return fail(node_err("decode", &decode, status)).await;
+                return fail(node_err(Role::Decode, &decode, status)).await;
             }
-            Err(s) => return fail(node_err("decode", &decode, s)).await,
+            Err(s) => return fail(node_err(Role::Decode, &decode, s)).await,
         }
     };
     let decode = &decode;
@@ -325,18 +304,17 @@ async fn run(
                         // Told to stop before our poll saw it: out of the
                         // choice; the client may retry (503).
                         prefill.mark_down();
-                        let e = Rejection::NoHealthyNode { role: "prefill" };
-                        return fail(DispatchError::Rejected(e)).await;
+                        return fail(DispatchError::NoHealthyNode { role: Role::Prefill }).await;
                     }
-                    return fail(node_err("prefill", prefill, s)).await;
+                    return fail(node_err(Role::Prefill, prefill, s)).await;
                 }
             }
-            () = tx.closed() => return "client_gone",
+            () = tx.closed() => return,
             ev = stream.message() => {
                 let ev = match ev {
                     Ok(Some(e)) => e,
-                    Ok(None) => return fail(DispatchError::Node { role: "decode", node: decode.name.clone(), status: tonic::Status::internal("token stream ended without a finish") }).await,
-                    Err(s) => return fail(node_err("decode", decode, s)).await,
+                    Ok(None) => return fail(DispatchError::Node { role: Role::Decode, node: decode.name.clone(), status: tonic::Status::internal("token stream ended without a finish") }).await,
+                    Err(s) => return fail(node_err(Role::Decode, decode, s)).await,
                 };
                 match ev.event {
                     Some(decode_event::Event::Token(t)) => {
@@ -350,13 +328,13 @@ async fn run(
                         match text.push(t).map_err(|e| DispatchError::Tokenizer(e.to_string())) {
                             Ok((piece, hit_stop)) => {
                                 if !piece.is_empty() && tx.send(Event::Text(piece)).await.is_err() {
-                                    return "client_gone";
+                                    return;
                                 }
                                 if hit_stop {
                                     // Ends the stream: the decode node drops the sequence.
                                     drop(stream);
                                     let _ = tx.send(Event::Done { finish: Finish::Stop, completion_tokens: completion }).await;
-                                    return "stop";
+                                    return;
                                 }
                             }
                             Err(e) => return fail(e).await,
@@ -373,11 +351,11 @@ async fn run(
                             FinishReason::Stop | FinishReason::Unspecified => Finish::Stop,
                         };
                         let _ = tx.send(Event::Done { finish, completion_tokens: completion }).await;
-                        return finish.as_str();
+                        return;
                     }
                     Some(decode_event::Event::Granted(_) | decode_event::Event::Refused(_)) | None => {
                         let status = tonic::Status::internal("a grant or refusal after the grant");
-                        return fail(node_err("decode", decode, status)).await;
+                        return fail(node_err(Role::Decode, decode, status)).await;
                     }
                 }
             }
@@ -389,13 +367,13 @@ async fn run(
 /// unless [`AbortOnDrop::disarm`]ed first (the call finished): the one
 /// place the router aborts prefill, whichever way a request ends.
 struct AbortOnDrop {
-    node: Arc<crate::nodes::Node>,
+    node: Arc<Node>,
     rid: Vec<u8>,
     armed: bool,
 }
 
 impl AbortOnDrop {
-    fn new(node: Arc<crate::nodes::Node>, rid: Vec<u8>) -> Self {
+    fn new(node: Arc<Node>, rid: Vec<u8>) -> Self {
         Self {
             node,
             rid,

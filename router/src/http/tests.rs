@@ -1,0 +1,674 @@
+//! The HTTP gateway over a scripted mesh (`mesh::fake`), driven in process
+//! (`tower::ServiceExt::oneshot` on `Router::http()`), no node anywhere:
+//! validation through the handlers, unstreamed bodies, SSE framing, error
+//! bodies and statuses, admission's slots, and the metrics text.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use serde_json::{json, Value};
+use tokio::sync::Notify;
+use tokio_stream::StreamExt;
+use tower::ServiceExt;
+
+use crate::auth::ApiKeys;
+use crate::error::{DispatchError, Rejection};
+use crate::mesh::fake::{router, FakeMesh, Script, Step};
+use crate::mesh::{Event, Finish};
+use crate::nodes::Role;
+use crate::{Router, RouterConfig};
+
+fn keyed() -> RouterConfig {
+    RouterConfig {
+        api_keys: ApiKeys::new([("k-test".to_owned(), "tenant-a".to_owned())]).expect("keys"),
+        ..RouterConfig::default()
+    }
+}
+
+fn post(path: &str, body: &str) -> Request<Body> {
+    Request::post(path)
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer k-test")
+        .body(Body::from(body.to_owned()))
+        .expect("request")
+}
+
+async fn send(r: &Router, req: Request<Body>) -> (StatusCode, String) {
+    let resp = r.http().oneshot(req).await.expect("infallible");
+    crate::error::tests::body_of(resp).await
+}
+
+async fn send_json(r: &Router, path: &str, body: &str) -> (StatusCode, Value) {
+    let (status, text) = send(r, post(path, body)).await;
+    (status, serde_json::from_str(&text).expect("a JSON body"))
+}
+
+fn error(message: &str, ty: &str, param: Option<&str>, code: &str) -> Value {
+    json!({"error": {"message": message, "type": ty, "param": param, "code": code}})
+}
+
+/// The `data:` payloads of an SSE body, keep-alive comments left out.
+fn sse_data(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter(|f| !f.is_empty())
+        .filter(|f| !f.starts_with(':'))
+        .map(|f| {
+            f.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not a data frame: {f:?}"))
+                .to_owned()
+        })
+        .collect()
+}
+
+async fn metrics(r: &Router) -> String {
+    let req = Request::get("/metrics")
+        .body(Body::empty())
+        .expect("request");
+    send(r, req).await.1
+}
+
+fn metric_lines(text: &str, prefix: &str) -> Vec<String> {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .map(str::to_owned)
+        .collect()
+}
+
+fn tokens(r: &Router, text: &str) -> Vec<u32> {
+    r.tokenizer().encode(text).expect("encode")
+}
+
+fn text(t: &str) -> Event {
+    Event::Text(t.into())
+}
+
+fn done(finish: Finish, completion_tokens: usize) -> Event {
+    Event::Done {
+        finish,
+        completion_tokens,
+    }
+}
+
+fn decode_failed() -> Event {
+    Event::Error(DispatchError::Node {
+        role: Role::Decode,
+        node: "decode-0".into(),
+        status: tonic::Status::internal("guard violation: page 3 layer 1 unwritten"),
+    })
+}
+
+#[tokio::test]
+async fn refusals_are_exact_openai_bodies_counted_before_anything_reaches_the_mesh() {
+    let mesh = FakeMesh::new(Some(64));
+    let r = router(&mesh, keyed());
+    let hi = tokens(&r, "hi").len();
+    let cases = [
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","temperature":9}"#,
+            StatusCode::BAD_REQUEST,
+            error(
+                "temperature 9 is not in [0, 2]",
+                "invalid_request_error",
+                Some("temperature"),
+                "invalid_value",
+            ),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","n":2}"#,
+            StatusCode::BAD_REQUEST,
+            error(
+                "only n=1 is supported",
+                "invalid_request_error",
+                Some("n"),
+                "invalid_value",
+            ),
+        ),
+        (
+            "/v1/completions",
+            r#"{"max_tokens":4}"#,
+            StatusCode::BAD_REQUEST,
+            error(
+                "prompt is required",
+                "invalid_request_error",
+                Some("prompt"),
+                "invalid_value",
+            ),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[]}"#,
+            StatusCode::BAD_REQUEST,
+            error(
+                "messages must not be empty",
+                "invalid_request_error",
+                Some("messages"),
+                "invalid_value",
+            ),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","model":"gpt-x"}"#,
+            StatusCode::NOT_FOUND,
+            error(
+                "the model \"gpt-x\" does not exist",
+                "invalid_request_error",
+                Some("model"),
+                "model_not_found",
+            ),
+        ),
+        // Over the 256-token window.
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","max_tokens":300}"#,
+            StatusCode::BAD_REQUEST,
+            error(
+                &format!("This model's maximum context length is 256 tokens. However, you requested {} tokens ({hi} in the messages, 300 in the completion). Please reduce the length of the messages or completion.", hi + 300),
+                "invalid_request_error",
+                Some("messages"),
+                "context_length_exceeded",
+            ),
+        ),
+        // Inside the window, over what the mesh can hold (64).
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","max_tokens":100}"#,
+            StatusCode::BAD_REQUEST,
+            error(
+                &format!("This model's maximum context length is 64 tokens. However, you requested {} tokens ({hi} in the messages, 100 in the completion). Please reduce the length of the messages or completion.", hi + 100),
+                "invalid_request_error",
+                Some("messages"),
+                "context_length_exceeded",
+            ),
+        ),
+    ];
+    for (path, body, status, want) in cases {
+        assert_eq!(send_json(&r, path, body).await, (status, want), "{body}");
+    }
+    // Not JSON: the field is the body, the message serde's.
+    let (status, v) = send_json(&r, "/v1/completions", "{not json").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        (
+            &v["error"]["param"],
+            &v["error"]["code"],
+            &v["error"]["type"]
+        ),
+        (
+            &json!("body"),
+            &json!("invalid_value"),
+            &json!("invalid_request_error")
+        )
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("invalid JSON body: ")),
+        "{v}"
+    );
+    // No key: 401 before the body is read.
+    let anon = Request::post("/v1/completions")
+        .body(Body::from(r#"{"prompt":"hi"}"#))
+        .expect("request");
+    let (status, body) = send(&r, anon).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).expect("JSON"),
+        error(
+            "missing API key: send Authorization: Bearer YOUR_KEY",
+            "invalid_request_error",
+            None,
+            "invalid_api_key"
+        )
+    );
+    assert!(
+        mesh.received().is_empty(),
+        "a refused request reached the mesh"
+    );
+    let m = metrics(&r).await;
+    assert_eq!(
+        metric_lines(&m, "kvmesh_requests_rejected_total{"),
+        [
+            "kvmesh_requests_rejected_total{reason=\"context_length_exceeded\"} 2",
+            "kvmesh_requests_rejected_total{reason=\"invalid_request\"} 5",
+            "kvmesh_requests_rejected_total{reason=\"model_not_found\"} 1",
+            "kvmesh_requests_rejected_total{reason=\"unauthenticated\"} 1",
+        ]
+    );
+    assert_eq!(
+        metric_lines(&m, "kvmesh_requests_total{"),
+        ["kvmesh_requests_total{outcome=\"rejected\"} 9"]
+    );
+}
+
+#[tokio::test]
+async fn an_oversized_body_is_a_json_413() {
+    let mesh = FakeMesh::new(Some(256));
+    let r = router(&mesh, keyed());
+    let big = format!("{{\"prompt\":\"{}\"}}", "a".repeat(3 << 20));
+    let (status, v) = send_json(&r, "/v1/completions", &big).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(
+        (
+            &v["error"]["param"],
+            &v["error"]["code"],
+            &v["error"]["type"]
+        ),
+        (
+            &json!("body"),
+            &json!("invalid_body"),
+            &json!("invalid_request_error")
+        )
+    );
+    assert!(mesh.received().is_empty());
+}
+
+/// `v` without its `id` and `created`, after checking them: the id is the
+/// mesh's fresh one with the kind's prefix.
+fn strip_id(mut v: Value, prefix: &str) -> Value {
+    let id = v["id"].as_str().expect("an id").to_owned();
+    let hex = id.strip_prefix(prefix).expect("the prefix");
+    assert_eq!(hex.len(), 32, "{id}");
+    assert!(v["created"].as_u64().is_some_and(|c| c > 1_600_000_000));
+    let o = v.as_object_mut().expect("object");
+    o.remove("id");
+    o.remove("created");
+    v
+}
+
+#[tokio::test]
+async fn unstreamed_completions_are_whole_bodies_and_the_mesh_gets_the_validated_job() {
+    let mesh = FakeMesh::new(Some(256));
+    let r = router(&mesh, keyed());
+    mesh.play(vec![text("Hello"), text(" world"), done(Finish::Length, 2)]);
+    let (status, v) = send_json(
+        &r,
+        "/v1/completions",
+        r#"{"prompt":"Once upon","max_tokens":5,"temperature":0,"seed":7,"stop":["."],"ignore_eos":true}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let prompt = tokens(&r, "Once upon");
+    let p = prompt.len();
+    assert_eq!(
+        strip_id(v, "cmpl-"),
+        json!({"object": "text_completion", "model": "tiny-llama",
+            "choices": [{"index": 0, "text": "Hello world", "finish_reason": "length", "logprobs": null}],
+            "usage": {"prompt_tokens": p, "completion_tokens": 2, "total_tokens": p + 2}})
+    );
+    let job = &mesh.received()[0];
+    assert_eq!(job.prompt_ids, prompt);
+    assert_eq!(
+        (job.max_tokens, job.temperature, job.top_p, job.seed),
+        (5, 0.0, 1.0, 7)
+    );
+    assert_eq!(
+        (job.stop.as_slice(), job.ignore_eos),
+        (&[".".to_owned()][..], true)
+    );
+    assert_eq!(job.tenant.0, "tenant-a", "the tenant comes from the key");
+
+    mesh.play(vec![text("Hi"), done(Finish::Stop, 1)]);
+    let (status, v) = send_json(
+        &r,
+        "/v1/chat/completions",
+        r#"{"messages":[{"role":"user","content":"Hello"}]}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let chat = r
+        .tokenizer()
+        .encode_chat(&[kvmesh_tokenizer::ChatMessage::new("user", "Hello")])
+        .expect("chat");
+    let p = chat.len();
+    assert_eq!(
+        strip_id(v, "chatcmpl-"),
+        json!({"object": "chat.completion", "model": "tiny-llama",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop", "logprobs": null}],
+            "usage": {"prompt_tokens": p, "completion_tokens": 1, "total_tokens": p + 1}})
+    );
+    let job = &mesh.received()[1];
+    assert_eq!(job.prompt_ids, chat);
+    assert_eq!(job.max_tokens, crate::validate::DEFAULT_MAX_TOKENS);
+    assert_eq!(job.stop, Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn sse_frames_each_text_then_the_finish_with_usage_then_done() {
+    let mesh = FakeMesh::new(Some(256));
+    let r = router(&mesh, keyed());
+    let p = tokens(&r, "Once upon").len();
+    mesh.play(vec![text("Hel"), text("lo"), done(Finish::Stop, 2)]);
+    let (status, body) = send(
+        &r,
+        post("/v1/completions", r#"{"prompt":"Once upon","stream":true}"#),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let frames = sse_data(&body);
+    assert_eq!(frames.len(), 4, "{body}");
+    assert_eq!(frames[3], "[DONE]");
+    let chunks: Vec<Value> = frames[..3]
+        .iter()
+        .map(|f| serde_json::from_str(f).expect("a JSON chunk"))
+        .collect();
+    let id = chunks[0]["id"].clone();
+    assert!(chunks.iter().all(|c| c["id"] == id), "one id per stream");
+    let got: Vec<Value> = chunks.into_iter().map(|c| strip_id(c, "cmpl-")).collect();
+    let chunk = |t: &str, finish: Value| {
+        json!({"object": "text_completion", "model": "tiny-llama",
+            "choices": [{"index": 0, "text": t, "finish_reason": finish, "logprobs": null}]})
+    };
+    let mut last = chunk("", json!("stop"));
+    last["usage"] = json!({"prompt_tokens": p, "completion_tokens": 2, "total_tokens": p + 2});
+    assert_eq!(
+        got,
+        [chunk("Hel", Value::Null), chunk("lo", Value::Null), last]
+    );
+
+    // A chat stream opens with the assistant's role.
+    mesh.play(vec![text("Hi"), done(Finish::Length, 1)]);
+    let (status, body) = send(
+        &r,
+        post(
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"Hello"}],"stream":true}"#,
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let frames = sse_data(&body);
+    assert_eq!(frames.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let deltas: Vec<(Value, Value)> = frames[..frames.len() - 1]
+        .iter()
+        .map(|f| {
+            let v: Value = serde_json::from_str(f).expect("a JSON chunk");
+            assert_eq!(v["object"], "chat.completion.chunk");
+            let c = &v["choices"][0];
+            (c["delta"].clone(), c["finish_reason"].clone())
+        })
+        .collect();
+    assert_eq!(
+        deltas,
+        [
+            (json!({"role": "assistant", "content": ""}), Value::Null),
+            (json!({"content": "Hi"}), Value::Null),
+            (json!({}), json!("length")),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_failure_mid_stream_is_the_terminal_error_event_with_a_safe_message() {
+    let mesh = FakeMesh::new(Some(256));
+    let r = router(&mesh, keyed());
+    // Nothing after the error reaches the client.
+    mesh.play(vec![text("Hel"), decode_failed(), text("never")]);
+    let (status, body) = send(
+        &r,
+        post("/v1/completions", r#"{"prompt":"Once upon","stream":true}"#),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "the stream had begun");
+    let frames = sse_data(&body);
+    assert_eq!(frames.len(), 3, "{body}");
+    let first: Value = serde_json::from_str(&frames[0]).expect("chunk");
+    assert_eq!(first["choices"][0]["text"], "Hel");
+    assert_eq!(
+        serde_json::from_str::<Value>(&frames[1]).expect("error event"),
+        error(
+            "the decode node failed the request",
+            "server_error",
+            None,
+            "decode_failed"
+        )
+    );
+    assert_eq!(frames[2], "[DONE]");
+    assert!(!body.contains("never") && !body.contains("decode-0") && !body.contains("unwritten"));
+    assert_eq!(
+        metric_lines(&metrics(&r).await, "kvmesh_requests_total{"),
+        ["kvmesh_requests_total{outcome=\"decode_failed\"} 1"]
+    );
+}
+
+#[tokio::test]
+async fn unstreamed_failures_have_their_status_and_body() {
+    let mesh = FakeMesh::new(Some(256));
+    let r = router(&mesh, keyed());
+    let refusal = |kind| {
+        Event::Error(DispatchError::Refused {
+            node: "decode-0".into(),
+            kind,
+            message: "prompt 40 + 300 over max_seq_tokens 64".into(),
+        })
+    };
+    use kvmesh_proto::internal::v1::RefuseKind;
+    let cases = [
+        (
+            vec![refusal(RefuseKind::TooLong)],
+            StatusCode::BAD_REQUEST,
+            error(
+                "the request is longer than the decode node can hold",
+                "server_error",
+                None,
+                "decode_refused",
+            ),
+        ),
+        (
+            vec![refusal(RefuseKind::Exhausted)],
+            StatusCode::TOO_MANY_REQUESTS,
+            error(
+                "the decode nodes had no free KV pages within the queue timeout; retry later",
+                "rate_limit_error",
+                None,
+                "decode_refused",
+            ),
+        ),
+        (
+            vec![text("partial"), decode_failed()],
+            StatusCode::BAD_GATEWAY,
+            error(
+                "the decode node failed the request",
+                "server_error",
+                None,
+                "decode_failed",
+            ),
+        ),
+        (
+            vec![Event::Error(DispatchError::NoHealthyNode {
+                role: Role::Decode,
+            })],
+            StatusCode::SERVICE_UNAVAILABLE,
+            error(
+                "no healthy decode node is left to finish the request",
+                "server_error",
+                None,
+                "service_unavailable",
+            ),
+        ),
+        // The mesh's stream closed without a result.
+        (
+            vec![text("partial")],
+            StatusCode::INTERNAL_SERVER_ERROR,
+            error(
+                "generation ended without a result",
+                "server_error",
+                None,
+                "internal",
+            ),
+        ),
+    ];
+    for (events, status, want) in cases {
+        mesh.play(events);
+        assert_eq!(
+            send_json(&r, "/v1/completions", r#"{"prompt":"hi"}"#).await,
+            (status, want.clone()),
+            "{want}"
+        );
+    }
+    assert_eq!(
+        metric_lines(&metrics(&r).await, "kvmesh_requests_total{"),
+        [
+            "kvmesh_requests_total{outcome=\"decode_failed\"} 1",
+            "kvmesh_requests_total{outcome=\"decode_refused\"} 2",
+            "kvmesh_requests_total{outcome=\"internal\"} 1",
+            "kvmesh_requests_total{outcome=\"no_healthy_node\"} 1",
+        ]
+    );
+}
+
+#[tokio::test]
+async fn no_capacity_or_a_mesh_refusal_is_a_503_before_dispatch() {
+    let mesh = FakeMesh::new(None);
+    let r = router(&mesh, keyed());
+    let health = || {
+        Request::get("/health")
+            .body(Body::empty())
+            .expect("request")
+    };
+    assert_eq!(
+        send(&r, health()).await,
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no healthy prefill or decode node\n".to_owned()
+        )
+    );
+    assert_eq!(
+        send_json(&r, "/v1/completions", r#"{"prompt":"hi"}"#).await,
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            error(
+                "no healthy prefill or decode node",
+                "server_error",
+                None,
+                "service_unavailable"
+            )
+        )
+    );
+    assert!(mesh.received().is_empty(), "admission stopped it");
+    mesh.set_capacity(Some(256));
+    assert_eq!(
+        send(&r, health()).await,
+        (StatusCode::OK, "ok\n".to_owned())
+    );
+    mesh.push(Script::Refuse(Rejection::NoHealthyNode { role: "decode" }));
+    assert_eq!(
+        send_json(&r, "/v1/completions", r#"{"prompt":"hi","stream":true}"#).await,
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            error(
+                "no healthy decode node",
+                "server_error",
+                None,
+                "service_unavailable"
+            )
+        )
+    );
+    assert_eq!(mesh.received().len(), 1);
+    let m = metrics(&r).await;
+    assert_eq!(
+        metric_lines(&m, "kvmesh_requests_rejected_total{"),
+        ["kvmesh_requests_rejected_total{reason=\"no_healthy_node\"} 2"]
+    );
+}
+
+/// The slot lives as long as the request: with one slot and no queue a
+/// second request is refused with 429 while the first streams; a client
+/// that leaves frees its slot (the mesh sees its stream dropped) and is
+/// counted as gone.
+#[tokio::test]
+async fn a_running_request_holds_its_slot_until_its_client_leaves() {
+    let mesh = FakeMesh::new(Some(256));
+    let r = router(
+        &mesh,
+        RouterConfig {
+            max_running: 1,
+            max_queued: 0,
+            ..keyed()
+        },
+    );
+    let gate = Arc::new(Notify::new());
+    mesh.push(Script::Play(vec![
+        Step::Send(text("a")),
+        Step::Gate(Arc::clone(&gate)),
+        Step::Send(done(Finish::Stop, 1)),
+    ]));
+    let resp = r
+        .http()
+        .oneshot(post("/v1/completions", r#"{"prompt":"hi","stream":true}"#))
+        .await
+        .expect("infallible");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body().into_data_stream();
+    let first = body.next().await.expect("a frame").expect("bytes");
+    assert!(String::from_utf8_lossy(&first).contains("\"text\":\"a\""));
+    assert_eq!(
+        send_json(&r, "/v1/completions", r#"{"prompt":"hi"}"#).await,
+        (
+            StatusCode::TOO_MANY_REQUESTS,
+            error(
+                "the server is saturated: 0 requests are queued; retry later",
+                "rate_limit_error",
+                None,
+                "rate_limit_exceeded"
+            )
+        )
+    );
+    assert_eq!(mesh.received().len(), 1);
+    drop(body);
+    mesh.idle().await;
+    assert_eq!(mesh.abandoned(), 1, "the mesh saw its stream dropped");
+    mesh.play(vec![text("b"), done(Finish::Stop, 1)]);
+    let (status, v) = send_json(&r, "/v1/completions", r#"{"prompt":"hi"}"#).await;
+    assert_eq!(status, StatusCode::OK, "the slot came back: {v}");
+    assert_eq!(v["choices"][0]["text"], "b");
+    let m = metrics(&r).await;
+    assert_eq!(
+        metric_lines(&m, "kvmesh_requests_total{"),
+        [
+            "kvmesh_requests_total{outcome=\"client_gone\"} 1",
+            "kvmesh_requests_total{outcome=\"rejected\"} 1",
+            "kvmesh_requests_total{outcome=\"stop\"} 1",
+        ]
+    );
+    gate.notify_waiters();
+}
+
+/// The whole counter section of `/metrics` after a few requests, then the
+/// mesh's own series.
+#[tokio::test]
+async fn metrics_count_every_outcome_once() {
+    let mesh = FakeMesh::new(Some(256));
+    let r = router(&mesh, keyed());
+    mesh.play(vec![text("a"), done(Finish::Stop, 1)]);
+    mesh.play(vec![text("a"), done(Finish::Length, 3)]);
+    mesh.play(vec![text("a"), decode_failed()]);
+    for stream in [false, true, false] {
+        let body = json!({"prompt": "hi", "stream": stream}).to_string();
+        send(&r, post("/v1/completions", &body)).await;
+    }
+    send(&r, post("/v1/completions", r#"{"prompt":"hi","top_p":0}"#)).await;
+    let m = metrics(&r).await;
+    let counters = m
+        .split("# HELP kvmesh_time_to_first_token_seconds")
+        .next()
+        .expect("counters first");
+    assert_eq!(
+        counters,
+        "# HELP kvmesh_requests_total Requests by outcome.\n\
+         # TYPE kvmesh_requests_total counter\n\
+         kvmesh_requests_total{outcome=\"decode_failed\"} 1\n\
+         kvmesh_requests_total{outcome=\"length\"} 1\n\
+         kvmesh_requests_total{outcome=\"rejected\"} 1\n\
+         kvmesh_requests_total{outcome=\"stop\"} 1\n\
+         # HELP kvmesh_requests_rejected_total Requests refused before dispatch, by reason.\n\
+         # TYPE kvmesh_requests_rejected_total counter\n\
+         kvmesh_requests_rejected_total{reason=\"invalid_request\"} 1\n"
+    );
+    assert!(
+        m.ends_with("# fake mesh\nkvmesh_fake_requests_received 3\n"),
+        "{m}"
+    );
+}

@@ -1,0 +1,232 @@
+//! How the gateway reaches the mesh: the [`Mesh`] trait, what it takes
+//! ([`Admitted`], which only [`crate::Router::admit`] makes) and what it
+//! streams back ([`Event`]), and the gateway's reading of that stream
+//! ([`Generation`], which counts every request's outcome exactly once).
+//!
+//! The real mesh is `grpc::GrpcMesh`: the prefill and decode nodes over
+//! gRPC and the KV handshake. Tests put a scripted mesh behind the same
+//! trait (`fake::FakeMesh`), so validation, admission, SSE framing, error
+//! bodies and metrics are exercised without any node.
+
+pub(crate) mod grpc;
+
+#[cfg(test)]
+pub(crate) mod fake;
+
+use std::fmt;
+use std::sync::Arc;
+
+use kvmesh_faults::FaultPlan;
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
+
+use crate::auth::Tenant;
+use crate::error::{DispatchError, Rejection};
+use crate::metrics::Metrics;
+use crate::validate::Valid;
+
+/// The mesh behind the gateway.
+///
+/// Contract of [`Mesh::generate`]: it either refuses at once, with nothing
+/// allocated anywhere (a [`Rejection`], I3), or returns a stream on which
+/// every later failure arrives as one [`Event::Error`]; the stream ends
+/// with exactly one terminal event ([`Event::Done`] or [`Event::Error`]).
+/// The mesh holds the request's [`Slot`] until its work for the request
+/// has ended, and when the receiver is dropped (the client is gone) it
+/// stops that work and releases what it holds.
+pub trait Mesh: Send + Sync + fmt::Debug + 'static {
+    /// The longest sequence (prompt plus completion, tokens) that every
+    /// role can take now; `None` while a role has no healthy node.
+    fn capacity(&self) -> Option<usize>;
+
+    /// Starts one admitted request.
+    fn generate(&self, req: Admitted) -> Result<mpsc::Receiver<Event>, Rejection>;
+
+    /// Appends the mesh's own Prometheus series (per-node figures) to the
+    /// gateway's.
+    fn render_metrics(&self, out: &mut String);
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token or stop string.
+    Stop,
+    /// The budget.
+    Length,
+}
+
+impl Finish {
+    /// The OpenAI name (also the metric label of the outcome).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// What the mesh streams to the gateway.
+#[derive(Debug)]
+pub enum Event {
+    /// New text (whole UTF-8 characters).
+    Text(String),
+    /// The end.
+    Done {
+        /// Why.
+        finish: Finish,
+        /// Tokens generated.
+        completion_tokens: usize,
+    },
+    /// A failure after dispatch: the end.
+    Error(DispatchError),
+}
+
+/// An admitted request, as the mesh needs it.
+#[derive(Clone, Debug)]
+pub struct Job {
+    /// Prompt token ids (at least one).
+    pub prompt_ids: Vec<u32>,
+    /// Completion budget, at least 1.
+    pub max_tokens: usize,
+    /// Sampling temperature in [0, 2].
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1].
+    pub top_p: f32,
+    /// Seed.
+    pub seed: u64,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// End-of-sequence tokens do not end generation: the decode node gets
+    /// no stop token ids, so it runs to `max_tokens` (or a stop string).
+    pub ignore_eos: bool,
+    /// The tenant, from the request's API key only (I8).
+    pub tenant: Tenant,
+    /// Injected faults (testing builds; see `kvmesh_faults`).
+    pub faults: FaultPlan,
+}
+
+/// One of the router's `max_running` dispatch slots. Whoever runs the
+/// request holds it until the request's work has ended; dropping it lets
+/// the next queued request in.
+#[derive(Debug)]
+pub struct Slot {
+    _permit: OwnedSemaphorePermit,
+}
+
+/// A request that passed validation and admission (I3) and holds a
+/// [`Slot`]. Only [`crate::Router::admit`] makes one, so nothing reaches
+/// [`Mesh::generate`] unchecked.
+#[derive(Debug)]
+pub struct Admitted {
+    job: Job,
+    slot: Slot,
+}
+
+impl Admitted {
+    pub(crate) fn new(
+        valid: Valid,
+        tenant: Tenant,
+        faults: FaultPlan,
+        permit: OwnedSemaphorePermit,
+    ) -> Self {
+        let (prompt_ids, s) = valid.into_parts();
+        Self {
+            job: Job {
+                prompt_ids,
+                max_tokens: s.max_tokens,
+                temperature: s.temperature,
+                top_p: s.top_p,
+                seed: s.seed,
+                stop: s.stop,
+                ignore_eos: s.ignore_eos,
+                tenant,
+                faults,
+            },
+            slot: Slot { _permit: permit },
+        }
+    }
+
+    /// The request.
+    pub fn job(&self) -> &Job {
+        &self.job
+    }
+
+    /// The request and its slot, for the mesh to run.
+    pub fn into_parts(self) -> (Job, Slot) {
+        (self.job, self.slot)
+    }
+}
+
+/// One request's events as the front ends read them. It records the
+/// request's outcome exactly once (`kvmesh_requests_total{outcome}`):
+/// the finish reason or the error kind at the terminal event, or
+/// `client_gone` when dropped before it. A stream that closes without a
+/// terminal event yields [`DispatchError::Unfinished`].
+#[derive(Debug)]
+pub struct Generation {
+    rx: mpsc::Receiver<Event>,
+    metrics: Arc<Metrics>,
+    prompt_tokens: usize,
+    ended: bool,
+    /// Set at the gateway's drain deadline: the request ends with
+    /// [`DispatchError::ShuttingDown`] and the receiver is dropped, which
+    /// tells the mesh to stop and release what it holds.
+    cut: watch::Receiver<bool>,
+}
+
+impl Generation {
+    pub(crate) fn new(
+        rx: mpsc::Receiver<Event>,
+        metrics: Arc<Metrics>,
+        prompt_tokens: usize,
+        cut: watch::Receiver<bool>,
+    ) -> Self {
+        Self {
+            rx,
+            metrics,
+            prompt_tokens,
+            ended: false,
+            cut,
+        }
+    }
+
+    /// The prompt's token count (for usage).
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+
+    /// The next event; `None` after the terminal one. Cancel-safe (the
+    /// SSE writer races it against the client's departure).
+    pub async fn next(&mut self) -> Option<Event> {
+        if self.ended {
+            return None;
+        }
+        let ev = tokio::select! {
+            ev = self.rx.recv() => ev.unwrap_or(Event::Error(DispatchError::Unfinished)),
+            () = kvmesh_proto::serve::cut_set(&mut self.cut) => {
+                // Nothing more is read: dropping the receiver stops the mesh.
+                self.rx.close();
+                Event::Error(DispatchError::ShuttingDown)
+            }
+        };
+        match &ev {
+            Event::Text(_) => {}
+            Event::Done { finish, .. } => self.end(finish.as_str()),
+            Event::Error(e) => self.end(e.kind()),
+        }
+        Some(ev)
+    }
+
+    fn end(&mut self, outcome: &'static str) {
+        self.ended = true;
+        self.metrics.finished(outcome);
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.metrics.finished("client_gone");
+        }
+    }
+}
