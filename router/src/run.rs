@@ -109,3 +109,6 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
