@@ -88,6 +88,11 @@ pub struct Llama {
     rope: Rope,
     shape: AttentionShape,
     quantized: bool,
+    /// Activation buffers of finished passes, taken by the next one (see
+    /// [`Workspace`]): one per pass that ran at the same time, so a model
+    /// driven by one compute thread holds one, whichever pool threads ran
+    /// its passes.
+    workspaces: std::sync::Mutex<Vec<Workspace>>,
 }
 
 impl std::fmt::Debug for Llama {
@@ -159,6 +164,7 @@ impl Llama {
             rope,
             shape,
             quantized,
+            workspaces: std::sync::Mutex::default(),
         })
     }
 
@@ -246,16 +252,16 @@ impl Llama {
             .flat_map(|c| c.start_pos..c.start_pos + c.tokens.len())
             .collect();
 
+        // Buffers of an earlier pass of this model (grown as needed; see
+        // `Workspace`), back for the next pass when this one is done.
+        let mut ws = self.take_workspace();
         // The whole pass runs on one of the pool's threads: each of its
         // ~150 parallel sections (every projection, a decode batch's
         // attention) then starts from inside the pool, where an idle worker
         // steals it at once, instead of being injected from outside and
         // waking the caller through a futex when done (measured: 10% of a
         // batch-1 decode step, and 7% of a prefill, on 2 cores).
-        rayon::scope(|_| {
-            // This worker's buffers from its last forward pass (grown as
-            // needed; see `Workspace`).
-            let mut ws = WORKSPACE.with_borrow_mut(std::mem::take);
+        let out = rayon::scope(|_| {
             let r = self.layers(
                 batch,
                 &ids,
@@ -265,10 +271,33 @@ impl Llama {
                 layer_done,
                 &mut ws,
             );
-            let out = r.and_then(|()| self.logits(batch, &spans, &mut failed, &mut ws));
-            WORKSPACE.with_borrow_mut(|w| *w = ws);
-            out
-        })
+            r.and_then(|()| self.logits(batch, &spans, &mut failed, &mut ws))
+        });
+        self.put_workspace(ws);
+        out
+    }
+
+    fn workspaces(&self) -> std::sync::MutexGuard<'_, Vec<Workspace>> {
+        // Only whole buffers are pushed and popped: a poisoned list is
+        // still a list of buffers.
+        self.workspaces
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The buffers of a finished pass, or empty ones if every one is in use.
+    fn take_workspace(&self) -> Workspace {
+        self.workspaces().pop().unwrap_or_default()
+    }
+
+    fn put_workspace(&self, ws: Workspace) {
+        self.workspaces().push(ws);
+    }
+
+    /// The activation buffers this model keeps between passes: the floats
+    /// each idle workspace has room for (tests, diagnostics).
+    pub fn workspace_floats(&self) -> Vec<usize> {
+        self.workspaces().iter().map(Workspace::floats).collect()
     }
 
     /// Every layer over the batch's rows; the hidden state ends in `ws.x`.
@@ -488,14 +517,20 @@ fn swiglu_rows(gate_up: &[f32], width: usize, out: &mut [f32]) {
         .for_each(|(gu, o)| swiglu(gu, width, o));
 }
 
-/// A forward pass's activation buffers, kept per thread between passes so a
-/// steady stream of batches allocates nothing (a fresh multi-megabyte buffer
-/// per projection cost a page fault per 4 KiB: on this project's virtual
-/// machines, as much time as the prompt's MLP multiply-adds). Each pool
-/// thread that has run a forward pass holds buffers sized for the largest
-/// batch it has run: 8,448 floats per token for SmolLM2 (the residual,
-/// normed, q/k/v, attention, output, SwiGLU, down and stacked gate|up rows),
-/// 17 MiB for a 512-token prompt.
+/// A forward pass's activation buffers, kept by the model between passes so
+/// a steady stream of batches allocates nothing (a fresh multi-megabyte
+/// buffer per projection cost a page fault per 4 KiB: on this project's
+/// virtual machines, as much time as the prompt's MLP multiply-adds). A
+/// workspace is sized for the largest batch it has run: 8,448 floats per
+/// token for SmolLM2 (the residual, normed, q/k/v, attention, output,
+/// SwiGLU, down and stacked gate|up rows), 17 MiB for a 512-token prompt,
+/// 66 MiB for a full 2,048-token prefill batch.
+///
+/// They belong to the model, not to the pool thread that ran the pass: kept
+/// per thread, every pool thread came to hold buffers for the largest
+/// prefill batch it had happened to run, one thread after another (a step
+/// of resident memory each time, up to one full workspace per core), and
+/// the decode node's passes kept prefill-sized buffers too.
 #[derive(Default)]
 struct Workspace {
     x: Vec<f32>,
@@ -511,8 +546,25 @@ struct Workspace {
     logits: Vec<f32>,
 }
 
-thread_local! {
-    static WORKSPACE: std::cell::RefCell<Workspace> = std::cell::RefCell::new(Workspace::default());
+impl Workspace {
+    fn floats(&self) -> usize {
+        [
+            &self.x,
+            &self.xn,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.attn,
+            &self.o,
+            &self.gate,
+            &self.down,
+            &self.stacked,
+            &self.logits,
+        ]
+        .iter()
+        .map(|b| b.capacity())
+        .sum()
+    }
 }
 
 #[cfg(test)]

@@ -182,3 +182,48 @@ fn swiglu_rows_in_parallel_equal_the_serial_pass_to_the_bit() {
     assert_eq!(bits(&serial), bits(&split));
     assert!(rows * width >= super::SWIGLU_PARALLEL);
 }
+
+/// The forward pass's activation buffers belong to the model, not to the
+/// pool thread that ran it: passes one after another, each on whichever
+/// thread of a 4-thread pool takes it (as the mesh's compute threads hand
+/// theirs to the global pool), leave one workspace, sized for the largest
+/// pass, not one per thread that ever ran a large batch (the soak's idle
+/// memory growing in steps, issue 15).
+#[test]
+fn passes_on_many_pool_threads_keep_one_workspace_sized_for_the_largest() {
+    let (_dir, e) = tiny_engine(Precision::Quantized);
+    assert!(e.model().workspace_floats().is_empty(), "no pass yet");
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(4)
+        .build()
+        .expect("pool");
+    let pass = |n: usize, seed: u32| {
+        let mut s = e.admit(prompt(n, seed), 2).expect("admit");
+        pool.install(|| e.prefill(&mut s)).expect("prefill");
+    };
+    pass(30, 1);
+    let largest = e.model().workspace_floats();
+    assert_eq!(largest.len(), 1, "{largest:?}");
+    for i in 0..16 {
+        // Smaller and equal passes, from a fresh OS thread each time too.
+        let n = [5, 30, 17, 9][i % 4];
+        std::thread::scope(|t| {
+            t.spawn(|| pass(n, i as u32 + 2));
+        });
+        assert_eq!(
+            e.model().workspace_floats(),
+            largest,
+            "pass {i} ({n} tokens)"
+        );
+    }
+    // Passes at the same time each need their own; they are kept for the
+    // next such burst, never more than ran at once.
+    std::thread::scope(|t| {
+        for i in 0..3 {
+            let pass = &pass;
+            t.spawn(move || pass(30, 40 + i));
+        }
+    });
+    let after = e.model().workspace_floats();
+    assert!((1..=3).contains(&after.len()), "{after:?}");
+}
