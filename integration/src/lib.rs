@@ -43,6 +43,7 @@ pub fn kvmesh_bin() -> PathBuf {
         "prefill",
         "decode",
         "proto",
+        "testkit",
     ] {
         if let Some(newest) = newest_mtime(&root.join(krate).join("src")) {
             assert!(
