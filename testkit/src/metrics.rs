@@ -193,7 +193,7 @@ impl Metrics {
 #[derive(Debug, thiserror::Error)]
 pub enum ScrapeError {
     /// The request failed.
-    #[error("reading /metrics: {0}")]
+    #[error("{0}")]
     Http(#[from] Error),
     /// The server answered, but not 200.
     #[error("/metrics answered {0}")]
