@@ -33,7 +33,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::{default_model, ChatMessage, TextTokenizer};
@@ -42,9 +41,9 @@ use kvmesh_router::nodes::Nodes;
 use kvmesh_router::{Rejection, Router, RouterConfig};
 use serde_json::{json, Value};
 
-use crate::soak::client::get;
+use kvmesh_testkit::http::{Connection, Request};
+
 use crate::soak::mesh::{host_port, start_mesh, MeshChild};
-use crate::soak::metrics::parse_metrics;
 
 /// Completion budget of every request (the gateway's default).
 const MAX_TOKENS: usize = 16;

@@ -1,10 +1,18 @@
-//! Helpers for kvmesh's end-to-end tests, which live in `tests/` and start
-//! the real `kvmesh` binary as a separate process.
+//! Helpers for kvmesh's end-to-end tests, which live in `tests/`.
+//!
+//! Layout: [`inproc`] runs the mesh in the test's process on port 0 (most
+//! tests); [`mesh`] (`kvmesh serve`) and [`roles`] (one process per role
+//! from a mesh file) start the real `kvmesh` binary, for what needs a
+//! process of its own (kills, SIGTERM, planted bugs, deploy files);
+//! [`http`] is the tests' face of `kvmesh_testkit`'s client and scraper;
+//! [`nodes`] drives the internal services by hand; [`python`] runs the
+//! external clients.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
 pub mod http;
+pub mod inproc;
 pub mod mesh;
 pub mod nodes;
 pub mod python;
@@ -43,6 +51,7 @@ pub fn kvmesh_bin() -> PathBuf {
         "prefill",
         "decode",
         "proto",
+        "testkit",
     ] {
         if let Some(newest) = newest_mtime(&root.join(krate).join("src")) {
             assert!(

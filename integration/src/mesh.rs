@@ -126,13 +126,10 @@ impl Mesh {
         http::get(&self.http, "/metrics").body
     }
 
-    /// The value of the metric line starting with `prefix` (name and labels).
-    pub fn metric(&self, prefix: &str) -> Option<f64> {
-        self.metrics()
-            .lines()
-            .find(|l| l.starts_with(prefix))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
+    /// The value of the sample `selector` names (`name{label="v"}`
+    /// exactly those labels, `name{label="v"` at least those).
+    pub fn metric(&self, selector: &str) -> Option<f64> {
+        http::metric(&self.http, selector)
     }
 
     /// Waits (bounded: 10 s) until the metric line starting with `prefix`
@@ -156,13 +153,8 @@ impl Mesh {
         std::thread::sleep(Duration::from_millis(2 * 200 + 50));
         let start = Instant::now();
         loop {
-            let m = self.metrics();
-            let value = |name: &str, node: &str| {
-                m.lines()
-                    .find(|l| l.starts_with(&format!("{name}{{node=\"{node}\"")))
-                    .and_then(|l| l.rsplit(' ').next())
-                    .and_then(|v| v.parse::<f64>().ok())
-            };
+            let m = http::metrics(&self.http);
+            let value = |name: &str, node: &str| m.first(name, &[("node", node)]);
             let whole = ["prefill-0", "decode-0"].iter().all(|n| {
                 let (t, f) = (
                     value("kvmesh_node_kv_pages_total", n),
@@ -175,7 +167,8 @@ impl Mesh {
             }
             assert!(
                 start.elapsed() < Duration::from_secs(10),
-                "pages did not come back:\n{m}"
+                "pages did not come back:\n{}",
+                m.text()
             );
             std::thread::sleep(Duration::from_millis(100));
         }

@@ -4,7 +4,7 @@
 //! relies on for exact output lengths.
 
 use kvmesh_integration::http::post;
-use kvmesh_integration::mesh::Mesh;
+use kvmesh_integration::inproc::{InProcessMesh, Options};
 use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
 use kvmesh_model::engine::{Engine, EngineConfig, FinishReason, Prompt};
 use kvmesh_model::sampling::SamplingParams;
@@ -183,7 +183,7 @@ fn ignore_eos_generates_exactly_max_tokens() {
         .expect("a prompt whose greedy output stops early");
     drop(engine);
 
-    let mesh = Mesh::start(&model, &[]);
+    let mesh = InProcessMesh::start(&model, Options::default()).expect("the mesh");
     let ask = |ignore_eos: bool| {
         let r = post(
             &mesh.http,

@@ -341,23 +341,19 @@ fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
     }
     // Reports lag by a poll; both decode nodes took work.
     std::thread::sleep(Duration::from_millis(500));
-    let metrics = http::get(&addr, "/metrics").body;
+    let metrics = http::metrics(&addr);
     let per_node: Vec<f64> = ["decode-0", "decode-1"]
         .iter()
         .map(|n| {
             metrics
-                .lines()
-                .find(|l| {
-                    l.starts_with(&format!(
-                        "kvmesh_node_reservations_total{{node=\"{n}\",outcome=\"completed\"}}"
-                    ))
-                })
-                .and_then(|l| l.rsplit(' ').next())
-                .and_then(|v| v.parse::<f64>().ok())
+                .value(
+                    "kvmesh_node_reservations_total",
+                    &[("node", n), ("outcome", "completed")],
+                )
                 .unwrap_or(0.0)
         })
         .collect();
-    assert_eq!(per_node.iter().sum::<f64>(), 32.0, "{metrics}");
+    assert_eq!(per_node.iter().sum::<f64>(), 32.0, "{}", metrics.text());
     assert!(
         per_node.iter().all(|&n| n > 0.0),
         "both decode nodes serve: {per_node:?}"

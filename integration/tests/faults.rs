@@ -597,12 +597,8 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-fn metric_of(addr: &str, prefix: &str) -> Option<f64> {
-    http::get(addr, "/metrics")
-        .body
-        .lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+fn metric_of(addr: &str, selector: &str) -> Option<f64> {
+    http::metric(addr, selector)
 }
 
 /// The prefill process dies inside the transfer (after one page write):

@@ -1,10 +1,10 @@
-//! The public gRPC API of `kvmesh serve`, from a client generated from the
+//! The public gRPC API of the mesh (in this process), from a client generated from the
 //! repository's protos: Generate (streamed) equals the reference engine and
 //! the HTTP gateway, Tokenize, ListModels, the standard health service,
 //! reflection that lists only what the port serves, and
 //! typed refusals.
 
-use kvmesh_integration::mesh::Mesh;
+use kvmesh_integration::inproc::{InProcessMesh as Mesh, Options};
 use kvmesh_integration::tiny_model_dir;
 use kvmesh_proto::v1::generation_client::GenerationClient;
 use kvmesh_proto::v1::{
@@ -18,9 +18,18 @@ fn reference(prompt: &str, chat: bool) -> String {
     kvmesh_integration::reference_text(&tiny_model_dir(), prompt, chat, 20)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn public_grpc_api() {
-    let mesh = Mesh::start(&tiny_model_dir(), &[]);
+/// The mesh in this process; the test's client runs on its runtime.
+fn start(opts: Options) -> Mesh {
+    Mesh::start(&tiny_model_dir(), opts).unwrap_or_else(|e| panic!("starting the mesh: {e:#}"))
+}
+
+#[test]
+fn public_grpc_api() {
+    let mesh = start(Options::default());
+    mesh.block_on(public_grpc_api_of(&mesh));
+}
+
+async fn public_grpc_api_of(mesh: &Mesh) {
     let url = format!("http://{}", mesh.grpc);
     let mut client = GenerationClient::connect(url.clone())
         .await
@@ -103,7 +112,7 @@ async fn public_grpc_api() {
         m.metric("kvmesh_requests_rejected_total{reason=\"invalid_request\"}")
             .unwrap_or(0.0)
     };
-    let before = rejected(&mesh);
+    let before = rejected(mesh);
     for (req, what) in [
         (
             GenerateRequest {
@@ -124,7 +133,7 @@ async fn public_grpc_api() {
         let err = client.generate(req).await.expect_err(what);
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{what}: {err}");
     }
-    assert_eq!(rejected(&mesh), before + 2.0);
+    assert_eq!(rejected(mesh), before + 2.0);
     let err = client
         .generate(GenerateRequest {
             model: "other".into(),
@@ -200,9 +209,16 @@ async fn reflected_services(url: String) -> Vec<String> {
     names
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn public_grpc_api_checks_api_keys() {
-    let mesh = Mesh::start(&tiny_model_dir(), &["--api-key", "sk-grpc=alpha"]);
+#[test]
+fn public_grpc_api_checks_api_keys() {
+    let mesh = start(Options {
+        api_keys: vec![("sk-grpc".into(), "alpha".into())],
+        ..Options::default()
+    });
+    mesh.block_on(api_keys_of(&mesh));
+}
+
+async fn api_keys_of(mesh: &Mesh) {
     let mut client = GenerationClient::connect(format!("http://{}", mesh.grpc))
         .await
         .expect("connect");

@@ -1,15 +1,26 @@
-//! `kvmesh serve` end to end, as a user runs it: real processes, real
-//! sockets, the OpenAI-compatible gateway. Greedy output through the mesh
-//! must equal the reference engine's (`kvmesh generate`) token for token:
-//! any stale or foreign KV would change it.
+//! The mesh end to end, as `kvmesh serve` wires it, in this process
+//! (`InProcessMesh`: router, prefill and decode on port 0, real gRPC and
+//! KV transports on loopback), through the OpenAI-compatible gateway.
+//! Greedy output through the mesh must equal the reference engine's
+//! (`kvmesh generate`) token for token: any stale or foreign KV would
+//! change it. A pool too small to start is `kvmesh serve`'s own refusal,
+//! so that test runs the binary.
 
 use std::path::Path;
 
 use kvmesh_integration::http::{self, post_streaming};
-use kvmesh_integration::mesh::Mesh;
+use kvmesh_integration::inproc::{InProcessMesh, KvTransport, Options};
 use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
+use kvmesh_kvpool::KvDtype;
 use kvmesh_model::default_model;
 use serde_json::{json, Value};
+
+type Mesh = InProcessMesh;
+
+/// The in-process mesh with `opts`.
+fn start(model: &Path, opts: Options) -> Mesh {
+    InProcessMesh::start(model, opts).unwrap_or_else(|e| panic!("starting the mesh: {e:#}"))
+}
 
 const MAX_TOKENS: usize = 24;
 
@@ -126,20 +137,28 @@ fn differential_with(
 #[test]
 fn mesh_output_equals_the_reference_engine_tcp() {
     let model = tiny_model_dir();
-    let mesh = Mesh::start(&model, &["--transport", "tcp"]);
+    let mesh = start(
+        &model,
+        Options {
+            transport: KvTransport::Tcp,
+            ..Options::default()
+        },
+    );
     let cases = differential(&mesh, &model, &PROMPTS, MAX_TOKENS);
     assert!(cases >= 20);
     assert_clean_end(&mesh, cases);
+    // And the drain, as on SIGTERM, finds nothing left behind.
+    let drained = mesh.shutdown().unwrap_or_else(|e| panic!("drain: {e:#}"));
+    assert!(drained.decode.is_clean(), "{}", drained.decode);
+    assert!(drained.prefill.is_clean(), "{}", drained.prefill);
 }
 
 /// Every one of `cases` requests completed its reservation on the decode
 /// node, every page is free again, and no read was refused.
 fn assert_clean_end(mesh: &Mesh, cases: usize) {
-    mesh.wait_for_metric(
-        "kvmesh_node_reservations_total{node=\"decode-0\",outcome=\"completed\"}",
-        cases as f64,
-    );
+    mesh.wait_completed(cases as u64);
     mesh.assert_pages_come_back();
+    assert_eq!(mesh.decode_pool().guard_violations, 0);
     assert_eq!(
         mesh.metric("kvmesh_node_kv_guard_violations_total{node=\"decode-0\"}"),
         Some(0.0)
@@ -149,7 +168,13 @@ fn assert_clean_end(mesh: &Mesh, cases: usize) {
 #[test]
 fn mesh_output_equals_the_reference_engine_shm() {
     let model = tiny_model_dir();
-    let mesh = Mesh::start(&model, &["--transport", "shm"]);
+    let mesh = start(
+        &model,
+        Options {
+            transport: KvTransport::Shm,
+            ..Options::default()
+        },
+    );
     differential(&mesh, &model, &PROMPTS[..4], MAX_TOKENS);
     mesh.assert_pages_come_back();
 }
@@ -163,8 +188,13 @@ fn mesh_output_equals_the_reference_engine_shm() {
 fn mesh_output_equals_the_reference_engine_with_f16_kv() {
     let model = tiny_model_dir();
     let f16 = ["--kv-cache-dtype", "f16"];
-    for transport in ["tcp", "shm"] {
-        let mesh = Mesh::start(&model, &["--transport", transport, f16[0], f16[1]]);
+    for transport in [KvTransport::Tcp, KvTransport::Shm] {
+        let mut opts = Options {
+            transport,
+            ..Options::default()
+        };
+        opts.engine.kv_dtype = Some(KvDtype::F16);
+        let mesh = start(&model, opts);
         let cases = differential_with(&mesh, &model, &PROMPTS[..5], MAX_TOKENS, &f16);
         assert_clean_end(&mesh, cases);
     }
@@ -177,7 +207,12 @@ fn mesh_output_equals_the_reference_engine_with_f16_kv() {
 #[test]
 fn over_length_for_the_pool_is_refused_before_any_node_is_called() {
     let model = tiny_model_dir();
-    let mesh = Mesh::start(&model, &["--kv-pool-tokens", "64", "--allow-small-pool"]);
+    let mut opts = Options {
+        allow_small_pool: true,
+        ..Options::default()
+    };
+    opts.engine.kv_pool_tokens = Some(64);
+    let mesh = start(&model, opts);
     let prompt = "word ".repeat(40);
     let r = http::post(
         &mesh.http,
@@ -192,6 +227,7 @@ fn over_length_for_the_pool_is_refused_before_any_node_is_called() {
         msg.contains("64") && msg.contains("30 in the completion"),
         "{msg}"
     );
+    assert_eq!(mesh.decode_table().granted, 0);
     assert_eq!(
         mesh.metric("kvmesh_node_reservations_granted_total{node=\"decode-0\"}"),
         Some(0.0)
@@ -252,7 +288,7 @@ fn a_small_pool_is_refused_at_startup() {
 
 #[test]
 fn bad_requests_get_openai_style_errors() {
-    let mesh = Mesh::start(&tiny_model_dir(), &[]);
+    let mesh = start(&tiny_model_dir(), Options::default());
     for (body, param) in [
         (json!({"prompt": "x", "temperature": 9}), "temperature"),
         (json!({"prompt": "x", "top_p": 0}), "top_p"),
@@ -290,7 +326,9 @@ fn default_model_through_the_mesh() {
         eprintln!("note: default model not cached; skipped (run `kvmesh fetch-model`)");
         return;
     };
-    let mesh = Mesh::start(&model, &["--max-model-len", "1024"]);
+    let mut opts = Options::default();
+    opts.engine.max_model_len = Some(1024);
+    let mesh = start(&model, opts);
     let (text, _) = through_mesh(&mesh, "The capital of France is", false, false, 8);
     assert_eq!(
         text,
@@ -312,7 +350,9 @@ fn default_model_through_the_mesh() {
         assert!(ev.contains("\"text\""), "{ev}");
     }
     drop(s);
-    mesh.wait_for_metric("kvmesh_requests_total{outcome=\"client_gone\"}", 1.0);
+    mesh.wait_until("the router counted the client gone", |m| {
+        m.metric("kvmesh_requests_total{outcome=\"client_gone\"}") == Some(1.0)
+    });
     mesh.assert_pages_come_back();
 }
 
@@ -321,7 +361,7 @@ fn default_model_through_the_mesh() {
 #[test]
 fn stop_strings_and_seeded_sampling() {
     let model = tiny_model_dir();
-    let mesh = Mesh::start(&model, &[]);
+    let mesh = start(&model, Options::default());
     let full = reference(&model, "Hello world", false, MAX_TOKENS);
     // A stop string from the middle of the reference text.
     let chars: Vec<char> = full.chars().collect();
@@ -403,14 +443,15 @@ fn stop_strings_and_seeded_sampling() {
 /// (UNAUTHENTICATED over gRPC) and nothing else happens; a known key works.
 #[test]
 fn api_keys_gate_every_request() {
-    let mesh = Mesh::start(
+    let mesh = start(
         &tiny_model_dir(),
-        &[
-            "--api-key",
-            "sk-alpha-1=alpha",
-            "--api-key",
-            "sk-beta-2=beta",
-        ],
+        Options {
+            api_keys: vec![
+                ("sk-alpha-1".into(), "alpha".into()),
+                ("sk-beta-2".into(), "beta".into()),
+            ],
+            ..Options::default()
+        },
     );
     let body = json!({"prompt": "Hello world", "max_tokens": 4, "temperature": 0});
     for auth in [
@@ -435,9 +476,10 @@ fn api_keys_gate_every_request() {
         mesh.metric("kvmesh_requests_rejected_total{reason=\"unauthenticated\"}"),
         Some(5.0)
     );
-    mesh.wait_for_metric(
-        "kvmesh_node_reservations_granted_total{node=\"decode-0\"}",
-        0.0,
+    assert_eq!(mesh.decode_table().granted, 0);
+    assert_eq!(
+        mesh.metric("kvmesh_node_reservations_granted_total{node=\"decode-0\"}"),
+        Some(0.0)
     );
     for key in ["sk-alpha-1", "sk-beta-2"] {
         let r = http::request_with(
@@ -449,10 +491,9 @@ fn api_keys_gate_every_request() {
         );
         assert_eq!(r.status, 200, "{}", r.body);
     }
-    mesh.wait_for_metric(
-        "kvmesh_node_reservations_granted_total{node=\"decode-0\"}",
-        2.0,
-    );
+    mesh.wait_until("two reservations granted", |m| {
+        m.decode_table().granted == 2
+    });
     // Probes stay open.
     assert_eq!(http::get(&mesh.http, "/health").status, 200);
 }

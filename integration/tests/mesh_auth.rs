@@ -320,13 +320,8 @@ fn hex16(s: &str) -> Vec<u8> {
         .collect()
 }
 
-fn metric(addr: &str, prefix: &str) -> Option<f64> {
-    http::get(addr, "/metrics")
-        .body
-        .lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+fn metric(addr: &str, selector: &str) -> Option<f64> {
+    http::metric(addr, selector)
 }
 
 fn wait_metric(addr: &str, prefix: &str, want: f64) {

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use kvmesh_integration::mesh::Mesh;
+use kvmesh_integration::inproc::{InProcessMesh, Options};
 use kvmesh_integration::python::{pip_install, python};
 use kvmesh_integration::tiny_model_dir;
 
@@ -25,7 +25,7 @@ fn reference(prompt: &str, chat: bool) -> String {
 #[test]
 fn official_openai_client_streaming_and_not() {
     let dir = client_dir();
-    let mesh = Mesh::start(&tiny_model_dir(), &[]);
+    let mesh = InProcessMesh::start(&tiny_model_dir(), Options::default()).expect("the mesh");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/openai_client.py");
     let out = Command::new(python())
         .arg(&script)

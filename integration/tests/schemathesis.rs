@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
-use kvmesh_integration::mesh::Mesh;
+use kvmesh_integration::inproc::{InProcessMesh, Options};
 use kvmesh_integration::python::{is_installed, package_dir, pip_install, python};
 use kvmesh_integration::tiny_model_dir;
 
@@ -58,15 +58,12 @@ fn the_gateway_conforms_to_its_openapi_document() {
     let Some(dir) = schemathesis_dir() else {
         return;
     };
-    let mesh = Mesh::start(
-        &tiny_model_dir(),
-        &[
-            "--max-model-len",
-            MAX_MODEL_LEN,
-            "--api-key",
-            &format!("{KEY}=fuzz"),
-        ],
-    );
+    let mut opts = Options {
+        api_keys: vec![(KEY.to_owned(), "fuzz".to_owned())],
+        ..Options::default()
+    };
+    opts.engine.max_model_len = Some(MAX_MODEL_LEN.parse().expect("a number"));
+    let mesh = InProcessMesh::start(&tiny_model_dir(), opts).expect("the mesh");
     // What schemathesis loads is the committed document.
     let served = kvmesh_integration::http::get(&mesh.http, "/openapi.json");
     assert_eq!(served.status, 200);

@@ -51,52 +51,21 @@ impl LiveTally {
     }
 }
 
-pub(super) type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
-
-/// One keep-alive HTTP/1.1 connection; its task ends when the sender drops
-/// (or is aborted with the handle).
-pub(super) async fn connect(addr: &str) -> Result<(Sender, tokio::task::JoinHandle<()>), String> {
-    let tcp = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| format!("connect: {}", e.kind()))?;
-    let _ = tcp.set_nodelay(true);
-    let (sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
-        .await
-        .map_err(|e| format!("handshake: {e}"))?;
-    Ok((
-        sender,
-        tokio::spawn(async move {
-            let _ = conn.await;
-        }),
-    ))
+/// A request of the live part: `api_key`, if any, as a bearer token.
+fn live_request(method: hyper::Method, path: &str, body: Bytes, api_key: Option<&str>) -> Request {
+    let req = Request::new(method, path).body(body);
+    match api_key {
+        Some(k) => req.bearer(k),
+        None => req,
+    }
 }
 
-/// One request on `sender`: status and body.
-pub(super) async fn exchange(
-    sender: &mut Sender,
-    addr: &str,
-    method: hyper::Method,
-    path: &str,
-    body: Bytes,
-    api_key: Option<&str>,
-) -> Result<(u16, Bytes), String> {
-    let headers: Vec<(&str, String)> = api_key
-        .map(|k| (hyper::header::AUTHORIZATION.as_str(), format!("Bearer {k}")))
-        .into_iter()
-        .collect();
-    let req = crate::soak::client::json_request(addr, method, path, body, &headers)?;
-    let resp = sender
-        .send_request(req)
+/// One request on `conn`: status and body.
+async fn exchange(conn: &mut Connection, req: &Request) -> Result<(u16, Bytes), String> {
+    conn.exchange(req)
         .await
-        .map_err(|e| format!("no response: {e}"))?;
-    let status = resp.status().as_u16();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| format!("body: {e}"))?
-        .to_bytes();
-    Ok((status, bytes))
+        .map(|r| (r.status, r.body))
+        .map_err(|e| e.to_string())
 }
 
 /// One client: requests back to back on one connection (a new one only if
@@ -109,15 +78,15 @@ pub(super) async fn client(
     first: usize,
 ) -> LiveTally {
     let mut t = LiveTally::default();
-    let mut conn: Option<(Sender, tokio::task::JoinHandle<()>)> = None;
+    let mut conn: Option<Connection> = None;
     let mut i = first;
     while Instant::now() < deadline {
-        let (sender, _) = match &mut conn {
+        let sender = match &mut conn {
             Some(c) => c,
-            None => match connect(&addr).await {
+            None => match Connection::open(&addr).await {
                 Ok(c) => conn.insert(c),
                 Err(e) => {
-                    t.error("connect".into(), e);
+                    t.error("connect".into(), e.to_string());
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
@@ -125,7 +94,7 @@ pub(super) async fn client(
         };
         // A connection the server closed is replaced before anything is
         // sent on it: that is not an error of the request.
-        if sender.ready().await.is_err() {
+        if !sender.ready().await {
             conn = None;
             continue;
         }
@@ -137,11 +106,7 @@ pub(super) async fn client(
             REQUEST_TIMEOUT,
             exchange(
                 sender,
-                &addr,
-                hyper::Method::POST,
-                path,
-                body.clone(),
-                api_key.as_deref(),
+                &live_request(hyper::Method::POST, path, body.clone(), api_key.as_deref()),
             ),
         )
         .await;
@@ -169,9 +134,8 @@ pub(super) async fn client(
             }
         }
     }
-    if let Some((_, task)) = conn {
-        task.abort();
-    }
+    // Dropping the connection closes it.
+    drop(conn);
     t
 }
 
@@ -185,9 +149,14 @@ pub(super) struct Counters {
 }
 
 impl Counters {
+    #[cfg(test)]
     pub(super) fn from_text(text: &str) -> Self {
+        Self::of(&kvmesh_testkit::metrics::parse(text))
+    }
+
+    fn of(samples: &[kvmesh_testkit::Sample]) -> Self {
         let mut c = Self::default();
-        for s in parse_metrics(text) {
+        for s in samples {
             match s.name.as_str() {
                 "kvmesh_node_reservations_granted_total" => {
                     let node = s.labels.get("node").cloned().unwrap_or_default();
@@ -213,10 +182,9 @@ impl Counters {
 }
 
 pub(super) async fn counters(addr: &str) -> Result<Counters> {
-    match get(addr, "/metrics").await {
-        Ok((200, body)) => Ok(Counters::from_text(&body)),
-        Ok((s, _)) => bail!("{addr}/metrics answered {s}"),
-        Err(e) => bail!("reading {addr}/metrics: {e}"),
+    match kvmesh_testkit::metrics::scrape(addr).await {
+        Ok(m) => Ok(Counters::of(m.samples())),
+        Err(e) => bail!("{addr}: {e}"),
     }
 }
 
@@ -282,17 +250,15 @@ pub(super) async fn live(
 ) -> Result<Live> {
     crate::soak::mesh::wait_healthy(addr, mesh).await?;
     let api_key = a.api_key.as_deref();
-    let (mut sender, task) = connect(addr).await.map_err(|e| anyhow!("{addr}: {e}"))?;
+    let mut conn = Connection::open(addr)
+        .await
+        .map_err(|e| anyhow!("{addr}: {e}"))?;
     let models = exchange(
-        &mut sender,
-        addr,
-        hyper::Method::GET,
-        "/v1/models",
-        Bytes::new(),
-        api_key,
+        &mut conn,
+        &live_request(hyper::Method::GET, "/v1/models", Bytes::new(), api_key),
     )
     .await;
-    task.abort();
+    drop(conn);
     let max_model_len = match models {
         Ok((200, body)) => serde_json::from_slice::<Value>(&body)
             .ok()

@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use super::stats::{timings, Sample};
 use super::workload::{Arrivals, RequestSpec, Workload};
 use super::{Load, Mode};
-use crate::soak::client::{read_all, send, SseReader};
+use kvmesh_testkit::http::{self, Request};
 
 /// What a stream delivered.
 #[derive(Default)]
@@ -54,25 +54,20 @@ async fn stream(
         "stream": true,
         "ignore_eos": true,
     });
-    let (resp, _conn) = send(
-        addr,
-        hyper::Method::POST,
-        "/v1/completions",
-        Some(body.to_string()),
-        None,
-    )
-    .await
-    .map_err(|e| format!("connection: {e}"))?;
-    let status = resp.status().as_u16();
+    let resp = http::send(addr, &Request::post_json("/v1/completions", &body))
+        .await
+        .map_err(|e| format!("connection: {e}"))?;
+    let status = resp.status;
     if status != 200 {
-        let body = read_all(resp).await.unwrap_or_default();
-        let code =
-            serde_json::from_str::<Value>(&body).map_or_else(|_| "?".into(), |v| error_code(&v));
+        let code = match resp.read_all().await.map(|r| r.json()) {
+            Ok(Ok(v)) => error_code(&v),
+            _ => "?".into(),
+        };
         return Err(format!("http {status} {code}"));
     }
-    let mut sse = SseReader::new(resp.into_body());
+    let mut sse = resp.events();
     let mut finished = false;
-    while let Some(data) = sse.next().await? {
+    while let Some(data) = sse.next().await.map_err(|e| e.to_string())? {
         if data == "[DONE]" {
             return if finished {
                 Ok(())

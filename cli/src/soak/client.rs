@@ -1,145 +1,7 @@
-//! HTTP/1.1 over hyper, one connection per request, and one request of the load.
+//! One request of the load, over the testkit's client (one connection per
+//! request).
 
 use super::*;
-
-/// Aborts the connection's task on drop, which closes the socket: how a
-/// client "goes away".
-pub(crate) struct ConnGuard(tokio::task::JoinHandle<()>);
-
-impl Drop for ConnGuard {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// A JSON request to the gateway at `addr`, with extra `headers`.
-pub(crate) fn json_request(
-    addr: &str,
-    method: hyper::Method,
-    path: &str,
-    body: Bytes,
-    headers: &[(&str, String)],
-) -> Result<hyper::Request<Full<Bytes>>, String> {
-    let mut req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header(hyper::header::HOST, addr)
-        .header(hyper::header::CONTENT_TYPE, "application/json");
-    for (name, value) in headers {
-        req = req.header(*name, value);
-    }
-    req.body(Full::new(body))
-        .map_err(|e| format!("request: {e}"))
-}
-
-pub(crate) async fn send(
-    addr: &str,
-    method: hyper::Method,
-    path: &str,
-    body: Option<String>,
-    fault: Option<&str>,
-) -> Result<(hyper::Response<hyper::body::Incoming>, ConnGuard), String> {
-    let tcp = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| format!("connect: {}", e.kind()))?;
-    let _ = tcp.set_nodelay(true);
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
-            .await
-            .map_err(|e| format!("handshake: {e}"))?;
-    let guard = ConnGuard(tokio::spawn(async move {
-        let _ = conn.await;
-    }));
-    let headers: Vec<(&str, String)> = fault
-        .map(|f| (FAULT_HEADER, f.to_owned()))
-        .into_iter()
-        .collect();
-    let req = json_request(
-        addr,
-        method,
-        path,
-        Bytes::from(body.unwrap_or_default()),
-        &headers,
-    )?;
-    let resp = sender
-        .send_request(req)
-        .await
-        .map_err(|e| format!("no response: {e}"))?;
-    Ok((resp, guard))
-}
-
-/// A line of an event stream longer than this is refused (the stream is
-/// counted broken) rather than buffered without bound.
-const MAX_SSE_LINE: usize = 1 << 20;
-
-/// The `data` of server-sent events, read off a response body (the soak
-/// client's and the load generator's streams).
-pub(crate) struct SseReader {
-    body: hyper::body::Incoming,
-    buf: Vec<u8>,
-    data: String,
-}
-
-impl SseReader {
-    pub(crate) fn new(body: hyper::body::Incoming) -> Self {
-        Self {
-            body,
-            buf: Vec::new(),
-            data: String::new(),
-        }
-    }
-
-    /// The next event's data; `Ok(None)` when the body ends.
-    pub(crate) async fn next(&mut self) -> Result<Option<String>, String> {
-        loop {
-            while let Some(nl) = self.buf.iter().position(|&b| b == b'\n') {
-                let raw: Vec<u8> = self.buf.drain(..=nl).collect();
-                let line = String::from_utf8_lossy(&raw);
-                let line = line.trim_end_matches(['\n', '\r']);
-                if let Some(d) = line.strip_prefix("data:") {
-                    if !self.data.is_empty() {
-                        self.data.push('\n');
-                    }
-                    self.data.push_str(d.strip_prefix(' ').unwrap_or(d));
-                } else if line.is_empty() && !self.data.is_empty() {
-                    return Ok(Some(std::mem::take(&mut self.data)));
-                }
-                // Otherwise a comment (keep-alive) or another field.
-            }
-            if self.buf.len() > MAX_SSE_LINE || self.data.len() > MAX_SSE_LINE {
-                return Err("an SSE line over 1 MiB".into());
-            }
-            match self.body.frame().await {
-                None => return Ok(None),
-                Some(Err(e)) => return Err(format!("stream cut: {e}")),
-                Some(Ok(f)) => {
-                    if let Ok(d) = f.into_data() {
-                        self.buf.extend_from_slice(&d);
-                    }
-                }
-            }
-        }
-    }
-}
-
-pub(crate) async fn read_all(
-    resp: hyper::Response<hyper::body::Incoming>,
-) -> Result<String, String> {
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| format!("body: {e}"))?
-        .to_bytes();
-    Ok(String::from_utf8_lossy(&bytes).into_owned())
-}
-
-/// GET `path`: status and body.
-pub(crate) async fn get(addr: &str, path: &str) -> Result<(u16, String), String> {
-    let (resp, _guard) = send(addr, hyper::Method::GET, path, None, None).await?;
-    let status = resp.status().as_u16();
-    Ok((status, read_all(resp).await?))
-}
 
 // ---------------------------------------------------------------------------
 // One request.
@@ -203,22 +65,17 @@ pub(super) async fn one_request(addr: &str, r: &Reference, plan: Plan) -> Ending
     body["max_tokens"] = json!(r.max_tokens);
     body["temperature"] = json!(0);
     body["stream"] = json!(plan.stream);
-    let fault = plan.fault.map(|i| FAULTS[i].spec);
-    let (resp, guard) = match send(
-        addr,
-        hyper::Method::POST,
-        path,
-        Some(body.to_string()),
-        fault,
-    )
-    .await
-    {
+    let mut req = http::Request::post_json(path, &body);
+    if let Some(i) = plan.fault {
+        req = req.fault(FAULTS[i].spec);
+    }
+    let resp = match http::send(addr, &req).await {
         Ok(x) => x,
-        Err(e) => return Ending::Broken(e),
+        Err(e) => return Ending::Broken(e.to_string()),
     };
-    let status = resp.status().as_u16();
+    let status = resp.status;
     if status != 200 {
-        let body = read_all(resp).await.unwrap_or_default();
+        let body = resp.read_all().await.map(|r| r.text()).unwrap_or_default();
         let (kind, message) = match serde_json::from_str::<Value>(&body) {
             Ok(v) => error_kind(&v),
             Err(_) => ("unparsed body".into(), body),
@@ -230,11 +87,11 @@ pub(super) async fn one_request(addr: &str, r: &Reference, plan: Plan) -> Ending
         };
     }
     if !plan.stream {
-        let body = match read_all(resp).await {
-            Ok(b) => b,
-            Err(e) => return Ending::Broken(e),
+        let reply = match resp.read_all().await {
+            Ok(r) => r,
+            Err(e) => return Ending::Broken(e.to_string()),
         };
-        let Ok(v) = serde_json::from_str::<Value>(&body) else {
+        let Ok(v) = reply.json() else {
             return Ending::Broken("200 with a body that is not JSON".into());
         };
         let c = &v["choices"][0];
@@ -247,11 +104,11 @@ pub(super) async fn one_request(addr: &str, r: &Reference, plan: Plan) -> Ending
         };
     }
     if plan.disconnect_after == Some(0) {
+        // Dropping the response closes its connection.
         drop(resp);
-        drop(guard);
         return Ending::Disconnected;
     }
-    let mut sse = SseReader::new(resp.into_body());
+    let mut sse = resp.events();
     let mut events = 0usize;
     let mut text = String::new();
     let mut finish: Option<String> = None;
@@ -259,7 +116,7 @@ pub(super) async fn one_request(addr: &str, r: &Reference, plan: Plan) -> Ending
         let event = match sse.next().await {
             Ok(Some(event)) => event,
             Ok(None) => return Ending::Broken("the stream ended without [DONE]".into()),
-            Err(e) => return Ending::Broken(e),
+            Err(e) => return Ending::Broken(e.to_string()),
         };
         if event == "[DONE]" {
             return match finish {
@@ -282,7 +139,6 @@ pub(super) async fn one_request(addr: &str, r: &Reference, plan: Plan) -> Ending
         events += 1;
         if finish.is_none() && plan.disconnect_after.is_some_and(|k| events >= k) {
             drop(sse);
-            drop(guard);
             return Ending::Disconnected;
         }
     }

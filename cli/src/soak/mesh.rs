@@ -153,7 +153,7 @@ pub(super) fn rss_kib(pid: u32) -> Option<u64> {
 pub(crate) async fn wait_healthy(addr: &str, mesh: &mut Option<MeshChild>) -> Result<()> {
     let started = Instant::now();
     loop {
-        if matches!(get(addr, "/health").await, Ok((200, _))) {
+        if matches!(http::get(addr, "/health").await, Ok(r) if r.status == 200) {
             return Ok(());
         }
         if let Some(m) = mesh.as_mut() {

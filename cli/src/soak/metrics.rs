@@ -2,47 +2,6 @@
 
 use super::*;
 
-/// One sample of the Prometheus text: name, labels, value.
-#[derive(Debug)]
-pub(crate) struct Sample {
-    pub(crate) name: String,
-    pub(crate) labels: BTreeMap<String, String>,
-    pub(crate) value: f64,
-}
-
-pub(crate) fn parse_metrics(text: &str) -> Vec<Sample> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        if line.starts_with('#') || line.trim().is_empty() {
-            continue;
-        }
-        let Some((head, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let Ok(value) = value.parse::<f64>() else {
-            continue;
-        };
-        let (name, labels) = match head.split_once('{') {
-            Some((n, rest)) => {
-                let labels = rest
-                    .trim_end_matches('}')
-                    .split(',')
-                    .filter_map(|kv| kv.split_once('='))
-                    .map(|(k, v)| (k.to_owned(), v.trim_matches('"').to_owned()))
-                    .collect();
-                (n.to_owned(), labels)
-            }
-            None => (head.to_owned(), BTreeMap::new()),
-        };
-        out.push(Sample {
-            name,
-            labels,
-            value,
-        });
-    }
-    out
-}
-
 /// The figures the soak reads from /metrics.
 #[derive(Debug, Default)]
 pub(super) struct MeshFigures {
@@ -57,9 +16,14 @@ pub(super) struct MeshFigures {
 }
 
 impl MeshFigures {
+    #[cfg(test)]
     pub(super) fn from_text(text: &str) -> Self {
+        Self::of(&kvmesh_testkit::metrics::parse(text))
+    }
+
+    fn of(samples: &[kvmesh_testkit::Sample]) -> Self {
         let mut f = Self::default();
-        for s in parse_metrics(text) {
+        for s in samples {
             let node = s.labels.get("node").cloned().unwrap_or_default();
             match s.name.as_str() {
                 "kvmesh_node_kv_pages_total" => f.pages.entry(node).or_default().0 = Some(s.value),
@@ -96,11 +60,10 @@ impl MeshFigures {
 }
 
 pub(super) async fn figures(addr: &str) -> Result<MeshFigures, String> {
-    let (status, body) = get(addr, "/metrics").await?;
-    if status != 200 {
-        return Err(format!("/metrics answered {status}"));
-    }
-    Ok(MeshFigures::from_text(&body))
+    let m = kvmesh_testkit::metrics::scrape(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(MeshFigures::of(m.samples()))
 }
 
 /// Waits for every node to report all pages free, at most `bound`; returns

@@ -39,11 +39,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
 use kvmesh_model::default_model;
 use kvmesh_model::engine::Engine;
 use kvmesh_model::sampling::SamplingParams;
+use kvmesh_testkit::http;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
