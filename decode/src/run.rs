@@ -20,9 +20,8 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvmesh_proto::serve::{serve, settle, Drained};
+use kvmesh_proto::serve::{settle, Drained, Serving};
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 
 use crate::{DecodeNode, NodeError};
 
@@ -39,24 +38,14 @@ pub async fn run<F>(
 where
     F: Future<Output = ()>,
 {
-    let (stop, stopped) = oneshot::channel::<()>();
-    let mut server = serve(
-        tonic::service::Routes::new(node.service()),
-        listener,
-        async {
-            let _ = stopped.await;
-        },
-    );
-    tokio::select! {
-        () = shutdown => {}
-        r = &mut server => {
-            // The server ended before any signal: it failed.
-            node.join_batcher().await?;
-            return match r {
-                Ok(Err(e)) => Err(NodeError::Serve(e)),
-                _ => Err(NodeError::Config("the decode gRPC server ended".into())),
-            };
-        }
+    let mut server = Serving::start(tonic::service::Routes::new(node.service()), listener);
+    if let Err(e) = server.until(shutdown).await {
+        // The server ended before any signal: it failed.
+        node.join_batcher().await?;
+        return Err(e.map_or_else(
+            || NodeError::Config("the decode gRPC server ended".into()),
+            NodeError::Serve,
+        ));
     }
     let inner = node.inner();
     inner.draining.store(true, Ordering::Release);
@@ -77,12 +66,7 @@ where
     // timeout (confirmed, or the path is revoked).
     let bound = Instant::now() + inner.abort_timeout + Duration::from_secs(2);
     settle(bound, || open() == 0 && table.stats().open == 0).await;
-    let _ = stop.send(());
-    match tokio::time::timeout(SERVER_GRACE, server).await {
-        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "decode gRPC server"),
-        Ok(_) => {}
-        Err(_) => tracing::warn!("decode gRPC server did not end within its grace"),
-    }
+    server.stop(SERVER_GRACE, "decode").await;
     node.join_batcher().await?;
     let pool = table.pool().stats();
     Ok(Drained {

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -230,18 +230,8 @@ impl DecodeNode {
     /// Stops the batcher once nothing runs and joins its thread.
     pub(crate) async fn join_batcher(&self) -> Result<(), NodeError> {
         let _ = self.inner.jobs.send(Work::Stop).await;
-        let handle = self
-            .inner
-            .batcher
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        let Some(handle) = handle else {
-            return Ok(());
-        };
-        tokio::task::spawn_blocking(move || handle.join())
+        kvmesh_proto::serve::join_thread(&self.inner.batcher)
             .await
-            .map_err(|_| NodeError::BatcherPanicked)?
             .map_err(|_| NodeError::BatcherPanicked)
     }
 

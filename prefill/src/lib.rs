@@ -278,18 +278,8 @@ impl PrefillNode {
     /// Stops the compute thread (after the batch it runs) and joins it.
     async fn join_compute(&self) -> Result<(), PrefillError> {
         let _ = self.inner.jobs.send(Work::Stop).await;
-        let handle = self
-            .inner
-            .compute
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        let Some(handle) = handle else {
-            return Ok(());
-        };
-        tokio::task::spawn_blocking(move || handle.join())
+        kvmesh_proto::serve::join_thread(&self.inner.compute)
             .await
-            .map_err(|_| PrefillError::ComputePanicked)?
             .map_err(|_| PrefillError::ComputePanicked)
     }
 

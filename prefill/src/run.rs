@@ -5,9 +5,8 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvmesh_proto::serve::{serve, settle, Drained};
+use kvmesh_proto::serve::{settle, Drained, Serving};
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 
 use crate::{PrefillError, PrefillNode};
 
@@ -25,23 +24,14 @@ pub async fn run<F>(
 where
     F: Future<Output = ()>,
 {
-    let (stop, stopped) = oneshot::channel::<()>();
-    let mut server = serve(
-        tonic::service::Routes::new(node.service()),
-        listener,
-        async {
-            let _ = stopped.await;
-        },
-    );
-    tokio::select! {
-        () = shutdown => {}
-        r = &mut server => {
-            node.join_compute().await?;
-            return match r {
-                Ok(Err(e)) => Err(PrefillError::Serve(e)),
-                _ => Err(PrefillError::Invalid("the prefill gRPC server ended".into())),
-            };
-        }
+    let mut server = Serving::start(tonic::service::Routes::new(node.service()), listener);
+    if let Err(e) = server.until(shutdown).await {
+        // The server ended before any signal: it failed.
+        node.join_compute().await?;
+        return Err(e.map_or_else(
+            || PrefillError::Invalid("the prefill gRPC server ended".into()),
+            PrefillError::Serve,
+        ));
     }
     let inner = &node.inner;
     inner.draining.store(true, Ordering::Release);
@@ -54,12 +44,7 @@ where
         inner.cut.send_replace(true);
         settle(Instant::now() + GRACE, || open() == 0).await;
     }
-    let _ = stop.send(());
-    match tokio::time::timeout(GRACE, server).await {
-        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "prefill gRPC server"),
-        Ok(_) => {}
-        Err(_) => tracing::warn!("prefill gRPC server did not end within its grace"),
-    }
+    server.stop(GRACE, "prefill").await;
     node.join_compute().await?;
     let pool = node.pool().stats();
     Ok(Drained {

@@ -11,6 +11,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::service::Routes;
 use tonic::transport::server::TcpIncoming;
@@ -89,6 +90,69 @@ impl std::fmt::Display for Drained {
             self.cut, self.reservations_open, self.pages_in_use, self.pages_total
         )
     }
+}
+
+/// A node's gRPC server, serving until [`Serving::stop`].
+#[derive(Debug)]
+pub struct Serving {
+    stop: oneshot::Sender<()>,
+    server: JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+impl Serving {
+    /// Serves `routes` on `listener` ([`serve`]).
+    pub fn start(routes: Routes, listener: TcpListener) -> Self {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server = serve(routes, listener, async {
+            let _ = stopped.await;
+        });
+        Self { stop, server }
+    }
+
+    /// Resolves when `shutdown` does; or, if the server ends first (it
+    /// failed), with its error (`None`: it ended without one).
+    pub async fn until<F: Future<Output = ()>>(
+        &mut self,
+        shutdown: F,
+    ) -> Result<(), Option<tonic::transport::Error>> {
+        tokio::select! {
+            () = shutdown => Ok(()),
+            r = &mut self.server => Err(r.ok().and_then(Result::err)),
+        }
+    }
+
+    /// Stops accepting and waits, at most `grace`, for the calls in
+    /// flight to end; what went wrong is logged as `what`'s.
+    pub async fn stop(self, grace: Duration, what: &str) {
+        let _ = self.stop.send(());
+        match tokio::time::timeout(grace, self.server).await {
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "{what} gRPC server"),
+            Ok(_) => {}
+            Err(_) => tracing::warn!("{what} gRPC server did not end within its grace"),
+        }
+    }
+}
+
+/// A node's compute thread panicked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThreadPanicked;
+
+/// Joins a node's compute thread (taken out of its slot, so a second call
+/// has nothing to join) without blocking the runtime.
+pub async fn join_thread(
+    slot: &std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+) -> Result<(), ThreadPanicked> {
+    let handle = slot
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    let Some(handle) = handle else {
+        return Ok(());
+    };
+    tokio::task::spawn_blocking(move || handle.join())
+        .await
+        .map_err(|_| ThreadPanicked)?
+        .map_err(|_| ThreadPanicked)
 }
 
 /// Resolves once `flag` is set (the drain deadline's cut), or at once if
