@@ -37,16 +37,11 @@ impl Mesh {
     /// `needles`, waiting at most `within`; only for [`Mesh::start_logged`]
     /// meshes.
     pub fn log_line(&self, needles: &[&str], within: Duration) -> Option<String> {
-        let logs = self.logs.as_ref()?;
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.checked_duration_since(Instant::now())?;
-            match logs.recv_timeout(left) {
-                Ok(l) if needles.iter().all(|n| l.contains(n)) => return Some(l),
-                Ok(_) => {}
-                Err(_) => return None,
-            }
-        }
+        crate::roles::next_line(
+            self.logs.as_ref()?,
+            |l| needles.iter().all(|n| l.contains(n)),
+            within,
+        )
     }
 
     fn spawn(model: &Path, extra: &[&str], filter: Option<&str>) -> Self {
@@ -64,16 +59,7 @@ impl Mesh {
                 Stdio::inherit()
             });
         let mut child = cmd.spawn().expect("spawn kvmesh serve");
-        let logs = child.stderr.take().map(|err| {
-            let (tx, rx) = mpsc::channel();
-            std::thread::spawn(move || {
-                for l in BufReader::new(err).lines().map_while(Result::ok) {
-                    eprintln!("{l}");
-                    let _ = tx.send(l);
-                }
-            });
-            rx
-        });
+        let logs = crate::roles::capture_stderr(&mut child);
         let out = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(out).lines();
         let (mut http, mut grpc) = (None, None);

@@ -84,31 +84,47 @@ impl Proc {
     /// The next line of its stdout (after the ready line) containing
     /// `needle`, waiting at most `within`.
     pub fn out_line(&self, needle: &str, within: Duration) -> Option<String> {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.checked_duration_since(Instant::now())?;
-            match self.out.recv_timeout(left) {
-                Ok(l) if l.contains(needle) => return Some(l),
-                Ok(_) => {}
-                Err(_) => return None,
-            }
-        }
+        next_line(&self.out, |l| l.contains(needle), within)
     }
 
     /// The next line of its log (stderr) containing `needle`, waiting at
     /// most `within`; only for [`start_logged`] processes.
     pub fn log_line(&self, needle: &str, within: Duration) -> Option<String> {
-        let logs = self.logs.as_ref()?;
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.checked_duration_since(Instant::now())?;
-            match logs.recv_timeout(left) {
-                Ok(l) if l.contains(needle) => return Some(l),
-                Ok(_) => {}
-                Err(_) => return None,
-            }
+        next_line(self.logs.as_ref()?, |l| l.contains(needle), within)
+    }
+}
+
+/// The next line from `lines` that `wanted` accepts, waiting at most
+/// `within`.
+pub(crate) fn next_line(
+    lines: &mpsc::Receiver<String>,
+    wanted: impl Fn(&str) -> bool,
+    within: Duration,
+) -> Option<String> {
+    let deadline = Instant::now() + within;
+    loop {
+        let left = deadline.checked_duration_since(Instant::now())?;
+        match lines.recv_timeout(left) {
+            Ok(l) if wanted(&l) => return Some(l),
+            Ok(_) => {}
+            Err(_) => return None,
         }
     }
+}
+
+/// A child's stderr, piped: echoed to the test's stderr and sent on, line
+/// by line (`None` if it was not piped).
+pub(crate) fn capture_stderr(child: &mut Child) -> Option<mpsc::Receiver<String>> {
+    child.stderr.take().map(|err| {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                eprintln!("{l}");
+                let _ = tx.send(l);
+            }
+        });
+        rx
+    })
 }
 
 /// Sends `child` SIGTERM, as an orchestrator stops a process.
@@ -205,16 +221,7 @@ fn spawn(
         })
         .spawn()
         .expect("spawn");
-    let logs = child.stderr.take().map(|err| {
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(err).lines().map_while(Result::ok) {
-                eprintln!("{l}");
-                let _ = tx.send(l);
-            }
-        });
-        rx
-    });
+    let logs = capture_stderr(&mut child);
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     let mut seen = Vec::new();
     for l in lines.by_ref() {
