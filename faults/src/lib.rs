@@ -306,15 +306,25 @@ pub enum PlantedBug {
     /// without the I4 verification. The range and owner checks stay: memory
     /// safety rests on them.
     NoKvChecks,
+    /// The prefix cache hands out its pages without counting the leases,
+    /// so eviction can take a page a sequence still reads: I1's generation
+    /// and owner checks must refuse those reads.
+    CacheNoLeaseCheck,
+    /// The gateway derives every tenant's cache namespace alike (the
+    /// tenant is dropped, as a salt plumbing bug would): tenants share
+    /// cache entries.
+    CacheNoNamespace,
 }
 
 impl PlantedBug {
     /// Every bug, with its flag name.
-    pub const ALL: [(Self, &'static str); 4] = [
+    pub const ALL: [(Self, &'static str); 6] = [
         (Self::NoAdmission, "no-admission"),
         (Self::NoVerification, "no-verification"),
         (Self::NoConfirmOrRevoke, "no-confirm-or-revoke"),
         (Self::NoKvChecks, "no-kv-checks"),
+        (Self::CacheNoLeaseCheck, "cache-no-lease-check"),
+        (Self::CacheNoNamespace, "cache-no-namespace"),
     ];
 
     /// By flag name.
@@ -328,6 +338,8 @@ impl PlantedBug {
             Self::NoVerification => 2,
             Self::NoConfirmOrRevoke => 4,
             Self::NoKvChecks => 8,
+            Self::CacheNoLeaseCheck => 16,
+            Self::CacheNoNamespace => 32,
         }
     }
 }

@@ -71,6 +71,15 @@ pub enum PoolError {
         /// Slots already written contiguously from 0.
         watermark: usize,
     },
+    /// A write to a position of the reservation's cached head: those pages
+    /// are shared with other sequences and immutable.
+    #[error("position {position} is in the cached prefix ({cached} tokens), which is read-only")]
+    SharedPage {
+        /// The position written.
+        position: usize,
+        /// Tokens of the cached head.
+        cached: usize,
+    },
     /// The pool has minted 2^64 - 1 owner tags and will not reuse one.
     /// Unreachable in practice (584 years at a billion reservations per
     /// second); a typed error rather than a panic or a reused tag.
@@ -89,6 +98,7 @@ impl PoolError {
             Self::LayerOutOfRange { .. } => "layer_out_of_range",
             Self::BadLength { .. } => "bad_length",
             Self::WriteGap { .. } => "write_gap",
+            Self::SharedPage { .. } => "shared_page",
             Self::OwnerTagsExhausted => "owner_tags_exhausted",
         }
     }

@@ -3,6 +3,9 @@
 //! nodes (`kvmesh-kvwire`, `kvmesh-kvxfer`) or what a model is.
 //!
 //! # Layout
+//! - [`cache`]: the prefix cache: full pages kept after their sequence,
+//!   keyed inside a tenant's namespace, leased read-only by the sequences
+//!   that reuse them; evicted only at zero leases.
 //! - [`config`]: [`PoolConfig`] (shape, validation, byte size) and
 //!   [`ScrubMode`], with the costs and the choice of default (I6).
 //! - [`pool`]: [`KvPool`]: per-page generation, owner and per-layer
@@ -43,6 +46,7 @@
 
 #![deny(missing_docs)]
 
+pub mod cache;
 pub mod config;
 pub mod error;
 pub mod pool;
@@ -55,6 +59,7 @@ mod storage;
 #[cfg(test)]
 mod tests;
 
+pub use cache::{CacheCounters, CacheStats, Namespace, PageKey};
 pub use config::{ParseScrubModeError, PoolConfig, ScrubMode};
 pub use error::PoolError;
 pub use kvmesh_kernels::KvDtype;

@@ -4,10 +4,11 @@
 //! Per page the pool keeps
 //! - a generation: +1 on every allocation and every release, so a free page
 //!   is even and an allocated one odd, and a page table entry from an earlier
-//!   allocation never matches again (I1). A u64 cannot wrap in practice: a
-//!   page reallocated every nanosecond lasts 292 years;
+//!   allocation never matches again (I1); entering the prefix cache adds 2
+//!   (still odd: held, by the cache), leaving it 1. A u64 cannot wrap in
+//!   practice: a page reallocated every nanosecond lasts 292 years;
 //! - an owner: 0 when free, else the [`OwnerTag`] of the one reservation
-//!   holding it;
+//!   holding it, or the tag of the cache entry holding it ([`crate::cache`]);
 //! - per layer, a written-slot watermark: slots `0..watermark` were written
 //!   for the owner (I2); reset to 0 on release.
 //!
@@ -23,10 +24,13 @@
 //! - [`crate::Reservation::write`] writes it through `&mut Reservation`,
 //!   only for pages on that reservation's own table;
 //! - [`crate::SeqKv`]'s `read_page` reads it only after checking that the
-//!   page's owner is the reader's owner. A [`crate::SeqKv`] borrows its
-//!   reservation, so while the slices live that reservation can neither
-//!   write (no `&mut`) nor release (no drop), and no other reservation holds
-//!   the page: owner tags are never reused.
+//!   page's owner is the reader's owner, or a cache entry the reader's
+//!   reservation leases. A [`crate::SeqKv`] borrows its reservation, so
+//!   while the slices live that reservation can neither write (no `&mut`)
+//!   nor release (no drop), and no other reservation holds the page: owner
+//!   tags are never reused. A cached page is written by nobody (it is on no
+//!   reservation's writable part) and leaves the cache only at zero leases,
+//!   so it cannot change or go while a leasing reader's slices live.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -34,6 +38,7 @@ use std::{fmt, num::NonZeroU64};
 
 use kvmesh_kernels::PageRef;
 
+use crate::cache::{CacheState, CacheStats, Entry, Lease, Namespace, PageKey};
 use crate::config::{PoolConfig, ScrubMode};
 use crate::error::PoolError;
 use crate::reservation::{OwnerTag, Reservation};
@@ -76,6 +81,8 @@ struct FreeState {
     next_owner: u64,
     allocations: u64,
     releases: u64,
+    /// The prefix cache's entries and eviction order.
+    cache: CacheState,
 }
 
 impl FreeState {
@@ -145,6 +152,7 @@ impl KvPool {
             next_owner: 1,
             allocations: 0,
             releases: 0,
+            cache: CacheState::default(),
         });
         let shared = Shared {
             cfg,
@@ -180,6 +188,37 @@ impl KvPool {
         self.shared.lock().free.len()
     }
 
+    /// Pages a reservation can get now: free, plus cached pages nobody
+    /// leases (an allocation evicts those on demand). What admission and
+    /// load reports count.
+    pub fn available_pages(&self) -> usize {
+        let st = self.shared.lock();
+        st.free.len() + st.cache.evictable()
+    }
+
+    /// Lets the prefix cache hold up to `pages` pages (0 turns it off; off
+    /// by default). Lowering the bound evicts unleased entries down to it
+    /// where it can; leased ones stay until their leases end.
+    pub fn set_cache_pages(&self, pages: usize) {
+        let victims = {
+            let mut st = self.shared.lock();
+            st.cache.max_pages = pages.min(self.shared.cfg.n_pages);
+            st.cache.trim()
+        };
+        self.shared.free_evicted(victims);
+    }
+
+    /// Evicts every cached page nobody leases; returns how many.
+    pub fn clear_cache(&self) -> usize {
+        let victims = {
+            let mut st = self.shared.lock();
+            std::iter::from_fn(|| st.cache.evict_one()).collect::<Vec<_>>()
+        };
+        let n = victims.len();
+        self.shared.free_evicted(victims);
+        n
+    }
+
     /// Reserves pages for `tokens` tokens (`ceil(tokens / page_size)`
     /// pages; 0 tokens is an empty reservation that can `grow`). No partial
     /// grants: either every page or [`PoolError::Exhausted`] and nothing
@@ -190,15 +229,72 @@ impl KvPool {
         Ok(Reservation::new(Arc::clone(&self.shared), owner, table))
     }
 
+    /// Like [`KvPool::reserve`], first leasing the longest run of `keys`
+    /// (the request's full-page keys, from the first) that the cache holds
+    /// in namespace `ns`: those pages head the page table, readable and
+    /// never writable, and only the rest is allocated.
+    /// [`Reservation::cached_tokens`] says how many tokens the leases
+    /// cover. With the cache off, or nothing cached, this is `reserve`.
+    /// All or nothing: on [`PoolError::Exhausted`] no lease is kept.
+    pub fn reserve_cached(
+        &self,
+        ns: &Namespace,
+        keys: &[PageKey],
+        tokens: usize,
+    ) -> Result<Reservation, PoolError> {
+        let page_size = self.shared.cfg.page_size;
+        let n = tokens.div_ceil(page_size);
+        // Only full pages of the request can be cached ones.
+        let keys = &keys[..keys.len().min(tokens / page_size)];
+        let (owner, leases, table) = {
+            let mut st = self.shared.lock();
+            let leased = st.cache.lease_prefix(ns, keys);
+            st.cache.counters.lookup_tokens += (keys.len() * page_size) as u64;
+            st.cache.counters.hit_tokens += (leased.len() * page_size) as u64;
+            match self.shared.take_locked(&mut st, None, n - leased.len()) {
+                Ok((owner, pages, victims)) => {
+                    let leases: Vec<Lease> = leased.iter().map(|(l, _)| *l).collect();
+                    let mut table: Vec<PageRef> = leased
+                        .iter()
+                        .map(|(l, generation)| PageRef {
+                            page: l.page,
+                            generation: *generation,
+                        })
+                        .collect();
+                    drop(st);
+                    table.extend(self.shared.hand_out(owner, &pages, victims));
+                    (owner, leases, table)
+                }
+                Err(e) => {
+                    let leases: Vec<Lease> = leased.iter().map(|(l, _)| *l).collect();
+                    st.cache.unlease(&leases);
+                    return Err(e);
+                }
+            }
+        };
+        Ok(Reservation::with_leases(
+            Arc::clone(&self.shared),
+            owner,
+            table,
+            leases,
+        ))
+    }
+
+    /// A snapshot of the cache's state and counters.
+    pub fn cache_stats(&self) -> CacheStats {
+        self.shared.lock().cache.stats()
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> PoolStats {
-        let (free_pages, allocations, releases) = {
+        let (free_pages, allocations, releases, cache) = {
             let st = self.shared.lock();
-            (st.free.len(), st.allocations, st.releases)
+            (st.free.len(), st.allocations, st.releases, st.cache.stats())
         };
         PoolStats {
             capacity_pages: self.capacity_pages(),
             free_pages,
+            cache,
             allocations,
             releases,
             guard_violations: self.shared.violations.total(),
@@ -254,38 +350,67 @@ impl Shared {
     }
 
     /// The one allocation path: `n` pages for `owner` (a new tag when
-    /// `None`), all or none.
+    /// `None`), all or none. Evicts unleased cached pages when the free
+    /// list is short.
     pub(crate) fn allocate(
         &self,
         owner: Option<OwnerTag>,
         n: usize,
     ) -> Result<(OwnerTag, Vec<PageRef>), PoolError> {
-        let (owner, pages) = {
+        let (owner, pages, victims) = {
             let mut st = self.lock();
-            let free = st.free.len();
-            if n > free {
-                return Err(PoolError::Exhausted {
-                    requested_pages: n,
-                    free_pages: free,
-                });
-            }
-            let owner = match owner {
-                Some(o) => o,
-                None => st.mint()?,
-            };
-            let pages = st.free.split_off(free - n);
-            st.allocations += n as u64;
-            (owner, pages)
+            self.take_locked(&mut st, owner, n)?
         };
+        let table = self.hand_out(owner, &pages, victims);
+        Ok((owner, table))
+    }
+
+    /// Under the lock: takes `n` pages off the free list, and what is
+    /// missing from the cache's unleased entries (detached here, freed by
+    /// [`Self::hand_out`]), or refuses with nothing changed.
+    fn take_locked(
+        &self,
+        st: &mut FreeState,
+        owner: Option<OwnerTag>,
+        n: usize,
+    ) -> Result<(OwnerTag, Vec<u32>, Vec<Entry>), PoolError> {
+        let free = st.free.len();
+        let short = n.saturating_sub(free);
+        if short > st.cache.evictable() {
+            return Err(PoolError::Exhausted {
+                requested_pages: n,
+                free_pages: free + st.cache.evictable(),
+            });
+        }
+        let owner = match owner {
+            Some(o) => o,
+            None => st.mint()?,
+        };
+        let victims: Vec<Entry> = (0..short).filter_map(|_| st.cache.evict_one()).collect();
+        let pages = st.free.split_off(free - (n - short));
+        st.allocations += n as u64;
+        // Evicted pages count as released and allocated again.
+        st.releases += victims.len() as u64;
+        Ok((owner, pages, victims))
+    }
+
+    /// Outside the lock: frees the evicted `victims`' metadata, then gives
+    /// them and `pages` (taken off the free list) to `owner`, in that order.
+    fn hand_out(&self, owner: OwnerTag, pages: &[u32], victims: Vec<Entry>) -> Vec<PageRef> {
+        let mut ids: Vec<u32> = pages.iter().rev().copied().collect();
+        for e in victims {
+            self.detach_evicted(&e);
+            ids.push(e.page);
+        }
         // The pages are off the free list and owned by nobody: only this
         // thread can reach them until the owner is published below.
         let zero = self.cfg.scrub == ScrubMode::OnAllocate && !self.cfg.poison;
-        let mut table = Vec::with_capacity(n);
-        for &id in pages.iter().rev() {
+        let mut table = Vec::with_capacity(ids.len());
+        for id in ids {
             let p = id as usize;
             if zero {
-                // SAFETY: `p` came from the free list, so it is in range, and
-                // it is exclusively ours (see above).
+                // SAFETY: `p` came from the free list or an evicted entry,
+                // so it is in range, and it is exclusively ours (see above).
                 unsafe { self.storage.fill_page(p, Fill::Zero) };
             }
             let generation = self.generation[p]
@@ -297,7 +422,149 @@ impl Shared {
                 generation,
             });
         }
-        Ok((owner, table))
+        table
+    }
+
+    /// The fill a page gets when it leaves its holder (release, eviction).
+    fn release_fill(&self) -> Option<Fill> {
+        if self.cfg.poison {
+            Some(Fill::Canary)
+        } else if self.cfg.scrub == ScrubMode::OnRelease {
+            Some(Fill::Zero)
+        } else {
+            None
+        }
+    }
+
+    /// An entry taken out of the cache (no lease, not in the cache any
+    /// more): its page loses the entry's owner tag, gets a new generation,
+    /// loses its watermarks and gets the release fill. The caller then
+    /// frees or reallocates the page.
+    fn detach_evicted(&self, e: &Entry) {
+        let p = e.page as usize;
+        let claimed = self.owner[p]
+            .compare_exchange(e.tag, 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        debug_assert!(claimed, "a cached page is owned by its entry");
+        self.generation[p].fetch_add(1, Ordering::AcqRel);
+        let n_layers = self.cfg.n_layers;
+        for w in &self.watermarks[p * n_layers..(p + 1) * n_layers] {
+            w.store(0, Ordering::Release);
+        }
+        if let Some(value) = self.release_fill() {
+            // SAFETY: in range; no lease holds the page and it left the
+            // cache under the lock, so nobody else can reach it.
+            unsafe { self.storage.fill_page(p, value) };
+        }
+    }
+
+    /// Frees evicted entries' pages onto the free list.
+    fn free_evicted(&self, victims: Vec<Entry>) {
+        if victims.is_empty() {
+            return;
+        }
+        for e in &victims {
+            self.detach_evicted(e);
+        }
+        let mut st = self.lock();
+        st.releases += victims.len() as u64;
+        st.free.extend(victims.iter().map(|e| e.page));
+    }
+
+    /// Whether every layer of `page` is written to the full page.
+    fn page_full(&self, page: usize) -> bool {
+        let n_layers = self.cfg.n_layers;
+        self.watermarks[page * n_layers..(page + 1) * n_layers]
+            .iter()
+            .all(|w| w.load(Ordering::Acquire) >= self.cfg.page_size)
+    }
+
+    /// A reservation's end with the cache in play: its full, written pages
+    /// whose keys the cache lacks enter the cache (while it has room, and
+    /// only as a run from the first page, since a page after a gap could
+    /// never be found), its leases end, and every page it still owns goes
+    /// through [`Self::release`]. `keys[i]` is logical page `i`'s key;
+    /// `table` holds the leased pages first.
+    pub(crate) fn finish(
+        &self,
+        owner: OwnerTag,
+        table: &mut Vec<PageRef>,
+        leases: &[Lease],
+        cache_as: Option<(Namespace, Vec<PageKey>)>,
+    ) {
+        {
+            let mut st = self.lock();
+            let mut victims = Vec::new();
+            if let Some((ns, keys)) = cache_as.filter(|_| st.cache.enabled()) {
+                let mut chain = leases.len();
+                for (i, key) in keys.iter().enumerate().skip(leases.len()) {
+                    let Some(entry) = table.get(i).copied() else {
+                        break;
+                    };
+                    let p = entry.page as usize;
+                    let ours = self.owner.get(p).map(|o| o.load(Ordering::Acquire))
+                        == Some(owner.get())
+                        && self.generation(p) == Some(entry.generation);
+                    if !ours || !self.page_full(p) {
+                        break;
+                    }
+                    if st.cache.contains(key) {
+                        // Another sequence cached these tokens first: this
+                        // copy is released; the run goes on through it.
+                        chain = i + 1;
+                        continue;
+                    }
+                    if !st.cache.has_room() {
+                        match st.cache.evict_one() {
+                            Some(v) => victims.push(v),
+                            None => break,
+                        }
+                    }
+                    let Ok(tag) = st.mint() else { break };
+                    // Only the releasing reservation could touch the page;
+                    // it is being dropped.
+                    if self.owner[p]
+                        .compare_exchange(
+                            owner.get(),
+                            tag.get(),
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        )
+                        .is_err()
+                    {
+                        break;
+                    }
+                    let generation = self.generation[p]
+                        .fetch_add(2, Ordering::AcqRel)
+                        .wrapping_add(2);
+                    let stamp = st.cache.now();
+                    st.cache.insert(
+                        *key,
+                        Entry {
+                            ns,
+                            page: entry.page,
+                            tag: tag.get(),
+                            generation,
+                            leases: 0,
+                            stamp,
+                            depth: u32::try_from(i).unwrap_or(u32::MAX),
+                        },
+                    );
+                    chain = i + 1;
+                }
+                st.cache.unlease(leases);
+                st.cache.touch_chain(&keys[..chain]);
+            } else {
+                st.cache.unlease(leases);
+            }
+            // A bound lowered while these leases held entries above it.
+            victims.extend(st.cache.trim());
+            drop(st);
+            self.free_evicted(victims);
+        }
+        // Pages that entered the cache have a new owner: release skips them.
+        self.release(owner, table);
+        table.clear();
     }
 
     /// The one release path (I7): every page of `table` still held by
@@ -306,13 +573,7 @@ impl Shared {
     /// not held by `owner` is left alone, so releasing twice frees once.
     pub(crate) fn release(&self, owner: OwnerTag, table: &[PageRef]) {
         let n_layers = self.cfg.n_layers;
-        let fill = if self.cfg.poison {
-            Some(Fill::Canary)
-        } else if self.cfg.scrub == ScrubMode::OnRelease {
-            Some(Fill::Zero)
-        } else {
-            None
-        };
+        let fill = self.release_fill();
         let mut freed = Vec::with_capacity(table.len());
         for e in table {
             let p = e.page as usize;

@@ -16,11 +16,28 @@ use crate::reservation::OwnerTag;
 pub struct SeqKv<'a> {
     shared: &'a Shared,
     owner: OwnerTag,
+    /// (page, cache entry tag) of every cache page the reservation leases,
+    /// sorted by page.
+    leases: &'a [(u32, u64)],
 }
 
 impl<'a> SeqKv<'a> {
-    pub(crate) fn new(shared: &'a Shared, owner: OwnerTag) -> Self {
-        Self { shared, owner }
+    pub(crate) fn new(shared: &'a Shared, owner: OwnerTag, leases: &'a [(u32, u64)]) -> Self {
+        Self {
+            shared,
+            owner,
+            leases,
+        }
+    }
+
+    /// Whether `page`, owned by `owner`, is this reader's: its own, or a
+    /// cache entry its reservation leases.
+    fn admits(&self, page: u32, owner: u64) -> bool {
+        owner == self.owner.get()
+            || self
+                .leases
+                .binary_search_by_key(&page, |&(p, _)| p)
+                .is_ok_and(|i| self.leases[i].1 == owner)
     }
 
     /// The owner every page read must belong to.
@@ -54,7 +71,7 @@ impl<'a> SeqKv<'a> {
         // Measuring the checks' cost only (testing builds): keep range and
         // owner, which the read's safety needs; skip the rest.
         if kvmesh_faults::planted(kvmesh_faults::PlantedBug::NoKvChecks)
-            && owner == self.owner.get()
+            && self.admits(page, owner)
             && n_slots <= cfg.page_size
         {
             // SAFETY: as below: range checked, the page is this reader's
@@ -68,7 +85,7 @@ impl<'a> SeqKv<'a> {
                 actual,
             });
         }
-        if owner != self.owner.get() {
+        if !self.admits(page, owner) {
             return Err(GuardViolation::ForeignPage { page });
         }
         let watermark = shared
@@ -85,7 +102,9 @@ impl<'a> SeqKv<'a> {
         // SAFETY: `p` and `layer` are in range, `n_slots <= watermark <=
         // page_size`, and the page is owned by the reservation this reader
         // borrows (`'a`), which can neither write nor release it while the
-        // borrow lasts; no other reservation can reach it (crate::pool).
+        // borrow lasts; no other reservation can reach it (crate::pool); or
+        // it is a cache page that reservation leases, which nobody writes
+        // and which stays cached while the lease lasts (crate::cache).
         let slices = unsafe { shared.storage().read(p, layer, n_slots) };
         let canary = match cfg.dtype {
             KvDtype::F32 => POISON_BITS,
@@ -104,7 +123,8 @@ impl PagedKv for SeqKv<'_> {
     }
 
     /// Checks, in this order: layer in range, page in range, generation
-    /// equal to `entry.generation`, owner equal to this reader's, `n_slots`
+    /// equal to `entry.generation`, owner equal to this reader's (or the
+    /// tag of a cache entry its reservation leases), `n_slots`
     /// within the (page, layer) watermark; in poison mode, no canary in the
     /// slots. Every violation is counted in the pool's stats before it is
     /// returned. Cost: four atomic loads; plus an O(n_slots * kv_dim) scan

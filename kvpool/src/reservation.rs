@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use kvmesh_kernels::{GuardViolation, KvValues, PageRef};
 
+use crate::cache::{Lease, Namespace, PageKey};
 use crate::error::PoolError;
 use crate::pool::Shared;
 use crate::reader::SeqKv;
@@ -35,7 +36,16 @@ impl OwnerTag {
 pub struct Reservation {
     shared: Arc<Shared>,
     owner: OwnerTag,
+    /// Leased cache pages first (`leases.len()` of them), then the pages
+    /// this reservation owns.
     table: Vec<PageRef>,
+    /// The cache entries it reads the first pages through, sorted by page
+    /// id for the reader's lookup.
+    leases: Vec<Lease>,
+    /// By page id: the leases in `leases`' order, for the reader.
+    by_page: Vec<(u32, u64)>,
+    /// What its full pages are, for the cache, when it ends.
+    cache_as: Option<(Namespace, Vec<PageKey>)>,
     /// `testing` only: the page table readers see instead of `table`
     /// (writes and release always use the genuine one).
     #[cfg(feature = "testing")]
@@ -44,13 +54,44 @@ pub struct Reservation {
 
 impl Reservation {
     pub(crate) fn new(shared: Arc<Shared>, owner: OwnerTag, table: Vec<PageRef>) -> Self {
+        Self::with_leases(shared, owner, table, Vec::new())
+    }
+
+    /// `table` starts with the pages of `leases`, in order.
+    pub(crate) fn with_leases(
+        shared: Arc<Shared>,
+        owner: OwnerTag,
+        table: Vec<PageRef>,
+        leases: Vec<Lease>,
+    ) -> Self {
+        let mut by_page: Vec<(u32, u64)> = leases.iter().map(|l| (l.page, l.tag)).collect();
+        by_page.sort_unstable();
         Self {
             shared,
             owner,
             table,
+            leases,
+            by_page,
+            cache_as: None,
             #[cfg(feature = "testing")]
             forged: None,
         }
+    }
+
+    /// Tokens at the head of the table that come from the prefix cache
+    /// (leased, read-only): `page_size` per leased page.
+    pub fn cached_tokens(&self) -> usize {
+        self.leases.len() * self.shared.cfg().page_size
+    }
+
+    /// Names this reservation's full pages for the prefix cache: `keys[i]`
+    /// is the key of logical page `i` (its tokens, in `ns`). When the
+    /// reservation ends, its pages that are full at every layer, from the
+    /// first after its leases, enter the cache under these keys (while the
+    /// cache has room and lacks them); the rest are released as always.
+    /// Call it again to name more pages (a sequence that grew).
+    pub fn cache_as(&mut self, ns: Namespace, keys: Vec<PageKey>) {
+        self.cache_as = Some((ns, keys));
     }
 
     /// This reservation's owner tag.
@@ -175,6 +216,14 @@ impl Reservation {
                 })
             }
         };
+        // The cached head is shared and immutable.
+        let cached = self.cached_tokens();
+        if start_pos < cached {
+            return Err(PoolError::SharedPage {
+                position: start_pos,
+                cached,
+            });
+        }
         // Only the first page can start above slot 0; later pages start at
         // slot 0, which never leaves a gap.
         let first = self.table[start_pos / page_size].page;
@@ -265,7 +314,7 @@ impl Reservation {
     /// The checked reader for this reservation: every page it returns has
     /// passed the I1 and I2 checks against this reservation's owner.
     pub fn reader(&self) -> SeqKv<'_> {
-        SeqKv::new(&self.shared, self.owner)
+        SeqKv::new(&self.shared, self.owner, &self.by_page)
     }
 
     fn watermark_of(&self, page: u32, layer: usize) -> usize {
@@ -279,10 +328,12 @@ impl Reservation {
         &self.shared
     }
 
-    /// The pages actually held (never a forged table): what a grant lists,
-    /// what transfers land in and what release frees.
+    /// The pages this reservation owns (never a forged table, never its
+    /// leased cache pages): what a grant lists, what transfers land in and
+    /// what release frees. Logical page `i` of `held()` covers positions
+    /// from `cached_tokens() + i * page_size`.
     pub fn held(&self) -> &[PageRef] {
-        &self.table
+        &self.table[self.leases.len()..]
     }
 
     /// Sets a page's watermark without writing: a simulated watermark bug.
@@ -296,7 +347,13 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        let table = std::mem::take(&mut self.table);
-        self.shared.release(self.owner, &table);
+        let mut table = std::mem::take(&mut self.table);
+        let leases = std::mem::take(&mut self.leases);
+        if leases.is_empty() && self.cache_as.is_none() {
+            self.shared.release(self.owner, &table);
+        } else {
+            self.shared
+                .finish(self.owner, &mut table, &leases, self.cache_as.take());
+        }
     }
 }

@@ -167,11 +167,12 @@ impl Reservation {
     }
 
     /// Makes the first `prompt_tokens` positions readable: sets the
-    /// watermark of every layer of the pages they cover to the prompt's
-    /// slots in that page. Only after verification (I4).
+    /// watermark of every layer of the owned pages they cover to the
+    /// prompt's slots in that page (a cached head is readable already).
+    /// Only after verification (I4).
     ///
     /// `landed` (receiver-checked transports, which see every frame land):
-    /// per (page index, layer), the slots that landed from slot 0; no
+    /// per (owned page index, layer), the slots that landed from slot 0; no
     /// watermark goes past it, so even a transfer that verification wrongly
     /// passed leaves its unwritten slots unreadable (I2). One-sided
     /// transports cannot know what landed and pass `None`.
@@ -179,8 +180,9 @@ impl Reservation {
         let shared = self.shared();
         let page_size = shared.cfg().page_size;
         let n_layers = shared.cfg().n_layers;
+        let cached = self.cached_tokens();
         for (i, e) in self.held().iter().enumerate() {
-            let before = i * page_size;
+            let before = cached + i * page_size;
             if before >= prompt_tokens {
                 break;
             }

@@ -57,10 +57,14 @@ pub struct PoolStats {
     pub capacity_pages: usize,
     /// Pages on the free list.
     pub free_pages: usize,
+    /// The prefix cache (its unleased pages are available too:
+    /// [`crate::KvPool::available_pages`]).
+    pub cache: crate::cache::CacheStats,
     /// Pages handed out since creation (by `reserve` and `grow`).
     pub allocations: u64,
-    /// Pages returned since creation. `allocations - releases` is the number
-    /// of pages held, `capacity_pages - free_pages`.
+    /// Pages returned since creation (an eviction counts as one).
+    /// `allocations - releases` is the number of pages held by
+    /// reservations or the cache, `capacity_pages - free_pages`.
     pub releases: u64,
     /// Guard violations returned by readers of this pool, all kinds.
     pub guard_violations: u64,

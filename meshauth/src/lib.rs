@@ -202,6 +202,14 @@ impl MeshSecret {
         self.insecure
     }
 
+    /// A key for another use of the secret (the prefix cache's keyed
+    /// hashes): HMAC-SHA256 of `domain` under the secret. A distinct
+    /// domain gives an independent key, and no value made with it verifies
+    /// as one of this crate's proofs (those domains are fixed here).
+    pub fn derive_key(&self, domain: &str) -> [u8; MAC_LEN] {
+        self.mac(domain, &[])
+    }
+
     fn keyed(&self, domain: &str, parts: &[&[u8]]) -> HmacSha256 {
         #[allow(clippy::expect_used)]
         let mut m = HmacSha256::new_from_slice(&self.key).expect("HMAC accepts keys of any length");

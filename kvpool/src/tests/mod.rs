@@ -2,9 +2,11 @@
 //! simulated watermark bug). The forged-page tests, which need only the
 //! public API, are in `tests/forged_pages.rs`.
 
+mod cache;
 mod f16_pool;
 mod poison_scrub;
 mod props;
+mod props_cache;
 mod reservation;
 
 use kvmesh_kernels::{paged_attention, AttentionShape, GuardViolation, PageRef};
