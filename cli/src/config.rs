@@ -15,6 +15,7 @@
 //! drain_timeout_ms: 30000      # on SIGTERM: how long work in flight may run on
 //! scrub: off                   # zero KV pages: off, on-release or on-allocate
 //! poison: false                # debug: a canary in free pages, checked on every read
+//! prefix_cache: on             # reuse a tenant's cached prompt pages (on or off)
 //! mesh:                        # mesh-internal authentication (required)
 //!   secret_file: mesh.secret   # 32+ random bytes, the same file on every
 //!                              #   node; relative to this file's folder
@@ -101,6 +102,10 @@ pub struct MeshConfig {
     /// read refuses (costs a scan per read; off in production).
     #[serde(default)]
     pub poison: bool,
+    /// The prefix cache on every node (`on` or `off`, or a YAML boolean);
+    /// on by default. `--prefix-cache` overrides it.
+    #[serde(default = "default_on", deserialize_with = "on_off")]
+    pub prefix_cache: bool,
     /// Mesh-internal authentication; required.
     pub mesh: Option<MeshSection>,
     /// The router.
@@ -248,6 +253,27 @@ fn default_drain_timeout_ms() -> u64 {
     crate::serve::DRAIN_TIMEOUT.as_millis() as u64
 }
 
+fn default_on() -> bool {
+    true
+}
+
+/// `prefix_cache:`: `on`, `off`, or a boolean.
+fn on_off<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Switch {
+        Bool(bool),
+        Word(String),
+    }
+    match Switch::deserialize(d)? {
+        Switch::Bool(b) => Ok(b),
+        Switch::Word(w) => w
+            .parse::<crate::serve::OnOff>()
+            .map(|o| o.0)
+            .map_err(|e| serde::de::Error::custom(format!("prefix_cache = {e}"))),
+    }
+}
+
 /// `scrub:` as its typed value, refused naming the field and the value.
 fn scrub_mode<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ScrubMode, D::Error> {
     let s = String::deserialize(d)?;
@@ -283,12 +309,13 @@ impl MeshConfig {
     /// The pool and handshake settings, for `--check-config` and the logs.
     pub fn describe_pools(&self) -> String {
         format!(
-            "lease {} ms, abort timeout {} ms, drain timeout {} ms, scrub {}, poison {}",
+            "lease {} ms, abort timeout {} ms, drain timeout {} ms, scrub {}, poison {}, prefix cache {}",
             self.lease_ms,
             self.abort_timeout_ms,
             self.drain_timeout_ms,
             self.scrub,
-            if self.poison { "on" } else { "off" }
+            if self.poison { "on" } else { "off" },
+            if self.prefix_cache { "on" } else { "off" }
         )
     }
 

@@ -49,6 +49,22 @@ pub(crate) fn parse_duration(v: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("{v:?}: expected seconds (30, 30s) or milliseconds (500ms)"))
 }
 
+/// A switch given as `on` or `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OnOff(pub bool);
+
+impl std::str::FromStr for OnOff {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "on" => Ok(Self(true)),
+            "off" => Ok(Self(false)),
+            _ => Err(format!("{s:?}: expected on or off")),
+        }
+    }
+}
+
 /// How KV pages travel from prefill to decode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum TransportKind {
@@ -78,6 +94,10 @@ pub struct ServeArgs {
     /// KV transport between prefill and decode.
     #[arg(long, env = "KVMESH_TRANSPORT", value_enum, default_value = "tcp")]
     pub transport: TransportKind,
+    /// Prefix cache on both nodes: on or off. Cached pages are shared only
+    /// within a tenant (the API key's; `cache_salt` narrows it).
+    #[arg(long, env = "KVMESH_PREFIX_CACHE", default_value = "on")]
+    pub prefix_cache: OnOff,
     /// Directory of the shared-memory pool mapping (`--transport shm`).
     #[arg(long, env = "KVMESH_SHM_DIR", default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
@@ -169,6 +189,9 @@ pub struct RoleArgs {
     /// `drain_timeout_ms`.
     #[arg(long, env = "KVMESH_DRAIN_TIMEOUT", value_parser = parse_duration)]
     pub drain_timeout: Option<Duration>,
+    /// Prefix cache: on or off; default: the mesh file's `prefix_cache`.
+    #[arg(long, env = "KVMESH_PREFIX_CACHE")]
+    pub prefix_cache: Option<OnOff>,
     #[command(flatten)]
     pub testing: TestingArgs,
 }
@@ -308,6 +331,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             kv_advertise: None,
             mesh_secret: mesh_secret.clone(),
             drain_timeout: a.drain_timeout,
+            prefix_cache: a.prefix_cache.0,
         },
         decode_model,
     )
@@ -319,6 +343,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             mesh_secret: mesh_secret.clone(),
             engine,
             drain_timeout: a.drain_timeout,
+            prefix_cache: a.prefix_cache.0,
         },
         load(&path, a.model.precision())?,
     )?;
@@ -358,6 +383,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             api_keys: keys,
             fault_injection,
             drain_timeout: a.drain_timeout,
+            prefix_cache: a.prefix_cache.0,
             ..RouterConfig::default()
         },
         tokenizer,
@@ -384,7 +410,10 @@ async fn serve(a: ServeArgs) -> Result<()> {
 
 /// `kvmesh router|prefill|decode --config mesh.yaml`.
 pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
-    let cfg = MeshConfig::load(&a.config)?;
+    let mut cfg = MeshConfig::load(&a.config)?;
+    if let Some(on) = a.prefix_cache {
+        cfg.prefix_cache = on.0;
+    }
     let name = match (role, &a.name) {
         (RoleKind::Router, _) => None,
         (_, Some(n)) => Some(n.clone()),
@@ -478,6 +507,7 @@ async fn decode_process(
             kv_advertise: Some(cfg.kv_endpoint(n)),
             mesh_secret,
             drain_timeout: drain,
+            prefix_cache: cfg.prefix_cache,
         },
         load(&path, cfg.precision())?,
     )
@@ -507,6 +537,7 @@ async fn prefill_process(
             allow_small_pool: cfg.allow_small_pool,
             mesh_secret,
             drain_timeout: drain,
+            prefix_cache: cfg.prefix_cache,
         },
         load(&path, cfg.precision())?,
     )?;
@@ -562,6 +593,7 @@ async fn router_process(
             max_queued: cfg.router.max_queued,
             fault_injection,
             drain_timeout: drain,
+            prefix_cache: cfg.prefix_cache,
             api_keys: kvmesh_router::auth::ApiKeys::new(
                 cfg.router
                     .api_keys

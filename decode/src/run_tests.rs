@@ -27,6 +27,7 @@ async fn node() -> DecodeNode {
             kv_advertise: None,
             mesh_secret: MeshSecret::insecure(),
             drain_timeout: Duration::from_secs(5),
+            prefix_cache: true,
         },
         model,
     )
@@ -43,6 +44,7 @@ async fn first_event(n: &DecodeNode, writer: WriterId) -> decode_event::Event {
         tenant: "t".into(),
         sampling: None,
         stop_token_ids: vec![],
+        cache_namespace: Vec::new(),
     };
     let mut rx = n
         .generate(tonic::Request::new(req))

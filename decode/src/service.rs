@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvmesh_faults::{Action, FaultPlan, Point};
-use kvmesh_kvpool::KvPool;
+use kvmesh_kvpool::{KvPool, Namespace};
 use kvmesh_kvwire::{AbortReason, ReservationId, WriterId};
 use kvmesh_kvxfer::handshake::{ReservationTable, ReserveError, ReserveRequest, TableConfig};
 use kvmesh_kvxfer::transport::server::KvServer;
@@ -20,6 +20,7 @@ use kvmesh_meshauth::{CallVerifier, MeshSecret};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
 use kvmesh_model::sampling::{Sampler, SamplingParams};
 use kvmesh_model::LoadedModel;
+use kvmesh_prefix::CacheKeys;
 use kvmesh_proto::internal::v1::decode_server::{Decode, DecodeServer};
 use kvmesh_proto::internal::v1::{
     decode_event, AbortRequest, AbortResponse, DecodeEvent, GenerateRequest, Granted, LoadReport,
@@ -72,6 +73,10 @@ pub struct DecodeConfig {
     /// How long a drain waits for in-flight streams to finish before it
     /// ends them ([`crate::run`]).
     pub drain_timeout: Duration,
+    /// Keep finished sequences' pages in a prefix cache (a share of the
+    /// pool, [`kvmesh_model::engine::PREFIX_CACHE_SHARE`]) and grant only
+    /// the pages a new request's prefix lacks.
+    pub prefix_cache: bool,
 }
 
 /// Why a decode node could not start, or did not stop cleanly.
@@ -191,7 +196,14 @@ impl DecodeNode {
             table.set_endpoint(adv);
         }
         let kv_endpoint = table.endpoint();
-        let engine = Arc::new(Engine::with_pool(loaded, &cfg.engine, pool)?);
+        let mut engine = Engine::with_pool(loaded, &cfg.engine, pool)?;
+        if cfg.prefix_cache {
+            engine = engine.with_prefix_cache(
+                CacheKeys::new(&cfg.mesh_secret),
+                kvmesh_model::engine::PREFIX_CACHE_SHARE,
+            );
+        }
+        let engine = Arc::new(engine);
         let (jobs, rx) = mpsc::channel(1024);
         let depth = Arc::new(AtomicUsize::new(0));
         let (cut, cut_rx) = watch::channel(false);
@@ -261,7 +273,14 @@ impl DecodeNode {
             node: self.inner.name.clone(),
             role: NodeRole::Decode.into(),
             kv_pages_total: pool.capacity_pages as u64,
-            kv_pages_free: pool.free_pages as u64,
+            // Free, plus cached pages nobody leases (evicted on demand).
+            kv_pages_free: pool.available_pages() as u64,
+            prefix_cache: pool
+                .cache
+                .fields()
+                .into_iter()
+                .map(|(k, n)| (k.to_owned(), n))
+                .collect(),
             page_size: self.inner.table.pool().config().page_size as u32,
             max_seq_tokens: self.inner.max_seq_tokens as u64,
             queue_depth: (self.inner.depth.load(Ordering::Relaxed) + stats.open) as u32,
@@ -341,6 +360,8 @@ struct Checked {
     writer: WriterId,
     max_new: usize,
     params: SamplingParams,
+    /// The prefix-cache namespace, when the router sent one.
+    ns: Option<Namespace>,
 }
 
 fn check(r: &GenerateRequest) -> Result<Checked, String> {
@@ -356,10 +377,15 @@ fn check(r: &GenerateRequest) -> Result<Checked, String> {
         seed: Some(s.seed),
     };
     params.validate()?;
+    let ns = match r.cache_namespace.as_slice() {
+        [] => None,
+        b => Some(Namespace::from_slice(b).ok_or("cache_namespace: 32 bytes or none")?),
+    };
     Ok(Checked {
         writer,
         max_new: r.max_new_tokens as usize,
         params,
+        ns,
     })
 }
 
@@ -416,10 +442,16 @@ impl Decode for DecodeNode {
                 return Ok(stream);
             }
         };
+        // The cache's keys for the prompt's pages, when the cache is on.
+        let cached = c.ns.and_then(|ns| {
+            let keys = self.inner.engine.cacheable_keys(&ns, &r.prompt_ids);
+            (!keys.is_empty()).then_some((ns, keys))
+        });
         let reserved = self.inner.table.reserve(ReserveRequest {
             prompt_tokens: r.prompt_ids.len(),
             max_new_tokens: c.max_new,
             writer: c.writer,
+            cached,
         });
         let (grant, pending) = match reserved {
             Ok(g) => g,
@@ -452,6 +484,7 @@ impl Decode for DecodeNode {
                 event: Some(decode_event::Event::Granted(Granted {
                     grant: bytes,
                     reservation_id: id.to_bytes().to_vec(),
+                    cached_tokens: u32::try_from(grant.cached_tokens).unwrap_or(u32::MAX),
                 })),
             };
             let _ = tx.try_send(Ok(granted));
@@ -490,11 +523,15 @@ impl Decode for DecodeNode {
                 }
             };
             let first = live.first_token();
-            let seq = match node
-                .inner
-                .engine
-                .adopt(prompt, c.max_new, live.into_reservation())
-            {
+            let engine = &node.inner.engine;
+            let kv = live.into_reservation();
+            let adopted = match c.ns {
+                // Its pages (prompt and generated) are offered to the
+                // cache when the sequence ends.
+                Some(ns) => engine.adopt_in(ns, prompt, c.max_new, kv),
+                None => engine.adopt(prompt, c.max_new, kv),
+            };
+            let seq = match adopted {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = tx
@@ -563,6 +600,7 @@ mod tests {
             tenant: "t".into(),
             sampling,
             stop_token_ids: vec![2],
+            cache_namespace: Vec::new(),
         }
     }
 

@@ -47,6 +47,7 @@ fuzz_target!(|data: &[u8]| {
             prompt_tokens: 10,
             max_new_tokens: 2,
             writer,
+            cached: None,
         })
         .expect("reserve");
 

@@ -57,6 +57,8 @@ pub struct Options {
     pub fault_injection: bool,
     /// `--drain-timeout`.
     pub drain_timeout: Duration,
+    /// `--prefix-cache on|off`.
+    pub prefix_cache: bool,
 }
 
 impl Default for Options {
@@ -71,6 +73,7 @@ impl Default for Options {
             api_keys: Vec::new(),
             fault_injection: false,
             drain_timeout: Duration::from_secs(30),
+            prefix_cache: true,
         }
     }
 }
@@ -200,6 +203,7 @@ impl InProcessMesh {
                 kv_advertise: None,
                 mesh_secret: secret.clone(),
                 drain_timeout: o.drain_timeout,
+                prefix_cache: o.prefix_cache,
             },
             decode_model,
         )
@@ -211,6 +215,7 @@ impl InProcessMesh {
                 allow_small_pool: o.allow_small_pool,
                 mesh_secret: secret.clone(),
                 drain_timeout: o.drain_timeout,
+                prefix_cache: o.prefix_cache,
             },
             load()?,
         )?;
@@ -248,6 +253,7 @@ impl InProcessMesh {
                     .map_err(anyhow::Error::msg)?,
                 fault_injection: o.fault_injection,
                 drain_timeout: o.drain_timeout,
+                prefix_cache: o.prefix_cache,
                 ..RouterConfig::default()
             },
             info.tokenizer,
@@ -349,15 +355,19 @@ impl InProcessMesh {
         });
     }
 
-    /// Waits (bounded) until every page of both nodes is free again and
-    /// the decode node's table is empty.
+    /// Waits (bounded) until every page of both nodes is free again (or
+    /// cached with no lease: the prefix cache keeps finished sequences'
+    /// pages) and the decode node's table is empty.
     pub fn assert_pages_come_back(&self) {
-        self.wait_until("every page free, no reservation open", |m| {
-            let (d, p) = (m.decode_pool(), m.prefill_pool());
-            d.free_pages == d.capacity_pages
-                && p.free_pages == p.capacity_pages
-                && m.decode_table().open == 0
-        });
+        self.wait_until(
+            "every page free or cached unleased, no reservation open",
+            |m| {
+                let (d, p) = (m.decode_pool(), m.prefill_pool());
+                d.available_pages() == d.capacity_pages
+                    && p.available_pages() == p.capacity_pages
+                    && m.decode_table().open == 0
+            },
+        );
     }
 
     /// Drains the mesh as `kvmesh serve` does on SIGTERM: the router

@@ -4,6 +4,7 @@
 //! tests); [`mesh`] (`kvmesh serve`) and [`roles`] (one process per role
 //! from a mesh file) start the real `kvmesh` binary, for what needs a
 //! process of its own (kills, SIGTERM, planted bugs, deploy files);
+//! [`cache`] holds the prefix cache's request helpers and isolation scenario;
 //! [`http`] is the tests' face of `kvmesh_testkit`'s client and scraper;
 //! [`nodes`] drives the internal services by hand; [`python`] runs the
 //! external clients.
@@ -11,6 +12,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+pub mod cache;
 pub mod http;
 pub mod inproc;
 pub mod mesh;

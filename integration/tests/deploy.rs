@@ -505,6 +505,7 @@ async fn internal_services_stop_and_abort_across_processes() {
             tenant: "test".into(),
             sampling: None,
             stop_token_ids: Vec::new(),
+            cache_namespace: Vec::new(),
         })
         .await
         .expect("generate")
@@ -527,6 +528,7 @@ async fn internal_services_stop_and_abort_across_processes() {
             prompt_ids: vec![1, 2, 3, 4, 5],
             grant: grant.grant.clone(),
             sampling: None,
+            cache_namespace: Vec::new(),
         })
         .await
         .expect_err("stopped before compute");
@@ -537,6 +539,7 @@ async fn internal_services_stop_and_abort_across_processes() {
             prompt_ids: vec![1, 2, 3],
             grant: grant.grant.clone(),
             sampling: None,
+            cache_namespace: Vec::new(),
         })
         .await
         .expect_err("prompt is not the grant's");

@@ -113,6 +113,7 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
         tenant: "intruder".into(),
         sampling: None,
         stop_token_ids: Vec::new(),
+        cache_namespace: Vec::new(),
     };
     let some_grant = |rid: &[u8]| AbortRequest {
         reservation_id: rid.to_vec(),
@@ -136,6 +137,7 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
                 prompt_ids: vec![1, 2, 3, 4, 5],
                 grant: vec![0; 64],
                 sampling: None,
+                cache_namespace: Vec::new(),
             })
             .await,
         "prefill without a proof",
@@ -157,6 +159,7 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
                 prompt_ids: vec![1, 2, 3, 4, 5],
                 grant: vec![0; 64],
                 sampling: None,
+                cache_namespace: Vec::new(),
             })
             .await,
         "another mesh's prefill",

@@ -101,6 +101,23 @@ pub struct CacheStats {
     pub counters: CacheCounters,
 }
 
+impl CacheStats {
+    /// Every field by its metric name (without prefix), counters first:
+    /// what a node's load report carries.
+    pub fn fields(&self) -> [(&'static str, u64); 7] {
+        let c = &self.counters;
+        [
+            ("lookup_tokens", c.lookup_tokens),
+            ("hit_tokens", c.hit_tokens),
+            ("inserted_pages", c.inserted_pages),
+            ("evicted_pages", c.evicted_pages),
+            ("entries", self.entries as u64),
+            ("leased_pages", self.leased_pages as u64),
+            ("max_pages", self.max_pages as u64),
+        ]
+    }
+}
+
 /// A lease one reservation holds: the page it reads through it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Lease {

@@ -74,6 +74,13 @@ pub struct PoolStats {
 }
 
 impl PoolStats {
+    /// Pages a reservation could get: free, plus cached pages no sequence
+    /// leases (an allocation evicts those on demand). With no reservation
+    /// open this is the whole pool, cache or not: what leak checks compare.
+    pub fn available_pages(&self) -> usize {
+        self.free_pages + self.cache.entries - self.cache.leased_pages
+    }
+
     /// Violations of one kind (0 for a name that is not a kind).
     pub fn violations_of(&self, kind: &str) -> u64 {
         self.guard_violations_by_kind

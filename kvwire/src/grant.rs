@@ -11,17 +11,19 @@ use super::ids::{ct_eq, Capability, ReservationId, CAPABILITY_LEN};
 use super::{MessageType, HEADER_LEN, TRAILER_LEN};
 
 /// Bytes of a grant body before the page list.
-pub const GRANT_FIXED_LEN: usize = 16 + CAPABILITY_LEN + GEOMETRY_LEN + 8 + 8 + 8 + 4 + 2;
+pub const GRANT_FIXED_LEN: usize = 16 + CAPABILITY_LEN + GEOMETRY_LEN + 8 + 8 + 8 + 8 + 4 + 2;
 /// Bytes per page list entry: page id u32, generation u64.
 pub const PAGE_ENTRY_LEN: usize = 12;
 
 /// A decode node's answer to Reserve: pages for exactly the prompt's
-/// tokens, and the right to write them.
+/// tokens that the decode node does not hold already, and the right to
+/// write them.
 ///
-/// Well-formed means: `prompt_tokens >= 1`, exactly
-/// `ceil(prompt_tokens / page_size)` pages (no partial grants, no spare
-/// pages the writer could reach), a valid geometry, a non-empty UTF-8
-/// endpoint.
+/// Well-formed means: `prompt_tokens >= 1`, `cached_tokens` a multiple of
+/// the page size and below `prompt_tokens`, exactly
+/// `ceil((prompt_tokens - cached_tokens) / page_size)` pages (no partial
+/// grants, no spare pages the writer could reach), a valid geometry, a
+/// non-empty UTF-8 endpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Grant {
     /// The reservation, minted by the decode node.
@@ -30,9 +32,13 @@ pub struct Grant {
     pub capability: Capability,
     /// Shape of the pages.
     pub geometry: Geometry,
-    /// Prompt tokens (slots) the grant covers: the transfer writes exactly
-    /// these, positions `0..prompt_tokens`.
+    /// The prompt's length. The transfer writes exactly positions
+    /// `cached_tokens..prompt_tokens`.
     pub prompt_tokens: u64,
+    /// Leading prompt positions the decode node has from its prefix cache
+    /// (whole pages): the writer skips them, and page `0` of the grant
+    /// starts at position `cached_tokens`.
+    pub cached_tokens: u64,
     /// When the grant lapses, in milliseconds since the Unix epoch. After it
     /// the decode node revokes and frees (I5: never frees on the deadline
     /// alone).
@@ -50,14 +56,17 @@ pub struct Grant {
 }
 
 impl Grant {
-    /// Prompt slots in logical page `index`: `page_size`, except in the last
-    /// page, which holds the rest. `None` past the page list.
+    /// Prompt slots in logical page `index` of the grant: `page_size`,
+    /// except in the last page, which holds the rest. `None` past the page
+    /// list.
     pub fn prompt_slots(&self, index: usize) -> Option<u32> {
         if index >= self.pages.len() {
             return None;
         }
         let page_size = u64::from(self.geometry.page_size);
-        let before = (index as u64).saturating_mul(page_size);
+        let before = (index as u64)
+            .saturating_mul(page_size)
+            .saturating_add(self.cached_tokens);
         let left = self.prompt_tokens.saturating_sub(before);
         u32::try_from(left.min(page_size)).ok()
     }
@@ -134,7 +143,12 @@ impl Grant {
     /// Checks what the decoder checks.
     pub fn validate(&self) -> Result<(), WireError> {
         self.geometry.validate()?;
-        check_page_count(&self.geometry, self.prompt_tokens, self.pages.len())?;
+        check_page_count(
+            &self.geometry,
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.pages.len(),
+        )?;
         if self.endpoint.is_empty() {
             return Err(WireError::InvalidField {
                 field: "endpoint",
@@ -157,6 +171,7 @@ impl Grant {
             o.put_capability(&self.capability);
             self.geometry.put(o);
             o.put_u64(self.prompt_tokens);
+            o.put_u64(self.cached_tokens);
             o.put_u64(self.lease_deadline_unix_ms);
             o.put_u64(self.write_key);
             o.put_u32(n_pages);
@@ -177,6 +192,7 @@ impl Grant {
         let capability = r.capability()?;
         let geometry = Geometry::read(&mut r)?;
         let prompt_tokens = r.u64("prompt_tokens")?;
+        let cached_tokens = r.u64("cached_tokens")?;
         let lease_deadline_unix_ms = r.u64("lease_deadline_unix_ms")?;
         let write_key = r.u64("write_key")?;
         let n_pages = r.u32("pages")? as usize;
@@ -193,7 +209,7 @@ impl Grant {
         }
         // Everything is checked before anything is allocated: the count the
         // prompt implies, then the endpoint.
-        check_page_count(&geometry, prompt_tokens, n_pages)?;
+        check_page_count(&geometry, prompt_tokens, cached_tokens, n_pages)?;
         let list = r.take(n_pages * PAGE_ENTRY_LEN, "pages")?;
         let endpoint = r.take(endpoint_len, "endpoint")?;
         r.finish("grant")?;
@@ -222,6 +238,7 @@ impl Grant {
             capability,
             geometry,
             prompt_tokens,
+            cached_tokens,
             lease_deadline_unix_ms,
             write_key,
             pages,
@@ -232,11 +249,13 @@ impl Grant {
     }
 }
 
-/// At least one prompt token, and exactly `ceil(prompt_tokens / page_size)`
-/// pages. `geometry` is valid (page_size >= 1).
+/// At least one prompt token, a cached head of whole pages shorter than
+/// the prompt, and exactly `ceil((prompt_tokens - cached_tokens) /
+/// page_size)` pages. `geometry` is valid (page_size >= 1).
 fn check_page_count(
     geometry: &Geometry,
     prompt_tokens: u64,
+    cached_tokens: u64,
     n_pages: usize,
 ) -> Result<(), WireError> {
     if prompt_tokens == 0 {
@@ -246,7 +265,15 @@ fn check_page_count(
             reason: "a grant covers at least one token",
         });
     }
-    let needed = prompt_tokens.div_ceil(u64::from(geometry.page_size).max(1));
+    let page_size = u64::from(geometry.page_size).max(1);
+    if cached_tokens >= prompt_tokens || cached_tokens % page_size != 0 {
+        return Err(WireError::InvalidField {
+            field: "cached_tokens",
+            value: cached_tokens,
+            reason: "whole pages, fewer than the prompt's tokens",
+        });
+    }
+    let needed = (prompt_tokens - cached_tokens).div_ceil(page_size);
     if n_pages as u64 != needed {
         return Err(WireError::LengthMismatch {
             field: "pages",

@@ -24,7 +24,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `KVMW` (`4b 56 4d 57`) |
-//! | 4 | 2 | version u16, [`VERSION`] = 2 |
+//! | 4 | 2 | version u16, [`VERSION`] = 3 |
 //! | 6 | 2 | message type tag u16 ([`MessageType`]) |
 //! | 8 | 4 | body length u32 (bytes between header and trailer) |
 //! | 12 | body length | body, per type below |
@@ -60,20 +60,21 @@
 //!
 //! The payload starts at byte 104 of the message, a multiple of 8.
 //!
-//! **Grant** (tag 2), 90 bytes + 12 per page + endpoint:
+//! **Grant** (tag 2), 98 bytes + 12 per page + endpoint:
 //!
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 16 | reservation id |
 //! | 16 | 32 | capability |
 //! | 48 | 12 | geometry |
-//! | 60 | 8 | prompt tokens u64 (slots covered) |
-//! | 68 | 8 | lease deadline, unix milliseconds u64 |
-//! | 76 | 8 | write key u64 (transport's key for this grant's write path) |
-//! | 84 | 4 | page count n u32 = ceil(prompt tokens / page_size) |
-//! | 88 | 2 | endpoint length e u16 |
-//! | 90 | 12 n | pages: page id u32, generation u64 |
-//! | 90 + 12 n | e | endpoint, UTF-8, non-empty |
+//! | 60 | 8 | prompt tokens u64 (the prompt's length) |
+//! | 68 | 8 | cached tokens u64 (whole pages decode has; not written) |
+//! | 76 | 8 | lease deadline, unix milliseconds u64 |
+//! | 84 | 8 | write key u64 (transport's key for this grant's write path) |
+//! | 92 | 4 | page count n u32 = ceil((prompt - cached) / page_size) |
+//! | 96 | 2 | endpoint length e u16 |
+//! | 98 | 12 n | pages: page id u32, generation u64; page 0 at position `cached` |
+//! | 98 + 12 n | e | endpoint, UTF-8, non-empty |
 //!
 //! **TransferDone** (tag 3), 64 bytes + 8 per page:
 //!
@@ -128,7 +129,9 @@
 //! stream can skip it). Tags are never reused. New abort reason and dtype
 //! codes are additions too; unknown dtypes are refused, unknown abort
 //! reasons are honoured. History: version 2 added the proofs to Hello and
-//! Welcome (and the Challenge before them); version 1 peers are refused.
+//! Welcome (and the Challenge before them); version 3 added the Grant's
+//! `cached_tokens` (the decode node's prefix-cache hit); older peers are
+//! refused.
 //!
 //! # What is authenticated
 //!
@@ -193,8 +196,9 @@ pub use ids::{Capability, MintError, RequestId, ReservationId, TransferId, Write
 /// The first four bytes of every message.
 pub const MAGIC: [u8; 4] = *b"KVMW";
 /// The one version this build speaks. Version 2: Hello and Welcome carry
-/// the mesh-authentication proofs, after a Challenge (tag 9).
-pub const VERSION: u16 = 2;
+/// the mesh-authentication proofs, after a Challenge (tag 9); version 3:
+/// the Grant's `cached_tokens`.
+pub const VERSION: u16 = 3;
 /// Bytes of the header: magic, version, type, body length.
 pub const HEADER_LEN: usize = 12;
 /// Bytes of the trailer: the checksum.

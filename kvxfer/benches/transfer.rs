@@ -108,6 +108,7 @@ async fn transfer(s: &Setup, prompt: usize, k: &[f32], v: &[f32]) -> f64 {
         prompt_tokens: prompt,
         max_new_tokens: 0,
         writer: s.client.writer(),
+        cached: None,
     };
     let (grant, pending) = s.table.reserve(req).expect("reserve");
     let mut w = s.client.begin(grant).expect("begin");

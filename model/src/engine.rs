@@ -10,11 +10,14 @@
 //! reserves its whole budget (prompt + new tokens) up front, so decoding can
 //! never run out of pages halfway.
 
+mod prefix;
 mod stopping;
 
+pub use prefix::{PrefixCache, PREFIX_CACHE_SHARE};
 pub use stopping::Stopping;
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvmesh_kernels::KvDtype;
@@ -130,6 +133,33 @@ pub struct Sequence {
     max_len: usize,
     /// Tokens whose K/V are in the cache.
     cached: usize,
+    /// Its namespace and page keys, when the prefix cache is on and the
+    /// sequence was started in a namespace.
+    prefix: Option<prefix::CachedSeq>,
+}
+
+impl Sequence {
+    fn new(kv: Reservation, tokens: Vec<u32>, max_len: usize, cached: usize) -> Self {
+        let prompt_len = tokens.len();
+        Self {
+            kv,
+            tokens,
+            prompt_len,
+            max_len,
+            cached,
+            prefix: None,
+        }
+    }
+}
+
+impl Drop for Sequence {
+    /// Offers the written full pages to the prefix cache (when the
+    /// sequence has a namespace); the reservation then ends as always.
+    fn drop(&mut self) {
+        if let Some(p) = &mut self.prefix {
+            p.offer(&mut self.kv, &self.tokens, self.cached);
+        }
+    }
 }
 
 impl Sequence {
@@ -173,6 +203,12 @@ pub struct Engine {
     pool: KvPool,
     max_model_len: usize,
     eos: Vec<u32>,
+    /// The model file's name and the precision its weights run at: what
+    /// the prefix cache's model tag names.
+    identity: String,
+    /// The prefix cache's keys, when it is on
+    /// ([`Engine::with_prefix_cache`]).
+    prefix: Option<Arc<PrefixCache>>,
 }
 
 impl Engine {
@@ -206,6 +242,14 @@ impl Engine {
     fn build(loaded: LoadedModel, cfg: &EngineConfig, pool: Option<KvPool>) -> Result<Self> {
         let eos = loaded.stop_token_ids();
         let kv_dtype = cfg.kv_dtype_for(loaded.precision);
+        let identity = format!(
+            "{}@{:?}",
+            loaded
+                .path
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+            loaded.precision
+        );
         let LoadedModel {
             config,
             weights,
@@ -263,6 +307,8 @@ impl Engine {
             pool,
             max_model_len,
             eos,
+            identity,
+            prefix: None,
         })
     }
 
@@ -299,6 +345,14 @@ impl Engine {
     /// Admit a sequence: check the context limit, then reserve pages for the
     /// prompt and all `max_new_tokens` (all or nothing).
     pub fn admit(&self, prompt_ids: Vec<u32>, max_new_tokens: usize) -> Result<Sequence> {
+        let total = self.check_admission(&prompt_ids, max_new_tokens)?;
+        let kv = self.pool.reserve(total)?;
+        Ok(Sequence::new(kv, prompt_ids, total, 0))
+    }
+
+    /// I3 before anything is reserved: a prompt, and a sequence within the
+    /// context limit. Returns the tokens to reserve.
+    fn check_admission(&self, prompt_ids: &[u32], max_new_tokens: usize) -> Result<usize> {
         if prompt_ids.is_empty() {
             return Err(ModelError::EmptyPrompt);
         }
@@ -310,15 +364,7 @@ impl Engine {
                 limit: self.max_model_len,
             });
         }
-        let kv = self.pool.reserve(total)?;
-        let prompt_len = prompt_ids.len();
-        Ok(Sequence {
-            kv,
-            tokens: prompt_ids,
-            prompt_len,
-            max_len: total,
-            cached: 0,
-        })
+        Ok(total)
     }
 
     /// Adopt a sequence whose prompt KV is already in `kv` (a verified
@@ -355,13 +401,7 @@ impl Engine {
                 ),
             });
         }
-        Ok(Sequence {
-            kv,
-            tokens: prompt_ids,
-            prompt_len,
-            max_len: total,
-            cached: prompt_len,
-        })
+        Ok(Sequence::new(kv, prompt_ids, total, prompt_len))
     }
 
     /// The K and V of every cached prompt position at `layer`, position-

@@ -37,6 +37,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvmesh_faults::FaultPlan;
+use kvmesh_kvpool::Namespace;
 use kvmesh_kvwire::{decode_message, Grant, Message, ReservationId, WriterId};
 use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient, WriterError};
 use kvmesh_meshauth::grpc::Authenticated;
@@ -71,6 +72,9 @@ pub struct PrefillConfig {
     /// How long a drain waits for prompts in flight before it stops them
     /// ([`run`]).
     pub drain_timeout: Duration,
+    /// Keep computed prompts' pages in a prefix cache and compute only
+    /// the part of a new prompt its cached prefix lacks.
+    pub prefix_cache: bool,
 }
 
 /// Why a prefill request failed.
@@ -141,7 +145,19 @@ struct Job {
     prompt: Vec<u32>,
     sampling: SamplingParams,
     writer: GrantWriter,
-    done: oneshot::Sender<Result<u32, PrefillError>>,
+    /// The prefix-cache namespace, when the router sent one.
+    ns: Option<Namespace>,
+    done: oneshot::Sender<Result<Prefilled, PrefillError>>,
+}
+
+/// What a finished prefill answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prefilled {
+    /// The first generated token.
+    pub first_token: u32,
+    /// Leading prompt tokens that came from this node's prefix cache (not
+    /// computed).
+    pub cached_tokens: u32,
 }
 
 /// A running prefill node.
@@ -226,7 +242,14 @@ impl PrefillNode {
         let pool_tokens = cfg.engine.kv_pool_tokens.unwrap_or(max_model_len);
         let max_seq_tokens = check_pool_capacity(pool_tokens, max_model_len, cfg.allow_small_pool)
             .map_err(PrefillError::Invalid)?;
-        let engine = Arc::new(Engine::from_loaded(loaded, &cfg.engine)?);
+        let mut engine = Engine::from_loaded(loaded, &cfg.engine)?;
+        if cfg.prefix_cache {
+            engine = engine.with_prefix_cache(
+                kvmesh_prefix::CacheKeys::new(&cfg.mesh_secret),
+                kvmesh_model::engine::PREFIX_CACHE_SHARE,
+            );
+        }
+        let engine = Arc::new(engine);
         tracing::info!(
             node = %cfg.name,
             kv_pool_tokens = engine.pool().capacity_tokens(),
@@ -333,7 +356,11 @@ impl PrefillNode {
         self.inner.engine.pool()
     }
 
-    async fn prefill(&self, r: PrefillRequest, faults: FaultPlan) -> Result<u32, PrefillError> {
+    async fn prefill(
+        &self,
+        r: PrefillRequest,
+        faults: FaultPlan,
+    ) -> Result<Prefilled, PrefillError> {
         if self.inner.draining.load(Ordering::Acquire) {
             return Err(PrefillError::ShuttingDown);
         }
@@ -370,6 +397,12 @@ impl PrefillNode {
             seed: Some(s.seed),
         };
         sampling.validate().map_err(PrefillError::Invalid)?;
+        let ns = match r.cache_namespace.as_slice() {
+            [] => None,
+            b => Some(Namespace::from_slice(b).ok_or_else(|| {
+                PrefillError::Invalid("cache_namespace: 32 bytes or none".into())
+            })?),
+        };
         let client = self.client(&grant.endpoint).await?;
         let id = grant.reservation;
         let mut writer = client.begin(grant)?;
@@ -382,6 +415,7 @@ impl PrefillNode {
                 prompt: r.prompt_ids,
                 sampling,
                 writer,
+                ns,
                 done,
             })))
             .await
@@ -479,7 +513,12 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
     }
     let mut admitted = Vec::new();
     for job in live {
-        match engine.admit(job.prompt.clone(), 0) {
+        // In a namespace the prompt's cached head is leased, not computed.
+        let admitted_seq = match job.ns {
+            Some(ns) => engine.admit_in(ns, job.prompt.clone(), 0),
+            None => engine.admit(job.prompt.clone(), 0),
+        };
+        match admitted_seq {
             Ok(seq) => admitted.push((job, seq)),
             Err(e) => {
                 let _ = job.done.send(Err(e.into()));
@@ -507,6 +546,7 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
             done,
             ..
         } = job;
+        let cached = u32::try_from(seq.cached_len()).unwrap_or(u32::MAX);
         let (tx, rx) = mpsc::channel(n_layers + 1);
         rt.spawn(ship(
             writer,
@@ -515,7 +555,7 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
             Arc::clone(stopped),
             spare_tx.clone(),
         ));
-        feeds.push((tx, sampling));
+        feeds.push((tx, sampling, cached));
         seqs.push(seq);
     }
     let results = {
@@ -535,9 +575,12 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
     };
     match results {
         Ok(results) => {
-            for ((tx, sampling), logits) in feeds.into_iter().zip(results) {
+            for ((tx, sampling, cached), logits) in feeds.into_iter().zip(results) {
                 let end = match logits {
-                    Ok(l) => Feed::First(Sampler::new(sampling).sample(&l)),
+                    Ok(l) => Feed::First(Prefilled {
+                        first_token: Sampler::new(sampling).sample(&l),
+                        cached_tokens: cached,
+                    }),
                     Err(e) => Feed::Failed(e.into()),
                 };
                 let _ = tx.try_send(end);
@@ -545,7 +588,7 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
         }
         Err(e) => {
             let msg = e.to_string();
-            for (tx, _) in feeds {
+            for (tx, _, _) in feeds {
                 let _ = tx.try_send(Feed::Failed(PrefillError::Invalid(format!(
                     "prefill failed: {msg}"
                 ))));
@@ -559,7 +602,7 @@ enum Feed {
     /// One layer's prompt K and V, position-major.
     Layer(u16, Vec<f32>, Vec<f32>),
     /// The first token: every layer was sent; finish the transfer.
-    First(u32),
+    First(Prefilled),
     /// The request failed; drop the writer.
     Failed(PrefillError),
 }
@@ -572,7 +615,7 @@ enum Feed {
 async fn ship(
     mut writer: GrantWriter,
     mut feed: mpsc::Receiver<Feed>,
-    done: oneshot::Sender<Result<u32, PrefillError>>,
+    done: oneshot::Sender<Result<Prefilled, PrefillError>>,
     stopped: Stopped,
     spare: std::sync::mpsc::Sender<(Vec<f32>, Vec<f32>)>,
 ) {
@@ -589,7 +632,7 @@ async fn ship(
                     // ended: then they are simply freed).
                     let _ = spare.send((k, v));
                 }
-                Some(Feed::First(t)) => break t,
+                Some(Feed::First(p)) => break p,
                 Some(Feed::Failed(e)) => return Err(e),
                 None => {
                     return Err(PrefillError::Invalid(
@@ -598,7 +641,7 @@ async fn ship(
                 }
             }
         };
-        writer.finish(first).await?;
+        writer.finish(first.first_token).await?;
         Ok(first)
     }
     .await;
@@ -617,8 +660,11 @@ impl Prefill for PrefillNode {
                 .and_then(|v| v.to_str().ok()),
         )
         .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let first_token = PrefillNode::prefill(self, req.into_inner(), faults).await?;
-        Ok(Response::new(PrefillResponse { first_token }))
+        let p = PrefillNode::prefill(self, req.into_inner(), faults).await?;
+        Ok(Response::new(PrefillResponse {
+            first_token: p.first_token,
+            cached_tokens: p.cached_tokens,
+        }))
     }
 
     async fn abort(&self, req: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
@@ -638,7 +684,14 @@ impl Prefill for PrefillNode {
             node: self.inner.name.clone(),
             role: kvmesh_proto::internal::v1::NodeRole::Prefill.into(),
             kv_pages_total: pool.capacity_pages as u64,
-            kv_pages_free: pool.free_pages as u64,
+            // Free, plus cached pages nobody leases (evicted on demand).
+            kv_pages_free: pool.available_pages() as u64,
+            prefix_cache: pool
+                .cache
+                .fields()
+                .into_iter()
+                .map(|(k, n)| (k.to_owned(), n))
+                .collect(),
             page_size: self.inner.engine.pool().config().page_size as u32,
             max_seq_tokens: self.inner.max_seq_tokens as u64,
             queue_depth: self.inner.depth.load(Ordering::Relaxed) as u32,

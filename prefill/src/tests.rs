@@ -28,6 +28,7 @@ fn node() -> PrefillNode {
             allow_small_pool: true,
             mesh_secret: MeshSecret::insecure(),
             drain_timeout: Duration::from_secs(5),
+            prefix_cache: true,
         },
         tiny(),
     )
@@ -40,6 +41,7 @@ fn grant(prompt_tokens: u64, geometry: Geometry) -> Grant {
         capability: Capability::mint().expect("rng"),
         geometry,
         prompt_tokens,
+        cached_tokens: 0,
         lease_deadline_unix_ms: u64::MAX,
         write_key: 0,
         pages: (0..prompt_tokens.div_ceil(u64::from(geometry.page_size)))
@@ -63,6 +65,7 @@ fn request(grant: &Grant, prompt: Vec<u32>) -> PrefillRequest {
             top_p: 1.0,
             seed: 1,
         }),
+        cache_namespace: Vec::new(),
     }
 }
 
@@ -126,6 +129,7 @@ async fn requests_are_refused_before_any_compute_when_they_do_not_fit() {
         prompt_ids: vec![1, 2],
         grant: vec![0xde, 0xad],
         sampling: None,
+        cache_namespace: Vec::new(),
     };
     let e = n
         .prefill(bad, FaultPlan::default())

@@ -130,6 +130,7 @@ impl Api {
                 seed: r.seed,
                 stop: r.stop,
                 ignore_eos: false,
+                cache_salt: r.cache_salt,
             },
         )?;
         self.router
@@ -169,6 +170,7 @@ impl Generation for Api {
                     Event::Done {
                         finish,
                         completion_tokens,
+                        cached_tokens,
                     } => GenerateResponse {
                         finish_reason: match finish {
                             Finish::Stop => FinishReason::Stop,
@@ -177,6 +179,7 @@ impl Generation for Api {
                         usage: Some(Usage {
                             prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
                             completion_tokens: u32::try_from(completion_tokens).unwrap_or(u32::MAX),
+                            cached_tokens: u32::try_from(cached_tokens).unwrap_or(u32::MAX),
                         }),
                         ..Default::default()
                     },

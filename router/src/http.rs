@@ -187,6 +187,8 @@ struct Common {
     /// vLLM's extension: end-of-sequence tokens do not end generation.
     #[serde(default)]
     ignore_eos: bool,
+    /// vLLM's extension: a sub-namespace of the tenant's prefix cache.
+    cache_salt: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -277,6 +279,7 @@ fn parse_body(chat: bool, body: &[u8]) -> Result<(validate::Request, bool), Reje
         seed: c.seed,
         stop,
         ignore_eos: c.ignore_eos,
+        cache_salt: c.cache_salt,
     };
     Ok((req, c.stream))
 }
@@ -399,8 +402,15 @@ struct Meta {
     created: u64,
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
-    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+/// OpenAI's usage object; `cached_tokens` are the prompt tokens the
+/// prefix cache supplied.
+fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    })
 }
 
 /// The unstreamed response: the whole text, or the failure (its status
@@ -413,6 +423,7 @@ async fn whole(mut g: Generation, m: &Meta) -> Result<Value, GatewayError> {
             Event::Done {
                 finish,
                 completion_tokens,
+                cached_tokens,
             } => {
                 let (object, choice) = match m.kind {
                     Kind::Completion => (
@@ -425,7 +436,7 @@ async fn whole(mut g: Generation, m: &Meta) -> Result<Value, GatewayError> {
                     ),
                 };
                 return Ok(
-                    json!({"id": m.id, "object": object, "created": m.created, "model": m.model, "choices": [choice], "usage": usage(g.prompt_tokens(), completion_tokens)}),
+                    json!({"id": m.id, "object": object, "created": m.created, "model": m.model, "choices": [choice], "usage": usage(g.prompt_tokens(), completion_tokens, cached_tokens)}),
                 );
             }
             Event::Error(e) => return Err(e.into()),
@@ -496,11 +507,12 @@ fn stream(
                 Event::Done {
                     finish,
                     completion_tokens,
+                    cached_tokens,
                 } => vec![
                     chunk(
                         json!({}),
                         json!(finish.as_str()),
-                        Some(usage(g.prompt_tokens(), completion_tokens)),
+                        Some(usage(g.prompt_tokens(), completion_tokens, cached_tokens)),
                     ),
                     SseEvent::default().data("[DONE]"),
                 ],

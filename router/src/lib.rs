@@ -87,6 +87,10 @@ pub struct RouterConfig {
     /// How long a drain ([`run`]) lets requests in flight finish before it
     /// ends them with a terminal error.
     pub drain_timeout: Duration,
+    /// Requests carry their tenant's prefix-cache namespace to the nodes
+    /// (`--prefix-cache on`); off, they carry none and no node caches or
+    /// reuses their pages.
+    pub prefix_cache: bool,
 }
 
 impl Default for RouterConfig {
@@ -100,6 +104,7 @@ impl Default for RouterConfig {
             api_keys: auth::ApiKeys::default(),
             fault_injection: false,
             drain_timeout: Duration::from_secs(30),
+            prefix_cache: true,
         }
     }
 }
@@ -136,6 +141,7 @@ impl Router {
             stop_ids.into(),
             cfg.queue_timeout,
             Arc::clone(&metrics),
+            cfg.prefix_cache,
         );
         Self::build(cfg, tokenizer, Arc::new(mesh), metrics)
     }

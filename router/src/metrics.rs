@@ -118,7 +118,7 @@ pub(crate) fn render_nodes(nodes: &Nodes, out: &mut String) {
             ),
             (
                 "kvmesh_node_kv_pages_free",
-                "Free KV pool pages of the node.",
+                "KV pool pages a reservation can get on the node: free, plus cached pages no sequence leases.",
                 "gauge",
             ),
             (
@@ -211,6 +211,64 @@ pub(crate) fn render_nodes(nodes: &Nodes, out: &mut String) {
                         );
                     }
                 }
+            }
+        }
+    }
+    render_prefix_cache(nodes, out);
+}
+
+/// Per node, its prefix cache (from the load report's `prefix_cache` map).
+fn render_prefix_cache(nodes: &Nodes, out: &mut String) {
+    let series = [
+        (
+            "lookup_tokens",
+            "_total",
+            "counter",
+            "Prompt tokens looked up in the node's prefix cache (full pages).",
+        ),
+        (
+            "hit_tokens",
+            "_total",
+            "counter",
+            "Prompt tokens the node's prefix cache supplied.",
+        ),
+        (
+            "inserted_pages",
+            "_total",
+            "counter",
+            "Pages that entered the node's prefix cache.",
+        ),
+        (
+            "evicted_pages",
+            "_total",
+            "counter",
+            "Pages evicted from the node's prefix cache.",
+        ),
+        ("entries", "", "gauge", "Pages in the node's prefix cache."),
+        (
+            "leased_pages",
+            "",
+            "gauge",
+            "Cached pages that running sequences lease.",
+        ),
+        (
+            "max_pages",
+            "",
+            "gauge",
+            "The bound on the node's prefix cache, in pages (0: off).",
+        ),
+    ];
+    for (field, suffix, ty, help) in series {
+        let name = format!("kvmesh_node_prefix_cache_{field}{suffix}");
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {ty}");
+        for n in nodes.all() {
+            if let Some(v) = n.report().and_then(|r| r.prefix_cache.get(field).copied()) {
+                let _ = writeln!(
+                    out,
+                    "{name}{{node=\"{}\",role=\"{}\"}} {v}",
+                    n.name,
+                    n.role.as_str()
+                );
             }
         }
     }

@@ -126,6 +126,9 @@ impl Node {
 #[derive(Debug, Clone)]
 pub struct Nodes {
     all: Arc<Vec<Arc<Node>>>,
+    /// The prefix cache's keyed hashes under the same mesh secret the
+    /// nodes hold, so the namespaces derived here are the nodes'.
+    cache_keys: Arc<kvmesh_prefix::CacheKeys>,
 }
 
 impl Nodes {
@@ -148,7 +151,15 @@ impl Nodes {
                 state: Mutex::default(),
             }));
         }
-        Ok(Self { all: Arc::new(all) })
+        Ok(Self {
+            all: Arc::new(all),
+            cache_keys: Arc::new(kvmesh_prefix::CacheKeys::new(&secret)),
+        })
+    }
+
+    /// The prefix cache's keyed hashes (namespaces, page keys).
+    pub fn cache_keys(&self) -> &kvmesh_prefix::CacheKeys {
+        &self.cache_keys
     }
 
     /// All nodes.

@@ -17,6 +17,9 @@ pub const DEFAULT_MAX_TOKENS: usize = 16;
 /// Stop strings a request may carry at most (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
 
+/// Characters a `cache_salt` may have at most.
+pub const MAX_CACHE_SALT: usize = 256;
+
 /// What to generate from.
 #[derive(Clone, Debug)]
 pub enum Prompt {
@@ -49,6 +52,8 @@ pub struct Request {
     pub stop: Vec<String>,
     /// End-of-sequence tokens do not end generation (vLLM's extension).
     pub ignore_eos: bool,
+    /// Narrows the prefix cache inside the tenant (vLLM's extension).
+    pub cache_salt: Option<String>,
 }
 
 /// Checked sampling and budget settings.
@@ -67,6 +72,10 @@ pub struct Settings {
     /// Generate exactly `max_tokens` tokens: end-of-sequence tokens do not
     /// stop generation (stop strings still do).
     pub ignore_eos: bool,
+    /// 1 to [`MAX_CACHE_SALT`] characters: a sub-namespace of the tenant's
+    /// prefix cache. It can only narrow what the tenant shares: the
+    /// namespace is derived from the authenticated tenant first.
+    pub cache_salt: Option<String>,
 }
 
 /// A request that passed [`request`]: its prompt's token ids (at least
@@ -157,6 +166,14 @@ fn settings(req: &Request) -> Result<Settings, Rejection> {
             format!("at most {MAX_STOP_STRINGS} stop strings"),
         ));
     }
+    if let Some(salt) = &req.cache_salt {
+        if salt.is_empty() || salt.chars().count() > MAX_CACHE_SALT {
+            return Err(invalid(
+                "cache_salt",
+                format!("cache_salt must have 1 to {MAX_CACHE_SALT} characters"),
+            ));
+        }
+    }
     Ok(Settings {
         max_tokens,
         temperature,
@@ -164,6 +181,7 @@ fn settings(req: &Request) -> Result<Settings, Rejection> {
         seed: req.seed.unwrap_or_else(fresh_seed),
         stop: req.stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
         ignore_eos: req.ignore_eos,
+        cache_salt: req.cache_salt.clone(),
     })
 }
 
@@ -195,6 +213,7 @@ mod tests {
             seed: None,
             stop: Vec::new(),
             ignore_eos: false,
+            cache_salt: None,
         }
     }
 

@@ -90,8 +90,9 @@ fn header_errors_are_typed() {
     let mut m = msg.clone();
     m[..4].copy_from_slice(b"HTTP");
     assert_eq!(err(&m), WireError::BadMagic { got: *b"HTTP" });
-    // Version 1 (before mesh authentication) is refused like any other.
-    for v in [0u16, 1, 3, u16::MAX] {
+    // Versions 1 (before mesh authentication) and 2 (before the Grant's
+    // cached head) are refused like any other.
+    for v in [0u16, 1, 2, 4, u16::MAX] {
         let mut m = msg.clone();
         m[4..6].copy_from_slice(&v.to_le_bytes());
         reseal(&mut m);
@@ -99,7 +100,7 @@ fn header_errors_are_typed() {
             err(&m),
             WireError::UnsupportedVersion {
                 got: v,
-                supported: 2
+                supported: VERSION
             }
         );
     }
@@ -161,10 +162,10 @@ pub(super) fn absurd_bodies() -> Vec<(&'static str, Vec<u8>)> {
     let max = u32::MAX.to_le_bytes();
     vec![
         ("frame payload_len", patch(&s[0].1, 88, &max)),
-        ("grant pages", patch(&s[1].1, 84, &max)),
+        ("grant pages", patch(&s[1].1, 92, &max)),
         (
             "grant endpoint",
-            patch(&s[1].1, 88, &u16::MAX.to_le_bytes()),
+            patch(&s[1].1, 96, &u16::MAX.to_le_bytes()),
         ),
         ("transfer_done pages_written", patch(&s[2].1, 60, &max)),
     ]
@@ -190,7 +191,9 @@ fn invalid_fields_are_named() {
         (patch(f, 80, &3u32.to_le_bytes()), "slots.end"), // 3 + 2 > page_size 4
         (patch(f, 80, &u32::MAX.to_le_bytes()), "slots.n"), // overflow
         (patch(g, 60, &0u64.to_le_bytes()), "prompt_tokens"),
-        (patch(g, 90 + 3 * 12, b"\xff"), "endpoint"),
+        (patch(g, 98 + 3 * 12, b"\xff"), "endpoint"),
+        (patch(g, 68, &3u64.to_le_bytes()), "cached_tokens"), // not whole pages
+        (patch(g, 68, &12u64.to_le_bytes()), "cached_tokens"), // the whole prompt
         // The connection's opening: zero nonces were never minted, the
         // Welcome's fields after its proof are checked as before.
         (patch(&s[6].1, 0, &[0; 16]), "writer"),
@@ -234,7 +237,7 @@ fn invalid_fields_are_named() {
     // length, reseal. The encoder refuses the same grant.
     let ep = grant().endpoint.len();
     let mut m = g[..g.len() - TRAILER_LEN - ep].to_vec();
-    m[HEADER_LEN + 88..HEADER_LEN + 90].copy_from_slice(&0u16.to_le_bytes());
+    m[HEADER_LEN + 96..HEADER_LEN + 98].copy_from_slice(&0u16.to_le_bytes());
     let body = (m.len() - HEADER_LEN) as u32;
     m[8..12].copy_from_slice(&body.to_le_bytes());
     m.extend_from_slice(&[0; TRAILER_LEN]);

@@ -27,6 +27,50 @@ fn matching_frames_pass() {
 }
 
 #[test]
+fn a_cached_head_shifts_the_grant_and_is_checked() {
+    // 10 tokens in pages of 4, the first 4 cached at decode: the grant's
+    // two pages hold positions 4..8 and 8..10.
+    let mut g = grant();
+    g.cached_tokens = 4;
+    g.pages.truncate(2);
+    g.validate().expect("valid");
+    assert_eq!(
+        (0..3).map(|i| g.prompt_slots(i)).collect::<Vec<_>>(),
+        [Some(4), Some(2), None]
+    );
+    let mut out = Vec::new();
+    g.encode(&mut out).expect("encode");
+    assert_eq!(
+        decode_message(&out).expect("decode").0,
+        Message::Grant(g.clone())
+    );
+    // Three slots into the last page are beyond the prompt.
+    let last = vec![0u8; 2 * 2 * 3 * 2 * 4];
+    let f = KvFrame {
+        page_index: 1,
+        page: g.pages[1],
+        slots: 0..3,
+        ..frame(&last)
+    };
+    assert!(matches!(
+        g.check_frame(&f),
+        Err(FrameReject::SlotsOutOfPrompt {
+            prompt_slots: 2,
+            ..
+        })
+    ));
+    // Not whole pages, the whole prompt, or a page list of the wrong size.
+    for (cached, pages) in [(3, 2), (12, 0), (8, 2), (0, 2)] {
+        let bad = Grant {
+            cached_tokens: cached,
+            pages: grant().pages[..pages].to_vec(),
+            ..grant()
+        };
+        assert!(bad.validate().is_err(), "cached {cached}, {pages} pages");
+    }
+}
+
+#[test]
 fn each_refusal_is_typed_and_counted() {
     let g = grant();
     let payload = bytes(FRAME_PAYLOAD, 1);

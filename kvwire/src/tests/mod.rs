@@ -72,6 +72,7 @@ pub(super) fn grant() -> Grant {
         capability: cap(9),
         geometry: geo(4, 3, 1, 2),
         prompt_tokens: 10,
+        cached_tokens: 0,
         lease_deadline_unix_ms: 1_700_000_000_000,
         write_key: 0x0000_0003_0000_0007,
         pages: vec![
@@ -165,7 +166,7 @@ pub(super) fn err(bytes: &[u8]) -> WireError {
 #[test]
 fn layout_sizes_match_the_doc_tables() {
     assert_eq!(frame::FRAME_FIXED_LEN, 92);
-    assert_eq!(grant::GRANT_FIXED_LEN, 90);
+    assert_eq!(grant::GRANT_FIXED_LEN, 98);
     assert_eq!(control::TRANSFER_DONE_FIXED_LEN, 64);
     assert_eq!(
         (
@@ -191,7 +192,7 @@ fn layout_sizes_match_the_doc_tables() {
         lens,
         [
             20 + 92 + FRAME_PAYLOAD,
-            20 + 90 + 3 * 12 + endpoint,
+            20 + 98 + 3 * 12 + endpoint,
             20 + 64 + 3 * 8,
             20 + 18,
             20 + 24,
@@ -203,7 +204,7 @@ fn layout_sizes_match_the_doc_tables() {
     );
     for (ty, m) in &s {
         assert_eq!(m[..4], *b"KVMW");
-        assert_eq!(u16::from_le_bytes([m[4], m[5]]), 2);
+        assert_eq!(u16::from_le_bytes([m[4], m[5]]), 3);
         assert_eq!(u16::from_le_bytes([m[6], m[7]]), ty.tag());
         assert_eq!(MessageType::from_tag(ty.tag()), Ok(*ty));
     }

@@ -109,16 +109,20 @@ fn arb_grant() -> impl Strategy<Value = Grant> {
         1u64..=400,
         (any::<u64>(), any::<u64>()),
         "\\PC{1,40}",
+        any::<u16>(),
     )
         .prop_flat_map(
-            |(reservation, capability, geometry, prompt_tokens, deadline, endpoint)| {
-                let n = prompt_tokens.div_ceil(geometry.page_size.into()) as usize;
+            |(reservation, capability, geometry, prompt_tokens, deadline, endpoint, head)| {
+                // A cached head of whole pages, shorter than the prompt.
+                let page_size = u64::from(geometry.page_size);
+                let cached = (u64::from(head) % prompt_tokens.div_ceil(page_size)) * page_size;
+                let n = (prompt_tokens - cached).div_ceil(page_size) as usize;
                 (
                     Just((
                         reservation,
                         capability,
                         geometry,
-                        prompt_tokens,
+                        (prompt_tokens, cached),
                         deadline,
                         endpoint,
                     )),
@@ -132,7 +136,7 @@ fn arb_grant() -> impl Strategy<Value = Grant> {
                     reservation,
                     capability,
                     geometry,
-                    prompt_tokens,
+                    (prompt_tokens, cached_tokens),
                     (lease_deadline_unix_ms, write_key),
                     endpoint,
                 ),
@@ -142,6 +146,7 @@ fn arb_grant() -> impl Strategy<Value = Grant> {
                 capability,
                 geometry,
                 prompt_tokens,
+                cached_tokens,
                 lease_deadline_unix_ms,
                 write_key,
                 pages,

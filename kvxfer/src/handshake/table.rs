@@ -12,7 +12,7 @@ use crate::shm::PeerProcess;
 use crate::transport::{Landing, Revocation};
 use kvmesh_kernels::counters::KindCounters;
 use kvmesh_kvpool::KvPool;
-use kvmesh_kvpool::Reservation;
+use kvmesh_kvpool::{Namespace, PageKey, Reservation};
 use kvmesh_kvwire::{
     Abort, AbortConfirmed, AbortReason, Capability, FrameReject, Geometry, Grant, KvFrame,
     RejectCounters, ReservationId, Revoke, TransferDone, WriterId,
@@ -45,15 +45,22 @@ pub struct TableConfig {
 
 /// A request for pages: the prompt's tokens, the decode budget, and the
 /// writer (prefill process) that will fill the prompt's pages.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReserveRequest {
-    /// Prompt tokens: the transfer must cover exactly these.
+    /// Prompt tokens: the transfer must cover exactly these (less a
+    /// cached head).
     pub prompt_tokens: usize,
     /// Tokens to generate: reserved up front, so a live sequence never
     /// waits for pages.
     pub max_new_tokens: usize,
     /// The writer the grant is bound to.
     pub writer: WriterId,
+    /// The prompt's namespace and the keys of its full pages, when the
+    /// pool's prefix cache may supply a head of them: those pages are
+    /// leased, not granted, and the grant's `cached_tokens` says how many
+    /// positions the writer skips. The page holding the last prompt token
+    /// is always granted (the transfer is never empty).
+    pub cached: Option<(Namespace, Vec<PageKey>)>,
 }
 
 /// Identifies one writer connection for the life of the table.
@@ -462,6 +469,7 @@ impl Inner {
             prompt_tokens,
             max_new_tokens,
             writer,
+            cached,
         } = req;
         if prompt_tokens == 0 {
             return Err(ReserveError::EmptyPrompt);
@@ -490,7 +498,16 @@ impl Inner {
                 .ok_or(ReserveError::WriterNotConnected { writer })?;
             (id, conns.by_id.get(&id).and_then(|c| c.peer.clone()))
         };
-        let res = self.pool.reserve(requested).map_err(|e| match e {
+        let page_size = self.pool.config().page_size;
+        let reserved = match cached {
+            Some((ns, mut keys)) => {
+                // Never the page of the last prompt token.
+                keys.truncate((prompt_tokens - 1) / page_size);
+                self.pool.reserve_cached(&ns, &keys, requested)
+            }
+            None => self.pool.reserve(requested),
+        };
+        let res = reserved.map_err(|e| match e {
             kvmesh_kvpool::PoolError::Exhausted {
                 requested_pages,
                 free_pages,
@@ -506,14 +523,15 @@ impl Inner {
             .landing
             .open()
             .map_err(|e| ReserveError::Transport(e.to_string()))?;
-        let page_size = self.pool.config().page_size;
-        let pages = res.held()[..prompt_tokens.div_ceil(page_size)].to_vec();
+        let cached_tokens = res.cached_tokens();
+        let pages = res.held()[..(prompt_tokens - cached_tokens).div_ceil(page_size)].to_vec();
         let lease_deadline = Instant::now() + self.cfg.lease;
         let grant = Grant {
             reservation,
             capability,
             geometry: self.geometry,
             prompt_tokens: prompt_tokens as u64,
+            cached_tokens: cached_tokens as u64,
             lease_deadline_unix_ms: unix_ms(lease_deadline),
             write_key,
             pages,

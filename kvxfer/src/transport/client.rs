@@ -474,8 +474,10 @@ impl GrantWriter {
     }
 
     /// Writes layer `layer` (the next one, in order) of every prompt
-    /// position: `k` and `v` hold `prompt_tokens * kv_dim` values each,
-    /// position-major. One write per granted page.
+    /// position the grant covers: `k` and `v` hold `prompt_tokens * kv_dim`
+    /// values each, position-major, of which the first `cached_tokens`
+    /// positions (the decode node's cached head) are skipped. One write per
+    /// granted page.
     pub async fn write_layer(
         &mut self,
         layer: u16,
@@ -501,6 +503,7 @@ impl GrantWriter {
             }
         }
         let page_size = self.grant.geometry.page_size as usize;
+        let cached = self.grant.cached_tokens as usize;
         let mut s = self.slot.lock().await;
         self.check_state(s.state)?;
         let n_pages = self.grant.pages.len();
@@ -516,7 +519,8 @@ impl GrantWriter {
         let last_layer = layer + 1 == self.grant.geometry.n_layers;
         for (pos, &index) in order.iter().enumerate() {
             let slots = self.grant.prompt_slots(index).unwrap_or(0);
-            let start = index * page_size * kv_dim;
+            // Page 0 of the grant starts after the decode node's cached head.
+            let start = (cached + index * page_size) * kv_dim;
             let end = start + slots as usize * kv_dim;
             let (kp, vp) = (&k[start..end], &v[start..end]);
             // Encoded once (f32 on a little-endian host is its own

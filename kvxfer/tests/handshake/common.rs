@@ -161,6 +161,7 @@ impl Node {
             prompt_tokens,
             max_new_tokens,
             writer,
+            cached: None,
         }
     }
 

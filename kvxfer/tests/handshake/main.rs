@@ -60,6 +60,63 @@ async fn transfer_verifies_and_goes_live(kind: Kind) {
     assert_eq!(node.table.stats().ended_total(), 1);
 }
 
+both!(a_cached_head_is_leased_not_granted_and_the_transfer_ships_the_rest);
+/// With the pool's prefix cache on: a first sequence's full pages enter
+/// the cache when it ends; a second with the same prompt (same namespace
+/// and keys) leases them, its grant covers only the page of the last
+/// prompt tokens (`cached_tokens` 8 of 10), the writer ships only that
+/// page, and the live sequence reads all 10 positions, the head from the
+/// cache. The page of the last prompt token is always granted, even when
+/// every page of the prompt is cached.
+async fn a_cached_head_is_leased_not_granted_and_the_transfer_ships_the_rest(kind: Kind) {
+    use kvmesh_kvpool::{Namespace, PageKey};
+    let node = Node::start(kind).await;
+    node.table.pool().set_cache_pages(N_PAGES / 2);
+    let client = node.client().await;
+    let ns = Namespace::from_slice(&[1; 32]).expect("32 bytes");
+    let keys: Vec<PageKey> = (0..3u8)
+        .map(|i| PageKey::from_slice(&[i + 1; 32]).expect("32 bytes"))
+        .collect();
+    let cached = |prompt: usize| kvmesh_kvxfer::handshake::ReserveRequest {
+        cached: Some((ns, keys[..prompt / PAGE_SIZE].to_vec())),
+        ..Node::request(prompt, 2, client.writer())
+    };
+    // First: a cold cache, all three pages granted.
+    let (grant, pending) = node.table.reserve(cached(10)).expect("reserve");
+    assert_eq!((grant.cached_tokens, grant.pages.len()), (0, 3));
+    let mut w = client.begin(grant).expect("begin");
+    write_layers(&mut w, 0..N_LAYERS as u16, 1.0).await;
+    w.finish(7).await.expect("finish");
+    let mut live = pending.wait().await.expect("live");
+    assert_prompt(live.reservation(), 10, 1.0);
+    live.reservation_mut().cache_as(ns, keys.clone());
+    drop(live);
+    assert_eq!(node.table.pool().cache_stats().entries, 2);
+
+    // Second: pages 0 and 1 come from the cache.
+    let (grant, pending) = node.table.reserve(cached(10)).expect("reserve");
+    assert_eq!((grant.cached_tokens, grant.pages.len()), (8, 1));
+    let mut w = client.begin(grant).expect("begin");
+    write_layers(&mut w, 0..N_LAYERS as u16, 1.0).await;
+    w.finish(7).await.expect("finish");
+    let live = pending.wait().await.expect("live");
+    assert_eq!(live.reservation().cached_tokens(), 8);
+    assert_prompt(live.reservation(), 10, 1.0);
+    drop(live);
+
+    // A prompt of exactly two pages, both cached: the last one is granted.
+    let (grant, pending) = node.table.reserve(cached(8)).expect("reserve");
+    assert_eq!((grant.cached_tokens, grant.pages.len()), (4, 1));
+    let mut w = client.begin(grant).expect("begin");
+    write_layers(&mut w, 0..N_LAYERS as u16, 1.0).await;
+    w.finish(7).await.expect("finish");
+    let live = pending.wait().await.expect("live");
+    assert_prompt(live.reservation(), 8, 1.0);
+    drop(live);
+    assert_eq!(node.table.pool().clear_cache(), 2);
+    node.assert_idle().await;
+}
+
 both!(an_f16_pool_transfer_verifies_and_goes_live);
 /// The same transfer into an f16 pool: the writer encodes f16 (half the
 /// bytes), its checksums cover the f16 bytes, and they match the pages as

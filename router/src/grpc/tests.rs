@@ -204,6 +204,7 @@ async fn the_stream_carries_text_then_the_finish_or_a_safe_error_end() {
         Event::Done {
             finish: Finish::Length,
             completion_tokens: 2,
+            cached_tokens: 0,
         },
     ]);
     let got = messages(&a, generate("Once upon", 2)).await;

@@ -87,6 +87,7 @@ fn done(finish: Finish, completion_tokens: usize) -> Event {
     Event::Done {
         finish,
         completion_tokens,
+        cached_tokens: 0,
     }
 }
 
@@ -123,6 +124,17 @@ async fn refusals_are_exact_openai_bodies_counted_before_anything_reaches_the_me
                 "only n=1 is supported",
                 "invalid_request_error",
                 Some("n"),
+                "invalid_value",
+            ),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","cache_salt":""}"#,
+            StatusCode::BAD_REQUEST,
+            error(
+                "cache_salt must have 1 to 256 characters",
+                "invalid_request_error",
+                Some("cache_salt"),
                 "invalid_value",
             ),
         ),
@@ -232,7 +244,7 @@ async fn refusals_are_exact_openai_bodies_counted_before_anything_reaches_the_me
         metric_lines(&m, "kvmesh_requests_rejected_total{"),
         [
             "kvmesh_requests_rejected_total{reason=\"context_length_exceeded\"} 2",
-            "kvmesh_requests_rejected_total{reason=\"invalid_request\"} 5",
+            "kvmesh_requests_rejected_total{reason=\"invalid_request\"} 6",
             "kvmesh_requests_rejected_total{reason=\"model_not_found\"} 1",
             "kvmesh_requests_rejected_total{reason=\"unauthenticated\"} 1",
         ]
@@ -282,7 +294,15 @@ fn strip_id(mut v: Value, prefix: &str) -> Value {
 async fn unstreamed_completions_are_whole_bodies_and_the_mesh_gets_the_validated_job() {
     let mesh = FakeMesh::new(Some(256));
     let r = router(&mesh, keyed());
-    mesh.play(vec![text("Hello"), text(" world"), done(Finish::Length, 2)]);
+    mesh.play(vec![
+        text("Hello"),
+        text(" world"),
+        Event::Done {
+            finish: Finish::Length,
+            completion_tokens: 2,
+            cached_tokens: 16,
+        },
+    ]);
     let (status, v) = send_json(
         &r,
         "/v1/completions",
@@ -296,7 +316,8 @@ async fn unstreamed_completions_are_whole_bodies_and_the_mesh_gets_the_validated
         strip_id(v, "cmpl-"),
         json!({"object": "text_completion", "model": "tiny-llama",
             "choices": [{"index": 0, "text": "Hello world", "finish_reason": "length", "logprobs": null}],
-            "usage": {"prompt_tokens": p, "completion_tokens": 2, "total_tokens": p + 2}})
+            "usage": {"prompt_tokens": p, "completion_tokens": 2, "total_tokens": p + 2,
+                "prompt_tokens_details": {"cached_tokens": 16}}})
     );
     let job = &mesh.received()[0];
     assert_eq!(job.prompt_ids, prompt);
@@ -309,12 +330,13 @@ async fn unstreamed_completions_are_whole_bodies_and_the_mesh_gets_the_validated
         (&[".".to_owned()][..], true)
     );
     assert_eq!(job.tenant.0, "tenant-a", "the tenant comes from the key");
+    assert_eq!(job.cache_salt, None);
 
     mesh.play(vec![text("Hi"), done(Finish::Stop, 1)]);
     let (status, v) = send_json(
         &r,
         "/v1/chat/completions",
-        r#"{"messages":[{"role":"user","content":"Hello"}]}"#,
+        r#"{"messages":[{"role":"user","content":"Hello"}],"cache_salt":"conversation-1"}"#,
     )
     .await;
     assert_eq!(status, StatusCode::OK);
@@ -327,12 +349,14 @@ async fn unstreamed_completions_are_whole_bodies_and_the_mesh_gets_the_validated
         strip_id(v, "chatcmpl-"),
         json!({"object": "chat.completion", "model": "tiny-llama",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop", "logprobs": null}],
-            "usage": {"prompt_tokens": p, "completion_tokens": 1, "total_tokens": p + 1}})
+            "usage": {"prompt_tokens": p, "completion_tokens": 1, "total_tokens": p + 1,
+                "prompt_tokens_details": {"cached_tokens": 0}}})
     );
     let job = &mesh.received()[1];
     assert_eq!(job.prompt_ids, chat);
     assert_eq!(job.max_tokens, crate::validate::DEFAULT_MAX_TOKENS);
     assert_eq!(job.stop, Vec::<String>::new());
+    assert_eq!(job.cache_salt.as_deref(), Some("conversation-1"));
 }
 
 #[tokio::test]
@@ -362,7 +386,8 @@ async fn sse_frames_each_text_then_the_finish_with_usage_then_done() {
             "choices": [{"index": 0, "text": t, "finish_reason": finish, "logprobs": null}]})
     };
     let mut last = chunk("", json!("stop"));
-    last["usage"] = json!({"prompt_tokens": p, "completion_tokens": 2, "total_tokens": p + 2});
+    last["usage"] = json!({"prompt_tokens": p, "completion_tokens": 2, "total_tokens": p + 2,
+        "prompt_tokens_details": {"cached_tokens": 0}});
     assert_eq!(
         got,
         [chunk("Hel", Value::Null), chunk("lo", Value::Null), last]

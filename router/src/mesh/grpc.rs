@@ -31,6 +31,10 @@ use crate::nodes::{Node, Nodes, Role};
 /// `AbortReason::CLIENT_GONE`).
 const CLIENT_GONE: u32 = 1;
 
+/// How long the end of an answer waits for prefill's reply, which is
+/// already on its way (the transfer it answers for is done).
+const PREFILL_REPLY_WAIT: Duration = Duration::from_secs(2);
+
 /// The prefill and decode nodes behind the gateway. Cheap to clone.
 #[derive(Clone, Debug)]
 pub(crate) struct GrpcMesh {
@@ -42,6 +46,8 @@ pub(crate) struct GrpcMesh {
     queue_timeout: Duration,
     /// TTFT and inter-token latency are measured here, at the tokens.
     metrics: Arc<Metrics>,
+    /// Requests carry their namespace to the nodes' prefix caches.
+    prefix_cache: bool,
 }
 
 impl GrpcMesh {
@@ -53,6 +59,7 @@ impl GrpcMesh {
         stop_ids: Arc<[u32]>,
         queue_timeout: Duration,
         metrics: Arc<Metrics>,
+        prefix_cache: bool,
     ) -> Self {
         Self {
             nodes,
@@ -60,6 +67,7 @@ impl GrpcMesh {
             stop_ids,
             queue_timeout,
             metrics,
+            prefix_cache,
         }
     }
 }
@@ -144,6 +152,18 @@ async fn run(
     let fail = |e: DispatchError| async move {
         let _ = tx.send(Event::Error(e)).await;
     };
+    // Rule 1 of design/prefix-cache.md: the namespace comes from the
+    // authenticated tenant, narrowed by the client's salt, derived here
+    // and nowhere downstream.
+    let cache_namespace = if r.prefix_cache {
+        r.nodes
+            .cache_keys()
+            .namespace(&job.tenant.0, job.cache_salt.as_deref())
+            .as_bytes()
+            .to_vec()
+    } else {
+        Vec::new()
+    };
     let sampling = Sampling {
         temperature: job.temperature,
         top_p: job.top_p,
@@ -160,6 +180,7 @@ async fn run(
         } else {
             r.stop_ids.to_vec()
         },
+        cache_namespace: cache_namespace.clone(),
     };
     // Reserve at the decode node with the most free pages. A full pool is
     // transient: wait (bounded by the queue timeout, with backoff, giving
@@ -244,6 +265,7 @@ async fn run(
     let Granted {
         grant: mut grant_bytes,
         reservation_id: rid,
+        cached_tokens: _,
     } = granted;
     match job.faults.at(Point::Grant) {
         Some(Action::Delay(d)) => tokio::time::sleep(d).await,
@@ -261,6 +283,7 @@ async fn run(
                 prompt_ids: job.prompt_ids.clone(),
                 grant: grant_bytes.clone(),
                 sampling: Some(sampling),
+                cache_namespace: cache_namespace.clone(),
             };
             let (node, faults) = (Arc::clone(prefill), job.faults.clone());
             tokio::spawn(async move {
@@ -280,11 +303,29 @@ async fn run(
             prompt_ids: job.prompt_ids.clone(),
             grant: grant_bytes,
             sampling: Some(sampling),
+            cache_namespace,
         },
         &job.faults,
     ));
     tokio::pin!(prefill_call);
     let mut prefill_done = false;
+    // Prompt tokens prefill took from its prefix cache (its reply says).
+    let mut prefill_cached = 0usize;
+    // The answer can outrun prefill's reply (one token, an early stop):
+    // before the end is reported, the reply is awaited (briefly; the
+    // transfer it answers for is done) for its cached count.
+    macro_rules! settle_prefill {
+        () => {
+            if !prefill_done {
+                if let Ok(Ok(resp)) =
+                    tokio::time::timeout(PREFILL_REPLY_WAIT, &mut prefill_call).await
+                {
+                    prefill_cached = resp.get_ref().cached_tokens as usize;
+                    prefill_guard.disarm();
+                }
+            }
+        };
+    }
     let mut text = TextOut::new(&r.tokenizer, &job.stop);
     let mut completion = 0usize;
     let mut last = None::<Instant>;
@@ -299,6 +340,9 @@ async fn run(
                 // delivery): that writer's transfer is what decode verifies;
                 // the token stream tells how it ends.
                 let duplicate = matches!(&res, Err(s) if s.code() == tonic::Code::AlreadyExists);
+                if let Ok(resp) = &res {
+                    prefill_cached = resp.get_ref().cached_tokens as usize;
+                }
                 if let (Err(s), false) = (res, duplicate) {
                     if kvmesh_proto::serve::is_draining(&s) {
                         // Told to stop before our poll saw it: out of the
@@ -333,7 +377,8 @@ async fn run(
                                 if hit_stop {
                                     // Ends the stream: the decode node drops the sequence.
                                     drop(stream);
-                                    let _ = tx.send(Event::Done { finish: Finish::Stop, completion_tokens: completion }).await;
+                                    settle_prefill!();
+                                    let _ = tx.send(Event::Done { finish: Finish::Stop, completion_tokens: completion, cached_tokens: prefill_cached }).await;
                                     return;
                                 }
                             }
@@ -350,7 +395,8 @@ async fn run(
                             FinishReason::Length => Finish::Length,
                             FinishReason::Stop | FinishReason::Unspecified => Finish::Stop,
                         };
-                        let _ = tx.send(Event::Done { finish, completion_tokens: completion }).await;
+                        settle_prefill!();
+                        let _ = tx.send(Event::Done { finish, completion_tokens: completion, cached_tokens: prefill_cached }).await;
                         return;
                     }
                     Some(decode_event::Event::Granted(_) | decode_event::Event::Refused(_)) | None => {

@@ -76,6 +76,8 @@ pub enum Event {
         finish: Finish,
         /// Tokens generated.
         completion_tokens: usize,
+        /// Prompt tokens that came from the prefix cache (not computed).
+        cached_tokens: usize,
     },
     /// A failure after dispatch: the end.
     Error(DispatchError),
@@ -101,6 +103,9 @@ pub struct Job {
     pub ignore_eos: bool,
     /// The tenant, from the request's API key only (I8).
     pub tenant: Tenant,
+    /// The client's `cache_salt`: narrows the tenant's prefix-cache
+    /// namespace (the mesh derives the namespace from `tenant` first).
+    pub cache_salt: Option<String>,
     /// Injected faults (testing builds; see `kvmesh_faults`).
     pub faults: FaultPlan,
 }
@@ -140,6 +145,7 @@ impl Admitted {
                 stop: s.stop,
                 ignore_eos: s.ignore_eos,
                 tenant,
+                cache_salt: s.cache_salt,
                 faults,
             },
             slot: Slot { _permit: permit },

@@ -33,6 +33,7 @@ async fn a_drain_refuses_new_work_and_ends_what_outlives_its_deadline() {
         Step::Send(Event::Done {
             finish: Finish::Length,
             completion_tokens: 2,
+            cached_tokens: 0,
         }),
     ]));
     let r = router(

@@ -1,0 +1,137 @@
+//! The prefix cache through the mesh (in this process): a tenant's repeat
+//! is served from its cached pages and answers the same tokens as the
+//! reference engine; another tenant, or a different `cache_salt`, finds
+//! nothing (design/prefix-cache.md rules 1-3, 8); the next turn of a
+//! conversation finds the previous answer's pages at decode; with the
+//! cache off nothing is kept. The planted bug that drops the tenant from
+//! the namespace is caught by the same scenario in `prefix_cache_planted.rs`.
+
+use kvmesh_integration::cache::{complete, isolation};
+use kvmesh_integration::http;
+use kvmesh_integration::inproc::{InProcessMesh, Options};
+use kvmesh_integration::{reference_text, tiny_model_dir};
+use kvmesh_model::default_model;
+use serde_json::json;
+
+/// About 70 tokens: four full pages of 16 before the last token's.
+const PROMPT: &str = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. \
+                      A stitch in time saves nine. The early bird catches the worm. Every cloud has a silver lining.";
+
+fn start(prefix_cache: bool) -> InProcessMesh {
+    InProcessMesh::start(
+        &tiny_model_dir(),
+        Options {
+            api_keys: vec![
+                ("sk-alpha".into(), "alpha".into()),
+                ("sk-beta".into(), "beta".into()),
+            ],
+            prefix_cache,
+            ..Options::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("starting the mesh: {e:#}"))
+}
+
+fn node_metric(m: &InProcessMesh, name: &str, node: &str) -> f64 {
+    m.metric(&format!("{name}{{node=\"{node}\""))
+        .unwrap_or_else(|| panic!("{name} of {node} missing:\n{}", m.metrics()))
+}
+
+#[test]
+fn a_tenant_reuses_its_own_prefix_and_nobody_else_does() {
+    let m = start(true);
+    let want = reference_text(&tiny_model_dir(), PROMPT, false, 8);
+    let iso = isolation(&m.http, "sk-alpha", "sk-beta", PROMPT, 8);
+    assert_eq!(iso.a_first, 0, "{iso:?}");
+    assert!(iso.a_repeat >= 32 && iso.a_repeat % 16 == 0, "{iso:?}");
+    assert_eq!(iso.b_same, 0, "another tenant must find nothing: {iso:?}");
+    assert_eq!(iso.a_salted, 0, "a salt is a namespace of its own: {iso:?}");
+    assert_eq!(iso.a_salted_repeat, iso.a_repeat, "{iso:?}");
+    assert_eq!(iso.b_salted, 0, "a salt never crosses tenants: {iso:?}");
+    for (i, t) in iso.texts.iter().enumerate() {
+        assert_eq!(t, &want, "response {i}: the cache changed the output");
+    }
+    // Both sides cached: prefill computed only the suffix, decode granted
+    // only the pages it lacked (its hits count in its own metrics).
+    m.wait_until("the nodes' load reports", |m| {
+        m.metric("kvmesh_node_prefix_cache_hit_tokens_total{node=\"decode-0\"")
+            .is_some_and(|v| v > 0.0)
+    });
+    let prefill_hits = node_metric(&m, "kvmesh_node_prefix_cache_hit_tokens_total", "prefill-0");
+    assert_eq!(prefill_hits as u64, 2 * iso.a_repeat);
+    assert!(node_metric(&m, "kvmesh_node_prefix_cache_entries", "decode-0") > 0.0);
+    assert_eq!(
+        node_metric(&m, "kvmesh_node_prefix_cache_leased_pages", "decode-0"),
+        0.0
+    );
+    m.assert_pages_come_back();
+    assert_eq!(m.decode_pool().guard_violations, 0);
+    m.shutdown().expect("drains");
+}
+
+#[test]
+fn with_the_cache_off_nothing_is_kept() {
+    let m = start(false);
+    for _ in 0..2 {
+        let (_, cached) = complete(&m.http, Some("sk-alpha"), PROMPT, None, 4);
+        assert_eq!(cached, 0);
+    }
+    assert_eq!(m.decode_pool().cache.entries, 0);
+    assert_eq!(m.prefill_pool().cache.entries, 0);
+    assert_eq!(
+        node_metric(&m, "kvmesh_node_prefix_cache_max_pages", "decode-0"),
+        0.0
+    );
+    m.shutdown().expect("drains");
+}
+
+/// The default model, where its answers read back as the tokens it
+/// generated: turn 2's prompt is turn 1's prompt, its answer and a new
+/// question; decode holds the answer's pages too (prefill never saw
+/// them), so decode's hit is longer than prefill's.
+#[test]
+fn the_next_turn_finds_the_previous_answer_at_decode() {
+    let Some(model) = default_model::cached_default_model() else {
+        eprintln!("note: default model not cached; skipped");
+        return;
+    };
+    let m = InProcessMesh::start(&model, Options::default()).expect("mesh");
+    let chat = |msgs: &serde_json::Value| {
+        let r = http::post(
+            &m.http,
+            "/v1/chat/completions",
+            &json!({"messages": msgs, "max_tokens": 48, "temperature": 0}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        (
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(u64::MAX),
+        )
+    };
+    let system = "You are a careful assistant. Answer in full sentences, and explain your reasoning step by step.";
+    let mut msgs = json!([
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Why is the sky blue?"}
+    ]);
+    let (answer, _) = chat(&msgs);
+    let decode_before = m.decode_pool().cache.counters.hit_tokens;
+    msgs.as_array_mut().expect("array").extend([
+        json!({"role": "assistant", "content": answer}),
+        json!({"role": "user", "content": "And why are sunsets red?"}),
+    ]);
+    let (_, prefill_cached) = chat(&msgs);
+    let decode_hit = m.decode_pool().cache.counters.hit_tokens - decode_before;
+    assert!(prefill_cached > 0, "turn 1's prompt is cached at prefill");
+    assert!(
+        decode_hit > prefill_cached,
+        "decode reuses the answer's pages too: decode {decode_hit}, prefill {prefill_cached}"
+    );
+    m.assert_pages_come_back();
+    m.shutdown().expect("drains");
+}
