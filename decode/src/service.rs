@@ -275,12 +275,7 @@ impl DecodeNode {
             kv_pages_total: pool.capacity_pages as u64,
             // Free, plus cached pages nobody leases (evicted on demand).
             kv_pages_free: pool.available_pages() as u64,
-            prefix_cache: pool
-                .cache
-                .fields()
-                .into_iter()
-                .map(|(k, n)| (k.to_owned(), n))
-                .collect(),
+            prefix_cache: pool.cache.report(),
             page_size: self.inner.table.pool().config().page_size as u32,
             max_seq_tokens: self.inner.max_seq_tokens as u64,
             queue_depth: (self.inner.depth.load(Ordering::Relaxed) + stats.open) as u32,

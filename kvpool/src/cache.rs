@@ -116,6 +116,14 @@ impl CacheStats {
             ("max_pages", self.max_pages as u64),
         ]
     }
+
+    /// [`Self::fields`] as the map a node's load report carries.
+    pub fn report(&self) -> std::collections::HashMap<String, u64> {
+        self.fields()
+            .into_iter()
+            .map(|(k, n)| (k.to_owned(), n))
+            .collect()
+    }
 }
 
 /// A lease one reservation holds: the page it reads through it.

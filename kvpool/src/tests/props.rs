@@ -76,7 +76,9 @@ impl Live {
     }
 }
 
-fn check(pool: &KvPool, lives: &[Live], gens: &mut [u64]) -> Result<(), TestCaseError> {
+/// Every page's generation moved only forward since `gens` (updated), and
+/// is odd exactly while someone owns the page.
+pub(super) fn check_generations(pool: &KvPool, gens: &mut [u64]) -> Result<(), TestCaseError> {
     let shared = pool.shared();
     for (p, prev) in gens.iter_mut().enumerate() {
         let (g, owner) = shared.page_state(p);
@@ -84,6 +86,12 @@ fn check(pool: &KvPool, lives: &[Live], gens: &mut [u64]) -> Result<(), TestCase
         prop_assert_eq!(g % 2 == 1, owner != 0, "page {} parity vs owner", p);
         *prev = g;
     }
+    Ok(())
+}
+
+fn check(pool: &KvPool, lives: &[Live], gens: &mut [u64]) -> Result<(), TestCaseError> {
+    check_generations(pool, gens)?;
+    let shared = pool.shared();
     let mut seen = HashSet::new();
     for l in lives {
         for e in l.res.table() {

@@ -108,13 +108,7 @@ fn start(pool: &KvPool, ns: u8, chain: u8, pages: usize, tail: usize, cache: boo
 }
 
 fn check(pool: &KvPool, lives: &[Live], gens: &mut [u64]) -> Result<(), TestCaseError> {
-    let shared = pool.shared();
-    for (p, prev) in gens.iter_mut().enumerate() {
-        let (g, owner) = shared.page_state(p);
-        prop_assert!(g >= *prev, "page {p} generation went back: {prev} -> {g}");
-        prop_assert_eq!(g % 2 == 1, owner != 0, "page {} parity vs owner", p);
-        *prev = g;
-    }
+    super::props::check_generations(pool, gens)?;
     let mut own = HashSet::new();
     for l in lives {
         for e in l.res.held() {

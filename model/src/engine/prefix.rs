@@ -78,10 +78,10 @@ impl CachedSeq {
 }
 
 impl Engine {
-    /// Turns the prefix cache on: up to `share` of the pool's pages (0 to
-    /// 1) may hold cached pages, found by keys from `keys`. `identity`
-    /// names the model's weights and precision; the tag adds the KV
-    /// geometry, so no other model's or layout's pages ever match.
+    /// Turns the prefix cache on: up to `share` (between 0 and 1) of the
+    /// pool's pages may hold cached pages, found by keys from `keys`. The
+    /// model tag is the engine's identity (weights and precision) plus the
+    /// KV geometry, so no other model's or layout's pages ever match.
     pub fn with_prefix_cache(mut self, keys: CacheKeys, share: f64) -> Self {
         let cfg = self.pool.config().clone();
         let identity = self.identity.clone();

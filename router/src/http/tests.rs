@@ -251,7 +251,7 @@ async fn refusals_are_exact_openai_bodies_counted_before_anything_reaches_the_me
     );
     assert_eq!(
         metric_lines(&m, "kvmesh_requests_total{"),
-        ["kvmesh_requests_total{outcome=\"rejected\"} 9"]
+        ["kvmesh_requests_total{outcome=\"rejected\"} 10"]
     );
 }
 
