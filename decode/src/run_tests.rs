@@ -70,7 +70,7 @@ async fn a_drained_node_refuses_as_draining_reports_it_and_has_every_page_back()
         other => panic!("{other:?}"),
     }
     let report = n
-        .load(tonic::Request::new(LoadRequest {}))
+        .load(tonic::Request::new(LoadRequest::default()))
         .await
         .expect("load");
     assert!(!report.get_ref().draining);
@@ -97,7 +97,7 @@ async fn a_drained_node_refuses_as_draining_reports_it_and_has_every_page_back()
         other => panic!("{other:?}"),
     }
     let report = n
-        .load(tonic::Request::new(LoadRequest {}))
+        .load(tonic::Request::new(LoadRequest::default()))
         .await
         .expect("load");
     assert!(report.get_ref().draining);

@@ -266,7 +266,7 @@ impl DecodeNode {
         )
     }
 
-    fn load_report(&self) -> LoadReport {
+    fn load_report(&self, known_cache_epoch: u64) -> LoadReport {
         let stats = self.inner.table.stats();
         let pool = self.inner.table.pool().stats();
         LoadReport {
@@ -300,6 +300,13 @@ impl DecodeNode {
                 .filter(|(_, n)| *n > 0)
                 .map(|(k, n)| (k.to_owned(), n))
                 .collect(),
+            ..self
+                .inner
+                .engine
+                .cache_advert(known_cache_epoch)
+                .map_or_else(LoadReport::default, |(tag, ix)| {
+                    LoadReport::cache_advert(tag.as_bytes(), ix.epoch, ix.ids)
+                })
         }
     }
 }
@@ -576,8 +583,10 @@ impl Decode for DecodeNode {
         }))
     }
 
-    async fn load(&self, _req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
-        Ok(Response::new(self.load_report()))
+    async fn load(&self, req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+        Ok(Response::new(
+            self.load_report(req.get_ref().known_cache_epoch),
+        ))
     }
 }
 

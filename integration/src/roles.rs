@@ -272,6 +272,47 @@ pub fn tiny_mesh_file(dir: &Path) -> (PathBuf, [u16; 5]) {
     (file, p)
 }
 
+/// A mesh file in `dir` for 2 prefill and 2 decode nodes (`prefill-0`,
+/// `prefill-1`, `decode-0`, `decode-1`) on the committed tiny model, pages
+/// of 8 tokens, pools of 2048 tokens (room for every conversation of a
+/// test in the prefix cache), room for 32 running requests, a fresh secret and free
+/// ports; returns the file and the router's HTTP address.
+pub fn two_by_two_mesh_file(dir: &Path) -> (PathBuf, String) {
+    let p: Vec<u16> = (0..8).map(|_| free_port()).collect();
+    let secret = write_secret(dir, "mesh.secret");
+    let text = format!(
+        "model: {model}\npage_size: 8\nmesh: {{secret_file: {secret}}}\n\
+         router: {{http: \"127.0.0.1:{}\", grpc: \"127.0.0.1:{}\", max_running: 32}}\n\
+         prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{}\", kv_pool_tokens: 2048}}\n  - {{name: prefill-1, grpc: \"127.0.0.1:{}\", kv_pool_tokens: 2048}}\n\
+         decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\", kv_pool_tokens: 2048}}\n  - {{name: decode-1, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\", kv_pool_tokens: 2048}}\n",
+        p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7],
+        model = crate::tiny_model_dir().display(),
+        secret = secret.display(),
+    );
+    let file = dir.join("mesh.yaml");
+    std::fs::write(&file, text).expect("write mesh file");
+    (file, format!("127.0.0.1:{}", p[0]))
+}
+
+/// The processes of [`two_by_two_mesh_file`]'s mesh, started and healthy,
+/// with every node's first load report in: decode-0, decode-1, prefill-0,
+/// prefill-1, router.
+pub fn start_two_by_two(file: &Path, addr: &str) -> Vec<Proc> {
+    let mut procs = Vec::new();
+    for (role, name) in [
+        ("decode", "decode-0"),
+        ("decode", "decode-1"),
+        ("prefill", "prefill-0"),
+        ("prefill", "prefill-1"),
+    ] {
+        procs.push(start(role, file, Some(name), "ready").0);
+    }
+    procs.push(start("router", file, None, "OpenAI API").0);
+    wait_healthy(addr);
+    std::thread::sleep(Duration::from_millis(500));
+    procs
+}
+
 /// Waits (bounded: 30 s) until the gateway at `addr` answers `/health`.
 pub fn wait_healthy(addr: &str) {
     let t0 = Instant::now();

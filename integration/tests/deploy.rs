@@ -8,7 +8,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kvmesh_integration::http::{self, post_streaming};
-use kvmesh_integration::roles::{free_port, start, tiny_mesh_file, wait_healthy, write_secret};
+use kvmesh_integration::roles::{
+    free_port, start, start_two_by_two, tiny_mesh_file, two_by_two_mesh_file, wait_healthy,
+    write_secret,
+};
 use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
 use serde_json::{json, Value};
 
@@ -301,27 +304,8 @@ fn complete(addr: &str, prompt: &str, n: usize, stream: bool) -> Result<String, 
 #[test]
 fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let p: Vec<u16> = (0..8).map(|_| free_port()).collect();
-    let mesh = format!(
-        "model: {model}\npage_size: 8\nrouter: {{http: \"127.0.0.1:{}\", grpc: \"127.0.0.1:{}\", max_running: 32}}\n\
-         prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{}\"}}\n  - {{name: prefill-1, grpc: \"127.0.0.1:{}\"}}\n\
-         decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\"}}\n  - {{name: decode-1, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\"}}\n",
-        p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7],
-        model = tiny_model_dir().display()
-    );
-    let file = dir.path().join("mesh.yaml");
-    let secret = write_secret(dir.path(), "mesh.secret");
-    let mesh = format!("{mesh}mesh: {{secret_file: {}}}\n", secret.display());
-    std::fs::write(&file, mesh).expect("write mesh file");
-    let (d0, _) = start("decode", &file, Some("decode-0"), "ready");
-    let (d1, _) = start("decode", &file, Some("decode-1"), "ready");
-    let (_p0, _) = start("prefill", &file, Some("prefill-0"), "ready");
-    let (_p1, _) = start("prefill", &file, Some("prefill-1"), "ready");
-    let (_router, _) = start("router", &file, None, "OpenAI API");
-    let addr = format!("127.0.0.1:{}", p[0]);
-    wait_healthy(&addr);
-    // Let every node's first load report in, so both decode nodes are used.
-    std::thread::sleep(Duration::from_millis(500));
+    let (file, addr) = two_by_two_mesh_file(dir.path());
+    let mut procs = start_two_by_two(&file, &addr);
 
     let prompts: Vec<String> = (0..8)
         .map(|i| format!("Prompt number {i}: the {} quick brown foxes", i * 7))
@@ -360,7 +344,7 @@ fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
     );
 
     // A decode node dies: the router takes it out and the rest serve.
-    drop(d1);
+    drop(procs.remove(1));
     let t0 = Instant::now();
     for i in 0..8 {
         let r = complete(&addr, &prompts[i], 40, false);
@@ -390,7 +374,7 @@ fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
         up.contains("kvmesh_node_up{node=\"decode-1\",role=\"decode\"} 0"),
         "{up}"
     );
-    drop(d0);
+    drop(procs);
 }
 
 /// A decode node dies while it streams: the client gets a clear error
@@ -490,7 +474,7 @@ async fn internal_services_stop_and_abort_across_processes() {
     let mut decode = decode_client(channel(p[3]), secret);
 
     let writer_id = prefill
-        .load(LoadRequest {})
+        .load(LoadRequest::default())
         .await
         .expect("load")
         .into_inner()
@@ -512,7 +496,7 @@ async fn internal_services_stop_and_abort_across_processes() {
         .into_inner();
     let grant = kvmesh_integration::nodes::first_grant(&mut stream).await;
     let before = decode
-        .load(LoadRequest {})
+        .load(LoadRequest::default())
         .await
         .expect("load")
         .into_inner();
@@ -555,7 +539,7 @@ async fn internal_services_stop_and_abort_across_processes() {
     let t0 = Instant::now();
     loop {
         let r = decode
-            .load(LoadRequest {})
+            .load(LoadRequest::default())
             .await
             .expect("load")
             .into_inner();

@@ -89,7 +89,10 @@ fn kinds(pairs: &[(&str, u64)]) -> Vec<(String, u64)> {
 }
 
 async fn load_decode(d: &mut DecodeClient<kvmesh_meshauth::grpc::PeerChannel>) -> LoadReport {
-    d.load(LoadRequest {}).await.expect("load").into_inner()
+    d.load(LoadRequest::default())
+        .await
+        .expect("load")
+        .into_inner()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,7 +104,7 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
     let mut decode = decode_client(channel(dport), m.secret.clone());
     let mut prefill = prefill_client(channel(pport), m.secret.clone());
     let writer_id = prefill
-        .load(LoadRequest {})
+        .load(LoadRequest::default())
         .await
         .expect("load with the secret")
         .into_inner()
@@ -130,7 +133,10 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
         anon_d.abort(some_grant(&[7; 16])).await,
         "abort without a proof",
     );
-    refused(anon_d.load(LoadRequest {}).await, "load without a proof");
+    refused(
+        anon_d.load(LoadRequest::default()).await,
+        "load without a proof",
+    );
     refused(
         anon_p
             .prefill(PrefillRequest {
@@ -168,19 +174,24 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
     // Made up, kept past the window, replayed: all refused. A proof made
     // for Load is not one for Generate either.
     refused(
-        anon_d.load(with_token(LoadRequest {}, "1.2.3")).await,
+        anon_d
+            .load(with_token(LoadRequest::default(), "1.2.3"))
+            .await,
         "malformed",
     );
     let load_path = "/kvmesh.internal.v1.Decode/Load";
     let old = sign_call(&m.secret, load_path, unix_ms() - 120_000).expect("sign");
-    refused(anon_d.load(with_token(LoadRequest {}, &old)).await, "stale");
+    refused(
+        anon_d.load(with_token(LoadRequest::default(), &old)).await,
+        "stale",
+    );
     let once = sign_call(&m.secret, load_path, unix_ms()).expect("sign");
     anon_d
-        .load(with_token(LoadRequest {}, &once))
+        .load(with_token(LoadRequest::default(), &once))
         .await
         .expect("a fresh proof works once");
     refused(
-        anon_d.load(with_token(LoadRequest {}, &once)).await,
+        anon_d.load(with_token(LoadRequest::default(), &once)).await,
         "replayed",
     );
     let for_load = sign_call(&m.secret, load_path, unix_ms()).expect("sign");
@@ -205,7 +216,7 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
     assert_eq!(r.reservations_granted, 0);
     assert_eq!(r.kv_pages_free, r.kv_pages_total);
     let pr = prefill
-        .load(LoadRequest {})
+        .load(LoadRequest::default())
         .await
         .expect("load")
         .into_inner();

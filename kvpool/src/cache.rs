@@ -72,6 +72,11 @@ pub(crate) struct CacheState {
     /// Entries with no lease, in eviction order: only these can go.
     lru: BTreeSet<LruKey>,
     clock: u64,
+    /// Changes whenever the set of entries does (an insertion or an
+    /// eviction): lets a router that has seen the set skip it next time.
+    /// Starts at a value taken from the clock, so a restarted node does not
+    /// repeat the epochs its predecessor reported.
+    pub epoch: u64,
     pub counters: CacheCounters,
 }
 
@@ -126,6 +131,16 @@ impl CacheStats {
     }
 }
 
+/// What a node tells routers of its cache ([`crate::KvPool::cache_index`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheIndex {
+    /// Changes whenever the set of cached pages does.
+    pub epoch: u64,
+    /// Every cached page's [`PageKey::routing_id`]; `None` when the caller
+    /// already holds this epoch's set.
+    pub ids: Option<Vec<u64>>,
+}
+
 /// A lease one reservation holds: the page it reads through it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Lease {
@@ -135,6 +150,16 @@ pub(crate) struct Lease {
 }
 
 impl CacheState {
+    /// An empty, disabled cache whose epochs start from the clock.
+    pub fn new() -> Self {
+        Self {
+            epoch: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64),
+            ..Self::default()
+        }
+    }
+
     pub fn enabled(&self) -> bool {
         self.max_pages > 0
     }
@@ -234,6 +259,7 @@ impl CacheState {
         let (_, _, key) = self.lru.pop_first()?;
         let e = self.entries.remove(&key)?;
         self.counters.evicted_pages += 1;
+        self.epoch = self.epoch.wrapping_add(1);
         Some(e)
     }
 
@@ -265,6 +291,7 @@ impl CacheState {
         self.lru.insert((e.stamp, Reverse(e.depth), key));
         self.entries.insert(key, e);
         self.counters.inserted_pages += 1;
+        self.epoch = self.epoch.wrapping_add(1);
     }
 
     /// The stamp a new entry gets (then [`Self::touch`] its chain).
@@ -275,6 +302,16 @@ impl CacheState {
     /// Touches the chain of keys that a finished sequence left cached.
     pub fn touch_chain(&mut self, keys: &[PageKey]) {
         self.touch(keys.iter().copied());
+    }
+
+    /// The epoch, and unless it is `known`, the [`PageKey::routing_id`] of
+    /// every entry (unordered).
+    pub fn index(&self, known: u64) -> CacheIndex {
+        CacheIndex {
+            epoch: self.epoch,
+            ids: (known != self.epoch)
+                .then(|| self.entries.keys().map(PageKey::routing_id).collect()),
+        }
     }
 
     pub fn stats(&self) -> CacheStats {

@@ -59,7 +59,7 @@ mod storage;
 #[cfg(test)]
 mod tests;
 
-pub use cache::{CacheCounters, CacheStats, Namespace, PageKey};
+pub use cache::{CacheCounters, CacheIndex, CacheStats, Namespace, PageKey};
 pub use config::{ParseScrubModeError, PoolConfig, ScrubMode};
 pub use error::PoolError;
 pub use kvmesh_kernels::KvDtype;

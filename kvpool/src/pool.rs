@@ -38,7 +38,7 @@ use std::{fmt, num::NonZeroU64};
 
 use kvmesh_kernels::PageRef;
 
-use crate::cache::{CacheState, CacheStats, Entry, Lease, Namespace, PageKey};
+use crate::cache::{CacheIndex, CacheState, CacheStats, Entry, Lease, Namespace, PageKey};
 use crate::config::{PoolConfig, ScrubMode};
 use crate::error::PoolError;
 use crate::reservation::{OwnerTag, Reservation};
@@ -152,7 +152,7 @@ impl KvPool {
             next_owner: 1,
             allocations: 0,
             releases: 0,
-            cache: CacheState::default(),
+            cache: CacheState::new(),
         });
         let shared = Shared {
             cfg,
@@ -300,6 +300,13 @@ impl KvPool {
             guard_violations: self.shared.violations.total(),
             guard_violations_by_kind: self.shared.violations.by_kind(),
         }
+    }
+
+    /// What routers learn of the cache: its epoch, and the routing ids of
+    /// its pages unless the caller's `known` epoch is current. Costs one
+    /// lock and, when the set changed, 8 bytes per cached page.
+    pub fn cache_index(&self, known: u64) -> CacheIndex {
+        self.shared.lock().cache.index(known)
     }
 
     /// Guard violations returned by readers of this pool so far.

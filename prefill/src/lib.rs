@@ -678,8 +678,12 @@ impl Prefill for PrefillNode {
         }))
     }
 
-    async fn load(&self, _req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+    async fn load(&self, req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
         let pool = self.inner.engine.pool().stats();
+        let advert = self
+            .inner
+            .engine
+            .cache_advert(req.get_ref().known_cache_epoch);
         Ok(Response::new(LoadReport {
             node: self.inner.name.clone(),
             role: kvmesh_proto::internal::v1::NodeRole::Prefill.into(),
@@ -704,6 +708,9 @@ impl Prefill for PrefillNode {
             kv_auth_refused: HashMap::new(),
             kv_refused: HashMap::new(),
             draining: self.inner.draining.load(Ordering::Acquire),
+            ..advert.map_or_else(LoadReport::default, |(tag, ix)| {
+                LoadReport::cache_advert(tag.as_bytes(), ix.epoch, ix.ids)
+            })
         }))
     }
 }

@@ -91,6 +91,19 @@ id32! {
     PageKey
 }
 
+impl PageKey {
+    /// The first 8 bytes, as the short id routers index nodes' caches by
+    /// (a node reports these, not whole keys: 8 bytes a page). Two pages
+    /// share an id with probability 2^-64 per pair; a false match only
+    /// sends a request to a node that then misses, since a node looks up
+    /// whole keys.
+    pub fn routing_id(&self) -> u64 {
+        let mut b = [0; 8];
+        b.copy_from_slice(&self.0[..8]);
+        u64::from_le_bytes(b)
+    }
+}
+
 id32! {
     /// The model and KV layout pages were computed with: pages of another
     /// model, precision, page size or geometry never share a key.

@@ -85,3 +85,13 @@ fn debug_shows_no_key_material() {
     assert_eq!(Namespace::from_slice(raw.as_bytes()), Some(raw));
     assert_eq!(Namespace::from_slice(&[0; 31]), None);
 }
+
+#[test]
+fn a_routing_id_is_the_keys_first_eight_bytes() {
+    let k = keys().page_key(&keys().namespace("t", None), &model(), None, &[1, 2, 3]);
+    let mut b = [0; 8];
+    b.copy_from_slice(&k.as_bytes()[..8]);
+    assert_eq!(k.routing_id(), u64::from_le_bytes(b));
+    let other = keys().page_key(&keys().namespace("u", None), &model(), None, &[1, 2, 3]);
+    assert_ne!(k.routing_id(), other.routing_id());
+}

@@ -26,6 +26,21 @@ pub mod internal {
     }
 }
 
+impl internal::v1::LoadReport {
+    /// A report with only the cache-routing fields set: the node's model
+    /// tag, its cache epoch and, when given, every cached page's routing
+    /// id. What the nodes fill the rest of a report around.
+    pub fn cache_advert(model_tag: &[u8], epoch: u64, ids: Option<Vec<u64>>) -> Self {
+        Self {
+            cache_model_tag: model_tag.to_vec(),
+            cache_epoch: epoch,
+            cache_page_ids_sent: ids.is_some(),
+            cache_page_ids: ids.unwrap_or_default(),
+            ..Self::default()
+        }
+    }
+}
+
 /// The encoded `FileDescriptorSet` of the public API (`kvmesh.v1`) alone,
 /// for the public port's gRPC server reflection: the internal services are
 /// not served there, so reflection does not name them.

@@ -3,9 +3,23 @@
 //! its last load report and whether it is healthy. A poller asks
 //! each node for its load every [`POLL`]; a node that does not answer
 //! within [`LOAD_TIMEOUT`] is taken out until it answers again.
+//!
+//! Routing follows the prefix cache: each node's report carries the
+//! routing ids of the pages it caches (only when they changed since the
+//! epoch the router last saw), and [`Nodes::pick`] scores a node by the
+//! prompt tokens it would not have to compute or ship (the request's page
+//! keys, computed here under the same keyed hash the nodes use, matched
+//! from the first page) against its load (requests this router has in
+//! flight there, or the node's own queue if longer). The index is a hint:
+//! a node looks up whole keys in the request's namespace, so a stale or
+//! false match costs a miss, never a wrong page.
 
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
+
+use kvmesh_prefix::{ModelTag, Namespace};
 
 use kvmesh_meshauth::grpc::PeerChannel;
 use kvmesh_meshauth::MeshSecret;
@@ -23,6 +37,12 @@ pub const POLL: Duration = Duration::from_millis(200);
 pub const LOAD_TIMEOUT: Duration = Duration::from_secs(2);
 /// Connect timeout of node channels.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// What one request in flight at a node weighs against cached prompt
+/// tokens when choosing it: a node that would skip this many more prompt
+/// tokens is worth one more request in its queue. About a third of the
+/// multi-turn scenario's shared prefix: a hit on a long system prompt
+/// outweighs a request or two of queue, not a whole backlog.
+pub const LOAD_TOKENS: usize = 192;
 
 /// A node's role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,12 +75,49 @@ pub struct Node {
     channel: Channel,
     secret: MeshSecret,
     state: Mutex<NodeState>,
+    /// Requests this router has at the node now ([`Node::busy`]).
+    in_flight: AtomicUsize,
+    /// Requests this router has sent the node, in all (breaks ties, so
+    /// equal nodes take turns).
+    dispatched: AtomicU64,
 }
 
 #[derive(Debug, Default)]
 struct NodeState {
     report: Option<LoadReport>,
     healthy: bool,
+    cache: CacheView,
+}
+
+/// What the router knows of a node's prefix cache.
+#[derive(Debug, Default)]
+struct CacheView {
+    /// The epoch `ids` is from (0: none yet; the next report sends all).
+    epoch: u64,
+    /// The tag its keys are computed with; `None` with its cache off.
+    model: Option<ModelTag>,
+    /// Routing ids of its cached pages.
+    ids: HashSet<u64>,
+}
+
+/// A request at a node, counted in its load while this lives.
+#[derive(Debug)]
+pub struct Busy(Arc<Node>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The part of a request cache-aware routing scores nodes by: its
+/// namespace (derived by the gateway) and prompt.
+#[derive(Clone, Copy, Debug)]
+pub struct Prefix<'a> {
+    /// The request's namespace.
+    pub ns: &'a Namespace,
+    /// Its prompt's token ids.
+    pub prompt: &'a [u32],
 }
 
 impl Node {
@@ -87,14 +144,55 @@ impl Node {
     /// Takes the node out until its next good load report (a request to it
     /// failed as if it were down).
     pub fn mark_down(&self) {
-        self.state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .healthy = false;
+        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        s.healthy = false;
+        s.cache.epoch = 0;
+    }
+
+    /// Counts a request at this node until the guard drops.
+    pub fn busy(self: &Arc<Self>) -> Busy {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.dispatched.fetch_add(1, Ordering::Relaxed);
+        Busy(Arc::clone(self))
+    }
+
+    /// Leading pages of `prefix` the node caches (by the router's index),
+    /// at most those before the page holding the last prompt token (that
+    /// one is always computed); 0 with its cache off.
+    fn matched_pages(&self, keys: &kvmesh_prefix::CacheKeys, prefix: &Prefix<'_>) -> usize {
+        let s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let (Some(model), Some(ps)) = (s.cache.model, s.report.as_ref().map(|r| r.page_size))
+        else {
+            return 0;
+        };
+        let ps = ps as usize;
+        if ps == 0 || s.cache.ids.is_empty() {
+            return 0;
+        }
+        let usable = prefix.prompt.len().saturating_sub(1) / ps;
+        let mut parent = None;
+        let mut n = 0;
+        for page in prefix.prompt.chunks_exact(ps).take(usable) {
+            let key = keys.page_key(prefix.ns, &model, parent.as_ref(), page);
+            if !s.cache.ids.contains(&key.routing_id()) {
+                break;
+            }
+            parent = Some(key);
+            n += 1;
+        }
+        n
     }
 
     async fn poll(&self) {
-        let req = LoadRequest {};
+        let known = self
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .cache
+            .epoch;
+        let req = LoadRequest {
+            known_cache_epoch: known,
+        };
         let r = match self.role {
             Role::Decode => tokio::time::timeout(LOAD_TIMEOUT, self.decode().load(req)).await,
             Role::Prefill => tokio::time::timeout(LOAD_TIMEOUT, self.prefill().load(req)).await,
@@ -102,7 +200,14 @@ impl Node {
         let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         match r {
             Ok(Ok(resp)) => {
-                let report = resp.into_inner();
+                let mut report = resp.into_inner();
+                s.cache.model = kvmesh_prefix::ModelTag::from_slice(&report.cache_model_tag);
+                if report.cache_page_ids_sent || s.cache.model.is_none() {
+                    s.cache.ids = std::mem::take(&mut report.cache_page_ids)
+                        .into_iter()
+                        .collect();
+                }
+                s.cache.epoch = report.cache_epoch;
                 if !s.healthy {
                     tracing::info!(node = %self.name, role = self.role.as_str(), "node healthy");
                 }
@@ -117,6 +222,7 @@ impl Node {
                     tracing::warn!(node = %self.name, role = self.role.as_str(), "node down");
                 }
                 s.healthy = false;
+                s.cache.epoch = 0;
             }
         }
     }
@@ -149,6 +255,8 @@ impl Nodes {
                 channel,
                 secret: secret.clone(),
                 state: Mutex::default(),
+                in_flight: AtomicUsize::new(0),
+                dispatched: AtomicU64::new(0),
             }));
         }
         Ok(Self {
@@ -189,19 +297,37 @@ impl Nodes {
         })
     }
 
-    /// The healthy node of `role` with the most free pages, fewest queued
-    /// requests breaking ties; among those fitting `tokens` when given.
+    /// The healthy node of `role` (fitting `tokens` when given) that costs
+    /// `prefix` least: the prompt tokens it has not cached, plus
+    /// [`LOAD_TOKENS`] per request in flight there (this router's count,
+    /// or the node's queue if longer). Ties go to the most free pages, then
+    /// to the node sent fewest requests. Without a prefix (the cache off)
+    /// the cost is the load alone.
     pub fn pick(
         &self,
         role: Role,
         tokens: Option<usize>,
+        prefix: Option<&Prefix<'_>>,
     ) -> Result<(Arc<Node>, LoadReport), Rejection> {
         self.all
             .iter()
             .filter(|n| n.role == role)
             .filter_map(|n| n.report().map(|r| (Arc::clone(n), r)))
             .filter(|(_, r)| tokens.is_none_or(|t| r.max_seq_tokens as usize >= t))
-            .max_by_key(|(_, r)| (r.kv_pages_free, std::cmp::Reverse(r.queue_depth)))
+            .min_by_key(|(n, r)| {
+                let uncached = prefix.map_or(0, |p| {
+                    p.prompt.len() - n.matched_pages(&self.cache_keys, p) * r.page_size as usize
+                });
+                let load = n
+                    .in_flight
+                    .load(Ordering::Relaxed)
+                    .max(r.queue_depth as usize);
+                (
+                    uncached + LOAD_TOKENS * load,
+                    std::cmp::Reverse(r.kv_pages_free),
+                    n.dispatched.load(Ordering::Relaxed),
+                )
+            })
             .ok_or(Rejection::NoHealthyNode {
                 role: role.as_str(),
             })

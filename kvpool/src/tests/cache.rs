@@ -306,3 +306,28 @@ fn with_the_cache_off_nothing_is_kept() {
     let r = pool.reserve_cached(&ns(1), &k, 4).expect("reserve");
     assert_eq!(r.cached_tokens(), 0);
 }
+
+#[test]
+fn the_index_routers_see_changes_epoch_with_every_entry_in_or_out() {
+    let pool = pool(8, 2);
+    let empty = pool.cache_index(0);
+    assert_eq!(empty.ids, Some(Vec::new()));
+    // Nothing changed: the caller that knows this epoch gets no ids.
+    assert_eq!(pool.cache_index(empty.epoch).ids, None);
+    let k = keys(1, 2);
+    cache_sequence(&pool, ns(1), &k, 17);
+    let full = pool.cache_index(empty.epoch);
+    assert_ne!(full.epoch, empty.epoch);
+    let mut ids = full.ids.clone().expect("a new epoch sends the set");
+    ids.sort_unstable();
+    let mut want: Vec<u64> = k.iter().map(PageKey::routing_id).collect();
+    want.sort_unstable();
+    assert_eq!(ids, want);
+    // An eviction (another chain over the bound of 2) is a change too.
+    cache_sequence(&pool, ns(1), &keys(2, 1), 9);
+    let after = pool.cache_index(full.epoch);
+    assert_ne!(after.epoch, full.epoch);
+    assert_eq!(after.ids.map(|v| v.len()), Some(2));
+    assert_eq!(pool.clear_cache(), 2);
+    assert_eq!(pool.cache_index(after.epoch).ids, Some(Vec::new()));
+}

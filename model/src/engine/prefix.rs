@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use kvmesh_kvpool::{Namespace, PageKey, Reservation};
+use kvmesh_kvpool::{CacheIndex, Namespace, PageKey, Reservation};
 use kvmesh_prefix::{CacheKeys, ModelTag};
 
 use super::{Engine, Sequence};
@@ -109,6 +109,14 @@ impl Engine {
     /// The prefix cache, when on.
     pub fn prefix_cache(&self) -> Option<&Arc<PrefixCache>> {
         self.prefix.as_ref()
+    }
+
+    /// What this node tells routers of its cache: the model tag its keys
+    /// are computed with and the pool's [`CacheIndex`] (page ids unless
+    /// `known` is the current epoch). `None` with the cache off.
+    pub fn cache_advert(&self, known: u64) -> Option<(ModelTag, CacheIndex)> {
+        let cache = self.prefix.as_ref()?;
+        Some((cache.model, self.pool.cache_index(known)))
     }
 
     /// Keys of the prompt's pages that may come from the cache: every full

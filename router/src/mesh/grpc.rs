@@ -25,7 +25,8 @@ use tokio::sync::mpsc;
 use super::{Admitted, Event, Finish, Job, Mesh};
 use crate::error::{DispatchError, Rejection};
 use crate::metrics::Metrics;
-use crate::nodes::{Node, Nodes, Role};
+use crate::nodes::{Node, Nodes, Prefix, Role};
+use kvmesh_prefix::Namespace;
 
 /// Abort reason code sent to decode when the client is gone (kvxfer's
 /// `AbortReason::CLIENT_GONE`).
@@ -81,18 +82,26 @@ impl Mesh for GrpcMesh {
     fn generate(&self, req: Admitted) -> Result<mpsc::Receiver<Event>, Rejection> {
         let (job, slot) = req.into_parts();
         let total = job.prompt_ids.len() + job.max_tokens;
+        let ns = self.namespace(&job);
+        let prefix = ns.as_ref().map(|ns| Prefix {
+            ns,
+            prompt: &job.prompt_ids,
+        });
         // Fail fast with no node; the node itself is chosen again per try.
-        self.nodes.pick(Role::Decode, needed(total))?;
-        let (prefill, p_report) = self
-            .nodes
-            .pick(Role::Prefill, needed(job.prompt_ids.len()))?;
+        self.nodes.pick(Role::Decode, needed(total), None)?;
+        let (prefill, p_report) =
+            self.nodes
+                .pick(Role::Prefill, needed(job.prompt_ids.len()), prefix.as_ref())?;
+        let busy = prefill.busy();
         let (tx, rx) = mpsc::channel(64);
         let mesh = self.clone();
         tokio::spawn(async move {
             let _slot = slot;
+            let _busy = busy;
             run(
                 &mesh,
                 job,
+                ns,
                 &prefill,
                 p_report.writer_id,
                 &tx,
@@ -119,6 +128,19 @@ fn with_faults<T>(msg: T, faults: &FaultPlan) -> tonic::Request<T> {
     req
 }
 
+impl GrpcMesh {
+    /// The request's namespace, `None` with the prefix cache off. Rule 1
+    /// of design/prefix-cache.md: it comes from the authenticated tenant,
+    /// narrowed by the client's salt, derived here and nowhere downstream.
+    fn namespace(&self, job: &Job) -> Option<Namespace> {
+        self.prefix_cache.then(|| {
+            self.nodes
+                .cache_keys()
+                .namespace(&job.tenant.0, job.cache_salt.as_deref())
+        })
+    }
+}
+
 /// Capacity the node must have: none asked when a test planted the bug
 /// that switches admission off (the nodes' re-checks must then refuse).
 fn needed(tokens: usize) -> Option<usize> {
@@ -131,6 +153,7 @@ fn needed(tokens: usize) -> Option<usize> {
 async fn run(
     r: &GrpcMesh,
     job: Job,
+    ns: Option<Namespace>,
     prefill: &Arc<Node>,
     writer_id: Vec<u8>,
     tx: &mpsc::Sender<Event>,
@@ -152,18 +175,11 @@ async fn run(
     let fail = |e: DispatchError| async move {
         let _ = tx.send(Event::Error(e)).await;
     };
-    // Rule 1 of design/prefix-cache.md: the namespace comes from the
-    // authenticated tenant, narrowed by the client's salt, derived here
-    // and nowhere downstream.
-    let cache_namespace = if r.prefix_cache {
-        r.nodes
-            .cache_keys()
-            .namespace(&job.tenant.0, job.cache_salt.as_deref())
-            .as_bytes()
-            .to_vec()
-    } else {
-        Vec::new()
-    };
+    let cache_namespace = ns.map(|ns| ns.as_bytes().to_vec()).unwrap_or_default();
+    let prefix = ns.as_ref().map(|ns| Prefix {
+        ns,
+        prompt: &job.prompt_ids,
+    });
     let sampling = Sampling {
         temperature: job.temperature,
         top_p: job.top_p,
@@ -192,8 +208,8 @@ async fn run(
     // lost; held unread to the end of the request, so its reservation ends
     // by lease (or by the drop at the end).
     let mut _lost = None;
-    let (decode, mut stream, granted) = loop {
-        let decode = match r.nodes.pick(Role::Decode, needed(total)) {
+    let (_busy, decode, mut stream, granted) = loop {
+        let decode = match r.nodes.pick(Role::Decode, needed(total), prefix.as_ref()) {
             Ok((n, _)) => n,
             Err(_) => {
                 return fail(DispatchError::NoHealthyNode { role: Role::Decode }).await;
@@ -228,7 +244,7 @@ async fn run(
         match first {
             Ok(Some(DecodeEvent {
                 event: Some(decode_event::Event::Granted(g)),
-            })) => break (decode, stream, g),
+            })) => break (decode.busy(), decode, stream, g),
             Ok(Some(DecodeEvent {
                 event: Some(decode_event::Event::Refused(refused)),
             })) => {
