@@ -120,6 +120,45 @@ pub struct Prefix<'a> {
     pub prompt: &'a [u32],
 }
 
+/// A request's page keys as one choice of node needs them: computed once
+/// per model tag and page size however many nodes are scored, and only as
+/// far as some node matches (one HMAC a page).
+struct RoutingIds<'a> {
+    keys: &'a kvmesh_prefix::CacheKeys,
+    prefix: &'a Prefix<'a>,
+    /// Per (tag, page size): the keys of the first pages, so far.
+    memo: Vec<(ModelTag, usize, Vec<kvmesh_prefix::PageKey>)>,
+}
+
+impl RoutingIds<'_> {
+    /// The routing id of page `i` under `model` and pages of `ps`; `None`
+    /// past the pages a cache may supply (those before the last token's).
+    fn get(&mut self, model: &ModelTag, ps: usize, i: usize) -> Option<u64> {
+        if ps == 0 || i >= self.prefix.prompt.len().saturating_sub(1) / ps {
+            return None;
+        }
+        let at = match self
+            .memo
+            .iter()
+            .position(|(m, p, _)| m == model && *p == ps)
+        {
+            Some(at) => at,
+            None => {
+                self.memo.push((*model, ps, Vec::new()));
+                self.memo.len() - 1
+            }
+        };
+        let keys = &mut self.memo[at].2;
+        while keys.len() <= i {
+            let j = keys.len();
+            let page = &self.prefix.prompt[j * ps..(j + 1) * ps];
+            let key = self.keys.page_key(self.prefix.ns, model, keys.last(), page);
+            keys.push(key);
+        }
+        Some(keys[i].routing_id())
+    }
+}
+
 impl Node {
     /// The decode client; its calls prove the mesh secret.
     pub fn decode(&self) -> DecodeClient<PeerChannel> {
@@ -156,28 +195,23 @@ impl Node {
         Busy(Arc::clone(self))
     }
 
-    /// Leading pages of `prefix` the node caches (by the router's index),
-    /// at most those before the page holding the last prompt token (that
-    /// one is always computed); 0 with its cache off.
-    fn matched_pages(&self, keys: &kvmesh_prefix::CacheKeys, prefix: &Prefix<'_>) -> usize {
+    /// Leading pages of the request the node caches (by the router's
+    /// index), at most those before the page holding the last prompt token
+    /// (that one is always computed); 0 with its cache off.
+    fn matched_pages(&self, ids: &mut RoutingIds<'_>) -> usize {
         let s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let (Some(model), Some(ps)) = (s.cache.model, s.report.as_ref().map(|r| r.page_size))
         else {
             return 0;
         };
-        let ps = ps as usize;
-        if ps == 0 || s.cache.ids.is_empty() {
+        if s.cache.ids.is_empty() {
             return 0;
         }
-        let usable = prefix.prompt.len().saturating_sub(1) / ps;
-        let mut parent = None;
         let mut n = 0;
-        for page in prefix.prompt.chunks_exact(ps).take(usable) {
-            let key = keys.page_key(prefix.ns, &model, parent.as_ref(), page);
-            if !s.cache.ids.contains(&key.routing_id()) {
-                break;
-            }
-            parent = Some(key);
+        while ids
+            .get(&model, ps as usize, n)
+            .is_some_and(|id| s.cache.ids.contains(&id))
+        {
             n += 1;
         }
         n
@@ -309,14 +343,19 @@ impl Nodes {
         tokens: Option<usize>,
         prefix: Option<&Prefix<'_>>,
     ) -> Result<(Arc<Node>, LoadReport), Rejection> {
+        let mut ids = prefix.map(|prefix| RoutingIds {
+            keys: &self.cache_keys,
+            prefix,
+            memo: Vec::new(),
+        });
         self.all
             .iter()
             .filter(|n| n.role == role)
             .filter_map(|n| n.report().map(|r| (Arc::clone(n), r)))
             .filter(|(_, r)| tokens.is_none_or(|t| r.max_seq_tokens as usize >= t))
             .min_by_key(|(n, r)| {
-                let uncached = prefix.map_or(0, |p| {
-                    p.prompt.len() - n.matched_pages(&self.cache_keys, p) * r.page_size as usize
+                let uncached = ids.as_mut().map_or(0, |ids| {
+                    ids.prefix.prompt.len() - n.matched_pages(ids) * r.page_size as usize
                 });
                 let load = n
                     .in_flight
