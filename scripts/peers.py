@@ -5,7 +5,8 @@ Face transformers (PyTorch, CPU, float32), on the default model
 count for every engine.
 
 Usage: python3 scripts/peers.py [--threads N] [--rounds 3] [--repeats 3] [--decode-tokens 64]
-                                [--skip transformers] [--skip llama.cpp] [--skip kvmesh]
+                                [--skip transformers] [--skip llama.cpp] [--skip kvmesh] [--skip multi-turn]
+                                [--mt-conversations 3] [--mt-turns 5] [--mt-answer-tokens 32] [--mt-seed 0]
                                 [--kvmesh target/release/kvmesh] [--gguf PATH] [--json PATH]
 
 Setup (automatic): a virtual environment outside the repository
@@ -24,7 +25,8 @@ Rounds: transformers is measured once first; then llama.cpp and kvmesh take
 turns for --rounds rounds, so that a slow spell of a shared host falls on both.
 In a round each measurement is the median of --repeats runs (llama.cpp: after
 one warm-up run in the first round; kvmesh: `bench-engine --repeats`, its own
-median). The table holds each engine's median over the rounds; the ratio column
+median), then the multi-turn script is played once by llama.cpp and once by
+kvmesh. The table holds each engine's median over the rounds; the ratio column
 and the goals use the median of the rounds' own kvmesh/llama.cpp ratios, and
 the goals list every round's ratio.
 
@@ -39,23 +41,79 @@ Measurements:
                    per token (llama.cpp: a llama_batch of 16 tokens with 16 sequence
                    ids, n_seq_max 16; transformers: a [16, 1] forward with
                    past_key_values), aggregate generated tokens/s
+  multi-turn       chat with prompt caching (kvmesh and llama.cpp; transformers
+                   has no part): TTFT per turn, below
 The prompt tokens are the filler text of `kvmesh bench-engine` (cli/src/bench.rs),
 tokenized by llama.cpp and repeated to length; the same ids go to every engine.
+
+Multi-turn chat with prompt caching: a conversation script made with
+random.Random(--mt-seed) from about 60 plain lowercase English words in
+sentences ending with '.', sized with llama.cpp's tokenizer
+(Llama.tokenize(text.encode(), add_bos=False), to the target or a token or two
+over): a system prompt of about 500 tokens shared by --mt-conversations (3)
+conversations of --mt-turns (5) user messages of about 150 tokens each, every
+conversation its own messages. Both engines play it the same way: one request
+at a time (no queueing), turn by turn across the conversations (for turn t:
+for conversation c), each request a streamed, greedy chat completion of the
+whole history (system, user 1, assistant 1, ..., user t) with
+--mt-answer-tokens (32) tokens, its answer appended as the assistant message;
+TTFT is from the request to its first non-empty content. Every round starts
+cold (a fresh kvmesh process; a reset llama.cpp context and a new cache;
+llama.cpp's model is loaded once, with one short warm-up completion).
+  kvmesh: the script goes to a temporary JSON file
+          {"system": ..., "users": [[turn 1, ...], ...], "answer_tokens": 32}
+          and `kvmesh bench-cache --scenario multi-turn --script FILE --sequential
+          --targets on --json OUT --model GGUF` (RAYON_NUM_THREADS, as below)
+          plays it with its prefix cache on; OUT's multi_turn.on.ttft_s[c][t]
+          and cached_tokens[c][t] are read back
+  llama.cpp: llama-cpp-python's high-level Llama (n_ctx 4096, more if the
+          script's longest conversation needs it, n_batch =
+          n_ubatch = 512, flash attention as llama.cpp's context default, the
+          same threads) with llm.set_cache(llama_cpp.LlamaRAMCache(
+          capacity_bytes=2 << 30)), its RAM prompt cache, and
+          create_chat_completion(messages, max_tokens, temperature=0.0,
+          repeat_penalty=1.0 (plain greedy: the chat handler's default is
+          1.1), stream=True) with the GGUF's own chat template
+          (SmolLM2's is ChatML, as kvmesh's). How that cache works
+          (llama_cpp/llama.py, llama_cache.py of 0.3.36): chat completion renders
+          the template, tokenizes and calls create_completion, whose
+          _create_completion looks the prompt's tokens up in the cache (the
+          stored key with the longest common prefix, a linear scan) and, when
+          that prefix is longer than what the live context already holds,
+          load_state()s it (the whole llama_state plus the Python logits
+          buffer: within the TTFT); Llama.generate then keeps the longest
+          common prefix of the context (kv_cache_seq_rm past it) and
+          evaluates only the rest. After
+          the last chunk the state is saved under prompt + answer tokens
+          (save_state(): outside the TTFT, within the request), the oldest
+          evicted past 2 GiB. So a conversation's later turn restores its own
+          previous state, and a first turn reuses the system prompt from the
+          live context. "cached" for llama.cpp is the prefix it kept, read
+          from Llama.eval's first call of the request (n_tokens at that call).
+The multi-turn table has a row per turn: each engine's TTFT (ms, the median
+over the conversations and rounds), its cached prompt tokens (median), and
+the median of the rounds' own ratios (each round's TTFT the median over the
+conversations).
 Threads: llama.cpp n_threads and n_threads_batch, torch.set_num_threads, and
 RAYON_NUM_THREADS for kvmesh. KV cache: f16 in llama.cpp (its default) and in
 kvmesh (`--kv-cache-dtype auto` with quantized weights); f32 in transformers.
 
 Output: a table (rows: the three measurements; columns: kvmesh, llama.cpp,
-transformers, kvmesh/llama.cpp), the goals (decode b1 >= 1.5x llama.cpp's b1;
-aggregate @16 >= 4x llama.cpp's b1 rate; prefill >= 2x llama.cpp's), the core
-count and CPU model; --json PATH writes the same. A benchmark: it never fails on
-a number, only when an engine cannot run.
+transformers, kvmesh/llama.cpp), the multi-turn table under it, the goals
+(decode b1 >= 1.5x llama.cpp's b1; aggregate @16 >= 4x llama.cpp's b1 rate;
+prefill >= 2x llama.cpp's; multi-turn: kvmesh's TTFT at the last turn <= 0.5x
+llama.cpp's, both with their prompt caches), the core count and CPU model;
+--json PATH writes the same (the multi-turn figures under "multi_turn").
+--skip multi-turn leaves that measurement out; --skip kvmesh or --skip llama.cpp
+leaves that engine out of it too. A benchmark: it never fails on a number,
+only when an engine cannot run.
 """
 
 import argparse
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -72,6 +130,8 @@ DEFAULT_GGUF = Path(
 )
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 PEERS = ("kvmesh", "llama.cpp", "transformers")
+# What --skip takes: a peer, or a measurement.
+SKIPPABLE = PEERS + ("multi-turn",)
 
 # The filler text of `kvmesh bench-engine` (cli/src/bench.rs `filler`): its
 # tokens, repeated to length, are every engine's prompt.
@@ -353,6 +413,262 @@ def llama_cpp_info():
 
 
 # --------------------------------------------------------------------------------------
+# Multi-turn chat with prompt caching: kvmesh's `bench-cache` against
+# llama-cpp-python's chat completion with its RAM prompt cache
+# --------------------------------------------------------------------------------------
+
+# Plain lowercase English words the conversation texts are made of.
+MT_WORDS = (
+    "the of and to in is it you that he was for on are with as his they be at one have this from "
+    "or had by word but what some we can out other were all there when up use your how said an "
+    "each she which do their time if will way about many then them would write like so these her"
+).split()
+MT_SYSTEM_TOKENS = 500
+MT_USER_TOKENS = 150
+MT_N_CTX = 4096
+MT_CACHE_BYTES = 2 << 30
+# Tokens the chat template adds around a message (<|im_start|>role\n ... <|im_end|>\n),
+# rounded up: for the context size only.
+MT_TEMPLATE_TOKENS = 8
+
+
+class Vocab:
+    """llama-cpp-python's Llama with only the vocabulary loaded, to size
+    the texts: Llama.tokenize(text.encode(), add_bos=False). (Its context of
+    a vocabulary-only model makes llama.cpp warn "n_ctx_seq (512) >
+    n_ctx_train (0)": harmless.)"""
+
+    def __init__(self, gguf):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
+
+    def count(self, text):
+        return len(self.llm.tokenize(text.encode(), add_bos=False))
+
+    def close(self):
+        self.llm.close()
+
+
+def mt_text(rng, vocab, target):
+    """Words of MT_WORDS in sentences of 6 to 14 words, each ending with '.',
+    until the text is `target` tokens or just over (by a token or two).
+    Returns the text and its token count."""
+    words, left = [], rng.randint(6, 14)
+    while True:
+        words.append(rng.choice(MT_WORDS))
+        left -= 1
+        if left == 0:
+            words[-1] += "."
+            left = rng.randint(6, 14)
+        text = " ".join(words) + ("" if words[-1].endswith(".") else ".")
+        n = vocab.count(text)
+        if n >= target:
+            return text, n
+
+
+def mt_script(gguf, conversations, turns, answer_tokens, seed):
+    """The conversation script both engines play: a shared system prompt of
+    about MT_SYSTEM_TOKENS tokens and `conversations` lists of `turns` user
+    messages of about MT_USER_TOKENS tokens each, from random.Random(seed).
+    Returns (the script, as written for `kvmesh bench-cache --script`, and
+    its token counts)."""
+    rng = random.Random(seed)
+    vocab = Vocab(gguf)
+    try:
+        system, system_n = mt_text(rng, vocab, MT_SYSTEM_TOKENS)
+        users, users_n = [], []
+        for _ in range(conversations):
+            conv = [mt_text(rng, vocab, MT_USER_TOKENS) for _ in range(turns)]
+            users.append([text for text, _ in conv])
+            users_n.append([n for _, n in conv])
+    finally:
+        vocab.close()
+    if len({conv[0] for conv in users}) != len(users):
+        raise RuntimeError("two conversations drew the same first message: choose another --mt-seed")
+    script = {"system": system, "users": users, "answer_tokens": answer_tokens}
+    return script, {"system_tokens": system_n, "user_tokens": users_n}
+
+
+def mt_context(counts, answer_tokens):
+    """The longest conversation's tokens at its last answer, with room for
+    the chat template."""
+    return max(
+        counts["system_tokens"] + MT_TEMPLATE_TOKENS
+        + sum(n + answer_tokens + 2 * MT_TEMPLATE_TOKENS for n in conv)
+        for conv in counts["user_tokens"]
+    )
+
+
+def mt_shape(name, v, conversations, turns):
+    """Checks that v is a list per conversation of a number per turn."""
+    if not (isinstance(v, list) and len(v) == conversations
+            and all(isinstance(c, list) and len(c) == turns for c in v)):
+        raise RuntimeError(f"{name}: expected {conversations} lists of {turns} values, got {json.dumps(v)[:300]}")
+    return v
+
+
+def run_kvmesh_multi_turn(kvmesh, gguf, threads, script_path, out_path, conversations, turns):
+    """One `kvmesh bench-cache --scenario multi-turn --sequential` run of the
+    script: per conversation, per turn, the TTFT (s) and the prompt tokens
+    served from its prefix cache."""
+    cmd = [
+        str(kvmesh), "bench-cache", "--scenario", "multi-turn", "--script", str(script_path),
+        "--sequential", "--targets", "on", "--json", str(out_path), "--model", str(gguf),
+    ]
+    log("kvmesh: " + " ".join(cmd[1:]))
+    out_path.unlink(missing_ok=True)
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), KVMESH_LOG="warn")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"kvmesh bench-cache failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
+    if not out_path.exists():
+        raise RuntimeError(f"kvmesh bench-cache wrote no {out_path}")
+    on = json.loads(out_path.read_text())["multi_turn"]["on"]
+    ttft = mt_shape("kvmesh ttft_s", on["ttft_s"], conversations, turns)
+    cached = on.get("cached_tokens")
+    if cached is not None:
+        cached = mt_shape("kvmesh cached_tokens", cached, conversations, turns)
+    return {"ttft_s": ttft, "cached_tokens": cached}
+
+
+class LlamaChat:
+    """llama-cpp-python's high-level Llama for the multi-turn measurement:
+    its chat completion (the GGUF's own chat template) with its RAM prompt
+    cache, a fresh cache every round. The context matches LlamaCpp's:
+    n_batch = n_ubatch = 512, f16 KV cache, the threads of the others."""
+
+    def __init__(self, gguf, threads, n_ctx):
+        import llama_cpp
+
+        self.llama_cpp = llama_cpp
+        # Flash attention as llama.cpp's context default (LlamaCpp's): that
+        # is auto, which enables it on the CPU; the high-level Llama takes a
+        # bool and would otherwise disable it.
+        flash = llama_cpp.llama_context_default_params().flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+            n_batch=PROMPT_TOKENS, n_ubatch=PROMPT_TOKENS, flash_attn=flash, verbose=False,
+        )
+        self.info = {"n_ctx": n_ctx, "flash_attn": flash, "chat_format": self.llm.chat_format,
+                     "cache": f"LlamaRAMCache(capacity_bytes={MT_CACHE_BYTES})"}
+        # What a request reused: Llama.generate evaluates the prompt past
+        # the prefix it kept (its live KV cache, or a state the prompt cache
+        # restored) with one call of eval, at n_tokens = that prefix.
+        self.first_eval = None
+        plain_eval = self.llm.eval
+
+        def eval_recording(tokens):
+            if self.first_eval is None:
+                self.first_eval = (self.llm.n_tokens, len(tokens))
+            return plain_eval(tokens)
+
+        self.llm.eval = eval_recording
+        # Warm-up: one short completion, then a cleared context.
+        for _ in self.llm.create_chat_completion(
+                messages=[{"role": "user", "content": "the way."}], max_tokens=2, temperature=0.0, stream=True):
+            pass
+        self.llm.reset()
+
+    def close(self):
+        self.llm.close()
+
+    def request(self, messages, answer_tokens):
+        """One streamed, greedy chat completion: (TTFT s, the answer, prompt
+        tokens reused, prompt tokens)."""
+        self.first_eval = None
+        t = time.perf_counter()
+        ttft, parts = None, []
+        stream = self.llm.create_chat_completion(
+            messages=messages, max_tokens=answer_tokens, temperature=0.0, repeat_penalty=1.0, stream=True)
+        for chunk in stream:
+            content = chunk["choices"][0]["delta"].get("content")
+            if content:
+                if ttft is None:
+                    ttft = time.perf_counter() - t
+                parts.append(content)
+        if ttft is None:  # an empty answer: the whole request
+            ttft = time.perf_counter() - t
+            log("llama.cpp: a multi-turn answer came back empty; its TTFT is the whole request")
+        reused, fresh = self.first_eval or (None, None)
+        return ttft, "".join(parts), reused, None if reused is None else reused + fresh
+
+    def multi_turn(self, script):
+        """The script turn by turn (for turn t: for conversation c), each
+        request the whole history so far plus user message t, the answer
+        appended as the assistant message; a cold context and a fresh
+        prompt cache."""
+        users = script["users"]
+        conversations, turns = len(users), len(users[0])
+        self.llm.reset()
+        self.llm.set_cache(self.llama_cpp.LlamaRAMCache(capacity_bytes=MT_CACHE_BYTES))
+        grid = lambda: [[None] * turns for _ in range(conversations)]
+        ttft, cached, prompt = grid(), grid(), grid()
+        history = [[{"role": "system", "content": script["system"]}] for _ in range(conversations)]
+        try:
+            for t in range(turns):
+                for c in range(conversations):
+                    messages = history[c] + [{"role": "user", "content": users[c][t]}]
+                    ttft[c][t], answer, cached[c][t], prompt[c][t] = self.request(messages, script["answer_tokens"])
+                    history[c] = messages + [{"role": "assistant", "content": answer}]
+        finally:
+            self.llm.set_cache(None)  # the round's saved states go
+        return {"ttft_s": ttft, "cached_tokens": cached, "prompt_tokens": prompt}
+
+
+def mt_per_turn(rounds, key, turns, scale=1.0):
+    """Per turn, the median over conversations and rounds of `key`
+    (None where no round has it)."""
+    out = []
+    for t in range(turns):
+        vals = [r[key][c][t] for r in rounds if r.get(key) for c in range(len(r[key])) if r[key][c][t] is not None]
+        out.append(round(statistics.median(vals) * scale, 1) if vals else None)
+    return out
+
+
+def mt_ratios(k_rounds, l_rounds, turns):
+    """Per turn, the median of the rounds' own kvmesh/llama.cpp TTFT ratios
+    (each round's TTFT: its median over the conversations), and the last
+    turn's per-round ratios."""
+    def round_turn(r, t):
+        return statistics.median(conv[t] for conv in r["ttft_s"])
+
+    per_turn, last = [], []
+    for t in range(turns):
+        rs = [round_turn(k, t) / round_turn(l, t) for k, l in zip(k_rounds, l_rounds)]
+        per_turn.append(round(statistics.median(rs), 3) if rs else None)
+        if t == turns - 1:
+            last = [round(r, 3) for r in rs]
+    return per_turn, last
+
+
+def mt_report(mt):
+    """The "multi_turn" entry of the report from what the rounds gathered."""
+    if mt.get("skipped"):
+        return {"skipped": mt["skipped"]}
+    turns = mt["turns"]
+    out = {key: mt[key] for key in ("conversations", "turns", "answer_tokens", "seed", "system_tokens", "user_tokens")}
+    for name in ("kvmesh", "llama.cpp"):
+        rs = mt["rounds"].get(name)
+        if name in mt["errors"]:
+            out[name] = {"error": mt["errors"][name]}
+        elif not rs:
+            out[name] = None
+        else:
+            out[name] = {
+                "ttft_ms": mt_per_turn(rs, "ttft_s", turns, 1000.0),
+                "cached_tokens": mt_per_turn(rs, "cached_tokens", turns),
+                "rounds": [dict(r, ttft_s=[[round(x, 5) for x in conv] for conv in r["ttft_s"]]) for r in rs],
+                "info": mt["info"].get(name),
+            }
+    k, l = out.get("kvmesh"), out.get("llama.cpp")
+    if k and l and "error" not in k and "error" not in l:
+        out["ratio"], out["ratio_last_turn_rounds"] = mt_ratios(k["rounds"], l["rounds"], turns)
+        out["ratio_last_turn"] = out["ratio"][-1]
+    return out
+
+
+# --------------------------------------------------------------------------------------
 # transformers, float32 on the CPU, the model from the GGUF as make_golden.py makes it
 # --------------------------------------------------------------------------------------
 
@@ -433,7 +749,31 @@ def paired_ratio(res, ours, theirs):
     return statistics.median(per_round), per_round
 
 
-def goals(res):
+MT_GOAL = 0.5
+
+
+def mt_goal(mt):
+    """The multi-turn goal: kvmesh's last-turn TTFT at most MT_GOAL of
+    llama.cpp's, the median of the rounds' ratios."""
+    turns = (mt or {}).get("turns", "T")
+    name = f"multi-turn: kvmesh turn-{turns} TTFT <= {MT_GOAL}x llama.cpp's (both with their prompt caches)"
+    if not mt or mt.get("skipped"):
+        return {"goal": name, "status": "NOT EVALUATED", "detail": "multi-turn skipped"}
+    ratio, per_round = mt.get("ratio_last_turn"), mt.get("ratio_last_turn_rounds") or []
+    if ratio is None:
+        return {"goal": name, "status": "NOT EVALUATED", "detail": "kvmesh or llama.cpp not measured"}
+    met = sum(r <= MT_GOAL for r in per_round)
+    return {
+        "goal": name,
+        "status": "MET" if ratio <= MT_GOAL else "NOT MET",
+        "ratio": round(ratio, 2),
+        "rounds": [round(r, 2) for r in per_round],
+        "detail": f"{ratio:.2f}x, the median of the rounds' ratios of the median TTFT over the conversations "
+        f"({', '.join(f'{r:.2f}' for r in per_round)}; {met} of {len(per_round)} at {MT_GOAL}x or less)",
+    }
+
+
+def goals(res, mt=None):
     specs = [
         ("decode b1 >= 1.5x llama.cpp b1", "decode_b1", "decode_b1", 1.5),
         (f"aggregate @{BATCH} >= 4x llama.cpp b1", f"decode_b{BATCH}", "decode_b1", 4.0),
@@ -454,7 +794,42 @@ def goals(res):
             "detail": f"{ratio:.2f}x, the median of the rounds' ratios "
             f"({', '.join(f'{r:.2f}' for r in per_round)}; {met} of {len(per_round)} at {factor}x or more)",
         })
+    out.append(mt_goal(mt))
     return out
+
+
+def render_multi_turn(mt):
+    """The multi-turn table: a row per turn."""
+    if not mt or mt.get("skipped"):
+        return [f"multi-turn chat: skipped ({(mt or {}).get('skipped', 'not run')})"]
+    users = [n for conv in mt["user_tokens"] for n in conv]
+    lines = [
+        f"multi-turn chat, prompt caches on: {mt['conversations']} conversations x {mt['turns']} turns, "
+        f"a shared {mt['system_tokens']}-token system prompt, user messages of {min(users)}-{max(users)} tokens, "
+        f"{mt['answer_tokens']}-token greedy answers; sent one at a time, turn by turn across the conversations",
+        "TTFT ms, the median over the conversations and rounds; cached: prompt tokens served from the engine's "
+        "cache (median); the last column the median of the rounds' own ratios",
+        f"{'turn':<6} {'kvmesh':>10} {'cached':>7} {'llama.cpp':>10} {'cached':>7} {'kvmesh/llama.cpp':>17}",
+    ]
+    k, l = mt.get("kvmesh") or {}, mt.get("llama.cpp") or {}
+    ratio = mt.get("ratio") or [None] * mt["turns"]
+    cell = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"
+    for t in range(mt["turns"]):
+        get = lambda e, key: (e.get(key) or [None] * mt["turns"])[t]
+        lines.append(
+            f"{t + 1:<6} {cell(get(k, 'ttft_ms'), '.1f'):>10} {cell(get(k, 'cached_tokens'), '.0f'):>7} "
+            f"{cell(get(l, 'ttft_ms'), '.1f'):>10} {cell(get(l, 'cached_tokens'), '.0f'):>7} "
+            f"{cell(ratio[t], '.2f') + ('x' if ratio[t] else ''):>17}"
+        )
+    for name in ("kvmesh", "llama.cpp"):
+        e = mt.get(name)
+        if e is None:
+            lines.append(f"multi-turn {name}: skipped")
+        elif "error" in e:
+            lines.append(f"multi-turn {name}: not measured: {e['error']}")
+        else:
+            lines.append(f"multi-turn {name}: {json.dumps(e['info'])}")
+    return lines
 
 
 def render(report):
@@ -478,6 +853,7 @@ def render(report):
         paired, _ = paired_ratio(res, key, key)
         ratio = f"{paired:.2f}x" if paired else "-"
         lines.append(f"{label:<30} {cell(k):>10} {cell(l):>10} {cell(t):>13} {ratio:>17}")
+    lines += [""] + render_multi_turn(report.get("multi_turn")) + [""]
     for name in PEERS:
         r = res.get(name)
         if r is None:
@@ -498,12 +874,68 @@ def render(report):
     return "\n".join(lines)
 
 
+def multi_turn_setup(args, skip, gguf, threads):
+    """The multi-turn measurement's state: its script (written for kvmesh),
+    which engines play it, and what the rounds gather."""
+    if "multi-turn" in skip:
+        return {"skipped": "--skip multi-turn"}
+    engines = [e for e in ("llama.cpp", "kvmesh") if e not in skip]
+    if not engines:
+        return {"skipped": "both kvmesh and llama.cpp skipped"}
+    conversations, turns, answer = args.mt_conversations, args.mt_turns, args.mt_answer_tokens
+    try:
+        script, counts = mt_script(gguf, conversations, turns, answer, args.mt_seed)
+    except Exception as e:
+        log(f"multi-turn failed: no script: {type(e).__name__}: {e}")
+        return {"skipped": f"no script: {type(e).__name__}: {e}", "failed": True}
+    users = [n for conv in counts["user_tokens"] for n in conv]
+    n_ctx = max(MT_N_CTX, -(-mt_context(counts, answer) // 512) * 512)
+    if n_ctx > MT_N_CTX:
+        log(f"multi-turn: the longest conversation needs more than {MT_N_CTX} tokens: llama.cpp's n_ctx {n_ctx}")
+    tmp = Path(tempfile.mkdtemp(prefix="kvmesh-peers-mt-"))
+    (tmp / "script.json").write_text(json.dumps(script) + "\n")
+    log(f"multi-turn: {conversations} conversations x {turns} turns, system {counts['system_tokens']} tokens, "
+        f"user messages {min(users)}-{max(users)} tokens, {answer}-token answers, script {tmp / 'script.json'}")
+    return {
+        "engines": engines, "script": script, "dir": tmp, "n_ctx": n_ctx,
+        "conversations": conversations, "turns": turns, "answer_tokens": answer, "seed": args.mt_seed,
+        "system_tokens": counts["system_tokens"], "user_tokens": counts["user_tokens"],
+        "rounds": {e: [] for e in engines}, "errors": {}, "info": {},
+    }
+
+
+def multi_turn_round(mt, chat, kvmesh, gguf, threads):
+    """One round of the multi-turn measurement: llama.cpp, then kvmesh,
+    each the whole script once; an engine that failed is not tried again."""
+    if mt.get("skipped"):
+        return
+    last = lambda r: statistics.median(conv[-1] for conv in r["ttft_s"]) * 1000
+    if chat is not None and "llama.cpp" not in mt["errors"]:
+        try:
+            mt["rounds"]["llama.cpp"].append(chat.multi_turn(mt["script"]))
+            log(f"llama.cpp: multi-turn, turn {mt['turns']} TTFT {last(mt['rounds']['llama.cpp'][-1]):.1f} ms")
+        except Exception as e:
+            log(f"llama.cpp multi-turn failed: {type(e).__name__}: {e}")
+            mt["errors"]["llama.cpp"] = f"{type(e).__name__}: {e}"
+    if "kvmesh" in mt["engines"] and "kvmesh" not in mt["errors"]:
+        try:
+            mt["rounds"]["kvmesh"].append(run_kvmesh_multi_turn(
+                kvmesh, gguf, threads, mt["dir"] / "script.json", mt["dir"] / "kvmesh-out.json",
+                mt["conversations"], mt["turns"]))
+            mt["info"].setdefault("kvmesh", {"binary": str(kvmesh), "scenario": "multi-turn", "targets": "on",
+                                             "sequential": True})
+            log(f"kvmesh: multi-turn, turn {mt['turns']} TTFT {last(mt['rounds']['kvmesh'][-1]):.1f} ms")
+        except Exception as e:
+            log(f"kvmesh multi-turn failed: {type(e).__name__}: {e}")
+            mt["errors"]["kvmesh"] = f"{type(e).__name__}: {e}"
+
+
 def measure(args):
     threads = args.threads or os.cpu_count() or 1
     skip = {s for item in args.skip for s in item.split(",") if s}
-    unknown = skip - set(PEERS)
+    unknown = skip - set(SKIPPABLE)
     if unknown:
-        sys.exit(f"--skip: unknown peer(s) {sorted(unknown)}; choose from {PEERS}")
+        sys.exit(f"--skip: unknown value(s) {sorted(unknown)}; choose from {SKIPPABLE}")
     kvmesh_path = Path(args.kvmesh) if args.kvmesh else REPO_ROOT / "target" / "release" / "kvmesh"
     if "kvmesh" not in skip or not Path(args.gguf).exists():
         kvmesh_path = ensure_kvmesh(kvmesh_path, args.kvmesh is not None)
@@ -520,6 +952,7 @@ def measure(args):
         except Exception as e:  # report, and go on with the others
             log(f"transformers failed: {type(e).__name__}: {e}")
             res["transformers"] = {"error": f"{type(e).__name__}: {e}"}
+    mt, chat = multi_turn_setup(args, skip, gguf, threads), None
     # llama.cpp and kvmesh take turns, round by round, so a slow spell of
     # the shared host falls on both; the goals use each round's own ratio.
     rounds = {"llama.cpp": [], "kvmesh": []}
@@ -533,6 +966,13 @@ def measure(args):
         except Exception as e:
             log(f"llama.cpp failed: {type(e).__name__}: {e}")
             res["llama.cpp"] = {"error": f"{type(e).__name__}: {e}"}
+    if "llama.cpp" in mt.get("engines", ()):
+        try:
+            chat = LlamaChat(gguf, threads, mt["n_ctx"])
+            mt["info"]["llama.cpp"] = chat.info
+        except Exception as e:
+            log(f"llama.cpp multi-turn failed: {type(e).__name__}: {e}")
+            mt["errors"]["llama.cpp"] = f"{type(e).__name__}: {e}"
     try:
         for r in range(args.rounds):
             log(f"round {r + 1} of {args.rounds}")
@@ -551,9 +991,14 @@ def measure(args):
                 except Exception as e:
                     log(f"kvmesh failed: {e}")
                     res["kvmesh"] = {"error": str(e)}
+            multi_turn_round(mt, chat, kvmesh_path, gguf, threads)
     finally:
         if eng is not None:
             eng.close()
+        if chat is not None:
+            chat.close()
+        if mt.get("dir"):
+            shutil.rmtree(mt["dir"], ignore_errors=True)
     for name, rs in rounds.items():
         if name in res or not rs:
             continue
@@ -578,8 +1023,9 @@ def measure(args):
         "repeats": args.repeats,
         "rounds": args.rounds,
         "results": res,
-        "goals": goals(res),
+        "multi_turn": mt_report(mt),
     }
+    report["goals"] = goals(res, report["multi_turn"])
     report["load_average_at_end"] = round(os.getloadavg()[0], 2)
     # More runnable work than a quiet machine's background: another job
     # shares the cores (our own threads leave the 1-minute average by the end).
@@ -588,7 +1034,8 @@ def measure(args):
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         log(f"wrote {args.json}")
-    return 1 if any("error" in r for r in res.values()) else 0
+    failed = any("error" in r for r in res.values()) or bool(mt.get("errors")) or mt.get("failed", False)
+    return 1 if failed else 0
 
 
 def main():
@@ -598,13 +1045,20 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=64, help="tokens each sequence decodes")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds in which llama.cpp and kvmesh take turns (the goals use each round's own ratio)")
-    ap.add_argument("--skip", action="append", default=[], help=f"leave out a peer (repeat or comma list): {', '.join(PEERS)}")
+    ap.add_argument("--skip", action="append", default=[],
+                    help=f"leave out a peer or the multi-turn measurement (repeat or comma list): {', '.join(SKIPPABLE)}")
+    ap.add_argument("--mt-conversations", type=int, default=3, help="multi-turn: conversations in the script")
+    ap.add_argument("--mt-turns", type=int, default=5, help="multi-turn: user messages per conversation")
+    ap.add_argument("--mt-answer-tokens", type=int, default=32, help="multi-turn: tokens each answer generates")
+    ap.add_argument("--mt-seed", type=int, default=0, help="multi-turn: the seed of the script's texts")
     ap.add_argument("--kvmesh", default=None, help="the kvmesh binary (default: target/release/kvmesh, built if missing)")
     ap.add_argument("--gguf", default=str(DEFAULT_GGUF), help="the model (default: the cached SmolLM2 Q4_1 GGUF; env KVMESH_GGUF)")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
     args = ap.parse_args()
     if args.repeats < 1 or args.decode_tokens < 1 or args.rounds < 1:
         sys.exit("--repeats, --decode-tokens and --rounds must be at least 1")
+    if args.mt_conversations < 1 or args.mt_turns < 1 or args.mt_answer_tokens < 1:
+        sys.exit("--mt-conversations, --mt-turns and --mt-answer-tokens must be at least 1")
     if not in_venv():
         py = ensure_venv()
         log(f"running in the virtual environment: {py}")

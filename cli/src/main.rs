@@ -13,11 +13,15 @@
 //! - `bench`: a load generator for the gateway (its own `serve` child, or
 //!   `--url`): TTFT, inter-token and end-to-end latency percentiles and
 //!   throughput, optionally side by side with the reference engine.
+//! - `bench-cache`: the prefix cache on and off side by side (multi-turn
+//!   chat, exact repeats, prompts that share nothing, KV bytes shipped) and
+//!   the cross-tenant side channel.
 //! - `soak`: drive a mesh (its own `serve` child, or `--url`) with
 //!   concurrent streams, disconnects and injected faults; check every
 //!   output against the reference engine, pages and memory afterwards.
 
 mod bench;
+mod bench_cache;
 mod bench_router;
 mod config;
 mod loadgen;
@@ -68,6 +72,8 @@ enum Command {
     Decode(serve::RoleArgs),
     /// Load-test the OpenAI gateway (closed or open loop, length distributions), optionally against the reference engine.
     Bench(Box<loadgen::BenchArgs>),
+    /// Measure the prefix cache: multi-turn chat and exact repeats with it on and off, requests that share nothing, KV bytes shipped, and the cross-tenant side channel.
+    BenchCache(Box<bench_cache::BenchCacheArgs>),
     /// Soak and chaos test a mesh: concurrent streams, disconnects, injected faults, outputs checked against the reference.
     Soak(Box<soak::SoakArgs>),
 }
@@ -120,6 +126,32 @@ impl std::str::FromStr for KvCacheDtype {
 }
 
 impl ModelArgs {
+    /// The `serve` flags that start a mesh with these model settings and
+    /// a pool of `kv_pool_tokens`.
+    pub fn serve_flags(&self, kv_pool_tokens: usize) -> Vec<String> {
+        let mut flags: Vec<String> = vec![
+            "--page-size".into(),
+            self.page_size.to_string(),
+            "--kv-pool-tokens".into(),
+            kv_pool_tokens.to_string(),
+            "--scrub".into(),
+            self.scrub.as_str().into(),
+        ];
+        if let Some(n) = self.max_model_len {
+            flags.extend(["--max-model-len".into(), n.to_string()]);
+        }
+        if self.poison {
+            flags.push("--poison".into());
+        }
+        if self.exact {
+            flags.push("--exact".into());
+        }
+        if let Some(d) = self.kv_cache_dtype.0 {
+            flags.push(format!("--kv-cache-dtype={d}"));
+        }
+        flags
+    }
+
     /// The precision the model loads in (`--exact` or quantized).
     pub fn precision(&self) -> Precision {
         if self.exact {
@@ -283,6 +315,7 @@ fn main() -> ExitCode {
         Command::BenchEngine(a) => bench::run(a),
         Command::BenchRouter(a) => bench_router::run(*a),
         Command::Bench(a) => loadgen::run(*a),
+        Command::BenchCache(a) => bench_cache::run(*a),
         Command::Soak(a) => soak::run(*a),
         Command::FetchModel => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))
             .map(|p| println!("{}", p.display()))

@@ -288,6 +288,7 @@ impl DecodeNode {
                 .collect(),
             guard_violations: pool.guard_violations,
             reservations_granted: stats.granted,
+            kv_bytes_received: stats.kv_bytes_received,
             grpc_auth_refused: by_kind(&self.inner.calls.refused()),
             kv_auth_refused: by_kind(&self.inner.kv_server.auth_refused().by_kind()),
             kv_refused: self

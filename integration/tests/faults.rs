@@ -112,7 +112,13 @@ fn run_matrix(
     for (i, (spec, expect)) in matrix().enumerate() {
         cases += 1;
         let stream = i % 2 == 1;
-        let prompt = format!("Case {i}: {prompt}");
+        // Every case shares the prompt's leading pages, so with the
+        // prefix cache on (the default) each fault meets a request served
+        // partly from cached pages, on both sides, and a later case would
+        // read any page a fault left in the cache; the prompt again after
+        // the case number keeps the pages prefill writes (what `frame:N`
+        // faults count) as many as the whole prompt's.
+        let prompt = format!("{prompt} (case {i}) {prompt}");
         let may_equal = expect == Expect::Equal || (expect == Expect::ErrorInOrder && one_sided);
         let want = may_equal.then(|| reference(model, &prompt, max_tokens));
         let mut headers = vec![("x-kvmesh-fault", spec)];
@@ -210,6 +216,18 @@ fn fault_matrix_tcp() {
         false,
     );
     assert_eq!(n, CATALOG.len() + 1);
+    wait_for_cache_hits(&mesh);
+}
+
+/// Waits until both nodes' load reports count prefix-cache hits (the
+/// matrix ran with cached pages on both sides).
+fn wait_for_cache_hits(mesh: &Mesh) {
+    for node in ["prefill-0", "decode-0"] {
+        let selector = format!("kvmesh_node_prefix_cache_hit_tokens_total{{node=\"{node}\"");
+        wait_until(&format!("{node}'s prefix cache hits"), || {
+            metric_of(&mesh.http, &selector).is_some_and(|v| v > 0.0)
+        });
+    }
 }
 
 #[test]
@@ -224,6 +242,7 @@ fn fault_matrix_shm() {
         &[],
         true,
     );
+    wait_for_cache_hits(&mesh);
 }
 
 #[test]

@@ -3,7 +3,9 @@
 //! reference engine; another tenant, or a different `cache_salt`, finds
 //! nothing (design/prefix-cache.md rules 1-3, 8); the next turn of a
 //! conversation finds the previous answer's pages at decode; with the
-//! cache off nothing is kept. The planted bug that drops the tenant from
+//! cache off nothing is kept; another tenant's copy of a cached prompt
+//! costs the work a cold miss costs (the side channel, by work; its
+//! timings are `kvmesh bench-cache`'s). The planted bug that drops the tenant from
 //! the namespace is caught by the same scenario in `prefix_cache_planted.rs`.
 
 use kvmesh_integration::cache::{complete, isolation};
@@ -66,6 +68,66 @@ fn a_tenant_reuses_its_own_prefix_and_nobody_else_does() {
     );
     m.assert_pages_come_back();
     assert_eq!(m.decode_pool().guard_violations, 0);
+    m.shutdown().expect("drains");
+}
+
+/// What one request cost the mesh: its cached tokens, the KV bytes decode
+/// received for it, and the hits prefill and decode counted.
+#[derive(Debug, PartialEq, Eq)]
+struct Cost {
+    cached: u64,
+    kv_bytes: u64,
+    prefill_hits: u64,
+    decode_hits: u64,
+}
+
+fn cost(m: &InProcessMesh, key: &str, prompt: &str) -> Cost {
+    let counters = |m: &InProcessMesh| {
+        (
+            m.decode_table().kv_bytes_received,
+            m.prefill_pool().cache.counters.hit_tokens,
+            m.decode_pool().cache.counters.hit_tokens,
+        )
+    };
+    let before = counters(m);
+    let (_, cached) = complete(&m.http, Some(key), prompt, None, 4);
+    // The transfer was verified before the first token left decode.
+    let after = counters(m);
+    Cost {
+        cached,
+        kv_bytes: after.0 - before.0,
+        prefill_hits: after.1 - before.1,
+        decode_hits: after.2 - before.2,
+    }
+}
+
+/// Design/prefix-cache.md rule 8, by the work each request causes: tenant
+/// B's copy of tenant A's cached prompt computes and ships exactly what
+/// A's cold miss did; A's repeat ships only what decode lacks.
+#[test]
+fn another_tenants_copy_of_a_cached_prompt_costs_what_a_cold_miss_costs() {
+    let m = start(true);
+    let a_cold = cost(&m, "sk-alpha", PROMPT);
+    let a_repeat = cost(&m, "sk-alpha", PROMPT);
+    let b_same = cost(&m, "sk-beta", PROMPT);
+    let b_fresh = cost(&m, "sk-beta", "Completely different words start this prompt, and it shares no page with the other one at all.");
+    assert_eq!(a_cold.cached, 0, "{a_cold:?}");
+    assert!(a_cold.kv_bytes > 0, "{a_cold:?}");
+    assert_eq!(b_same, a_cold, "B's copy must cost what a cold miss costs");
+    assert_eq!(
+        (b_fresh.cached, b_fresh.prefill_hits, b_fresh.decode_hits),
+        (0, 0, 0)
+    );
+    assert!(
+        a_repeat.cached > 0 && a_repeat.prefill_hits == a_repeat.cached,
+        "{a_repeat:?}"
+    );
+    assert!(a_repeat.decode_hits >= a_repeat.cached, "{a_repeat:?}");
+    assert!(
+        a_repeat.kv_bytes < a_cold.kv_bytes,
+        "decode's hit is not shipped again: {a_repeat:?} vs {a_cold:?}"
+    );
+    m.assert_pages_come_back();
     m.shutdown().expect("drains");
 }
 

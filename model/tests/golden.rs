@@ -8,7 +8,10 @@
 //!   [`GAP_TIE`] (below that, summation-order noise may legitimately flip
 //!   the argmax);
 //! - teacher-forced on the reference tokens, every step's top logits must be
-//!   within [`logit_tolerance`] of the reference.
+//!   within [`logit_tolerance`] of the reference;
+//! - all of that again with the prefix cache on, pages of 4 tokens, every
+//!   prompt sent twice: the second time its full pages come from the cache
+//!   (issue 16: greedy output with the cache equals output without it).
 //!
 //! Why that tolerance: both sides compute in f32 but in different summation
 //! orders (candle's gemm vs PyTorch's, our attention vs eager), so each
@@ -21,9 +24,12 @@ mod common;
 
 use std::path::Path;
 
+use kvmesh_kvpool::Namespace;
+use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::engine::{Engine, EngineConfig, Sequence};
 use kvmesh_model::sampling::argmax;
 use kvmesh_model::ChatMessage;
+use kvmesh_prefix::CacheKeys;
 use serde::Deserialize;
 
 /// Reference gaps below this are ties for the purpose of greedy equality.
@@ -109,7 +115,9 @@ fn check_tokenizer(engine: &Engine, g: &Golden) {
 
 /// Greedy tokens and logits against the reference; returns the worst logit
 /// error seen, as a fraction of its tolerance.
-fn check_greedy(engine: &Engine, g: &Golden) -> f32 {
+/// `ns`: admitted in that prefix-cache namespace (the cache's pages are
+/// looked up and kept), or `None`: plainly.
+fn check_greedy(engine: &Engine, g: &Golden, ns: Option<Namespace>) -> f32 {
     let mut worst = 0.0f32;
     for case in &g.greedy {
         assert_eq!(
@@ -124,7 +132,11 @@ fn check_greedy(engine: &Engine, g: &Golden) -> f32 {
         // step. Until the first near-tie the fed tokens are exactly what our
         // own greedy choice would have fed, so this is also the free-running
         // greedy check, at half the cost.
-        let mut seq = engine.admit(case.prompt_ids.clone(), n).expect("admit");
+        let mut seq = match ns {
+            Some(ns) => engine.admit_in(ns, case.prompt_ids.clone(), n),
+            None => engine.admit(case.prompt_ids.clone(), n),
+        }
+        .expect("admit");
         let mut logits = engine.prefill(&mut seq).expect("prefill");
         let mut free_running = true;
         for (i, step) in case.steps.iter().enumerate() {
@@ -179,7 +191,7 @@ fn tiny_llama_matches_transformers() {
     let engine = engine_for(&common::tiny_model_dir());
     let g = read_golden("tiny-llama.json");
     check_tokenizer(&engine, &g);
-    let worst = check_greedy(&engine, &g);
+    let worst = check_greedy(&engine, &g, None);
     eprintln!("tiny-llama: worst logit error = {worst:.3} of tolerance");
     assert_eq!(
         engine.pool().free_pages(),
@@ -196,11 +208,78 @@ fn smollm2_matches_transformers() {
     let engine = engine_for(&path);
     let g = read_golden("smollm2-135m-instruct-q4_1.json");
     check_tokenizer(&engine, &g);
-    let worst = check_greedy(&engine, &g);
+    let worst = check_greedy(&engine, &g, None);
     eprintln!("smollm2: worst logit error = {worst:.3} of tolerance");
     assert_eq!(
         engine.pool().free_pages(),
         engine.pool().capacity_pages(),
         "pages leaked"
     );
+}
+
+/// The engine of [`engine_for`] with its prefix cache on and pages of 4
+/// tokens, so that even the golden files' short prompts have full pages to
+/// cache.
+fn cached_engine_for(path: &Path) -> Engine {
+    Engine::load(
+        path,
+        &EngineConfig {
+            kv_pool_tokens: Some(4096),
+            page_size: 4,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("load model")
+    .with_prefix_cache(
+        CacheKeys::new(&MeshSecret::generate().expect("secret")),
+        0.5,
+    )
+}
+
+/// Every greedy case twice with the cache on: cold, then from the cache.
+fn check_greedy_from_the_cache(path: &Path, golden: &str) {
+    let engine = cached_engine_for(path);
+    let g = read_golden(golden);
+    let ns = Namespace::from_slice(&[7; 32]).expect("32 bytes");
+    let cold = check_greedy(&engine, &g, Some(ns));
+    let hits_before = engine.pool().cache_stats().counters.hit_tokens;
+    let warm = check_greedy(&engine, &g, Some(ns));
+    let hit = engine.pool().cache_stats().counters.hit_tokens - hits_before;
+    // Every prompt of 5 tokens or more has a full page before its last
+    // token's: the second pass must have found them all.
+    let want: usize = g
+        .greedy
+        .iter()
+        .map(|c| (c.prompt_ids.len() - 1) / 4 * 4)
+        .sum();
+    assert!(want > 0, "{}: no prompt spans a full page", g.model);
+    assert!(
+        hit as usize >= want,
+        "{}: the second pass found {hit} cached tokens, want at least {want}",
+        g.model
+    );
+    eprintln!(
+        "{}: worst logit error cold {cold:.3}, from the cache {warm:.3} of tolerance",
+        g.model
+    );
+    engine.pool().clear_cache();
+    assert_eq!(
+        engine.pool().free_pages(),
+        engine.pool().capacity_pages(),
+        "pages leaked"
+    );
+    assert_eq!(engine.pool().stats().guard_violations, 0);
+}
+
+#[test]
+fn tiny_llama_matches_transformers_from_the_prefix_cache() {
+    check_greedy_from_the_cache(&common::tiny_model_dir(), "tiny-llama.json");
+}
+
+#[test]
+fn smollm2_matches_transformers_from_the_prefix_cache() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    check_greedy_from_the_cache(&path, "smollm2-135m-instruct-q4_1.json");
 }

@@ -137,6 +137,11 @@ pub(crate) fn render_nodes(nodes: &Nodes, out: &mut String) {
                 "counter",
             ),
             (
+                "kvmesh_node_kv_bytes_received_total",
+                "KV bytes the decode node received in completed transfers (positions its prefix cache had are not shipped).",
+                "counter",
+            ),
+            (
                 "kvmesh_node_kv_refused_total",
                 "KV-transport messages the decode node refused, by kind.",
                 "counter",
@@ -175,6 +180,12 @@ pub(crate) fn render_nodes(nodes: &Nodes, out: &mut String) {
                             "{name}{{node=\"{}\"}} {}",
                             n.name, r.reservations_granted
                         );
+                    }
+                }
+                ("kvmesh_node_kv_bytes_received_total", Some(r)) => {
+                    if n.role == crate::nodes::Role::Decode {
+                        let _ =
+                            writeln!(out, "{name}{{node=\"{}\"}} {}", n.name, r.kv_bytes_received);
                     }
                 }
                 ("kvmesh_node_kv_refused_total", Some(r)) => {

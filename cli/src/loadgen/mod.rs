@@ -50,7 +50,7 @@ mod reference;
 mod stats;
 #[cfg(test)]
 mod tests;
-mod workload;
+pub(crate) mod workload;
 
 use dist::LenDist;
 use stats::{Sample, Summary};
@@ -257,26 +257,9 @@ fn mode_of(a: &BenchArgs) -> Result<(Mode, Option<usize>, Option<Duration>)> {
 }
 
 /// The `serve` flags of the started mesh: the model flags as given, the
-/// pool as sized here.
+/// pool as sized here, then `--serve-arg`s.
 fn serve_flags(a: &BenchArgs, kv_pool_tokens: usize) -> Vec<String> {
-    let m = &a.model;
-    let mut flags: Vec<String> = vec![
-        "--page-size".into(),
-        m.page_size.to_string(),
-        "--kv-pool-tokens".into(),
-        kv_pool_tokens.to_string(),
-        "--scrub".into(),
-        m.scrub.as_str().into(),
-    ];
-    if let Some(n) = m.max_model_len {
-        flags.extend(["--max-model-len".into(), n.to_string()]);
-    }
-    if m.poison {
-        flags.push("--poison".into());
-    }
-    if m.exact {
-        flags.push("--exact".into());
-    }
+    let mut flags = a.model.serve_flags(kv_pool_tokens);
     flags.extend(a.serve_args.iter().cloned());
     flags
 }

@@ -13,6 +13,8 @@ pub(super) struct MeshFigures {
     pub(super) reservations: BTreeMap<(String, String), f64>,
     /// outcome -> router requests.
     pub(super) requests: BTreeMap<String, f64>,
+    /// node -> prompt tokens its prefix cache supplied.
+    pub(super) cache_hits: BTreeMap<String, f64>,
 }
 
 impl MeshFigures {
@@ -34,6 +36,9 @@ impl MeshFigures {
                 "kvmesh_node_reservations_total" => {
                     let outcome = s.labels.get("outcome").cloned().unwrap_or_default();
                     f.reservations.insert((node, outcome), s.value);
+                }
+                "kvmesh_node_prefix_cache_hit_tokens_total" => {
+                    f.cache_hits.insert(node, s.value);
                 }
                 "kvmesh_requests_total" => {
                     let outcome = s.labels.get("outcome").cloned().unwrap_or_default();

@@ -36,6 +36,8 @@ pub(super) fn summarize(a: &SoakArgs, s: &Summary<'_>) -> Report {
         .collect();
     let guard = delta(&s.after.guard, &s.before.guard);
     let guard_total = guard.values().fold(0.0, |s, v| s + v);
+    let cache_hits = delta(&s.after.cache_hits, &s.before.cache_hits);
+    let cache_total = cache_hits.values().fold(0.0, |s, v| s + v);
     let reservations = delta(&s.after.reservations, &s.before.reservations);
     let requests = delta(&s.after.requests, &s.before.requests);
     let unexpected = Tally::count(&t.unexpected_errors);
@@ -170,6 +172,21 @@ pub(super) fn summarize(a: &SoakArgs, s: &Summary<'_>) -> Report {
         o,
         "  guard violations    {guard_total} ({} requests with a page-table fault)",
         t.guard_faults_injected
+    );
+    // Outputs served from the prefix cache are checked like the rest: the
+    // soak's prompts repeat, so with the cache on most hit.
+    let _ = writeln!(
+        o,
+        "  cached tokens       {cache_total} (prefix cache hits: {})",
+        if cache_hits.is_empty() {
+            "none".to_owned()
+        } else {
+            cache_hits
+                .iter()
+                .map(|(n, v)| format!("{n} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
     );
     let fmt_rss =
         |k: Option<u64>| k.map_or("not measured".to_owned(), |k| format!("{:.1} MiB", mib(k)));
@@ -337,6 +354,7 @@ pub(super) fn summarize(a: &SoakArgs, s: &Summary<'_>) -> Report {
         "pages_leaked": leaked,
         "idle": s.idle,
         "guard_violations": guard_total,
+        "prefix_cache_hit_tokens": cache_hits,
         "guard_faults_injected": t.guard_faults_injected,
         "reservations_ended": reservations.iter().map(|((n, o), v)| json!({
             "node": n, "outcome": o, "count": v,

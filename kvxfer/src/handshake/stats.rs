@@ -40,6 +40,12 @@ pub struct TableStats {
     pub revoking: usize,
     /// Frames landed.
     pub frames_landed: u64,
+    /// KV bytes of the transfers that completed (verified): for each, the
+    /// prompt positions the writer had to write (the grant's
+    /// `prompt_tokens - cached_tokens`, so decode-side cache hits are not
+    /// shipped and not counted) times K and V of every layer. Counted the
+    /// same whatever the transport (frames or one-sided writes).
+    pub kv_bytes_received: u64,
     /// Ends by outcome ([`OUTCOME_KINDS`]).
     pub ended_by: [(&'static str, u64); OUTCOME_KINDS.len()],
     /// Frames refused, by kind.

@@ -189,6 +189,8 @@ pub(crate) struct Inner {
     granted: AtomicU64,
     refused: AtomicU64,
     frames_landed: AtomicU64,
+    /// KV bytes of verified transfers (see [`TableStats::kv_bytes_received`]).
+    kv_bytes_received: AtomicU64,
     ended: KindCounters<{ OUTCOME_KINDS.len() }>,
     frame_rejects: RejectCounters,
     control_rejects: KindCounters<{ CONTROL_REJECT_KINDS.len() }>,
@@ -234,6 +236,7 @@ impl ReservationTable {
                 granted: AtomicU64::new(0),
                 refused: AtomicU64::new(0),
                 frames_landed: AtomicU64::new(0),
+                kv_bytes_received: AtomicU64::new(0),
                 ended: KindCounters::default(),
                 frame_rejects: RejectCounters::default(),
                 control_rejects: KindCounters::default(),
@@ -422,6 +425,7 @@ impl ReservationTable {
             open: entries.len(),
             revoking,
             frames_landed: self.inner.frames_landed.load(Ordering::Relaxed),
+            kv_bytes_received: self.inner.kv_bytes_received.load(Ordering::Relaxed),
             ended_by: self.inner.ended.by_kind(&OUTCOME_KINDS),
             frame_rejects: self.inner.frame_rejects.total(),
             control_rejects: self.inner.control_rejects.by_kind(&CONTROL_REJECT_KINDS),
@@ -661,6 +665,16 @@ impl Inner {
                     .receiver_checked()
                     .then_some(e.landed.as_slice());
                 res.publish_prompt(e.grant.prompt_tokens as usize, landed);
+                let written = e.grant.prompt_tokens.saturating_sub(e.grant.cached_tokens);
+                let bytes = u32::try_from(written)
+                    .ok()
+                    .and_then(|n| {
+                        e.grant
+                            .geometry
+                            .payload_len(&(0..e.grant.geometry.n_layers), n)
+                    })
+                    .unwrap_or(u64::MAX);
+                self.kv_bytes_received.fetch_add(bytes, Ordering::Relaxed);
                 let live = LiveSequence {
                     id,
                     prompt_tokens: e.grant.prompt_tokens as usize,
