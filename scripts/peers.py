@@ -63,7 +63,7 @@ llama.cpp's model is loaded once, with one short warm-up completion).
   kvmesh: the script goes to a temporary JSON file
           {"system": ..., "users": [[turn 1, ...], ...], "answer_tokens": 32}
           and `kvmesh bench-cache --scenario multi-turn --script FILE --sequential
-          --targets on --json OUT --model GGUF` (RAYON_NUM_THREADS, as below)
+          --targets on --rounds 1 --json OUT --model GGUF` (RAYON_NUM_THREADS, as below)
           plays it with its prefix cache on; OUT's multi_turn.on.ttft_s[c][t]
           and cached_tokens[c][t] are read back
   llama.cpp: llama-cpp-python's high-level Llama (n_ctx 4096, more if the
@@ -514,7 +514,7 @@ def run_kvmesh_multi_turn(kvmesh, gguf, threads, script_path, out_path, conversa
     served from its prefix cache."""
     cmd = [
         str(kvmesh), "bench-cache", "--scenario", "multi-turn", "--script", str(script_path),
-        "--sequential", "--targets", "on", "--json", str(out_path), "--model", str(gguf),
+        "--sequential", "--targets", "on", "--rounds", "1", "--json", str(out_path), "--model", str(gguf),
     ]
     log("kvmesh: " + " ".join(cmd[1:]))
     out_path.unlink(missing_ok=True)

