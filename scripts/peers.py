@@ -821,15 +821,17 @@ def render_multi_turn(mt):
             f"{cell(get(l, 'ttft_ms'), '.1f'):>10} {cell(get(l, 'cached_tokens'), '.0f'):>7} "
             f"{cell(ratio[t], '.2f') + ('x' if ratio[t] else ''):>17}"
         )
-    for name in ("kvmesh", "llama.cpp"):
-        e = mt.get(name)
-        if e is None:
-            lines.append(f"multi-turn {name}: skipped")
-        elif "error" in e:
-            lines.append(f"multi-turn {name}: not measured: {e['error']}")
-        else:
-            lines.append(f"multi-turn {name}: {json.dumps(e['info'])}")
+    lines += [engine_line(f"multi-turn {name}", mt.get(name)) for name in ("kvmesh", "llama.cpp")]
     return lines
+
+
+def engine_line(label, entry):
+    """One engine's line under a table: skipped, the error, or its info."""
+    if entry is None:
+        return f"{label}: skipped"
+    if "error" in entry:
+        return f"{label}: not measured: {entry['error']}"
+    return f"{label}: {json.dumps(entry['info'])}"
 
 
 def render(report):
@@ -854,14 +856,7 @@ def render(report):
         ratio = f"{paired:.2f}x" if paired else "-"
         lines.append(f"{label:<30} {cell(k):>10} {cell(l):>10} {cell(t):>13} {ratio:>17}")
     lines += [""] + render_multi_turn(report.get("multi_turn")) + [""]
-    for name in PEERS:
-        r = res.get(name)
-        if r is None:
-            lines.append(f"{name}: skipped")
-        elif "error" in r:
-            lines.append(f"{name}: not measured: {r['error']}")
-        else:
-            lines.append(f"{name}: {json.dumps(r['info'])}")
+    lines += [engine_line(name, res.get(name)) for name in PEERS]
     lines += ["", "goals:"]
     for g in report["goals"]:
         lines.append(f"  {g['status']:<13} {g['goal']}: {g['detail']}")

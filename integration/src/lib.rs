@@ -103,6 +103,52 @@ pub fn texts(out: &Output) -> (String, String) {
     )
 }
 
+/// The last `n` lines of `text`.
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Runs a `kvmesh` command that starts its own mesh and writes a JSON
+/// report (`bench`, `bench-router`, `bench-cache`, `soak`): `args` plus
+/// `--json` and `--serve-log` in a fresh temporary directory. Fails the
+/// test unless it exited 0, showing stdout, stderr and the last 30 lines of
+/// every serve log it wrote; returns its stdout and the report.
+pub fn run_reported(args: &[&str]) -> (String, serde_json::Value) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json_path = dir.path().join("report.json");
+    let (json_arg, log_arg) = (
+        json_path.to_string_lossy().into_owned(),
+        dir.path().join("serve.log").to_string_lossy().into_owned(),
+    );
+    let mut all = args.to_vec();
+    all.extend(["--json", &json_arg, "--serve-log", &log_arg]);
+    let out = run_kvmesh(&all, &[]);
+    let (stdout, stderr) = texts(&out);
+    if !out.status.success() {
+        // `bench-cache` names a log per target and round after the one given.
+        let mut logs: Vec<_> = std::fs::read_dir(dir.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "log"))
+            .collect();
+        logs.sort();
+        let logs: String = logs
+            .iter()
+            .map(|p| {
+                let text = std::fs::read_to_string(p).unwrap_or_default();
+                format!("serve log {} (tail):\n{}\n", p.display(), tail(&text, 30))
+            })
+            .collect();
+        panic!("kvmesh {} failed:\n{stdout}\n{stderr}\n{logs}", args[0]);
+    }
+    let text = std::fs::read_to_string(&json_path).expect("the JSON report");
+    let report = serde_json::from_str(&text).expect("the report is JSON");
+    (stdout, report)
+}
+
 /// The reference text: `kvmesh generate` with `--temperature 0` (plus
 /// `--chat` when asked), its own final newline
 /// removed: what the mesh's output must equal.

@@ -5,7 +5,7 @@
 
 use kvmesh_integration::http::post;
 use kvmesh_integration::inproc::{InProcessMesh, Options};
-use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
+use kvmesh_integration::{run_reported, tiny_model_dir};
 use kvmesh_model::engine::{Engine, EngineConfig, FinishReason, Prompt};
 use kvmesh_model::sampling::SamplingParams;
 use serde_json::{json, Value};
@@ -14,30 +14,9 @@ use serde_json::{json, Value};
 /// --json`, and returns the JSON report.
 fn bench(args: &[&str]) -> Value {
     let model = tiny_model_dir().to_string_lossy().into_owned();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let json_path = dir.path().join("bench.json");
-    let log_path = dir.path().join("serve.log");
-    let (json_arg, log_arg) = (
-        json_path.to_string_lossy().into_owned(),
-        log_path.to_string_lossy().into_owned(),
-    );
-    let mut all = vec![
-        "bench",
-        "--model",
-        &model,
-        "--reference",
-        "--json",
-        &json_arg,
-    ];
-    all.extend(["--serve-log", &log_arg]);
+    let mut all = vec!["bench", "--model", &model, "--reference"];
     all.extend(args);
-    let out = run_kvmesh(&all, &[]);
-    let (stdout, stderr) = texts(&out);
-    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-    assert!(
-        out.status.success(),
-        "bench failed:\n{stdout}\n{stderr}\nserve log:\n{log}"
-    );
+    let (stdout, report) = run_reported(&all);
     for row in [
         "completed",
         "TTFT p50 ms",
@@ -48,8 +27,7 @@ fn bench(args: &[&str]) -> Value {
         assert!(stdout.contains(row), "no {row:?} row:\n{stdout}");
     }
     assert!(stdout.contains("mesh/ref"), "{stdout}");
-    serde_json::from_str(&std::fs::read_to_string(&json_path).expect("the JSON report"))
-        .expect("JSON")
+    report
 }
 
 /// The checks both loops share: every request completed on both targets,

@@ -3,7 +3,7 @@
 //! (cached tokens, KV bytes shipped, the side channel's hits), never on
 //! its timings.
 
-use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
+use kvmesh_integration::{run_reported, tiny_model_dir};
 use serde_json::Value;
 
 fn u64s(v: &Value) -> Vec<u64> {
@@ -17,50 +17,31 @@ fn u64s(v: &Value) -> Vec<u64> {
 #[test]
 fn bench_cache_measures_hits_bytes_and_the_side_channel() {
     let model = tiny_model_dir().to_string_lossy().into_owned();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let json_path = dir.path().join("cache.json");
-    let log_path = dir.path().join("serve.log");
-    let (json_arg, log_arg) = (
-        json_path.to_string_lossy().into_owned(),
-        log_path.to_string_lossy().into_owned(),
-    );
-    let out = run_kvmesh(
-        &[
-            "bench-cache",
-            "--model",
-            &model,
-            "--rounds",
-            "1",
-            "--conversations",
-            "2",
-            "--turns",
-            "3",
-            "--system-tokens",
-            "40",
-            "--turn-tokens",
-            "20",
-            "--answer-tokens",
-            "4",
-            "--fresh-requests",
-            "3",
-            "--fresh-tokens",
-            "40",
-            "--side-samples",
-            "3",
-            "--side-tokens",
-            "40",
-            "--json",
-            &json_arg,
-            "--serve-log",
-            &log_arg,
-        ],
-        &[],
-    );
-    let (stdout, stderr) = texts(&out);
-    assert!(
-        out.status.success(),
-        "bench-cache failed:\n{stdout}\n{stderr}"
-    );
+    let (stdout, v) = run_reported(&[
+        "bench-cache",
+        "--model",
+        &model,
+        "--rounds",
+        "1",
+        "--conversations",
+        "2",
+        "--turns",
+        "3",
+        "--system-tokens",
+        "40",
+        "--turn-tokens",
+        "20",
+        "--answer-tokens",
+        "4",
+        "--fresh-requests",
+        "3",
+        "--fresh-tokens",
+        "40",
+        "--side-samples",
+        "3",
+        "--side-tokens",
+        "40",
+    ]);
     for row in [
         "turn 3",
         "exact repeat",
@@ -71,8 +52,6 @@ fn bench_cache_measures_hits_bytes_and_the_side_channel() {
     ] {
         assert!(stdout.contains(row), "no {row:?} in:\n{stdout}");
     }
-    let v: Value =
-        serde_json::from_str(&std::fs::read_to_string(&json_path).expect("report")).expect("JSON");
 
     // Multi-turn: 2 conversations x 3 turns on both targets; with the
     // cache on, every turn after a conversation's first finds the history

@@ -4,45 +4,24 @@
 //! router's refusal count up by exactly the number sent. Counts only; the
 //! times it prints are never checked.
 
-use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
-use serde_json::Value;
+use kvmesh_integration::{run_reported, tiny_model_dir};
 
 #[test]
 fn over_length_prompts_are_refused_without_a_grant() {
     let model = tiny_model_dir().to_string_lossy().into_owned();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let json_path = dir.path().join("bench-router.json");
-    let log_path = dir.path().join("serve.log");
-    let json_arg = json_path.to_string_lossy().into_owned();
-    let log_arg = log_path.to_string_lossy().into_owned();
-    let out = run_kvmesh(
-        &[
-            "bench-router",
-            "--model",
-            &model,
-            "--iterations",
-            "20",
-            "--warmup",
-            "2",
-            "--duration",
-            "2",
-            "--clients",
-            "2",
-            "--json",
-            &json_arg,
-            "--serve-log",
-            &log_arg,
-        ],
-        &[],
-    );
-    let (stdout, stderr) = texts(&out);
-    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-    assert!(
-        out.status.success(),
-        "bench-router failed:\n{stdout}\n{stderr}\nserve log:\n{log}"
-    );
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json_path).expect("the JSON"))
-        .expect("JSON report");
+    let (_, v) = run_reported(&[
+        "bench-router",
+        "--model",
+        &model,
+        "--iterations",
+        "20",
+        "--warmup",
+        "2",
+        "--duration",
+        "2",
+        "--clients",
+        "2",
+    ]);
     assert_eq!(v["pass"], true, "{v}");
 
     let steps = v["in_process"]["steps"].as_array().expect("steps");

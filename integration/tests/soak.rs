@@ -4,8 +4,7 @@
 //! completed output equal to the reference engine's, every failing fault a
 //! clear error, no page left held once the mesh is idle.
 
-use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
-use serde_json::Value;
+use kvmesh_integration::{run_reported, tiny_model_dir};
 
 /// The number after `label` on the summary line that starts with it.
 fn figure(summary: &str, label: &str) -> f64 {
@@ -24,44 +23,17 @@ fn figure(summary: &str, label: &str) -> f64 {
 #[test]
 fn soak_60s_tcp_with_faults_and_disconnects() {
     let model = tiny_model_dir().to_string_lossy().into_owned();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let json_path = dir.path().join("soak.json");
-    let log_path = dir.path().join("serve.log");
-    let json_arg = json_path.to_string_lossy().into_owned();
-    let log_arg = log_path.to_string_lossy().into_owned();
-    let out = run_kvmesh(
-        &[
-            "soak",
-            "--model",
-            &model,
-            "--duration",
-            "60",
-            "--streams",
-            "8",
-            "--transport",
-            "tcp",
-            "--json",
-            &json_arg,
-            "--serve-log",
-            &log_arg,
-        ],
-        &[],
-    );
-    let (stdout, stderr) = texts(&out);
-    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-    let tail: String = log
-        .lines()
-        .rev()
-        .take(30)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-        .collect::<Vec<_>>()
-        .join("\n");
-    assert!(
-        out.status.success(),
-        "soak failed:\n{stdout}\n{stderr}\nserve log (tail):\n{tail}"
-    );
+    let (stdout, v) = run_reported(&[
+        "soak",
+        "--model",
+        &model,
+        "--duration",
+        "60",
+        "--streams",
+        "8",
+        "--transport",
+        "tcp",
+    ]);
     for (label, want_positive) in [
         ("requests", true),
         ("completed", true),
@@ -84,8 +56,6 @@ fn soak_60s_tcp_with_faults_and_disconnects() {
     }
     assert!(stdout.contains("result: PASS"), "{stdout}");
 
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json_path).expect("the JSON"))
-        .expect("JSON summary");
     assert_eq!(v["pass"], true, "{v}");
     assert_eq!(v["mismatches"].as_array().map(Vec::len), Some(0), "{v}");
     assert_eq!(v["pages_leaked"].as_f64(), Some(0.0), "{v}");

@@ -63,6 +63,9 @@ use scenarios::{MultiTurn, Probe, Script, Shape, TENANT_A, TENANT_B};
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
 /// Tokens each no-sharing request generates (TTFT is what is measured).
 const FRESH_ANSWER_TOKENS: usize = 4;
+/// Tokens the chat template adds around one message, at most (for sizing
+/// the pool only).
+const TEMPLATE_TOKENS: usize = 16;
 /// Seed salts of the scenarios' prompts.
 const FRESH_SALT: u64 = 0x4652_4553_4800_0001;
 const SIDE_SALT: u64 = 0x5349_4445_0000_0002;
@@ -240,7 +243,10 @@ pub fn run(a: BenchCacheArgs) -> Result<()> {
             .iter()
             .map(|us| {
                 us.iter()
-                    .map(|u| tok.encode_raw(u).map_or(0, |t| t.len() + 16) + script.answer_tokens)
+                    .map(|u| {
+                        tok.encode_raw(u).map_or(0, |t| t.len() + TEMPLATE_TOKENS)
+                            + script.answer_tokens
+                    })
                     .sum::<usize>()
             })
             .max()
