@@ -208,8 +208,36 @@ struct GenerateArgs {
     /// Random seed, for reproducible sampling.
     #[arg(long)]
     seed: Option<u64>,
+    /// Keep only tokens at least this fraction as likely as the most likely.
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Subtracted from the logit of every token already generated, [-2, 2].
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
+    /// Subtracted per earlier occurrence in the output, [-2, 2].
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
+    /// Divides positive (multiplies negative) logits of prompt and output tokens.
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// TOKEN_ID=BIAS added to that token's logit, [-100, 100] (repeatable).
+    #[arg(long, value_parser = parse_bias, allow_negative_numbers = true)]
+    logit_bias: Vec<(u32, f32)>,
+    /// End-of-sequence cannot end generation before this many tokens.
+    #[arg(long, default_value_t = 0)]
+    min_tokens: usize,
     #[command(flatten)]
     model: ModelArgs,
+}
+
+/// `--logit-bias ID=BIAS`.
+fn parse_bias(s: &str) -> std::result::Result<(u32, f32), String> {
+    let (id, b) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected TOKEN_ID=BIAS, got {s:?}"))?;
+    let id = id.parse().map_err(|e| format!("token id {id:?}: {e}"))?;
+    let b = b.parse().map_err(|e| format!("bias {b:?}: {e}"))?;
+    Ok((id, b))
 }
 
 /// `generate`'s prompt: the text, or with `chat` one user message through
@@ -241,11 +269,21 @@ pub fn reference_generate(
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let engine = args.model.load_engine()?;
+    let mut logit_bias = args.logit_bias.clone();
+    logit_bias.sort_unstable_by_key(|e| e.0);
+    logit_bias.dedup_by_key(|e| e.0);
     let params = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
         top_k: args.top_k,
+        min_p: args.min_p,
         seed: args.seed,
+        presence_penalty: args.presence_penalty,
+        frequency_penalty: args.frequency_penalty,
+        repetition_penalty: args.repetition_penalty,
+        logit_bias,
+        min_tokens: args.min_tokens,
+        logprobs: None,
     };
     let mut stdout = std::io::stdout().lock();
     let mut write_err = None;

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use kvmesh_faults::{Action, FaultPlan, Point};
 use kvmesh_model::engine::{Engine, FinishReason as Why, Sequence, Stopping};
-use kvmesh_model::sampling::Sampler;
-use kvmesh_proto::internal::v1::{decode_event, DecodeEvent, FinishReason, Finished};
+use kvmesh_model::sampling::{Logprobs, Sampled, Sampler};
+use kvmesh_proto::internal::v1::{decode_event, DecodeEvent, FinishReason, Finished, Token};
 use tokio::sync::{mpsc, watch};
 use tonic::Status;
 
@@ -114,9 +114,12 @@ impl Running {
     }
 }
 
-fn token(t: u32) -> Result<DecodeEvent, Status> {
+fn token(id: u32, logprobs: Option<Logprobs>) -> Result<DecodeEvent, Status> {
     Ok(DecodeEvent {
-        event: Some(decode_event::Event::Token(t)),
+        event: Some(decode_event::Event::Token(Token {
+            id,
+            logprobs: logprobs.map(kvmesh_proto::sampling::logprobs),
+        })),
     })
 }
 
@@ -136,15 +139,17 @@ enum Next {
 
 /// Applies the stop and budget rule to `tok` ([`Stopping`], the reference
 /// engine's, so greedy output through the mesh equals `kvmesh
-/// generate`'s) and sends what it says.
-fn emit(r: &mut Running, tok: u32) -> Next {
+/// generate`'s) and sends what it says. The first token (prefill's) has
+/// no logprobs here: the router has them from prefill's reply.
+fn emit(r: &mut Running, s: Sampled) -> Next {
+    let tok = s.token;
     let verdict = r.stopping.after(tok);
     if verdict == Some(Why::Stop) {
         let _ = r.events.try_send(finished(FinishReason::Stop));
         return Next::Done;
     }
     // Bounded channel sized to the budget: never full.
-    if r.events.try_send(token(tok)).is_err() {
+    if r.events.try_send(token(tok, s.logprobs)).is_err() {
         return Next::Done;
     }
     if verdict == Some(Why::Length) {
@@ -225,9 +230,9 @@ pub(crate) fn run(
         let mut keep = Vec::with_capacity(running.len());
         for (mut r, res) in running.drain(..).zip(results) {
             match res {
-                Ok(logits) => {
-                    let tok = r.sampler.sample(&logits);
-                    match emit(&mut r, tok) {
+                Ok(mut logits) => {
+                    let sampled = r.sampler.sample(&mut logits);
+                    match emit(&mut r, sampled) {
                         Next::Continue => keep.push(r),
                         Next::Done => r.release(),
                     }
@@ -263,7 +268,11 @@ fn admit(running: &mut Vec<Running>, j: Job) {
         r.release();
         return;
     }
-    match emit(&mut r, j.first_token) {
+    let first = Sampled {
+        token: j.first_token,
+        logprobs: None,
+    };
+    match emit(&mut r, first) {
         Next::Continue => running.push(r),
         Next::Done => r.release(),
     }

@@ -372,14 +372,7 @@ fn check(r: &GenerateRequest) -> Result<Checked, String> {
         .ok()
         .and_then(WriterId::from_bytes)
         .ok_or("writer_id: 16 bytes, not all zero")?;
-    let s = r.sampling.unwrap_or_default();
-    let params = SamplingParams {
-        temperature: s.temperature,
-        top_p: if s.top_p > 0.0 { s.top_p } else { 1.0 },
-        top_k: None,
-        seed: Some(s.seed),
-    };
-    params.validate()?;
+    let params = kvmesh_proto::sampling::params(&r.sampling.clone().unwrap_or_default())?;
     let ns = match r.cache_namespace.as_slice() {
         [] => None,
         b => Some(Namespace::from_slice(b).ok_or("cache_namespace: 32 bytes or none")?),
@@ -526,6 +519,9 @@ impl Decode for DecodeNode {
                 }
             };
             let first = live.first_token();
+            let mut sampler = Sampler::new(c.params, &prompt, &stop_ids);
+            // Prefill drew the first token with the same seed and history.
+            sampler.resume(first);
             let engine = &node.inner.engine;
             let kv = live.into_reservation();
             let adopted = match c.ns {
@@ -545,9 +541,6 @@ impl Decode for DecodeNode {
                     return;
                 }
             };
-            let mut sampler = Sampler::new(c.params);
-            // Prefill drew the first token from the same seed.
-            sampler.advance();
             let job = Job {
                 seq,
                 first_token: first,
@@ -627,8 +620,17 @@ mod tests {
             temperature: -1.0,
             top_p: 1.0,
             seed: 1,
+            ..Sampling::default()
         };
         assert!(check(&generate(writer(), Some(hot))).is_err());
+        let biased = Sampling {
+            logit_bias: [(3, 250.0)].into_iter().collect(),
+            ..Sampling::default()
+        };
+        let e = check(&generate(writer(), Some(biased)))
+            .err()
+            .expect("refused");
+        assert!(e.contains("logit_bias"), "{e}");
     }
 
     #[test]

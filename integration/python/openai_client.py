@@ -2,7 +2,10 @@
 
 Usage: openai_client.py BASE_URL MODEL PROMPT MAX_TOKENS
 Prints one JSON object: the text of a completion and of a chat completion,
-each non-streamed and streamed (greedy), with finish reasons and usage.
+each non-streamed and streamed (greedy), with finish reasons and usage;
+logprobs of both shapes, streamed and not; a seeded completion with every
+sampling setting (vLLM's through extra_body); and the refusal of a field
+the server does not implement.
 """
 
 import json
@@ -38,6 +41,57 @@ def main() -> None:
         if chunk.choices and chunk.choices[0].delta.content:
             text += chunk.choices[0].delta.content
     out["chat_stream"] = text
+
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    out["completion_logprobs"] = {
+        "tokens": lp.tokens,
+        "token_logprobs": lp.token_logprobs,
+        "top_sizes": [len(t) for t in lp.top_logprobs],
+        "text_offset": lp.text_offset,
+        "text": r.choices[0].text,
+    }
+
+    def chat_entries(entries):
+        return [
+            {"token": e.token, "logprob": e.logprob, "bytes": e.bytes, "top": [[t.token, t.logprob] for t in e.top_logprobs]}
+            for e in entries
+        ]
+
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, logprobs=True, top_logprobs=2
+    )
+    out["chat_logprobs"] = chat_entries(r.choices[0].logprobs.content)
+    entries = []
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, logprobs=True, top_logprobs=2, stream=True
+    ):
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            entries += chat_entries(chunk.choices[0].logprobs.content)
+    out["chat_logprobs_stream"] = entries
+
+    r = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.8,
+        top_p=0.9,
+        seed=77,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={"5": 4},
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 3},
+    )
+    out["seeded"] = r.choices[0].text
+
+    r = client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=4, temperature=0)
+    out["ids_prompt_tokens"] = r.usage.prompt_tokens
+
+    try:
+        client.chat.completions.create(model=model, messages=messages, response_format={"type": "json_object"})
+        out["unimplemented"] = "accepted"
+    except Exception as e:  # openai.BadRequestError
+        out["unimplemented"] = f"{type(e).__name__}: {getattr(e, 'param', None)}"
 
     models = client.models.list()
     out["models"] = [m.id for m in models.data]

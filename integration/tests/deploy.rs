@@ -511,8 +511,7 @@ async fn internal_services_stop_and_abort_across_processes() {
         .prefill(PrefillRequest {
             prompt_ids: vec![1, 2, 3, 4, 5],
             grant: grant.grant.clone(),
-            sampling: None,
-            cache_namespace: Vec::new(),
+            ..PrefillRequest::default()
         })
         .await
         .expect_err("stopped before compute");
@@ -522,8 +521,7 @@ async fn internal_services_stop_and_abort_across_processes() {
         .prefill(PrefillRequest {
             prompt_ids: vec![1, 2, 3],
             grant: grant.grant.clone(),
-            sampling: None,
-            cache_namespace: Vec::new(),
+            ..PrefillRequest::default()
         })
         .await
         .expect_err("prompt is not the grant's");

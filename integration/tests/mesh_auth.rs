@@ -142,8 +142,7 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
             .prefill(PrefillRequest {
                 prompt_ids: vec![1, 2, 3, 4, 5],
                 grant: vec![0; 64],
-                sampling: None,
-                cache_namespace: Vec::new(),
+                ..PrefillRequest::default()
             })
             .await,
         "prefill without a proof",
@@ -164,8 +163,7 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
             .prefill(PrefillRequest {
                 prompt_ids: vec![1, 2, 3, 4, 5],
                 grant: vec![0; 64],
-                sampling: None,
-                cache_namespace: Vec::new(),
+                ..PrefillRequest::default()
             })
             .await,
         "another mesh's prefill",
@@ -430,18 +428,33 @@ fn client_chosen_ids_cannot_reach_another_request() {
         a_first.elapsed()
     );
     // B sends A's id everywhere a client can put one; each request gets its
-    // own fresh id and its own answer.
+    // own fresh id and its own answer. Body fields that name an id are
+    // refused outright (the mesh mints ids), the `user` label and the
+    // header are taken and not used as an id.
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "Hello world", "id": a_id}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hello world"}], "request_id": a_id}),
+        ),
+    ] {
+        let r = http::request_headers(&addr, "POST", path, Some(&body.to_string()), &[]);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert!(!r.body.contains(&a_id[a_id.len() - 32..]), "{}", r.body);
+    }
     let mut b_ids = Vec::new();
     for (path, body) in [
         (
             "/v1/completions",
-            json!({"prompt": "Hello world", "max_tokens": 8, "temperature": 0,
-                   "id": a_id, "request_id": a_id, "user": a_id}),
+            json!({"prompt": "Hello world", "max_tokens": 8, "temperature": 0, "user": a_id}),
         ),
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 8,
-                   "temperature": 0, "id": a_id, "request_id": a_id, "user": a_id}),
+                   "temperature": 0, "user": a_id}),
         ),
     ] {
         let r = http::request_headers(
@@ -467,7 +480,7 @@ fn client_chosen_ids_cannot_reach_another_request() {
         &addr,
         "/v1/completions",
         &json!({"prompt": "Hello world", "max_tokens": 8, "temperature": 0, "stream": true,
-                "id": a_id, "request_id": a_id, "user": a_id}),
+                "user": a_id}),
         &[("X-Request-Id", &a_id)],
     );
     assert_eq!(s.status, 200);

@@ -56,4 +56,65 @@ fn official_openai_client_streaming_and_not() {
     );
     assert_eq!(v["models"][0], "tiny-llama");
     assert_eq!(v["over_length"], "BadRequestError: context_length_exceeded");
+
+    // Logprobs through the client's own types: one entry per token, the
+    // chosen token the most likely (greedy), the text the tokens'.
+    let lp = &v["completion_logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .filter_map(|t| t.as_str())
+        .collect();
+    assert_eq!(tokens.len(), 16, "{lp}");
+    assert_eq!(tokens.concat(), lp["text"].as_str().unwrap_or_default());
+    // Two alternatives and the chosen token, keyed by text (tokens that
+    // are parts of one character share the text U+FFFD, so fewer keys).
+    assert!(
+        lp["top_sizes"]
+            .as_array()
+            .expect("sizes")
+            .iter()
+            .all(|n| matches!(n.as_u64(), Some(1..=3))),
+        "{lp}"
+    );
+    for key in ["chat_logprobs", "chat_logprobs_stream"] {
+        let entries = v[key].as_array().expect("entries");
+        assert_eq!(entries.len(), 16, "{key}: {entries:?}");
+        for e in entries {
+            assert_eq!(e["top"][0][1], e["logprob"], "{key}: {e}");
+            assert_eq!(e["top"].as_array().map(Vec::len), Some(2), "{key}: {e}");
+        }
+    }
+    assert_eq!(v["chat_logprobs"], v["chat_logprobs_stream"]);
+
+    // Every sampling setting at once, seeded: the reference engine's text.
+    let engine = kvmesh_model::engine::Engine::load(
+        &tiny_model_dir(),
+        &kvmesh_model::engine::EngineConfig::default(),
+    )
+    .expect("engine");
+    let want = engine
+        .generate(
+            &kvmesh_model::engine::Prompt::Text("Hello world".into()),
+            16,
+            kvmesh_model::sampling::SamplingParams {
+                temperature: 0.8,
+                top_p: 0.9,
+                top_k: Some(20),
+                min_p: 0.05,
+                seed: Some(77),
+                presence_penalty: 0.5,
+                frequency_penalty: 0.5,
+                repetition_penalty: 1.2,
+                logit_bias: vec![(5, 4.0)],
+                min_tokens: 3,
+                logprobs: None,
+            },
+            |_| {},
+        )
+        .expect("reference");
+    assert_eq!(v["seeded"], want.text.as_str());
+    assert_eq!(v["ids_prompt_tokens"], 3);
+    assert_eq!(v["unimplemented"], "BadRequestError: response_format");
 }

@@ -512,8 +512,8 @@ impl Engine {
             .validate()
             .map_err(|reason| invalid("sampling", "", &reason))?;
         let ids = self.tokenize(prompt)?;
+        let mut sampler = Sampler::new(params, &ids, &self.eos);
         let mut seq = self.admit(ids, max_new_tokens)?;
-        let mut sampler = Sampler::new(params);
         let mut decoder = self.tokenizer.stream_decoder();
         let mut text = String::new();
         let mut stopping = Stopping::new(self.eos.clone(), max_new_tokens);
@@ -521,7 +521,7 @@ impl Engine {
         if !stopping.spent() {
             let mut logits = self.prefill(&mut seq)?;
             loop {
-                let tok = sampler.sample(&logits);
+                let tok = sampler.sample(&mut logits).token;
                 let verdict = stopping.after(tok);
                 if verdict == Some(FinishReason::Stop) {
                     finish = FinishReason::Stop;

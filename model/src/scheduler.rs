@@ -582,21 +582,21 @@ impl Actor {
                     drop(seq);
                     let _ = send(&w.events, finished(FinishReason::Length));
                 }
-                Ok(seq) => self.running.push(Active {
-                    id: w.id,
-                    seq,
-                    sampler: Sampler::new(w.req.sampling),
-                    events: w.events,
-                    stopping: Stopping::new(
-                        if w.req.ignore_eos {
-                            Vec::new()
-                        } else {
-                            self.engine.eos_token_ids().to_vec()
-                        },
-                        w.req.max_new_tokens,
-                    ),
-                    next: None,
-                }),
+                Ok(seq) => {
+                    let stop_ids = if w.req.ignore_eos {
+                        Vec::new()
+                    } else {
+                        self.engine.eos_token_ids().to_vec()
+                    };
+                    self.running.push(Active {
+                        id: w.id,
+                        sampler: Sampler::new(w.req.sampling, seq.tokens(), &stop_ids),
+                        seq,
+                        events: w.events,
+                        stopping: Stopping::new(stop_ids, w.req.max_new_tokens),
+                        next: None,
+                    })
+                }
                 Err(e) => {
                     let _ = send(
                         &w.events,
@@ -677,7 +677,7 @@ impl Actor {
                     ends[i] = match r {
                         Err(e) => Some(End::Failed(e.to_string())),
                         Ok(None) => None,
-                        Ok(Some(logits)) => a.sampled(&logits),
+                        Ok(Some(mut logits)) => a.sampled(&mut logits),
                     };
                 }
             }

@@ -43,7 +43,7 @@ use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient, WriterError};
 use kvmesh_meshauth::grpc::Authenticated;
 use kvmesh_meshauth::{CallVerifier, MeshSecret};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
-use kvmesh_model::sampling::{Sampler, SamplingParams};
+use kvmesh_model::sampling::{Logprobs, Sampler};
 use kvmesh_model::LoadedModel;
 use kvmesh_proto::internal::v1::prefill_server::{Prefill, PrefillServer};
 use kvmesh_proto::internal::v1::{
@@ -143,7 +143,8 @@ enum Work {
 
 struct Job {
     prompt: Vec<u32>,
-    sampling: SamplingParams,
+    /// Draws the first token (with the prompt as its history).
+    sampler: Sampler,
     writer: GrantWriter,
     /// The prefix-cache namespace, when the router sent one.
     ns: Option<Namespace>,
@@ -151,10 +152,12 @@ struct Job {
 }
 
 /// What a finished prefill answers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Prefilled {
     /// The first generated token.
     pub first_token: u32,
+    /// Its logprobs, when the request's sampling asked for them.
+    pub first_logprobs: Option<Logprobs>,
     /// Leading prompt tokens that came from this node's prefix cache (not
     /// computed).
     pub cached_tokens: u32,
@@ -389,14 +392,9 @@ impl PrefillNode {
                 grant.geometry
             )));
         }
-        let s = r.sampling.unwrap_or_default();
-        let sampling = SamplingParams {
-            temperature: s.temperature,
-            top_p: if s.top_p > 0.0 { s.top_p } else { 1.0 },
-            top_k: None,
-            seed: Some(s.seed),
-        };
-        sampling.validate().map_err(PrefillError::Invalid)?;
+        let params = kvmesh_proto::sampling::params(&r.sampling.clone().unwrap_or_default())
+            .map_err(PrefillError::Invalid)?;
+        let sampler = Sampler::new(params, &r.prompt_ids, &r.stop_token_ids);
         let ns = match r.cache_namespace.as_slice() {
             [] => None,
             b => Some(Namespace::from_slice(b).ok_or_else(|| {
@@ -413,7 +411,7 @@ impl PrefillNode {
             .jobs
             .send(Work::Job(Box::new(Job {
                 prompt: r.prompt_ids,
-                sampling,
+                sampler,
                 writer,
                 ns,
                 done,
@@ -541,7 +539,7 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
     let mut seqs = Vec::with_capacity(admitted.len());
     for (job, seq) in admitted {
         let Job {
-            sampling,
+            sampler,
             writer,
             done,
             ..
@@ -555,7 +553,7 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
             Arc::clone(stopped),
             spare_tx.clone(),
         ));
-        feeds.push((tx, sampling, cached));
+        feeds.push((tx, sampler, cached));
         seqs.push(seq);
     }
     let results = {
@@ -575,12 +573,16 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
     };
     match results {
         Ok(results) => {
-            for ((tx, sampling, cached), logits) in feeds.into_iter().zip(results) {
+            for ((tx, mut sampler, cached), logits) in feeds.into_iter().zip(results) {
                 let end = match logits {
-                    Ok(l) => Feed::First(Prefilled {
-                        first_token: Sampler::new(sampling).sample(&l),
-                        cached_tokens: cached,
-                    }),
+                    Ok(mut l) => {
+                        let s = sampler.sample(&mut l);
+                        Feed::First(Prefilled {
+                            first_token: s.token,
+                            first_logprobs: s.logprobs,
+                            cached_tokens: cached,
+                        })
+                    }
                     Err(e) => Feed::Failed(e.into()),
                 };
                 let _ = tx.try_send(end);
@@ -664,6 +666,7 @@ impl Prefill for PrefillNode {
         Ok(Response::new(PrefillResponse {
             first_token: p.first_token,
             cached_tokens: p.cached_tokens,
+            first_logprobs: p.first_logprobs.map(kvmesh_proto::sampling::logprobs),
         }))
     }
 

@@ -64,8 +64,9 @@ fn request(grant: &Grant, prompt: Vec<u32>) -> PrefillRequest {
             temperature: 0.0,
             top_p: 1.0,
             seed: 1,
+            ..Sampling::default()
         }),
-        cache_namespace: Vec::new(),
+        ..PrefillRequest::default()
     }
 }
 
@@ -128,8 +129,7 @@ async fn requests_are_refused_before_any_compute_when_they_do_not_fit() {
     let bad = PrefillRequest {
         prompt_ids: vec![1, 2],
         grant: vec![0xde, 0xad],
-        sampling: None,
-        cache_namespace: Vec::new(),
+        ..PrefillRequest::default()
     };
     let e = n
         .prefill(bad, FaultPlan::default())

@@ -11,7 +11,12 @@
 #![allow(missing_docs, clippy::all)]
 
 pub mod peer;
+#[cfg(feature = "sampling")]
+pub mod sampling;
 pub mod serve;
+
+/// The most alternatives per token a public-API `logprobs` may ask for.
+pub const LOGPROBS_MAX: u64 = 20;
 
 /// The public API.
 pub mod v1 {

@@ -115,22 +115,41 @@ impl Api {
         let prompt = match r.input {
             Some(generate_request::Input::Prompt(text)) => Prompt::Text(text),
             Some(generate_request::Input::Chat(c)) => Prompt::Chat(chat(c)),
+            Some(generate_request::Input::TokenIds(t)) => Prompt::Ids(t.ids),
             None => return Err(invalid("input", "input: a prompt or a chat is required").into()),
+        };
+        let sampling = validate::SamplingIn {
+            temperature: r.temperature.map(f64::from),
+            top_p: r.top_p.map(f64::from),
+            top_k: r.top_k.map(i64::from),
+            min_p: r.min_p.map(f64::from),
+            presence_penalty: r.presence_penalty.map(f64::from),
+            frequency_penalty: r.frequency_penalty.map(f64::from),
+            repetition_penalty: r.repetition_penalty.map(f64::from),
+            logit_bias: r
+                .logit_bias
+                .into_iter()
+                .map(|(id, b)| (id, f64::from(b)))
+                .collect(),
+            min_tokens: (r.min_tokens != 0).then_some(u64::from(r.min_tokens)),
+            seed: r.seed,
+            logprobs: r.logprobs.map(u64::from),
+            logprobs_param: "logprobs",
+            logprobs_max: kvmesh_proto::LOGPROBS_MAX,
         };
         let valid = validate::request(
             &self.router,
             validate::Request {
                 model: Some(r.model),
-                prompt,
                 // 0 is the proto's unset: the default budget.
                 max_tokens: (r.max_tokens != 0).then_some(u64::from(r.max_tokens)),
                 max_tokens_param: "max_tokens",
-                temperature: r.temperature.map(f64::from),
-                top_p: r.top_p.map(f64::from),
-                seed: r.seed,
+                sampling,
                 stop: r.stop,
-                ignore_eos: false,
+                stop_token_ids: r.stop_token_ids,
+                ignore_eos: r.ignore_eos,
                 cache_salt: r.cache_salt,
+                ..validate::Request::new(prompt)
             },
         )?;
         self.router
@@ -152,8 +171,10 @@ impl Generation for Api {
             .await
             .map_err(|e| self.fail(e))?;
         let (tx, out) = tokio::sync::mpsc::channel(64);
+        let router = self.router.clone();
         tokio::spawn(async move {
             let prompt_tokens = g.prompt_tokens();
+            let mut lp = crate::logprobs::Logprobs::new(router.tokenizer(), 0);
             loop {
                 // Leave as soon as the caller is gone: dropping the
                 // generation tells the mesh to abort.
@@ -163,8 +184,9 @@ impl Generation for Api {
                 };
                 let Some(ev) = ev else { return };
                 let msg = match ev {
-                    Event::Text(text) => GenerateResponse {
+                    Event::Text { text, logprobs } => GenerateResponse {
                         text,
+                        logprobs: lp.part(&logprobs).grpc(),
                         ..Default::default()
                     },
                     Event::Done {

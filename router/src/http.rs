@@ -1,8 +1,9 @@
 //! The OpenAI-compatible HTTP gateway.
 //!
 //! Bodies are parsed here (not by an extractor) so every malformed request
-//! gets the same OpenAI-style 400 body naming the field. Unknown fields are
-//! ignored, as OpenAI clients send many.
+//! gets the same OpenAI-style 400 body naming the field. A field the
+//! gateway does not implement is refused with a 400 naming it, never
+//! dropped: a client must not get an answer to a question it did not ask.
 
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -26,6 +27,7 @@ use kvmesh_faults::FaultPlan;
 
 use crate::auth::Tenant;
 use crate::error::{GatewayError, Rejection};
+use crate::logprobs;
 use crate::mesh::{Event, Generation};
 use crate::validate::{self, invalid, Prompt, Valid};
 use crate::Router;
@@ -163,6 +165,137 @@ async fn authenticate(
     next.run(req).await
 }
 
+/// Fields a completions or chat body may carry: each is honoured (the
+/// README's table says how) and anything else is refused with a 400 that
+/// names it, so no client setting is dropped without a word.
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "n",
+    "stream",
+    "stream_options",
+    "cache_salt",
+    "user",
+];
+
+/// Fields only completions bodies carry.
+const COMPLETION_FIELDS: &[&str] = &["prompt", "echo", "max_completion_tokens"];
+
+/// Fields only chat bodies carry.
+const CHAT_FIELDS: &[&str] = &["messages", "max_completion_tokens", "top_logprobs"];
+
+/// Characters a `user` label may have at most.
+const MAX_USER: usize = 256;
+
+/// A body's fields, each read on its own so a refusal names its field.
+struct Body(serde_json::Map<String, Value>);
+
+impl Body {
+    fn parse(bytes: &[u8], allowed: &[&[&str]]) -> Result<Self, Rejection> {
+        let v: Value = serde_json::from_slice(bytes)
+            .map_err(|e| invalid("body", format!("invalid JSON body: {e}")))?;
+        let Value::Object(map) = v else {
+            return Err(invalid("body", "the body must be a JSON object"));
+        };
+        if let Some(k) = map
+            .keys()
+            .find(|k| !allowed.iter().any(|list| list.contains(&k.as_str())))
+        {
+            return Err(Rejection::Invalid {
+                param: unknown_param(k),
+                message: format!(
+                    "unsupported field `{}`: this server does not implement it (see the README's table of OpenAI parameters)",
+                    k.chars().take(64).collect::<String>()
+                ),
+            });
+        }
+        Ok(Self(map))
+    }
+
+    /// Field `name` as `T`; absent and `null` are `None`.
+    fn get<T: for<'de> Deserialize<'de>>(
+        &self,
+        name: &'static str,
+    ) -> Result<Option<T>, Rejection> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => T::deserialize(v)
+                .map(Some)
+                .map_err(|e| invalid(name, format!("{name}: {e}"))),
+        }
+    }
+}
+
+/// The refusal's `param` for an unknown field: a static name (the one
+/// refused, when it is one the gateway knows of, else `body`).
+fn unknown_param(k: &str) -> &'static str {
+    const KNOWN_UNSUPPORTED: &[&str] = &[
+        "best_of",
+        "suffix",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_grammar",
+        "guided_choice",
+        "prompt_logprobs",
+        "id",
+        "request_id",
+        "audio",
+        "modalities",
+        "prediction",
+        "service_tier",
+        "store",
+        "metadata",
+        "reasoning_effort",
+        "web_search_options",
+        "use_beam_search",
+        "length_penalty",
+        "bad_words",
+        "allowed_token_ids",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+        "truncate_prompt_tokens",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "documents",
+        "priority",
+        "logits_processors",
+        "messages",
+        "prompt",
+        "echo",
+        "max_completion_tokens",
+        "top_logprobs",
+    ];
+    KNOWN_UNSUPPORTED
+        .iter()
+        .find(|&&n| n == k)
+        .copied()
+        .unwrap_or("body")
+}
+
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum OneOrMany {
@@ -170,49 +303,28 @@ enum OneOrMany {
     Many(Vec<String>),
 }
 
+/// A completions `prompt`: text, a list of texts, token ids, or a list of
+/// token-id lists.
 #[derive(Deserialize)]
-struct Common {
-    model: Option<String>,
-    max_tokens: Option<u64>,
-    max_completion_tokens: Option<u64>,
-    // f64, checked before narrowing: an f32 would round 2.0000001 into
-    // range and 1e-50 to zero.
-    temperature: Option<f64>,
-    top_p: Option<f64>,
-    seed: Option<u64>,
-    stop: Option<OneOrMany>,
+#[serde(untagged)]
+enum PromptIn {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
     #[serde(default)]
-    stream: bool,
-    n: Option<u64>,
-    /// vLLM's extension: end-of-sequence tokens do not end generation.
-    #[serde(default)]
-    ignore_eos: bool,
-    /// vLLM's extension: a sub-namespace of the tenant's prefix cache.
-    cache_salt: Option<String>,
+    include_usage: Option<bool>,
 }
 
 #[derive(Deserialize)]
-struct CompletionBody {
-    prompt: Option<OneOrMany>,
-    #[serde(flatten)]
-    common: Common,
-}
-
-#[derive(Deserialize)]
-struct ChatBody {
-    messages: Option<Vec<ChatIn>>,
-    #[serde(flatten)]
-    common: Common,
-}
-
-#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct ChatIn {
     role: String,
     content: Option<Value>,
-}
-
-fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, Rejection> {
-    serde_json::from_slice(body).map_err(|e| invalid("body", format!("invalid JSON body: {e}")))
 }
 
 fn unix_now() -> u64 {
@@ -234,54 +346,162 @@ fn request_id(prefix: &str) -> Option<String> {
 /// too), or the typed refusal the client gets. Everything a client sends
 /// passes through here first (fuzzed: `fuzz/`).
 pub fn validate(r: &Router, chat: bool, body: &[u8]) -> Result<Valid, Rejection> {
-    parse_body(chat, body).and_then(|(req, _)| validate::request(r, req))
+    parse_body(chat, body).and_then(|p| validate::request(r, p.request))
 }
 
-/// A body as the front-end-neutral request, and whether to stream.
-fn parse_body(chat: bool, body: &[u8]) -> Result<(validate::Request, bool), Rejection> {
-    let (prompt, c) = if chat {
-        let b: ChatBody = parse(body)?;
-        (Prompt::Chat(chat_messages(b.messages)?), b.common)
-    } else {
-        let b: CompletionBody = parse(body)?;
-        let prompt = match b.prompt {
-            Some(OneOrMany::One(p)) => p,
-            Some(OneOrMany::Many(mut v)) if v.len() == 1 => v.remove(0),
-            Some(OneOrMany::Many(_)) => return Err(invalid("prompt", "one prompt per request")),
-            None => return Err(invalid("prompt", "prompt is required")),
-        };
-        (Prompt::Text(prompt), b.common)
+/// How the response is shaped, beyond what the mesh generates.
+#[derive(Clone, Copy, Debug, Default)]
+struct Shape {
+    /// Server-sent events.
+    stream: bool,
+    /// The streamed answer's last chunk carries usage (OpenAI's
+    /// `stream_options.include_usage`; unset: yes).
+    stream_usage: bool,
+    /// Completions: the prompt's text opens the answer (`echo`).
+    echo: bool,
+}
+
+/// A parsed body: the front-end-neutral request and the response's shape.
+struct Parsed {
+    request: validate::Request,
+    shape: Shape,
+}
+
+/// A body as the front-end-neutral request, and its response's shape.
+fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
+    let kind_fields = if chat { CHAT_FIELDS } else { COMPLETION_FIELDS };
+    let b = Body::parse(bytes, &[COMMON_FIELDS, kind_fields])?;
+    let mut sampling = validate::SamplingIn {
+        temperature: b.get("temperature")?,
+        top_p: b.get("top_p")?,
+        top_k: b.get("top_k")?,
+        min_p: b.get("min_p")?,
+        presence_penalty: b.get("presence_penalty")?,
+        frequency_penalty: b.get("frequency_penalty")?,
+        repetition_penalty: b.get("repetition_penalty")?,
+        logit_bias: logit_bias(b.get("logit_bias")?)?,
+        min_tokens: b.get("min_tokens")?,
+        seed: b.get("seed")?,
+        ..validate::SamplingIn::default()
     };
-    if c.n.is_some_and(|n| n != 1) {
+    let (prompt, echo) = if chat {
+        // top_logprobs implies logprobs, unless logprobs says false.
+        let top: Option<u64> = b.get("top_logprobs")?;
+        (sampling.logprobs_param, sampling.logprobs_max) = ("top_logprobs", 20);
+        match (b.get::<bool>("logprobs")?, top) {
+            (Some(false), Some(n)) if n > 0 => {
+                return Err(invalid("top_logprobs", "top_logprobs needs logprobs: true"))
+            }
+            (Some(false), _) | (None, None) => {}
+            (Some(true), top) | (None, top @ Some(_)) => {
+                sampling.logprobs = Some(top.unwrap_or(0));
+            }
+        }
+        (Prompt::Chat(chat_messages(b.get("messages")?)?), false)
+    } else {
+        sampling.logprobs = b.get("logprobs")?;
+        (sampling.logprobs_param, sampling.logprobs_max) = ("logprobs", 5);
+        let echo = b.get("echo")?.unwrap_or(false);
+        if echo && sampling.logprobs.is_some() {
+            return Err(invalid(
+                "echo",
+                "echo with logprobs (the prompt's logprobs) is not supported yet; echo alone is",
+            ));
+        }
+        (completion_prompt(b.get("prompt")?)?, echo)
+    };
+    if b.get::<u64>("n")?.is_some_and(|n| n != 1) {
         return Err(invalid("n", "only n=1 is supported"));
     }
+    let max_tokens: Option<u64> = b.get("max_tokens")?;
+    let max_completion_tokens: Option<u64> = b.get("max_completion_tokens")?;
     // Each budget field is checked on its own, the ignored one too: a
     // request with `max_tokens: 0` is refused whatever else it says.
-    if c.max_tokens == Some(0) && c.max_completion_tokens.is_some() {
+    if max_tokens == Some(0) && max_completion_tokens.is_some() {
         return Err(invalid("max_tokens", "max_tokens must be at least 1"));
     }
-    let (max_tokens, max_tokens_param) = match (c.max_completion_tokens, c.max_tokens) {
+    let (max_tokens, max_tokens_param) = match (max_completion_tokens, max_tokens) {
         (Some(n), _) => (Some(n), "max_completion_tokens"),
         (None, n) => (n, "max_tokens"),
     };
-    let stop = match c.stop {
+    let stop = match b.get("stop")? {
         None => Vec::new(),
         Some(OneOrMany::One(s)) => vec![s],
         Some(OneOrMany::Many(v)) => v,
     };
-    let req = validate::Request {
-        model: c.model,
-        prompt,
+    let stream = b.get("stream")?.unwrap_or(false);
+    let options: Option<StreamOptions> = b.get("stream_options")?;
+    if options.is_some() && !stream {
+        return Err(invalid(
+            "stream_options",
+            "stream_options is only for streamed requests (stream: true)",
+        ));
+    }
+    if let Some(user) = b.get::<String>("user")? {
+        if user.chars().count() > MAX_USER {
+            return Err(invalid(
+                "user",
+                format!("user must have at most {MAX_USER} characters"),
+            ));
+        }
+        // OpenAI's end-user label, for the operator's logs only: never an
+        // identity (the tenant is the API key's) nor an id.
+        tracing::debug!(user = %user, "request from a labelled end user");
+    }
+    let request = validate::Request {
+        model: b.get("model")?,
         max_tokens,
         max_tokens_param,
-        temperature: c.temperature,
-        top_p: c.top_p,
-        seed: c.seed,
+        sampling,
         stop,
-        ignore_eos: c.ignore_eos,
-        cache_salt: c.cache_salt,
+        stop_token_ids: b.get("stop_token_ids")?.unwrap_or_default(),
+        ignore_eos: b.get("ignore_eos")?.unwrap_or(false),
+        cache_salt: b.get("cache_salt")?,
+        ..validate::Request::new(prompt)
     };
-    Ok((req, c.stream))
+    let shape = Shape {
+        stream,
+        stream_usage: options.and_then(|o| o.include_usage).unwrap_or(true),
+        echo,
+    };
+    Ok(Parsed { request, shape })
+}
+
+/// OpenAI's `logit_bias`: token ids (as JSON object keys) to biases.
+fn logit_bias(v: Option<serde_json::Map<String, Value>>) -> Result<Vec<(u32, f64)>, Rejection> {
+    v.unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| {
+            let id = k.parse::<u32>().map_err(|_| {
+                invalid(
+                    "logit_bias",
+                    "logit_bias keys must be token ids (decimal integers)",
+                )
+            })?;
+            let b = v
+                .as_f64()
+                .ok_or_else(|| invalid("logit_bias", "logit_bias values must be numbers"))?;
+            Ok((id, b))
+        })
+        .collect()
+}
+
+fn completion_prompt(p: Option<PromptIn>) -> Result<Prompt, Rejection> {
+    let batch = |n: usize| {
+        invalid(
+            "prompt",
+            format!("a batch of {n} prompts is not supported yet: send one prompt per request"),
+        )
+    };
+    match p {
+        None => Err(invalid("prompt", "prompt is required")),
+        Some(PromptIn::Text(t)) => Ok(Prompt::Text(t)),
+        Some(PromptIn::Texts(mut v)) if v.len() == 1 => Ok(Prompt::Text(v.remove(0))),
+        Some(PromptIn::Ids(ids)) => Ok(Prompt::Ids(ids)),
+        Some(PromptIn::IdLists(mut v)) if v.len() == 1 => Ok(Prompt::Ids(v.remove(0))),
+        Some(PromptIn::Texts(v)) => Err(batch(v.len())),
+        Some(PromptIn::IdLists(v)) => Err(batch(v.len())),
+    }
 }
 
 fn chat_messages(msgs: Option<Vec<ChatIn>>) -> Result<Vec<ChatMessage>, Rejection> {
@@ -347,14 +567,17 @@ async fn generate(
 ) -> Response {
     let faults = faults.map(|f| f.0).unwrap_or_default();
     match start(&r, tenant, faults, body, kind).await {
-        Ok((generation, stream_it, id)) => {
+        Ok((generation, shape, id, echo)) => {
             let meta = Meta {
                 kind,
                 id,
                 model: r.config().model_id.clone(),
                 created: unix_now(),
+                shape,
+                echo,
+                router: r.clone(),
             };
-            if stream_it {
+            if shape.stream {
                 stream(generation, meta).into_response()
             } else {
                 match whole(generation, &meta).await {
@@ -368,24 +591,34 @@ async fn generate(
 }
 
 /// Everything before the response starts: read, parse and validate the
-/// body, mint the response id, admit, start the mesh.
+/// body, mint the response id, admit, start the mesh. Also the echoed
+/// prompt text, when the body asked for it.
 async fn start(
     r: &Router,
     tenant: Tenant,
     faults: FaultPlan,
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
-) -> Result<(Generation, bool, String), GatewayError> {
+) -> Result<(Generation, Shape, String, String), GatewayError> {
     let body = body?;
-    let (req, stream_it) = parse_body(matches!(kind, Kind::Chat), &body)?;
-    let valid = validate::request(r, req)?;
+    let Parsed { request, shape } = parse_body(matches!(kind, Kind::Chat), &body)?;
+    let echo = match (&request.prompt, shape.echo) {
+        (_, false) => String::new(),
+        (Prompt::Text(t), true) => t.clone(),
+        (Prompt::Ids(ids), true) => r
+            .tokenizer()
+            .decode(ids, false)
+            .map_err(|e| invalid("prompt", e.to_string()))?,
+        (Prompt::Chat(_), true) => String::new(),
+    };
+    let valid = validate::request(r, request)?;
     let id = match kind {
         Kind::Completion => request_id("cmpl"),
         Kind::Chat => request_id("chatcmpl"),
     }
     .ok_or(GatewayError::Internal("cannot mint a request id"))?;
     let generation = r.generate(valid, tenant, faults).await?;
-    Ok((generation, stream_it, id))
+    Ok((generation, shape, id, echo))
 }
 
 #[derive(Clone, Copy)]
@@ -400,6 +633,11 @@ struct Meta {
     id: String,
     model: String,
     created: u64,
+    shape: Shape,
+    /// The prompt's text that opens the answer (`echo`), or nothing.
+    echo: String,
+    /// For the tokens' text in logprobs.
+    router: Router,
 }
 
 /// OpenAI's usage object; `cached_tokens` are the prompt tokens the
@@ -416,10 +654,15 @@ fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -
 /// The unstreamed response: the whole text, or the failure (its status
 /// and body).
 async fn whole(mut g: Generation, m: &Meta) -> Result<Value, GatewayError> {
-    let mut text = String::new();
+    let mut text = m.echo.clone();
+    let mut lp = logprobs::Logprobs::new(m.router.tokenizer(), text.chars().count());
+    let wants = g.wants_logprobs();
     while let Some(ev) = g.next().await {
         match ev {
-            Event::Text(t) => text.push_str(&t),
+            Event::Text { text: t, logprobs } => {
+                text.push_str(&t);
+                lp.extend(&logprobs);
+            }
             Event::Done {
                 finish,
                 completion_tokens,
@@ -428,11 +671,11 @@ async fn whole(mut g: Generation, m: &Meta) -> Result<Value, GatewayError> {
                 let (object, choice) = match m.kind {
                     Kind::Completion => (
                         "text_completion",
-                        json!({"index": 0, "text": text, "finish_reason": finish.as_str(), "logprobs": null}),
+                        json!({"index": 0, "text": text, "finish_reason": finish.as_str(), "logprobs": wants.then(|| lp.completion())}),
                     ),
                     Kind::Chat => (
                         "chat.completion",
-                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish.as_str(), "logprobs": null}),
+                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish.as_str(), "logprobs": wants.then(|| lp.chat())}),
                     ),
                 };
                 return Ok(
@@ -447,9 +690,12 @@ async fn whole(mut g: Generation, m: &Meta) -> Result<Value, GatewayError> {
 }
 
 /// The SSE response: a chunk per text event (a chat stream opens with the
-/// assistant's role), the last chunk with the finish reason and usage,
-/// then `[DONE]`; a failure after the response began is one error event
-/// ([`GatewayError::sse_event`]) and then `[DONE]`.
+/// assistant's role, an echoing completion with the prompt), the last
+/// chunk with the finish reason and usage (unless
+/// `stream_options.include_usage` is false), then `[DONE]`; a failure
+/// after the response began is one error event
+/// ([`GatewayError::sse_event`]) and then `[DONE]`. With logprobs, each
+/// chunk carries its tokens'.
 fn stream(
     g: Generation,
     m: Meta,
@@ -459,13 +705,19 @@ fn stream(
         Kind::Completion => "text_completion",
         Kind::Chat => "chat.completion.chunk",
     };
-    let chunk = move |delta: Value, finish: Value, usage: Option<Value>| {
+    let wants = g.wants_logprobs();
+    let chunk = move |m: &Meta,
+                      delta: Value,
+                      lp: Option<Value>,
+                      finish: Value,
+                      usage: Option<Value>| {
+        let lp = lp.unwrap_or(Value::Null);
         let choice = match m.kind {
             Kind::Completion => {
-                json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish, "logprobs": null})
+                json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish, "logprobs": lp})
             }
             Kind::Chat => {
-                json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null})
+                json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp})
             }
         };
         let mut v = json!({"id": m.id, "object": object, "created": m.created, "model": m.model, "choices": [choice]});
@@ -481,19 +733,21 @@ fn stream(
     let (tx, out) = tokio::sync::mpsc::channel::<SseEvent>(64);
     tokio::spawn(async move {
         let mut g = g;
-        if let Kind::Chat = kind {
+        let opening = match kind {
+            Kind::Chat => Some(json!({"role": "assistant", "content": ""})),
+            Kind::Completion if !m.echo.is_empty() => Some(json!({"content": m.echo})),
+            Kind::Completion => None,
+        };
+        if let Some(delta) = opening {
             if tx
-                .send(chunk(
-                    json!({"role": "assistant", "content": ""}),
-                    Value::Null,
-                    None,
-                ))
+                .send(chunk(&m, delta, None, Value::Null, None))
                 .await
                 .is_err()
             {
                 return;
             }
         }
+        let mut lp = logprobs::Logprobs::new(m.router.tokenizer(), m.echo.chars().count());
         loop {
             // Leave as soon as the client is gone, not at the next event:
             // dropping the generation is what tells the mesh to abort.
@@ -503,16 +757,29 @@ fn stream(
             };
             let Some(ev) = ev else { return };
             let frames = match ev {
-                Event::Text(t) => vec![chunk(json!({"content": t}), Value::Null, None)],
+                Event::Text { text, logprobs } => {
+                    let lp = wants.then(|| {
+                        let part = lp.part(&logprobs);
+                        match kind {
+                            Kind::Completion => part.completion(),
+                            Kind::Chat => part.chat(),
+                        }
+                    });
+                    vec![chunk(&m, json!({"content": text}), lp, Value::Null, None)]
+                }
                 Event::Done {
                     finish,
                     completion_tokens,
                     cached_tokens,
                 } => vec![
                     chunk(
+                        &m,
                         json!({}),
+                        None,
                         json!(finish.as_str()),
-                        Some(usage(g.prompt_tokens(), completion_tokens, cached_tokens)),
+                        m.shape
+                            .stream_usage
+                            .then(|| usage(g.prompt_tokens(), completion_tokens, cached_tokens)),
                     ),
                     SseEvent::default().data("[DONE]"),
                 ],

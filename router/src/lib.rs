@@ -42,6 +42,7 @@ pub mod auth;
 pub mod error;
 pub mod grpc;
 pub mod http;
+mod logprobs;
 pub mod mesh;
 mod metrics;
 pub mod nodes;
@@ -246,6 +247,7 @@ impl Router {
         faults: FaultPlan,
     ) -> Result<Generation, GatewayError> {
         let prompt_tokens = valid.ids().len();
+        let logprobs = valid.settings().sampling.logprobs.is_some();
         let admitted = self.admit(valid, tenant, faults).await?;
         let rx = self.mesh.generate(admitted)?;
         Ok(Generation::new(
@@ -253,7 +255,8 @@ impl Router {
             Arc::clone(&self.metrics),
             prompt_tokens,
             self.cut.subscribe(),
-        ))
+        )
+        .with_logprobs(logprobs))
     }
 
     async fn check(

@@ -230,7 +230,7 @@ pub(crate) mod tests {
         }
         check(
             &with_field(example, "an_unknown_field", Some("{\"x\":1}")),
-            true,
+            false,
             "unknown field",
         );
         let schema = resolve(&doc, &doc["components"]["schemas"][schema_name]);
@@ -347,6 +347,7 @@ pub(crate) mod tests {
                 }
                 let item = match items["type"].as_str() {
                     Some("string") => json!("x"),
+                    Some("integer") => json!(1),
                     Some("object") => json!({"role": "user", "content": "hi"}),
                     other => panic!("{field}: items of type {other:?}"),
                 };

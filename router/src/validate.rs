@@ -6,6 +6,7 @@
 //! budget, the same fresh seed when none is given, the same refusal of an
 //! empty prompt, the same bound on stop strings, the same model check.
 
+use kvmesh_proto::internal::v1::Sampling;
 use kvmesh_tokenizer::ChatMessage;
 
 use crate::error::Rejection;
@@ -20,6 +21,16 @@ pub const MAX_STOP_STRINGS: usize = 4;
 /// Characters a `cache_salt` may have at most.
 pub const MAX_CACHE_SALT: usize = 256;
 
+/// Roles a chat message may have (`developer` is OpenAI's newer name for
+/// `system`, and is rendered as one).
+pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
+
+/// `logit_bias` entries a request may carry at most.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+/// `stop_token_ids` a request may carry at most.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
 /// What to generate from.
 #[derive(Clone, Debug)]
 pub enum Prompt {
@@ -27,6 +38,8 @@ pub enum Prompt {
     Text(String),
     /// Chat messages, rendered with the model's chat template.
     Chat(Vec<ChatMessage>),
+    /// Token ids, as they are (each inside the vocabulary).
+    Ids(Vec<u32>),
 }
 
 /// A request as a front end parsed it, not yet checked.
@@ -41,19 +54,68 @@ pub struct Request {
     pub max_tokens: Option<u64>,
     /// The field `max_tokens` came from, for the refusal's `param`.
     pub max_tokens_param: &'static str,
-    /// Sampling temperature; `None`: 1.0. As sent (f64), checked before
-    /// narrowing, so 2.0000001 is not rounded into range.
-    pub temperature: Option<f64>,
-    /// Nucleus mass; `None`: 1.0.
-    pub top_p: Option<f64>,
-    /// Sampler seed; `None`: a fresh one from the OS for this request.
-    pub seed: Option<u64>,
+    /// How to draw tokens.
+    pub sampling: SamplingIn,
     /// Stop strings (empty ones are dropped).
     pub stop: Vec<String>,
+    /// Token ids that end generation, besides end-of-sequence (vLLM's
+    /// `stop_token_ids`).
+    pub stop_token_ids: Vec<u32>,
     /// End-of-sequence tokens do not end generation (vLLM's extension).
     pub ignore_eos: bool,
     /// Narrows the prefix cache inside the tenant (vLLM's extension).
     pub cache_salt: Option<String>,
+}
+
+impl Request {
+    /// A request for `prompt` with every setting at its default.
+    pub fn new(prompt: Prompt) -> Self {
+        Self {
+            model: None,
+            prompt,
+            max_tokens: None,
+            max_tokens_param: "max_tokens",
+            sampling: SamplingIn::default(),
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            cache_salt: None,
+        }
+    }
+}
+
+/// Sampling as sent: wide types (f64, i64), checked before narrowing, so
+/// 2.0000001 is not rounded into range and -1 is not wrapped. `None` is
+/// the default.
+#[derive(Clone, Debug, Default)]
+pub struct SamplingIn {
+    /// Temperature; default 1.0; 0 is greedy.
+    pub temperature: Option<f64>,
+    /// Nucleus mass; default 1.0.
+    pub top_p: Option<f64>,
+    /// Keep the k most likely tokens; -1 or 0 (vLLM's spellings) keep all.
+    pub top_k: Option<i64>,
+    /// Relative probability floor in [0, 1]; default 0.
+    pub min_p: Option<f64>,
+    /// In [-2, 2]; default 0.
+    pub presence_penalty: Option<f64>,
+    /// In [-2, 2]; default 0.
+    pub frequency_penalty: Option<f64>,
+    /// Greater than 0; default 1 (off).
+    pub repetition_penalty: Option<f64>,
+    /// Token id and bias in [-100, 100].
+    pub logit_bias: Vec<(u32, f64)>,
+    /// The stop tokens cannot end generation before this many tokens.
+    pub min_tokens: Option<u64>,
+    /// Sampler seed; `None`: a fresh one from the OS for this request.
+    pub seed: Option<u64>,
+    /// Logprobs of each token and this many alternatives'; `None`: none.
+    pub logprobs: Option<u64>,
+    /// The field `logprobs` came from (`logprobs`, `top_logprobs`).
+    pub logprobs_param: &'static str,
+    /// The most alternatives that field allows (5 for completions, 20 for
+    /// chat, as OpenAI).
+    pub logprobs_max: u64,
 }
 
 /// Checked sampling and budget settings.
@@ -61,16 +123,18 @@ pub struct Request {
 pub struct Settings {
     /// Completion budget, at least 1.
     pub max_tokens: usize,
-    /// Temperature in [0, 2].
-    pub temperature: f32,
-    /// Nucleus mass in (0, 1].
-    pub top_p: f32,
-    /// Sampler seed.
-    pub seed: u64,
+    /// The sampling, checked, as the nodes get it (they check it again):
+    /// temperature in [0, 2], top_p in (0, 1], every other field in
+    /// kvmesh-model's ranges, logit-bias ids inside the vocabulary, a seed
+    /// always set.
+    pub sampling: Sampling,
     /// Non-empty stop strings, at most [`MAX_STOP_STRINGS`].
     pub stop: Vec<String>,
+    /// Token ids (inside the vocabulary) that end generation besides
+    /// end-of-sequence.
+    pub stop_token_ids: Vec<u32>,
     /// Generate exactly `max_tokens` tokens: end-of-sequence tokens do not
-    /// stop generation (stop strings still do).
+    /// stop generation (stop strings and `stop_token_ids` still do).
     pub ignore_eos: bool,
     /// 1 to [`MAX_CACHE_SALT`] characters: a sub-namespace of the tenant's
     /// prefix cache. It can only narrow what the tenant shares: the
@@ -119,14 +183,24 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
             return Err(Rejection::UnknownModel(m.clone()));
         }
     }
-    let settings = settings(&req)?;
     let tokenizer = r.tokenizer();
+    let settings = settings(&req, tokenizer.vocab_size())?;
     let (ids, param) = match &req.prompt {
         Prompt::Text(text) => (tokenizer.encode(text), "prompt"),
         Prompt::Chat(msgs) if msgs.is_empty() => {
             return Err(invalid("messages", "messages must not be empty"))
         }
-        Prompt::Chat(msgs) => (tokenizer.encode_chat(msgs), "messages"),
+        Prompt::Chat(msgs) => (tokenizer.encode_chat(&roles(msgs)?), "messages"),
+        Prompt::Ids(ids) => {
+            let vocab = tokenizer.vocab_size();
+            if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(invalid(
+                    "prompt",
+                    format!("token id {id} is outside the vocabulary of {vocab} tokens"),
+                ));
+            }
+            (Ok(ids.clone()), "prompt")
+        }
     };
     let ids = ids.map_err(|e| invalid(param, e.to_string()))?;
     // No node can reserve for a prompt of no tokens: refused here.
@@ -139,31 +213,58 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
     Ok(Valid { ids, settings })
 }
 
-fn settings(req: &Request) -> Result<Settings, Rejection> {
+/// The messages with their roles checked (unknown roles are refused, not
+/// passed to a template that might render them as anything).
+fn roles(msgs: &[ChatMessage]) -> Result<std::borrow::Cow<'_, [ChatMessage]>, Rejection> {
+    let mut out = std::borrow::Cow::Borrowed(msgs);
+    for (i, m) in msgs.iter().enumerate() {
+        match m.role.as_str() {
+            "developer" => out.to_mut()[i].role = "system".into(),
+            r if ROLES.contains(&r) => {}
+            "tool" | "function" => {
+                return Err(invalid(
+                    "messages",
+                    format!("role `{}` needs tools, which are not supported yet", m.role),
+                ))
+            }
+            _ => {
+                return Err(invalid(
+                    "messages",
+                    format!(
+                        "unknown role `{}`: one of {}",
+                        m.role.chars().take(32).collect::<String>(),
+                        ROLES.join(", ")
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn settings(req: &Request, vocab: usize) -> Result<Settings, Rejection> {
     if req.max_tokens == Some(0) {
         let param = req.max_tokens_param;
         return Err(invalid(param, format!("{param} must be at least 1")));
     }
     let max_tokens = req.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS as u64);
     let max_tokens = usize::try_from(max_tokens).unwrap_or(usize::MAX);
-    let temperature = req.temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(invalid(
-            "temperature",
-            format!("temperature {temperature} is not in [0, 2]"),
-        ));
-    }
-    let top_p = req.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(invalid("top_p", format!("top_p {top_p} is not in (0, 1]")));
-    }
-    // In range, so the narrowing only rounds; a top_p below f32's range
-    // keeps the smallest positive mass (the most likely token only).
-    let (temperature, top_p) = (temperature as f32, (top_p as f32).max(f32::MIN_POSITIVE));
     if req.stop.len() > MAX_STOP_STRINGS {
         return Err(invalid(
             "stop",
             format!("at most {MAX_STOP_STRINGS} stop strings"),
+        ));
+    }
+    if req.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(invalid(
+            "stop_token_ids",
+            format!("at most {MAX_STOP_TOKEN_IDS} stop token ids"),
+        ));
+    }
+    if let Some(id) = req.stop_token_ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(invalid(
+            "stop_token_ids",
+            format!("token id {id} is outside the vocabulary of {vocab} tokens"),
         ));
     }
     if let Some(salt) = &req.cache_salt {
@@ -176,12 +277,118 @@ fn settings(req: &Request) -> Result<Settings, Rejection> {
     }
     Ok(Settings {
         max_tokens,
-        temperature,
-        top_p,
-        seed: req.seed.unwrap_or_else(fresh_seed),
+        sampling: sampling(&req.sampling, max_tokens, vocab)?,
         stop: req.stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
+        stop_token_ids: req.stop_token_ids.clone(),
         ignore_eos: req.ignore_eos,
         cache_salt: req.cache_salt.clone(),
+    })
+}
+
+/// `v` (default `default`) if it lies in `range`, else the refusal of
+/// `param`; `range` is written out for the message.
+fn in_range(
+    param: &'static str,
+    v: Option<f64>,
+    default: f64,
+    ok: impl Fn(f64) -> bool,
+    range: &str,
+) -> Result<f32, Rejection> {
+    let v = v.unwrap_or(default);
+    if !(v.is_finite() && ok(v)) {
+        return Err(invalid(param, format!("{param} {v} is not in {range}")));
+    }
+    Ok(v as f32)
+}
+
+fn sampling(s: &SamplingIn, max_tokens: usize, vocab: usize) -> Result<Sampling, Rejection> {
+    let temperature = in_range(
+        "temperature",
+        s.temperature,
+        1.0,
+        |v| (0.0..=2.0).contains(&v),
+        "[0, 2]",
+    )?;
+    // A top_p below f32's range keeps the smallest positive mass (the most
+    // likely token only).
+    let top_p =
+        in_range("top_p", s.top_p, 1.0, |v| v > 0.0 && v <= 1.0, "(0, 1]")?.max(f32::MIN_POSITIVE);
+    let top_k = match s.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
+        Some(k) => {
+            return Err(invalid(
+                "top_k",
+                format!("top_k {k} must be -1 (all), 0 (all) or at least 1"),
+            ))
+        }
+    };
+    let min_p = in_range(
+        "min_p",
+        s.min_p,
+        0.0,
+        |v| (0.0..=1.0).contains(&v),
+        "[0, 1]",
+    )?;
+    let penalty = |param, v| in_range(param, v, 0.0, |v| (-2.0..=2.0).contains(&v), "[-2, 2]");
+    let presence_penalty = penalty("presence_penalty", s.presence_penalty)?;
+    let frequency_penalty = penalty("frequency_penalty", s.frequency_penalty)?;
+    let repetition_penalty = in_range(
+        "repetition_penalty",
+        s.repetition_penalty,
+        1.0,
+        |v| v > 0.0 && v <= 1e4,
+        "(0, 10000]",
+    )?;
+    if s.logit_bias.len() > MAX_LOGIT_BIAS {
+        return Err(invalid(
+            "logit_bias",
+            format!("at most {MAX_LOGIT_BIAS} logit_bias entries"),
+        ));
+    }
+    let mut logit_bias = std::collections::HashMap::with_capacity(s.logit_bias.len());
+    for &(id, b) in &s.logit_bias {
+        if id as usize >= vocab {
+            return Err(invalid(
+                "logit_bias",
+                format!("token id {id} is outside the vocabulary of {vocab} tokens"),
+            ));
+        }
+        let b = in_range(
+            "logit_bias",
+            Some(b),
+            0.0,
+            |v| (-100.0..=100.0).contains(&v),
+            "[-100, 100]",
+        )?;
+        logit_bias.insert(id, b);
+    }
+    let min_tokens = s.min_tokens.unwrap_or(0);
+    if min_tokens > max_tokens as u64 {
+        return Err(invalid(
+            "min_tokens",
+            format!("min_tokens {min_tokens} is more than the budget of {max_tokens} tokens"),
+        ));
+    }
+    let logprobs = match s.logprobs {
+        Some(n) if n > s.logprobs_max => {
+            let (param, max) = (s.logprobs_param, s.logprobs_max);
+            return Err(invalid(param, format!("{param} {n} is more than {max}")));
+        }
+        n => n.map(|n| n as u32),
+    };
+    Ok(Sampling {
+        temperature,
+        top_p,
+        seed: s.seed.unwrap_or_else(fresh_seed),
+        top_k,
+        min_p,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+        logit_bias,
+        min_tokens: u32::try_from(min_tokens).unwrap_or(u32::MAX),
+        logprobs,
     })
 }
 
@@ -203,18 +410,7 @@ mod tests {
     use super::*;
 
     fn req(prompt: Prompt) -> Request {
-        Request {
-            model: None,
-            prompt,
-            max_tokens: None,
-            max_tokens_param: "max_tokens",
-            temperature: None,
-            top_p: None,
-            seed: None,
-            stop: Vec::new(),
-            ignore_eos: false,
-            cache_salt: None,
-        }
+        Request::new(prompt)
     }
 
     fn text(t: &str) -> Prompt {
@@ -234,22 +430,26 @@ mod tests {
         let a = request(&r, req(text("Hello"))).expect("valid");
         let s = a.settings();
         assert_eq!(s.max_tokens, DEFAULT_MAX_TOKENS);
-        assert_eq!((s.temperature, s.top_p), (1.0, 1.0));
+        assert_eq!((s.sampling.temperature, s.sampling.top_p), (1.0, 1.0));
+        assert_eq!(s.sampling.repetition_penalty, 1.0);
+        assert_eq!((s.sampling.logprobs, s.sampling.top_k), (None, 0));
         assert!(!a.ids().is_empty());
         let seeds: std::collections::HashSet<u64> = (0..8)
             .map(|_| {
                 request(&r, req(text("Hello")))
                     .expect("valid")
                     .settings()
+                    .sampling
                     .seed
             })
             .collect();
         assert_eq!(seeds.len(), 8, "unseeded requests do not share a seed");
-        let seeded = Request {
-            seed: Some(7),
-            ..req(text("Hello"))
-        };
-        assert_eq!(request(&r, seeded).expect("valid").settings().seed, 7);
+        let mut seeded = req(text("Hello"));
+        seeded.sampling.seed = Some(7);
+        assert_eq!(
+            request(&r, seeded).expect("valid").settings().sampling.seed,
+            7
+        );
     }
 
     #[test]
@@ -277,11 +477,55 @@ mod tests {
             param(request(&r, zero).expect_err("zero")),
             "max_completion_tokens"
         );
-        let hot = Request {
-            temperature: Some(2.000_000_1),
-            ..req(text("Hello"))
-        };
+        let mut hot = req(text("Hello"));
+        hot.sampling.temperature = Some(2.000_000_1);
         assert_eq!(param(request(&r, hot).expect_err("too hot")), "temperature");
+        let vocab = r.tokenizer().vocab_size() as u32;
+        type Spoil = fn(&mut Request, u32);
+        let bad: [(&str, Spoil); 10] = [
+            ("top_k", |q, _| q.sampling.top_k = Some(-2)),
+            ("min_p", |q, _| q.sampling.min_p = Some(1.5)),
+            ("presence_penalty", |q, _| {
+                q.sampling.presence_penalty = Some(-2.5)
+            }),
+            ("frequency_penalty", |q, _| {
+                q.sampling.frequency_penalty = Some(f64::NAN)
+            }),
+            ("repetition_penalty", |q, _| {
+                q.sampling.repetition_penalty = Some(0.0)
+            }),
+            ("logit_bias", |q, v| q.sampling.logit_bias = vec![(v, 1.0)]),
+            ("logit_bias", |q, _| {
+                q.sampling.logit_bias = vec![(1, 100.5)]
+            }),
+            ("min_tokens", |q, _| q.sampling.min_tokens = Some(17)),
+            ("stop_token_ids", |q, v| q.stop_token_ids = vec![1, v]),
+            ("prompt", |q, v| q.prompt = Prompt::Ids(vec![1, v])),
+        ];
+        for (field, set) in bad {
+            let mut q = req(text("Hello"));
+            set(&mut q, vocab);
+            assert_eq!(param(request(&r, q).expect_err(field)), field);
+        }
+        let mut many = req(text("Hello"));
+        many.sampling.logprobs = Some(6);
+        many.sampling.logprobs_param = "logprobs";
+        many.sampling.logprobs_max = 5;
+        assert_eq!(param(request(&r, many).expect_err("six")), "logprobs");
+        let mut fine = req(Prompt::Ids(vec![1, 2, 3]));
+        fine.sampling = SamplingIn {
+            top_k: Some(-1),
+            logit_bias: vec![(vocab - 1, -100.0)],
+            min_tokens: Some(16),
+            logprobs: Some(5),
+            logprobs_max: 5,
+            ..SamplingIn::default()
+        };
+        let v = request(&r, fine).expect("valid");
+        assert_eq!(v.ids(), [1, 2, 3]);
+        let s = &v.settings().sampling;
+        assert_eq!((s.top_k, s.min_tokens, s.logprobs), (0, 16, Some(5)));
+        assert_eq!(s.logit_bias.get(&(vocab - 1)), Some(&-100.0));
         let other = Request {
             model: Some("gpt-x".into()),
             ..req(text("Hello"))

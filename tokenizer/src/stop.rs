@@ -19,6 +19,9 @@ pub struct TextOut<'a> {
     decoder: StreamDecoder<'a>,
     stop: &'a [String],
     held: String,
+    /// Ids still to push before stop strings apply (vLLM's `min_tokens`:
+    /// no stop string ends generation before that many tokens).
+    unarmed: usize,
 }
 
 impl<'a> TextOut<'a> {
@@ -29,7 +32,15 @@ impl<'a> TextOut<'a> {
             decoder: tokenizer.stream_decoder(),
             stop,
             held: String::new(),
+            unarmed: 0,
         }
+    }
+
+    /// Stop strings apply only from the `n`-th pushed id on: text before
+    /// is emitted as it comes, a stop string in it included.
+    pub fn min_tokens(mut self, n: usize) -> Self {
+        self.unarmed = n;
+        self
     }
 
     /// Add one generated id: the text to emit now (possibly empty), and
@@ -38,6 +49,10 @@ impl<'a> TextOut<'a> {
     pub fn push(&mut self, id: u32) -> Result<(String, bool)> {
         let piece = self.decoder.push(id)?.unwrap_or_default();
         self.held.push_str(&piece);
+        if self.unarmed > 0 {
+            self.unarmed -= 1;
+            return Ok((std::mem::take(&mut self.held), false));
+        }
         Ok(self.release())
     }
 
@@ -89,6 +104,27 @@ impl<'a> TextOut<'a> {
 mod tests {
     use super::*;
     use crate::testing::tiny_text_tokenizer;
+
+    #[test]
+    fn min_tokens_holds_stop_strings_off() {
+        let t = tiny();
+        let ids = t.encode_raw("abab").expect("encode");
+        let stop = vec!["b".to_owned()];
+        let mut out = TextOut::new(&t, &stop).min_tokens(ids.len() - 1);
+        let mut text = String::new();
+        let mut hit = false;
+        for &id in &ids {
+            let (piece, h) = out.push(id).expect("push");
+            text.push_str(&piece);
+            hit |= h;
+            if h {
+                break;
+            }
+        }
+        assert!(hit, "the last token's stop string applies");
+        assert!(text.starts_with("ab"), "stops before min_tokens did not apply: {text:?}");
+        assert!(!text.ends_with('b'), "the armed stop string was emitted: {text:?}");
+    }
 
     fn tiny() -> TextTokenizer {
         tiny_text_tokenizer(None, false)

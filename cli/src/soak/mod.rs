@@ -229,12 +229,7 @@ struct Reference {
 /// reference engine, greedy.
 fn references(engine: &Engine) -> Result<Vec<Reference>> {
     let limit = engine.max_model_len();
-    let greedy = SamplingParams {
-        temperature: 0.0,
-        top_p: 1.0,
-        top_k: None,
-        seed: None,
-    };
+    let greedy = SamplingParams::greedy();
     let mut out = Vec::new();
     for p in PROMPTS {
         let mut repeats = p.repeats;
@@ -256,8 +251,9 @@ fn references(engine: &Engine) -> Result<Vec<Reference>> {
             }
             repeats -= 1;
         };
-        let g = crate::reference_generate(engine, &text, p.chat, p.max_tokens, greedy, |_| {})
-            .with_context(|| format!("reference output of prompt {}", p.name))?;
+        let g =
+            crate::reference_generate(engine, &text, p.chat, p.max_tokens, greedy.clone(), |_| {})
+                .with_context(|| format!("reference output of prompt {}", p.name))?;
         out.push(Reference {
             name: p.name,
             text,

@@ -63,8 +63,8 @@ pub(super) fn finished(reason: FinishReason) -> SchedEvent {
 impl Active {
     /// Samples from `logits` and applies the stop rules; `Some` when the
     /// request ends.
-    pub(super) fn sampled(&mut self, logits: &[f32]) -> Option<End> {
-        let tok = self.sampler.sample(logits);
+    pub(super) fn sampled(&mut self, logits: &mut [f32]) -> Option<End> {
+        let tok = self.sampler.sample(logits).token;
         let verdict = self.stopping.after(tok);
         if verdict == Some(FinishReason::Stop) {
             return Some(End::Finished(FinishReason::Stop));

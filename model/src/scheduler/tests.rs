@@ -135,12 +135,16 @@ fn invalid_submissions_are_refused_at_once() {
     let s = Scheduler::start(Arc::clone(&engine), config(32, 4)).expect("start");
     let greedy = SamplingParams::greedy();
     assert!(matches!(
-        s.submit(Vec::new(), 4, greedy),
+        s.submit(Vec::new(), 4, greedy.clone()),
         Err(SchedError::Model(ModelError::EmptyPrompt))
     ));
-    let e = s.submit(vec![5, 9999], 4, greedy).expect_err("id 9999");
+    let e = s
+        .submit(vec![5, 9999], 4, greedy.clone())
+        .expect_err("id 9999");
     assert!(e.to_string().contains("9999"), "{e}");
-    let e = s.submit(prompt(200, 1), 100, greedy).expect_err("over 256");
+    let e = s
+        .submit(prompt(200, 1), 100, greedy.clone())
+        .expect_err("over 256");
     assert!(
         matches!(
             e,

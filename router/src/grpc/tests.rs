@@ -130,7 +130,10 @@ async fn each_refusal_has_its_code_its_metadata_and_is_counted() {
     // One slot, held by a running stream: saturation.
     let gate = Arc::new(Notify::new());
     mesh.push(Script::Play(vec![
-        Step::Send(Event::Text("a".into())),
+        Step::Send(Event::Text {
+            text: "a".into(),
+            logprobs: Vec::new(),
+        }),
         Step::Gate(Arc::clone(&gate)),
     ]));
     let mut running = a
@@ -199,8 +202,14 @@ async fn the_stream_carries_text_then_the_finish_or_a_safe_error_end() {
         .expect("encode")
         .len() as u32;
     mesh.play(vec![
-        Event::Text("Hel".into()),
-        Event::Text("lo".into()),
+        Event::Text {
+            text: "Hel".into(),
+            logprobs: Vec::new(),
+        },
+        Event::Text {
+            text: "lo".into(),
+            logprobs: Vec::new(),
+        },
         Event::Done {
             finish: Finish::Length,
             completion_tokens: 2,
@@ -219,13 +228,19 @@ async fn the_stream_carries_text_then_the_finish_or_a_safe_error_end() {
     assert_eq!(mesh.received()[0].max_tokens, 2);
 
     mesh.play(vec![
-        Event::Text("Hel".into()),
+        Event::Text {
+            text: "Hel".into(),
+            logprobs: Vec::new(),
+        },
         Event::Error(DispatchError::Node {
             role: Role::Prefill,
             node: "prefill-0".into(),
             status: Status::unavailable("tcp connect error 127.0.0.1:4000"),
         }),
-        Event::Text("never".into()),
+        Event::Text {
+            text: "never".into(),
+            logprobs: Vec::new(),
+        },
     ]);
     let got = messages(&a, generate("Once upon", 2)).await;
     assert_eq!(got.len(), 2, "{got:?}");

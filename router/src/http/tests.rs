@@ -80,7 +80,10 @@ fn tokens(r: &Router, text: &str) -> Vec<u32> {
 }
 
 fn text(t: &str) -> Event {
-    Event::Text(t.into())
+    Event::Text {
+        text: t.into(),
+        logprobs: Vec::new(),
+    }
 }
 
 fn done(finish: Finish, completion_tokens: usize) -> Event {
@@ -322,7 +325,12 @@ async fn unstreamed_completions_are_whole_bodies_and_the_mesh_gets_the_validated
     let job = &mesh.received()[0];
     assert_eq!(job.prompt_ids, prompt);
     assert_eq!(
-        (job.max_tokens, job.temperature, job.top_p, job.seed),
+        (
+            job.max_tokens,
+            job.sampling.temperature,
+            job.sampling.top_p,
+            job.sampling.seed
+        ),
         (5, 0.0, 1.0, 7)
     );
     assert_eq!(
@@ -695,5 +703,51 @@ async fn metrics_count_every_outcome_once() {
     assert!(
         m.ends_with("# fake mesh\nkvmesh_fake_requests_received 3\n"),
         "{m}"
+    );
+}
+
+/// The fuzz target's corpus (`fuzz/corpus/gateway_request`, seeds for the
+/// new fields among them) replayed on stable with the target's own
+/// checks: CI holds every input libFuzzer ever kept to them.
+#[test]
+fn the_gateway_fuzz_corpus_is_refused_by_name_or_accepted_in_range() {
+    let r = crate::openapi::tests::router(false);
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/gateway_request");
+    let vocab = r.tokenizer().vocab_size() as u32;
+    let (mut accepted, mut refused) = (0, 0);
+    for entry in std::fs::read_dir(&dir).expect("the corpus") {
+        let data = std::fs::read(entry.expect("entry").path()).expect("read");
+        let Some((b, body)) = data.split_first() else {
+            continue;
+        };
+        match crate::http::validate(&r, b & 1 == 1, body) {
+            Ok(v) => {
+                let (ids, s) = (v.ids(), v.settings());
+                let p = &s.sampling;
+                assert!(s.max_tokens >= 1);
+                assert!((0.0..=2.0).contains(&p.temperature));
+                assert!(p.top_p > 0.0 && p.top_p <= 1.0);
+                assert!(p.logit_bias.keys().all(|&id| id < vocab));
+                assert!(p.min_tokens as usize <= s.max_tokens);
+                assert!(ids.iter().all(|&t| t < vocab));
+                assert!(
+                    kvmesh_proto::sampling::params(p).is_ok(),
+                    "a node would refuse what the gateway took: {:?}",
+                    String::from_utf8_lossy(body)
+                );
+                accepted += 1;
+            }
+            Err(Rejection::Invalid { param, .. }) => {
+                assert!(!param.is_empty());
+                refused += 1;
+            }
+            Err(Rejection::UnknownModel(_)) => refused += 1,
+            Err(other) => panic!("validation never refuses with {other:?}"),
+        }
+    }
+    assert!(
+        accepted >= 3 && refused >= 100,
+        "{accepted} accepted, {refused} refused"
     );
 }

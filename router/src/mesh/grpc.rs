@@ -16,13 +16,13 @@ use std::time::{Duration, Instant};
 
 use kvmesh_faults::{Action, FaultPlan, PlantedBug, Point};
 use kvmesh_proto::internal::v1::{
-    decode_event, AbortRequest, DecodeEvent, FinishReason, GenerateRequest, Granted,
-    PrefillRequest, RefuseKind, Sampling,
+    decode_event, AbortRequest, DecodeEvent, FinishReason, GenerateRequest, Granted, Logprobs,
+    PrefillRequest, RefuseKind,
 };
 use kvmesh_tokenizer::{TextOut, TextTokenizer};
 use tokio::sync::mpsc;
 
-use super::{Admitted, Event, Finish, Job, Mesh};
+use super::{Admitted, Event, Finish, Job, Mesh, TokenLogprob};
 use crate::error::{DispatchError, Rejection};
 use crate::metrics::Metrics;
 use crate::nodes::{Node, Nodes, Prefix, Role};
@@ -180,22 +180,24 @@ async fn run(
         ns,
         prompt: &job.prompt_ids,
     });
-    let sampling = Sampling {
-        temperature: job.temperature,
-        top_p: job.top_p,
-        seed: job.seed,
-    };
+    let sampling = job.sampling.clone();
+    let wants_logprobs = sampling.logprobs.is_some();
+    // The request's own stop ids, and end-of-sequence unless ignored.
+    let mut stop_token_ids = job.stop_token_ids.clone();
+    if !job.ignore_eos {
+        stop_token_ids.extend(
+            r.stop_ids
+                .iter()
+                .filter(|id| !job.stop_token_ids.contains(id)),
+        );
+    }
     let generate = GenerateRequest {
         prompt_ids: job.prompt_ids.clone(),
         max_new_tokens: job.max_tokens as u32,
         writer_id,
         tenant: job.tenant.0.clone(),
-        sampling: Some(sampling),
-        stop_token_ids: if job.ignore_eos {
-            Vec::new()
-        } else {
-            r.stop_ids.to_vec()
-        },
+        sampling: Some(sampling.clone()),
+        stop_token_ids: stop_token_ids.clone(),
         cache_namespace: cache_namespace.clone(),
     };
     // Reserve at the decode node with the most free pages. A full pool is
@@ -298,8 +300,9 @@ async fn run(
             let copy = PrefillRequest {
                 prompt_ids: job.prompt_ids.clone(),
                 grant: grant_bytes.clone(),
-                sampling: Some(sampling),
+                sampling: Some(sampling.clone()),
                 cache_namespace: cache_namespace.clone(),
+                stop_token_ids: stop_token_ids.clone(),
             };
             let (node, faults) = (Arc::clone(prefill), job.faults.clone());
             tokio::spawn(async move {
@@ -320,6 +323,7 @@ async fn run(
             grant: grant_bytes,
             sampling: Some(sampling),
             cache_namespace,
+            stop_token_ids,
         },
         &job.faults,
     ));
@@ -327,22 +331,30 @@ async fn run(
     let mut prefill_done = false;
     // Prompt tokens prefill took from its prefix cache (its reply says).
     let mut prefill_cached = 0usize;
+    // The first token's logprobs, from prefill's reply.
+    let mut first_logprobs = None;
     // The answer can outrun prefill's reply (one token, an early stop):
-    // before the end is reported, the reply is awaited (briefly; the
-    // transfer it answers for is done) for its cached count.
+    // before the end is reported, or the first token's logprobs are
+    // needed, the reply is awaited (briefly; the transfer it answers for
+    // is done) for its cached count and logprobs.
     macro_rules! settle_prefill {
         () => {
+            // At the end of a request the flags are read no more.
+            #[allow(unused_assignments)]
             if !prefill_done {
                 if let Ok(Ok(resp)) =
                     tokio::time::timeout(PREFILL_REPLY_WAIT, &mut prefill_call).await
                 {
+                    prefill_done = true;
                     prefill_cached = resp.get_ref().cached_tokens as usize;
+                    first_logprobs = resp.into_inner().first_logprobs;
                     prefill_guard.disarm();
                 }
             }
         };
     }
-    let mut text = TextOut::new(&r.tokenizer, &job.stop);
+    let mut text =
+        TextOut::new(&r.tokenizer, &job.stop).min_tokens(job.sampling.min_tokens as usize);
     let mut completion = 0usize;
     let mut last = None::<Instant>;
     // Every return below drops `stream` (decode aborts the reservation or
@@ -358,6 +370,7 @@ async fn run(
                 let duplicate = matches!(&res, Err(s) if s.code() == tonic::Code::AlreadyExists);
                 if let Ok(resp) = &res {
                     prefill_cached = resp.get_ref().cached_tokens as usize;
+                    first_logprobs = resp.get_ref().first_logprobs.clone();
                 }
                 if let (Err(s), false) = (res, duplicate) {
                     if kvmesh_proto::serve::is_draining(&s) {
@@ -378,6 +391,25 @@ async fn run(
                 };
                 match ev.event {
                     Some(decode_event::Event::Token(t)) => {
+                        let logprobs = if !wants_logprobs {
+                            Vec::new()
+                        } else {
+                            let lp = if completion == 0 {
+                                settle_prefill!();
+                                first_logprobs.take()
+                            } else {
+                                t.logprobs
+                            };
+                            match lp {
+                                Some(lp) => vec![token_logprob(t.id, lp)],
+                                None => {
+                                    let status = tonic::Status::internal("a token without the logprobs the request asked for");
+                                    let (role, node) = if completion == 0 { (Role::Prefill, prefill) } else { (Role::Decode, decode) };
+                                    return fail(node_err(role, node, status)).await;
+                                }
+                            }
+                        };
+                        let t = t.id;
                         let now = Instant::now();
                         match last {
                             None => r.metrics.ttft(now - started),
@@ -387,7 +419,7 @@ async fn run(
                         completion += 1;
                         match text.push(t).map_err(|e| DispatchError::Tokenizer(e.to_string())) {
                             Ok((piece, hit_stop)) => {
-                                if !piece.is_empty() && tx.send(Event::Text(piece)).await.is_err() {
+                                if (!piece.is_empty() || !logprobs.is_empty()) && tx.send(Event::Text { text: piece, logprobs }).await.is_err() {
                                     return;
                                 }
                                 if hit_stop {
@@ -403,7 +435,7 @@ async fn run(
                     }
                     Some(decode_event::Event::Finished(f)) => {
                         match text.finish().map_err(|e| DispatchError::Tokenizer(e.to_string())) {
-                            Ok(piece) if !piece.is_empty() => { let _ = tx.send(Event::Text(piece)).await; }
+                            Ok(piece) if !piece.is_empty() => { let _ = tx.send(Event::Text { text: piece, logprobs: Vec::new() }).await; }
                             Ok(_) => {}
                             Err(e) => return fail(e).await,
                         }
@@ -422,6 +454,15 @@ async fn run(
                 }
             }
         }
+    }
+}
+
+/// A node's report of a token's logprobs as the gateway's.
+fn token_logprob(id: u32, lp: Logprobs) -> TokenLogprob {
+    TokenLogprob {
+        id,
+        logprob: lp.logprob,
+        top: lp.top_ids.into_iter().zip(lp.top_logprobs).collect(),
     }
 }
 

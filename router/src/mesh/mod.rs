@@ -17,6 +17,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use kvmesh_faults::FaultPlan;
+use kvmesh_proto::internal::v1::Sampling;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 
 use crate::auth::Tenant;
@@ -65,11 +66,32 @@ impl Finish {
     }
 }
 
+/// A generated token's logprob and its most likely alternatives', as
+/// the sampler saw them (`kvmesh_model::sampling`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The token.
+    pub id: u32,
+    /// Its logprob.
+    pub logprob: f32,
+    /// The alternatives, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
 /// What the mesh streams to the gateway.
 #[derive(Debug)]
 pub enum Event {
-    /// New text (whole UTF-8 characters).
-    Text(String),
+    /// New text (whole UTF-8 characters, possibly none) and, when the
+    /// request asked for logprobs, those of the tokens generated since the
+    /// last event, in order (a token whose text is held back, by an
+    /// incomplete character or a possible stop string, comes with its own
+    /// event all the same).
+    Text {
+        /// The text.
+        text: String,
+        /// The tokens' logprobs.
+        logprobs: Vec<TokenLogprob>,
+    },
     /// The end.
     Done {
         /// Why.
@@ -90,16 +112,14 @@ pub struct Job {
     pub prompt_ids: Vec<u32>,
     /// Completion budget, at least 1.
     pub max_tokens: usize,
-    /// Sampling temperature in [0, 2].
-    pub temperature: f32,
-    /// Nucleus mass in (0, 1].
-    pub top_p: f32,
-    /// Seed.
-    pub seed: u64,
+    /// Sampling, as validated (the nodes get it as it is).
+    pub sampling: Sampling,
     /// Stop strings.
     pub stop: Vec<String>,
+    /// Token ids that end generation besides end-of-sequence.
+    pub stop_token_ids: Vec<u32>,
     /// End-of-sequence tokens do not end generation: the decode node gets
-    /// no stop token ids, so it runs to `max_tokens` (or a stop string).
+    /// only `stop_token_ids`, so it runs to `max_tokens` (or a stop).
     pub ignore_eos: bool,
     /// The tenant, from the request's API key only (I8).
     pub tenant: Tenant,
@@ -139,10 +159,9 @@ impl Admitted {
             job: Job {
                 prompt_ids,
                 max_tokens: s.max_tokens,
-                temperature: s.temperature,
-                top_p: s.top_p,
-                seed: s.seed,
+                sampling: s.sampling,
                 stop: s.stop,
+                stop_token_ids: s.stop_token_ids,
                 ignore_eos: s.ignore_eos,
                 tenant,
                 cache_salt: s.cache_salt,
@@ -173,6 +192,8 @@ pub struct Generation {
     rx: mpsc::Receiver<Event>,
     metrics: Arc<Metrics>,
     prompt_tokens: usize,
+    /// The request asked for logprobs.
+    logprobs: bool,
     ended: bool,
     /// Set at the gateway's drain deadline: the request ends with
     /// [`DispatchError::ShuttingDown`] and the receiver is dropped, which
@@ -191,9 +212,21 @@ impl Generation {
             rx,
             metrics,
             prompt_tokens,
+            logprobs: false,
             ended: false,
             cut,
         }
+    }
+
+    /// Marks a request that asked for logprobs (its text events carry them).
+    pub(crate) fn with_logprobs(mut self, on: bool) -> Self {
+        self.logprobs = on;
+        self
+    }
+
+    /// Whether the request asked for logprobs.
+    pub fn wants_logprobs(&self) -> bool {
+        self.logprobs
     }
 
     /// The prompt's token count (for usage).
@@ -216,7 +249,7 @@ impl Generation {
             }
         };
         match &ev {
-            Event::Text(_) => {}
+            Event::Text { .. } => {}
             Event::Done { finish, .. } => self.end(finish.as_str()),
             Event::Error(e) => self.end(e.kind()),
         }

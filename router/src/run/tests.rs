@@ -28,7 +28,10 @@ async fn a_drain_refuses_new_work_and_ends_what_outlives_its_deadline() {
     let gate = Arc::new(Notify::new());
     // Held at the gate until the drain's deadline cuts it.
     mesh.push(Script::Play(vec![
-        Step::Send(Event::Text("Once".into())),
+        Step::Send(Event::Text {
+            text: "Once".into(),
+            logprobs: Vec::new(),
+        }),
         Step::Gate(Arc::clone(&gate)),
         Step::Send(Event::Done {
             finish: Finish::Length,
