@@ -286,6 +286,18 @@ fn in_process(
             })
             .await?,
         );
+        // The baseline of the row above: the rendering encoded as one
+        // string, which is what content protection costs against (and
+        // what let special-token text in content become control tokens).
+        row(
+            "chat",
+            "unprotected tokenize",
+            sample(w, n, move || async move {
+                black_box(tk.encode_raw(&tk.apply_chat_template(msgs, true)?)?);
+                Ok(())
+            })
+            .await?,
+        );
         row(
             "chat",
             "validate",

@@ -73,8 +73,8 @@ async fn public_grpc_api_of(mesh: &Mesh) {
 
     let ids = client
         .tokenize(TokenizeRequest {
-            model: String::new(),
             input: Some(tokenize_request::Input::Prompt("Hello world".into())),
+            ..Default::default()
         })
         .await
         .expect("tokenize")

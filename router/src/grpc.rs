@@ -8,16 +8,18 @@ use std::pin::Pin;
 
 use kvmesh_proto::v1::generation_server::{Generation, GenerationServer};
 use kvmesh_proto::v1::{
-    generate_request, tokenize_request, Chat, FinishReason, GenerateRequest, GenerateResponse,
-    ListModelsRequest, ListModelsResponse, Model, TokenizeRequest, TokenizeResponse, Usage,
+    generate_request, tokenize_request, Chat, DetokenizeRequest, DetokenizeResponse, FinishReason,
+    GenerateRequest, GenerateResponse, ListModelsRequest, ListModelsResponse, Model,
+    TokenizeRequest, TokenizeResponse, Usage,
 };
 use kvmesh_tokenizer::ChatMessage;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::auth::Tenant;
-use crate::error::{GatewayError, Rejection};
+use crate::error::GatewayError;
 use crate::mesh::{Event, Finish};
+use crate::tokenize::{self, Input};
 use crate::validate::{self, invalid, Prompt};
 use crate::Router;
 
@@ -84,25 +86,6 @@ impl Api {
             .api_keys
             .check(header)
             .map_err(|e| self.fail(e))
-    }
-
-    /// Tokenize's input, checked like Generate's (model, then the prompt);
-    /// refusals are not counted (nothing was asked to generate).
-    fn tokenize_input(
-        &self,
-        model: &str,
-        prompt: Option<Result<String, Chat>>,
-    ) -> Result<Vec<u32>, GatewayError> {
-        if !model.is_empty() && model != self.router.config().model_id {
-            return Err(Rejection::UnknownModel(model.to_owned()).into());
-        }
-        let t = self.router.tokenizer();
-        let (ids, param) = match prompt {
-            Some(Ok(text)) => (t.encode(&text), "prompt"),
-            Some(Err(c)) => (t.encode_chat(&chat(c)), "messages"),
-            None => return Err(invalid("input", "input: a prompt or a chat is required").into()),
-        };
-        Ok(ids.map_err(|e| invalid(param, e.to_string()))?)
     }
 
     /// Everything before the stream starts: the front-end-neutral request,
@@ -221,19 +204,59 @@ impl Generation for Api {
         &self,
         req: Request<TokenizeRequest>,
     ) -> Result<Response<TokenizeResponse>, Status> {
+        self.tenant(&req)?;
         let r = req.into_inner();
-        let input = r.input.map(|i| match i {
-            tokenize_request::Input::Prompt(p) => Ok(p),
-            tokenize_request::Input::Chat(c) => Err(c),
-        });
-        let token_ids = self.tokenize_input(&r.model, input).map_err(|e| e.grpc())?;
-        Ok(Response::new(TokenizeResponse { token_ids }))
+        let input = match r.input {
+            Some(tokenize_request::Input::Prompt(text)) => Input::Prompt {
+                text,
+                add_special_tokens: r.add_special_tokens.unwrap_or(true),
+            },
+            Some(tokenize_request::Input::Chat(c)) => Input::Chat {
+                messages: chat(c),
+                add_generation_prompt: r.add_generation_prompt.unwrap_or(true),
+                add_special_tokens: r.add_special_tokens.unwrap_or(false),
+            },
+            None => {
+                return Err(GatewayError::from(invalid(
+                    "input",
+                    "input: a prompt or a chat is required",
+                ))
+                .grpc())
+            }
+        };
+        if r.add_generation_prompt.is_some() && matches!(input, Input::Prompt { .. }) {
+            return Err(GatewayError::from(invalid(
+                "add_generation_prompt",
+                "add_generation_prompt applies to a chat, not to a prompt",
+            ))
+            .grpc());
+        }
+        // Refusals are not counted: nothing was asked to generate.
+        let tokens = tokenize::tokenize(&self.router, Some(&r.model), input, r.return_token_strs)
+            .map_err(|e| GatewayError::from(e).grpc())?;
+        Ok(Response::new(TokenizeResponse {
+            token_ids: tokens.ids,
+            max_model_len: u32::try_from(self.router.config().max_model_len).unwrap_or(u32::MAX),
+            token_strs: tokens.strs.unwrap_or_default(),
+        }))
+    }
+
+    async fn detokenize(
+        &self,
+        req: Request<DetokenizeRequest>,
+    ) -> Result<Response<DetokenizeResponse>, Status> {
+        self.tenant(&req)?;
+        let r = req.into_inner();
+        let text = tokenize::detokenize(&self.router, Some(&r.model), &r.token_ids, "token_ids")
+            .map_err(|e| GatewayError::from(e).grpc())?;
+        Ok(Response::new(DetokenizeResponse { text }))
     }
 
     async fn list_models(
         &self,
-        _req: Request<ListModelsRequest>,
+        req: Request<ListModelsRequest>,
     ) -> Result<Response<ListModelsResponse>, Status> {
+        self.tenant(&req)?;
         let c = self.router.config();
         Ok(Response::new(ListModelsResponse {
             models: vec![Model {

@@ -106,6 +106,9 @@ fn table() -> Vec<(Endpoint, MethodRouter<Router>)> {
         endpoint(Post, "/v1/completions", ApiKey, completions),
         endpoint(Post, "/v1/chat/completions", ApiKey, chat_completions),
         endpoint(Get, "/v1/models", ApiKey, models),
+        endpoint(Post, "/tokenize", ApiKey, tokenize::tokenize),
+        endpoint(Post, "/detokenize", ApiKey, tokenize::detokenize),
+        endpoint(Get, "/version", Open, tokenize::version),
         endpoint(Get, "/health", Open, health),
         endpoint(Get, "/metrics", Open, metrics),
         endpoint(Get, "/openapi.json", Open, openapi),
@@ -710,6 +713,7 @@ async fn metrics(State(r): State<Router>) -> Response {
 }
 
 mod body;
+mod tokenize;
 
 #[cfg(test)]
 mod tests;

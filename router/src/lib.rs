@@ -10,10 +10,13 @@
 //!   of [`mesh::Admitted`]); [`Router::generate`], admission then the mesh.
 //! - [`validate`]: the one validation of both front ends
 //!   (front-end-neutral request in, [`validate::Valid`] out).
+//! - [`tokenize`]: tokenization as a service for both front ends, encoding
+//!   exactly as a generation request is encoded.
 //! - [`http`]: the axum gateway and [`http::validate`], the one entry of
 //!   client request bodies: `/v1/completions`,
 //!   `/v1/chat/completions` (SSE streaming or not), `/v1/models`,
-//!   `/health`, `/metrics`, `/openapi.json`; [`http::endpoints`] lists them.
+//!   `/tokenize`, `/detokenize`, `/version`, `/health`, `/metrics`,
+//!   `/openapi.json`; [`http::endpoints`] lists them.
 //! - [`grpc`]: the public gRPC API (`kvmesh.v1.Generation`), health and
 //!   reflection.
 //! - [`error`]: [`error::GatewayError`], the one error type of both front
@@ -48,6 +51,7 @@ mod metrics;
 pub mod nodes;
 pub mod openapi;
 mod run;
+pub mod tokenize;
 pub mod validate;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -178,11 +178,7 @@ pub fn invalid(param: &'static str, message: impl Into<String>) -> Rejection {
 /// Checks `req` against the router's model and limits and tokenizes it:
 /// the one way to a [`Valid`]. Refusals are typed and name the field.
 pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
-    if let Some(m) = &req.model {
-        if !m.is_empty() && *m != r.config().model_id {
-            return Err(Rejection::UnknownModel(m.clone()));
-        }
-    }
+    model(r, req.model.as_deref())?;
     let tokenizer = r.tokenizer();
     let settings = settings(&req, tokenizer.vocab_size())?;
     let (ids, param) = match &req.prompt {
@@ -192,13 +188,7 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
         }
         Prompt::Chat(msgs) => (tokenizer.encode_chat(&roles(msgs)?), "messages"),
         Prompt::Ids(ids) => {
-            let vocab = tokenizer.vocab_size();
-            if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
-                return Err(invalid(
-                    "prompt",
-                    format!("token id {id} is outside the vocabulary of {vocab} tokens"),
-                ));
-            }
+            in_vocabulary(r, ids, "prompt")?;
             (Ok(ids.clone()), "prompt")
         }
     };
@@ -213,9 +203,32 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
     Ok(Valid { ids, settings })
 }
 
+/// Refuses (naming `param`) the first id outside the model's vocabulary.
+pub fn in_vocabulary(r: &Router, ids: &[u32], param: &'static str) -> Result<(), Rejection> {
+    let vocab = r.tokenizer().vocab_size();
+    match ids.iter().find(|&&id| id as usize >= vocab) {
+        Some(id) => Err(invalid(
+            param,
+            format!("token id {id} is outside the vocabulary of {vocab} tokens"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// A request's `model`: absent or empty means the served model; any other
+/// name is refused (404).
+pub fn model(r: &Router, model: Option<&str>) -> Result<(), Rejection> {
+    match model {
+        Some(m) if !m.is_empty() && m != r.config().model_id => {
+            Err(Rejection::UnknownModel(m.to_owned()))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The messages with their roles checked (unknown roles are refused, not
 /// passed to a template that might render them as anything).
-fn roles(msgs: &[ChatMessage]) -> Result<std::borrow::Cow<'_, [ChatMessage]>, Rejection> {
+pub fn roles(msgs: &[ChatMessage]) -> Result<std::borrow::Cow<'_, [ChatMessage]>, Rejection> {
     let mut out = std::borrow::Cow::Borrowed(msgs);
     for (i, m) in msgs.iter().enumerate() {
         match m.role.as_str() {

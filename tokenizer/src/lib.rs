@@ -12,7 +12,9 @@
 //! - [`text`]: [`TextTokenizer`] (`tokenizer.json`, or built from a GGUF
 //!   vocabulary and merges), chat templates (minijinja, as transformers
 //!   renders them), [`StreamDecoder`] (incremental detokenization: whole
-//!   characters only).
+//!   characters only). Owns the invariant that chat message content never
+//!   becomes control tokens: only the special tokens a chat template itself
+//!   writes do ([`TextTokenizer::encode_chat`]).
 //! - [`stop`]: [`TextOut`], generated ids to client text with stop
 //!   strings; owns the invariant that no emitted text contains a stop
 //!   string or a prefix of one the next tokens could complete.

@@ -92,6 +92,7 @@ pub fn tiny_text_tokenizer(template: Option<&str>, add_bos: bool) -> crate::Text
         add_bos,
         template.map(str::to_owned),
     )
+    .expect("assemble the tiny tokenizer")
 }
 
 /// Write the tiny tokenizer's files of a Hugging Face directory:

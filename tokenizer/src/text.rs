@@ -10,14 +10,25 @@
 //! `encode` follows `tokenizer(text)` in transformers: special-token text in
 //! the input (such as `<|im_start|>`) becomes the special token, and BOS is
 //! added only when the model's tokenizer says so. [`TextTokenizer::encode_raw`]
-//! adds nothing, which is what transformers does to a rendered chat template
-//! (templates write their own BOS).
+//! adds nothing (templates write their own BOS).
+//!
+//! [`TextTokenizer::encode_chat`] owns this invariant: **message content
+//! never becomes control tokens; only the special tokens the chat template
+//! itself writes do.** Special-token text a user puts in a message (say
+//! `hi<|im_end|>\n<|im_start|>system\n...`) is tokenized as the ordinary
+//! text it is, so it cannot forge a turn. For content without special-token
+//! text the ids are exactly those of `encode_raw` on the rendered template,
+//! i.e. what Hugging Face's tokenizer gives for the rendering; a template
+//! that rewrites or inspects content so that it cannot be kept apart is
+//! refused with a `ChatTemplate` error. The submodule `chat_encode` does it.
 
 mod chat;
+mod chat_encode;
 mod gguf;
 mod stream;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use serde_json::Value;
 
@@ -49,6 +60,9 @@ impl ChatMessage {
 #[derive(Clone)]
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
+    /// What [`TextTokenizer::encode_chat`] encodes with (a copy of `inner`
+    /// that reads special-token text as text, and the added-token table).
+    chat: Arc<chat_encode::ChatEncoder>,
     /// One past the largest id the tokenizer can produce.
     vocab_size: usize,
     bos_token: Option<String>,
@@ -155,7 +169,7 @@ impl TextTokenizer {
             .and_then(|t| inner.token_to_id(t))
             .into_iter()
             .collect();
-        Ok(Self::assemble(
+        Self::assemble(
             inner,
             bos_token,
             bos_id,
@@ -163,7 +177,7 @@ impl TextTokenizer {
             eos_ids,
             add_bos,
             chat_template,
-        ))
+        )
     }
 
     pub(crate) fn assemble(
@@ -174,14 +188,16 @@ impl TextTokenizer {
         eos_ids: Vec<u32>,
         add_bos: bool,
         chat_template: Option<String>,
-    ) -> Self {
+    ) -> Result<Self> {
+        let chat = Arc::new(chat_encode::ChatEncoder::new(&inner)?);
         let vocab_size = inner
             .get_vocab(true)
             .values()
             .max()
             .map_or(0, |&m| m as usize + 1);
-        Self {
+        Ok(Self {
             inner,
+            chat,
             vocab_size,
             bos_token,
             bos_id,
@@ -189,7 +205,7 @@ impl TextTokenizer {
             eos_ids,
             add_bos: add_bos && bos_id.is_some(),
             chat_template,
-        }
+        })
     }
 
     /// Token ids of `text`, as `tokenizer(text)` in transformers: special
@@ -197,17 +213,24 @@ impl TextTokenizer {
     /// when the tokenizer is configured to add it (and the text did not
     /// already begin with it).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let mut ids = self.encode_with(text, true)?;
+        Ok(self.with_bos(self.encode_with(text, true)?))
+    }
+
+    /// `ids` with BOS prepended when the tokenizer is configured to add it
+    /// and they do not already begin with it (what `encode` adds).
+    pub fn with_bos(&self, mut ids: Vec<u32>) -> Vec<u32> {
         if let Some(bos) = self.bos_id.filter(|_| self.add_bos) {
             if ids.first() != Some(&bos) {
                 ids.insert(0, bos);
             }
         }
-        Ok(ids)
+        ids
     }
 
-    /// Token ids of `text` with nothing added (no BOS, no post-processor):
-    /// the encoding for a rendered chat template, which carries its own BOS.
+    /// Token ids of `text` with nothing added (no BOS, no post-processor);
+    /// special-token text anywhere in `text` becomes the special token, so
+    /// this is not how to encode a conversation that holds user text: use
+    /// [`TextTokenizer::encode_chat`].
     pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
         self.encode_with(text, false)
     }
@@ -241,6 +264,12 @@ impl TextTokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The vocabulary entry of `id` (e.g. `Ġthe` in a byte-level BPE), if
+    /// the vocabulary has it.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     /// Ids that end generation according to the tokenizer's configuration.
     /// The model configuration may name more (`ModelConfig::eos_token_ids`).
     pub fn eos_token_ids(&self) -> Vec<u32> {
@@ -263,24 +292,17 @@ impl TextTokenizer {
     }
 
     /// Render `messages` with the model's chat template, as transformers'
-    /// `apply_chat_template(..., tokenize=False)` does. Encode the result
-    /// with [`TextTokenizer::encode_raw`].
+    /// `apply_chat_template(..., tokenize=False)` does. To tokenize a
+    /// conversation use [`TextTokenizer::encode_chat`]: `encode_raw` of
+    /// this string would turn special-token text in message content into
+    /// control tokens.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let template =
-            self.chat_template
-                .as_deref()
-                .ok_or_else(|| TokenizerError::ChatTemplate {
-                    detail:
-                        "the model has no chat template (none in tokenizer_config.json or the GGUF \
-                     metadata); send a plain prompt instead"
-                            .into(),
-                })?;
         chat::render(
-            template,
+            self.template()?,
             messages,
             add_generation_prompt,
             self.bos_token(),
@@ -289,12 +311,51 @@ impl TextTokenizer {
     }
 
     /// Chat messages to token ids, as a chat request is run: rendered
-    /// through the chat template with the generation prompt, then encoded
-    /// without adding special tokens (the template writes any BOS itself,
-    /// as transformers' `apply_chat_template(tokenize=True)` assumes).
+    /// through the chat template with the generation prompt, nothing added
+    /// (the template writes any BOS itself, as transformers'
+    /// `apply_chat_template(tokenize=True)` assumes).
+    ///
+    /// Message content never becomes control tokens; only the special
+    /// tokens the template itself writes do. Special-token text in content
+    /// (`<|im_end|>` typed by a user) is encoded as ordinary text, so it
+    /// cannot end a turn or open a forged one. For content without
+    /// special-token text the ids are exactly
+    /// `encode_raw(&apply_chat_template(messages, true)?)`, Hugging Face's
+    /// tokenization of the rendering.
+    ///
+    /// Errors with [`TokenizerError::ChatTemplate`] when there is no
+    /// template, it fails to render, it rewrites or inspects content so that
+    /// the content cannot be located in its output (slicing, `upper`...),
+    /// or a role contains special-token text (roles are template text).
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        let text = self.apply_chat_template(messages, true)?;
-        self.encode_raw(&text)
+        self.encode_chat_with(messages, true)
+    }
+
+    /// [`TextTokenizer::encode_chat`], with the generation prompt only if
+    /// `add_generation_prompt` (vLLM's `/tokenize` lets a client choose).
+    /// The same guarantee: content never becomes control tokens.
+    pub fn encode_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        self.chat.encode(
+            self.template()?,
+            messages,
+            add_generation_prompt,
+            self.bos_token(),
+            self.eos_token(),
+        )
+    }
+
+    fn template(&self) -> Result<&str> {
+        self.chat_template
+            .as_deref()
+            .ok_or_else(|| TokenizerError::ChatTemplate {
+                detail: "the model has no chat template (none in tokenizer_config.json or the \
+                         GGUF metadata); send a plain prompt instead"
+                    .into(),
+            })
     }
 
     /// A decoder that turns ids into text one at a time (special tokens skipped).

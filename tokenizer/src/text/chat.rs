@@ -77,60 +77,87 @@ pub(super) fn render(
     bos_token: Option<&str>,
     eos_token: Option<&str>,
 ) -> Result<String> {
-    let mut env = Environment::new();
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                ErrorKind::InvalidOperation,
-                format!("raise_exception: {msg}"),
-            ))
-        },
-    );
-    env.add_function("strftime_now", |format: String| {
-        strftime_utc(&format, unix_now())
-    });
-    env.add_template("chat_template", template)
-        .map_err(|e| TokenizerError::ChatTemplate {
-            detail: format!("the template does not compile: {e}"),
-        })?;
-    let compiled = env
-        .get_template("chat_template")
-        .map_err(|e| TokenizerError::ChatTemplate {
-            detail: format!("the template does not compile: {e}"),
-        })?;
+    Compiled::new(template)?.render(messages, add_generation_prompt, bos_token, eos_token)
+}
 
-    let mut ctx: BTreeMap<&str, JinjaValue> = BTreeMap::new();
-    ctx.insert("messages", JinjaValue::from_serialize(messages));
-    ctx.insert(
-        "add_generation_prompt",
-        JinjaValue::from(add_generation_prompt),
-    );
-    if let Some(t) = bos_token {
-        ctx.insert("bos_token", JinjaValue::from(t));
-    }
-    if let Some(t) = eos_token {
-        ctx.insert("eos_token", JinjaValue::from(t));
-    }
-    compiled
-        .render(ctx)
-        .map_err(|e| TokenizerError::ChatTemplate {
-            detail: match e.detail() {
-                Some(d)
-                    if e.kind() == ErrorKind::InvalidOperation
-                        && d.starts_with("raise_exception: ") =>
-                {
-                    format!(
-                        "the template refused the conversation: {}",
-                        &d["raise_exception: ".len()..]
-                    )
-                }
-                _ => format!("rendering failed: {e}"),
+/// A chat template compiled once, to render several conversations (the
+/// conversation and its placeholder form in `chat_encode`). `strftime_now`
+/// reads the clock once, when the template is compiled, so every rendering
+/// of one `Compiled` sees the same date.
+pub(super) struct Compiled<'source> {
+    env: Environment<'source>,
+}
+
+impl<'source> Compiled<'source> {
+    pub(super) fn new(template: &'source str) -> Result<Self> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("raise_exception: {msg}"),
+                ))
             },
-        })
+        );
+        let now = unix_now();
+        env.add_function("strftime_now", move |format: String| {
+            strftime_utc(&format, now)
+        });
+        env.add_template("chat_template", template)
+            .map_err(|e| TokenizerError::ChatTemplate {
+                detail: format!("the template does not compile: {e}"),
+            })?;
+        Ok(Self { env })
+    }
+
+    /// The template's output for `messages`.
+    pub(super) fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        bos_token: Option<&str>,
+        eos_token: Option<&str>,
+    ) -> Result<String> {
+        let compiled =
+            self.env
+                .get_template("chat_template")
+                .map_err(|e| TokenizerError::ChatTemplate {
+                    detail: format!("the template does not compile: {e}"),
+                })?;
+
+        let mut ctx: BTreeMap<&str, JinjaValue> = BTreeMap::new();
+        ctx.insert("messages", JinjaValue::from_serialize(messages));
+        ctx.insert(
+            "add_generation_prompt",
+            JinjaValue::from(add_generation_prompt),
+        );
+        if let Some(t) = bos_token {
+            ctx.insert("bos_token", JinjaValue::from(t));
+        }
+        if let Some(t) = eos_token {
+            ctx.insert("eos_token", JinjaValue::from(t));
+        }
+        compiled
+            .render(ctx)
+            .map_err(|e| TokenizerError::ChatTemplate {
+                detail: match e.detail() {
+                    Some(d)
+                        if e.kind() == ErrorKind::InvalidOperation
+                            && d.starts_with("raise_exception: ") =>
+                    {
+                        format!(
+                            "the template refused the conversation: {}",
+                            &d["raise_exception: ".len()..]
+                        )
+                    }
+                    _ => format!("rendering failed: {e}"),
+                },
+            })
+    }
 }
 
 fn unix_now() -> i64 {

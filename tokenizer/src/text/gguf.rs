@@ -182,7 +182,7 @@ impl TextTokenizer {
         let add_bos = g.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false);
         let chat_template = g.opt_str("tokenizer.chat_template")?.map(str::to_owned);
         let (bos_id, bos_token) = bos.map_or((None, None), |(id, t)| (Some(id), Some(t)));
-        Ok(Self::assemble(
+        Self::assemble(
             inner,
             bos_token,
             bos_id,
@@ -190,6 +190,6 @@ impl TextTokenizer {
             eos_ids,
             add_bos,
             chat_template,
-        ))
+        )
     }
 }
