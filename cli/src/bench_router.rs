@@ -202,7 +202,9 @@ where
 /// validation, the response id, admission.
 async fn validate_and_admit(r: &Router, chat: bool, body: &[u8]) -> Result<()> {
     let valid = validate(r, chat, body)
-        .map_err(|e| anyhow!("the benchmark's own request was refused: {e}"))?;
+        .map_err(|e| anyhow!("the benchmark's own request was refused: {e}"))?
+        .prompts
+        .remove(0);
     black_box(kvmesh_kvwire::RequestId::mint().ok());
     let tenant = kvmesh_router::auth::Tenant("bench".into());
     match r

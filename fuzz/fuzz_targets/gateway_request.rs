@@ -39,25 +39,32 @@ fuzz_target!(|data: &[u8]| {
         None => return,
     };
     match kvmesh_router::http::validate(router(), chat, body) {
-        Ok(v) => {
-            let (ids, s) = (v.ids(), v.settings());
-            assert!(s.max_tokens >= 1);
-            // The sampling the nodes get: in the ranges kvmesh-model
-            // checks again, so a node never refuses what the gateway took.
-            let p = &s.sampling;
-            assert!((0.0..=2.0).contains(&p.temperature));
-            assert!(p.top_p > 0.0 && p.top_p <= 1.0);
-            assert!((0.0..=1.0).contains(&p.min_p));
-            assert!((-2.0..=2.0).contains(&p.presence_penalty));
-            assert!((-2.0..=2.0).contains(&p.frequency_penalty));
-            assert!(p.repetition_penalty > 0.0 && p.repetition_penalty.is_finite());
-            assert!(p.logit_bias.iter().all(|(&id, b)| id < 512 && b.abs() <= 100.0));
-            assert!(p.min_tokens as usize <= s.max_tokens);
-            assert!(p.logprobs.is_none_or(|n| n <= 20));
-            assert!(s.stop_token_ids.iter().all(|&t| t < 512) && s.stop_token_ids.len() <= 64);
-            assert!(kvmesh_proto::sampling::params(p).is_ok());
-            assert!(s.stop.len() <= 4 && s.stop.iter().all(|x| !x.is_empty()));
-            assert!(ids.iter().all(|&t| t < 512));
+        Ok(batch) => {
+            let choices = batch.prompts.len() * batch.n;
+            assert!(choices >= 1 && choices <= kvmesh_router::choices::MAX_CHOICES);
+            for v in &batch.prompts {
+                let (ids, s) = (v.ids(), v.settings());
+                assert!(s.max_tokens >= 1);
+                // The sampling the nodes get: in the ranges kvmesh-model
+                // checks again, so a node never refuses what the gateway took.
+                let p = &s.sampling;
+                assert!((0.0..=2.0).contains(&p.temperature));
+                assert!(p.top_p > 0.0 && p.top_p <= 1.0);
+                assert!((0.0..=1.0).contains(&p.min_p));
+                assert!((-2.0..=2.0).contains(&p.presence_penalty));
+                assert!((-2.0..=2.0).contains(&p.frequency_penalty));
+                assert!(p.repetition_penalty > 0.0 && p.repetition_penalty.is_finite());
+                assert!(p
+                    .logit_bias
+                    .iter()
+                    .all(|(&id, b)| id < 512 && b.abs() <= 100.0));
+                assert!(p.min_tokens as usize <= s.max_tokens);
+                assert!(p.logprobs.is_none_or(|n| n <= 20));
+                assert!(s.stop_token_ids.iter().all(|&t| t < 512) && s.stop_token_ids.len() <= 64);
+                assert!(kvmesh_proto::sampling::params(p).is_ok());
+                assert!(s.stop.len() <= 4 && s.stop.iter().all(|x| !x.is_empty()));
+                assert!(ids.iter().all(|&t| t < 512));
+            }
         }
         Err(Rejection::Invalid { param, .. }) => assert!(!param.is_empty()),
         Err(Rejection::UnknownModel(_)) => {}

@@ -105,6 +105,19 @@ def main() -> None:
     except Exception as e:  # openai.BadRequestError
         out["unimplemented"] = f"{type(e).__name__}: {getattr(e, 'param', None)}"
 
+    # A batch of two prompts with two samples each (prompt-major choices),
+    # and a streamed chat with two seeded samples.
+    r = client.completions.create(model=model, prompt=[prompt, prompt + " again"], n=2, max_tokens=max_tokens, temperature=0)
+    out["batch"] = [[c.index, c.text] for c in r.choices]
+    out["batch_usage"] = [r.usage.prompt_tokens, r.usage.completion_tokens]
+    texts = {}
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0.9, seed=5, n=2, stream=True
+    ):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    out["chat_n_stream"] = [texts.get(i) for i in range(2)]
+
     models = client.models.list()
     out["models"] = [m.id for m in models.data]
     out["max_model_len"] = getattr(models.data[0], "max_model_len", None)

@@ -71,6 +71,33 @@ async fn public_grpc_api_of(mesh: &Mesh) {
         assert!(usage.prompt_tokens > 0 && usage.completion_tokens <= 20);
     }
 
+    // Two samples (greedy: both the reference's answer), each message
+    // tagged with its sample, each sample ending with its own usage.
+    let mut stream = client
+        .generate(GenerateRequest {
+            input: Some(generate_request::Input::Prompt("Hello world".into())),
+            max_tokens: 20,
+            temperature: Some(0.0),
+            n: 2,
+            ..Default::default()
+        })
+        .await
+        .expect("generate n=2")
+        .into_inner();
+    let (mut texts, mut finals) = (vec![String::new(); 2], vec![0; 2]);
+    while let Some(m) = stream.message().await.expect("message") {
+        let i = m.index as usize;
+        texts[i].push_str(&m.text);
+        if m.finish_reason != FinishReason::Unspecified as i32 {
+            assert!(m.error.is_empty(), "{}", m.error);
+            assert!(m.usage.is_some_and(|u| u.completion_tokens <= 20));
+            finals[i] += 1;
+        }
+    }
+    let want = reference("Hello world", false);
+    assert_eq!(texts, [want.clone(), want]);
+    assert_eq!(finals, [1, 1]);
+
     let ids = client
         .tokenize(TokenizeRequest {
             input: Some(tokenize_request::Input::Prompt("Hello world".into())),

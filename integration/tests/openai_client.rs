@@ -115,6 +115,37 @@ fn official_openai_client_streaming_and_not() {
         )
         .expect("reference");
     assert_eq!(v["seeded"], want.text.as_str());
+
+    // A batch with n = 2: prompt-major choices, each its prompt's greedy
+    // answer; and two seeded chat samples, streamed, the reference's with
+    // seeds 5 and 6.
+    let again = reference("Hello world again", false);
+    assert_eq!(
+        v["batch"],
+        serde_json::json!([[0, plain], [1, plain], [2, again], [3, again]])
+    );
+    let chat_sample = |seed: u64| {
+        engine
+            .generate(
+                &kvmesh_model::engine::Prompt::Chat(vec![kvmesh_model::ChatMessage::new(
+                    "user",
+                    "Hello world",
+                )]),
+                16,
+                kvmesh_model::sampling::SamplingParams {
+                    temperature: 0.9,
+                    seed: Some(seed),
+                    ..Default::default()
+                },
+                |_| {},
+            )
+            .expect("reference")
+            .text
+    };
+    assert_eq!(
+        v["chat_n_stream"],
+        serde_json::json!([chat_sample(5), chat_sample(6)])
+    );
     assert_eq!(v["ids_prompt_tokens"], 3);
     assert_eq!(v["unimplemented"], "BadRequestError: response_format");
     assert_eq!(v["max_model_len"], 256);

@@ -17,6 +17,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::auth::Tenant;
+use crate::choices::{Choices, MAX_CHOICES};
 use crate::error::GatewayError;
 use crate::mesh::{Event, Finish};
 use crate::tokenize::{self, Input};
@@ -90,11 +91,7 @@ impl Api {
 
     /// Everything before the stream starts: the front-end-neutral request,
     /// validated, admitted, started on the mesh.
-    async fn start(
-        &self,
-        tenant: Tenant,
-        r: GenerateRequest,
-    ) -> Result<crate::mesh::Generation, GatewayError> {
+    async fn start(&self, tenant: Tenant, r: GenerateRequest) -> Result<Choices, GatewayError> {
         let prompt = match r.input {
             Some(generate_request::Input::Prompt(text)) => Prompt::Text(text),
             Some(generate_request::Input::Chat(c)) => Prompt::Chat(chat(c)),
@@ -135,9 +132,21 @@ impl Api {
                 ..validate::Request::new(prompt)
             },
         )?;
-        self.router
-            .generate(valid, tenant, kvmesh_faults::FaultPlan::none())
-            .await
+        let n = match r.n {
+            0 => 1,
+            n if n as usize <= MAX_CHOICES => n as usize,
+            n => {
+                return Err(invalid("n", format!("n = {n} samples; at most {MAX_CHOICES}")).into())
+            }
+        };
+        Choices::start(
+            &self.router,
+            vec![valid],
+            n,
+            tenant,
+            kvmesh_faults::FaultPlan::none(),
+        )
+        .await
     }
 }
 
@@ -157,7 +166,10 @@ impl Generation for Api {
         let router = self.router.clone();
         tokio::spawn(async move {
             let prompt_tokens = g.prompt_tokens();
-            let mut lp = crate::logprobs::Logprobs::new(router.tokenizer(), 0);
+            let mut lps: Vec<_> = (0..g.len())
+                .map(|_| crate::logprobs::Logprobs::new(router.tokenizer(), 0))
+                .collect();
+            let mut left = g.len();
             loop {
                 // Leave as soon as the caller is gone: dropping the
                 // generation tells the mesh to abort.
@@ -165,11 +177,19 @@ impl Generation for Api {
                     ev = g.next() => ev,
                     () = tx.closed() => return,
                 };
-                let Some(ev) = ev else { return };
+                let Some((i, ev)) = ev else { return };
+                let end = match &ev {
+                    Event::Text { .. } => false,
+                    Event::Done { .. } => {
+                        left -= 1;
+                        left == 0
+                    }
+                    Event::Error(_) => true,
+                };
                 let msg = match ev {
                     Event::Text { text, logprobs } => GenerateResponse {
                         text,
-                        logprobs: lp.part(&logprobs).grpc(),
+                        logprobs: lps[i].part(&logprobs).grpc(),
                         ..Default::default()
                     },
                     Event::Done {
@@ -190,7 +210,11 @@ impl Generation for Api {
                     },
                     Event::Error(e) => GatewayError::from(e).grpc_stream_end(),
                 };
-                if tx.send(Ok(msg)).await.is_err() {
+                let msg = GenerateResponse {
+                    index: u32::try_from(i).unwrap_or(u32::MAX),
+                    ..msg
+                };
+                if tx.send(Ok(msg)).await.is_err() || end {
                     return;
                 }
             }

@@ -5,7 +5,6 @@
 //! gateway does not implement is refused with a 400 naming it, never
 //! dropped: a client must not get an answer to a question it did not ask.
 
-use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -13,25 +12,22 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::handler::Handler;
 use axum::http::{header, StatusCode};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::Json;
 use kvmesh_tokenizer::ChatMessage;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::StreamExt;
 
 use kvmesh_faults::FaultPlan;
 
 use crate::auth::Tenant;
+use crate::choices::{Choices, MAX_CHOICES};
 use crate::error::{GatewayError, Rejection};
-use crate::logprobs;
-use crate::mesh::{Event, Generation};
 use crate::validate::{self, invalid, Prompt, Valid};
 use crate::Router;
 use body::{Body, CHAT_FIELDS, COMMON_FIELDS, COMPLETION_FIELDS, MAX_USER};
+use respond::Meta;
 
 /// Interval of SSE keep-alive comments (see `stream`).
 const SSE_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_millis(250);
@@ -218,8 +214,14 @@ fn request_id(prefix: &str) -> Option<String> {
 /// (through [`validate::request`], the one validation the gRPC API uses
 /// too), or the typed refusal the client gets. Everything a client sends
 /// passes through here first (fuzzed: `fuzz/`).
-pub fn validate(r: &Router, chat: bool, body: &[u8]) -> Result<Valid, Rejection> {
-    parse_body(chat, body).and_then(|p| validate::request(r, p.request))
+pub fn validate(r: &Router, chat: bool, body: &[u8]) -> Result<Batch, Rejection> {
+    let p = parse_body(chat, body)?;
+    let prompts = p
+        .requests
+        .into_iter()
+        .map(|req| validate::request(r, req))
+        .collect::<Result<_, _>>()?;
+    Ok(Batch { prompts, n: p.n })
 }
 
 /// How the response is shaped, beyond what the mesh generates.
@@ -234,10 +236,23 @@ struct Shape {
     echo: bool,
 }
 
-/// A parsed body: the front-end-neutral request and the response's shape.
+/// A parsed body: the front-end-neutral request of each prompt (one, or
+/// a completions batch), samples per prompt, and the response's shape.
 struct Parsed {
-    request: validate::Request,
+    requests: Vec<validate::Request>,
+    n: usize,
     shape: Shape,
+}
+
+/// A validated body: each prompt's [`Valid`] and the samples per prompt
+/// (OpenAI's `n`); `prompts.len() * n` choices, at most
+/// [`MAX_CHOICES`].
+#[derive(Debug)]
+pub struct Batch {
+    /// One per prompt, in the body's order (at least one).
+    pub prompts: Vec<Valid>,
+    /// Samples per prompt, at least 1.
+    pub n: usize,
 }
 
 /// A body as the front-end-neutral request, and its response's shape.
@@ -257,7 +272,7 @@ fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
         seed: b.get("seed")?,
         ..validate::SamplingIn::default()
     };
-    let (prompt, echo) = if chat {
+    let (prompt, echo): (Vec<Prompt>, bool) = if chat {
         // top_logprobs implies logprobs, unless logprobs says false.
         let top: Option<u64> = b.get("top_logprobs")?;
         (sampling.logprobs_param, sampling.logprobs_max) = ("top_logprobs", 20);
@@ -270,7 +285,10 @@ fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
                 sampling.logprobs = Some(top.unwrap_or(0));
             }
         }
-        (Prompt::Chat(chat_messages(b.get("messages")?)?), false)
+        (
+            vec![Prompt::Chat(chat_messages(b.get("messages")?)?)],
+            false,
+        )
     } else {
         sampling.logprobs = b.get("logprobs")?;
         (sampling.logprobs_param, sampling.logprobs_max) = ("logprobs", 5);
@@ -283,9 +301,7 @@ fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
         }
         (completion_prompt(b.get("prompt")?)?, echo)
     };
-    if b.get::<u64>("n")?.is_some_and(|n| n != 1) {
-        return Err(invalid("n", "only n=1 is supported"));
-    }
+    let n = samples(&b, chat, prompt.len())?;
     let max_tokens: Option<u64> = b.get("max_tokens")?;
     let max_completion_tokens: Option<u64> = b.get("max_completion_tokens")?;
     // Each budget field is checked on its own, the ignored one too: a
@@ -330,14 +346,49 @@ fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
         stop_token_ids: b.get("stop_token_ids")?.unwrap_or_default(),
         ignore_eos: b.get("ignore_eos")?.unwrap_or(false),
         cache_salt: b.get("cache_salt")?,
-        ..validate::Request::new(prompt)
+        ..validate::Request::new(Prompt::Ids(Vec::new()))
     };
+    let requests = prompt
+        .into_iter()
+        .map(|prompt| validate::Request {
+            prompt,
+            ..request.clone()
+        })
+        .collect();
     let shape = Shape {
         stream,
         stream_usage: options.and_then(|o| o.include_usage).unwrap_or(true),
         echo,
     };
-    Ok(Parsed { request, shape })
+    Ok(Parsed { requests, n, shape })
+}
+
+/// `n` (completions' `best_of` may only be 1): samples per prompt, with at most [`MAX_CHOICES`] choices in all.
+fn samples(b: &Body, chat: bool, prompts: usize) -> Result<usize, Rejection> {
+    let n: u64 = b.get("n")?.unwrap_or(1);
+    if n == 0 {
+        return Err(invalid("n", "n must be at least 1"));
+    }
+    if !chat && b.get::<u64>("best_of")?.is_some_and(|best_of| best_of != 1) {
+        return Err(invalid(
+            "best_of",
+            "best_of above 1 (drawing more samples than are returned, keeping the most likely) \
+             is not supported; use n for several samples, each returned",
+        ));
+    }
+    let choices = usize::try_from(n)
+        .unwrap_or(usize::MAX)
+        .saturating_mul(prompts);
+    if choices > MAX_CHOICES {
+        let param = if n > 1 { "n" } else { "prompt" };
+        return Err(invalid(
+            param,
+            format!(
+                "{prompts} prompt(s) times n = {n} is {choices} choices; at most {MAX_CHOICES}"
+            ),
+        ));
+    }
+    Ok(n as usize)
 }
 
 /// OpenAI's `logit_bias`: token ids (as JSON object keys) to biases.
@@ -359,22 +410,25 @@ fn logit_bias(v: Option<serde_json::Map<String, Value>>) -> Result<Vec<(u32, f64
         .collect()
 }
 
-fn completion_prompt(p: Option<PromptIn>) -> Result<Prompt, Rejection> {
-    let batch = |n: usize| {
-        invalid(
-            "prompt",
-            format!("a batch of {n} prompts is not supported yet: send one prompt per request"),
-        )
+/// A completions `prompt`: one, or a batch (each its own choices).
+fn completion_prompt(p: Option<PromptIn>) -> Result<Vec<Prompt>, Rejection> {
+    let prompts = match p {
+        None => return Err(invalid("prompt", "prompt is required")),
+        Some(PromptIn::Text(t)) => vec![Prompt::Text(t)],
+        Some(PromptIn::Texts(v)) => v.into_iter().map(Prompt::Text).collect(),
+        Some(PromptIn::Ids(ids)) => vec![Prompt::Ids(ids)],
+        Some(PromptIn::IdLists(v)) => v.into_iter().map(Prompt::Ids).collect(),
     };
-    match p {
-        None => Err(invalid("prompt", "prompt is required")),
-        Some(PromptIn::Text(t)) => Ok(Prompt::Text(t)),
-        Some(PromptIn::Texts(mut v)) if v.len() == 1 => Ok(Prompt::Text(v.remove(0))),
-        Some(PromptIn::Ids(ids)) => Ok(Prompt::Ids(ids)),
-        Some(PromptIn::IdLists(mut v)) if v.len() == 1 => Ok(Prompt::Ids(v.remove(0))),
-        Some(PromptIn::Texts(v)) => Err(batch(v.len())),
-        Some(PromptIn::IdLists(v)) => Err(batch(v.len())),
+    if prompts.is_empty() {
+        return Err(invalid("prompt", "prompt must not be an empty list"));
     }
+    if prompts.len() > MAX_CHOICES {
+        return Err(invalid(
+            "prompt",
+            format!("at most {MAX_CHOICES} prompts in one request"),
+        ));
+    }
+    Ok(prompts)
 }
 
 fn chat_messages(msgs: Option<Vec<ChatIn>>) -> Result<Vec<ChatMessage>, Rejection> {
@@ -440,20 +494,20 @@ async fn generate(
 ) -> Response {
     let faults = faults.map(|f| f.0).unwrap_or_default();
     match start(&r, tenant, faults, body, kind).await {
-        Ok((generation, shape, id, echo)) => {
+        Ok((choices, shape, id, echoes)) => {
             let meta = Meta {
                 kind,
                 id,
                 model: r.config().model_id.clone(),
                 created: unix_now(),
                 shape,
-                echo,
+                echoes,
                 router: r.clone(),
             };
             if shape.stream {
-                stream(generation, meta).into_response()
+                respond::stream(choices, meta).into_response()
             } else {
-                match whole(generation, &meta).await {
+                match respond::whole(choices, &meta).await {
                     Ok(body) => Json(body).into_response(),
                     Err(e) => e.into_response(),
                 }
@@ -464,216 +518,46 @@ async fn generate(
 }
 
 /// Everything before the response starts: read, parse and validate the
-/// body, mint the response id, admit, start the mesh. Also the echoed
-/// prompt text, when the body asked for it.
+/// body, mint the response id, admit every choice, start them on the mesh
+/// ([`Choices::start`]). Also each prompt's echoed text, when the body
+/// asked for it.
 async fn start(
     r: &Router,
     tenant: Tenant,
     faults: FaultPlan,
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
-) -> Result<(Generation, Shape, String, String), GatewayError> {
+) -> Result<(Choices, Shape, String, Vec<String>), GatewayError> {
     let body = body?;
-    let Parsed { request, shape } = parse_body(matches!(kind, Kind::Chat), &body)?;
-    let echo = match (&request.prompt, shape.echo) {
-        (_, false) => String::new(),
-        (Prompt::Text(t), true) => t.clone(),
-        (Prompt::Ids(ids), true) => r
-            .tokenizer()
-            .decode(ids, false)
-            .map_err(|e| invalid("prompt", e.to_string()))?,
-        (Prompt::Chat(_), true) => String::new(),
-    };
-    let valid = validate::request(r, request)?;
+    let Parsed { requests, n, shape } = parse_body(matches!(kind, Kind::Chat), &body)?;
+    let mut echoes = Vec::new();
+    let mut prompts = Vec::with_capacity(requests.len());
+    for request in requests {
+        if shape.echo {
+            echoes.push(match &request.prompt {
+                Prompt::Text(t) => t.clone(),
+                Prompt::Ids(ids) => r
+                    .tokenizer()
+                    .decode(ids, false)
+                    .map_err(|e| invalid("prompt", e.to_string()))?,
+                Prompt::Chat(_) => String::new(),
+            });
+        }
+        prompts.push(validate::request(r, request)?);
+    }
     let id = match kind {
         Kind::Completion => request_id("cmpl"),
         Kind::Chat => request_id("chatcmpl"),
     }
     .ok_or(GatewayError::Internal("cannot mint a request id"))?;
-    let generation = r.generate(valid, tenant, faults).await?;
-    Ok((generation, shape, id, echo))
+    let choices = Choices::start(r, prompts, n, tenant, faults).await?;
+    Ok((choices, shape, id, echoes))
 }
 
 #[derive(Clone, Copy)]
 enum Kind {
     Completion,
     Chat,
-}
-
-/// What every response of one request repeats.
-struct Meta {
-    kind: Kind,
-    id: String,
-    model: String,
-    created: u64,
-    shape: Shape,
-    /// The prompt's text that opens the answer (`echo`), or nothing.
-    echo: String,
-    /// For the tokens' text in logprobs.
-    router: Router,
-}
-
-/// OpenAI's usage object; `cached_tokens` are the prompt tokens the
-/// prefix cache supplied.
-fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Value {
-    json!({
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    })
-}
-
-/// The unstreamed response: the whole text, or the failure (its status
-/// and body).
-async fn whole(mut g: Generation, m: &Meta) -> Result<Value, GatewayError> {
-    let mut text = m.echo.clone();
-    let mut lp = logprobs::Logprobs::new(m.router.tokenizer(), text.chars().count());
-    let wants = g.wants_logprobs();
-    while let Some(ev) = g.next().await {
-        match ev {
-            Event::Text { text: t, logprobs } => {
-                text.push_str(&t);
-                lp.extend(&logprobs);
-            }
-            Event::Done {
-                finish,
-                completion_tokens,
-                cached_tokens,
-            } => {
-                let (object, choice) = match m.kind {
-                    Kind::Completion => (
-                        "text_completion",
-                        json!({"index": 0, "text": text, "finish_reason": finish.as_str(), "logprobs": wants.then(|| lp.completion())}),
-                    ),
-                    Kind::Chat => (
-                        "chat.completion",
-                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish.as_str(), "logprobs": wants.then(|| lp.chat())}),
-                    ),
-                };
-                return Ok(
-                    json!({"id": m.id, "object": object, "created": m.created, "model": m.model, "choices": [choice], "usage": usage(g.prompt_tokens(), completion_tokens, cached_tokens)}),
-                );
-            }
-            Event::Error(e) => return Err(e.into()),
-        }
-    }
-    // `next` ends only after a terminal event, which returned above.
-    Err(crate::error::DispatchError::Unfinished.into())
-}
-
-/// The SSE response: a chunk per text event (a chat stream opens with the
-/// assistant's role, an echoing completion with the prompt), the last
-/// chunk with the finish reason and usage (unless
-/// `stream_options.include_usage` is false), then `[DONE]`; a failure
-/// after the response began is one error event
-/// ([`GatewayError::sse_event`]) and then `[DONE]`. With logprobs, each
-/// chunk carries its tokens'.
-fn stream(
-    g: Generation,
-    m: Meta,
-) -> Sse<impl tokio_stream::Stream<Item = Result<SseEvent, Infallible>>> {
-    let kind = m.kind;
-    let object = match kind {
-        Kind::Completion => "text_completion",
-        Kind::Chat => "chat.completion.chunk",
-    };
-    let wants = g.wants_logprobs();
-    let chunk = move |m: &Meta,
-                      delta: Value,
-                      lp: Option<Value>,
-                      finish: Value,
-                      usage: Option<Value>| {
-        let lp = lp.unwrap_or(Value::Null);
-        let choice = match m.kind {
-            Kind::Completion => {
-                json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish, "logprobs": lp})
-            }
-            Kind::Chat => {
-                json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp})
-            }
-        };
-        let mut v = json!({"id": m.id, "object": object, "created": m.created, "model": m.model, "choices": [choice]});
-        if let Some(u) = usage {
-            v["usage"] = u;
-        }
-        SseEvent::default().data(v.to_string())
-    };
-    // Events to SSE frames on a task of their own: when the client goes
-    // away (noticed by hyper on a write: an event or a keep-alive comment)
-    // its receiver drops, this task drops the generation, and the mesh
-    // sees the request abandoned.
-    let (tx, out) = tokio::sync::mpsc::channel::<SseEvent>(64);
-    tokio::spawn(async move {
-        let mut g = g;
-        let opening = match kind {
-            Kind::Chat => Some(json!({"role": "assistant", "content": ""})),
-            Kind::Completion if !m.echo.is_empty() => Some(json!({"content": m.echo})),
-            Kind::Completion => None,
-        };
-        if let Some(delta) = opening {
-            if tx
-                .send(chunk(&m, delta, None, Value::Null, None))
-                .await
-                .is_err()
-            {
-                return;
-            }
-        }
-        let mut lp = logprobs::Logprobs::new(m.router.tokenizer(), m.echo.chars().count());
-        loop {
-            // Leave as soon as the client is gone, not at the next event:
-            // dropping the generation is what tells the mesh to abort.
-            let ev = tokio::select! {
-                ev = g.next() => ev,
-                () = tx.closed() => return,
-            };
-            let Some(ev) = ev else { return };
-            let frames = match ev {
-                Event::Text { text, logprobs } => {
-                    let lp = wants.then(|| {
-                        let part = lp.part(&logprobs);
-                        match kind {
-                            Kind::Completion => part.completion(),
-                            Kind::Chat => part.chat(),
-                        }
-                    });
-                    vec![chunk(&m, json!({"content": text}), lp, Value::Null, None)]
-                }
-                Event::Done {
-                    finish,
-                    completion_tokens,
-                    cached_tokens,
-                } => vec![
-                    chunk(
-                        &m,
-                        json!({}),
-                        None,
-                        json!(finish.as_str()),
-                        m.shape
-                            .stream_usage
-                            .then(|| usage(g.prompt_tokens(), completion_tokens, cached_tokens)),
-                    ),
-                    SseEvent::default().data("[DONE]"),
-                ],
-                Event::Error(e) => vec![
-                    GatewayError::from(e).sse_event(),
-                    SseEvent::default().data("[DONE]"),
-                ],
-            };
-            for f in frames {
-                if tx.send(f).await.is_err() {
-                    return;
-                }
-            }
-        }
-    });
-    let all = ReceiverStream::new(out).map(Ok);
-    // A comment every 250 ms while no event flows: writing is how a
-    // closed connection shows (hyper does not watch the read side here),
-    // so a client that leaves during a long prefill is noticed within
-    // about two intervals and both nodes are told to abort.
-    Sse::new(all).keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE))
 }
 
 async fn models(State(r): State<Router>) -> Json<Value> {
@@ -713,6 +597,7 @@ async fn metrics(State(r): State<Router>) -> Response {
 }
 
 mod body;
+mod respond;
 mod tokenize;
 
 #[cfg(test)]

@@ -10,6 +10,10 @@
 //!   of [`mesh::Admitted`]); [`Router::generate`], admission then the mesh.
 //! - [`validate`]: the one validation of both front ends
 //!   (front-end-neutral request in, [`validate::Valid`] out).
+//! - [`choices`]: several choices of one request (`n`, a batch of
+//!   prompts) as one stream of indexed events; later samples of a prompt
+//!   start when its first has been prefilled, so prefill's cache serves
+//!   them.
 //! - [`tokenize`]: tokenization as a service for both front ends, encoding
 //!   exactly as a generation request is encoded.
 //! - [`http`]: the axum gateway and [`http::validate`], the one entry of
@@ -42,6 +46,7 @@
 //! the router links no model runtime (no candle) and reads no weights.
 
 pub mod auth;
+pub mod choices;
 pub mod error;
 pub mod grpc;
 pub mod http;
@@ -250,9 +255,15 @@ impl Router {
         tenant: Tenant,
         faults: FaultPlan,
     ) -> Result<Generation, GatewayError> {
-        let prompt_tokens = valid.ids().len();
-        let logprobs = valid.settings().sampling.logprobs.is_some();
         let admitted = self.admit(valid, tenant, faults).await?;
+        self.run(admitted)
+    }
+
+    /// An admitted request on the mesh: its events, or why it did not
+    /// start (not counted here either).
+    pub fn run(&self, admitted: Admitted) -> Result<Generation, GatewayError> {
+        let prompt_tokens = admitted.job().prompt_ids.len();
+        let logprobs = admitted.job().sampling.logprobs.is_some();
         let rx = self.mesh.generate(admitted)?;
         Ok(Generation::new(
             rx,

@@ -349,6 +349,8 @@ pub(crate) mod tests {
                     Some("string") => json!("x"),
                     Some("integer") => json!(1),
                     Some("object") => json!({"role": "user", "content": "hi"}),
+                    // A batch of token-id prompts.
+                    Some("array") => json!([1]),
                     other => panic!("{field}: items of type {other:?}"),
                 };
                 let of = |n: u64| {

@@ -165,6 +165,19 @@ impl Valid {
     pub fn into_parts(self) -> (Vec<u32>, Settings) {
         (self.ids, self.settings)
     }
+
+    /// Sample `i` of `n` of this request (OpenAI's `n`): the same prompt
+    /// and settings, drawing with seed `seed + i` (wrapping), so each
+    /// sample has its own random stream and sample `i` of a seeded request
+    /// is what one request seeded `seed + i` gives. Sample 0 is `self`'s.
+    pub fn sample(&self, i: u64) -> Valid {
+        let mut settings = self.settings.clone();
+        settings.sampling.seed = settings.sampling.seed.wrapping_add(i);
+        Valid {
+            ids: self.ids.clone(),
+            settings,
+        }
+    }
 }
 
 /// A refusal of `param`.

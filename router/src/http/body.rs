@@ -36,7 +36,8 @@ pub(super) const COMMON_FIELDS: &[&str] = &[
 ];
 
 /// Fields only completions bodies carry.
-pub(super) const COMPLETION_FIELDS: &[&str] = &["prompt", "echo", "max_completion_tokens"];
+pub(super) const COMPLETION_FIELDS: &[&str] =
+    &["prompt", "echo", "max_completion_tokens", "best_of"];
 
 /// Fields only chat bodies carry.
 pub(super) const CHAT_FIELDS: &[&str] = &["messages", "max_completion_tokens", "top_logprobs"];
@@ -87,7 +88,6 @@ impl Body {
 /// refused, when it is one the gateway knows of, else `body`).
 fn unknown_param(k: &str) -> &'static str {
     const KNOWN_UNSUPPORTED: &[&str] = &[
-        "best_of",
         "suffix",
         "response_format",
         "tools",

@@ -121,10 +121,10 @@ async fn refusals_are_exact_openai_bodies_counted_before_anything_reaches_the_me
         ),
         (
             "/v1/completions",
-            r#"{"prompt":"hi","n":2}"#,
+            r#"{"prompt":["hi","ho"],"n":9}"#,
             StatusCode::BAD_REQUEST,
             error(
-                "only n=1 is supported",
+                "2 prompt(s) times n = 9 is 18 choices; at most 16",
                 "invalid_request_error",
                 Some("n"),
                 "invalid_value",
@@ -722,7 +722,10 @@ fn the_gateway_fuzz_corpus_is_refused_by_name_or_accepted_in_range() {
             continue;
         };
         match crate::http::validate(&r, b & 1 == 1, body) {
-            Ok(v) => {
+            Ok(batch) => {
+                let choices = batch.prompts.len() * batch.n;
+                assert!((1..=crate::choices::MAX_CHOICES).contains(&choices));
+                let v = &batch.prompts[0];
                 let (ids, s) = (v.ids(), v.settings());
                 let p = &s.sampling;
                 assert!(s.max_tokens >= 1);

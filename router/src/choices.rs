@@ -1,0 +1,220 @@
+//! Several choices of one request (OpenAI's `n`, and a batch of prompts in
+//! one completions request) as one stream of indexed events, for every
+//! front end.
+//!
+//! Choice `p * n + i` is sample `i` of prompt `p` (OpenAI's order). Every
+//! choice is validated and admitted before any starts, so a refusal of any
+//! refuses the request with nothing started; each holds its own dispatch
+//! slot. Sample 0 of each prompt starts at once; samples 1.. of that prompt
+//! start when sample 0's first event arrives, which is after prefill has
+//! computed the prompt and cached its pages, so their prefill finds the
+//! prompt's whole pages in its prefix cache (same tenant namespace, routed
+//! to the node that has them) and computes only the last partial page.
+//! Decode still receives each sample's pages: decode's cache takes a
+//! sequence's pages when it ends, so the one-transfer fork (samples sharing
+//! decode's pages through leases) is not done here.
+//!
+//! Dropping [`Choices`] drops every generation (the tasks that forward them
+//! are aborted), which tells the mesh to abort each.
+
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use kvmesh_faults::FaultPlan;
+
+use crate::auth::Tenant;
+use crate::error::{DispatchError, GatewayError, Rejection};
+use crate::mesh::{Admitted, Event, Generation};
+use crate::nodes::Role;
+use crate::validate::Valid;
+use crate::Router;
+
+/// Choices one request may ask for at most (prompts times `n`).
+pub const MAX_CHOICES: usize = 16;
+
+/// The running choices of one request.
+#[derive(Debug)]
+pub struct Choices {
+    inner: Inner,
+    /// Samples per prompt.
+    n: usize,
+    /// Each prompt's token count.
+    prompt_tokens: Vec<usize>,
+    logprobs: bool,
+}
+
+#[derive(Debug)]
+enum Inner {
+    /// One choice: its generation, read directly.
+    One(Generation),
+    /// Several: forwarded by one task per prompt into one channel, which
+    /// closes when every choice has ended.
+    Many {
+        rx: mpsc::Receiver<(usize, Event)>,
+        _tasks: JoinSet<()>,
+    },
+}
+
+impl Choices {
+    /// Validated `prompts`, `n` samples each ([`Valid::sample`]), admitted
+    /// in order and started as the module says. Refusals before anything
+    /// started are the caller's to count ([`Router::fail`]).
+    pub async fn start(
+        r: &Router,
+        prompts: Vec<Valid>,
+        n: usize,
+        tenant: Tenant,
+        faults: FaultPlan,
+    ) -> Result<Self, GatewayError> {
+        let n = n.max(1);
+        let prompt_tokens: Vec<usize> = prompts.iter().map(|v| v.ids().len()).collect();
+        let logprobs = prompts
+            .first()
+            .is_some_and(|v| v.settings().sampling.logprobs.is_some());
+        let mut admitted: Vec<Vec<Admitted>> = Vec::with_capacity(prompts.len());
+        for valid in &prompts {
+            let mut group = Vec::with_capacity(n);
+            for i in 0..n {
+                group.push(
+                    r.admit(valid.sample(i as u64), tenant.clone(), faults.clone())
+                        .await?,
+                );
+            }
+            admitted.push(group);
+        }
+        drop(prompts);
+        if admitted.len() == 1 && n == 1 {
+            let one = admitted.remove(0).remove(0);
+            return Ok(Self {
+                inner: Inner::One(r.run(one)?),
+                n,
+                prompt_tokens,
+                logprobs,
+            });
+        }
+        // Every prompt's first sample starts here, so that a mesh refusal
+        // is the request's error before its response begins.
+        let mut firsts = Vec::with_capacity(admitted.len());
+        for group in &mut admitted {
+            let first = group.remove(0);
+            firsts.push(r.run(first)?);
+        }
+        let (tx, rx) = mpsc::channel(64);
+        let mut tasks = JoinSet::new();
+        for (p, (first, rest)) in firsts.into_iter().zip(admitted).enumerate() {
+            tasks.spawn(run_prompt(r.clone(), p * n, first, rest, tx.clone()));
+        }
+        Ok(Self {
+            inner: Inner::Many { rx, _tasks: tasks },
+            n,
+            prompt_tokens,
+            logprobs,
+        })
+    }
+
+    /// The next event and the index of its choice; `None` once every
+    /// choice has had its terminal event. Cancel-safe.
+    pub async fn next(&mut self) -> Option<(usize, Event)> {
+        match &mut self.inner {
+            Inner::One(g) => g.next().await.map(|ev| (0, ev)),
+            Inner::Many { rx, .. } => rx.recv().await,
+        }
+    }
+
+    /// How many choices there are.
+    pub fn len(&self) -> usize {
+        self.prompt_tokens.len() * self.n
+    }
+
+    /// Never: a request has at least one choice.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Samples per prompt.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// The prompts' token count, each prompt once (usage's
+    /// `prompt_tokens`).
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens.iter().sum()
+    }
+
+    /// Whether the request asked for logprobs.
+    pub fn wants_logprobs(&self) -> bool {
+        self.logprobs
+    }
+}
+
+/// Forwards prompt `base / n`'s samples: the first at once, the others
+/// started at the first one's first event.
+async fn run_prompt(
+    r: Router,
+    base: usize,
+    first: Generation,
+    rest: Vec<Admitted>,
+    tx: mpsc::Sender<(usize, Event)>,
+) {
+    let mut running = JoinSet::new();
+    let mut rest = Some(rest);
+    let mut first = first;
+    while let Some(ev) = first.next().await {
+        // A first sample that failed at once takes the others with it
+        // (dropped unstarted: their slots go back).
+        if matches!(ev, Event::Error(_)) {
+            rest = None;
+        }
+        if let Some(rest) = rest.take() {
+            for (i, admitted) in rest.into_iter().enumerate() {
+                let index = base + 1 + i;
+                let tx = tx.clone();
+                match r.run(admitted) {
+                    Ok(g) => {
+                        running.spawn(forward(index, g, tx));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, choice = index, "a later sample could not start");
+                        let ev = Event::Error(late(r.fail(e)));
+                        if tx.send((index, ev)).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+        if tx.send((base, ev)).await.is_err() {
+            return;
+        }
+    }
+    // The others run on; this task owns them until they end.
+    while running.join_next().await.is_some() {}
+}
+
+async fn forward(index: usize, mut g: Generation, tx: mpsc::Sender<(usize, Event)>) {
+    while let Some(ev) = g.next().await {
+        if tx.send((index, ev)).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// A mesh refusal of a sample started after the response began: the end
+/// of that choice ([`crate::mesh::Mesh::generate`] refuses only for want
+/// of a healthy node).
+fn late(e: GatewayError) -> DispatchError {
+    match e {
+        GatewayError::Rejected(Rejection::NoHealthyNode { role })
+            if role == Role::Prefill.as_str() =>
+        {
+            DispatchError::NoHealthyNode {
+                role: Role::Prefill,
+            }
+        }
+        _ => DispatchError::NoHealthyNode { role: Role::Decode },
+    }
+}
+
+#[cfg(test)]
+mod tests;

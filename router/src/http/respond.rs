@@ -1,0 +1,278 @@
+//! A request's choices as the client gets them: one JSON body, or
+//! server-sent events. Choice `i` carries `"index": i`; usage counts each
+//! prompt once and every choice's completion tokens.
+
+use std::convert::Infallible;
+
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use serde_json::{json, Value};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+
+use super::{Kind, Shape, SSE_KEEP_ALIVE};
+use crate::choices::Choices;
+use crate::error::{DispatchError, GatewayError};
+use crate::logprobs;
+use crate::mesh::Event;
+use crate::Router;
+
+/// What every response of one request repeats.
+pub(super) struct Meta {
+    pub(super) kind: Kind,
+    pub(super) id: String,
+    pub(super) model: String,
+    pub(super) created: u64,
+    pub(super) shape: Shape,
+    /// Each prompt's text that opens its choices' answers (`echo`), or
+    /// nothing.
+    pub(super) echoes: Vec<String>,
+    /// For the tokens' text in logprobs.
+    pub(super) router: Router,
+}
+
+impl Meta {
+    /// What opens choice `i`'s text (`n` samples per prompt).
+    fn echo(&self, i: usize, n: usize) -> &str {
+        self.echoes.get(i / n.max(1)).map_or("", String::as_str)
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+}
+
+/// OpenAI's usage object; `cached_tokens` are the prompt tokens the
+/// prefix cache supplied.
+fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    })
+}
+
+/// Usage over the choices as they finish: completion tokens of every
+/// choice; cached tokens of each prompt's first sample (the prompt is
+/// counted once, and its later samples find what the first computed).
+#[derive(Default)]
+struct Tally {
+    completion_tokens: usize,
+    cached_tokens: usize,
+    left: usize,
+}
+
+impl Tally {
+    fn done(&mut self, i: usize, n: usize, completion_tokens: usize, cached_tokens: usize) {
+        self.completion_tokens += completion_tokens;
+        if i % n.max(1) == 0 {
+            self.cached_tokens += cached_tokens;
+        }
+        self.left = self.left.saturating_sub(1);
+    }
+
+    fn usage(&self, c: &Choices) -> Value {
+        usage(
+            c.prompt_tokens(),
+            self.completion_tokens,
+            self.cached_tokens,
+        )
+    }
+}
+
+/// The unstreamed response: every choice's whole text, or the first
+/// failure (its status and body; the other choices are dropped, which
+/// aborts them).
+pub(super) async fn whole(mut c: Choices, m: &Meta) -> Result<Value, GatewayError> {
+    let (k, n) = (c.len(), c.n());
+    let tokenizer = m.router.tokenizer();
+    let mut texts: Vec<String> = (0..k).map(|i| m.echo(i, n).to_owned()).collect();
+    let mut lps: Vec<logprobs::Logprobs<'_>> = texts
+        .iter()
+        .map(|t| logprobs::Logprobs::new(tokenizer, t.chars().count()))
+        .collect();
+    let mut choices: Vec<Option<Value>> = vec![None; k];
+    let mut tally = Tally {
+        left: k,
+        ..Tally::default()
+    };
+    let wants = c.wants_logprobs();
+    while tally.left > 0 {
+        let Some((i, ev)) = c.next().await else { break };
+        match ev {
+            Event::Text { text, logprobs } => {
+                texts[i].push_str(&text);
+                lps[i].extend(&logprobs);
+            }
+            Event::Done {
+                finish,
+                completion_tokens,
+                cached_tokens,
+            } => {
+                tally.done(i, n, completion_tokens, cached_tokens);
+                let text = std::mem::take(&mut texts[i]);
+                choices[i] = Some(match m.kind {
+                    Kind::Completion => {
+                        json!({"index": i, "text": text, "finish_reason": finish.as_str(), "logprobs": wants.then(|| lps[i].completion())})
+                    }
+                    Kind::Chat => {
+                        json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish.as_str(), "logprobs": wants.then(|| lps[i].chat())})
+                    }
+                });
+            }
+            Event::Error(e) => return Err(e.into()),
+        }
+    }
+    if tally.left > 0 {
+        // `next` ends only after every terminal event, counted above.
+        return Err(DispatchError::Unfinished.into());
+    }
+    Ok(
+        json!({"id": m.id, "object": m.object(false), "created": m.created, "model": m.model, "choices": choices.into_iter().flatten().collect::<Vec<_>>(), "usage": tally.usage(&c)}),
+    )
+}
+
+/// One SSE chunk of choice `index`.
+fn chunk(
+    m: &Meta,
+    index: usize,
+    delta: Value,
+    lp: Option<Value>,
+    finish: Value,
+    usage: Option<Value>,
+) -> SseEvent {
+    let lp = lp.unwrap_or(Value::Null);
+    let choice = match m.kind {
+        Kind::Completion => {
+            json!({"index": index, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish, "logprobs": lp})
+        }
+        Kind::Chat => {
+            json!({"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp})
+        }
+    };
+    let mut v = json!({"id": m.id, "object": m.object(true), "created": m.created, "model": m.model, "choices": [choice]});
+    if let Some(u) = usage {
+        v["usage"] = u;
+    }
+    SseEvent::default().data(v.to_string())
+}
+
+/// The SSE response: per choice, an opening chunk (a chat's role, an
+/// echoing completion's prompt), a chunk per text event and one with its
+/// finish reason; the last choice's finish chunk carries usage (unless
+/// `stream_options.include_usage` is false); then `[DONE]`. A failure
+/// after the response began is one error event
+/// ([`GatewayError::sse_event`]) and then `[DONE]`, and the other choices
+/// are dropped. With logprobs, each chunk carries its tokens'.
+pub(super) fn stream(
+    c: Choices,
+    m: Meta,
+) -> Sse<impl tokio_stream::Stream<Item = Result<SseEvent, Infallible>>> {
+    let wants = c.wants_logprobs();
+    // Events to SSE frames on a task of their own: when the client goes
+    // away (noticed by hyper on a write: an event or a keep-alive comment)
+    // its receiver drops, this task drops the choices, and the mesh sees
+    // each request abandoned.
+    let (tx, out) = tokio::sync::mpsc::channel::<SseEvent>(64);
+    tokio::spawn(async move {
+        let mut c = c;
+        let (k, n) = (c.len(), c.n());
+        for i in 0..k {
+            let opening = match m.kind {
+                Kind::Chat => Some(json!({"role": "assistant", "content": ""})),
+                Kind::Completion if !m.echo(i, n).is_empty() => {
+                    Some(json!({"content": m.echo(i, n)}))
+                }
+                Kind::Completion => None,
+            };
+            if let Some(delta) = opening {
+                if tx
+                    .send(chunk(&m, i, delta, None, Value::Null, None))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+        let tokenizer = m.router.tokenizer();
+        let mut lps: Vec<logprobs::Logprobs<'_>> = (0..k)
+            .map(|i| logprobs::Logprobs::new(tokenizer, m.echo(i, n).chars().count()))
+            .collect();
+        let mut tally = Tally {
+            left: k,
+            ..Tally::default()
+        };
+        loop {
+            // Leave as soon as the client is gone, not at the next event:
+            // dropping the choices is what tells the mesh to abort.
+            let ev = tokio::select! {
+                ev = c.next() => ev,
+                () = tx.closed() => return,
+            };
+            let Some((i, ev)) = ev else { return };
+            let (frames, last) = match ev {
+                Event::Text { text, logprobs } => {
+                    let lp = wants.then(|| {
+                        let part = lps[i].part(&logprobs);
+                        match m.kind {
+                            Kind::Completion => part.completion(),
+                            Kind::Chat => part.chat(),
+                        }
+                    });
+                    (
+                        vec![chunk(
+                            &m,
+                            i,
+                            json!({"content": text}),
+                            lp,
+                            Value::Null,
+                            None,
+                        )],
+                        false,
+                    )
+                }
+                Event::Done {
+                    finish,
+                    completion_tokens,
+                    cached_tokens,
+                } => {
+                    tally.done(i, n, completion_tokens, cached_tokens);
+                    let last = tally.left == 0;
+                    let usage = (last && m.shape.stream_usage).then(|| tally.usage(&c));
+                    let mut frames =
+                        vec![chunk(&m, i, json!({}), None, json!(finish.as_str()), usage)];
+                    if last {
+                        frames.push(SseEvent::default().data("[DONE]"));
+                    }
+                    (frames, last)
+                }
+                Event::Error(e) => (
+                    vec![
+                        GatewayError::from(e).sse_event(),
+                        SseEvent::default().data("[DONE]"),
+                    ],
+                    true,
+                ),
+            };
+            for f in frames {
+                if tx.send(f).await.is_err() {
+                    return;
+                }
+            }
+            if last {
+                return;
+            }
+        }
+    });
+    let all = ReceiverStream::new(out).map(Ok);
+    // A comment every 250 ms while no event flows: writing is how a
+    // closed connection shows (hyper does not watch the read side here),
+    // so a client that leaves during a long prefill is noticed within
+    // about two intervals and both nodes are told to abort.
+    Sse::new(all).keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE))
+}
