@@ -292,7 +292,7 @@ fn bad_requests_get_openai_style_errors() {
     for (body, param) in [
         (json!({"prompt": "x", "temperature": 9}), "temperature"),
         (json!({"prompt": "x", "top_p": 0}), "top_p"),
-        (json!({"prompt": "x", "n": 2}), "n"),
+        (json!({"prompt": "x", "n": 17}), "n"),
         (json!({"prompt": "x", "max_tokens": 0}), "max_tokens"),
         (json!({"max_tokens": 3}), "prompt"),
     ] {
