@@ -122,8 +122,14 @@ mod tests {
             }
         }
         assert!(hit, "the last token's stop string applies");
-        assert!(text.starts_with("ab"), "stops before min_tokens did not apply: {text:?}");
-        assert!(!text.ends_with('b'), "the armed stop string was emitted: {text:?}");
+        assert!(
+            text.starts_with("ab"),
+            "stops before min_tokens did not apply: {text:?}"
+        );
+        assert!(
+            !text.ends_with('b'),
+            "the armed stop string was emitted: {text:?}"
+        );
     }
 
     fn tiny() -> TextTokenizer {
