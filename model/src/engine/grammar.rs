@@ -12,7 +12,16 @@ impl Engine {
     pub fn vocabulary(&self) -> Result<&Vocabulary, StructuredError> {
         self.vocabulary
             .get_or_init(|| {
-                Vocabulary::new(&self.tokenizer, self.model.config().vocab_size, &self.eos)
+                let started = std::time::Instant::now();
+                let v = Vocabulary::new(&self.tokenizer, self.model.config().vocab_size, &self.eos);
+                match &v {
+                    Ok(_) => tracing::info!(
+                        ms = started.elapsed().as_millis() as u64,
+                        "structured output: the vocabulary's token trie is built"
+                    ),
+                    Err(e) => tracing::warn!(error = %e, "structured output unavailable"),
+                }
+                v
             })
             .as_ref()
             .map_err(Clone::clone)
