@@ -244,7 +244,12 @@ pub(crate) fn compile(r: &Router, s: &Structured) -> Result<String, Rejection> {
         ),
         unavailable => invalid(s.param, unavailable.to_string()),
     };
-    let wire = s.constraint.grammar().map_err(refused)?;
+    // A constraint with no grammar (an empty choice, a schema that is not
+    // an object) is refused before the library sees it.
+    let wire = s
+        .constraint
+        .grammar()
+        .map_err(|e| invalid(s.param, format!("{}: {e}", s.param)))?;
     r.vocabulary()
         .and_then(|v| v.compile(&wire))
         .map_err(refused)?;
