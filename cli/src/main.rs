@@ -39,6 +39,7 @@ use kvmesh_kvpool::{KvDtype, ScrubMode};
 use kvmesh_model::default_model;
 use kvmesh_model::engine::{Engine, EngineConfig, Generation, Prompt};
 use kvmesh_model::sampling::SamplingParams;
+use kvmesh_model::structured::Constraint;
 use kvmesh_model::{ChatMessage, Precision};
 
 #[derive(Parser, Debug)]
@@ -227,7 +228,49 @@ struct GenerateArgs {
     #[arg(long, default_value_t = 0)]
     min_tokens: usize,
     #[command(flatten)]
+    structured: StructuredArgs,
+    #[command(flatten)]
     model: ModelArgs,
+}
+
+/// Structured output (at most one), as the gateway's `structured_outputs`.
+#[derive(Args, Debug)]
+#[group(multiple = false)]
+struct StructuredArgs {
+    /// The output is JSON valid against this JSON schema (JSON text).
+    #[arg(long)]
+    json_schema: Option<String>,
+    /// The output is a JSON object.
+    #[arg(long)]
+    json_object: bool,
+    /// The whole output matches this regex (Rust regex syntax).
+    #[arg(long)]
+    regex: Option<String>,
+    /// The output is one of these strings (repeatable).
+    #[arg(long)]
+    choice: Vec<String>,
+    /// The output matches this Lark grammar (llguidance's dialect).
+    #[arg(long)]
+    grammar: Option<String>,
+}
+
+impl StructuredArgs {
+    /// The constraint asked for, if any.
+    fn constraint(&self) -> Result<Option<Constraint>> {
+        Ok(if let Some(s) = &self.json_schema {
+            Some(Constraint::JsonSchema(
+                serde_json::from_str(s).context("--json-schema is not JSON")?,
+            ))
+        } else if self.json_object {
+            Some(Constraint::JsonObject)
+        } else if let Some(rx) = &self.regex {
+            Some(Constraint::Regex(rx.clone()))
+        } else if !self.choice.is_empty() {
+            Some(Constraint::Choice(self.choice.clone()))
+        } else {
+            self.grammar.clone().map(Constraint::Lark)
+        })
+    }
 }
 
 /// `--logit-bias ID=BIAS`.
@@ -284,6 +327,10 @@ fn generate(args: GenerateArgs) -> Result<()> {
         logit_bias,
         min_tokens: args.min_tokens,
         logprobs: None,
+        grammar: match args.structured.constraint()? {
+            None => None,
+            Some(c) => Some(c.grammar().and_then(|g| engine.compile_grammar(&g))?),
+        },
     };
     let mut stdout = std::io::stdout().lock();
     let mut write_err = None;

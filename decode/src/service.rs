@@ -19,6 +19,7 @@ use kvmesh_meshauth::grpc::Authenticated;
 use kvmesh_meshauth::{CallVerifier, MeshSecret};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
 use kvmesh_model::sampling::{Sampler, SamplingParams};
+use kvmesh_model::structured::{StructuredError, Vocabulary};
 use kvmesh_model::LoadedModel;
 use kvmesh_prefix::CacheKeys;
 use kvmesh_proto::internal::v1::decode_server::{Decode, DecodeServer};
@@ -367,12 +368,17 @@ struct Checked {
     ns: Option<Namespace>,
 }
 
-fn check(r: &GenerateRequest) -> Result<Checked, String> {
+/// `r` checked; a grammar is compiled over `vocabulary` (the engine's).
+fn check<'v>(
+    r: &GenerateRequest,
+    vocabulary: impl FnOnce() -> Result<&'v Vocabulary, StructuredError>,
+) -> Result<Checked, String> {
     let writer = <[u8; 16]>::try_from(r.writer_id.as_slice())
         .ok()
         .and_then(WriterId::from_bytes)
         .ok_or("writer_id: 16 bytes, not all zero")?;
-    let params = kvmesh_proto::sampling::params(&r.sampling.clone().unwrap_or_default())?;
+    let params =
+        kvmesh_proto::sampling::params(&r.sampling.clone().unwrap_or_default(), vocabulary)?;
     let ns = match r.cache_namespace.as_slice() {
         [] => None,
         b => Some(Namespace::from_slice(b).ok_or("cache_namespace: 32 bytes or none")?),
@@ -431,7 +437,7 @@ impl Decode for DecodeNode {
             )));
             return Ok(stream);
         }
-        let c = match check(&r) {
+        let c = match check(&r, || self.inner.engine.vocabulary()) {
             Ok(c) => c,
             Err(message) => {
                 let _ = tx.try_send(Ok(refused(RefuseKind::InvalidRequest, message)));
@@ -602,18 +608,27 @@ mod tests {
         }
     }
 
+    /// The check of a request without a grammar builds no vocabulary.
+    fn no_grammar<'v>() -> Result<&'v Vocabulary, StructuredError> {
+        Err(StructuredError::Unavailable(
+            "not built in this test".into(),
+        ))
+    }
+
     fn writer() -> Vec<u8> {
         WriterId::mint().expect("rng").to_bytes().to_vec()
     }
 
     #[test]
     fn a_generate_request_is_checked_before_anything_is_reserved() {
-        let c = check(&generate(writer(), None)).expect("valid");
+        let c = check(&generate(writer(), None), no_grammar).expect("valid");
         assert_eq!(c.max_new, 4);
         // Unset top_p is the whole distribution, not zero mass.
         assert_eq!(c.params.top_p, 1.0);
         for bad in [vec![], vec![7; 15], vec![0; 16]] {
-            let e = check(&generate(bad.clone(), None)).err().expect("refused");
+            let e = check(&generate(bad.clone(), None), no_grammar)
+                .err()
+                .expect("refused");
             assert!(e.contains("writer_id"), "{bad:?}: {e}");
         }
         let hot = Sampling {
@@ -622,12 +637,12 @@ mod tests {
             seed: 1,
             ..Sampling::default()
         };
-        assert!(check(&generate(writer(), Some(hot))).is_err());
+        assert!(check(&generate(writer(), Some(hot)), no_grammar).is_err());
         let biased = Sampling {
             logit_bias: [(3, 250.0)].into_iter().collect(),
             ..Sampling::default()
         };
-        let e = check(&generate(writer(), Some(biased)))
+        let e = check(&generate(writer(), Some(biased)), no_grammar)
             .err()
             .expect("refused");
         assert!(e.contains("logit_bias"), "{e}");

@@ -100,7 +100,11 @@ def main() -> None:
     out["ids_prompt_tokens"] = r.usage.prompt_tokens
 
     try:
-        client.chat.completions.create(model=model, messages=messages, response_format={"type": "json_object"})
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        )
         out["unimplemented"] = "accepted"
     except Exception as e:  # openai.BadRequestError
         out["unimplemented"] = f"{type(e).__name__}: {getattr(e, 'param', None)}"

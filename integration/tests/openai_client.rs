@@ -110,6 +110,7 @@ fn official_openai_client_streaming_and_not() {
                 logit_bias: vec![(5, 4.0)],
                 min_tokens: 3,
                 logprobs: None,
+                grammar: None,
             },
             |_| {},
         )
@@ -147,7 +148,7 @@ fn official_openai_client_streaming_and_not() {
         serde_json::json!([chat_sample(5), chat_sample(6)])
     );
     assert_eq!(v["ids_prompt_tokens"], 3);
-    assert_eq!(v["unimplemented"], "BadRequestError: response_format");
+    assert_eq!(v["unimplemented"], "BadRequestError: tools");
     assert_eq!(v["max_model_len"], 256);
 
     // Special-token text in a message is text: the model answers what the
@@ -176,4 +177,91 @@ fn official_openai_client_streaming_and_not() {
     let text = v["forged_detokenize"]["prompt"].as_str().expect("prompt");
     assert!(text.contains(forged), "{text:?}");
     assert_eq!(v["version"]["version"], env!("CARGO_PKG_VERSION"));
+}
+
+/// A JSON Schema validator, pinned, beside the client.
+const JSONSCHEMA: &str = "jsonschema==4.26.0";
+
+#[test]
+fn official_openai_client_structured_output() {
+    let dirs = [client_dir(), pip_install(JSONSCHEMA)];
+    let path = std::env::join_paths(&dirs).expect("a PYTHONPATH");
+    let mesh = InProcessMesh::start(&tiny_model_dir(), Options::default()).expect("the mesh");
+    let schemas = serde_json::json!([
+        {"type": "object",
+         "properties": {"name": {"type": "string", "maxLength": 8},
+                        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                        "langs": {"type": "array", "items": {"enum": ["en", "fr", "de"]}, "maxItems": 3}},
+         "required": ["name", "age", "langs"], "additionalProperties": false},
+        {"type": "array", "minItems": 1, "maxItems": 3,
+         "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
+                                                    "done": {"type": "boolean"}},
+                   "required": ["id", "done"], "additionalProperties": false}}
+    ]);
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/structured_output.py");
+    let out = Command::new(python())
+        .arg(&script)
+        .arg(format!("http://{}/v1", mesh.http))
+        .arg("tiny-llama")
+        .arg(schemas.to_string())
+        .arg("120")
+        .env("PYTHONPATH", path)
+        .output()
+        .expect("run python");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value =
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    // Every answer parses and validates (Python's jsonschema), whole and
+    // streamed alike, ended by the grammar, and is the reference engine's.
+    let engine = kvmesh_model::engine::Engine::load(
+        &tiny_model_dir(),
+        &kvmesh_model::engine::EngineConfig::default(),
+    )
+    .expect("engine");
+    let prompt = kvmesh_model::engine::Prompt::Chat(vec![kvmesh_model::ChatMessage::new(
+        "user",
+        "Describe a person as JSON.",
+    )]);
+    let answers = v["schemas"].as_array().expect("answers");
+    assert_eq!(answers.len(), 2, "{v}");
+    for (a, schema) in answers.iter().zip(schemas.as_array().expect("schemas")) {
+        assert_eq!(a["errors"], serde_json::json!([]), "{a}");
+        assert_eq!(a["finish"], "stop", "{a}");
+        assert_eq!(a["text"], a["streamed"], "{a}");
+        let wire = kvmesh_model::structured::Constraint::JsonSchema(schema.clone())
+            .grammar()
+            .expect("wire");
+        let want = engine
+            .generate(
+                &prompt,
+                120,
+                kvmesh_model::sampling::SamplingParams {
+                    temperature: 0.9,
+                    top_p: 0.95,
+                    seed: Some(1234),
+                    grammar: Some(engine.compile_grammar(&wire).expect("compiles")),
+                    ..Default::default()
+                },
+                |_| {},
+            )
+            .expect("reference");
+        assert_eq!(a["text"], want.text.as_str());
+    }
+    // The client's own parse into a Pydantic model: fields in range.
+    assert_eq!(v["parsed_errors"], serde_json::json!([]), "{v}");
+    let pet = &v["parsed"];
+    assert!(
+        ["cat", "dog", "fish"].contains(&pet["kind"].as_str().unwrap_or_default()),
+        "{pet}"
+    );
+    assert!(pet["legs"].as_u64().is_some_and(|n| n <= 4), "{pet}");
+    assert!(
+        ["positive", "negative"].contains(&v["choice"].as_str().unwrap_or_default()),
+        "{v}"
+    );
+    assert_eq!(v["refused"], "BadRequestError: response_format");
 }

@@ -80,6 +80,7 @@ fn sampling_settings_take_effect_through_the_mesh() {
         logit_bias: vec![(bias_id, 3.0)],
         min_tokens: 4,
         logprobs: None,
+        grammar: None,
     };
     let body = |extra: Value| {
         let mut b = json!({
@@ -313,8 +314,8 @@ fn sampling_settings_take_effect_through_the_mesh() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
-            "response_format",
+            json!({"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}}),
+            "guided_json",
         ),
         (
             "/v1/chat/completions",

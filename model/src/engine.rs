@@ -11,6 +11,7 @@
 //! never run out of pages halfway.
 
 mod config;
+mod grammar;
 mod prefix;
 mod stopping;
 
@@ -161,6 +162,10 @@ pub struct Engine {
     /// The prefix cache's keys, when it is on
     /// ([`Engine::with_prefix_cache`]).
     prefix: Option<Arc<PrefixCache>>,
+    /// Structured output's vocabulary, built on first use (`grammar`).
+    vocabulary: std::sync::OnceLock<
+        std::result::Result<kvmesh_structured::Vocabulary, kvmesh_structured::StructuredError>,
+    >,
 }
 
 impl Engine {
@@ -261,6 +266,7 @@ impl Engine {
             eos,
             identity,
             prefix: None,
+            vocabulary: std::sync::OnceLock::new(),
         })
     }
 

@@ -13,7 +13,10 @@
 //!   through `kvmesh_tokenizer::gguf`, the tensor data here).
 //! - [`default_model`]: the default model's cache and its fetch through pip.
 //! - [`llama`]: the batched forward pass over the paged, checked KV pool.
-//! - [`sampling`]: greedy and seeded temperature / top-k / top-p sampling.
+//! - [`sampling`]: greedy and seeded temperature / top-k / top-p sampling,
+//!   under a request's grammar (structured output: `kvmesh-structured`,
+//!   re-exported as [`structured`]; an engine builds the model's
+//!   vocabulary for it on first use, `Engine::vocabulary`).
 //! - [`engine`]: the single-process reference engine (admission, prefill,
 //!   batched decode steps, mixed steps of prompt chunks and decode tokens,
 //!   generation).
@@ -33,6 +36,7 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use error::ModelError;
+pub use kvmesh_structured as structured;
 pub use kvmesh_tokenizer::{ChatMessage, ModelInfo, StreamDecoder, TextTokenizer};
 pub use loader::{load, load_with, LoadedModel};
 pub use weights::Precision;

@@ -5,6 +5,15 @@
 //! from a seeded generator (the same seed gives the same tokens). Greedy
 //! decoding takes the largest processed logit.
 //!
+//! A request's grammar (structured output, [`SamplingParams::grammar`])
+//! comes first, as vLLM applies its bitmask before the processors: every
+//! token the grammar does not allow next gets minus infinity, and the
+//! grammar's matcher moves with each token drawn (and with the token a
+//! resumed sampler was given). End-of-sequence is allowed only where the
+//! grammar may end; once it is complete, it is the only token allowed, and
+//! `min_tokens` no longer holds it off (the grammar wins: its output is
+//! whole).
+//!
 //! One [`Sampler`] follows one sequence: it remembers the prompt and the
 //! tokens it produced (for the penalties and `min_tokens`), and a sampler
 //! that continues a generation begun elsewhere (decode after prefill's
@@ -16,7 +25,9 @@
 //! alternative has a finite logprob). vLLM calls this `processed_logprobs`.
 //! With greedy decoding the chosen token is the first of the top entries.
 //!
-//! Costs: a plain request (no processors, no logprobs) touches the logits
+//! Costs: a grammar adds llguidance's mask computation per token (tens of
+//! microseconds to about a millisecond, by grammar and vocabulary) and one
+//! pass over the row; a plain request (no processors, no logprobs) touches the logits
 //! only to pick; penalties touch one logit per distinct prompt or output
 //! token; logprobs add one pass over the vocabulary (log-sum-exp) and a
 //! selection of the top `k`.
@@ -25,6 +36,8 @@ use std::collections::HashMap;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+use kvmesh_structured::{Allowed, Grammar, Matcher};
 
 /// Most alternatives a request may ask per token (OpenAI's chat bound).
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -66,6 +79,9 @@ pub struct SamplingParams {
     /// Report the drawn token's logprob and the `n` most likely
     /// alternatives' (`Some(0)`: the drawn token's only; `None`: nothing).
     pub logprobs: Option<usize>,
+    /// The grammar the output must match (structured output), compiled
+    /// for this model's vocabulary; `None`: any text.
+    pub grammar: Option<Grammar>,
 }
 
 /// Temperatures below this are treated as greedy.
@@ -85,6 +101,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             min_tokens: 0,
             logprobs: None,
+            grammar: None,
         }
     }
 }
@@ -194,6 +211,8 @@ pub struct Sampler {
     counts: HashMap<u32, u32>,
     /// Distinct tokens of the prompt and the output (repetition).
     seen: Vec<u32>,
+    /// Where the output is in its grammar, if it has one.
+    matcher: Option<Matcher>,
 }
 
 /// Index of the largest logit; the first one on ties (as `torch.argmax`).
@@ -222,6 +241,7 @@ impl Sampler {
             seen.dedup();
         }
         Self {
+            matcher: params.grammar.as_ref().map(Grammar::matcher),
             params,
             rng,
             scratch: Vec::new(),
@@ -251,6 +271,9 @@ impl Sampler {
         if !self.params.is_greedy() {
             let _: f32 = self.rng.random();
         }
+        if let Some(m) = &mut self.matcher {
+            m.advance(token);
+        }
         self.record(token);
     }
 
@@ -266,8 +289,14 @@ impl Sampler {
         }
     }
 
-    /// The logits processors and penalties, in place.
-    fn process(&self, logits: &mut [f32]) {
+    /// Whether the grammar is complete (only end-of-sequence can follow).
+    pub fn is_complete(&self) -> bool {
+        self.matcher.as_ref().is_some_and(Matcher::is_complete)
+    }
+
+    /// The logits processors and penalties, in place; `min_tokens` holds
+    /// the stop tokens off only if `hold_stops`.
+    fn process(&self, logits: &mut [f32], hold_stops: bool) {
         let p = &self.params;
         let n = logits.len();
         for &(id, b) in &p.logit_bias {
@@ -275,7 +304,7 @@ impl Sampler {
                 *l += b;
             }
         }
-        if self.drawn < p.min_tokens {
+        if hold_stops && self.drawn < p.min_tokens {
             for &id in &self.stop_ids {
                 if let Some(l) = logits.get_mut(id as usize) {
                     *l = f32::NEG_INFINITY;
@@ -299,10 +328,19 @@ impl Sampler {
     /// Picks the next token from one row of logits (processed in place:
     /// the row is the sampler's to change) and adds it to the history.
     pub fn sample(&mut self, logits: &mut [f32]) -> Sampled {
+        let mut hold_stops = true;
+        if let Some(m) = &mut self.matcher {
+            // A complete grammar leaves only the end, which `min_tokens`
+            // must not take away (nothing would be left to draw).
+            hold_stops = m.mask(logits) == Allowed::Tokens;
+        }
         if self.params.processes() {
-            self.process(logits);
+            self.process(logits, hold_stops);
         }
         let token = self.choose(logits);
+        if let Some(m) = &mut self.matcher {
+            m.advance(token);
+        }
         let logprobs = self
             .params
             .logprobs
@@ -429,3 +467,5 @@ fn top_k(logits: &[f32], k: usize) -> Vec<u32> {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_grammar;

@@ -392,7 +392,10 @@ impl PrefillNode {
                 grant.geometry
             )));
         }
-        let params = kvmesh_proto::sampling::params(&r.sampling.clone().unwrap_or_default())
+        let params =
+            kvmesh_proto::sampling::params(&r.sampling.clone().unwrap_or_default(), || {
+                self.inner.engine.vocabulary()
+            })
             .map_err(PrefillError::Invalid)?;
         let sampler = Sampler::new(params, &r.prompt_ids, &r.stop_token_ids);
         let ns = match r.cache_namespace.as_slice() {

@@ -129,6 +129,7 @@ impl Api {
                 stop_token_ids: r.stop_token_ids,
                 ignore_eos: r.ignore_eos,
                 cache_salt: r.cache_salt,
+                structured: crate::structured::from_grpc(r.structured_output)?,
                 ..validate::Request::new(prompt)
             },
         )?;

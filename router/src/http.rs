@@ -346,6 +346,10 @@ fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
         stop_token_ids: b.get("stop_token_ids")?.unwrap_or_default(),
         ignore_eos: b.get("ignore_eos")?.unwrap_or(false),
         cache_salt: b.get("cache_salt")?,
+        structured: crate::structured::from_body(
+            b.get("response_format")?,
+            b.get("structured_outputs")?,
+        )?,
         ..validate::Request::new(Prompt::Ids(Vec::new()))
     };
     let requests = prompt

@@ -33,6 +33,10 @@
 //!   counted once); `mesh::grpc` is the real one (the prefill and decode
 //!   nodes, the handshake, token ids to text through
 //!   `kvmesh_tokenizer::TextOut`); unit tests use a scripted fake.
+//! - [`structured`]: structured output's request fields (`response_format`,
+//!   `structured_outputs`) read into a `kvmesh_structured::Constraint`, and
+//!   compiled once here so a refused schema or grammar is a 400 naming its
+//!   field ([`Router::vocabulary`] is built on the first such request).
 //! - [`openapi`]: the gateway's OpenAPI document, held to those routes.
 //! - [`nodes`]: the nodes, their gRPC clients, load reports, health, and
 //!   the choice of node per request.
@@ -56,6 +60,7 @@ mod metrics;
 pub mod nodes;
 pub mod openapi;
 mod run;
+pub mod structured;
 pub mod tokenize;
 pub mod validate;
 
@@ -64,6 +69,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvmesh_faults::{planted, FaultPlan, PlantedBug};
+use kvmesh_structured::{StructuredError, Vocabulary};
 use kvmesh_tokenizer::TextTokenizer;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -132,6 +138,10 @@ pub struct Router {
     draining: Arc<tokio::sync::watch::Sender<bool>>,
     /// Set at the drain deadline: requests in flight end with an error.
     cut: Arc<tokio::sync::watch::Sender<bool>>,
+    /// The model's end-of-sequence ids: the grammar's end.
+    eos: Arc<[u32]>,
+    /// Structured output's vocabulary, built on first use.
+    vocabulary: Arc<std::sync::OnceLock<Result<Vocabulary, StructuredError>>>,
 }
 
 impl Router {
@@ -145,6 +155,7 @@ impl Router {
     ) -> Self {
         let tokenizer = Arc::new(tokenizer);
         let metrics = Arc::<Metrics>::default();
+        let eos: Arc<[u32]> = stop_ids.clone().into();
         let mesh = mesh::grpc::GrpcMesh::new(
             nodes,
             Arc::clone(&tokenizer),
@@ -153,12 +164,13 @@ impl Router {
             Arc::clone(&metrics),
             cfg.prefix_cache,
         );
-        Self::build(cfg, tokenizer, Arc::new(mesh), metrics)
+        Self::build(cfg, tokenizer, Arc::new(mesh), metrics, eos)
     }
 
     /// A router over any [`Mesh`] (a scripted one in tests).
     pub fn with_mesh(cfg: RouterConfig, tokenizer: TextTokenizer, mesh: Arc<dyn Mesh>) -> Self {
-        Self::build(cfg, Arc::new(tokenizer), mesh, Arc::default())
+        let eos = tokenizer.eos_token_ids().into();
+        Self::build(cfg, Arc::new(tokenizer), mesh, Arc::default(), eos)
     }
 
     fn build(
@@ -166,6 +178,7 @@ impl Router {
         tokenizer: Arc<TextTokenizer>,
         mesh: Arc<dyn Mesh>,
         metrics: Arc<Metrics>,
+        eos: Arc<[u32]>,
     ) -> Self {
         Self {
             slots: Arc::new(Semaphore::new(cfg.max_running.max(1))),
@@ -176,7 +189,20 @@ impl Router {
             metrics,
             draining: Arc::new(tokio::sync::watch::channel(false).0),
             cut: Arc::new(tokio::sync::watch::channel(false).0),
+            eos,
+            vocabulary: Arc::default(),
         }
+    }
+
+    /// The model's vocabulary for structured output, built on first use
+    /// (tens of milliseconds for a large vocabulary, once per process).
+    pub fn vocabulary(&self) -> Result<&Vocabulary, StructuredError> {
+        self.vocabulary
+            .get_or_init(|| {
+                Vocabulary::new(&self.tokenizer, self.tokenizer.vocab_size(), &self.eos)
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// Whether a drain has started.

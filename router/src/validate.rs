@@ -10,6 +10,7 @@ use kvmesh_proto::internal::v1::Sampling;
 use kvmesh_tokenizer::ChatMessage;
 
 use crate::error::Rejection;
+use crate::structured::{self, Structured};
 use crate::Router;
 
 /// Completion budget when a request names none (OpenAI's for completions).
@@ -65,6 +66,9 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Narrows the prefix cache inside the tenant (vLLM's extension).
     pub cache_salt: Option<String>,
+    /// What the output must match (structured output), and the field it
+    /// came from.
+    pub structured: Option<Structured>,
 }
 
 impl Request {
@@ -80,6 +84,7 @@ impl Request {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             cache_salt: None,
+            structured: None,
         }
     }
 }
@@ -193,7 +198,19 @@ pub fn invalid(param: &'static str, message: impl Into<String>) -> Rejection {
 pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
     model(r, req.model.as_deref())?;
     let tokenizer = r.tokenizer();
-    let settings = settings(&req, tokenizer.vocab_size())?;
+    let mut settings = settings(&req, tokenizer.vocab_size())?;
+    if let Some(s) = &req.structured {
+        if req.ignore_eos {
+            return Err(invalid(
+                "ignore_eos",
+                format!(
+                    "ignore_eos cannot be combined with {}: the constraint ends the output",
+                    s.param
+                ),
+            ));
+        }
+        settings.sampling.grammar = structured::compile(r, s)?;
+    }
     let (ids, param) = match &req.prompt {
         Prompt::Text(text) => (tokenizer.encode(text), "prompt"),
         Prompt::Chat(msgs) if msgs.is_empty() => {
@@ -415,6 +432,7 @@ fn sampling(s: &SamplingIn, max_tokens: usize, vocab: usize) -> Result<Sampling,
         logit_bias,
         min_tokens: u32::try_from(min_tokens).unwrap_or(u32::MAX),
         logprobs,
+        grammar: String::new(),
     })
 }
 

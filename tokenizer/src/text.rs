@@ -259,6 +259,17 @@ impl TextTokenizer {
         self.vocab_size
     }
 
+    /// The tokenizer as `tokenizer.json` text (what the `tokenizers` crate
+    /// writes; a GGUF vocabulary's too), for libraries that read every
+    /// token's bytes themselves (structured output's token trie).
+    pub fn to_json(&self) -> Result<String> {
+        self.inner
+            .to_string(false)
+            .map_err(|e| TokenizerError::Tokenizer {
+                detail: format!("cannot write the tokenizer as JSON: {e}"),
+            })
+    }
+
     /// The id of a token written as its vocabulary entry (e.g. `<|im_end|>`).
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)

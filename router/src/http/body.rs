@@ -33,6 +33,8 @@ pub(super) const COMMON_FIELDS: &[&str] = &[
     "stream_options",
     "cache_salt",
     "user",
+    "response_format",
+    "structured_outputs",
 ];
 
 /// Fields only completions bodies carry.
@@ -89,13 +91,11 @@ impl Body {
 fn unknown_param(k: &str) -> &'static str {
     const KNOWN_UNSUPPORTED: &[&str] = &[
         "suffix",
-        "response_format",
         "tools",
         "tool_choice",
         "parallel_tool_calls",
         "functions",
         "function_call",
-        "structured_outputs",
         "guided_json",
         "guided_regex",
         "guided_grammar",
