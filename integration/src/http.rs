@@ -124,3 +124,40 @@ pub fn metrics(addr: &str) -> kvmesh_testkit::Metrics {
 pub fn metric(addr: &str, selector: &str) -> Option<f64> {
     metrics(addr).get(selector)
 }
+
+/// A whole (unstreamed) generation's body; anything but 200 fails.
+pub fn complete(addr: &str, path: &str, body: &serde_json::Value) -> serde_json::Value {
+    let r = post(addr, path, body);
+    assert_eq!(r.status, 200, "{body}: {}", r.body);
+    r.json()
+}
+
+/// A streamed generation's chunks (parsed), `[DONE]` excluded; a status
+/// other than 200, an error event or a stream without `[DONE]` fails.
+pub fn stream_chunks(addr: &str, path: &str, body: &serde_json::Value) -> Vec<serde_json::Value> {
+    let mut s = post_streaming(addr, path, body);
+    assert_eq!(s.status, 200, "{body}");
+    let mut out = Vec::new();
+    while let Some(data) = s.next_event() {
+        if data == "[DONE]" {
+            return out;
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(&data).unwrap_or_else(|e| panic!("{e}: {data}"));
+        assert!(v.get("error").is_none(), "{v}");
+        out.push(v);
+    }
+    panic!("the stream ended without [DONE]: {body}");
+}
+
+/// The text of a body's or chunk's first choice: a completion's `text`, a
+/// chat message's or delta's `content` (empty when there is none).
+pub fn choice_text(v: &serde_json::Value) -> String {
+    let c = &v["choices"][0];
+    c["text"]
+        .as_str()
+        .or_else(|| c["message"]["content"].as_str())
+        .or_else(|| c["delta"]["content"].as_str())
+        .unwrap_or_default()
+        .to_owned()
+}

@@ -5,7 +5,7 @@
 //! the later samples of a prompt find its pages in prefill's prefix cache
 //! (prefill computes the prompt once). One mesh serves the whole file.
 
-use kvmesh_integration::http::{self, post_streaming};
+use kvmesh_integration::http;
 use kvmesh_integration::inproc::{InProcessMesh, Options};
 use kvmesh_integration::tiny_model_dir;
 use kvmesh_model::engine::{Engine, EngineConfig, Prompt};
@@ -14,9 +14,7 @@ use kvmesh_model::ChatMessage;
 use serde_json::{json, Value};
 
 fn complete(mesh: &InProcessMesh, path: &str, body: &Value) -> Value {
-    let r = http::post(&mesh.http, path, body);
-    assert_eq!(r.status, 200, "{body}: {}", r.body);
-    r.json()
+    http::complete(&mesh.http, path, body)
 }
 
 /// Choice `i`'s text of a whole answer.
@@ -38,24 +36,12 @@ fn texts(v: &Value) -> Vec<String> {
 
 /// Each choice's streamed text, by index.
 fn streamed_texts(mesh: &InProcessMesh, path: &str, body: &Value, choices: usize) -> Vec<String> {
-    let mut s = post_streaming(&mesh.http, path, body);
-    assert_eq!(s.status, 200);
     let mut out = vec![String::new(); choices];
-    while let Some(data) = s.next_event() {
-        if data == "[DONE]" {
-            return out;
-        }
-        let v: Value = serde_json::from_str(&data).unwrap_or_else(|e| panic!("{e}: {data}"));
-        assert!(v.get("error").is_none(), "{v}");
-        let c = &v["choices"][0];
-        let i = usize::try_from(c["index"].as_u64().expect("index")).expect("small");
-        let t = c["text"]
-            .as_str()
-            .or_else(|| c["delta"]["content"].as_str())
-            .unwrap_or_default();
-        out[i].push_str(t);
+    for v in http::stream_chunks(&mesh.http, path, body) {
+        let i = v["choices"][0]["index"].as_u64().expect("index");
+        out[usize::try_from(i).expect("small")].push_str(&http::choice_text(&v));
     }
-    panic!("the stream ended without [DONE]");
+    out
 }
 
 fn prefill_hits(m: &InProcessMesh) -> f64 {

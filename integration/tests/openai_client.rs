@@ -18,6 +18,30 @@ fn client_dir() -> PathBuf {
     pip_install(OPENAI)
 }
 
+/// Runs `integration/python/NAME` with `args` and `pythonpath`; its one
+/// line of JSON on stdout (a failed run fails the test with its stderr).
+fn run_script(
+    name: &str,
+    args: &[&str],
+    pythonpath: impl AsRef<std::ffi::OsStr>,
+) -> serde_json::Value {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(name);
+    let out = Command::new(python())
+        .arg(&script)
+        .args(args)
+        .env("PYTHONPATH", pythonpath)
+        .output()
+        .expect("run python");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{name}: {stderr}");
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{name}: {e}: {stdout}"))
+}
+
 fn reference(prompt: &str, chat: bool) -> String {
     kvmesh_integration::reference_text(&tiny_model_dir(), prompt, chat, 16)
 }
@@ -26,23 +50,16 @@ fn reference(prompt: &str, chat: bool) -> String {
 fn official_openai_client_streaming_and_not() {
     let dir = client_dir();
     let mesh = InProcessMesh::start(&tiny_model_dir(), Options::default()).expect("the mesh");
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/openai_client.py");
-    let out = Command::new(python())
-        .arg(&script)
-        .arg(format!("http://{}/v1", mesh.http))
-        .arg("tiny-llama")
-        .arg("Hello world")
-        .arg("16")
-        .env("PYTHONPATH", &dir)
-        .output()
-        .expect("run python");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+    let v = run_script(
+        "openai_client.py",
+        &[
+            &format!("http://{}/v1", mesh.http),
+            "tiny-llama",
+            "Hello world",
+            "16",
+        ],
+        &dir,
     );
-    assert!(out.status.success(), "{stderr}");
-    let v: serde_json::Value =
-        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
     let plain = reference("Hello world", false);
     let chat = reference("Hello world", true);
     assert_eq!(v["completion"], plain.as_str());
@@ -198,23 +215,16 @@ fn official_openai_client_structured_output() {
                                                     "done": {"type": "boolean"}},
                    "required": ["id", "done"], "additionalProperties": false}}
     ]);
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/structured_output.py");
-    let out = Command::new(python())
-        .arg(&script)
-        .arg(format!("http://{}/v1", mesh.http))
-        .arg("tiny-llama")
-        .arg(schemas.to_string())
-        .arg("120")
-        .env("PYTHONPATH", path)
-        .output()
-        .expect("run python");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+    let v = run_script(
+        "structured_output.py",
+        &[
+            &format!("http://{}/v1", mesh.http),
+            "tiny-llama",
+            &schemas.to_string(),
+            "120",
+        ],
+        &path,
     );
-    assert!(out.status.success(), "{stderr}");
-    let v: serde_json::Value =
-        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
     // Every answer parses and validates (Python's jsonschema), whole and
     // streamed alike, ended by the grammar, and is the reference engine's.
     let engine = kvmesh_model::engine::Engine::load(

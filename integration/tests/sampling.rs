@@ -5,7 +5,7 @@
 //! fields the gateway does not implement are refused by name. One mesh
 //! serves the whole file.
 
-use kvmesh_integration::http::{self, post_streaming};
+use kvmesh_integration::http;
 use kvmesh_integration::inproc::{InProcessMesh, Options};
 use kvmesh_integration::tiny_model_dir;
 use kvmesh_model::engine::{Engine, EngineConfig, Prompt};
@@ -13,41 +13,16 @@ use kvmesh_model::sampling::SamplingParams;
 use kvmesh_model::ChatMessage;
 use serde_json::{json, Value};
 
-/// A whole (unstreamed) answer's body.
 fn complete(mesh: &InProcessMesh, path: &str, body: &Value) -> Value {
-    let r = http::post(&mesh.http, path, body);
-    assert_eq!(r.status, 200, "{body}: {}", r.body);
-    r.json()
+    http::complete(&mesh.http, path, body)
 }
 
-/// A streamed answer: its chunks (parsed), `[DONE]` excluded.
 fn chunks(mesh: &InProcessMesh, path: &str, body: &Value) -> Vec<Value> {
-    let mut s = post_streaming(&mesh.http, path, body);
-    assert_eq!(s.status, 200);
-    let mut out = Vec::new();
-    while let Some(data) = s.next_event() {
-        if data == "[DONE]" {
-            return out;
-        }
-        let v: Value = serde_json::from_str(&data).unwrap_or_else(|e| panic!("{e}: {data}"));
-        assert!(v.get("error").is_none(), "{v}");
-        out.push(v);
-    }
-    panic!("the stream ended without [DONE]");
-}
-
-fn text_of(v: &Value) -> String {
-    let c = &v["choices"][0];
-    c["text"]
-        .as_str()
-        .or_else(|| c["message"]["content"].as_str())
-        .or_else(|| c["delta"]["content"].as_str())
-        .unwrap_or_default()
-        .to_owned()
+    http::stream_chunks(&mesh.http, path, body)
 }
 
 fn streamed_text(cs: &[Value]) -> String {
-    cs.iter().map(text_of).collect()
+    cs.iter().map(http::choice_text).collect()
 }
 
 fn usage(v: &Value, field: &str) -> u64 {
@@ -111,7 +86,7 @@ fn sampling_settings_take_effect_through_the_mesh() {
             .expect("reference");
         assert!(want.tokens.len() >= 4, "min_tokens: {want:?}");
         let whole = complete(&mesh, path, &body(input.clone()));
-        assert_eq!(text_of(&whole), want.text, "{path}");
+        assert_eq!(http::choice_text(&whole), want.text, "{path}");
         assert_eq!(usage(&whole, "completion_tokens"), want.tokens.len() as u64);
         let mut streamed = body(input.clone());
         streamed["stream"] = json!(true);
@@ -146,7 +121,7 @@ fn sampling_settings_take_effect_through_the_mesh() {
         &json!({"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 3,
                 "ignore_eos": true, "logit_bias": {a[0].to_string(): 100}}),
     );
-    assert_eq!(text_of(&forced), "a".repeat(6));
+    assert_eq!(http::choice_text(&forced), "a".repeat(6));
 
     // stop_token_ids end the answer; min_tokens holds them off.
     let greedy = engine
@@ -217,7 +192,7 @@ fn sampling_settings_take_effect_through_the_mesh() {
         .filter_map(Value::as_str)
         .collect();
     assert_eq!(tokens.len(), 8, "{v}");
-    assert_eq!(tokens.concat(), text_of(&v));
+    assert_eq!(tokens.concat(), http::choice_text(&v));
     let mut offset = 0;
     for (i, t) in tokens.iter().enumerate() {
         assert_eq!(lp["text_offset"][i], offset);
@@ -285,7 +260,7 @@ fn sampling_settings_take_effect_through_the_mesh() {
         "/v1/completions",
         &json!({"prompt": ids, "max_tokens": 8, "temperature": 0}),
     );
-    assert_eq!(text_of(&by_ids), text_of(&by_text));
+    assert_eq!(http::choice_text(&by_ids), http::choice_text(&by_text));
     assert_eq!(usage(&by_ids, "prompt_tokens"), ids.len() as u64);
 
     // Echo opens the answer with the prompt; include_usage false leaves
@@ -295,7 +270,10 @@ fn sampling_settings_take_effect_through_the_mesh() {
         "/v1/completions",
         &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "echo": true}),
     );
-    assert_eq!(text_of(&echoed), format!("{prompt}{}", text_of(&by_text)));
+    assert_eq!(
+        http::choice_text(&echoed),
+        format!("{prompt}{}", http::choice_text(&by_text))
+    );
     let quiet = chunks(
         &mesh,
         "/v1/completions",

@@ -7,7 +7,7 @@
 //! matcher resumed where prefill's left it). Refused schemas are 400s
 //! naming the field. One mesh serves the whole file.
 
-use kvmesh_integration::http::{self, post_streaming};
+use kvmesh_integration::http;
 use kvmesh_integration::inproc::{InProcessMesh, Options};
 use kvmesh_integration::tiny_model_dir;
 use kvmesh_model::engine::{Engine, EngineConfig, Prompt};
@@ -55,41 +55,26 @@ fn samplings() -> [(Value, SamplingParams); 2] {
     ]
 }
 
-fn text_of(v: &Value) -> String {
-    let c = &v["choices"][0];
-    c["text"]
-        .as_str()
-        .or_else(|| c["message"]["content"].as_str())
-        .or_else(|| c["delta"]["content"].as_str())
-        .unwrap_or_default()
-        .to_owned()
-}
-
 /// `body` whole and streamed: the text of each and the finish reason
 /// (the same in both, checked).
 fn answer(mesh: &InProcessMesh, path: &str, body: &Value) -> (String, String) {
-    let r = http::post(&mesh.http, path, body);
-    assert_eq!(r.status, 200, "{body}: {}", r.body);
-    let whole = r.json();
+    let whole = http::complete(&mesh.http, path, body);
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let mut s = post_streaming(&mesh.http, path, &streamed);
-    assert_eq!(s.status, 200);
     let (mut text, mut finish) = (String::new(), Value::Null);
-    while let Some(data) = s.next_event() {
-        if data == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(&data).unwrap_or_else(|e| panic!("{e}: {data}"));
-        assert!(v.get("error").is_none(), "{v}");
-        text.push_str(&text_of(&v));
+    for v in http::stream_chunks(&mesh.http, path, &streamed) {
+        text.push_str(&http::choice_text(&v));
         if !v["choices"][0]["finish_reason"].is_null() {
             finish = v["choices"][0]["finish_reason"].clone();
         }
     }
     let finish_whole = &whole["choices"][0]["finish_reason"];
     assert_eq!(&finish, finish_whole, "{body}");
-    assert_eq!(text, text_of(&whole), "streamed and whole differ: {body}");
+    assert_eq!(
+        text,
+        http::choice_text(&whole),
+        "streamed and whole differ: {body}"
+    );
     (text, finish.as_str().unwrap_or_default().to_owned())
 }
 
