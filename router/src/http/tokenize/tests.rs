@@ -44,6 +44,21 @@ async fn post(r: &Router, path: &str, body: Value) -> (StatusCode, Value) {
     call(r, "POST", path, &body.to_string(), true).await
 }
 
+/// The prompt ids a generation request with `body` sends to a fresh
+/// scripted mesh (which answers at once), and the response.
+async fn sent_ids(path: &str, body: Value) -> (Vec<u32>, Value) {
+    let mesh = FakeMesh::new(Some(256));
+    let r = router(&mesh, RouterConfig::default());
+    mesh.play(vec![Event::Done {
+        finish: Finish::Stop,
+        completion_tokens: 0,
+        cached_tokens: 0,
+    }]);
+    let (status, v) = call(&r, "POST", path, &body.to_string(), false).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    (mesh.received()[0].prompt_ids.clone(), v)
+}
+
 fn ids(v: &Value) -> Vec<u32> {
     serde_json::from_value(v["tokens"].clone()).expect("token ids")
 }
@@ -65,23 +80,8 @@ async fn a_prompt_is_encoded_as_completions_encodes_it() {
     assert_eq!(v["token_strs"], Value::Null);
 
     // The same ids reach the mesh for a completions request.
-    let mesh = FakeMesh::new(Some(256));
-    let r2 = router(&mesh, RouterConfig::default());
-    mesh.play(vec![Event::Done {
-        finish: Finish::Stop,
-        completion_tokens: 0,
-        cached_tokens: 0,
-    }]);
-    let (status, _) = call(
-        &r2,
-        "POST",
-        "/v1/completions",
-        r#"{"prompt":"Hello world"}"#,
-        false,
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK);
-    assert_eq!(mesh.received()[0].prompt_ids, want);
+    let (sent, _) = sent_ids("/v1/completions", json!({"prompt": "Hello world"})).await;
+    assert_eq!(sent, want);
 
     // Nothing added, and the vocabulary entries.
     let (_, v) = post(
@@ -129,23 +129,8 @@ async fn chat_ids_are_what_a_chat_request_sends_and_content_stays_text() {
     );
 
     // A chat completion of the same messages sends exactly these ids.
-    let mesh = FakeMesh::new(Some(256));
-    let r2 = router(&mesh, RouterConfig::default());
-    mesh.play(vec![Event::Done {
-        finish: Finish::Stop,
-        completion_tokens: 0,
-        cached_tokens: 0,
-    }]);
-    let (status, done) = call(
-        &r2,
-        "POST",
-        "/v1/chat/completions",
-        &json!({"messages": messages}).to_string(),
-        false,
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK, "{done}");
-    assert_eq!(mesh.received()[0].prompt_ids, chat);
+    let (sent, done) = sent_ids("/v1/chat/completions", json!({"messages": messages})).await;
+    assert_eq!(sent, chat);
     assert_eq!(done["usage"]["prompt_tokens"], chat.len());
 
     // Without the generation prompt: the same conversation, one turn less.
