@@ -3,7 +3,8 @@
 //! samples with seeds `seed + i`, whole and streamed, completions and
 //! chat; a batch of prompts answers each prompt in prompt-major order; and
 //! the later samples of a prompt find its pages in prefill's prefix cache
-//! (prefill computes the prompt once). One mesh serves the whole file.
+//! (prefill computes the prompt once) and lease the pages decode received
+//! for the first (one transfer). One mesh serves the whole file.
 
 use kvmesh_integration::http;
 use kvmesh_integration::inproc::{InProcessMesh, Options};
@@ -48,6 +49,12 @@ fn streamed_texts(mesh: &InProcessMesh, path: &str, body: &Value, choices: usize
 /// (not the router's relayed metric, which lags by a load report).
 fn prefill_hits(m: &InProcessMesh) -> u64 {
     m.prefill_pool().cache.counters.hit_tokens
+}
+
+/// Prompt tokens decode's prefix cache has supplied (leased pages that
+/// were not transferred).
+fn decode_hits(m: &InProcessMesh) -> u64 {
+    m.decode_pool().cache.counters.hit_tokens
 }
 
 #[test]
@@ -143,26 +150,43 @@ fn n_samples_and_prompt_batches_through_the_mesh() {
         .sum();
     assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens, "{v}");
 
-    // Prefill computes a prompt once for n samples: samples 1 and 2 find
-    // its whole pages cached, as many tokens as a later repeat finds.
+    // One prefill and one transfer for n samples. Prefill: samples 1 and 2
+    // find the prompt's whole pages in its cache, as many tokens as a later
+    // repeat finds. Decode: sample 0's sequence shares the pages it
+    // received, so samples 1 and 2 lease them while it runs and receive
+    // only the page holding the last token.
     let long = "In a quiet village by the sea there lived an old fisherman who \
                 told stories to anyone who would listen, and every evening the \
                 children gathered on the pier to hear about storms and whales";
-    let before = prefill_hits(&mesh);
+    let prefill_before = prefill_hits(&mesh);
+    let decode_before = decode_hits(&mesh);
+    let bytes_before = mesh.decode_table().kv_bytes_received;
     complete(
         &mesh,
         "/v1/completions",
-        &json!({"prompt": long, "n": 3, "max_tokens": 4, "temperature": 0.7, "seed": 1}),
+        &json!({"prompt": long, "n": 3, "max_tokens": 48, "ignore_eos": true, "temperature": 0.7, "seed": 1}),
     );
+    let fork_bytes = mesh.decode_table().kv_bytes_received - bytes_before;
+    let bytes_before = mesh.decode_table().kv_bytes_received;
     let repeat = complete(
         &mesh,
         "/v1/completions",
         &json!({"prompt": long, "max_tokens": 4, "temperature": 0}),
     );
+    let repeat_bytes = mesh.decode_table().kv_bytes_received - bytes_before;
     let cached = repeat["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .expect("cached_tokens");
+    let prompt_tokens = repeat["usage"]["prompt_tokens"].as_u64().expect("prompt");
     assert!(cached >= 32, "{repeat}");
-    assert_eq!(prefill_hits(&mesh), before + 3 * cached);
+    assert_eq!(prefill_hits(&mesh), prefill_before + 3 * cached);
+    // Decode's hits: samples 1 and 2, then the repeat, each `cached`.
+    assert_eq!(decode_hits(&mesh), decode_before + 3 * cached);
+    // The repeat received the uncached tail; the three samples the whole
+    // prompt once and that tail twice.
+    let tail = prompt_tokens - cached;
+    assert_eq!(repeat_bytes % tail, 0);
+    let per_token = repeat_bytes / tail;
+    assert_eq!(fork_bytes, (prompt_tokens + 2 * tail) * per_token);
     mesh.assert_pages_come_back();
 }

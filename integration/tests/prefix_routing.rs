@@ -2,7 +2,7 @@
 //! 2 prefill and 2 decode processes: conversations that share nothing
 //! spread over both nodes of each role, and every later turn of a
 //! conversation lands on the prefill and decode node that hold its earlier
-//! turns' pages (and finds them there). Which node served a request is
+//! turns' pages (and finds them there), as do the samples of one prompt. Which node served a request is
 //! read off the nodes' own prefix-cache counters, as the router exports
 //! them: the node whose looked-up tokens grew.
 
@@ -119,6 +119,32 @@ fn a_conversation_follows_its_prefix_and_load_still_spreads() {
             c = next;
         }
     }
+    // The samples of one prompt (n = 4) go where the first went, before
+    // any load report could advertise its pages there: one prefill node
+    // and one decode node serve all four, and samples 1-3 find the
+    // prompt's full pages at both (decode: the pages sample 0 received,
+    // shared while it runs).
+    let prompt = "A lighthouse keeper counts the ships that pass each night and \
+                  writes their names in a book that nobody has ever read";
+    let v = http::complete(
+        &addr,
+        "/v1/completions",
+        &serde_json::json!({"prompt": prompt, "n": 4, "max_tokens": 24,
+                            "ignore_eos": true, "temperature": 0.8, "seed": 3}),
+    );
+    assert_eq!(v["choices"].as_array().map(Vec::len), Some(4), "{v}");
+    let next = settled(&addr, &c);
+    let lookup = |x: &(f64, f64)| x.0;
+    let hit = |x: &(f64, f64)| x.1;
+    let prefill = grew(&c, &next, "prefill", lookup);
+    let decode = grew(&c, &next, "decode", lookup);
+    assert_eq!(grew(&c, &next, "prefill", hit), prefill);
+    assert_eq!(grew(&c, &next, "decode", hit), decode);
+    let gained = |node: &str| next[node].1 - c[node].1;
+    // At least a page each for samples 1-3 (page_size 8 in this mesh).
+    assert!(gained(prefill) >= 3.0 * 8.0, "{next:?}");
+    assert_eq!(gained(prefill), gained(decode), "the same full pages");
+
     // Conversations that share nothing took turns over each role's nodes.
     for role in ["prefill-", "decode-"] {
         let used: std::collections::BTreeSet<_> = home

@@ -286,9 +286,12 @@ impl CacheState {
         self.entries.len() < self.max_pages
     }
 
-    /// Adds an entry (the caller moved the page to `tag` at `generation`).
+    /// Adds an entry (the caller moved the page to `tag` at `generation`);
+    /// evictable only while it has no lease.
     pub fn insert(&mut self, key: PageKey, e: Entry) {
-        self.lru.insert((e.stamp, Reverse(e.depth), key));
+        if e.leases == 0 {
+            self.lru.insert((e.stamp, Reverse(e.depth), key));
+        }
         self.entries.insert(key, e);
         self.counters.inserted_pages += 1;
         self.epoch = self.epoch.wrapping_add(1);

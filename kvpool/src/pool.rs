@@ -36,6 +36,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::{fmt, num::NonZeroU64};
 
+use kvmesh_faults::{planted, PlantedBug};
 use kvmesh_kernels::PageRef;
 
 use crate::cache::{CacheIndex, CacheState, CacheStats, Entry, Lease, Namespace, PageKey};
@@ -521,42 +522,12 @@ impl Shared {
                         chain = i + 1;
                         continue;
                     }
-                    if !st.cache.has_room() {
-                        match st.cache.evict_one() {
-                            Some(v) => victims.push(v),
-                            None => break,
-                        }
-                    }
-                    let Ok(tag) = st.mint() else { break };
-                    // Only the releasing reservation could touch the page;
-                    // it is being dropped.
-                    if self.owner[p]
-                        .compare_exchange(
-                            owner.get(),
-                            tag.get(),
-                            Ordering::AcqRel,
-                            Ordering::Acquire,
-                        )
-                        .is_err()
+                    if self
+                        .enter_cache(&mut st, &mut victims, owner, entry, *key, ns, i, 0)
+                        .is_none()
                     {
                         break;
                     }
-                    let generation = self.generation[p]
-                        .fetch_add(2, Ordering::AcqRel)
-                        .wrapping_add(2);
-                    let stamp = st.cache.now();
-                    st.cache.insert(
-                        *key,
-                        Entry {
-                            ns,
-                            page: entry.page,
-                            tag: tag.get(),
-                            generation,
-                            leases: 0,
-                            stamp,
-                            depth: u32::try_from(i).unwrap_or(u32::MAX),
-                        },
-                    );
                     chain = i + 1;
                 }
                 st.cache.unlease(leases);
@@ -572,6 +543,107 @@ impl Shared {
         // Pages that entered the cache have a new owner: release skips them.
         self.release(owner, table);
         table.clear();
+    }
+
+    /// Moves `entry` (logical page `depth` of `owner`'s table, full and
+    /// owned by `owner`) into the cache under `key` with `leases` leases:
+    /// a new owner tag, generation +2. Makes room by evicting an unleased
+    /// entry (into `victims`) when the cache is at its bound. `None` (the
+    /// page left as it was) when there is no room, tags are exhausted or
+    /// the page is not `owner`'s. Returns the entry's tag and generation.
+    #[allow(clippy::too_many_arguments)]
+    fn enter_cache(
+        &self,
+        st: &mut FreeState,
+        victims: &mut Vec<Entry>,
+        owner: OwnerTag,
+        entry: PageRef,
+        key: PageKey,
+        ns: Namespace,
+        depth: usize,
+        leases: u32,
+    ) -> Option<(u64, u64)> {
+        if !st.cache.has_room() {
+            victims.push(st.cache.evict_one()?);
+        }
+        let tag = st.mint().ok()?;
+        let p = entry.page as usize;
+        // Only the holding reservation could touch the page, and it is
+        // either being dropped or borrowed mutably by this call's caller.
+        self.owner[p]
+            .compare_exchange(owner.get(), tag.get(), Ordering::AcqRel, Ordering::Acquire)
+            .ok()?;
+        let generation = self.generation[p]
+            .fetch_add(2, Ordering::AcqRel)
+            .wrapping_add(2);
+        let stamp = st.cache.now();
+        st.cache.insert(
+            key,
+            Entry {
+                ns,
+                page: entry.page,
+                tag: tag.get(),
+                generation,
+                leases,
+                stamp,
+                depth: u32::try_from(depth).unwrap_or(u32::MAX),
+            },
+        );
+        Some((tag.get(), generation))
+    }
+
+    /// A live reservation shares its full pages now instead of when it
+    /// ends: each full page of `table` after its `leases`, in order, whose
+    /// key (`keys[i]` for logical page `i`) the cache lacks, becomes a
+    /// cache entry that this reservation leases, so other reservations in
+    /// `ns` can lease it while this one still runs. The run stops at the
+    /// first page that is not full, already cached (the chain must stay
+    /// one run of leases from the first page), or finds no room. `table`'s
+    /// entries get the new generations; returns the leases added.
+    pub(crate) fn share(
+        &self,
+        owner: OwnerTag,
+        table: &mut [PageRef],
+        leases: usize,
+        ns: Namespace,
+        keys: &[PageKey],
+    ) -> Vec<Lease> {
+        let mut added = Vec::new();
+        let mut victims = Vec::new();
+        {
+            let mut st = self.lock();
+            if !st.cache.enabled() {
+                return added;
+            }
+            for (i, key) in keys.iter().enumerate().skip(leases) {
+                let Some(entry) = table.get(i).copied() else {
+                    break;
+                };
+                let p = entry.page as usize;
+                let ours = self.owner.get(p).map(|o| o.load(Ordering::Acquire))
+                    == Some(owner.get())
+                    && self.generation(p) == Some(entry.generation);
+                if !ours || !self.page_full(p) || st.cache.contains(key) {
+                    break;
+                }
+                // The planted bug counts no lease here either, as in
+                // `CacheState::lease_prefix`.
+                let counted = u32::from(!planted(PlantedBug::CacheNoLeaseCheck));
+                let Some((tag, generation)) =
+                    self.enter_cache(&mut st, &mut victims, owner, entry, *key, ns, i, counted)
+                else {
+                    break;
+                };
+                table[i].generation = generation;
+                added.push(Lease {
+                    key: *key,
+                    page: entry.page,
+                    tag,
+                });
+            }
+        }
+        self.free_evicted(victims);
+        added
     }
 
     /// The one release path (I7): every page of `table` still held by

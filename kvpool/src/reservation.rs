@@ -94,6 +94,30 @@ impl Reservation {
         self.cache_as = Some((ns, keys));
     }
 
+    /// Shares this reservation's full pages with other reservations now,
+    /// not when it ends: the pages named by [`Reservation::cache_as`] that
+    /// are full at every layer, from the first after its leases, enter the
+    /// prefix cache as entries this reservation leases (read-only from now
+    /// on, like a cached head; [`Reservation::cached_tokens`] grows by
+    /// `page_size` per page), while the cache has room and lacks their
+    /// keys. What a forked sequence uses: the samples of one prompt lease
+    /// the pages the first one received. Returns the pages shared.
+    ///
+    /// Cost: one lock of the pool, two atomic updates per page.
+    pub fn share(&mut self) -> usize {
+        let Some((ns, keys)) = &self.cache_as else {
+            return 0;
+        };
+        let added = self
+            .shared
+            .share(self.owner, &mut self.table, self.leases.len(), *ns, keys);
+        let n = added.len();
+        self.by_page.extend(added.iter().map(|l| (l.page, l.tag)));
+        self.by_page.sort_unstable();
+        self.leases.extend(added);
+        n
+    }
+
     /// This reservation's owner tag.
     pub fn owner(&self) -> OwnerTag {
         self.owner

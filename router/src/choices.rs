@@ -7,15 +7,20 @@
 //! refuses the request with nothing started; each holds its own dispatch
 //! slot. Sample 0 of each prompt starts at once; samples 1.. of that prompt
 //! start when sample 0's first event arrives, which is after prefill has
-//! computed the prompt and cached its pages, so their prefill finds the
-//! prompt's whole pages in its prefix cache (same tenant namespace, routed
-//! to the node that has them) and computes only the last partial page.
-//! Decode still receives each sample's pages: decode's cache takes a
-//! sequence's pages when it ends, so the one-transfer fork (samples sharing
-//! decode's pages through leases) is not done here.
+//! computed the prompt and cached its pages, and after decode has adopted
+//! the transferred pages and shared the full ones (`Engine::adopt_in`).
+//! The later samples go to the same two nodes ([`Placement`]; same tenant
+//! namespace), so prefill finds the prompt's whole pages in its prefix
+//! cache and computes only the page holding the last token, and decode
+//! grants only that page: the samples lease the full pages sample 0
+//! received. One prefill and one transfer of the prompt's full pages;
+//! the last partial page travels once per sample, since each sample writes
+//! its own tokens after it.
 //!
 //! Dropping [`Choices`] drops every generation (the tasks that forward them
 //! are aborted), which tells the mesh to abort each.
+
+use std::sync::Arc;
 
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -24,7 +29,7 @@ use kvmesh_faults::FaultPlan;
 
 use crate::auth::Tenant;
 use crate::error::{DispatchError, GatewayError, Rejection};
-use crate::mesh::{Admitted, Event, Generation};
+use crate::mesh::{Admitted, Event, Generation, Placement};
 use crate::nodes::Role;
 use crate::validate::Valid;
 use crate::Router;
@@ -74,11 +79,15 @@ impl Choices {
         let mut admitted: Vec<Vec<Admitted>> = Vec::with_capacity(prompts.len());
         for valid in &prompts {
             let mut group = Vec::with_capacity(n);
+            let placement = Arc::new(Placement::default());
             for i in 0..n {
-                group.push(
-                    r.admit(valid.sample(i as u64), tenant.clone(), faults.clone())
-                        .await?,
-                );
+                let mut admitted = r
+                    .admit(valid.sample(i as u64), tenant.clone(), faults.clone())
+                    .await?;
+                if n > 1 {
+                    admitted.share_placement(Arc::clone(&placement));
+                }
+                group.push(admitted);
             }
             admitted.push(group);
         }

@@ -343,6 +343,30 @@ impl Nodes {
         tokens: Option<usize>,
         prefix: Option<&Prefix<'_>>,
     ) -> Result<(Arc<Node>, LoadReport), Rejection> {
+        self.pick_near(role, tokens, prefix, None)
+    }
+
+    /// [`Nodes::pick`], but the node named `holder` when it is healthy and
+    /// fits: it took this prompt's first sample a moment ago (OpenAI's
+    /// `n`), so its cache holds the prompt's pages before its load report
+    /// can say so, and the samples fork there from one transfer, as one
+    /// engine runs all `n` samples in vLLM. Otherwise the usual choice.
+    pub fn pick_near(
+        &self,
+        role: Role,
+        tokens: Option<usize>,
+        prefix: Option<&Prefix<'_>>,
+        holder: Option<&str>,
+    ) -> Result<(Arc<Node>, LoadReport), Rejection> {
+        let fits = |r: &LoadReport| tokens.is_none_or(|t| r.max_seq_tokens as usize >= t);
+        if let Some(held) = holder.and_then(|name| {
+            self.all
+                .iter()
+                .filter(|n| n.role == role && n.name == name)
+                .find_map(|n| n.report().filter(fits).map(|r| (Arc::clone(n), r)))
+        }) {
+            return Ok(held);
+        }
         let mut ids = prefix.map(|prefix| RoutingIds {
             keys: &self.cache_keys,
             prefix,
@@ -352,7 +376,7 @@ impl Nodes {
             .iter()
             .filter(|n| n.role == role)
             .filter_map(|n| n.report().map(|r| (Arc::clone(n), r)))
-            .filter(|(_, r)| tokens.is_none_or(|t| r.max_seq_tokens as usize >= t))
+            .filter(|(_, r)| fits(r))
             .min_by_key(|(n, r)| {
                 let uncached = ids.as_mut().map_or(0, |ids| {
                     ids.prefix.prompt.len() - n.matched_pages(ids) * r.page_size as usize

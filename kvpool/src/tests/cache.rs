@@ -331,3 +331,111 @@ fn the_index_routers_see_changes_epoch_with_every_entry_in_or_out() {
     assert_eq!(pool.clear_cache(), 2);
     assert_eq!(pool.cache_index(after.epoch).ids, Some(Vec::new()));
 }
+
+#[test]
+fn a_live_sequence_shares_its_full_pages_and_a_fork_reads_them_while_it_runs() {
+    let pool = pool(8, 8);
+    let k = keys(1, 3);
+    // 10 tokens in 3 pages of 4: pages 0 and 1 full, page 2 partial.
+    let mut first = pool.reserve(12).expect("reserve");
+    fill(&mut first, 1, 0, 10);
+    let want = attend_at(&first, first.table(), 1, 7).expect("reads");
+    first.cache_as(ns(1), k.clone());
+    assert_eq!(first.share(), 2, "the two full pages, not the partial one");
+    assert_eq!(first.cached_tokens(), 8);
+    assert_eq!(first.held().len(), 1);
+    let s = pool.cache_stats();
+    assert_eq!((s.entries, s.leased_pages), (2, 2));
+    // Shared pages are read-only for their writer too; its own page is not.
+    assert_eq!(
+        first.write(0, 7, &tokens(9, 1), &tokens(9, 1)),
+        Err(PoolError::SharedPage {
+            position: 7,
+            cached: 8
+        })
+    );
+    first
+        .write(0, 10, &tokens(9, 1), &tokens(9, 1))
+        .expect("the partial page stays its own");
+    fill(&mut first, 3, 10, 11);
+    assert_eq!(
+        attend_at(&first, first.table(), 1, 7).expect("reads after sharing"),
+        want,
+        "the writer reads its shared pages at their new generation"
+    );
+
+    // A fork in the same namespace leases them while the first runs.
+    let fork = pool.reserve_cached(&ns(1), &k, 12).expect("fork");
+    assert_eq!(fork.cached_tokens(), 8);
+    assert_eq!(fork.table()[..2], first.table()[..2]);
+    assert_eq!(
+        attend_at(&fork, fork.table(), 1, 7).expect("fork reads"),
+        want
+    );
+    // Another tenant gets nothing.
+    assert_eq!(
+        pool.reserve_cached(&ns(2), &k, 12)
+            .expect("reserve")
+            .cached_tokens(),
+        0
+    );
+    // Sharing again adds nothing: the partial page is still partial.
+    assert_eq!(first.share(), 0);
+
+    // While either holds a lease, nothing can evict the pages.
+    drop(first);
+    assert_eq!(pool.cache_stats().leased_pages, 2);
+    assert_eq!(pool.cache_stats().entries, 2);
+    drop(fork);
+    let s = pool.stats();
+    assert_eq!((s.cache.entries, s.cache.leased_pages), (2, 0));
+    assert_eq!(s.free_pages + s.cache.entries, s.capacity_pages);
+    assert_eq!(s.guard_violations, 0);
+    // And then they are evictable as any cached page.
+    assert_eq!(pool.clear_cache(), 2);
+    assert_eq!(pool.free_pages(), 8);
+}
+
+#[test]
+fn sharing_stops_at_a_cached_key_at_the_bound_and_with_the_cache_off() {
+    // Another sequence cached page 0's key first: the run cannot start.
+    let pool = pool(8, 8);
+    let k = keys(1, 2);
+    cache_sequence(&pool, ns(1), &k[..1], 4);
+    let mut r = pool.reserve(8).expect("reserve");
+    fill(&mut r, 2, 0, 8);
+    r.cache_as(ns(1), k.clone());
+    assert_eq!(r.share(), 0);
+    drop(r);
+
+    // A bound of one page, held by a leased entry: one page at most, and
+    // a leased entry is never evicted for room.
+    let pool = pool_with_bound(1);
+    let mut a = pool.reserve(8).expect("reserve");
+    fill(&mut a, 1, 0, 8);
+    a.cache_as(ns(1), keys(3, 2));
+    assert_eq!(a.share(), 1);
+    let mut b = pool.reserve(8).expect("reserve");
+    fill(&mut b, 1, 0, 8);
+    b.cache_as(ns(1), keys(4, 2));
+    assert_eq!(b.share(), 0, "the only entry is leased");
+    drop(a);
+    // Now the entry has no lease: it makes room for b's first page.
+    assert_eq!(b.share(), 1);
+    assert_eq!(pool.cache_stats().counters.evicted_pages, 1);
+    drop(b);
+
+    // Off, or never named: nothing is shared.
+    let pool = pool_with_bound(0);
+    let mut r = pool.reserve(8).expect("reserve");
+    fill(&mut r, 1, 0, 8);
+    assert_eq!(r.share(), 0, "not named");
+    r.cache_as(ns(1), keys(5, 2));
+    assert_eq!(r.share(), 0, "the cache is off");
+    assert_eq!(r.cached_tokens(), 0);
+}
+
+/// [`pool`] with 8 pages, for tests whose locals shadow the name.
+fn pool_with_bound(cache_pages: usize) -> KvPool {
+    pool(8, cache_pages)
+}

@@ -1,8 +1,9 @@
 //! Property test of the prefix cache: random interleavings of sequences
-//! that start from the cache, write their own pages and end (cached or
-//! not), of cache bounds changing and of clears, over a small pool. Two
-//! namespaces use the same keys on purpose, with different contents, so a
-//! cross-namespace hit would read the wrong values.
+//! that start from the cache, write their own pages, share them while
+//! they run and end (cached or not), of cache bounds changing and of
+//! clears, over a small pool. Two namespaces use the same keys on
+//! purpose, with different contents, so a cross-namespace hit would read
+//! the wrong values.
 //!
 //! After every step: every position of every live sequence reads back the
 //! values its namespace and page key give (cached head included); no page
@@ -36,6 +37,8 @@ enum Op {
         cache: bool,
     },
     End(usize),
+    /// A live sequence shares its full pages now (a fork's first sample).
+    Share(usize),
     Bound(usize),
     Clear,
 }
@@ -45,6 +48,7 @@ fn op() -> impl Strategy<Value = Op> {
         5 => (0u8..2, 0u8..3, 0usize..=3, 0usize..PS, any::<bool>())
             .prop_map(|(ns, chain, pages, tail, cache)| Op::Start { ns, chain, pages, tail, cache }),
         4 => any::<usize>().prop_map(Op::End),
+        2 => any::<usize>().prop_map(Op::Share),
         1 => (0usize..=PAGES).prop_map(Op::Bound),
         1 => Just(Op::Clear),
     ]
@@ -187,6 +191,12 @@ fn run(ops: &[Op], poison: bool) -> Result<(), TestCaseError> {
                 if !lives.is_empty() {
                     let n = lives.len();
                     drop(lives.swap_remove(i % n));
+                }
+            }
+            Op::Share(i) => {
+                if !lives.is_empty() {
+                    let n = lives.len();
+                    lives[i % n].res.share();
                 }
             }
             Op::Bound(b) => pool.set_cache_pages(b),

@@ -6,7 +6,9 @@
 //! A sequence started in a [`Namespace`] leases the longest cached run of
 //! its prompt's full pages, but never the page holding the prompt's last
 //! token: its logits are what the first generated token is sampled from,
-//! so at least that position is computed. When the sequence is dropped,
+//! so at least that position is computed. A sequence adopted from a
+//! transfer shares its prompt's full pages at once (still leased by it);
+//! when a sequence is dropped,
 //! every full page it wrote (prompt and generated tokens alike) is offered
 //! to the cache under its key; the pool takes the ones it lacks while it
 //! has room.
@@ -158,7 +160,11 @@ impl Engine {
         Ok(seq)
     }
 
-    /// [`Engine::adopt`] in namespace `ns`: the sequence's pages are
+    /// [`Engine::adopt`] in namespace `ns`: the prompt's full pages are
+    /// shared at once ([`Reservation::share`]), so a request for the same
+    /// prompt in `ns` leases them while this one still runs (the samples
+    /// of one prompt fork from the pages the first one received, and only
+    /// the last partial page travels again); the rest of its pages are
     /// offered to the cache when it ends.
     pub fn adopt_in(
         &self,
@@ -169,10 +175,13 @@ impl Engine {
     ) -> Result<Sequence> {
         let mut seq = self.adopt(prompt_ids, max_new_tokens, kv)?;
         if let Some(cache) = &self.prefix {
+            let keys = cache.page_keys(&ns, &seq.tokens[..seq.prompt_len]);
+            seq.kv.cache_as(ns, keys.clone());
+            seq.kv.share();
             seq.prefix = Some(CachedSeq {
                 cache: Arc::clone(cache),
                 ns,
-                keys: Vec::new(),
+                keys,
             });
         }
         Ok(seq)

@@ -89,9 +89,13 @@ impl Mesh for GrpcMesh {
         });
         // Fail fast with no node; the node itself is chosen again per try.
         self.nodes.pick(Role::Decode, needed(total), None)?;
-        let (prefill, p_report) =
-            self.nodes
-                .pick(Role::Prefill, needed(job.prompt_ids.len()), prefix.as_ref())?;
+        let near = job.placement.as_ref().and_then(|p| p.get());
+        let (prefill, p_report) = self.nodes.pick_near(
+            Role::Prefill,
+            needed(job.prompt_ids.len()),
+            prefix.as_ref(),
+            near.map(|(prefill, _)| prefill),
+        )?;
         let busy = prefill.busy();
         let (tx, rx) = mpsc::channel(64);
         let mesh = self.clone();
@@ -211,7 +215,13 @@ async fn run(
     // by lease (or by the drop at the end).
     let mut _lost = None;
     let (_busy, decode, mut stream, granted) = loop {
-        let decode = match r.nodes.pick(Role::Decode, needed(total), prefix.as_ref()) {
+        let near = job.placement.as_ref().and_then(|p| p.get());
+        let decode = match r.nodes.pick_near(
+            Role::Decode,
+            needed(total),
+            prefix.as_ref(),
+            near.map(|(_, decode)| decode),
+        ) {
             Ok((n, _)) => n,
             Err(_) => {
                 return fail(DispatchError::NoHealthyNode { role: Role::Decode }).await;
@@ -280,6 +290,9 @@ async fn run(
         }
     };
     let decode = &decode;
+    if let Some(p) = &job.placement {
+        p.set(&prefill.name, &decode.name);
+    }
     let Granted {
         grant: mut grant_bytes,
         reservation_id: rid,

@@ -128,6 +128,31 @@ pub struct Job {
     pub cache_salt: Option<String>,
     /// Injected faults (testing builds; see `kvmesh_faults`).
     pub faults: FaultPlan,
+    /// Shared by the samples of one prompt ([`crate::choices`]): where the
+    /// first ran, which the later ones prefer.
+    pub placement: Option<Arc<Placement>>,
+}
+
+/// Where the first sample of a prompt ran (its prefill and decode nodes,
+/// by name), recorded once it holds a grant. The prompt's later samples
+/// prefer those nodes: their prefix caches hold the prompt's pages (decode
+/// shares them as soon as they arrive) before the nodes' load reports can
+/// say so, and there the samples fork from one transfer.
+#[derive(Debug, Default)]
+pub struct Placement {
+    nodes: std::sync::OnceLock<(String, String)>,
+}
+
+impl Placement {
+    /// Records the first placement; later ones change nothing.
+    pub fn set(&self, prefill: &str, decode: &str) {
+        let _ = self.nodes.set((prefill.to_owned(), decode.to_owned()));
+    }
+
+    /// The (prefill, decode) node names, once recorded.
+    pub fn get(&self) -> Option<(&str, &str)> {
+        self.nodes.get().map(|(p, d)| (p.as_str(), d.as_str()))
+    }
 }
 
 /// One of the router's `max_running` dispatch slots. Whoever runs the
@@ -166,6 +191,7 @@ impl Admitted {
                 tenant,
                 cache_salt: s.cache_salt,
                 faults,
+                placement: None,
             },
             slot: Slot { _permit: permit },
         }
@@ -174,6 +200,11 @@ impl Admitted {
     /// The request.
     pub fn job(&self) -> &Job {
         &self.job
+    }
+
+    /// Makes this request one of the samples that share `placement`.
+    pub fn share_placement(&mut self, placement: Arc<Placement>) {
+        self.job.placement = Some(placement);
     }
 
     /// The request and its slot, for the mesh to run.
