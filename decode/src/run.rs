@@ -18,6 +18,7 @@
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvmesh_proto::serve::{settle, Drained, Serving};
@@ -39,6 +40,11 @@ where
     F: Future<Output = ()>,
 {
     let mut server = Serving::start(tonic::service::Routes::new(node.service()), listener);
+    // The structured-output vocabulary (a token trie, a few hundred ms for
+    // a large vocabulary) is built off the async workers now, so the first
+    // constrained request does not wait for it.
+    let engine = Arc::clone(&node.inner().engine);
+    tokio::task::spawn_blocking(move || engine.vocabulary().is_ok());
     if let Err(e) = server.until(shutdown).await {
         // The server ended before any signal: it failed.
         node.join_batcher().await?;

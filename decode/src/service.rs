@@ -110,7 +110,7 @@ pub struct DecodeNode {
 pub(crate) struct Inner {
     name: String,
     table: ReservationTable,
-    engine: Arc<Engine>,
+    pub(crate) engine: Arc<Engine>,
     max_seq_tokens: usize,
     kv_endpoint: String,
     jobs: mpsc::Sender<Work>,

@@ -194,8 +194,9 @@ impl Router {
         }
     }
 
-    /// The model's vocabulary for structured output, built on first use
-    /// (tens of milliseconds for a large vocabulary, once per process).
+    /// The model's vocabulary for structured output, built once per
+    /// process (a few hundred milliseconds for a large vocabulary): on a
+    /// blocking thread when [`run()`] starts, else on first use.
     pub fn vocabulary(&self) -> Result<&Vocabulary, StructuredError> {
         self.vocabulary
             .get_or_init(|| {

@@ -56,6 +56,11 @@ pub async fn run<F>(router: Router, listeners: Listeners, shutdown: F) -> std::i
 where
     F: Future<Output = ()>,
 {
+    // The structured-output vocabulary (a token trie, a few hundred ms for
+    // a large vocabulary) is built off the async workers now, so the first
+    // constrained request does not wait for it.
+    let warm = router.clone();
+    tokio::task::spawn_blocking(move || warm.vocabulary().is_ok());
     let draining = router.draining.subscribe();
     let stop = move || {
         let mut d = draining.clone();

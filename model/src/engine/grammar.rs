@@ -1,6 +1,7 @@
 //! Structured output on an engine: the model's vocabulary as llguidance
-//! reads it, built on the first constrained request (a plain engine never
-//! pays for it), and grammars compiled over it.
+//! reads it, built once (serving nodes build it on a blocking thread as
+//! they start; `kvmesh generate` on its first constrained request, so a
+//! plain run never pays for it), and grammars compiled over it.
 
 use kvmesh_structured::{Grammar, StructuredError, Vocabulary};
 
