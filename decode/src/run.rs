@@ -55,6 +55,7 @@ where
     }
     let inner = node.inner();
     inner.draining.store(true, Ordering::Release);
+    server.draining().await;
     let table = node.table();
     tracing::info!(
         open = inner.open.load(Ordering::Acquire),

@@ -41,6 +41,7 @@ where
     }
     let inner = &node.inner;
     inner.draining.store(true, Ordering::Release);
+    server.draining().await;
     let open = || inner.open.load(Ordering::Acquire);
     tracing::info!(open = open(), "prefill node draining");
     let mut cut = 0;

@@ -15,6 +15,8 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::service::Routes;
 use tonic::transport::server::TcpIncoming;
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
 
 /// The metadata key of a call a draining node refused (value
 /// [`DRAINING`]): the caller may choose another node, and its client gets
@@ -97,16 +99,35 @@ impl std::fmt::Display for Drained {
 pub struct Serving {
     stop: oneshot::Sender<()>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
+    health: HealthReporter,
 }
 
 impl Serving {
-    /// Serves `routes` on `listener` ([`serve`]).
+    /// Serves `routes` on `listener` ([`serve`]), with the standard gRPC
+    /// health service (`grpc.health.v1`) beside them: the whole server
+    /// (service `""`) is SERVING until [`Serving::draining`]. It is what
+    /// an orchestrator's readiness probe asks (Kubernetes' `grpc` probe),
+    /// so it answers without the mesh secret's proof; it tells nothing
+    /// but that status.
     pub fn start(routes: Routes, listener: TcpListener) -> Self {
+        let (health, health_service) = tonic_health::server::health_reporter();
         let (stop, stopped) = oneshot::channel::<()>();
-        let server = serve(routes, listener, async {
+        let server = serve(routes.add_service(health_service), listener, async {
             let _ = stopped.await;
         });
-        Self { stop, server }
+        Self {
+            stop,
+            server,
+            health,
+        }
+    }
+
+    /// A drain began: health says NOT_SERVING from now on, so a readiness
+    /// probe takes the node out while its work in flight finishes.
+    pub async fn draining(&self) {
+        self.health
+            .set_service_status("", ServingStatus::NotServing)
+            .await;
     }
 
     /// Resolves when `shutdown` does; or, if the server ends first (it
@@ -206,5 +227,42 @@ mod tests {
         );
         assert_eq!(n, 3);
         assert!(!settle(Instant::now() + Duration::from_millis(30), || false).await);
+    }
+
+    #[tokio::test]
+    async fn health_is_serving_without_a_proof_until_the_drain_begins() {
+        use tonic_health::pb::health_check_response::ServingStatus as Status;
+        use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = Serving::start(Routes::default(), listener);
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect");
+        let mut client = HealthClient::new(channel);
+        let ask = |mut c: HealthClient<_>| async move {
+            c.check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .map(|r| r.into_inner().status())
+        };
+        assert_eq!(ask(client.clone()).await.expect("check"), Status::Serving);
+        server.draining().await;
+        assert_eq!(
+            ask(client.clone()).await.expect("check"),
+            Status::NotServing
+        );
+        // Nothing else is served here: an internal service is not found.
+        let err = client
+            .check(HealthCheckRequest {
+                service: "kvmesh.internal.v1.Decode".into(),
+            })
+            .await
+            .expect_err("unknown service");
+        assert_eq!(err.code(), tonic::Code::NotFound);
+        server.stop(Duration::from_secs(1), "test").await;
     }
 }
