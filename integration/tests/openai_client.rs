@@ -165,7 +165,7 @@ fn official_openai_client_streaming_and_not() {
         serde_json::json!([chat_sample(5), chat_sample(6)])
     );
     assert_eq!(v["ids_prompt_tokens"], 3);
-    assert_eq!(v["unimplemented"], "BadRequestError: tools");
+    assert_eq!(v["unimplemented"], "BadRequestError: functions");
     assert_eq!(v["max_model_len"], 256);
 
     // Special-token text in a message is text: the model answers what the
