@@ -123,6 +123,9 @@ impl Tools {
                                 "parameters": t.parameters,
                             },
                             "required": ["name", "parameters"],
+                            // Else the grammar lets the model add keys of
+                            // its own after the call, until the budget.
+                            "additionalProperties": false,
                         })
                     })
                     .collect();
