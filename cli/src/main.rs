@@ -287,10 +287,7 @@ fn parse_bias(s: &str) -> std::result::Result<(u32, f32), String> {
 /// the model's chat template.
 pub fn cli_prompt(prompt: &str, chat: bool) -> Prompt {
     if chat {
-        Prompt::Chat(vec![ChatMessage {
-            role: "user".into(),
-            content: prompt.to_owned(),
-        }])
+        Prompt::Chat(vec![ChatMessage::new("user", prompt)])
     } else {
         Prompt::Text(prompt.to_owned())
     }

@@ -103,7 +103,7 @@ def main() -> None:
         client.chat.completions.create(
             model=model,
             messages=messages,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            functions=[{"name": "f", "parameters": {"type": "object"}}],
         )
         out["unimplemented"] = "accepted"
     except Exception as e:  # openai.BadRequestError

@@ -42,6 +42,7 @@ async fn public_grpc_api_of(mesh: &Mesh) {
                 messages: vec![ChatMessage {
                     role: "user".into(),
                     content: "Hello world".into(),
+                    ..Default::default()
                 }],
             }),
             true,

@@ -10,7 +10,7 @@ use kvmesh_proto::v1::generation_server::{Generation, GenerationServer};
 use kvmesh_proto::v1::{
     generate_request, tokenize_request, Chat, DetokenizeRequest, DetokenizeResponse, FinishReason,
     GenerateRequest, GenerateResponse, ListModelsRequest, ListModelsResponse, Model,
-    TokenizeRequest, TokenizeResponse, Usage,
+    TokenizeRequest, TokenizeResponse, ToolCall, Usage,
 };
 use kvmesh_tokenizer::ChatMessage;
 use tokio_stream::Stream;
@@ -21,6 +21,7 @@ use crate::choices::{Choices, MAX_CHOICES};
 use crate::error::GatewayError;
 use crate::mesh::{Event, Finish};
 use crate::tokenize::{self, Input};
+use crate::tools::parse::{Out, Parser};
 use crate::validate::{self, invalid, Prompt};
 use crate::Router;
 
@@ -62,11 +63,66 @@ pub struct Api {
     router: Router,
 }
 
-fn chat(c: Chat) -> Vec<ChatMessage> {
+/// A chat's messages; a call's arguments must be JSON text (templates get
+/// them as an object, transformers' convention).
+fn chat(c: Chat) -> Result<Vec<ChatMessage>, crate::Rejection> {
     c.messages
         .into_iter()
-        .map(|m| ChatMessage::new(m.role, m.content))
+        .enumerate()
+        .map(|(i, m)| {
+            let tool_calls = m
+                .tool_calls
+                .into_iter()
+                .map(|c| {
+                    let arguments: serde_json::Value =
+                        serde_json::from_str(&c.arguments).map_err(|e| {
+                            invalid(
+                                "messages",
+                                format!("messages[{i}].tool_calls: arguments is not JSON: {e}"),
+                            )
+                        })?;
+                    Ok(kvmesh_tokenizer::ToolCall::function(
+                        c.id, c.name, arguments,
+                    ))
+                })
+                .collect::<Result<_, crate::Rejection>>()?;
+            Ok(ChatMessage {
+                tool_calls,
+                tool_call_id: (!m.tool_call_id.is_empty()).then_some(m.tool_call_id),
+                name: (!m.name.is_empty()).then_some(m.name),
+                ..ChatMessage::new(m.role, m.content)
+            })
+        })
         .collect()
+}
+
+/// The message of `pieces` of a sample's answer: content as `text`, calls
+/// as `tool_calls` (a call's opening piece joined to its first arguments).
+fn answer_message(pieces: Vec<Out>) -> GenerateResponse {
+    let mut msg = GenerateResponse::default();
+    for p in pieces {
+        match p {
+            Out::Content(t) => msg.text.push_str(&t),
+            Out::Start { index, id, name } => msg.tool_calls.push(ToolCall {
+                index: u32::try_from(index).unwrap_or(u32::MAX),
+                id,
+                name,
+                arguments: String::new(),
+            }),
+            Out::Args { index, fragment } => {
+                let index = u32::try_from(index).unwrap_or(u32::MAX);
+                match msg.tool_calls.last_mut() {
+                    Some(c) if c.index == index => c.arguments.push_str(&fragment),
+                    _ => msg.tool_calls.push(ToolCall {
+                        index,
+                        arguments: fragment,
+                        ..Default::default()
+                    }),
+                }
+            }
+        }
+    }
+    msg
 }
 
 impl Api {
@@ -91,10 +147,14 @@ impl Api {
 
     /// Everything before the stream starts: the front-end-neutral request,
     /// validated, admitted, started on the mesh.
-    async fn start(&self, tenant: Tenant, r: GenerateRequest) -> Result<Choices, GatewayError> {
+    async fn start(
+        &self,
+        tenant: Tenant,
+        r: GenerateRequest,
+    ) -> Result<(Choices, crate::tools::Mode), GatewayError> {
         let prompt = match r.input {
             Some(generate_request::Input::Prompt(text)) => Prompt::Text(text),
-            Some(generate_request::Input::Chat(c)) => Prompt::Chat(chat(c)),
+            Some(generate_request::Input::Chat(c)) => Prompt::Chat(chat(c)?),
             Some(generate_request::Input::TokenIds(t)) => Prompt::Ids(t.ids),
             None => return Err(invalid("input", "input: a prompt or a chat is required").into()),
         };
@@ -130,6 +190,7 @@ impl Api {
                 ignore_eos: r.ignore_eos,
                 cache_salt: r.cache_salt,
                 structured: crate::structured::from_grpc(r.structured_output)?,
+                tools: crate::tools::from_grpc(r.tools, r.tool_choice, r.parallel_tool_calls)?,
                 ..validate::Request::new(prompt)
             },
         )?;
@@ -140,14 +201,16 @@ impl Api {
                 return Err(invalid("n", format!("n = {n} samples; at most {MAX_CHOICES}")).into())
             }
         };
-        Choices::start(
+        let mode = valid.tool_mode().clone();
+        let choices = Choices::start(
             &self.router,
             vec![valid],
             n,
             tenant,
             kvmesh_faults::FaultPlan::none(),
         )
-        .await
+        .await?;
+        Ok((choices, mode))
     }
 }
 
@@ -159,7 +222,7 @@ impl Generation for Api {
 
     async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<GenStream>, Status> {
         let tenant = self.tenant(&req)?;
-        let mut g = self
+        let (mut g, mode) = self
             .start(tenant, req.into_inner())
             .await
             .map_err(|e| self.fail(e))?;
@@ -171,6 +234,8 @@ impl Generation for Api {
                 .map(|_| crate::logprobs::Logprobs::new(router.tokenizer(), 0))
                 .collect();
             let mut left = g.len();
+            let mut parsers: Vec<Parser> =
+                (0..g.len()).map(|_| Parser::new(mode.clone())).collect();
             loop {
                 // Leave as soon as the caller is gone: dropping the
                 // generation tells the mesh to abort.
@@ -189,26 +254,32 @@ impl Generation for Api {
                 };
                 let msg = match ev {
                     Event::Text { text, logprobs } => GenerateResponse {
-                        text,
                         logprobs: lps[i].part(&logprobs).grpc(),
-                        ..Default::default()
+                        ..answer_message(parsers[i].push(&text))
                     },
                     Event::Done {
                         finish,
                         completion_tokens,
                         cached_tokens,
-                    } => GenerateResponse {
-                        finish_reason: match finish {
-                            Finish::Stop => FinishReason::Stop,
-                            Finish::Length => FinishReason::Length,
-                        } as i32,
-                        usage: Some(Usage {
-                            prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
-                            completion_tokens: u32::try_from(completion_tokens).unwrap_or(u32::MAX),
-                            cached_tokens: u32::try_from(cached_tokens).unwrap_or(u32::MAX),
-                        }),
-                        ..Default::default()
-                    },
+                    } => {
+                        // The answer's last pieces first: `required`'s
+                        // calls appear only now.
+                        let rest = answer_message(parsers[i].finish());
+                        GenerateResponse {
+                            finish_reason: match finish {
+                                Finish::Stop if parsers[i].calls() > 0 => FinishReason::ToolCalls,
+                                Finish::Stop => FinishReason::Stop,
+                                Finish::Length => FinishReason::Length,
+                            } as i32,
+                            usage: Some(Usage {
+                                prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
+                                completion_tokens: u32::try_from(completion_tokens)
+                                    .unwrap_or(u32::MAX),
+                                cached_tokens: u32::try_from(cached_tokens).unwrap_or(u32::MAX),
+                            }),
+                            ..rest
+                        }
+                    }
                     Event::Error(e) => GatewayError::from(e).grpc_stream_end(),
                 };
                 let msg = GenerateResponse {
@@ -237,7 +308,7 @@ impl Generation for Api {
                 add_special_tokens: r.add_special_tokens.unwrap_or(true),
             },
             Some(tokenize_request::Input::Chat(c)) => Input::Chat {
-                messages: chat(c),
+                messages: chat(c).map_err(|e| GatewayError::from(e).grpc())?,
                 add_generation_prompt: r.add_generation_prompt.unwrap_or(true),
                 add_special_tokens: r.add_special_tokens.unwrap_or(false),
             },

@@ -194,6 +194,30 @@ struct StreamOptions {
 struct ChatIn {
     role: String,
     content: Option<Value>,
+    #[serde(default)]
+    tool_calls: Option<Vec<ToolCallIn>>,
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+}
+
+/// A call of an assistant message, as OpenAI sends it back: the arguments
+/// are JSON text.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ToolCallIn {
+    id: String,
+    #[serde(rename = "type")]
+    kind: String,
+    function: FunctionIn,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FunctionIn {
+    name: String,
+    arguments: String,
 }
 
 fn unix_now() -> u64 {
@@ -271,6 +295,15 @@ fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
         min_tokens: b.get("min_tokens")?,
         seed: b.get("seed")?,
         ..validate::SamplingIn::default()
+    };
+    let tools = if chat {
+        crate::tools::from_body(
+            b.get("tools")?,
+            b.get("tool_choice")?,
+            b.get("parallel_tool_calls")?,
+        )?
+    } else {
+        None
     };
     let (prompt, echo): (Vec<Prompt>, bool) = if chat {
         // top_logprobs implies logprobs, unless logprobs says false.
@@ -350,6 +383,7 @@ fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
             b.get("response_format")?,
             b.get("structured_outputs")?,
         )?,
+        tools,
         ..validate::Request::new(Prompt::Ids(Vec::new()))
     };
     let requests = prompt
@@ -438,7 +472,8 @@ fn completion_prompt(p: Option<PromptIn>) -> Result<Vec<Prompt>, Rejection> {
 fn chat_messages(msgs: Option<Vec<ChatIn>>) -> Result<Vec<ChatMessage>, Rejection> {
     let msgs = msgs.ok_or_else(|| invalid("messages", "messages is required"))?;
     msgs.into_iter()
-        .map(|m| {
+        .enumerate()
+        .map(|(i, m)| {
             let content = match m.content {
                 None | Some(Value::Null) => String::new(),
                 Some(Value::String(s)) => s,
@@ -462,7 +497,39 @@ fn chat_messages(msgs: Option<Vec<ChatIn>>) -> Result<Vec<ChatMessage>, Rejectio
                     ))
                 }
             };
-            Ok(ChatMessage::new(m.role, content))
+            let tool_calls = m
+                .tool_calls
+                .unwrap_or_default()
+                .into_iter()
+                .map(|c| {
+                    if c.kind != "function" {
+                        return Err(invalid(
+                            "messages",
+                            format!("messages[{i}].tool_calls: type must be function"),
+                        ));
+                    }
+                    // Templates get the arguments as an object
+                    // (transformers' convention).
+                    let arguments: Value =
+                        serde_json::from_str(&c.function.arguments).map_err(|e| {
+                            invalid(
+                                "messages",
+                                format!("messages[{i}].tool_calls: arguments is not JSON: {e}"),
+                            )
+                        })?;
+                    Ok(kvmesh_tokenizer::ToolCall::function(
+                        c.id,
+                        c.function.name,
+                        arguments,
+                    ))
+                })
+                .collect::<Result<_, _>>()?;
+            Ok(ChatMessage {
+                tool_calls,
+                tool_call_id: m.tool_call_id,
+                name: m.name,
+                ..ChatMessage::new(m.role, content)
+            })
         })
         .collect()
 }
@@ -498,10 +565,11 @@ async fn generate(
 ) -> Response {
     let faults = faults.map(|f| f.0).unwrap_or_default();
     match start(&r, tenant, faults, body, kind).await {
-        Ok((choices, shape, id, echoes)) => {
+        Ok((choices, shape, id, echoes, tool_mode)) => {
             let meta = Meta {
                 kind,
                 id,
+                tool_mode,
                 model: r.config().model_id.clone(),
                 created: unix_now(),
                 shape,
@@ -531,7 +599,7 @@ async fn start(
     faults: FaultPlan,
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
-) -> Result<(Choices, Shape, String, Vec<String>), GatewayError> {
+) -> Result<(Choices, Shape, String, Vec<String>, crate::tools::Mode), GatewayError> {
     let body = body?;
     let Parsed { requests, n, shape } = parse_body(matches!(kind, Kind::Chat), &body)?;
     let mut echoes = Vec::new();
@@ -554,8 +622,12 @@ async fn start(
         Kind::Chat => request_id("chatcmpl"),
     }
     .ok_or(GatewayError::Internal("cannot mint a request id"))?;
+    let tool_mode = prompts
+        .first()
+        .map(|v| v.tool_mode().clone())
+        .unwrap_or_default();
     let choices = Choices::start(r, prompts, n, tenant, faults).await?;
-    Ok((choices, shape, id, echoes))
+    Ok((choices, shape, id, echoes, tool_mode))
 }
 
 #[derive(Clone, Copy)]

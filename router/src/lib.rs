@@ -62,6 +62,7 @@ pub mod openapi;
 mod run;
 pub mod structured;
 pub mod tokenize;
+pub mod tools;
 pub mod validate;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -11,6 +11,7 @@ use kvmesh_tokenizer::ChatMessage;
 
 use crate::error::Rejection;
 use crate::structured::{self, Structured};
+use crate::tools::{Mode, Tools};
 use crate::Router;
 
 /// Completion budget when a request names none (OpenAI's for completions).
@@ -24,7 +25,7 @@ pub const MAX_CACHE_SALT: usize = 256;
 
 /// Roles a chat message may have (`developer` is OpenAI's newer name for
 /// `system`, and is rendered as one).
-pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
+pub const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 
 /// `logit_bias` entries a request may carry at most.
 pub const MAX_LOGIT_BIAS: usize = 1024;
@@ -69,6 +70,8 @@ pub struct Request {
     /// What the output must match (structured output), and the field it
     /// came from.
     pub structured: Option<Structured>,
+    /// Functions the model may call, and how (chat only).
+    pub tools: Option<Tools>,
 }
 
 impl Request {
@@ -85,6 +88,7 @@ impl Request {
             ignore_eos: false,
             cache_salt: None,
             structured: None,
+            tools: None,
         }
     }
 }
@@ -153,6 +157,7 @@ pub struct Settings {
 pub struct Valid {
     ids: Vec<u32>,
     settings: Settings,
+    tool_mode: Mode,
 }
 
 impl Valid {
@@ -164,6 +169,11 @@ impl Valid {
     /// The settings.
     pub fn settings(&self) -> &Settings {
         &self.settings
+    }
+
+    /// How the output is read: text, or tool calls out of it.
+    pub fn tool_mode(&self) -> &Mode {
+        &self.tool_mode
     }
 
     /// Both, by value.
@@ -181,6 +191,7 @@ impl Valid {
         Valid {
             ids: self.ids.clone(),
             settings,
+            tool_mode: self.tool_mode.clone(),
         }
     }
 }
@@ -199,7 +210,41 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
     model(r, req.model.as_deref())?;
     let tokenizer = r.tokenizer();
     let mut settings = settings(&req, tokenizer.vocab_size())?;
-    if let Some(s) = &req.structured {
+    let tools = req.tools.as_ref();
+    let tool_mode = tools.map(Tools::mode).unwrap_or_default();
+    let mut structured = req.structured.clone();
+    if let Some(t) = tools {
+        if !matches!(req.prompt, Prompt::Chat(_)) {
+            return Err(invalid(
+                "tools",
+                "tools need a chat (messages), not a prompt",
+            ));
+        }
+        if tool_mode != Mode::Text {
+            if let Some(s) = &structured {
+                return Err(invalid(
+                    "tool_choice",
+                    format!(
+                        "tools (tool_choice {}) cannot be combined with {}: both constrain the \
+                         output; send one, or tool_choice none",
+                        match &t.choice {
+                            crate::tools::Choice::Named(_) => "a named function",
+                            crate::tools::Choice::Required => "required",
+                            _ => "auto",
+                        },
+                        s.param
+                    ),
+                ));
+            }
+        }
+        if let Some(constraint) = t.constraint() {
+            structured = Some(Structured {
+                constraint,
+                param: "tool_choice",
+            });
+        }
+    }
+    if let Some(s) = &structured {
         if req.ignore_eos {
             return Err(invalid(
                 "ignore_eos",
@@ -216,7 +261,14 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
         Prompt::Chat(msgs) if msgs.is_empty() => {
             return Err(invalid("messages", "messages must not be empty"))
         }
-        Prompt::Chat(msgs) => (tokenizer.encode_chat(&roles(msgs)?), "messages"),
+        Prompt::Chat(msgs) => {
+            let rendered = tools.map(Tools::rendered).unwrap_or_default();
+            let msgs = roles(msgs)?;
+            (
+                tokenizer.encode_chat_tools(&msgs, &rendered, true),
+                "messages",
+            )
+        }
         Prompt::Ids(ids) => {
             in_vocabulary(r, ids, "prompt")?;
             (Ok(ids.clone()), "prompt")
@@ -230,7 +282,11 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
             "the prompt is empty: it encodes to no tokens",
         ));
     }
-    Ok(Valid { ids, settings })
+    Ok(Valid {
+        ids,
+        settings,
+        tool_mode,
+    })
 }
 
 /// Refuses (naming `param`) the first id outside the model's vocabulary.
@@ -263,11 +319,30 @@ pub fn roles(msgs: &[ChatMessage]) -> Result<std::borrow::Cow<'_, [ChatMessage]>
     for (i, m) in msgs.iter().enumerate() {
         match m.role.as_str() {
             "developer" => out.to_mut()[i].role = "system".into(),
-            r if ROLES.contains(&r) => {}
-            "tool" | "function" => {
+            "tool" if m.tool_call_id.as_deref().unwrap_or_default().is_empty() => {
                 return Err(invalid(
                     "messages",
-                    format!("role `{}` needs tools, which are not supported yet", m.role),
+                    format!("messages[{i}]: a tool message needs tool_call_id"),
+                ))
+            }
+            r if r != "assistant" && !m.tool_calls.is_empty() => {
+                return Err(invalid(
+                    "messages",
+                    format!("messages[{i}]: only assistant messages carry tool_calls"),
+                ))
+            }
+            r if r != "tool" && (m.tool_call_id.is_some() || m.name.is_some()) => {
+                return Err(invalid(
+                    "messages",
+                    format!("messages[{i}]: tool_call_id and name are for tool messages"),
+                ))
+            }
+            r if ROLES.contains(&r) => {}
+            "function" => {
+                return Err(invalid(
+                    "messages",
+                    "role `function` (OpenAI's deprecated function calling) is not supported; \
+                     use tool messages",
                 ))
             }
             _ => {

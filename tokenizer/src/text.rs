@@ -26,6 +26,7 @@ mod chat;
 mod chat_encode;
 mod gguf;
 mod stream;
+mod tools;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -35,6 +36,7 @@ use serde_json::Value;
 use crate::error::{Result, TokenizerError};
 
 pub use stream::StreamDecoder;
+pub use tools::{FunctionCall, ToolCall};
 
 /// One message of a conversation, as chat templates expect it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -43,6 +45,16 @@ pub struct ChatMessage {
     pub role: String,
     /// The message text.
     pub content: String,
+    /// An assistant message's calls of tools (absent for templates when
+    /// empty, as transformers leaves it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` message: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A `tool` message: the function's name, when the client gave it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -51,6 +63,9 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
         }
     }
 }
@@ -312,9 +327,25 @@ impl TextTokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.apply_chat_template_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// [`TextTokenizer::apply_chat_template`] with `tools` (function
+    /// definitions, `{"type": "function", "function": {...}}`) offered to
+    /// the model: passed to a template that reads `tools`, else written as
+    /// Hermes templates do (see [`TextTokenizer::encode_chat_tools`]).
+    pub fn apply_chat_template_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let template = self.template()?;
+        let (messages, tools) = with_tools(template, messages, tools);
         chat::render(
-            self.template()?,
-            messages,
+            template,
+            &messages,
+            tools,
             add_generation_prompt,
             self.bos_token(),
             self.eos_token(),
@@ -350,9 +381,33 @@ impl TextTokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
+        self.encode_chat_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// [`TextTokenizer::encode_chat_with`] with `tools` (function
+    /// definitions, `{"type": "function", "function": {...}}`) offered to
+    /// the model, and messages that may carry tool calls and answers.
+    ///
+    /// A template that reads `tools` renders them and the tool messages
+    /// itself, as transformers has it; a string in the tool parts that
+    /// holds special-token text is then refused (`ChatTemplate`), since
+    /// the template writes it as its own text. A template that does not
+    /// read `tools` gets the conversation rewritten as Hermes and Qwen2.5
+    /// templates render it (tools listed in a system message, calls as
+    /// `<tool_call>` blocks, answers as `<tool_response>` blocks in a user
+    /// turn), all of it message content and so protected like any.
+    pub fn encode_chat_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let template = self.template()?;
+        let (messages, tools) = with_tools(template, messages, tools);
         self.chat.encode(
-            self.template()?,
-            messages,
+            template,
+            &messages,
+            tools,
             add_generation_prompt,
             self.bos_token(),
             self.eos_token(),
@@ -372,6 +427,25 @@ impl TextTokenizer {
     /// A decoder that turns ids into text one at a time (special tokens skipped).
     pub fn stream_decoder(&self) -> StreamDecoder<'_> {
         StreamDecoder::new(self)
+    }
+}
+
+/// The messages and tools a template is given: as they are for one that
+/// reads `tools` (`Some`), or rewritten the Hermes way (`None`: no tools
+/// variable).
+fn with_tools<'m>(
+    template: &str,
+    messages: &'m [ChatMessage],
+    tools: &'m [Value],
+) -> (std::borrow::Cow<'m, [ChatMessage]>, Option<&'m [Value]>) {
+    use std::borrow::Cow;
+    if !tools::involves_tools(messages, tools) {
+        return (Cow::Borrowed(messages), None);
+    }
+    if tools::template_reads_tools(template) {
+        (Cow::Borrowed(messages), Some(tools))
+    } else {
+        (Cow::Owned(tools::hermes(messages, tools)), None)
     }
 }
 

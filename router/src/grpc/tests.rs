@@ -398,6 +398,7 @@ async fn tokenize_encodes_as_generation_does_and_detokenize_reverses_it() {
             messages: vec![ChatMessage {
                 role: "user".into(),
                 content: forged.into(),
+                ..Default::default()
             }],
         }))
     };

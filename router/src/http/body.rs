@@ -42,7 +42,14 @@ pub(super) const COMPLETION_FIELDS: &[&str] =
     &["prompt", "echo", "max_completion_tokens", "best_of"];
 
 /// Fields only chat bodies carry.
-pub(super) const CHAT_FIELDS: &[&str] = &["messages", "max_completion_tokens", "top_logprobs"];
+pub(super) const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
 
 /// Characters a `user` label may have at most.
 pub(super) const MAX_USER: usize = 256;

@@ -13,7 +13,9 @@ use super::{Kind, Shape, SSE_KEEP_ALIVE};
 use crate::choices::Choices;
 use crate::error::{DispatchError, GatewayError};
 use crate::logprobs;
-use crate::mesh::Event;
+use crate::mesh::{Event, Finish};
+use crate::tools::parse::{Answer, Out, Parser};
+use crate::tools::Mode;
 use crate::Router;
 
 /// What every response of one request repeats.
@@ -28,6 +30,48 @@ pub(super) struct Meta {
     pub(super) echoes: Vec<String>,
     /// For the tokens' text in logprobs.
     pub(super) router: Router,
+    /// How each choice's text is read (tool calls out of it, or not).
+    pub(super) tool_mode: Mode,
+}
+
+/// The finish reason a client sees: `tool_calls` when a choice that
+/// stopped on its own made calls.
+fn finish_reason(finish: Finish, calls: usize) -> &'static str {
+    match finish {
+        Finish::Stop if calls > 0 => "tool_calls",
+        f => f.as_str(),
+    }
+}
+
+/// The chat deltas of `pieces`: content as `content`, calls as
+/// `tool_calls` (a call's first delta has its id, type and name, with the
+/// first piece of its arguments when there is one).
+fn deltas(pieces: Vec<Out>) -> Vec<Value> {
+    let mut out: Vec<Value> = Vec::new();
+    for p in pieces {
+        match p {
+            Out::Content(t) => out.push(json!({"content": t})),
+            Out::Start { index, id, name } => out.push(
+                json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+            ),
+            Out::Args { index, fragment } => {
+                // Joined to its call's opening delta when it follows it.
+                if let Some(call) = out
+                    .last_mut()
+                    .and_then(|d| d.get_mut("tool_calls"))
+                    .and_then(|c| c.get_mut(0))
+                    .filter(|c| c["index"] == index && c.get("id").is_some())
+                {
+                    if call["function"]["arguments"] == "" {
+                        call["function"]["arguments"] = fragment.into();
+                        continue;
+                    }
+                }
+                out.push(json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}));
+            }
+        }
+    }
+    out
 }
 
 impl Meta {
@@ -119,8 +163,23 @@ pub(super) async fn whole(mut c: Choices, m: &Meta) -> Result<Value, GatewayErro
                     Kind::Completion => {
                         json!({"index": i, "text": text, "finish_reason": finish.as_str(), "logprobs": wants.then(|| lps[i].completion())})
                     }
-                    Kind::Chat => {
+                    Kind::Chat if m.tool_mode == Mode::Text => {
                         json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish.as_str(), "logprobs": wants.then(|| lps[i].chat())})
+                    }
+                    Kind::Chat => {
+                        let mut p = Parser::new(m.tool_mode.clone());
+                        let mut a = Answer::default();
+                        a.absorb(p.push(&text));
+                        a.absorb(p.finish());
+                        let mut message = json!({"role": "assistant", "content": a.content()});
+                        if !a.calls.is_empty() {
+                            message["tool_calls"] = a
+                                .calls
+                                .iter()
+                                .map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
+                                .collect();
+                        }
+                        json!({"index": i, "message": message, "finish_reason": finish_reason(finish, a.calls.len()), "logprobs": wants.then(|| lps[i].chat())})
                     }
                 });
             }
@@ -207,6 +266,7 @@ pub(super) fn stream(
             left: k,
             ..Tally::default()
         };
+        let mut parsers: Vec<Parser> = (0..k).map(|_| Parser::new(m.tool_mode.clone())).collect();
         loop {
             // Leave as soon as the client is gone, not at the next event:
             // dropping the choices is what tells the mesh to abort.
@@ -224,17 +284,22 @@ pub(super) fn stream(
                             Kind::Chat => part.chat(),
                         }
                     });
-                    (
-                        vec![chunk(
-                            &m,
-                            i,
-                            json!({"content": text}),
-                            lp,
-                            Value::Null,
-                            None,
-                        )],
-                        false,
-                    )
+                    let mut ds = if m.tool_mode == Mode::Text {
+                        vec![json!({"content": text})]
+                    } else {
+                        deltas(parsers[i].push(&text))
+                    };
+                    // Logprobs of tokens whose text is held back still go
+                    // out now, with no text.
+                    if ds.is_empty() && lp.is_some() {
+                        ds.push(json!({"content": ""}));
+                    }
+                    let mut lp = lp;
+                    let frames = ds
+                        .into_iter()
+                        .map(|d| chunk(&m, i, d, lp.take(), Value::Null, None))
+                        .collect();
+                    (frames, false)
                 }
                 Event::Done {
                     finish,
@@ -244,8 +309,12 @@ pub(super) fn stream(
                     tally.done(i, n, completion_tokens, cached_tokens);
                     let last = tally.left == 0;
                     let usage = (last && m.shape.stream_usage).then(|| tally.usage(&c));
-                    let mut frames =
-                        vec![chunk(&m, i, json!({}), None, json!(finish.as_str()), usage)];
+                    let mut frames: Vec<SseEvent> = deltas(parsers[i].finish())
+                        .into_iter()
+                        .map(|d| chunk(&m, i, d, None, Value::Null, None))
+                        .collect();
+                    let reason = finish_reason(finish, parsers[i].calls());
+                    frames.push(chunk(&m, i, json!({}), None, json!(reason), usage));
                     if last {
                         frames.push(SseEvent::default().data("[DONE]"));
                     }

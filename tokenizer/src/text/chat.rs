@@ -67,17 +67,19 @@ pub(super) fn template_from_side_files(dir: &Path) -> Result<Option<String>> {
     }
 }
 
-/// Render `template` with transformers' variables: `messages`,
+/// Render `template` with transformers' variables: `messages`, `tools`
+/// (when given),
 /// `add_generation_prompt`, and `bos_token` / `eos_token` when the model
 /// names them (left undefined otherwise, as transformers does).
 pub(super) fn render(
     template: &str,
     messages: &[ChatMessage],
+    tools: Option<&[Value]>,
     add_generation_prompt: bool,
     bos_token: Option<&str>,
     eos_token: Option<&str>,
 ) -> Result<String> {
-    Compiled::new(template)?.render(messages, add_generation_prompt, bos_token, eos_token)
+    Compiled::new(template)?.render(messages, tools, add_generation_prompt, bos_token, eos_token)
 }
 
 /// A chat template compiled once, to render several conversations (the
@@ -114,10 +116,12 @@ impl<'source> Compiled<'source> {
         Ok(Self { env })
     }
 
-    /// The template's output for `messages`.
+    /// The template's output for `messages` (and `tools`, for a template
+    /// that reads them).
     pub(super) fn render(
         &self,
         messages: &[ChatMessage],
+        tools: Option<&[Value]>,
         add_generation_prompt: bool,
         bos_token: Option<&str>,
         eos_token: Option<&str>,
@@ -131,6 +135,9 @@ impl<'source> Compiled<'source> {
 
         let mut ctx: BTreeMap<&str, JinjaValue> = BTreeMap::new();
         ctx.insert("messages", JinjaValue::from_serialize(messages));
+        if let Some(tools) = tools {
+            ctx.insert("tools", JinjaValue::from_serialize(tools));
+        }
         ctx.insert(
             "add_generation_prompt",
             JinjaValue::from(add_generation_prompt),

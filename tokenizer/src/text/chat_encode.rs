@@ -109,10 +109,31 @@ impl ChatEncoder {
         &self,
         template: &str,
         messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
         bos_token: Option<&str>,
         eos_token: Option<&str>,
     ) -> Result<Vec<u32>> {
+        // Tool parts a template reads are its own text: refused if they
+        // hold special-token text (or a placeholder character).
+        if let Some(tools) = tools {
+            let mut bad = None;
+            super::tools::template_text(messages, tools, &mut |s| {
+                if bad.is_none() {
+                    if s.contains([OPEN, CLOSE]) {
+                        bad = Some("a private-use character (U+E000 or U+E001)".to_owned());
+                    } else if let Some(token) = self.added.special_in(s) {
+                        bad = Some(format!("the special token {token:?}"));
+                    }
+                }
+            });
+            if let Some(what) = bad {
+                return Err(chat_error(format!(
+                    "a tool definition or tool call contains {what}; the template writes tools \
+                     as its own text, where it would become a control token"
+                )));
+            }
+        }
         for (i, m) in messages.iter().enumerate() {
             if m.role.contains([OPEN, CLOSE]) {
                 return Err(chat_error(format!(
@@ -129,16 +150,17 @@ impl ChatEncoder {
         }
 
         let compiled = Compiled::new(template)?;
-        let real = compiled.render(messages, add_generation_prompt, bos_token, eos_token)?;
+        let real = compiled.render(messages, tools, add_generation_prompt, bos_token, eos_token)?;
         let masked: Vec<ChatMessage> = messages
             .iter()
             .enumerate()
             .map(|(i, m)| ChatMessage {
-                role: m.role.clone(),
                 content: placeholder(i, &m.content),
+                ..m.clone()
             })
             .collect();
-        let rendered = compiled.render(&masked, add_generation_prompt, bos_token, eos_token)?;
+        let rendered =
+            compiled.render(&masked, tools, add_generation_prompt, bos_token, eos_token)?;
 
         // The rendering with content substituted back, and the byte ranges
         // of content in it (with the whitespace around the content).
