@@ -243,11 +243,22 @@ impl fmt::Debug for MeshSecret {
     }
 }
 
-/// Whether users other than the file's owner may read `path` (group or
-/// world read bit). The caller warns: a secret others can read is not one.
+/// Whether users other than the file's owner and this process's own group
+/// may read `path`: the world read bit, or the group read bit of a group
+/// that is not this process's effective group. (Kubernetes mounts a
+/// Secret read-only with mode 0440 in the pod's `fsGroup`, which is the
+/// process's group when `runAsGroup` names it: readable by that pod only.)
+/// The caller warns: a secret others can read is not one.
 pub fn readable_by_others(path: &Path) -> std::io::Result<bool> {
-    use std::os::unix::fs::PermissionsExt;
-    Ok(std::fs::metadata(path)?.permissions().mode() & 0o044 != 0)
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path)?;
+    let mode = meta.mode();
+    if mode & 0o004 != 0 {
+        return Ok(true);
+    }
+    // The owner of /proc/self is the process's effective uid and gid.
+    let own_group = std::fs::metadata("/proc/self").map(|m| m.gid()).ok();
+    Ok(mode & 0o040 != 0 && own_group != Some(meta.gid()))
 }
 
 /// `bytes` as lowercase hex.
@@ -263,6 +274,25 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_is_private_to_its_owner_or_the_processs_own_group() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("mesh.secret");
+        std::fs::write(&path, [1u8; 32]).expect("write");
+        let others = |mode| {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+            readable_by_others(&path).expect("stat")
+        };
+        assert!(!others(0o600));
+        assert!(!others(0o400));
+        // Created by this process: its group is ours (Kubernetes' fsGroup
+        // mount with runAsGroup).
+        assert!(!others(0o440));
+        assert!(others(0o604), "world-readable");
+        assert!(others(0o444), "world-readable");
+    }
 
     #[test]
     fn secrets_are_checked_and_never_printed() {
