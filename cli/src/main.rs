@@ -24,6 +24,7 @@ mod bench;
 mod bench_cache;
 mod bench_router;
 mod config;
+mod doctor;
 mod loadgen;
 mod percentile;
 mod serve;
@@ -77,6 +78,8 @@ enum Command {
     BenchCache(Box<bench_cache::BenchCacheArgs>),
     /// Soak and chaos test a mesh: concurrent streams, disconnects, injected faults, outputs checked against the reference.
     Soak(Box<soak::SoakArgs>),
+    /// Check a mesh against its mesh file: pools against the context, ports, the mesh secret, versions, models and clocks; a table (or --json), exit 1 on any failure.
+    Doctor(doctor::DoctorArgs),
 }
 
 /// Model and KV pool flags shared by the commands that load a model.
@@ -399,6 +402,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => loadgen::run(*a),
         Command::BenchCache(a) => bench_cache::run(*a),
         Command::Soak(a) => soak::run(*a),
+        Command::Doctor(a) => doctor::run(a),
         Command::FetchModel => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))
             .map(|p| println!("{}", p.display()))
             .map_err(Into::into),

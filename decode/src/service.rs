@@ -309,6 +309,11 @@ impl DecodeNode {
                 .map_or_else(LoadReport::default, |(tag, ix)| {
                     LoadReport::cache_advert(tag.as_bytes(), ix.epoch, ix.ids)
                 })
+                .with_identity(
+                    self.inner.engine.identity(),
+                    self.inner.engine.max_model_len(),
+                    self.inner.table.pool().config().dtype.name(),
+                )
         }
     }
 }

@@ -282,6 +282,11 @@ impl Engine {
     pub fn pool(&self) -> &KvPool {
         &self.pool
     }
+    /// The model's identity: its file name and precision
+    /// (`model.gguf@Quantized`); nodes of one mesh must agree on it.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
     /// The context limit in tokens (prompt plus generated).
     pub fn max_model_len(&self) -> usize {
         self.max_model_len

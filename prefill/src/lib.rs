@@ -714,9 +714,15 @@ impl Prefill for PrefillNode {
             kv_auth_refused: HashMap::new(),
             kv_refused: HashMap::new(),
             draining: self.inner.draining.load(Ordering::Acquire),
-            ..advert.map_or_else(LoadReport::default, |(tag, ix)| {
-                LoadReport::cache_advert(tag.as_bytes(), ix.epoch, ix.ids)
-            })
+            ..advert
+                .map_or_else(LoadReport::default, |(tag, ix)| {
+                    LoadReport::cache_advert(tag.as_bytes(), ix.epoch, ix.ids)
+                })
+                .with_identity(
+                    self.inner.engine.identity(),
+                    self.inner.engine.max_model_len(),
+                    self.inner.engine.pool().config().dtype.name(),
+                )
         }))
     }
 }

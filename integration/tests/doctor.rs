@@ -1,0 +1,151 @@
+//! `kvmesh doctor` against real processes: a healthy mesh passes every
+//! check (exit 0); a planted undersized decode pool, a mesh file with the
+//! wrong secret and a node that is gone each fail the check that names
+//! them (exit 1), in the table and in `--json`.
+
+use std::path::Path;
+
+use kvmesh_integration::roles::{start, tiny_mesh_file, wait_healthy, write_secret};
+use kvmesh_integration::{run_kvmesh, texts};
+use serde_json::Value;
+
+/// `kvmesh doctor --config FILE --json`: (exit code, report).
+fn doctor(file: &Path) -> (i32, Value) {
+    let f = file.to_string_lossy();
+    let out = run_kvmesh(&["doctor", "--config", &f, "--json"], &[]);
+    let (stdout, stderr) = texts(&out);
+    let v: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("doctor's JSON: {e}: {stdout} {stderr}"));
+    (out.status.code().expect("exit code"), v)
+}
+
+/// The status of `check` for `node`.
+fn status<'a>(v: &'a Value, node: &str, check: &str) -> &'a str {
+    v["checks"]
+        .as_array()
+        .expect("checks")
+        .iter()
+        .find(|c| c["node"] == node && c["check"] == check)
+        .and_then(|c| c["status"].as_str())
+        .unwrap_or_else(|| panic!("no {check:?} for {node}: {v:#}"))
+}
+
+fn failed(v: &Value) -> Vec<String> {
+    v["checks"]
+        .as_array()
+        .expect("checks")
+        .iter()
+        .filter(|c| c["status"] == "fail")
+        .map(|c| {
+            let s = |k: &str| c[k].as_str().unwrap_or_default().to_owned();
+            format!("{} {}", s("node"), s("check"))
+        })
+        .collect()
+}
+
+#[test]
+fn doctor_passes_a_healthy_mesh_and_names_what_is_wrong() {
+    // A healthy mesh: every check passes, and the table says so.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (file, ports) = tiny_mesh_file(dir.path());
+    let mut procs = vec![
+        start("decode", &file, Some("decode-0"), "ready").0,
+        start("prefill", &file, Some("prefill-0"), "ready").0,
+        start("router", &file, None, "OpenAI API").0,
+    ];
+    wait_healthy(&format!("127.0.0.1:{}", ports[0]));
+    let (code, v) = doctor(&file);
+    assert_eq!(code, 0, "{v:#}");
+    assert_eq!(v["ok"], true);
+    assert!(failed(&v).is_empty(), "{v:#}");
+    for node in ["prefill-0", "decode-0"] {
+        for check in [
+            "gRPC reachable",
+            "mesh secret accepted",
+            "node identity",
+            "pool holds a context",
+            "clock",
+        ] {
+            assert_eq!(status(&v, node, check), "ok", "{node} {check}: {v:#}");
+        }
+    }
+    assert_eq!(status(&v, "decode-0", "KV transport reachable"), "ok");
+    for check in [
+        "version",
+        "model",
+        "context limit",
+        "KV element type",
+        "page size",
+    ] {
+        assert_eq!(status(&v, "mesh", check), "ok", "{check}: {v:#}");
+    }
+    assert_eq!(status(&v, "router", "health"), "ok");
+    let f = file.to_string_lossy();
+    let table = run_kvmesh(&["doctor", "--config", &f], &[]);
+    let (stdout, _) = texts(&table);
+    assert!(table.status.success());
+    assert!(
+        stdout.starts_with("NODE") && stdout.contains("all checks passed"),
+        "{stdout}"
+    );
+
+    // The same mesh file with another secret: both nodes refuse it.
+    let other = tempfile::tempdir().expect("tempdir");
+    write_secret(other.path(), "mesh.secret");
+    let wrong = other.path().join("mesh.yaml");
+    std::fs::copy(&file, &wrong).expect("copy");
+    let (code, v) = doctor(&wrong);
+    assert_eq!(code, 1);
+    assert_eq!(v["ok"], false);
+    for node in ["prefill-0", "decode-0"] {
+        assert_eq!(status(&v, node, "mesh secret accepted"), "fail", "{v:#}");
+        assert_eq!(status(&v, node, "gRPC reachable"), "ok");
+    }
+
+    // A node that is gone: its port and what needs it.
+    procs.remove(1);
+    let (code, v) = doctor(&file);
+    assert_eq!(code, 1);
+    assert_eq!(status(&v, "prefill-0", "gRPC reachable"), "fail", "{v:#}");
+    assert_eq!(status(&v, "prefill-0", "mesh secret accepted"), "skip");
+    assert_eq!(status(&v, "decode-0", "mesh secret accepted"), "ok");
+    drop(procs);
+}
+
+#[test]
+fn doctor_catches_a_pool_that_cannot_hold_the_context() {
+    // The incident's mistake, planted: a decode pool of 64 tokens under a
+    // 256-token context, started anyway (allow_small_pool).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (file, ports) = tiny_mesh_file(dir.path());
+    let text = std::fs::read_to_string(&file).expect("mesh file");
+    let text = text.replace(
+        &format!("kv: \"127.0.0.1:{}\"}}", ports[4]),
+        &format!("kv: \"127.0.0.1:{}\", kv_pool_tokens: 64}}", ports[4]),
+    );
+    assert!(text.contains("kv_pool_tokens: 64"), "{text}");
+    std::fs::write(
+        &file,
+        format!("{text}allow_small_pool: true\nmax_model_len: 256\n"),
+    )
+    .expect("write");
+    let _d = start("decode", &file, Some("decode-0"), "ready").0;
+    let _p = start("prefill", &file, Some("prefill-0"), "ready").0;
+    let (code, v) = doctor(&file);
+    assert_eq!(code, 1, "{v:#}");
+    assert_eq!(
+        status(&v, "decode-0", "pool holds a context"),
+        "fail",
+        "{v:#}"
+    );
+    assert_eq!(status(&v, "decode-0", "pool in mesh file"), "warn");
+    assert_eq!(status(&v, "prefill-0", "pool holds a context"), "ok");
+    // No router runs here: that fails too, and nothing else does.
+    let mut f = failed(&v);
+    f.sort();
+    assert_eq!(
+        f,
+        ["decode-0 pool holds a context", "router HTTP reachable"],
+        "{v:#}"
+    );
+}
