@@ -91,12 +91,35 @@ impl Api {
 
     /// Everything before the stream starts: the front-end-neutral request,
     /// validated, admitted, started on the mesh.
-    async fn start(&self, tenant: Tenant, r: GenerateRequest) -> Result<Choices, GatewayError> {
+    /// Also the echoed prompt text (`echo`) and the prompt's alternatives
+    /// per position (`prompt_logprobs`).
+    async fn start(
+        &self,
+        tenant: Tenant,
+        r: GenerateRequest,
+    ) -> Result<(Choices, Option<String>, Option<usize>), GatewayError> {
         let prompt = match r.input {
             Some(generate_request::Input::Prompt(text)) => Prompt::Text(text),
             Some(generate_request::Input::Chat(c)) => Prompt::Chat(chat(c)),
             Some(generate_request::Input::TokenIds(t)) => Prompt::Ids(t.ids),
             None => return Err(invalid("input", "input: a prompt or a chat is required").into()),
+        };
+        let echo = match (&prompt, r.echo) {
+            (_, false) => None,
+            (Prompt::Text(t), true) => Some(t.clone()),
+            (Prompt::Ids(ids), true) => Some(
+                self.router
+                    .tokenizer()
+                    .decode(ids, false)
+                    .map_err(|e| invalid("input", e.to_string()))?,
+            ),
+            (Prompt::Chat(_), true) => {
+                return Err(invalid(
+                    "echo",
+                    "echo applies to a prompt or token ids, not to a chat",
+                )
+                .into())
+            }
         };
         let sampling = validate::SamplingIn {
             temperature: r.temperature.map(f64::from),
@@ -130,6 +153,7 @@ impl Api {
                 ignore_eos: r.ignore_eos,
                 cache_salt: r.cache_salt,
                 structured: crate::structured::from_grpc(r.structured_output)?,
+                prompt_logprobs: r.prompt_logprobs.map(u64::from),
                 ..validate::Request::new(prompt)
             },
         )?;
@@ -140,14 +164,16 @@ impl Api {
                 return Err(invalid("n", format!("n = {n} samples; at most {MAX_CHOICES}")).into())
             }
         };
-        Choices::start(
+        let scored = valid.settings().prompt_logprobs.map(|k| k as usize);
+        let choices = Choices::start(
             &self.router,
             vec![valid],
             n,
             tenant,
             kvmesh_faults::FaultPlan::none(),
         )
-        .await
+        .await?;
+        Ok((choices, echo, scored))
     }
 }
 
@@ -159,7 +185,7 @@ impl Generation for Api {
 
     async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<GenStream>, Status> {
         let tenant = self.tenant(&req)?;
-        let mut g = self
+        let (mut g, echo, scored) = self
             .start(tenant, req.into_inner())
             .await
             .map_err(|e| self.fail(e))?;
@@ -171,6 +197,11 @@ impl Generation for Api {
                 .map(|_| crate::logprobs::Logprobs::new(router.tokenizer(), 0))
                 .collect();
             let mut left = g.len();
+            // Each sample's first message carries the echo and the
+            // prompt's scores (sample 0's `Event::Prompt`, which comes
+            // before every event of the other samples).
+            let mut opened = vec![false; g.len()];
+            let mut prompt_lps = Vec::new();
             loop {
                 // Leave as soon as the caller is gone: dropping the
                 // generation tells the mesh to abort.
@@ -180,7 +211,7 @@ impl Generation for Api {
                 };
                 let Some((i, ev)) = ev else { return };
                 let end = match &ev {
-                    Event::Text { .. } => false,
+                    Event::Text { .. } | Event::Prompt(_) => false,
                     Event::Done { .. } => {
                         left -= 1;
                         left == 0
@@ -188,6 +219,14 @@ impl Generation for Api {
                     Event::Error(_) => true,
                 };
                 let msg = match ev {
+                    Event::Prompt(tokens) => {
+                        prompt_lps = crate::logprobs::grpc_prompt(
+                            router.tokenizer(),
+                            &tokens,
+                            scored.unwrap_or(0),
+                        );
+                        GenerateResponse::default()
+                    }
                     Event::Text { text, logprobs } => GenerateResponse {
                         text,
                         logprobs: lps[i].part(&logprobs).grpc(),
@@ -211,10 +250,15 @@ impl Generation for Api {
                     },
                     Event::Error(e) => GatewayError::from(e).grpc_stream_end(),
                 };
-                let msg = GenerateResponse {
+                let mut msg = GenerateResponse {
                     index: u32::try_from(i).unwrap_or(u32::MAX),
                     ..msg
                 };
+                if let Some(first) = opened.get_mut(i).filter(|o| !**o) {
+                    *first = true;
+                    msg.prompt_text = echo.clone().unwrap_or_default();
+                    msg.prompt_logprobs = prompt_lps.clone();
+                }
                 if tx.send(Ok(msg)).await.is_err() || end {
                     return;
                 }
