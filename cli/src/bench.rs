@@ -26,6 +26,11 @@ pub struct BenchArgs {
     /// Batch sizes of the decode measurement.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     batch: Vec<usize>,
+    /// Score the prompt in the prefill measurement (prompt logprobs with
+    /// this many alternatives, as `echo` / `prompt_logprobs` ask prefill
+    /// to): its cost against a run without.
+    #[arg(long)]
+    prompt_logprobs: Option<usize>,
     /// Repetitions; the median is reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -67,6 +72,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut prefill = Vec::new();
     for _ in 0..repeats {
         let mut seq = engine.admit(prompt.clone(), 1)?;
+        if let Some(k) = args.prompt_logprobs {
+            seq.score_prompt(k)?;
+        }
         let t = Instant::now();
         engine.prefill(&mut seq)?;
         prefill.push(args.prompt_tokens as f64 / t.elapsed().as_secs_f64());

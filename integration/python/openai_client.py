@@ -64,6 +64,43 @@ def main() -> None:
         "text": r.choices[0].text,
     }
 
+    # echo with logprobs: the prompt's tokens open the logprobs (the first
+    # with null), streamed (the prompt as each choice's first chunk) and not;
+    # vLLM's prompt_logprobs through extra_body.
+    def echo_shape(text, lps, prompt_lps=None):
+        return {
+            "text": text,
+            "tokens": lps["tokens"],
+            "token_logprobs": lps["token_logprobs"],
+            "top_logprobs": lps["top_logprobs"],
+            "text_offset": lps["text_offset"],
+            "prompt_logprobs": prompt_lps,
+        }
+
+    r = client.completions.create(
+        model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2,
+        extra_body={"prompt_logprobs": 1},
+    )
+    c = r.choices[0]
+    out["echo"] = echo_shape(
+        c.text,
+        {k: getattr(c.logprobs, k) for k in ["tokens", "token_logprobs", "top_logprobs", "text_offset"]},
+        getattr(c, "prompt_logprobs", None),
+    )
+    text, lps, first = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, None
+    for chunk in client.completions.create(
+        model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2, stream=True
+    ):
+        c = chunk.choices[0]
+        if first is None:
+            first = c.text
+        text += c.text
+        if c.logprobs:
+            for k in lps:
+                lps[k] += getattr(c.logprobs, k) or []
+    out["echo_stream"] = echo_shape(text, lps)
+    out["echo_stream_first"] = first
+
     def chat_entries(entries):
         return [
             {"token": e.token, "logprob": e.logprob, "bytes": e.bytes, "top": [[t.token, t.logprob] for t in e.top_logprobs]}

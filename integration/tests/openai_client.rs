@@ -105,6 +105,48 @@ fn official_openai_client_streaming_and_not() {
     }
     assert_eq!(v["chat_logprobs"], v["chat_logprobs_stream"]);
 
+    // echo with logprobs=2: the text opens with the prompt, the prompt's
+    // tokens open the logprobs (the first with nulls, every other scored
+    // by prefill), offsets run through the prompt into the completion;
+    // streamed, the prompt is the first chunk and the rest is the same.
+    let echo = &v["echo"];
+    let text = echo["text"].as_str().expect("text");
+    assert!(text.starts_with("Hello world"), "{echo}");
+    assert_eq!(echo["token_logprobs"][0], serde_json::Value::Null, "{echo}");
+    assert_eq!(echo["top_logprobs"][0], serde_json::Value::Null, "{echo}");
+    let lps = echo["token_logprobs"].as_array().expect("token_logprobs");
+    assert!(
+        lps[1..]
+            .iter()
+            .all(|l| l.as_f64().is_some_and(|l| l <= 0.0)),
+        "{echo}"
+    );
+    let tokens: Vec<&str> = echo["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .filter_map(|t| t.as_str())
+        .collect();
+    assert_eq!(tokens.concat(), text, "{echo}");
+    let offsets: Vec<u64> = echo["text_offset"]
+        .as_array()
+        .expect("text_offset")
+        .iter()
+        .filter_map(serde_json::Value::as_u64)
+        .collect();
+    let mut at = 0u64;
+    for (t, o) in tokens.iter().zip(&offsets) {
+        assert_eq!(*o, at, "{echo}");
+        at += t.chars().count() as u64;
+    }
+    let pl = echo["prompt_logprobs"].as_array().expect("prompt_logprobs");
+    assert_eq!(pl[0], serde_json::Value::Null);
+    assert_eq!(pl.len() + 4, tokens.len(), "{echo}");
+    assert_eq!(v["echo_stream_first"], "Hello world");
+    let mut streamed = v["echo_stream"].clone();
+    streamed["prompt_logprobs"] = echo["prompt_logprobs"].clone();
+    assert_eq!(&streamed, echo);
+
     // Every sampling setting at once, seeded: the reference engine's text.
     let engine = kvmesh_model::engine::Engine::load(
         &tiny_model_dir(),

@@ -28,7 +28,7 @@ use kvmesh_kvpool::{KvPool, PoolConfig, Reservation};
 use crate::error::{ModelError, Result};
 use crate::llama::{LayerDone, Llama, LogitsWanted, SeqChunk};
 use crate::loader::{load_with, LoadedModel};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{PromptLogprob, Sampler, SamplingParams};
 use kvmesh_tokenizer::{ChatMessage, TextTokenizer};
 
 /// What to generate from.
@@ -89,6 +89,11 @@ pub struct Sequence {
     /// Its namespace and page keys, when the prefix cache is on and the
     /// sequence was started in a namespace.
     prefix: Option<prefix::CachedSeq>,
+    /// Score the prompt when it runs, with this many alternatives
+    /// ([`Sequence::score_prompt`]).
+    score: Option<usize>,
+    /// The prompt's scores once it ran (position `i` scores token `i + 1`).
+    prompt_logprobs: Vec<PromptLogprob>,
 }
 
 impl Sequence {
@@ -101,7 +106,49 @@ impl Sequence {
             max_len,
             cached,
             prefix: None,
+            score: None,
+            prompt_logprobs: Vec::new(),
         }
+    }
+
+    /// Asks the prefill of this sequence ([`Engine::prefill`],
+    /// [`Engine::prefill_batch`], [`Engine::prefill_batch_streamed`]) for
+    /// the prompt's logprobs, with `top` alternatives each
+    /// ([`Self::take_prompt_logprobs`]). Only a sequence with nothing
+    /// cached can: a cached head is not computed, so its logits do not
+    /// exist (admit it with [`Engine::admit`], not `admit_in`).
+    pub fn score_prompt(&mut self, top: usize) -> Result<()> {
+        if self.cached > 0 {
+            return Err(invalid(
+                "prompt_logprobs",
+                &self.cached.to_string(),
+                "the sequence's head came from the prefix cache; prompt logprobs need every position computed",
+            ));
+        }
+        if top > crate::sampling::MAX_TOP_LOGPROBS {
+            return Err(invalid(
+                "prompt_logprobs",
+                &top.to_string(),
+                &format!("at most {}", crate::sampling::MAX_TOP_LOGPROBS),
+            ));
+        }
+        self.score = Some(top);
+        Ok(())
+    }
+
+    /// The prompt's logprobs after its prefill, when [`Self::score_prompt`]
+    /// asked: entry `i` is prompt token `i + 1`'s (the first token has
+    /// none); empty otherwise.
+    pub fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprob> {
+        std::mem::take(&mut self.prompt_logprobs)
+    }
+}
+
+/// Which logits a sequence's prompt chunk asks for.
+fn prompt_wanted(seq: &Sequence) -> LogitsWanted {
+    match seq.score {
+        Some(top) => LogitsWanted::Prompt { top },
+        None => LogitsWanted::Last,
     }
 }
 
@@ -437,10 +484,10 @@ impl Engine {
             let mut batch: Vec<SeqChunk<'_>> = seqs
                 .iter_mut()
                 .map(|s| SeqChunk {
+                    logits: prompt_wanted(s),
                     tokens: &s.tokens[s.cached..],
                     start_pos: s.cached,
                     kv: &mut s.kv,
-                    logits: LogitsWanted::Last,
                 })
                 .collect();
             self.model.forward_observed(&mut batch, observe)?
@@ -452,19 +499,57 @@ impl Engine {
     pub fn prefill(&self, seq: &mut Sequence) -> Result<Vec<f32>> {
         let mut results = {
             let start = seq.cached;
+            let logits = prompt_wanted(seq);
             let mut batch = [SeqChunk {
                 tokens: &seq.tokens[start..],
                 start_pos: start,
                 kv: &mut seq.kv,
-                logits: LogitsWanted::Last,
+                logits,
             }];
             self.model.forward(&mut batch)?
         };
-        let rows = results.pop().unwrap_or_else(|| Ok(Vec::new()))?;
+        let out = results.pop().unwrap_or_else(|| Ok(Default::default()))?;
         seq.cached = seq.tokens.len();
-        rows.into_iter().next().ok_or_else(|| ModelError::Compute {
-            detail: "prefill returned no logits".into(),
-        })
+        seq.prompt_logprobs = out.prompt;
+        out.logits
+            .into_iter()
+            .next()
+            .ok_or_else(|| ModelError::Compute {
+                detail: "prefill returned no logits".into(),
+            })
+    }
+
+    /// The reference for prompt logprobs: `prompt` through one forward
+    /// pass with every position's whole logits row kept
+    /// ([`LogitsWanted::All`], no blocking, no prefix cache), then each
+    /// row's [`crate::sampling::prompt_logprob`] of the next token. Entry
+    /// `i` is token `i + 1`'s. What a mesh's prompt logprobs are tested
+    /// against; it holds `prompt.len() x vocab` floats at once, so it is
+    /// for tests and short prompts.
+    pub fn prompt_logprobs_reference(
+        &self,
+        prompt: &[u32],
+        top: usize,
+    ) -> Result<Vec<PromptLogprob>> {
+        let mut seq = self.admit(prompt.to_vec(), 0)?;
+        let rows = {
+            let mut batch = [SeqChunk {
+                tokens: &seq.tokens,
+                start_pos: 0,
+                kv: &mut seq.kv,
+                logits: LogitsWanted::All,
+            }];
+            self.model
+                .forward(&mut batch)?
+                .pop()
+                .unwrap_or_else(|| Ok(Default::default()))?
+                .logits
+        };
+        Ok(rows
+            .iter()
+            .zip(&prompt[1..])
+            .map(|(row, &next)| crate::sampling::prompt_logprob(row, next, top))
+            .collect())
     }
 
     /// Run the uncached prompt tokens of several sequences as one batch
@@ -687,7 +772,7 @@ impl Engine {
             .zip(plan)
             .map(|(item, span)| {
                 let (_, end) = span?;
-                let rows = results.next().unwrap_or_else(|| {
+                let out = results.next().unwrap_or_else(|| {
                     Err(ModelError::Compute {
                         detail: "the forward pass returned fewer results than chunks".into(),
                     })
@@ -697,7 +782,8 @@ impl Engine {
                 if end < seq.tokens.len() {
                     return Ok(None);
                 }
-                rows.into_iter()
+                out.logits
+                    .into_iter()
                     .next()
                     .map(Some)
                     .ok_or_else(|| ModelError::Compute {
@@ -719,10 +805,14 @@ fn last_rows(
         .zip(results)
         .map(|(seq, r)| {
             seq.cached = seq.tokens.len();
-            r.and_then(|rows| {
-                rows.into_iter().next().ok_or_else(|| ModelError::Compute {
-                    detail: format!("{step} returned no logits"),
-                })
+            r.and_then(|out| {
+                seq.prompt_logprobs = out.prompt;
+                out.logits
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| ModelError::Compute {
+                        detail: format!("{step} returned no logits"),
+                    })
             })
         })
         .collect()

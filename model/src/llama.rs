@@ -30,6 +30,7 @@ use rayon::prelude::*;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::linear::Projection;
+use crate::sampling::{prompt_logprob, PromptLogprob};
 use crate::weights::{Matrix, Weights};
 
 /// Which logits a chunk wants back.
@@ -41,7 +42,22 @@ pub enum LogitsWanted {
     Last,
     /// Every token's logits (scoring, tests).
     All,
+    /// The last token's logits (as [`Self::Last`]), and for every earlier
+    /// token of the chunk the [`PromptLogprob`] of the token after it,
+    /// with this many alternatives: prompt logprobs. The vocabulary
+    /// projection runs over [`SCORE_ROWS`] positions at a time and keeps
+    /// only the scores, so memory stays `SCORE_ROWS x vocab` floats
+    /// whatever the prompt's length.
+    Prompt {
+        /// Alternatives per position (at most `MAX_TOP_LOGPROBS`).
+        top: usize,
+    },
 }
+
+/// Positions whose logits one block of prompt scoring holds at once
+/// ([`LogitsWanted::Prompt`]): 32 x 49,152 f32 is 6 MiB for SmolLM2, where
+/// a 512-token prompt's whole logits matrix would be 100 MiB.
+pub const SCORE_ROWS: usize = 32;
 
 /// One sequence's share of a batched forward call: `tokens` at positions
 /// `start_pos..start_pos + tokens.len()`, whose K/V are written into `kv`.
@@ -61,8 +77,18 @@ pub struct SeqChunk<'a> {
 /// (`layer, chunk index, chunk`). `Send`: the pass runs on a pool thread.
 pub type LayerDone<'a> = dyn FnMut(usize, usize, &SeqChunk<'_>) + Send + 'a;
 
-/// A chunk's outcome: its logits rows (`vocab_size` each), or why it failed.
-pub type ChunkResult = Result<Vec<Vec<f32>>>;
+/// A chunk's outcome: its logits rows and prompt scores, or why it failed.
+pub type ChunkResult = Result<ChunkOut>;
+
+/// What a chunk gets back from a forward pass.
+#[derive(Clone, Debug, Default)]
+pub struct ChunkOut {
+    /// The logits rows asked for (`vocab_size` each).
+    pub logits: Vec<Vec<f32>>,
+    /// With [`LogitsWanted::Prompt`]: position `i`'s score of token
+    /// `i + 1` of the chunk, for every position but the last; else empty.
+    pub prompt: Vec<PromptLogprob>,
+}
 
 /// One layer's projections as the forward pass runs them.
 #[derive(Debug)]
@@ -245,7 +271,7 @@ impl Llama {
         let rows = ids.len();
         let mut failed: Vec<Option<ModelError>> = batch.iter().map(|_| None).collect();
         if rows == 0 {
-            return Ok(batch.iter().map(|_| Ok(Vec::new())).collect());
+            return Ok(batch.iter().map(|_| Ok(ChunkOut::default())).collect());
         }
         let positions: Vec<usize> = batch
             .iter()
@@ -442,7 +468,7 @@ impl Llama {
             }
             match chunk.logits {
                 LogitsWanted::None => {}
-                LogitsWanted::Last => want.push(span.end - 1),
+                LogitsWanted::Last | LogitsWanted::Prompt { .. } => want.push(span.end - 1),
                 LogitsWanted::All => want.extend(span),
             }
         }
@@ -481,7 +507,7 @@ impl Llama {
             let span = spans[i].clone();
             let n = match chunk.logits {
                 LogitsWanted::None => 0,
-                LogitsWanted::Last => usize::from(!span.is_empty()),
+                LogitsWanted::Last | LogitsWanted::Prompt { .. } => usize::from(!span.is_empty()),
                 LogitsWanted::All => span.len(),
             };
             let mut mine = Vec::with_capacity(n);
@@ -490,9 +516,65 @@ impl Llama {
                     mine.push(row);
                 }
             }
-            results.push(Ok(mine));
+            let prompt = match chunk.logits {
+                LogitsWanted::Prompt { top } => {
+                    self.score_prompt(ws, span.start, chunk.tokens, top)?
+                }
+                _ => Vec::new(),
+            };
+            results.push(Ok(ChunkOut {
+                logits: mine,
+                prompt,
+            }));
         }
         Ok(results)
+    }
+
+    /// [`LogitsWanted::Prompt`]'s scores of one chunk whose hidden states
+    /// are rows `first..first + tokens.len()` of `x`: position `i` scores
+    /// `tokens[i + 1]`. [`SCORE_ROWS`] positions at a time through the
+    /// final norm and the vocabulary projection (each row's result does
+    /// not depend on the others in the block, so blocking changes no bit),
+    /// then each row's log-softmax and top-k in parallel; only the scores
+    /// are kept. Cost: the vocabulary projection for every prompt position
+    /// instead of the last only, plus one pass over each row for the
+    /// log-softmax and one for the top-k.
+    fn score_prompt(
+        &self,
+        ws: &mut Workspace,
+        first: usize,
+        tokens: &[u32],
+        top: usize,
+    ) -> Result<Vec<PromptLogprob>> {
+        let cfg = &self.cfg;
+        let (hidden, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        let scored = tokens.len().saturating_sub(1);
+        let mut out = Vec::with_capacity(scored);
+        // `logits` is free again: the last rows were copied out.
+        let Workspace {
+            x,
+            xn,
+            logits,
+            stacked,
+            ..
+        } = ws;
+        for block in (0..scored).step_by(SCORE_ROWS) {
+            let rows = SCORE_ROWS.min(scored - block);
+            let from = (first + block) * hidden;
+            let sel = &x[from..from + rows * hidden];
+            xn.resize(sel.len(), 0.0);
+            rms_norm(sel, &self.final_norm, cfg.rms_norm_eps, xn);
+            self.lm_head
+                .apply_into(xn, rows, &mut [&mut *logits], stacked)?;
+            let next = &tokens[block + 1..block + 1 + rows];
+            let scores: Vec<PromptLogprob> = logits
+                .par_chunks_exact(vocab)
+                .zip(next.par_iter())
+                .map(|(row, &t)| prompt_logprob(row, t, top))
+                .collect();
+            out.extend(scores);
+        }
+        Ok(out)
     }
 }
 

@@ -355,35 +355,8 @@ impl Sampler {
         } else {
             self.params.temperature
         };
-        let max = logits
-            .iter()
-            .copied()
-            .filter(|l| l.is_finite())
-            .fold(f32::NEG_INFINITY, f32::max);
-        let sum: f32 = logits
-            .iter()
-            .filter(|l| l.is_finite())
-            .map(|&l| ((l - max) / t).exp())
-            .sum();
-        let norm = max / t + sum.ln();
-        let lp = |id: u32| {
-            let l = logits
-                .get(id as usize)
-                .copied()
-                .unwrap_or(f32::NEG_INFINITY);
-            if l.is_finite() {
-                l / t - norm
-            } else {
-                f32::NEG_INFINITY
-            }
-        };
-        Logprobs {
-            logprob: lp(token),
-            top: top_k(logits, k)
-                .into_iter()
-                .map(|id| (id, lp(id)))
-                .collect(),
-        }
+        let (lp, top) = scaled_logprobs(logits, token, k, t);
+        Logprobs { logprob: lp, top }
     }
 
     fn choose(&mut self, logits: &[f32]) -> u32 {
@@ -442,6 +415,72 @@ impl Sampler {
             r -= e.1;
         }
         c[c.len() - 1].0
+    }
+}
+
+/// `token`'s log-probability under `softmax(logits / t)` and the `k`
+/// most likely tokens' (largest first), in one fixed order of operations:
+/// the sampler's logprobs (`t`: its temperature) and the prompt's
+/// ([`prompt_logprob`], `t = 1`) are the same function.
+fn scaled_logprobs(logits: &[f32], token: u32, k: usize, t: f32) -> (f32, Vec<(u32, f32)>) {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|l| l.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = logits
+        .iter()
+        .filter(|l| l.is_finite())
+        .map(|&l| ((l - max) / t).exp())
+        .sum();
+    let norm = max / t + sum.ln();
+    let lp = |id: u32| {
+        let l = logits
+            .get(id as usize)
+            .copied()
+            .unwrap_or(f32::NEG_INFINITY);
+        if l.is_finite() {
+            l / t - norm
+        } else {
+            f32::NEG_INFINITY
+        }
+    };
+    let top = top_k(logits, k)
+        .into_iter()
+        .map(|id| (id, lp(id)))
+        .collect();
+    (lp(token), top)
+}
+
+/// A prompt token's score under the model, given the tokens before it:
+/// the raw distribution (no temperature, penalties or bias: vLLM's
+/// default for prompt logprobs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptLogprob {
+    /// The token's log-probability.
+    pub logprob: f32,
+    /// Its rank in the distribution: 1 + the tokens with a larger logit.
+    pub rank: u32,
+    /// The `k` most likely tokens and their log-probabilities, most likely
+    /// first (their ranks are 1, 2, ...).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `token`'s [`PromptLogprob`] from one position's logits row, with the
+/// `k` most likely alternatives. The one definition: the forward pass's
+/// chunked scoring (`LogitsWanted::Prompt`) and the reference
+/// (`Engine::prompt_logprobs_reference`) both call it.
+pub fn prompt_logprob(logits: &[f32], token: u32, k: usize) -> PromptLogprob {
+    let (logprob, top) = scaled_logprobs(logits, token, k, 1.0);
+    let own = logits
+        .get(token as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
+    let above = logits.iter().filter(|&&l| l > own).count();
+    PromptLogprob {
+        logprob,
+        rank: u32::try_from(above + 1).unwrap_or(u32::MAX),
+        top,
     }
 }
 

@@ -43,7 +43,7 @@ use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient, WriterError};
 use kvmesh_meshauth::grpc::Authenticated;
 use kvmesh_meshauth::{CallVerifier, MeshSecret};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
-use kvmesh_model::sampling::{Logprobs, Sampler};
+use kvmesh_model::sampling::{Logprobs, PromptLogprob, Sampler, MAX_TOP_LOGPROBS};
 use kvmesh_model::LoadedModel;
 use kvmesh_proto::internal::v1::prefill_server::{Prefill, PrefillServer};
 use kvmesh_proto::internal::v1::{
@@ -148,6 +148,8 @@ struct Job {
     writer: GrantWriter,
     /// The prefix-cache namespace, when the router sent one.
     ns: Option<Namespace>,
+    /// Score the prompt with this many alternatives per position.
+    prompt_logprobs: Option<usize>,
     done: oneshot::Sender<Result<Prefilled, PrefillError>>,
 }
 
@@ -161,6 +163,8 @@ pub struct Prefilled {
     /// Leading prompt tokens that came from this node's prefix cache (not
     /// computed).
     pub cached_tokens: u32,
+    /// When asked: entry `i` scores prompt token `i + 1`.
+    pub prompt_logprobs: Vec<PromptLogprob>,
 }
 
 /// A running prefill node.
@@ -398,6 +402,14 @@ impl PrefillNode {
             })
             .map_err(PrefillError::Invalid)?;
         let sampler = Sampler::new(params, &r.prompt_ids, &r.stop_token_ids);
+        let prompt_logprobs = match r.prompt_logprobs {
+            Some(k) if k as usize > MAX_TOP_LOGPROBS => {
+                return Err(PrefillError::Invalid(format!(
+                    "prompt_logprobs: at most {MAX_TOP_LOGPROBS}, got {k}"
+                )))
+            }
+            k => k.map(|k| k as usize),
+        };
         let ns = match r.cache_namespace.as_slice() {
             [] => None,
             b => Some(Namespace::from_slice(b).ok_or_else(|| {
@@ -417,6 +429,7 @@ impl PrefillNode {
                 sampler,
                 writer,
                 ns,
+                prompt_logprobs,
                 done,
             })))
             .await
@@ -514,10 +527,16 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
     }
     let mut admitted = Vec::new();
     for job in live {
-        // In a namespace the prompt's cached head is leased, not computed.
-        let admitted_seq = match job.ns {
-            Some(ns) => engine.admit_in(ns, job.prompt.clone(), 0),
-            None => engine.admit(job.prompt.clone(), 0),
+        // In a namespace the prompt's cached head is leased, not computed;
+        // a prompt to be scored skips the cache (neither leases nor offers
+        // pages): a cached head has no logits, so every position runs.
+        let admitted_seq = match (job.ns, job.prompt_logprobs) {
+            (_, Some(top)) => engine.admit(job.prompt.clone(), 0).and_then(|mut seq| {
+                seq.score_prompt(top)?;
+                Ok(seq)
+            }),
+            (Some(ns), None) => engine.admit_in(ns, job.prompt.clone(), 0),
+            (None, None) => engine.admit(job.prompt.clone(), 0),
         };
         match admitted_seq {
             Ok(seq) => admitted.push((job, seq)),
@@ -576,7 +595,9 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
     };
     match results {
         Ok(results) => {
-            for ((tx, mut sampler, cached), logits) in feeds.into_iter().zip(results) {
+            for (((tx, mut sampler, cached), logits), seq) in
+                feeds.into_iter().zip(results).zip(&mut seqs)
+            {
                 let end = match logits {
                     Ok(mut l) => {
                         let s = sampler.sample(&mut l);
@@ -584,6 +605,7 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
                             first_token: s.token,
                             first_logprobs: s.logprobs,
                             cached_tokens: cached,
+                            prompt_logprobs: seq.take_prompt_logprobs(),
                         })
                     }
                     Err(e) => Feed::Failed(e.into()),
@@ -670,6 +692,11 @@ impl Prefill for PrefillNode {
             first_token: p.first_token,
             cached_tokens: p.cached_tokens,
             first_logprobs: p.first_logprobs.map(kvmesh_proto::sampling::logprobs),
+            prompt_logprobs: p
+                .prompt_logprobs
+                .into_iter()
+                .map(kvmesh_proto::sampling::prompt_logprob)
+                .collect(),
         }))
     }
 

@@ -175,6 +175,12 @@ async fn run_prompt(
         if matches!(ev, Event::Error(_)) {
             rest = None;
         }
+        // Sample 0's first event goes out before the others start, so no
+        // event of theirs can overtake it: the front ends give the prompt's
+        // scores (`Event::Prompt`, sample 0's first) to every sample.
+        if tx.send((base, ev)).await.is_err() {
+            return;
+        }
         if let Some(rest) = rest.take() {
             for (i, admitted) in rest.into_iter().enumerate() {
                 let index = base + 1 + i;
@@ -192,9 +198,6 @@ async fn run_prompt(
                     }
                 }
             }
-        }
-        if tx.send((base, ev)).await.is_err() {
-            return;
         }
     }
     // The others run on; this task owns them until they end.

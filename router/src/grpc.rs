@@ -57,6 +57,17 @@ pub fn service(router: Router) -> tonic::transport::server::Router {
     }
 }
 
+/// A started request and what its messages need besides its events.
+struct Started {
+    choices: Choices,
+    /// How the answer's text becomes content and tool calls.
+    mode: crate::tools::Mode,
+    /// `echo`: the prompt's text, for each sample's first message.
+    echo: Option<String>,
+    /// `prompt_logprobs`: alternatives per prompt position.
+    scored: Option<usize>,
+}
+
 /// The Generation service.
 #[derive(Debug, Clone)]
 pub struct Api {
@@ -147,16 +158,32 @@ impl Api {
 
     /// Everything before the stream starts: the front-end-neutral request,
     /// validated, admitted, started on the mesh.
-    async fn start(
-        &self,
-        tenant: Tenant,
-        r: GenerateRequest,
-    ) -> Result<(Choices, crate::tools::Mode), GatewayError> {
+    /// Also what the answer's messages need besides the events: the tool
+    /// calls' parsing, the echoed prompt text (`echo`) and the prompt's
+    /// alternatives per position (`prompt_logprobs`).
+    async fn start(&self, tenant: Tenant, r: GenerateRequest) -> Result<Started, GatewayError> {
         let prompt = match r.input {
             Some(generate_request::Input::Prompt(text)) => Prompt::Text(text),
             Some(generate_request::Input::Chat(c)) => Prompt::Chat(chat(c)?),
             Some(generate_request::Input::TokenIds(t)) => Prompt::Ids(t.ids),
             None => return Err(invalid("input", "input: a prompt or a chat is required").into()),
+        };
+        let echo = match (&prompt, r.echo) {
+            (_, false) => None,
+            (Prompt::Text(t), true) => Some(t.clone()),
+            (Prompt::Ids(ids), true) => Some(
+                self.router
+                    .tokenizer()
+                    .decode(ids, false)
+                    .map_err(|e| invalid("input", e.to_string()))?,
+            ),
+            (Prompt::Chat(_), true) => {
+                return Err(invalid(
+                    "echo",
+                    "echo applies to a prompt or token ids, not to a chat",
+                )
+                .into())
+            }
         };
         let sampling = validate::SamplingIn {
             temperature: r.temperature.map(f64::from),
@@ -191,6 +218,7 @@ impl Api {
                 cache_salt: r.cache_salt,
                 structured: crate::structured::from_grpc(r.structured_output)?,
                 tools: crate::tools::from_grpc(r.tools, r.tool_choice, r.parallel_tool_calls)?,
+                prompt_logprobs: r.prompt_logprobs.map(u64::from),
                 ..validate::Request::new(prompt)
             },
         )?;
@@ -202,6 +230,7 @@ impl Api {
             }
         };
         let mode = valid.tool_mode().clone();
+        let scored = valid.settings().prompt_logprobs.map(|k| k as usize);
         let choices = Choices::start(
             &self.router,
             vec![valid],
@@ -210,7 +239,12 @@ impl Api {
             kvmesh_faults::FaultPlan::none(),
         )
         .await?;
-        Ok((choices, mode))
+        Ok(Started {
+            choices,
+            mode,
+            echo,
+            scored,
+        })
     }
 }
 
@@ -222,7 +256,12 @@ impl Generation for Api {
 
     async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<GenStream>, Status> {
         let tenant = self.tenant(&req)?;
-        let (mut g, mode) = self
+        let Started {
+            choices: mut g,
+            mode,
+            echo,
+            scored,
+        } = self
             .start(tenant, req.into_inner())
             .await
             .map_err(|e| self.fail(e))?;
@@ -236,6 +275,11 @@ impl Generation for Api {
             let mut left = g.len();
             let mut parsers: Vec<Parser> =
                 (0..g.len()).map(|_| Parser::new(mode.clone())).collect();
+            // Each sample's first message carries the echo and the
+            // prompt's scores (sample 0's `Event::Prompt`, which comes
+            // before every event of the other samples).
+            let mut opened = vec![false; g.len()];
+            let mut prompt_lps = Vec::new();
             loop {
                 // Leave as soon as the caller is gone: dropping the
                 // generation tells the mesh to abort.
@@ -245,7 +289,7 @@ impl Generation for Api {
                 };
                 let Some((i, ev)) = ev else { return };
                 let end = match &ev {
-                    Event::Text { .. } => false,
+                    Event::Text { .. } | Event::Prompt(_) => false,
                     Event::Done { .. } => {
                         left -= 1;
                         left == 0
@@ -253,6 +297,14 @@ impl Generation for Api {
                     Event::Error(_) => true,
                 };
                 let msg = match ev {
+                    Event::Prompt(tokens) => {
+                        prompt_lps = crate::logprobs::grpc_prompt(
+                            router.tokenizer(),
+                            &tokens,
+                            scored.unwrap_or(0),
+                        );
+                        GenerateResponse::default()
+                    }
                     Event::Text { text, logprobs } => GenerateResponse {
                         logprobs: lps[i].part(&logprobs).grpc(),
                         ..answer_message(parsers[i].push(&text))
@@ -282,10 +334,15 @@ impl Generation for Api {
                     }
                     Event::Error(e) => GatewayError::from(e).grpc_stream_end(),
                 };
-                let msg = GenerateResponse {
+                let mut msg = GenerateResponse {
                     index: u32::try_from(i).unwrap_or(u32::MAX),
                     ..msg
                 };
+                if let Some(first) = opened.get_mut(i).filter(|o| !**o) {
+                    *first = true;
+                    msg.prompt_text = echo.clone().unwrap_or_default();
+                    msg.prompt_logprobs = prompt_lps.clone();
+                }
                 if tx.send(Ok(msg)).await.is_err() || end {
                     return;
                 }

@@ -258,6 +258,20 @@ struct Shape {
     stream_usage: bool,
     /// Completions: the prompt's text opens the answer (`echo`).
     echo: bool,
+    /// Completions with `echo` and `logprobs`: the prompt's tokens open
+    /// each choice's logprobs, with this many alternatives.
+    echo_logprobs: Option<usize>,
+    /// vLLM's `prompt_logprobs`: the response carries the prompt's scores
+    /// with this many alternatives.
+    prompt_logprobs: Option<usize>,
+}
+
+impl Shape {
+    /// Whether the prompt is scored (its event opens each prompt's
+    /// stream).
+    fn scores_prompt(&self) -> bool {
+        self.echo_logprobs.is_some() || self.prompt_logprobs.is_some()
+    }
 }
 
 /// A parsed body: the front-end-neutral request of each prompt (one, or
@@ -325,15 +339,15 @@ fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
     } else {
         sampling.logprobs = b.get("logprobs")?;
         (sampling.logprobs_param, sampling.logprobs_max) = ("logprobs", 5);
-        let echo = b.get("echo")?.unwrap_or(false);
-        if echo && sampling.logprobs.is_some() {
-            return Err(invalid(
-                "echo",
-                "echo with logprobs (the prompt's logprobs) is not supported yet; echo alone is",
-            ));
-        }
-        (completion_prompt(b.get("prompt")?)?, echo)
+        (
+            completion_prompt(b.get("prompt")?)?,
+            b.get("echo")?.unwrap_or(false),
+        )
     };
+    // `echo` with `logprobs`: the prompt's tokens open the logprobs, with
+    // as many alternatives as the answer's (OpenAI's and vLLM's reading).
+    let echo_logprobs = if echo { sampling.logprobs } else { None };
+    let prompt_logprobs: Option<u64> = b.get("prompt_logprobs")?;
     let n = samples(&b, chat, prompt.len())?;
     let max_tokens: Option<u64> = b.get("max_tokens")?;
     let max_completion_tokens: Option<u64> = b.get("max_completion_tokens")?;
@@ -384,6 +398,8 @@ fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
             b.get("structured_outputs")?,
         )?,
         tools,
+        // Prefill computes the most alternatives either use asks for.
+        prompt_logprobs: prompt_logprobs.max(echo_logprobs),
         ..validate::Request::new(Prompt::Ids(Vec::new()))
     };
     let requests = prompt
@@ -397,6 +413,9 @@ fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
         stream,
         stream_usage: options.and_then(|o| o.include_usage).unwrap_or(true),
         echo,
+        // Validation bounds both (5 and 20) before the response is shaped.
+        echo_logprobs: echo_logprobs.map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
+        prompt_logprobs: prompt_logprobs.map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
     };
     Ok(Parsed { requests, n, shape })
 }

@@ -8,7 +8,7 @@
 use kvmesh_tokenizer::TextTokenizer;
 use serde_json::{json, Map, Value};
 
-use crate::mesh::TokenLogprob;
+use crate::mesh::{PromptToken, TokenLogprob};
 
 /// What a logprob of minus infinity is written as (JSON has no infinity;
 /// vLLM writes the same).
@@ -27,6 +27,9 @@ struct Entry {
     top: Vec<Named>,
     /// Characters before this token's text in the answer.
     offset: usize,
+    /// False for the prompt's first token (echo): nothing precedes it, so
+    /// it has no logprob and no alternatives (OpenAI and vLLM write null).
+    scored: bool,
 }
 
 /// Logprobs of some tokens of one answer.
@@ -66,7 +69,41 @@ impl<'a> Logprobs<'a> {
         let top = t.top.iter().map(|&(id, lp)| self.named(id, lp)).collect();
         let offset = self.offset;
         self.offset += token.text.chars().count();
-        Entry { token, top, offset }
+        Entry {
+            token,
+            top,
+            offset,
+            scored: true,
+        }
+    }
+
+    /// The prompt's tokens (`echo` with `logprobs`), with `k`
+    /// alternatives each, before any token of the answer: their offsets
+    /// run from 0 through the echoed prompt; the answer's go on from
+    /// where [`Self::new`] put them (the echoed text's length).
+    pub(crate) fn prompt(&mut self, tokens: &[PromptToken], k: usize) {
+        let answer = std::mem::replace(&mut self.offset, 0);
+        for t in tokens {
+            let mut e = match &t.score {
+                Some(s) => {
+                    let mut top = s.top.clone();
+                    top.truncate(k);
+                    self.entry(&TokenLogprob {
+                        id: t.id,
+                        logprob: s.logprob,
+                        top,
+                    })
+                }
+                None => self.entry(&TokenLogprob {
+                    id: t.id,
+                    logprob: 0.0,
+                    top: Vec::new(),
+                }),
+            };
+            e.scored = t.score.is_some();
+            self.entries.push(e);
+        }
+        self.offset = answer;
     }
 
     /// Adds `tokens` (the next of the answer).
@@ -95,6 +132,9 @@ impl<'a> Logprobs<'a> {
             .entries
             .iter()
             .map(|e| {
+                if !e.scored {
+                    return Value::Null;
+                }
                 let mut m = Map::new();
                 for n in e.top.iter().chain(std::iter::once(&e.token)) {
                     m.entry(n.text.clone()).or_insert(json!(n.logprob));
@@ -104,7 +144,7 @@ impl<'a> Logprobs<'a> {
             .collect();
         json!({
             "tokens": self.entries.iter().map(|e| e.token.text.as_str()).collect::<Vec<_>>(),
-            "token_logprobs": self.entries.iter().map(|e| e.token.logprob).collect::<Vec<_>>(),
+            "token_logprobs": self.entries.iter().map(|e| e.scored.then_some(e.token.logprob)).collect::<Vec<_>>(),
             "top_logprobs": top,
             "text_offset": self.entries.iter().map(|e| e.offset).collect::<Vec<_>>(),
         })
@@ -148,4 +188,52 @@ impl<'a> Logprobs<'a> {
             })
             .collect()
     }
+}
+
+/// vLLM's `prompt_logprobs`: `null` for the first prompt token, then per
+/// token a map from token id (a string, as JSON keys are) to `logprob`,
+/// `rank` and `decoded_token`, holding the prompt's own token first and
+/// the `k` most likely.
+pub(crate) fn vllm_prompt(tokenizer: &TextTokenizer, tokens: &[PromptToken], k: usize) -> Value {
+    let text = |id: u32| tokenizer.decode(&[id], false).unwrap_or_default();
+    let one = |id: u32, logprob: f32, rank: u32| {
+        json!({
+            "logprob": if logprob.is_finite() { logprob } else { FLOOR },
+            "rank": rank,
+            "decoded_token": text(id),
+        })
+    };
+    tokens
+        .iter()
+        .map(|t| {
+            let Some(s) = &t.score else {
+                return Value::Null;
+            };
+            let mut m = Map::new();
+            m.insert(t.id.to_string(), one(t.id, s.logprob, s.rank));
+            for (i, &(id, lp)) in s.top.iter().take(k).enumerate() {
+                m.entry(id.to_string())
+                    .or_insert_with(|| one(id, lp, u32::try_from(i + 1).unwrap_or(u32::MAX)));
+            }
+            Value::Object(m)
+        })
+        .collect()
+}
+
+/// The public gRPC API's `prompt_logprobs`: one entry per prompt token,
+/// `k` alternatives each; the first token's entry names it with logprob 0
+/// and no alternatives (see `GenerateResponse.prompt_logprobs`).
+pub(crate) fn grpc_prompt(
+    tokenizer: &TextTokenizer,
+    tokens: &[PromptToken],
+    k: usize,
+) -> Vec<kvmesh_proto::v1::TokenLogprob> {
+    let mut l = Logprobs::new(tokenizer, 0);
+    l.prompt(tokens, k);
+    let mut out = l.grpc();
+    if let Some(first) = out.first_mut() {
+        first.logprob = 0.0;
+        first.top_logprobs.clear();
+    }
+    out
 }

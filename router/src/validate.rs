@@ -30,6 +30,10 @@ pub const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"]
 /// `logit_bias` entries a request may carry at most.
 pub const MAX_LOGIT_BIAS: usize = 1024;
 
+/// Alternatives per prompt position a request may ask for at most
+/// (vLLM's `prompt_logprobs` limit, and the sampler's).
+pub const MAX_PROMPT_LOGPROBS: u64 = 20;
+
 /// `stop_token_ids` a request may carry at most.
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
@@ -72,6 +76,10 @@ pub struct Request {
     pub structured: Option<Structured>,
     /// Functions the model may call, and how (chat only).
     pub tools: Option<Tools>,
+    /// Score the prompt with this many alternatives per position (vLLM's
+    /// `prompt_logprobs`, or what `echo` with `logprobs` needs), 0 to
+    /// [`MAX_PROMPT_LOGPROBS`]; `None`: no scores.
+    pub prompt_logprobs: Option<u64>,
 }
 
 impl Request {
@@ -89,6 +97,7 @@ impl Request {
             cache_salt: None,
             structured: None,
             tools: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -149,6 +158,9 @@ pub struct Settings {
     /// prefix cache. It can only narrow what the tenant shares: the
     /// namespace is derived from the authenticated tenant first.
     pub cache_salt: Option<String>,
+    /// Score the prompt with this many alternatives per position (at most
+    /// [`MAX_PROMPT_LOGPROBS`]).
+    pub prompt_logprobs: Option<u32>,
 }
 
 /// A request that passed [`request`]: its prompt's token ids (at least
@@ -185,9 +197,15 @@ impl Valid {
     /// and settings, drawing with seed `seed + i` (wrapping), so each
     /// sample has its own random stream and sample `i` of a seeded request
     /// is what one request seeded `seed + i` gives. Sample 0 is `self`'s.
+    /// Only sample 0 scores the prompt: the prompt is the same for every
+    /// sample, so the front end gives sample 0's scores to all of them,
+    /// and the later samples still find the prompt in prefill's cache.
     pub fn sample(&self, i: u64) -> Valid {
         let mut settings = self.settings.clone();
         settings.sampling.seed = settings.sampling.seed.wrapping_add(i);
+        if i > 0 {
+            settings.prompt_logprobs = None;
+        }
         Valid {
             ids: self.ids.clone(),
             settings,
@@ -393,9 +411,22 @@ fn settings(req: &Request, vocab: usize) -> Result<Settings, Rejection> {
             ));
         }
     }
+    // After sampling's checks: `echo` with too many `logprobs` is refused
+    // naming `logprobs`, not the prompt_logprobs it implies.
+    let sampling = sampling(&req.sampling, max_tokens, vocab)?;
+    let prompt_logprobs = match req.prompt_logprobs {
+        Some(k) if k > MAX_PROMPT_LOGPROBS => {
+            return Err(invalid(
+                "prompt_logprobs",
+                format!("prompt_logprobs must be 0 to {MAX_PROMPT_LOGPROBS}, got {k}"),
+            ))
+        }
+        k => k.map(|k| k as u32),
+    };
     Ok(Settings {
+        prompt_logprobs,
         max_tokens,
-        sampling: sampling(&req.sampling, max_tokens, vocab)?,
+        sampling,
         stop: req.stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
         stop_token_ids: req.stop_token_ids.clone(),
         ignore_eos: req.ignore_eos,

@@ -95,7 +95,7 @@ fn quantized_chunked_prefill_equals_whole_prefill() {
             },
         }];
         let mut r = e.model().forward(&mut batch).expect("forward");
-        got = r.remove(0).expect("chunk");
+        got = r.remove(0).expect("chunk").logits;
     }
     assert_eq!(got.len(), 1);
     assert_eq!(bits(&got[0]), bits(&want));
@@ -226,4 +226,116 @@ fn passes_on_many_pool_threads_keep_one_workspace_sized_for_the_largest() {
     });
     let after = e.model().workspace_floats();
     assert!((1..=3).contains(&after.len()), "{after:?}");
+}
+
+/// Prompt logprobs (`LogitsWanted::Prompt`, blocked by `SCORE_ROWS`)
+/// against the whole logits matrix: the reference engine's function equals
+/// them to the bit, and a log-softmax computed here in f64 from the same
+/// rows agrees to rounding. 75 tokens: blocks of 32, 32 and 10.
+#[test]
+fn prompt_logprobs_equal_the_reference_and_a_direct_log_softmax() {
+    for precision in [Precision::Quantized, Precision::Exact] {
+        let (_dir, e) = tiny_engine(precision);
+        let p = prompt(75, 5);
+        let mut plain = e.admit(p.clone(), 1).expect("admit");
+        let last = e.prefill(&mut plain).expect("prefill");
+        drop(plain);
+        let mut seq = e.admit(p.clone(), 1).expect("admit");
+        seq.score_prompt(5).expect("score");
+        let scored_last = e.prefill(&mut seq).expect("prefill");
+        // Scoring changes nothing of what the sequence samples from.
+        assert_eq!(bits(&scored_last), bits(&last));
+        let got = seq.take_prompt_logprobs();
+        drop(seq);
+        assert_eq!(got.len(), p.len() - 1);
+        let reference = e.prompt_logprobs_reference(&p, 5).expect("reference");
+        for (i, (g, r)) in got.iter().zip(&reference).enumerate() {
+            assert_eq!(g.logprob.to_bits(), r.logprob.to_bits(), "position {i}");
+            assert_eq!(g.rank, r.rank, "position {i}");
+            assert_eq!(g.top.len(), 5);
+            for (a, b) in g.top.iter().zip(&r.top) {
+                assert_eq!((a.0, a.1.to_bits()), (b.0, b.1.to_bits()), "position {i}");
+            }
+        }
+        // Directly: every row's logits, log-softmax in f64.
+        let mut whole = e.admit(p.clone(), 1).expect("admit");
+        let rows = {
+            let mut batch = [SeqChunk {
+                tokens: &p,
+                start_pos: 0,
+                kv: whole.kv_mut(),
+                logits: LogitsWanted::All,
+            }];
+            e.model()
+                .forward(&mut batch)
+                .expect("forward")
+                .remove(0)
+                .expect("chunk")
+                .logits
+        };
+        for (i, g) in got.iter().enumerate() {
+            let row = &rows[i];
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&l| (l as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
+            let next = p[i + 1] as usize;
+            let direct = row[next] as f64 - lse;
+            assert!(
+                (direct - g.logprob as f64).abs() < 1e-4,
+                "position {i}: {direct} vs {}",
+                g.logprob
+            );
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            let ids: Vec<u32> = order[..5].iter().map(|&j| j as u32).collect();
+            assert_eq!(
+                g.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+                ids,
+                "position {i}"
+            );
+            let rank = order.iter().position(|&j| j == next).expect("in vocab");
+            assert!(g.rank as usize <= rank + 1, "position {i}");
+            assert!(g.logprob <= 0.0 && g.top[0].1 >= g.logprob);
+        }
+    }
+}
+
+/// Scored and unscored prompts in one batch: each gets what it gets alone.
+#[test]
+fn prompt_logprobs_are_the_same_batched() {
+    let (_dir, e) = tiny_engine(Precision::Quantized);
+    let prompts = [prompt(40, 1), prompt(9, 2), prompt(33, 3)];
+    let mut seqs: Vec<Sequence> = prompts
+        .iter()
+        .map(|p| e.admit(p.clone(), 1).expect("admit"))
+        .collect();
+    seqs[0].score_prompt(3).expect("score");
+    seqs[2].score_prompt(0).expect("score");
+    let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+    let last = e.prefill_batch(&mut refs).expect("batch");
+    let got: Vec<_> = seqs
+        .iter_mut()
+        .map(Sequence::take_prompt_logprobs)
+        .collect();
+    drop(seqs);
+    for (i, (l, got)) in last.into_iter().zip(got).enumerate() {
+        let l = l.expect("row");
+        let mut alone = e.admit(prompts[i].clone(), 1).expect("admit");
+        assert_eq!(bits(&l), bits(&e.prefill(&mut alone).expect("prefill")));
+        drop(alone);
+        match i {
+            1 => assert!(got.is_empty()),
+            _ => {
+                let k = if i == 0 { 3 } else { 0 };
+                assert_eq!(
+                    got,
+                    e.prompt_logprobs_reference(&prompts[i], k).expect("ref")
+                );
+            }
+        }
+    }
 }

@@ -35,6 +35,7 @@ pub(super) const COMMON_FIELDS: &[&str] = &[
     "user",
     "response_format",
     "structured_outputs",
+    "prompt_logprobs",
 ];
 
 /// Fields only completions bodies carry.
@@ -107,7 +108,6 @@ fn unknown_param(k: &str) -> &'static str {
         "guided_regex",
         "guided_grammar",
         "guided_choice",
-        "prompt_logprobs",
         "id",
         "request_id",
         "audio",

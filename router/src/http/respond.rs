@@ -140,6 +140,9 @@ pub(super) async fn whole(mut c: Choices, m: &Meta) -> Result<Value, GatewayErro
         .map(|t| logprobs::Logprobs::new(tokenizer, t.chars().count()))
         .collect();
     let mut choices: Vec<Option<Value>> = vec![None; k];
+    // Each prompt's vLLM `prompt_logprobs`, from its sample 0's first
+    // event (which precedes every event of its other samples).
+    let mut prompt_lps: Vec<Value> = vec![Value::Null; k.div_ceil(n.max(1))];
     let mut tally = Tally {
         left: k,
         ..Tally::default()
@@ -148,6 +151,17 @@ pub(super) async fn whole(mut c: Choices, m: &Meta) -> Result<Value, GatewayErro
     while tally.left > 0 {
         let Some((i, ev)) = c.next().await else { break };
         match ev {
+            Event::Prompt(tokens) => {
+                let p = i / n.max(1);
+                if let Some(k) = m.shape.echo_logprobs {
+                    for l in lps.iter_mut().skip(p * n).take(n) {
+                        l.prompt(&tokens, k);
+                    }
+                }
+                if let Some(k) = m.shape.prompt_logprobs {
+                    prompt_lps[p] = logprobs::vllm_prompt(tokenizer, &tokens, k);
+                }
+            }
             Event::Text { text, logprobs } => {
                 texts[i].push_str(&text);
                 lps[i].extend(&logprobs);
@@ -161,7 +175,11 @@ pub(super) async fn whole(mut c: Choices, m: &Meta) -> Result<Value, GatewayErro
                 let text = std::mem::take(&mut texts[i]);
                 choices[i] = Some(match m.kind {
                     Kind::Completion => {
-                        json!({"index": i, "text": text, "finish_reason": finish.as_str(), "logprobs": wants.then(|| lps[i].completion())})
+                        let mut v = json!({"index": i, "text": text, "finish_reason": finish.as_str(), "logprobs": wants.then(|| lps[i].completion())});
+                        if m.shape.prompt_logprobs.is_some() {
+                            v["prompt_logprobs"] = prompt_lps[i / n.max(1)].clone();
+                        }
+                        v
                     }
                     Kind::Chat if m.tool_mode == Mode::Text => {
                         json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish.as_str(), "logprobs": wants.then(|| lps[i].chat())})
@@ -190,9 +208,12 @@ pub(super) async fn whole(mut c: Choices, m: &Meta) -> Result<Value, GatewayErro
         // `next` ends only after every terminal event, counted above.
         return Err(DispatchError::Unfinished.into());
     }
-    Ok(
-        json!({"id": m.id, "object": m.object(false), "created": m.created, "model": m.model, "choices": choices.into_iter().flatten().collect::<Vec<_>>(), "usage": tally.usage(&c)}),
-    )
+    let mut body = json!({"id": m.id, "object": m.object(false), "created": m.created, "model": m.model, "choices": choices.into_iter().flatten().collect::<Vec<_>>(), "usage": tally.usage(&c)});
+    // Chat (one prompt): vLLM puts the prompt's scores beside the choices.
+    if let (Kind::Chat, Some(_)) = (m.kind, m.shape.prompt_logprobs) {
+        body["prompt_logprobs"] = prompt_lps.swap_remove(0);
+    }
+    Ok(body)
 }
 
 /// One SSE chunk of choice `index`.
@@ -204,6 +225,58 @@ fn chunk(
     finish: Value,
     usage: Option<Value>,
 ) -> SseEvent {
+    SseEvent::default().data(chunk_value(m, index, delta, lp, finish, usage).to_string())
+}
+
+/// A choice's opening chunk: a chat's role, an echoing completion's
+/// prompt (with the prompt's tokens' logprobs when `echo` has
+/// `logprobs`), and vLLM's `prompt_logprobs` when asked (`prompt`: the
+/// prompt's scored tokens, when the request scored it). `None` when
+/// there is nothing to open with.
+fn opening(
+    m: &Meta,
+    i: usize,
+    n: usize,
+    prompt: Option<&[crate::mesh::PromptToken]>,
+) -> Option<SseEvent> {
+    let tokenizer = m.router.tokenizer();
+    let (delta, lp) = match m.kind {
+        Kind::Chat => (json!({"role": "assistant", "content": ""}), None),
+        Kind::Completion => {
+            let lp = match (prompt, m.shape.echo_logprobs) {
+                (Some(t), Some(k)) => {
+                    let mut l = logprobs::Logprobs::new(tokenizer, 0);
+                    l.prompt(t, k);
+                    Some(l.completion())
+                }
+                _ => None,
+            };
+            if m.echo(i, n).is_empty() && lp.is_none() && m.shape.prompt_logprobs.is_none() {
+                return None;
+            }
+            (json!({"content": m.echo(i, n)}), lp)
+        }
+    };
+    let mut v = chunk_value(m, i, delta, lp, Value::Null, None);
+    if let (Some(t), Some(k)) = (prompt, m.shape.prompt_logprobs) {
+        let pl = logprobs::vllm_prompt(tokenizer, t, k);
+        match m.kind {
+            Kind::Chat => v["prompt_logprobs"] = pl,
+            Kind::Completion => v["choices"][0]["prompt_logprobs"] = pl,
+        }
+    }
+    Some(SseEvent::default().data(v.to_string()))
+}
+
+/// [`chunk`]'s JSON.
+fn chunk_value(
+    m: &Meta,
+    index: usize,
+    delta: Value,
+    lp: Option<Value>,
+    finish: Value,
+    usage: Option<Value>,
+) -> Value {
     let lp = lp.unwrap_or(Value::Null);
     let choice = match m.kind {
         Kind::Completion => {
@@ -217,11 +290,12 @@ fn chunk(
     if let Some(u) = usage {
         v["usage"] = u;
     }
-    SseEvent::default().data(v.to_string())
+    v
 }
 
 /// The SSE response: per choice, an opening chunk (a chat's role, an
-/// echoing completion's prompt), a chunk per text event and one with its
+/// echoing completion's prompt; when the prompt is scored, sent when its
+/// scores arrive, and carrying them), a chunk per text event and one with its
 /// finish reason; the last choice's finish chunk carries usage (unless
 /// `stream_options.include_usage` is false); then `[DONE]`. A failure
 /// after the response began is one error event
@@ -240,20 +314,11 @@ pub(super) fn stream(
     tokio::spawn(async move {
         let mut c = c;
         let (k, n) = (c.len(), c.n());
-        for i in 0..k {
-            let opening = match m.kind {
-                Kind::Chat => Some(json!({"role": "assistant", "content": ""})),
-                Kind::Completion if !m.echo(i, n).is_empty() => {
-                    Some(json!({"content": m.echo(i, n)}))
-                }
-                Kind::Completion => None,
-            };
-            if let Some(delta) = opening {
-                if tx
-                    .send(chunk(&m, i, delta, None, Value::Null, None))
-                    .await
-                    .is_err()
-                {
+        // A scored prompt's choices open at its `Event::Prompt` (the
+        // first of its stream), with the scores; the others at once.
+        for i in (0..k).filter(|_| !m.shape.scores_prompt()) {
+            if let Some(frame) = opening(&m, i, n, None) {
+                if tx.send(frame).await.is_err() {
                     return;
                 }
             }
@@ -276,6 +341,13 @@ pub(super) fn stream(
             };
             let Some((i, ev)) = ev else { return };
             let (frames, last) = match ev {
+                Event::Prompt(tokens) => {
+                    let p = i / n.max(1);
+                    let frames = (p * n..(p * n + n).min(k))
+                        .filter_map(|j| opening(&m, j, n, Some(&tokens)))
+                        .collect();
+                    (frames, false)
+                }
                 Event::Text { text, logprobs } => {
                     let lp = wants.then(|| {
                         let part = lps[i].part(&logprobs);

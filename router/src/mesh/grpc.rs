@@ -22,7 +22,7 @@ use kvmesh_proto::internal::v1::{
 use kvmesh_tokenizer::{TextOut, TextTokenizer};
 use tokio::sync::mpsc;
 
-use super::{Admitted, Event, Finish, Job, Mesh, TokenLogprob};
+use super::{Admitted, Event, Finish, Job, Mesh, PromptScore, PromptToken, TokenLogprob};
 use crate::error::{DispatchError, Rejection};
 use crate::metrics::Metrics;
 use crate::nodes::{Node, Nodes, Prefix, Role};
@@ -90,10 +90,14 @@ impl Mesh for GrpcMesh {
         // Fail fast with no node; the node itself is chosen again per try.
         self.nodes.pick(Role::Decode, needed(total), None)?;
         let near = job.placement.as_ref().and_then(|p| p.get());
+        // A prompt to be scored is computed whole (prefill skips its cache
+        // for it), so where its pages are cached does not matter: the
+        // prefill node is chosen by load alone (or the first sample's).
+        let prefill_prefix = prefix.as_ref().filter(|_| job.prompt_logprobs.is_none());
         let (prefill, p_report) = self.nodes.pick_near(
             Role::Prefill,
             needed(job.prompt_ids.len()),
-            prefix.as_ref(),
+            prefill_prefix,
             near.map(|(prefill, _)| prefill),
         )?;
         let busy = prefill.busy();
@@ -316,6 +320,7 @@ async fn run(
                 sampling: Some(sampling.clone()),
                 cache_namespace: cache_namespace.clone(),
                 stop_token_ids: stop_token_ids.clone(),
+                prompt_logprobs: job.prompt_logprobs,
             };
             let (node, faults) = (Arc::clone(prefill), job.faults.clone());
             tokio::spawn(async move {
@@ -337,6 +342,7 @@ async fn run(
             sampling: Some(sampling),
             cache_namespace,
             stop_token_ids,
+            prompt_logprobs: job.prompt_logprobs,
         },
         &job.faults,
     ));
@@ -346,6 +352,10 @@ async fn run(
     let mut prefill_cached = 0usize;
     // The first token's logprobs, from prefill's reply.
     let mut first_logprobs = None;
+    // The prompt's scores, from prefill's reply (when asked), and whether
+    // they went out: `Event::Prompt` comes before any other event.
+    let mut prompt_scores = None;
+    let mut prompt_sent = job.prompt_logprobs.is_none();
     // The answer can outrun prefill's reply (one token, an early stop):
     // before the end is reported, or the first token's logprobs are
     // needed, the reply is awaited (briefly; the transfer it answers for
@@ -360,8 +370,30 @@ async fn run(
                 {
                     prefill_done = true;
                     prefill_cached = resp.get_ref().cached_tokens as usize;
-                    first_logprobs = resp.into_inner().first_logprobs;
+                    let resp = resp.into_inner();
+                    first_logprobs = resp.first_logprobs;
+                    prompt_scores = Some(resp.prompt_logprobs);
                     prefill_guard.disarm();
+                }
+            }
+        };
+    }
+    // Sends `Event::Prompt` once, before the first text or the end: the
+    // reply is awaited for it if the token stream overtook it.
+    macro_rules! send_prompt {
+        () => {
+            // At the end of a request the flag is read no more.
+            #[allow(unused_assignments)]
+            if !prompt_sent {
+                settle_prefill!();
+                prompt_sent = true;
+                match prompt_event(&job.prompt_ids, prompt_scores.take()) {
+                    Ok(ev) => {
+                        if tx.send(ev).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(status) => return fail(node_err(Role::Prefill, prefill, status)).await,
                 }
             }
         };
@@ -384,6 +416,7 @@ async fn run(
                 if let Ok(resp) = &res {
                     prefill_cached = resp.get_ref().cached_tokens as usize;
                     first_logprobs = resp.get_ref().first_logprobs.clone();
+                    prompt_scores = Some(resp.get_ref().prompt_logprobs.clone());
                 }
                 if let (Err(s), false) = (res, duplicate) {
                     if kvmesh_proto::serve::is_draining(&s) {
@@ -393,6 +426,9 @@ async fn run(
                         return fail(DispatchError::NoHealthyNode { role: Role::Prefill }).await;
                     }
                     return fail(node_err(Role::Prefill, prefill, s)).await;
+                }
+                if !duplicate {
+                    send_prompt!();
                 }
             }
             () = tx.closed() => return,
@@ -404,6 +440,7 @@ async fn run(
                 };
                 match ev.event {
                     Some(decode_event::Event::Token(t)) => {
+                        send_prompt!();
                         let logprobs = if !wants_logprobs {
                             Vec::new()
                         } else {
@@ -447,6 +484,7 @@ async fn run(
                         }
                     }
                     Some(decode_event::Event::Finished(f)) => {
+                        send_prompt!();
                         match text.finish().map_err(|e| DispatchError::Tokenizer(e.to_string())) {
                             Ok(piece) if !piece.is_empty() => { let _ = tx.send(Event::Text { text: piece, logprobs: Vec::new() }).await; }
                             Ok(_) => {}
@@ -468,6 +506,36 @@ async fn run(
             }
         }
     }
+}
+
+/// Prefill's prompt scores (entry `i` for token `i + 1`) with the prompt's
+/// tokens as one [`Event::Prompt`]; a reply without them, or with another
+/// count, is the node's fault.
+fn prompt_event(
+    prompt: &[u32],
+    scores: Option<Vec<kvmesh_proto::internal::v1::PromptLogprob>>,
+) -> Result<Event, tonic::Status> {
+    let scores = scores.unwrap_or_default();
+    if scores.len() + 1 != prompt.len() {
+        return Err(tonic::Status::internal(format!(
+            "{} prompt scores for a prompt of {} tokens",
+            scores.len(),
+            prompt.len()
+        )));
+    }
+    let rest = prompt[1..].iter().zip(scores).map(|(&id, s)| PromptToken {
+        id,
+        score: Some(PromptScore {
+            logprob: s.logprob,
+            rank: s.rank,
+            top: s.top_ids.into_iter().zip(s.top_logprobs).collect(),
+        }),
+    });
+    let first = PromptToken {
+        id: prompt[0],
+        score: None,
+    };
+    Ok(Event::Prompt(std::iter::once(first).chain(rest).collect()))
 }
 
 /// A node's report of a token's logprobs as the gateway's.

@@ -78,9 +78,34 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
+/// A prompt token and, for every token but the first, its score under the
+/// model given the tokens before it (computed by prefill).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptToken {
+    /// The token.
+    pub id: u32,
+    /// `None` for the first prompt token, which nothing precedes.
+    pub score: Option<PromptScore>,
+}
+
+/// A prompt token's raw log-probability, rank and the most likely
+/// alternatives at its position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptScore {
+    /// Its logprob.
+    pub logprob: f32,
+    /// 1 + the tokens with a larger logit.
+    pub rank: u32,
+    /// The alternatives, most likely first (ranks 1, 2, ...).
+    pub top: Vec<(u32, f32)>,
+}
+
 /// What the mesh streams to the gateway.
 #[derive(Debug)]
 pub enum Event {
+    /// The prompt's tokens and scores, when the request asked for them
+    /// ([`Job::prompt_logprobs`]): before any other event.
+    Prompt(Vec<PromptToken>),
     /// New text (whole UTF-8 characters, possibly none) and, when the
     /// request asked for logprobs, those of the tokens generated since the
     /// last event, in order (a token whose text is held back, by an
@@ -131,6 +156,10 @@ pub struct Job {
     /// Shared by the samples of one prompt ([`crate::choices`]): where the
     /// first ran, which the later ones prefer.
     pub placement: Option<Arc<Placement>>,
+    /// Score the prompt with this many alternatives per position: the
+    /// stream opens with [`Event::Prompt`]. Prefill then computes every
+    /// position (no prefix-cache lookup for the prompt).
+    pub prompt_logprobs: Option<u32>,
 }
 
 /// Where the first sample of a prompt ran (its prefill and decode nodes,
@@ -192,6 +221,7 @@ impl Admitted {
                 cache_salt: s.cache_salt,
                 faults,
                 placement: None,
+                prompt_logprobs: s.prompt_logprobs,
             },
             slot: Slot { _permit: permit },
         }
@@ -280,7 +310,7 @@ impl Generation {
             }
         };
         match &ev {
-            Event::Text { .. } => {}
+            Event::Text { .. } | Event::Prompt(_) => {}
             Event::Done { finish, .. } => self.end(finish.as_str()),
             Event::Error(e) => self.end(e.kind()),
         }
