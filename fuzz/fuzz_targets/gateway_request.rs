@@ -65,6 +65,16 @@ fuzz_target!(|data: &[u8]| {
                 assert!(kvmesh_proto::sampling::params(p, || router().vocabulary()).is_ok());
                 assert!(s.stop.len() <= 4 && s.stop.iter().all(|x| !x.is_empty()));
                 assert!(ids.iter().all(|&t| t < 512));
+                // Prompt scores: 0-20 alternatives, as a node accepts.
+                assert!(s.prompt_logprobs.is_none_or(|k| k <= 20));
+                // A tool choice that constrains the output came with its
+                // grammar (checked to compile above).
+                if matches!(
+                    v.tool_mode(),
+                    kvmesh_router::tools::Mode::Named(_) | kvmesh_router::tools::Mode::Required
+                ) {
+                    assert!(!p.grammar.is_empty());
+                }
             }
         }
         Err(Rejection::Invalid { param, .. }) => assert!(!param.is_empty()),
