@@ -26,9 +26,9 @@ pub struct BenchArgs {
     /// Batch sizes of the decode measurement.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     batch: Vec<usize>,
-    /// Score the prompt in the prefill measurement (prompt logprobs with
+    /// Also measure prefills that score the prompt (prompt logprobs with
     /// this many alternatives, as `echo` / `prompt_logprobs` ask prefill
-    /// to): its cost against a run without.
+    /// to), taking turns with the plain ones: both rows and the ratio.
     #[arg(long)]
     prompt_logprobs: Option<usize>,
     /// Repetitions; the median is reported.
@@ -69,17 +69,28 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let kv = engine.pool().config().dtype;
 
     let prompt = filler(&engine, args.prompt_tokens)?;
+    // Plain prefills, and with --prompt-logprobs scored ones taking turns
+    // with them, so a slow spell of a shared host falls on both.
     let mut prefill = Vec::new();
+    let mut scored = Vec::new();
     for _ in 0..repeats {
-        let mut seq = engine.admit(prompt.clone(), 1)?;
-        if let Some(k) = args.prompt_logprobs {
-            seq.score_prompt(k)?;
+        for score in std::iter::once(None).chain(args.prompt_logprobs.map(Some)) {
+            let mut seq = engine.admit(prompt.clone(), 1)?;
+            if let Some(k) = score {
+                seq.score_prompt(k)?;
+            }
+            let t = Instant::now();
+            engine.prefill(&mut seq)?;
+            let rate = args.prompt_tokens as f64 / t.elapsed().as_secs_f64();
+            if score.is_some() {
+                scored.push(rate);
+            } else {
+                prefill.push(rate);
+            }
         }
-        let t = Instant::now();
-        engine.prefill(&mut seq)?;
-        prefill.push(args.prompt_tokens as f64 / t.elapsed().as_secs_f64());
     }
     let prefill = median(prefill);
+    let scored = (!scored.is_empty()).then(|| median(scored));
 
     let mut decode = Vec::new();
     for &b in &args.batch {
@@ -113,8 +124,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .map(|(b, r)| format!("{{\"batch\":{b},\"tokens_per_s\":{r:.1}}}"))
             .collect();
         println!(
-            "{{\"threads\":{threads},\"mode\":\"{mode}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},\"decode\":[{}]}}",
+            "{{\"threads\":{threads},\"mode\":\"{mode}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},{}\"decode\":[{}]}}",
             args.prompt_tokens,
+            scored.map_or_else(String::new, |r| format!("\"scored_prefill_tokens_per_s\":{r:.1},")),
             decode_json.join(",")
         );
     } else {
@@ -127,6 +139,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
             format!("prefill {} tokens", args.prompt_tokens),
             prefill
         );
+        if let (Some(r), Some(k)) = (scored, args.prompt_logprobs) {
+            println!(
+                "{:<28} {:>12.1}   (time {:.3}x the plain prefill's)",
+                format!("  scored, {k} alternatives"),
+                r,
+                prefill / r
+            );
+        }
         for (b, r) in &decode {
             println!(
                 "{:<28} {:>12.1}",
