@@ -322,15 +322,8 @@ fn official_openai_client_structured_output() {
 /// need its window (the tiny model's 256 tokens cannot hold the tools
 /// preamble).
 fn smollm2() -> Option<PathBuf> {
-    let non_empty = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
-    let dir = match (non_empty("KVMESH_HOME"), non_empty("HOME")) {
-        (Some(d), _) => PathBuf::from(d),
-        (None, Some(h)) => PathBuf::from(h).join(".cache").join("kvmesh"),
-        (None, None) => return None,
-    };
-    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    path.is_file().then_some(path).or_else(|| {
-        eprintln!("note: SmolLM2 is not fetched; the client's tools test is skipped");
+    kvmesh_model::default_model::cached_default_model().or_else(|| {
+        eprintln!("note: SmolLM2 is not fetched; the client's tools test is skipped (run `kvmesh fetch-model`)");
         None
     })
 }

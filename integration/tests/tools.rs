@@ -20,24 +20,16 @@ use serde_json::{json, Value};
 
 const BUDGET: u32 = 80;
 
-/// `kvmesh fetch-model`'s file, if it is there.
+/// SmolLM2-135M-Instruct (`kvmesh fetch-model`'s), if it is there: tools
+/// need its window (the tiny model's 256 tokens cannot hold the tools
+/// preamble).
 fn smollm2() -> Option<PathBuf> {
-    let non_empty = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
-    let dir = match (non_empty("KVMESH_HOME"), non_empty("HOME")) {
-        (Some(d), _) => PathBuf::from(d),
-        (None, Some(h)) => PathBuf::from(h).join(".cache").join("kvmesh"),
-        (None, None) => return None,
-    };
-    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if path.is_file() {
-        Some(path)
-    } else {
+    kvmesh_model::default_model::cached_default_model().or_else(|| {
         eprintln!(
-            "note: {} is not there; the tools test is skipped (run `kvmesh fetch-model`)",
-            path.display()
+            "note: SmolLM2 is not fetched; the tools test is skipped (run `kvmesh fetch-model`)"
         );
         None
-    }
+    })
 }
 
 fn weather_schema() -> Value {

@@ -487,6 +487,15 @@ impl Shared {
             .all(|w| w.load(Ordering::Acquire) >= self.cfg.page_size)
     }
 
+    /// Whether `owner` holds `entry`'s page at its generation and the page
+    /// is full at every layer: what may enter the cache.
+    fn holds_full(&self, owner: OwnerTag, entry: PageRef) -> bool {
+        let p = entry.page as usize;
+        self.owner.get(p).map(|o| o.load(Ordering::Acquire)) == Some(owner.get())
+            && self.generation(p) == Some(entry.generation)
+            && self.page_full(p)
+    }
+
     /// A reservation's end with the cache in play: its full, written pages
     /// whose keys the cache lacks enter the cache (while it has room, and
     /// only as a run from the first page, since a page after a gap could
@@ -509,11 +518,7 @@ impl Shared {
                     let Some(entry) = table.get(i).copied() else {
                         break;
                     };
-                    let p = entry.page as usize;
-                    let ours = self.owner.get(p).map(|o| o.load(Ordering::Acquire))
-                        == Some(owner.get())
-                        && self.generation(p) == Some(entry.generation);
-                    if !ours || !self.page_full(p) {
+                    if !self.holds_full(owner, entry) {
                         break;
                     }
                     if st.cache.contains(key) {
@@ -619,11 +624,7 @@ impl Shared {
                 let Some(entry) = table.get(i).copied() else {
                     break;
                 };
-                let p = entry.page as usize;
-                let ours = self.owner.get(p).map(|o| o.load(Ordering::Acquire))
-                    == Some(owner.get())
-                    && self.generation(p) == Some(entry.generation);
-                if !ours || !self.page_full(p) || st.cache.contains(key) {
+                if !self.holds_full(owner, entry) || st.cache.contains(key) {
                     break;
                 }
                 // The planted bug counts no lease here either, as in
