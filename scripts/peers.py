@@ -150,6 +150,13 @@ T0 = time.time()
 
 
 def log(msg):
+    """Progress, on a terminal only: a log or a pipe gets the tables (and
+    every warning and failure, through warn)."""
+    if sys.stderr.isatty():
+        warn(msg)
+
+
+def warn(msg):
     print(f"[peers {time.time() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
@@ -881,7 +888,7 @@ def multi_turn_setup(args, skip, gguf, threads):
     try:
         script, counts = mt_script(gguf, conversations, turns, answer, args.mt_seed)
     except Exception as e:
-        log(f"multi-turn failed: no script: {type(e).__name__}: {e}")
+        warn(f"multi-turn failed: no script: {type(e).__name__}: {e}")
         return {"skipped": f"no script: {type(e).__name__}: {e}", "failed": True}
     users = [n for conv in counts["user_tokens"] for n in conv]
     n_ctx = max(MT_N_CTX, -(-mt_context(counts, answer) // 512) * 512)
@@ -910,7 +917,7 @@ def multi_turn_round(mt, chat, kvmesh, gguf, threads):
             mt["rounds"]["llama.cpp"].append(chat.multi_turn(mt["script"]))
             log(f"llama.cpp: multi-turn, turn {mt['turns']} TTFT {last(mt['rounds']['llama.cpp'][-1]):.1f} ms")
         except Exception as e:
-            log(f"llama.cpp multi-turn failed: {type(e).__name__}: {e}")
+            warn(f"llama.cpp multi-turn failed: {type(e).__name__}: {e}")
             mt["errors"]["llama.cpp"] = f"{type(e).__name__}: {e}"
     if "kvmesh" in mt["engines"] and "kvmesh" not in mt["errors"]:
         try:
@@ -921,7 +928,7 @@ def multi_turn_round(mt, chat, kvmesh, gguf, threads):
                                              "sequential": True})
             log(f"kvmesh: multi-turn, turn {mt['turns']} TTFT {last(mt['rounds']['kvmesh'][-1]):.1f} ms")
         except Exception as e:
-            log(f"kvmesh multi-turn failed: {type(e).__name__}: {e}")
+            warn(f"kvmesh multi-turn failed: {type(e).__name__}: {e}")
             mt["errors"]["kvmesh"] = f"{type(e).__name__}: {e}"
 
 
@@ -937,7 +944,7 @@ def measure(args):
     gguf = ensure_gguf(Path(args.gguf), kvmesh_path)
     load_at_start = round(os.getloadavg()[0], 2)
     if load_at_start > BUSY_LOAD:
-        log(f"warning: load average {load_at_start} before the run: other work on the machine skews every figure")
+        warn(f"warning: load average {load_at_start} before the run: other work on the machine skews every figure")
     res = {}
     ids = prompt_ids(gguf)
     log(f"prompt: {len(ids)} tokens, the filler's {len(set(ids))} distinct ids repeated")
@@ -945,7 +952,7 @@ def measure(args):
         try:
             res["transformers"] = run_transformers(gguf, threads, args.repeats, args.decode_tokens, ids)
         except Exception as e:  # report, and go on with the others
-            log(f"transformers failed: {type(e).__name__}: {e}")
+            warn(f"transformers failed: {type(e).__name__}: {e}")
             res["transformers"] = {"error": f"{type(e).__name__}: {e}"}
     mt, chat = multi_turn_setup(args, skip, gguf, threads), None
     # llama.cpp and kvmesh take turns, round by round, so a slow spell of
@@ -959,14 +966,14 @@ def measure(args):
             log(f"llama.cpp: llama-cpp-python {llama_cpp.__version__}, {threads} threads")
             eng = LlamaCpp(gguf, threads)
         except Exception as e:
-            log(f"llama.cpp failed: {type(e).__name__}: {e}")
+            warn(f"llama.cpp failed: {type(e).__name__}: {e}")
             res["llama.cpp"] = {"error": f"{type(e).__name__}: {e}"}
     if "llama.cpp" in mt.get("engines", ()):
         try:
             chat = LlamaChat(gguf, threads, mt["n_ctx"])
             mt["info"]["llama.cpp"] = chat.info
         except Exception as e:
-            log(f"llama.cpp multi-turn failed: {type(e).__name__}: {e}")
+            warn(f"llama.cpp multi-turn failed: {type(e).__name__}: {e}")
             mt["errors"]["llama.cpp"] = f"{type(e).__name__}: {e}"
     try:
         for r in range(args.rounds):
@@ -976,7 +983,7 @@ def measure(args):
                     rounds["llama.cpp"].append(
                         llama_cpp_round(eng, ids, args.repeats, args.decode_tokens, warm_up=r == 0))
                 except Exception as e:
-                    log(f"llama.cpp failed: {type(e).__name__}: {e}")
+                    warn(f"llama.cpp failed: {type(e).__name__}: {e}")
                     res["llama.cpp"] = {"error": f"{type(e).__name__}: {e}"}
             if "kvmesh" not in skip and "kvmesh" not in res:
                 try:
@@ -984,7 +991,7 @@ def measure(args):
                         run_kvmesh(kvmesh_path, gguf, threads, args.repeats, args.decode_tokens))
                     log(f"kvmesh: {rounds['kvmesh'][-1]}")
                 except Exception as e:
-                    log(f"kvmesh failed: {e}")
+                    warn(f"kvmesh failed: {e}")
                     res["kvmesh"] = {"error": str(e)}
             multi_turn_round(mt, chat, kvmesh_path, gguf, threads)
     finally:

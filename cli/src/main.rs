@@ -27,6 +27,7 @@ mod config;
 mod doctor;
 mod loadgen;
 mod percentile;
+mod progress;
 mod serve;
 mod soak;
 

