@@ -52,6 +52,18 @@ WORDS = ("river stone lantern orchard copper meadow harbor thistle quarry violet
          "ember saddle glacier pepper tundra falcon marble willow cobalt acorn").split()
 
 
+def sse_events(resp):
+    """The JSON events of a server-sent-events response, up to `[DONE]`."""
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 class Server:
     def __init__(self, url):
         u = urllib.parse.urlparse(url)
@@ -71,14 +83,7 @@ class Server:
         if resp.status != 200:
             raise RuntimeError(f"{path}: HTTP {resp.status}: {resp.read()[:300]!r}")
         times, usage = {}, None
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            ev = json.loads(data)
+        for ev in sse_events(resp):
             now = time.perf_counter() - start
             if ev.get("usage"):
                 usage = ev["usage"]

@@ -21,6 +21,8 @@ import subprocess
 import time
 import urllib.parse
 
+from bench_costs import sse_events
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a land far away,",
@@ -40,14 +42,7 @@ def mesh_run(url, prompt, max_tokens):
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
     text, first, tokens = "", None, 0
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            break
-        ev = json.loads(data)
+    for ev in sse_events(resp):
         piece = ev["choices"][0].get("text") or ""
         if piece and first is None:
             first = time.perf_counter()
