@@ -13,10 +13,14 @@
 mod config;
 mod grammar;
 mod prefix;
+mod sequence;
+mod step;
 mod stopping;
 
 pub use config::{check_pool_capacity, EngineConfig};
 pub use prefix::{PrefixCache, PREFIX_CACHE_SHARE};
+pub use sequence::Sequence;
+pub use step::{StepItem, StepWork};
 pub use stopping::Stopping;
 
 use std::path::Path;
@@ -73,116 +77,6 @@ pub struct Generation {
     pub text: String,
     /// Why it stopped.
     pub finish_reason: FinishReason,
-}
-
-/// A sequence admitted to the engine: its tokens and its pages.
-///
-/// Dropping it releases its pages (RAII through the reservation).
-#[derive(Debug)]
-pub struct Sequence {
-    kv: Reservation,
-    tokens: Vec<u32>,
-    prompt_len: usize,
-    max_len: usize,
-    /// Tokens whose K/V are in the cache.
-    cached: usize,
-    /// Its namespace and page keys, when the prefix cache is on and the
-    /// sequence was started in a namespace.
-    prefix: Option<prefix::CachedSeq>,
-    /// Score the prompt when it runs, with this many alternatives
-    /// ([`Sequence::score_prompt`]).
-    score: Option<usize>,
-    /// The prompt's scores once it ran (position `i` scores token `i + 1`).
-    prompt_logprobs: Vec<PromptLogprob>,
-}
-
-impl Sequence {
-    fn new(kv: Reservation, tokens: Vec<u32>, max_len: usize, cached: usize) -> Self {
-        let prompt_len = tokens.len();
-        Self {
-            kv,
-            tokens,
-            prompt_len,
-            max_len,
-            cached,
-            prefix: None,
-            score: None,
-            prompt_logprobs: Vec::new(),
-        }
-    }
-
-    /// Asks the prefill of this sequence ([`Engine::prefill`],
-    /// [`Engine::prefill_batch`], [`Engine::prefill_batch_streamed`]) for
-    /// the prompt's logprobs, with `top` alternatives each
-    /// ([`Self::take_prompt_logprobs`]). Only a sequence with nothing
-    /// cached can: a cached head is not computed, so its logits do not
-    /// exist (admit it with [`Engine::admit`], not `admit_in`).
-    pub fn score_prompt(&mut self, top: usize) -> Result<()> {
-        if self.cached > 0 {
-            return Err(invalid(
-                "prompt_logprobs",
-                &self.cached.to_string(),
-                "the sequence's head came from the prefix cache; prompt logprobs need every position computed",
-            ));
-        }
-        if top > crate::sampling::MAX_TOP_LOGPROBS {
-            return Err(invalid(
-                "prompt_logprobs",
-                &top.to_string(),
-                &format!("at most {}", crate::sampling::MAX_TOP_LOGPROBS),
-            ));
-        }
-        self.score = Some(top);
-        Ok(())
-    }
-
-    /// The prompt's logprobs after its prefill, when [`Self::score_prompt`]
-    /// asked: entry `i` is prompt token `i + 1`'s (the first token has
-    /// none); empty otherwise.
-    pub fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprob> {
-        std::mem::take(&mut self.prompt_logprobs)
-    }
-}
-
-/// Which logits a sequence's prompt chunk asks for.
-fn prompt_wanted(seq: &Sequence) -> LogitsWanted {
-    match seq.score {
-        Some(top) => LogitsWanted::Prompt { top },
-        None => LogitsWanted::Last,
-    }
-}
-
-impl Drop for Sequence {
-    /// Offers the written full pages to the prefix cache (when the
-    /// sequence has a namespace); the reservation then ends as always.
-    fn drop(&mut self) {
-        if let Some(p) = &mut self.prefix {
-            p.offer(&mut self.kv, &self.tokens, self.cached);
-        }
-    }
-}
-
-impl Sequence {
-    /// All tokens so far (prompt and generated).
-    pub fn tokens(&self) -> &[u32] {
-        &self.tokens
-    }
-    /// Prompt length.
-    pub fn prompt_len(&self) -> usize {
-        self.prompt_len
-    }
-    /// Generated tokens so far.
-    pub fn generated(&self) -> &[u32] {
-        &self.tokens[self.prompt_len..]
-    }
-    /// The sequence's reservation (its page table and owner).
-    pub fn kv(&self) -> &Reservation {
-        &self.kv
-    }
-    /// Mutable access to the reservation, for tests that forge page tables.
-    pub fn kv_mut(&mut self) -> &mut Reservation {
-        &mut self.kv
-    }
 }
 
 /// Where [`Engine::prefill_batch_streamed`] hands each computed layer:
@@ -484,7 +378,7 @@ impl Engine {
             let mut batch: Vec<SeqChunk<'_>> = seqs
                 .iter_mut()
                 .map(|s| SeqChunk {
-                    logits: prompt_wanted(s),
+                    logits: s.prompt_wanted(),
                     tokens: &s.tokens[s.cached..],
                     start_pos: s.cached,
                     kv: &mut s.kv,
@@ -499,7 +393,7 @@ impl Engine {
     pub fn prefill(&self, seq: &mut Sequence) -> Result<Vec<f32>> {
         let mut results = {
             let start = seq.cached;
-            let logits = prompt_wanted(seq);
+            let logits = seq.prompt_wanted();
             let mut batch = [SeqChunk {
                 tokens: &seq.tokens[start..],
                 start_pos: start,
@@ -650,148 +544,6 @@ impl Engine {
             finish_reason: finish,
         })
     }
-
-    /// Run one mixed step over several sequences as a single batch: each
-    /// item either runs the next `n` uncached prompt tokens of its
-    /// sequence ([`StepWork::Prefill`], a chunk of a prompt) or appends one
-    /// sampled token and runs it ([`StepWork::Decode`]). This is what lets
-    /// a scheduler interleave a long prompt's chunks with other sequences'
-    /// decode tokens (chunked prefill).
-    ///
-    /// Per item, in order: `Ok(Some(logits))` for a decode token and for
-    /// the chunk that completes the uncached tokens (its last position's
-    /// logits); `Ok(None)` for a chunk that leaves tokens uncached (no
-    /// vocabulary projection is run for it); `Err` for an item that is
-    /// invalid (a chunk of 0 tokens or past the uncached ones, a decode
-    /// onto a sequence with uncached tokens or at its budget, a token id
-    /// outside the vocabulary) or that failed on its own (a guard
-    /// violation or KV write error). An invalid item is not run and does
-    /// not stop the others; a sequence whose item failed must be dropped.
-    ///
-    /// The outer `Err` is a failure of the whole batch (a compute error):
-    /// every sequence is then as before the call (a decode token pushed
-    /// here is removed again, and the cached count is unchanged; KV slots
-    /// past it may hold partial writes, which the next write overwrites).
-    ///
-    /// Cost: one [`Llama::forward`] over the sum of the items' tokens, and
-    /// the vocabulary projection only for the items that return logits.
-    pub fn step(&self, work: &mut [StepItem<'_>]) -> Result<Vec<Result<Option<Vec<f32>>>>> {
-        let vocab = self.model.config().vocab_size;
-        let bad = |field: &str, value: String, reason: String| ModelError::InvalidField {
-            path: "<step>".into(),
-            field: field.into(),
-            value,
-            reason,
-        };
-        // Per item: the span of tokens it runs, or why it is not run.
-        let mut plan: Vec<std::result::Result<(usize, usize), ModelError>> =
-            Vec::with_capacity(work.len());
-        for item in work.iter_mut() {
-            let seq = &mut *item.seq;
-            let uncached = seq.tokens.len() - seq.cached;
-            let span = match item.work {
-                StepWork::Prefill(n) if n == 0 || n > uncached => Err(bad(
-                    "prefill tokens",
-                    n.to_string(),
-                    format!(
-                        "the sequence has {uncached} uncached tokens; a chunk runs 1 to that many"
-                    ),
-                )),
-                StepWork::Prefill(n) => Ok((seq.cached, seq.cached + n)),
-                StepWork::Decode(_) if uncached > 0 => Err(bad(
-                    "decode token",
-                    String::new(),
-                    format!("the sequence still has {uncached} uncached tokens"),
-                )),
-                StepWork::Decode(_) if seq.tokens.len() >= seq.max_len => {
-                    Err(ModelError::ContextLengthExceeded {
-                        prompt_tokens: seq.prompt_len,
-                        max_new_tokens: seq.max_len - seq.prompt_len,
-                        limit: seq.max_len,
-                    })
-                }
-                StepWork::Decode(tok) => {
-                    seq.tokens.push(tok);
-                    Ok((seq.cached, seq.cached + 1))
-                }
-            };
-            // Checked per item here: the forward pass would refuse the
-            // whole batch for one bad id.
-            let span = span.and_then(|(a, b)| {
-                match seq.tokens[a..b].iter().find(|&&t| t as usize >= vocab) {
-                    Some(&t) => {
-                        if let StepWork::Decode(_) = item.work {
-                            seq.tokens.pop();
-                        }
-                        Err(bad(
-                            "token id",
-                            t.to_string(),
-                            format!("the vocabulary has {vocab} tokens"),
-                        ))
-                    }
-                    None => Ok((a, b)),
-                }
-            });
-            plan.push(span);
-        }
-        let forward = {
-            let mut batch: Vec<SeqChunk<'_>> = work
-                .iter_mut()
-                .zip(&plan)
-                .filter_map(|(item, span)| {
-                    let &(a, b) = span.as_ref().ok()?;
-                    let s = &mut *item.seq;
-                    Some(SeqChunk {
-                        tokens: &s.tokens[a..b],
-                        start_pos: a,
-                        kv: &mut s.kv,
-                        logits: if b == s.tokens.len() {
-                            LogitsWanted::Last
-                        } else {
-                            LogitsWanted::None
-                        },
-                    })
-                })
-                .collect();
-            self.model.forward(&mut batch)
-        };
-        let results = match forward {
-            Ok(r) => r,
-            Err(e) => {
-                for (item, span) in work.iter_mut().zip(&plan) {
-                    if let (StepWork::Decode(_), Ok(_)) = (item.work, span) {
-                        item.seq.tokens.pop();
-                    }
-                }
-                return Err(e);
-            }
-        };
-        let mut results = results.into_iter();
-        Ok(work
-            .iter_mut()
-            .zip(plan)
-            .map(|(item, span)| {
-                let (_, end) = span?;
-                let out = results.next().unwrap_or_else(|| {
-                    Err(ModelError::Compute {
-                        detail: "the forward pass returned fewer results than chunks".into(),
-                    })
-                })?;
-                let seq = &mut *item.seq;
-                seq.cached = end;
-                if end < seq.tokens.len() {
-                    return Ok(None);
-                }
-                out.logits
-                    .into_iter()
-                    .next()
-                    .map(Some)
-                    .ok_or_else(|| ModelError::Compute {
-                        detail: "step returned no logits".into(),
-                    })
-            })
-            .collect())
-    }
 }
 
 /// After a batched forward pass: marks every sequence's tokens cached and
@@ -824,32 +576,5 @@ fn invalid(field: &str, value: &str, reason: &str) -> ModelError {
         field: field.into(),
         value: value.into(),
         reason: reason.into(),
-    }
-}
-
-/// What one sequence does in an [`Engine::step`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StepWork {
-    /// Run the next this-many uncached tokens (a prompt chunk).
-    Prefill(usize),
-    /// Append this sampled token and run it (the sequence has no uncached
-    /// tokens).
-    Decode(u32),
-}
-
-/// One sequence's share of an [`Engine::step`].
-#[derive(Debug)]
-pub struct StepItem<'a> {
-    /// The sequence.
-    pub seq: &'a mut Sequence,
-    /// Its work this step.
-    pub work: StepWork,
-}
-
-impl Sequence {
-    /// Tokens whose K/V are in the cache; `tokens().len() - cached_len()`
-    /// are still to run.
-    pub fn cached_len(&self) -> usize {
-        self.cached
     }
 }

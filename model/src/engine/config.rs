@@ -19,7 +19,7 @@ pub struct EngineConfig {
     pub scrub: ScrubMode,
     /// Debug poison mode (I6).
     pub poison: bool,
-    /// How weights are held when [`Engine::load`] reads the model
+    /// How weights are held when [`super::Engine::load`] reads the model
     /// (f32 exact mode by default, the mode the golden files check).
     pub precision: Precision,
     /// Element type of the KV pool; `None` ("auto", as vLLM's
