@@ -12,6 +12,20 @@
 use crate::error::Result;
 use crate::text::{StreamDecoder, TextTokenizer};
 
+/// Bytes at the end of `text` that could be the start of `needle`: the
+/// longest tail of `text` that `needle` begins with (0 when none, or when
+/// `needle` is empty). What a stream holds back until it knows whether
+/// `needle` follows (a stop string, a tool call's opening tag).
+pub fn partial_tail(text: &str, needle: &str) -> usize {
+    if needle.is_empty() {
+        return 0;
+    }
+    text.char_indices()
+        .map(|(i, _)| &text[i..])
+        .find(|tail| needle.starts_with(tail))
+        .map_or(0, str::len)
+}
+
 /// Incremental detokenization ([`StreamDecoder`]: whole characters only)
 /// followed by stop-string matching.
 #[derive(Debug)]
@@ -83,16 +97,12 @@ impl<'a> TextOut<'a> {
             return (out, true);
         }
         // Hold back the longest tail that could begin a stop string.
-        let mut keep = 0;
-        for s in self.stop.iter().filter(|s| !s.is_empty()) {
-            for (i, _) in self.held.char_indices() {
-                let tail = &self.held[i..];
-                if s.starts_with(tail) {
-                    keep = keep.max(tail.len());
-                    break;
-                }
-            }
-        }
+        let keep = self
+            .stop
+            .iter()
+            .map(|s| partial_tail(&self.held, s))
+            .max()
+            .unwrap_or(0);
         let cut = self.held.len() - keep;
         let out = self.held[..cut].to_owned();
         self.held.drain(..cut);
@@ -104,6 +114,16 @@ impl<'a> TextOut<'a> {
 mod tests {
     use super::*;
     use crate::testing::tiny_text_tokenizer;
+
+    #[test]
+    fn the_partial_tail_is_the_longest_that_could_begin_the_needle() {
+        assert_eq!(partial_tail("hello <tool", "<tool_call>"), 5);
+        assert_eq!(partial_tail("a <", "<tool_call>"), 1);
+        assert_eq!(partial_tail("abc", "xyz"), 0);
+        assert_eq!(partial_tail("abc", ""), 0);
+        // Whole characters: a tail never starts inside one.
+        assert_eq!(partial_tail("aé", "éx"), 2);
+    }
 
     #[test]
     fn min_tokens_holds_stop_strings_off() {

@@ -167,10 +167,7 @@ impl Parser {
                 continue;
             }
             // Hold back a tail that `<tool_call>` could start with.
-            let keep = (1..OPEN.len())
-                .rev()
-                .find(|&k| self.buf.ends_with(&OPEN[..k]))
-                .unwrap_or(0);
+            let keep = kvmesh_tokenizer::stop::partial_tail(&self.buf, OPEN);
             let cut = self.buf.len() - keep;
             if cut > 0 {
                 out.push(Out::Content(self.buf[..cut].to_owned()));
