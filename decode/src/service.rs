@@ -33,6 +33,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::batcher::{self, Job, Open, Work};
+use crate::metrics::StepMetrics;
 use kvmesh_proto::serve::cut_set;
 
 /// How prefill writers reach this node's pool.
@@ -115,6 +116,8 @@ pub(crate) struct Inner {
     kv_endpoint: String,
     jobs: mpsc::Sender<Work>,
     depth: Arc<AtomicUsize>,
+    /// The batcher's step series (`/metrics`).
+    steps: Arc<StepMetrics>,
     kv_server: KvServer,
     /// Checks every gRPC call's proof of the mesh secret; counts refusals.
     calls: Arc<CallVerifier>,
@@ -208,11 +211,13 @@ impl DecodeNode {
         let (jobs, rx) = mpsc::channel(1024);
         let depth = Arc::new(AtomicUsize::new(0));
         let (cut, cut_rx) = watch::channel(false);
+        let steps = Arc::new(StepMetrics::default());
         let batcher = {
-            let (engine, depth) = (Arc::clone(&engine), Arc::clone(&depth));
+            let (engine, depth, steps) =
+                (Arc::clone(&engine), Arc::clone(&depth), Arc::clone(&steps));
             std::thread::Builder::new()
                 .name(format!("decode-{}", cfg.name))
-                .spawn(move || batcher::run(engine, rx, depth, cut_rx))
+                .spawn(move || batcher::run(engine, rx, depth, cut_rx, steps))
                 .map_err(|e| NodeError::Config(format!("cannot start the batcher thread: {e}")))?
         };
         Ok(Self {
@@ -224,6 +229,7 @@ impl DecodeNode {
                 kv_endpoint,
                 jobs,
                 depth,
+                steps,
                 kv_server: server,
                 calls: Arc::new(CallVerifier::new(cfg.mesh_secret)),
                 draining: AtomicBool::new(false),
@@ -267,7 +273,20 @@ impl DecodeNode {
         )
     }
 
-    fn load_report(&self, known_cache_epoch: u64) -> LoadReport {
+    /// The node's Prometheus text: its load report's series, then the
+    /// batcher's steps (what `GET /metrics` on its gRPC port answers).
+    pub fn metrics_text(&self) -> String {
+        let report = self.load_report(None);
+        let mut out = String::new();
+        kvmesh_proto::metrics::render_report(&report, &mut out);
+        let labels = kvmesh_proto::metrics::node_labels(&report.node, NodeRole::Decode);
+        self.inner.steps.render(&labels, &mut out);
+        out
+    }
+
+    /// The load report; the prefix-cache advert (routing ids) only with
+    /// `known_cache_epoch` (the router's poll), not for `/metrics`.
+    fn load_report(&self, known_cache_epoch: Option<u64>) -> LoadReport {
         let stats = self.inner.table.stats();
         let pool = self.inner.table.pool().stats();
         LoadReport {
@@ -302,10 +321,8 @@ impl DecodeNode {
                 .filter(|(_, n)| *n > 0)
                 .map(|(k, n)| (k.to_owned(), n))
                 .collect(),
-            ..self
-                .inner
-                .engine
-                .cache_advert(known_cache_epoch)
+            ..known_cache_epoch
+                .and_then(|known| self.inner.engine.cache_advert(known))
                 .map_or_else(LoadReport::default, |(tag, ix)| {
                     LoadReport::cache_advert(tag.as_bytes(), ix.epoch, ix.ids)
                 })
@@ -590,7 +607,7 @@ impl Decode for DecodeNode {
 
     async fn load(&self, req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
         Ok(Response::new(
-            self.load_report(req.get_ref().known_cache_epoch),
+            self.load_report(Some(req.get_ref().known_cache_epoch)),
         ))
     }
 }

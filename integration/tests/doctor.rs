@@ -149,3 +149,74 @@ fn doctor_catches_a_pool_that_cannot_hold_the_context() {
         "{v:#}"
     );
 }
+
+/// `kvmesh doctor --url http://ADDR --json`: (exit code, report).
+fn doctor_url(addr: &str) -> (i32, Value) {
+    let out = run_kvmesh(
+        &["doctor", "--url", &format!("http://{addr}"), "--json"],
+        &[],
+    );
+    let (stdout, stderr) = texts(&out);
+    let v: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("doctor's JSON: {e}: {stdout} {stderr}"));
+    (out.status.code().expect("exit code"), v)
+}
+
+#[test]
+fn doctor_checks_a_running_serve_through_its_router() {
+    let model = kvmesh_integration::tiny_model_dir();
+    // A healthy `kvmesh serve` (its secret never leaves the process):
+    // every node is up at the router, holds a context, and agrees.
+    let mesh = kvmesh_integration::mesh::Mesh::start(&model, &[]);
+    let (code, v) = doctor_url(&mesh.http);
+    assert_eq!(code, 0, "{v:#}");
+    assert_eq!(v["url"], format!("http://{}", mesh.http));
+    for node in ["prefill-0", "decode-0"] {
+        for check in ["up at the router", "pool holds a context", "clock"] {
+            assert_eq!(status(&v, node, check), "ok", "{node} {check}: {v:#}");
+        }
+    }
+    for check in [
+        "version",
+        "model",
+        "context limit",
+        "KV element type",
+        "page size",
+    ] {
+        assert_eq!(status(&v, "mesh", check), "ok", "{check}: {v:#}");
+    }
+    drop(mesh);
+
+    // A planted undersized pool on both nodes: each fails the pool check.
+    let small = kvmesh_integration::mesh::Mesh::start(
+        &model,
+        &["--kv-pool-tokens", "32", "--allow-small-pool"],
+    );
+    let (code, v) = doctor_url(&small.http);
+    assert_eq!(code, 1, "{v:#}");
+    let mut fails = failed(&v);
+    fails.sort();
+    assert_eq!(
+        fails,
+        [
+            "decode-0 pool holds a context",
+            "prefill-0 pool holds a context"
+        ],
+        "{v:#}"
+    );
+    drop(small);
+
+    // Nothing listening: the router check fails, and nothing else runs.
+    let port = kvmesh_integration::roles::free_port();
+    let (code, v) = doctor_url(&format!("127.0.0.1:{port}"));
+    assert_eq!(code, 1, "{v:#}");
+    assert_eq!(failed(&v), ["router HTTP reachable"], "{v:#}");
+    // A bad address is refused before anything is asked.
+    let out = run_kvmesh(&["doctor", "--url", "https://x:1"], &[]);
+    assert!(!out.status.success());
+    assert!(
+        texts(&out).1.contains("expected http://HOST:PORT"),
+        "{:?}",
+        texts(&out)
+    );
+}

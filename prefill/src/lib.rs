@@ -28,7 +28,10 @@
 //! next layer and the decode node's abort ends their reservations); the
 //! server stops and the compute thread is joined.
 
+mod metrics;
 mod run;
+
+use metrics::PrefillMetrics;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -201,6 +204,8 @@ struct Inner {
     drain_timeout: Duration,
     /// The compute thread, joined when the node stops.
     compute: Mutex<Option<JoinHandle<()>>>,
+    /// Batches and transfers (`/metrics`).
+    metrics: Arc<PrefillMetrics>,
 }
 
 /// Counts a Prefill call until it returns: the drain waits for none.
@@ -271,15 +276,17 @@ impl PrefillNode {
         let handle = tokio::runtime::Handle::try_current().map_err(|_| {
             PrefillError::Invalid("start the prefill node inside a tokio runtime".into())
         })?;
+        let metrics = Arc::new(PrefillMetrics::default());
         let compute = {
-            let (engine, depth, stopped) = (
+            let (engine, depth, stopped, metrics) = (
                 Arc::clone(&engine),
                 Arc::clone(&depth),
                 Arc::clone(&stopped),
+                Arc::clone(&metrics),
             );
             std::thread::Builder::new()
                 .name(format!("prefill-{}", cfg.name))
-                .spawn(move || compute(engine, rx, depth, handle, stopped))
+                .spawn(move || compute(engine, rx, depth, handle, stopped, metrics))
                 .map_err(|e| {
                     PrefillError::Invalid(format!("cannot start the compute thread: {e}"))
                 })?
@@ -301,6 +308,7 @@ impl PrefillNode {
                 open: Arc::default(),
                 drain_timeout: cfg.drain_timeout,
                 compute: Mutex::new(Some(compute)),
+                metrics,
             }),
         })
     }
@@ -481,6 +489,7 @@ fn compute(
     depth: Arc<AtomicUsize>,
     rt: tokio::runtime::Handle,
     stopped: Stopped,
+    metrics: Arc<PrefillMetrics>,
 ) {
     let mut stopping = false;
     while !stopping {
@@ -504,12 +513,18 @@ fn compute(
         }
         depth.fetch_add(batch.len(), Ordering::Relaxed);
         let n = batch.len();
-        run_batch(&engine, batch, &rt, &stopped);
+        run_batch(&engine, batch, &rt, &stopped, &metrics);
         depth.fetch_sub(n, Ordering::Relaxed);
     }
 }
 
-fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stopped: &Stopped) {
+fn run_batch(
+    engine: &Engine,
+    batch: Vec<Job>,
+    rt: &tokio::runtime::Handle,
+    stopped: &Stopped,
+    metrics: &Arc<PrefillMetrics>,
+) {
     // Requests already gone (aborted before compute) leave now.
     let mut live = Vec::new();
     for job in batch {
@@ -559,7 +574,10 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
     let (spare_tx, spare_rx) = std::sync::mpsc::channel();
     let mut feeds = Vec::with_capacity(admitted.len());
     let mut seqs = Vec::with_capacity(admitted.len());
+    let (mut computed, mut from_cache) = (0, 0);
     for (job, seq) in admitted {
+        from_cache += seq.cached_len();
+        computed += job.prompt.len().saturating_sub(seq.cached_len());
         let Job {
             sampler,
             writer,
@@ -574,10 +592,12 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
             done,
             Arc::clone(stopped),
             spare_tx.clone(),
+            Arc::clone(metrics),
         ));
         feeds.push((tx, sampler, cached));
         seqs.push(seq);
     }
+    let began = std::time::Instant::now();
     let results = {
         let mut refs: Vec<&mut kvmesh_model::engine::Sequence> = seqs.iter_mut().collect();
         // Moved in: the closure runs on a compute pool thread (`Send`).
@@ -593,6 +613,7 @@ fn run_batch(engine: &Engine, batch: Vec<Job>, rt: &tokio::runtime::Handle, stop
             let _ = feeds[i].0.try_send(feed);
         })
     };
+    metrics.batch(seqs.len(), began.elapsed(), computed, from_cache);
     match results {
         Ok(results) => {
             for (((tx, mut sampler, cached), logits), seq) in
@@ -645,8 +666,11 @@ async fn ship(
     done: oneshot::Sender<Result<Prefilled, PrefillError>>,
     stopped: Stopped,
     spare: std::sync::mpsc::Sender<(Vec<f32>, Vec<f32>)>,
+    metrics: Arc<PrefillMetrics>,
 ) {
     let id = writer.grant().reservation;
+    let began = std::time::Instant::now();
+    let mut bytes = 0;
     let r = async {
         let first = loop {
             match feed.recv().await {
@@ -654,7 +678,9 @@ async fn ship(
                     if is_stopped(&stopped, id) {
                         return Err(WriterError::Aborted(id).into());
                     }
-                    writer.write_layer(l, &k, &v).await?;
+                    let wrote = writer.write_layer(l, &k, &v).await;
+                    bytes = writer.bytes_written();
+                    wrote?;
                     // Back to the compute thread (gone once the batch
                     // ended: then they are simply freed).
                     let _ = spare.send((k, v));
@@ -672,6 +698,12 @@ async fn ship(
         Ok(first)
     }
     .await;
+    let outcome = match &r {
+        Ok(_) => "completed",
+        Err(PrefillError::Writer(e)) => e.kind(),
+        Err(_) => "failed",
+    };
+    metrics.transfer(outcome, began.elapsed(), bytes);
     let _ = done.send(r);
 }
 
@@ -712,12 +744,34 @@ impl Prefill for PrefillNode {
     }
 
     async fn load(&self, req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+        Ok(Response::new(
+            self.load_report(Some(req.get_ref().known_cache_epoch)),
+        ))
+    }
+}
+
+impl PrefillNode {
+    /// The node's Prometheus text: its load report's series, then its
+    /// batches and transfers (what `GET /metrics` on its gRPC port
+    /// answers).
+    pub fn metrics_text(&self) -> String {
+        let report = self.load_report(None);
+        let mut out = String::new();
+        kvmesh_proto::metrics::render_report(&report, &mut out);
+        let labels = kvmesh_proto::metrics::node_labels(
+            &report.node,
+            kvmesh_proto::internal::v1::NodeRole::Prefill,
+        );
+        self.inner.metrics.render(&labels, &mut out);
+        out
+    }
+
+    /// The load report; the prefix-cache advert (routing ids) only with
+    /// `known_cache_epoch` (the router's poll), not for `/metrics`.
+    fn load_report(&self, known_cache_epoch: Option<u64>) -> LoadReport {
         let pool = self.inner.engine.pool().stats();
-        let advert = self
-            .inner
-            .engine
-            .cache_advert(req.get_ref().known_cache_epoch);
-        Ok(Response::new(LoadReport {
+        let advert = known_cache_epoch.and_then(|known| self.inner.engine.cache_advert(known));
+        LoadReport {
             node: self.inner.name.clone(),
             role: kvmesh_proto::internal::v1::NodeRole::Prefill.into(),
             kv_pages_total: pool.capacity_pages as u64,
@@ -750,7 +804,7 @@ impl Prefill for PrefillNode {
                     self.inner.engine.max_model_len(),
                     self.inner.engine.pool().config().dtype.name(),
                 )
-        }))
+        }
     }
 }
 

@@ -25,7 +25,15 @@ pub async fn run<F>(
 where
     F: Future<Output = ()>,
 {
-    let mut server = Serving::start(tonic::service::Routes::new(node.service()), listener);
+    let metrics = {
+        let node = node.clone();
+        Arc::new(move || node.metrics_text())
+    };
+    let mut server = Serving::start(
+        tonic::service::Routes::new(node.service()),
+        listener,
+        Some(metrics),
+    );
     // The structured-output vocabulary (a token trie, a few hundred ms for
     // a large vocabulary) is built off the async workers now, so the first
     // constrained request does not wait for it.

@@ -10,6 +10,7 @@
 
 #![allow(missing_docs, clippy::all)]
 
+pub mod metrics;
 pub mod peer;
 #[cfg(feature = "sampling")]
 pub mod sampling;

@@ -18,6 +18,8 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
+use crate::metrics::{Render, CONTENT_TYPE};
+
 /// The metadata key of a call a draining node refused (value
 /// [`DRAINING`]): the caller may choose another node, and its client gets
 /// a retryable 503, not a node failure.
@@ -59,6 +61,9 @@ where
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     tokio::spawn(
         tonic::transport::Server::builder()
+            // HTTP/1.1 for `/metrics` (a Prometheus scrape); gRPC stays
+            // HTTP/2, and a gRPC path asked over HTTP/1.1 fails as gRPC.
+            .accept_http1(true)
             .add_routes(routes)
             .serve_with_incoming_shutdown(incoming, stop),
     )
@@ -108,11 +113,22 @@ impl Serving {
     /// (service `""`) is SERVING until [`Serving::draining`]. It is what
     /// an orchestrator's readiness probe asks (Kubernetes' `grpc` probe),
     /// so it answers without the mesh secret's proof; it tells nothing
-    /// but that status.
-    pub fn start(routes: Routes, listener: TcpListener) -> Self {
+    /// but that status. With `metrics`, `GET /metrics` on the same port
+    /// answers the node's Prometheus text (HTTP/1.1, no proof either:
+    /// counts and gauges, never a prompt, key or reservation id).
+    pub fn start(routes: Routes, listener: TcpListener, metrics: Option<Render>) -> Self {
         let (health, health_service) = tonic_health::server::health_reporter();
         let (stop, stopped) = oneshot::channel::<()>();
-        let server = serve(routes.add_service(health_service), listener, async {
+        let mut routes = routes.add_service(health_service);
+        if let Some(render) = metrics {
+            let route = axum::routing::get(move || {
+                let text = render();
+                async move { ([(axum::http::header::CONTENT_TYPE, CONTENT_TYPE)], text) }
+            });
+            let router = std::mem::take(routes.axum_router_mut()).route("/metrics", route);
+            *routes.axum_router_mut() = router;
+        }
+        let server = serve(routes, listener, async {
             let _ = stopped.await;
         });
         Self {
@@ -199,6 +215,7 @@ pub async fn settle(deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     #[test]
     fn a_draining_refusal_is_told_apart_from_a_node_that_is_down() {
@@ -235,7 +252,8 @@ mod tests {
         use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let server = Serving::start(Routes::default(), listener);
+        let text = Arc::new(|| "kvmesh_up 1\n".to_owned());
+        let server = Serving::start(Routes::default(), listener, Some(text));
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
             .expect("endpoint")
             .connect()
@@ -263,6 +281,17 @@ mod tests {
             .await
             .expect_err("unknown service");
         assert_eq!(err.code(), tonic::Code::NotFound);
+        // `/metrics` over HTTP/1.1 on the same port, beside gRPC.
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut http = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        http.write_all(b"GET /metrics HTTP/1.1\r\nhost: node\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("write");
+        let mut answer = String::new();
+        http.read_to_string(&mut answer).await.expect("read");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.contains(CONTENT_TYPE), "{answer}");
+        assert!(answer.ends_with("\r\n\r\nkvmesh_up 1\n"), "{answer}");
         server.stop(Duration::from_secs(1), "test").await;
     }
 }

@@ -9,54 +9,34 @@ use std::fmt::Write;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+use kvmesh_proto::internal::v1::LoadReport;
+use kvmesh_proto::metrics::{escape, header, sample, Histogram, SECONDS};
+
 use crate::mesh::Mesh;
 use crate::nodes::Nodes;
-
-/// Histogram bucket bounds, seconds.
-const BUCKETS: [f64; 14] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-];
-
-#[derive(Debug, Default)]
-struct Histogram {
-    counts: [u64; BUCKETS.len()],
-    sum: f64,
-    n: u64,
-}
-
-impl Histogram {
-    fn observe(&mut self, secs: f64) {
-        for (c, b) in self.counts.iter_mut().zip(BUCKETS) {
-            if secs <= b {
-                *c += 1;
-            }
-        }
-        self.sum += secs;
-        self.n += 1;
-    }
-
-    fn render(&self, name: &str, help: &str, out: &mut String) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (c, b) in self.counts.iter().zip(BUCKETS) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
-        }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.n);
-        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.n);
-    }
-}
 
 #[derive(Debug, Default)]
 struct State {
     requests: BTreeMap<&'static str, u64>,
     rejected: BTreeMap<&'static str, u64>,
+}
+
+/// The counters.
+#[derive(Debug)]
+pub struct Metrics {
+    state: Mutex<State>,
     ttft: Histogram,
     itl: Histogram,
 }
 
-/// The counters.
-#[derive(Debug, Default)]
-pub struct Metrics {
-    state: Mutex<State>,
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            state: Mutex::default(),
+            ttft: Histogram::new(SECONDS),
+            itl: Histogram::new(SECONDS),
+        }
+    }
 }
 
 impl Metrics {
@@ -80,12 +60,12 @@ impl Metrics {
 
     /// Time to first token.
     pub fn ttft(&self, d: Duration) {
-        self.with(|s| s.ttft.observe(d.as_secs_f64()));
+        self.ttft.observe(d.as_secs_f64());
     }
 
     /// Time between tokens.
     pub fn itl(&self, d: Duration) {
-        self.with(|s| s.itl.observe(d.as_secs_f64()));
+        self.itl.observe(d.as_secs_f64());
     }
 
     /// The Prometheus text: the gateway's series, then `mesh`'s.
@@ -100,9 +80,19 @@ impl Metrics {
             for (k, v) in &s.rejected {
                 let _ = writeln!(out, "kvmesh_requests_rejected_total{{reason=\"{k}\"}} {v}");
             }
-            s.ttft.render("kvmesh_time_to_first_token_seconds", "Time from dispatch to the first token.", &mut out);
-            s.itl.render("kvmesh_inter_token_latency_seconds", "Time between consecutive tokens.", &mut out);
         });
+        self.ttft.render(
+            "kvmesh_time_to_first_token_seconds",
+            "Time from dispatch to the first token.",
+            "",
+            &mut out,
+        );
+        self.itl.render(
+            "kvmesh_inter_token_latency_seconds",
+            "Time between consecutive tokens.",
+            "",
+            &mut out,
+        );
         mesh.render_metrics(&mut out);
         out
     }
@@ -225,7 +215,74 @@ pub(crate) fn render_nodes(nodes: &Nodes, out: &mut String) {
             }
         }
     }
+    render_identity(nodes, out);
     render_prefix_cache(nodes, out);
+}
+
+/// Per node, what `kvmesh doctor --url` compares across the mesh: its
+/// build, model and KV layout, the longest request it takes, and its clock
+/// against the router's (read when its last load report was rendered, so
+/// good to a poll interval: far inside mesh auth's 60-s window).
+fn render_identity(nodes: &Nodes, out: &mut String) {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i128);
+    let reports: Vec<_> = nodes
+        .all()
+        .iter()
+        .filter_map(|n| Some((n, n.report()?)))
+        .collect();
+    let node = |n: &crate::nodes::Node| {
+        format!("node=\"{}\",role=\"{}\"", escape(&n.name), n.role.as_str())
+    };
+    header(
+        out,
+        "kvmesh_node_info",
+        "The node's build, model and KV layout, from its last load report (value 1).",
+        "gauge",
+    );
+    for (n, r) in &reports {
+        sample(
+            out,
+            "kvmesh_node_info",
+            &format!(
+                "{},version=\"{}\",model=\"{}\",kv_dtype=\"{}\",max_model_len=\"{}\"",
+                node(n),
+                escape(&r.version),
+                escape(&r.model),
+                escape(&r.kv_dtype),
+                r.max_model_len
+            ),
+            1,
+        );
+    }
+    type Get = fn(&LoadReport, i128) -> String;
+    let series: [(&str, &str, Get); 3] = [
+        (
+            "kvmesh_node_max_sequence_tokens",
+            "The longest prompt plus completion the node accepts: the smaller of the context window and its pool.",
+            |r, _| r.max_seq_tokens.to_string(),
+        ),
+        (
+            "kvmesh_node_page_size_tokens",
+            "Token slots per KV page of the node.",
+            |r, _| r.page_size.to_string(),
+        ),
+        (
+            "kvmesh_node_clock_skew_seconds",
+            "The node's clock minus the router's, as of its last load report (positive: the node is ahead).",
+            |r, now_ms| format!("{:.3}", (i128::from(r.unix_ms) - now_ms) as f64 / 1000.0),
+        ),
+    ];
+    for (name, help, get) in series {
+        header(out, name, help, "gauge");
+        for (n, r) in &reports {
+            if name == "kvmesh_node_clock_skew_seconds" && r.unix_ms == 0 {
+                continue;
+            }
+            sample(out, name, &node(n), get(r, now_ms));
+        }
+    }
 }
 
 /// Per node, its prefix cache (from the load report's `prefix_cache` map).

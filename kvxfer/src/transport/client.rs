@@ -329,6 +329,7 @@ impl KvClient {
             encoded: Vec::new(),
             faults: FaultPlan::none(),
             frames: 0,
+            bytes: 0,
             held_back: None,
         })
     }
@@ -428,6 +429,8 @@ pub struct GrantWriter {
     faults: FaultPlan,
     /// Page writes made so far (the `frame:N` fault index).
     frames: u32,
+    /// K and V bytes handed to the path so far ([`GrantWriter::bytes_written`]).
+    bytes: u64,
     /// `done=reorder`: the transfer's last page write, sent after
     /// transfer-done.
     held_back: Option<HeldWrite>,
@@ -471,6 +474,12 @@ impl GrantWriter {
     /// Layers written so far.
     pub fn layers_written(&self) -> u16 {
         self.next_layer
+    }
+
+    /// K and V bytes written through the path so far (what a transfer
+    /// costs the wire, framing aside).
+    pub fn bytes_written(&self) -> u64 {
+        self.bytes
     }
 
     /// Writes layer `layer` (the next one, in order) of every prompt
@@ -595,6 +604,7 @@ impl GrantWriter {
                     })
                     .await?;
                 s.frames_sent += 1;
+                self.bytes += (kw.len() + vb.len()) as u64;
             }
             self.encoded = std::mem::take(&mut kv);
         }
