@@ -24,6 +24,9 @@
 //!   [`grpc::Authenticated`] wraps a server and refuses calls without a
 //!   valid proof before the service sees them; [`grpc::Signer`] is the
 //!   client interceptor that adds one.
+//! - [`tls`] (feature `tls`): mutual TLS (rustls, TLS 1.3) for the gRPC
+//!   channels and the TCP KV transport, from a CA, a certificate and a key
+//!   named in the mesh file, reloaded when they change; refusals counted.
 //!
 //! # What this stops, and what it does not
 //! It stops a process that can reach a node's ports but does not hold the
@@ -49,6 +52,8 @@ pub mod call;
 #[cfg(feature = "tonic")]
 pub mod grpc;
 pub mod kv;
+#[cfg(feature = "tls")]
+pub mod tls;
 
 use std::fmt;
 use std::io::Read;

@@ -16,6 +16,9 @@
 //! - [`metrics`]: `parse(text) -> Vec<Sample>` (escaped label values,
 //!   `+Inf`, comments, histograms, timestamps), lookups by name and labels
 //!   or by a selector (`name{label="v"}`), and [`metrics::scrape`].
+//! - `tls` (feature `tls`): a throwaway certificate authority that writes
+//!   a CA and node certificates (current, expired, or from another CA) as
+//!   PEM files, for the mutual-TLS tests.
 //!
 //! Invariants: nothing here panics on what a server sends; a malformed
 //! metrics line is skipped, a malformed or oversized response is an
@@ -25,6 +28,8 @@
 pub mod blocking;
 pub mod http;
 pub mod metrics;
+#[cfg(feature = "tls")]
+pub mod tls;
 
 pub use http::{Error, Reply, Request};
 pub use metrics::{Metrics, Sample};

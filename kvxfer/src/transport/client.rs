@@ -36,7 +36,8 @@ use super::greeting::greet;
 use super::shm::ShmWritePath;
 use super::stream::{pump, read_message};
 use super::tcp::TcpWritePath;
-use super::{Endpoint, PageWrite, TransportError, WritePath};
+use super::{Endpoint, KvAuth, PageWrite, TransportError, WritePath};
+use kvmesh_meshauth::tls::Purpose;
 
 /// How long the decode node has to send its Challenge and answer Hello.
 pub const WELCOME_TIMEOUT: Duration = Duration::from_secs(5);
@@ -186,12 +187,15 @@ impl KvClient {
     /// `writer`, answers the decode node's Challenge with a Hello proving
     /// `secret`, checks the Welcome's proof (the decode node is of this
     /// mesh: [`kvmesh_meshauth::kv`]), and maps the pool if the data path is
-    /// shared memory.
+    /// shared memory. On TCP with `auth.tls`, all of it runs inside mutual
+    /// TLS (the decode node's certificate must name the endpoint's host).
     pub async fn connect(
         endpoint: &str,
         writer: WriterId,
-        secret: &MeshSecret,
+        auth: impl Into<KvAuth>,
     ) -> Result<Self, TransportError> {
+        let auth = auth.into();
+        let secret = &auth.secret;
         match Endpoint::parse(endpoint)? {
             Endpoint::Tcp(addr) => {
                 let s = TcpStream::connect(&addr)
@@ -201,7 +205,18 @@ impl KvClient {
                         source,
                     })?;
                 let _ = s.set_nodelay(true);
-                Self::start(s, writer, secret).await
+                match &auth.tls {
+                    None => Self::start(s, writer, secret).await,
+                    Some(tls) => {
+                        let s = tls.connect(s, &addr, Purpose::Kv).await.map_err(|source| {
+                            TransportError::Io {
+                                op: "TLS handshake",
+                                source,
+                            }
+                        })?;
+                        Self::start(s, writer, secret).await
+                    }
+                }
             }
             Endpoint::Unix(path) => {
                 let s = UnixStream::connect(&path)

@@ -37,11 +37,14 @@ use std::fmt;
 use std::future::Future;
 use std::ops::Range;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use thiserror::Error;
 
 use crate::shm::{PeerProcess, ShmError};
 use kvmesh_kvwire::{DataPath, Grant, MintError, WireError};
+use kvmesh_meshauth::tls::MeshTls;
+use kvmesh_meshauth::MeshSecret;
 
 /// A boxed future, so the traits stay usable as trait objects.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -215,5 +218,30 @@ impl fmt::Display for Endpoint {
             Self::Tcp(a) => write!(f, "tcp://{a}"),
             Self::Unix(p) => write!(f, "unix:{}", p.display()),
         }
+    }
+}
+
+/// How a KV connection's two ends know each other: the mesh secret (the
+/// challenge and proofs of `kvmesh_meshauth::kv`, always), and on TCP,
+/// when the mesh file names certificates, mutual TLS under it (the
+/// shared-memory transport's control socket is a Unix socket on one host:
+/// no TLS there).
+#[derive(Clone, Debug)]
+pub struct KvAuth {
+    /// The mesh secret.
+    pub secret: MeshSecret,
+    /// The node's TLS identity, if the mesh uses TLS.
+    pub tls: Option<Arc<MeshTls>>,
+}
+
+impl From<MeshSecret> for KvAuth {
+    fn from(secret: MeshSecret) -> Self {
+        Self { secret, tls: None }
+    }
+}
+
+impl From<&MeshSecret> for KvAuth {
+    fn from(secret: &MeshSecret) -> Self {
+        secret.clone().into()
     }
 }

@@ -22,7 +22,8 @@ use kvmesh_meshauth::{KvAuthCounters, KvAuthRefusal, MeshSecret};
 
 use super::greeting::authenticate;
 use super::stream::{pump, read_message};
-use super::TransportError;
+use super::{KvAuth, TransportError};
+use kvmesh_meshauth::tls::Purpose;
 
 /// How long a new connection has to answer the Challenge with a valid
 /// Hello.
@@ -52,12 +53,14 @@ struct Auth {
 
 impl KvServer {
     /// Listens on TCP `addr` (e.g. `127.0.0.1:0`); accepts writers that
-    /// prove `secret`.
+    /// prove the mesh secret, inside mutual TLS when `auth` has an identity
+    /// (handshake refusals counted by it).
     pub async fn bind_tcp(
         table: ReservationTable,
         addr: &str,
-        secret: MeshSecret,
+        auth: impl Into<KvAuth>,
     ) -> Result<Self, TransportError> {
+        let KvAuth { secret, tls } = auth.into();
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| TransportError::Io {
@@ -79,7 +82,19 @@ impl KvServer {
         let accept = tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 let _ = stream.set_nodelay(true);
-                tokio::spawn(serve(t.clone(), stream, None, Arc::clone(&a)));
+                let (t, a, tls) = (t.clone(), Arc::clone(&a), tls.clone());
+                tokio::spawn(async move {
+                    match tls {
+                        None => serve(t, stream, None, a).await,
+                        // A refused handshake is counted by the TLS
+                        // identity; nothing reached the table.
+                        Some(tls) => {
+                            if let Ok(s) = tls.accept(stream, Purpose::Kv).await {
+                                serve(t, s, None, a).await;
+                            }
+                        }
+                    }
+                });
             }
         });
         Ok(Self {

@@ -91,6 +91,16 @@ impl Node {
     }
 
     pub async fn with_pool(kind: Kind, cfg: TableConfig, pool_cfg: PoolConfig) -> Self {
+        Self::with_tls(kind, cfg, pool_cfg, None).await
+    }
+
+    /// A node whose TCP listener runs mutual TLS with `tls`.
+    pub async fn with_tls(
+        kind: Kind,
+        cfg: TableConfig,
+        pool_cfg: PoolConfig,
+        tls: Option<Arc<kvmesh_meshauth::tls::MeshTls>>,
+    ) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let (pool, landing, region): (KvPool, Arc<dyn Landing>, _) = match kind {
             Kind::Tcp => (
@@ -112,7 +122,13 @@ impl Node {
         let secret_file = secret_file(dir.path());
         let secret = MeshSecret::load(&secret_file).expect("secret");
         let server = match kind {
-            Kind::Tcp => KvServer::bind_tcp(table.clone(), "127.0.0.1:0", secret.clone()).await,
+            Kind::Tcp => {
+                let auth = kvmesh_kvxfer::transport::KvAuth {
+                    secret: secret.clone(),
+                    tls,
+                };
+                KvServer::bind_tcp(table.clone(), "127.0.0.1:0", auth).await
+            }
             Kind::Shm => {
                 let sock = dir.path().join("kv.sock");
                 KvServer::bind_unix(table.clone(), &sock, secret.clone()).await

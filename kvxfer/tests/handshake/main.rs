@@ -35,6 +35,7 @@ macro_rules! both {
 
 // After the macro, which it uses.
 mod mesh_auth;
+mod tls;
 
 both!(transfer_verifies_and_goes_live);
 async fn transfer_verifies_and_goes_live(kind: Kind) {
