@@ -20,6 +20,10 @@
 //!   secret_file: mesh.secret   # 32+ random bytes, the same file on every
 //!                              #   node; relative to this file's folder
 //!   # insecure_no_mesh_auth: true   # instead: no authentication (tests)
+//!   # tls:                     # mutual TLS on every internal channel too
+//!   #   ca_file: ca.pem        #   (relative to this file; {name} is the
+//!   #   cert_file: certs/{name}.pem   #   process's node name, `router`
+//!   #   key_file: certs/{name}-key.pem  #   for the router)
 //! router:
 //!   http: 0.0.0.0:8080
 //!   grpc: 0.0.0.0:50051
@@ -43,11 +47,13 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use kvmesh_kvpool::{ParseScrubModeError, ScrubMode};
+use kvmesh_meshauth::tls::{MeshTls, TlsFiles};
 use kvmesh_meshauth::{readable_by_others, MeshSecret};
 use serde::Deserialize;
 
@@ -132,6 +138,24 @@ pub struct MeshSection {
     /// abort and write KV. For test meshes only; each process warns.
     #[serde(default)]
     pub insecure_no_mesh_auth: bool,
+    /// Mutual TLS on every internal gRPC channel and the TCP KV transport,
+    /// on top of the secret.
+    pub tls: Option<TlsSection>,
+}
+
+/// `mesh.tls`: PEM files, relative to the mesh file's folder; `{name}` in
+/// a path is the process's node name (`router` for the router), so one
+/// mesh file names every node's own certificate and key.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSection {
+    /// The mesh's CA certificate: every peer's certificate must chain to it.
+    pub ca_file: String,
+    /// The node's certificate chain (it must name, as a DNS or IP subject
+    /// alternative name, the host its peers dial: its `grpc` and `kv`).
+    pub cert_file: String,
+    /// The node's private key.
+    pub key_file: String,
 }
 
 /// How a process of the mesh authenticates its peers.
@@ -339,6 +363,36 @@ impl MeshConfig {
         Ok(cfg)
     }
 
+    /// The TLS identity of the process named `name` (`router`, or a node's
+    /// name), loaded from `mesh.tls`; `None` without that section. A
+    /// missing or unusable file is refused naming the field and the file.
+    pub fn tls_for(&self, name: &str) -> Result<Option<Arc<MeshTls>>> {
+        let Some(t) = self.mesh.as_ref().and_then(|m| m.tls.as_ref()) else {
+            return Ok(None);
+        };
+        let path = |field: &str, v: &str| -> Result<PathBuf> {
+            let p = PathBuf::from(v.replace("{name}", name));
+            if v.is_empty() {
+                bail!(refuse(&self.file, field, v, "name a PEM file"));
+            }
+            Ok(match self.file.parent() {
+                Some(dir) if p.is_relative() => dir.join(p),
+                _ => p,
+            })
+        };
+        let files = TlsFiles {
+            ca: path("mesh.tls.ca_file", &t.ca_file)?,
+            cert: path("mesh.tls.cert_file", &t.cert_file)?,
+            key: path("mesh.tls.key_file", &t.key_file)?,
+        };
+        if readable_by_others(&files.key).unwrap_or(false) {
+            tracing::warn!(file = %files.key.display(), "the TLS key file is readable by other users: `chmod 600` it");
+        }
+        MeshTls::load(files)
+            .map(Some)
+            .map_err(|e| refuse(&self.file, "mesh.tls", name, &e.to_string()))
+    }
+
     /// Reads the mesh secret the file names (or takes the insecure mode it
     /// asks for, with a loud warning). A missing, unreadable, short or
     /// uniform secret is refused, naming the field and the file; one that
@@ -399,6 +453,7 @@ impl MeshConfig {
             | Some(MeshSection {
                 secret_file: None,
                 insecure_no_mesh_auth: false,
+                ..
             }) => bail!(refuse(
                 file,
                 "mesh.secret_file",
@@ -410,6 +465,7 @@ impl MeshConfig {
             Some(MeshSection {
                 secret_file: Some(_),
                 insecure_no_mesh_auth: true,
+                ..
             }) => bail!(refuse(
                 file,
                 "mesh.insecure_no_mesh_auth",

@@ -10,7 +10,9 @@
 //! node the mesh file names, and its clock is within the mesh-auth window
 //! of this host's. Across the mesh: one kvmesh version (this binary's too),
 //! one model, one context limit, one KV element type, the mesh file's page
-//! size. The router: its HTTP port answers `/health` and `/version`.
+//! size. The router: its HTTP port answers `/health` and `/version`. With
+//! `mesh.tls`, the nodes are asked inside mutual TLS with the router's
+//! certificate (`{name}` = `router`), as the router asks them.
 //!
 //! `kvmesh doctor --url http://HOST:PORT` checks a running mesh through its
 //! router instead (a `kvmesh serve`, whose secret never leaves the
@@ -31,7 +33,6 @@ use kvmesh_proto::internal::v1::{LoadReport, LoadRequest, NodeRole};
 use kvmesh_proto::peer::{decode_client, prefill_client};
 use serde::Serialize;
 use serde_json::json;
-use tonic::transport::Endpoint;
 
 use crate::config::{MeshConfig, NodeSection};
 
@@ -142,6 +143,9 @@ pub fn run(a: DoctorArgs) -> Result<()> {
 fn from_file(config: &std::path::Path, timeout: Duration) -> Result<Report> {
     let cfg = MeshConfig::load(config)?;
     let secret = cfg.mesh_auth()?.secret();
+    // With mutual TLS, the nodes are asked as the router is: with its
+    // certificate.
+    let tls = cfg.tls_for("router")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -162,7 +166,15 @@ fn from_file(config: &std::path::Path, timeout: Duration) -> Result<Report> {
     for (role, nodes) in [("prefill", &cfg.prefill), ("decode", &cfg.decode)] {
         for n in nodes.iter() {
             pool_in_file(&mut report, &cfg, n, role, model_len);
-            if let Some(r) = rt.block_on(node(&mut report, &cfg, n, role, &secret, timeout)) {
+            if let Some(r) = rt.block_on(node(
+                &mut report,
+                &cfg,
+                n,
+                role,
+                &secret,
+                tls.as_ref(),
+                timeout,
+            )) {
                 reports.push((n.name.clone(), role, r));
             }
         }
@@ -332,6 +344,7 @@ async fn node(
     n: &NodeSection,
     role: &'static str,
     secret: &kvmesh_meshauth::MeshSecret,
+    tls: Option<&std::sync::Arc<kvmesh_meshauth::tls::MeshTls>>,
     timeout: Duration,
 ) -> Option<LoadReport> {
     let reach = tcp_reachable(&n.grpc, timeout).await;
@@ -380,16 +393,10 @@ async fn node(
         }
         return None;
     }
-    let channel = match Endpoint::from_shared(format!("http://{}", n.grpc)) {
-        Ok(e) => e.connect_timeout(timeout).timeout(timeout).connect_lazy(),
+    let channel = match kvmesh_proto::peer::channel(&format!("http://{}", n.grpc), tls, timeout) {
+        Ok(c) => c,
         Err(e) => {
-            report.add(
-                &n.name,
-                role,
-                "mesh secret accepted",
-                Status::Fail,
-                format!("bad address: {e}"),
-            );
+            report.add(&n.name, role, "mesh secret accepted", Status::Fail, e);
             return None;
         }
     };
@@ -398,11 +405,21 @@ async fn node(
     };
     let sent = SystemTime::now();
     let started = Instant::now();
-    let answer = if role == "decode" {
-        decode_client(channel, secret.clone()).load(req).await
-    } else {
-        prefill_client(channel, secret.clone()).load(req).await
+    let ask = async {
+        if role == "decode" {
+            decode_client(channel, secret.clone()).load(req).await
+        } else {
+            prefill_client(channel, secret.clone()).load(req).await
+        }
     };
+    let answer = tokio::time::timeout(timeout, ask)
+        .await
+        .unwrap_or_else(|_| {
+            Err(tonic::Status::deadline_exceeded(format!(
+                "no answer within {} ms",
+                timeout.as_millis()
+            )))
+        });
     let rtt = started.elapsed();
     let r = match answer {
         Ok(r) => r.into_inner(),

@@ -5,11 +5,13 @@
 //! hosts).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use kvmesh_decode::{DecodeConfig, DecodeNode, Drained, Transport};
+use kvmesh_meshauth::tls::MeshTls;
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::default_model;
 use kvmesh_model::engine::EngineConfig;
@@ -330,6 +332,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             abort_timeout: Duration::from_millis(a.abort_timeout_ms),
             kv_advertise: None,
             mesh_secret: mesh_secret.clone(),
+            tls: None,
             drain_timeout: a.drain_timeout,
             prefix_cache: a.prefix_cache.0,
         },
@@ -341,6 +344,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             name: "prefill-0".into(),
             allow_small_pool: a.allow_small_pool,
             mesh_secret: mesh_secret.clone(),
+            tls: None,
             engine,
             drain_timeout: a.drain_timeout,
             prefix_cache: a.prefix_cache.0,
@@ -429,16 +433,21 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
         cfg.node(role_name, n)?;
     }
     let auth = cfg.mesh_auth()?;
+    let tls = cfg.tls_for(name.as_deref().unwrap_or("router"))?;
     if a.check_config {
         println!(
-            "config ok: {}: {role_name}{}; {} prefill and {} decode nodes, transport {}; {}; {}",
+            "config ok: {}: {role_name}{}; {} prefill and {} decode nodes, transport {}; {}; {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
             cfg.prefill.len(),
             cfg.decode.len(),
             cfg.transport,
             cfg.describe_pools(),
-            auth.describe()
+            auth.describe(),
+            tls.as_ref().map_or_else(
+                || "TLS: off".to_owned(),
+                |t| format!("TLS: mutual, certificate {}", t.files().cert.display())
+            )
         );
         return Ok(());
     }
@@ -448,9 +457,9 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
     let name = name.as_deref().unwrap_or_default();
     runtime()?.block_on(async move {
         match role {
-            RoleKind::Router => router_process(&cfg, fault_injection, secret, drain).await,
-            RoleKind::Prefill => prefill_process(&cfg, name, secret, drain).await,
-            RoleKind::Decode => decode_process(&cfg, name, secret, drain).await,
+            RoleKind::Router => router_process(&cfg, fault_injection, secret, tls, drain).await,
+            RoleKind::Prefill => prefill_process(&cfg, name, secret, tls, drain).await,
+            RoleKind::Decode => decode_process(&cfg, name, secret, tls, drain).await,
         }
     })
 }
@@ -482,6 +491,7 @@ async fn decode_process(
     cfg: &MeshConfig,
     name: &str,
     mesh_secret: MeshSecret,
+    tls: Option<Arc<MeshTls>>,
     drain: Duration,
 ) -> Result<()> {
     let n = cfg.node("decode", name)?;
@@ -506,6 +516,7 @@ async fn decode_process(
             abort_timeout: cfg.abort_timeout(),
             kv_advertise: Some(cfg.kv_endpoint(n)),
             mesh_secret,
+            tls,
             drain_timeout: drain,
             prefix_cache: cfg.prefix_cache,
         },
@@ -526,6 +537,7 @@ async fn prefill_process(
     cfg: &MeshConfig,
     name: &str,
     mesh_secret: MeshSecret,
+    tls: Option<Arc<MeshTls>>,
     drain: Duration,
 ) -> Result<()> {
     let n = cfg.node("prefill", name)?;
@@ -536,6 +548,7 @@ async fn prefill_process(
             engine: engine_config(cfg, n.kv_pool_tokens),
             allow_small_pool: cfg.allow_small_pool,
             mesh_secret,
+            tls,
             drain_timeout: drain,
             prefix_cache: cfg.prefix_cache,
         },
@@ -564,6 +577,7 @@ async fn router_process(
     cfg: &MeshConfig,
     fault_injection: bool,
     mesh_secret: MeshSecret,
+    tls: Option<Arc<MeshTls>>,
     drain: Duration,
 ) -> Result<()> {
     let path = model_path(&cfg.model)?;
@@ -582,7 +596,7 @@ async fn router_process(
                 .map(|n| (n.name.clone(), Role::Decode, format!("http://{}", n.grpc))),
         )
         .collect();
-    let nodes = Nodes::new(&specs, mesh_secret).map_err(anyhow::Error::msg)?;
+    let nodes = Nodes::with_tls(&specs, mesh_secret, tls).map_err(anyhow::Error::msg)?;
     nodes.poll_all().await;
     let poller = nodes.spawn_poller();
     let router = Router::new(

@@ -47,6 +47,7 @@ where
         tonic::service::Routes::new(node.service()),
         listener,
         Some(metrics),
+        node.inner().tls.clone(),
     );
     // The structured-output vocabulary (a token trie, a few hundred ms for
     // a large vocabulary) is built off the async workers now, so the first

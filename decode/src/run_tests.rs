@@ -26,6 +26,7 @@ async fn node() -> DecodeNode {
             abort_timeout: Duration::from_secs(1),
             kv_advertise: None,
             mesh_secret: MeshSecret::insecure(),
+            tls: None,
             drain_timeout: Duration::from_secs(5),
             prefix_cache: true,
         },

@@ -14,8 +14,9 @@ use kvmesh_kvxfer::handshake::{ReservationTable, ReserveError, ReserveRequest, T
 use kvmesh_kvxfer::transport::server::KvServer;
 use kvmesh_kvxfer::transport::shm::ShmLanding;
 use kvmesh_kvxfer::transport::tcp::TcpLanding;
-use kvmesh_kvxfer::transport::Landing;
+use kvmesh_kvxfer::transport::{KvAuth, Landing};
 use kvmesh_meshauth::grpc::Authenticated;
+use kvmesh_meshauth::tls::MeshTls;
 use kvmesh_meshauth::{CallVerifier, MeshSecret};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
 use kvmesh_model::sampling::{Sampler, SamplingParams};
@@ -72,6 +73,9 @@ pub struct DecodeConfig {
     /// The per-mesh secret: KV writers (Hello) and gRPC callers (every
     /// call) must prove it.
     pub mesh_secret: MeshSecret,
+    /// Mutual TLS (on top of the secret) on the gRPC port and the TCP KV
+    /// listener, when the mesh has certificates.
+    pub tls: Option<Arc<MeshTls>>,
     /// How long a drain waits for in-flight streams to finish before it
     /// ends them ([`crate::run`]).
     pub drain_timeout: Duration,
@@ -118,6 +122,8 @@ pub(crate) struct Inner {
     depth: Arc<AtomicUsize>,
     /// The batcher's step series (`/metrics`).
     steps: Arc<StepMetrics>,
+    /// The node's TLS identity (its gRPC server's too).
+    pub(crate) tls: Option<Arc<MeshTls>>,
     kv_server: KvServer,
     /// Checks every gRPC call's proof of the mesh secret; counts refusals.
     calls: Arc<CallVerifier>,
@@ -189,7 +195,11 @@ impl DecodeNode {
         .map_err(|e| NodeError::Config(e.to_string()))?;
         let server = match &cfg.transport {
             Transport::Tcp(addr) => {
-                KvServer::bind_tcp(table.clone(), addr, cfg.mesh_secret.clone()).await?
+                let auth = KvAuth {
+                    secret: cfg.mesh_secret.clone(),
+                    tls: cfg.tls.clone(),
+                };
+                KvServer::bind_tcp(table.clone(), addr, auth).await?
             }
             Transport::Shm { socket, .. } => {
                 let _ = std::fs::remove_file(socket);
@@ -230,6 +240,7 @@ impl DecodeNode {
                 jobs,
                 depth,
                 steps,
+                tls: cfg.tls.clone(),
                 kv_server: server,
                 calls: Arc::new(CallVerifier::new(cfg.mesh_secret)),
                 draining: AtomicBool::new(false),
@@ -310,6 +321,14 @@ impl DecodeNode {
             reservations_granted: stats.granted,
             kv_bytes_received: stats.kv_bytes_received,
             grpc_auth_refused: by_kind(&self.inner.calls.refused()),
+            tls_refused: self.inner.tls.as_ref().map_or_else(Default::default, |t| {
+                t.refused()
+                    .by_kind()
+                    .into_iter()
+                    .filter(|(_, n)| *n > 0)
+                    .map(|(k, n)| (k.to_owned(), n))
+                    .collect()
+            }),
             kv_auth_refused: by_kind(&self.inner.kv_server.auth_refused().by_kind()),
             kv_refused: self
                 .inner

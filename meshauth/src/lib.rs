@@ -33,11 +33,12 @@
 //! mesh's secret (another tenant's workload on the network, a stray client,
 //! a node of another mesh) from reserving pages, aborting or reading
 //! others' requests, feeding frames into a pool, or learning the pool's
-//! layout. It does not hide or protect the traffic itself: connections are
-//! plain TCP, so an attacker *on the path* can read KV data and token
-//! streams, and could alter or inject messages on a connection after its
-//! handshake (the KV frames' checksums are not MACs). Mutual TLS (rustls),
-//! which adds confidentiality and per-message integrity, is on the roadmap.
+//! layout. By itself it does not hide or protect the traffic: without
+//! [`tls`], connections are plain TCP, so an attacker *on the path* can
+//! read KV data and token ids, and could alter or inject messages on a
+//! connection after its handshake (the KV frames' checksums are not MACs).
+//! Mutual TLS adds confidentiality and per-record integrity, and a second
+//! gate (a certificate of the mesh's CA) that the proofs run inside.
 //! A leaked secret admits its holder as a full peer until every node is
 //! restarted with a new one.
 //!

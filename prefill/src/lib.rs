@@ -43,7 +43,9 @@ use kvmesh_faults::FaultPlan;
 use kvmesh_kvpool::Namespace;
 use kvmesh_kvwire::{decode_message, Grant, Message, ReservationId, WriterId};
 use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient, WriterError};
+use kvmesh_kvxfer::transport::KvAuth;
 use kvmesh_meshauth::grpc::Authenticated;
+use kvmesh_meshauth::tls::MeshTls;
 use kvmesh_meshauth::{CallVerifier, MeshSecret};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
 use kvmesh_model::sampling::{Logprobs, PromptLogprob, Sampler, MAX_TOP_LOGPROBS};
@@ -72,6 +74,9 @@ pub struct PrefillConfig {
     /// The per-mesh secret: proven to decode nodes' KV listeners, and
     /// required of every gRPC caller.
     pub mesh_secret: MeshSecret,
+    /// Mutual TLS (on top of the secret) on the gRPC port and to decode
+    /// nodes' TCP KV listeners, when the mesh has certificates.
+    pub tls: Option<Arc<MeshTls>>,
     /// How long a drain waits for prompts in flight before it stops them
     /// ([`run`]).
     pub drain_timeout: Duration,
@@ -206,6 +211,8 @@ struct Inner {
     compute: Mutex<Option<JoinHandle<()>>>,
     /// Batches and transfers (`/metrics`).
     metrics: Arc<PrefillMetrics>,
+    /// The node's TLS identity (its gRPC server's, and its KV writer's).
+    tls: Option<Arc<MeshTls>>,
 }
 
 /// Counts a Prefill call until it returns: the drain waits for none.
@@ -309,6 +316,7 @@ impl PrefillNode {
                 drain_timeout: cfg.drain_timeout,
                 compute: Mutex::new(Some(compute)),
                 metrics,
+                tls: cfg.tls.clone(),
             }),
         })
     }
@@ -352,7 +360,11 @@ impl PrefillNode {
                 return Ok(c.clone());
             }
         }
-        let c = KvClient::connect(endpoint, self.inner.writer, &self.inner.secret).await?;
+        let auth = KvAuth {
+            secret: self.inner.secret.clone(),
+            tls: self.inner.tls.clone(),
+        };
+        let c = KvClient::connect(endpoint, self.inner.writer, auth).await?;
         clients.insert(endpoint.to_owned(), c.clone());
         Ok(c)
     }
@@ -793,6 +805,14 @@ impl PrefillNode {
                 .map(|(k, n)| ((*k).to_owned(), *n))
                 .collect(),
             kv_auth_refused: HashMap::new(),
+            tls_refused: self.inner.tls.as_ref().map_or_else(HashMap::new, |t| {
+                t.refused()
+                    .by_kind()
+                    .into_iter()
+                    .filter(|(_, n)| *n > 0)
+                    .map(|(k, n)| (k.to_owned(), n))
+                    .collect()
+            }),
             kv_refused: HashMap::new(),
             draining: self.inner.draining.load(Ordering::Acquire),
             ..advert

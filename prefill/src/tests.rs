@@ -27,6 +27,7 @@ fn node() -> PrefillNode {
             engine: EngineConfig::default(),
             allow_small_pool: true,
             mesh_secret: MeshSecret::insecure(),
+            tls: None,
             drain_timeout: Duration::from_secs(5),
             prefix_cache: true,
         },

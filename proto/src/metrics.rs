@@ -227,7 +227,7 @@ pub fn render_report(r: &LoadReport, out: &mut String) {
     header(
         out,
         "kvmesh_auth_refused_total",
-        "Calls (via=grpc) and KV connections (via=kv) refused for not proving the mesh secret, by kind.",
+        "Calls (via=grpc) and KV connections (via=kv) refused for not proving the mesh secret, and connections refused by mutual TLS (via=tls), by kind.",
         "counter",
     );
     by_label(
@@ -236,6 +236,13 @@ pub fn render_report(r: &LoadReport, out: &mut String) {
         &format!("{labels},via=\"grpc\""),
         "kind",
         &r.grpc_auth_refused,
+    );
+    by_label(
+        out,
+        "kvmesh_auth_refused_total",
+        &format!("{labels},via=\"tls\""),
+        "kind",
+        &r.tls_refused,
     );
     if decode {
         by_label(

@@ -1,9 +1,14 @@
 //! Internal clients whose calls prove the mesh secret (the interceptor and
-//! the server wrapper are `kvmesh_meshauth::grpc`).
+//! the server wrapper are `kvmesh_meshauth::grpc`), over channels that run
+//! inside mutual TLS when the mesh has certificates ([`channel`]).
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use kvmesh_meshauth::grpc::{PeerChannel, Signer};
+use kvmesh_meshauth::tls::{MeshTls, Purpose};
 use kvmesh_meshauth::MeshSecret;
-use tonic::transport::Channel;
+use tonic::transport::{Channel, Endpoint};
 
 use crate::internal::v1::decode_client::DecodeClient;
 use crate::internal::v1::prefill_client::PrefillClient;
@@ -16,4 +21,46 @@ pub fn decode_client(channel: Channel, secret: MeshSecret) -> DecodeClient<PeerC
 /// A Prefill client whose calls prove `secret`.
 pub fn prefill_client(channel: Channel, secret: MeshSecret) -> PrefillClient<PeerChannel> {
     PrefillClient::with_interceptor(channel, Signer::new(secret))
+}
+
+/// A lazily connecting channel to the node at `url` (`http://HOST:PORT`),
+/// TCP_NODELAY, connecting within `connect_timeout`; with `tls`, every
+/// connection runs mutual TLS first (the node's certificate must name
+/// HOST). Refuses an address that is not a URI.
+pub fn channel(
+    url: &str,
+    tls: Option<&Arc<MeshTls>>,
+    connect_timeout: Duration,
+) -> Result<Channel, String> {
+    let endpoint = Endpoint::from_shared(url.to_owned())
+        .map_err(|e| format!("bad address {url:?}: {e}"))?
+        .connect_timeout(connect_timeout)
+        .tcp_nodelay(true);
+    let Some(tls) = tls else {
+        return Ok(endpoint.connect_lazy());
+    };
+    let tls = Arc::clone(tls);
+    let connector = tower::service_fn(move |uri: tonic::codegen::http::Uri| {
+        let tls = Arc::clone(&tls);
+        async move {
+            let bad = || {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("{uri}: no host and port"),
+                )
+            };
+            let host = uri.host().ok_or_else(bad)?;
+            let port = uri.port_u16().ok_or_else(bad)?;
+            let addr = format!("{host}:{port}");
+            let tcp = tokio::time::timeout(connect_timeout, tokio::net::TcpStream::connect(&addr))
+                .await
+                .map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, format!("connect {addr}"))
+                })??;
+            tcp.set_nodelay(true)?;
+            let stream = tls.connect(tcp, &addr, Purpose::Grpc).await?;
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+        }
+    });
+    Ok(endpoint.connect_with_connector_lazy(connector))
 }

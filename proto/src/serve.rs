@@ -18,6 +18,10 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
+use std::sync::Arc;
+
+use kvmesh_meshauth::tls::{MeshTls, Purpose};
+
 use crate::metrics::{Render, CONTENT_TYPE};
 
 /// The metadata key of a call a draining node refused (value
@@ -53,20 +57,119 @@ const SETTLE_POLL: Duration = Duration::from_millis(10);
 pub fn serve<F>(
     routes: Routes,
     listener: TcpListener,
+    tls: Option<Arc<MeshTls>>,
     stop: F,
 ) -> JoinHandle<Result<(), tonic::transport::Error>>
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            // HTTP/1.1 for `/metrics` (a Prometheus scrape); gRPC stays
-            // HTTP/2, and a gRPC path asked over HTTP/1.1 fails as gRPC.
-            .accept_http1(true)
-            .add_routes(routes)
-            .serve_with_incoming_shutdown(incoming, stop),
-    )
+    // HTTP/1.1 for `/metrics` (a Prometheus scrape); gRPC stays HTTP/2,
+    // and a gRPC path asked over HTTP/1.1 fails as gRPC.
+    let server = tonic::transport::Server::builder()
+        .accept_http1(true)
+        .add_routes(routes);
+    match tls {
+        None => {
+            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+            tokio::spawn(server.serve_with_incoming_shutdown(incoming, stop))
+        }
+        Some(tls) => {
+            tokio::spawn(server.serve_with_incoming_shutdown(tls_incoming(listener, tls), stop))
+        }
+    }
+}
+
+/// How many accepted TLS connections may wait for the server at once.
+const TLS_BACKLOG: usize = 64;
+
+/// The connections `listener` accepts whose mutual-TLS handshake
+/// succeeds (each made on its own task, bounded by the handshake timeout,
+/// so a slow or hostile peer holds up no one; a refused one is counted by
+/// `tls` and dropped). Ends when the server stops taking them.
+fn tls_incoming(
+    listener: TcpListener,
+    tls: Arc<MeshTls>,
+) -> tokio_stream::wrappers::ReceiverStream<Result<TlsConn, std::io::Error>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(TLS_BACKLOG);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                r = listener.accept() => r,
+                () = tx.closed() => return,
+            };
+            let Ok((tcp, _)) = accepted else {
+                // A failed accept (out of descriptors): the next may work.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            };
+            let _ = tcp.set_nodelay(true);
+            let (tx, tls) = (tx.clone(), Arc::clone(&tls));
+            tokio::spawn(async move {
+                if let Ok(s) = tls.accept(tcp, Purpose::Grpc).await {
+                    let _ = tx.send(Ok(TlsConn(s))).await;
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// A connection inside mutual TLS, as the gRPC server takes it.
+#[derive(Debug)]
+pub struct TlsConn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
+
+impl tonic::transport::server::Connected for TlsConn {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.0.get_ref().0.connect_info()
+    }
+}
+
+impl tokio::io::AsyncRead for TlsConn {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for TlsConn {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.0).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.is_write_vectored()
+    }
 }
 
 /// What a drain found.
@@ -116,7 +219,15 @@ impl Serving {
     /// but that status. With `metrics`, `GET /metrics` on the same port
     /// answers the node's Prometheus text (HTTP/1.1, no proof either:
     /// counts and gauges, never a prompt, key or reservation id).
-    pub fn start(routes: Routes, listener: TcpListener, metrics: Option<Render>) -> Self {
+    /// With `tls`, every connection runs mutual TLS first (health and
+    /// `/metrics` included: a probe or scrape then needs a certificate of
+    /// the mesh's CA).
+    pub fn start(
+        routes: Routes,
+        listener: TcpListener,
+        metrics: Option<Render>,
+        tls: Option<Arc<MeshTls>>,
+    ) -> Self {
         let (health, health_service) = tonic_health::server::health_reporter();
         let (stop, stopped) = oneshot::channel::<()>();
         let mut routes = routes.add_service(health_service);
@@ -128,7 +239,7 @@ impl Serving {
             let router = std::mem::take(routes.axum_router_mut()).route("/metrics", route);
             *routes.axum_router_mut() = router;
         }
-        let server = serve(routes, listener, async {
+        let server = serve(routes, listener, tls, async {
             let _ = stopped.await;
         });
         Self {
@@ -215,7 +326,6 @@ pub async fn settle(deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     #[test]
     fn a_draining_refusal_is_told_apart_from_a_node_that_is_down() {
@@ -253,7 +363,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let text = Arc::new(|| "kvmesh_up 1\n".to_owned());
-        let server = Serving::start(Routes::default(), listener, Some(text));
+        let server = Serving::start(Routes::default(), listener, Some(text), None);
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
             .expect("endpoint")
             .connect()

@@ -138,7 +138,7 @@ pub(crate) fn render_nodes(nodes: &Nodes, out: &mut String) {
             ),
             (
                 "kvmesh_node_auth_refused_total",
-                "Calls (via=grpc) and KV connections (via=kv) the node refused for not proving the mesh secret, by kind.",
+                "Calls (via=grpc) and KV connections (via=kv) the node refused for not proving the mesh secret, and connections its mutual TLS refused (via=tls), by kind.",
                 "counter",
             ),
             (
@@ -186,7 +186,11 @@ pub(crate) fn render_nodes(nodes: &Nodes, out: &mut String) {
                     }
                 }
                 ("kvmesh_node_auth_refused_total", Some(r)) => {
-                    for (via, map) in [("grpc", &r.grpc_auth_refused), ("kv", &r.kv_auth_refused)] {
+                    for (via, map) in [
+                        ("grpc", &r.grpc_auth_refused),
+                        ("kv", &r.kv_auth_refused),
+                        ("tls", &r.tls_refused),
+                    ] {
                         let mut refused: Vec<_> = map.iter().collect();
                         refused.sort();
                         for (kind, v) in refused {

@@ -22,12 +22,13 @@ use std::time::Duration;
 use kvmesh_prefix::{ModelTag, Namespace};
 
 use kvmesh_meshauth::grpc::PeerChannel;
+use kvmesh_meshauth::tls::MeshTls;
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_proto::internal::v1::decode_client::DecodeClient;
 use kvmesh_proto::internal::v1::prefill_client::PrefillClient;
 use kvmesh_proto::internal::v1::{LoadReport, LoadRequest};
 use kvmesh_proto::peer::{decode_client, prefill_client};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::error::Rejection;
 
@@ -275,13 +276,20 @@ impl Nodes {
     /// Nodes from `(name, role, url)`, called as a peer of the mesh whose
     /// secret is `secret`; channels connect lazily.
     pub fn new(specs: &[(String, Role, String)], secret: MeshSecret) -> Result<Self, String> {
+        Self::with_tls(specs, secret, None)
+    }
+
+    /// [`Nodes::new`], every channel inside mutual TLS with `tls` when
+    /// given (each node's certificate must name the host its URL does).
+    pub fn with_tls(
+        specs: &[(String, Role, String)],
+        secret: MeshSecret,
+        tls: Option<Arc<MeshTls>>,
+    ) -> Result<Self, String> {
         let mut all = Vec::new();
         for (name, role, url) in specs {
-            let channel = Endpoint::from_shared(url.clone())
-                .map_err(|e| format!("node {name}: bad address {url:?}: {e}"))?
-                .connect_timeout(CONNECT_TIMEOUT)
-                .tcp_nodelay(true)
-                .connect_lazy();
+            let channel = kvmesh_proto::peer::channel(url, tls.as_ref(), CONNECT_TIMEOUT)
+                .map_err(|e| format!("node {name}: {e}"))?;
             all.push(Arc::new(Node {
                 name: name.clone(),
                 role: *role,
