@@ -321,14 +321,12 @@ impl DecodeNode {
             reservations_granted: stats.granted,
             kv_bytes_received: stats.kv_bytes_received,
             grpc_auth_refused: by_kind(&self.inner.calls.refused()),
-            tls_refused: self.inner.tls.as_ref().map_or_else(Default::default, |t| {
-                t.refused()
-                    .by_kind()
-                    .into_iter()
-                    .filter(|(_, n)| *n > 0)
-                    .map(|(k, n)| (k.to_owned(), n))
-                    .collect()
-            }),
+            tls_refused: self
+                .inner
+                .tls
+                .as_ref()
+                .map(|t| t.refused().seen())
+                .unwrap_or_default(),
             kv_auth_refused: by_kind(&self.inner.kv_server.auth_refused().by_kind()),
             kv_refused: self
                 .inner

@@ -11,8 +11,12 @@ use serde_json::Value;
 
 /// `kvmesh doctor --config FILE --json`: (exit code, report).
 fn doctor(file: &Path) -> (i32, Value) {
-    let f = file.to_string_lossy();
-    let out = run_kvmesh(&["doctor", "--config", &f, "--json"], &[]);
+    doctor_with(&["--config", &file.to_string_lossy()])
+}
+
+/// `kvmesh doctor ARGS --json`: (exit code, report).
+fn doctor_with(args: &[&str]) -> (i32, Value) {
+    let out = run_kvmesh(&[&["doctor", "--json"], args].concat(), &[]);
     let (stdout, stderr) = texts(&out);
     let v: Value = serde_json::from_str(&stdout)
         .unwrap_or_else(|e| panic!("doctor's JSON: {e}: {stdout} {stderr}"));
@@ -28,6 +32,19 @@ fn status<'a>(v: &'a Value, node: &str, check: &str) -> &'a str {
         .find(|c| c["node"] == node && c["check"] == check)
         .and_then(|c| c["status"].as_str())
         .unwrap_or_else(|| panic!("no {check:?} for {node}: {v:#}"))
+}
+
+/// Every across-the-mesh check passed.
+fn assert_mesh_agrees(v: &Value) {
+    for check in [
+        "version",
+        "model",
+        "context limit",
+        "KV element type",
+        "page size",
+    ] {
+        assert_eq!(status(v, "mesh", check), "ok", "{check}: {v:#}");
+    }
 }
 
 fn failed(v: &Value) -> Vec<String> {
@@ -70,15 +87,7 @@ fn doctor_passes_a_healthy_mesh_and_names_what_is_wrong() {
         }
     }
     assert_eq!(status(&v, "decode-0", "KV transport reachable"), "ok");
-    for check in [
-        "version",
-        "model",
-        "context limit",
-        "KV element type",
-        "page size",
-    ] {
-        assert_eq!(status(&v, "mesh", check), "ok", "{check}: {v:#}");
-    }
+    assert_mesh_agrees(&v);
     assert_eq!(status(&v, "router", "health"), "ok");
     let f = file.to_string_lossy();
     let table = run_kvmesh(&["doctor", "--config", &f], &[]);
@@ -152,14 +161,7 @@ fn doctor_catches_a_pool_that_cannot_hold_the_context() {
 
 /// `kvmesh doctor --url http://ADDR --json`: (exit code, report).
 fn doctor_url(addr: &str) -> (i32, Value) {
-    let out = run_kvmesh(
-        &["doctor", "--url", &format!("http://{addr}"), "--json"],
-        &[],
-    );
-    let (stdout, stderr) = texts(&out);
-    let v: Value = serde_json::from_str(&stdout)
-        .unwrap_or_else(|e| panic!("doctor's JSON: {e}: {stdout} {stderr}"));
-    (out.status.code().expect("exit code"), v)
+    doctor_with(&["--url", &format!("http://{addr}")])
 }
 
 #[test]
@@ -176,15 +178,7 @@ fn doctor_checks_a_running_serve_through_its_router() {
             assert_eq!(status(&v, node, check), "ok", "{node} {check}: {v:#}");
         }
     }
-    for check in [
-        "version",
-        "model",
-        "context limit",
-        "KV element type",
-        "page size",
-    ] {
-        assert_eq!(status(&v, "mesh", check), "ok", "{check}: {v:#}");
-    }
+    assert_mesh_agrees(&v);
     drop(mesh);
 
     // A planted undersized pool on both nodes: each fails the pool check.

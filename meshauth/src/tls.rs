@@ -153,6 +153,15 @@ impl TlsRefusals {
     pub fn by_kind(&self) -> [(&'static str, u64); TLS_REFUSAL_KINDS.len()] {
         self.0.by_kind(&TLS_REFUSAL_KINDS)
     }
+
+    /// The kinds seen, with their counts (a load report's map).
+    pub fn seen(&self) -> std::collections::HashMap<String, u64> {
+        self.by_kind()
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(k, n)| (k.to_owned(), n))
+            .collect()
+    }
 }
 
 /// What a connection carries: its ALPN protocols differ.

@@ -805,14 +805,12 @@ impl PrefillNode {
                 .map(|(k, n)| ((*k).to_owned(), *n))
                 .collect(),
             kv_auth_refused: HashMap::new(),
-            tls_refused: self.inner.tls.as_ref().map_or_else(HashMap::new, |t| {
-                t.refused()
-                    .by_kind()
-                    .into_iter()
-                    .filter(|(_, n)| *n > 0)
-                    .map(|(k, n)| (k.to_owned(), n))
-                    .collect()
-            }),
+            tls_refused: self
+                .inner
+                .tls
+                .as_ref()
+                .map(|t| t.refused().seen())
+                .unwrap_or_default(),
             kv_refused: HashMap::new(),
             draining: self.inner.draining.load(Ordering::Acquire),
             ..advert
