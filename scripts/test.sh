@@ -7,8 +7,23 @@
 #    tests run instead of being skipped (set KVMESH_SKIP_MODEL_FETCH=1 to
 #    skip them on a machine without network),
 # 3. runs every test of every crate.
+#
+# It installs Debian's etcd-server first when no `etcd` is on PATH (the
+# membership tests start a real one on loopback; KVMESH_ETCD names another
+# binary).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The membership tests (integration/tests/etcd*.rs) run a real etcd on
+# loopback: Debian's etcd-server, installed here when missing.
+if [ -z "${KVMESH_ETCD:-}" ] && ! command -v etcd >/dev/null 2>&1; then
+  echo "==> kvmesh tests: installing etcd (Debian's etcd-server) for the membership tests"
+  sudo=""
+  if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends etcd-server >/dev/null
+  echo "==> kvmesh tests: $(etcd --version | head -1)"
+fi
 
 echo "==> kvmesh tests: building the workspace (first build takes several minutes)"
 cargo build --workspace --all-targets
