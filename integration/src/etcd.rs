@@ -279,13 +279,33 @@ pub struct EtcdMesh {
 }
 
 impl EtcdMesh {
-    /// A mesh file for `nodes` (`(role, name)`) registering in `etcd`
-    /// under a prefix of its own, with the default lease TTL.
+    /// A mesh file for `nodes` (`(role, name)`) on the committed tiny
+    /// model, registering in `etcd` under a prefix of its own, with the
+    /// default lease TTL.
     pub fn new(etcd: &Etcd, test: &str, nodes: &[(&str, &str)]) -> Self {
+        Self::with_model(etcd, test, nodes, &crate::tiny_model_dir(), "")
+    }
+
+    /// [`EtcdMesh::new`] on `model`, with `extra` mesh-file lines
+    /// (`max_model_len: 1024\n`, say).
+    pub fn with_model(
+        etcd: &Etcd,
+        test: &str,
+        nodes: &[(&str, &str)],
+        model: &Path,
+        extra: &str,
+    ) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let prefix = unique_prefix(test);
         let secret = write_secret(dir.path(), "mesh.secret");
         let (file, http, grpc) = mesh_file(dir.path(), etcd, &prefix, &secret, nodes);
+        let text = std::fs::read_to_string(&file).expect("mesh file");
+        let text = text.replacen(
+            &format!("model: {}\n", crate::tiny_model_dir().display()),
+            &format!("model: {}\n{extra}", model.display()),
+            1,
+        );
+        std::fs::write(&file, text).expect("write mesh file");
         Self {
             dir,
             file,

@@ -10,7 +10,9 @@
 //! - a restarted router rebuilds its view from etcd;
 //! - SIGTERM deregisters a node before it drains;
 //! - a node registered without the mesh secret is never used, and entries
-//!   that are not registrations are refused and counted.
+//!   that are not registrations are refused and counted;
+//! - (the registrar itself) two processes of one name do not overwrite each
+//!   other, and a lease etcd lost is replaced.
 //!
 //! The router losing etcd itself is `etcd_outage.rs` (it kills its etcd).
 
@@ -418,4 +420,169 @@ fn a_registered_node_without_the_mesh_secret_is_never_used() {
     let px = load_report(&grpc_of(&file, "prefill-x"), &other, false);
     assert!(px.grpc_auth_refused.values().sum::<u64>() > 0, "{px:?}");
     assert_eq!(px.queue_depth, 0);
+}
+
+/// The default model (SmolLM2) through a mesh whose membership changes
+/// under it: a decode node joins, the first one is SIGKILLed, and every
+/// answer, before, between and after, equals the reference engine's.
+#[test]
+fn the_default_model_through_a_changing_etcd_mesh_equals_the_reference() {
+    let Some(model) = kvmesh_model::default_model::cached_default_model() else {
+        eprintln!("note: default model not cached; skipped (run `kvmesh fetch-model`)");
+        return;
+    };
+    let etcd = Etcd::shared();
+    let mesh = EtcdMesh::with_model(
+        etcd,
+        "smollm2",
+        &[
+            ("prefill", "prefill-0"),
+            ("decode", "decode-0"),
+            ("decode", "decode-1"),
+        ],
+        &model,
+        "max_model_len: 1024\n",
+    );
+    let ask = |prompt: &str| {
+        let want = reference_text(&model, prompt, false, 24);
+        let r = http::post(
+            &mesh.http,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 24, "temperature": 0}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.json()["choices"][0]["text"], want.as_str(), "{prompt}");
+    };
+    let d0 = mesh.start("decode", Some("decode-0"), &[], false);
+    let _p0 = mesh.start("prefill", Some("prefill-0"), &[], false);
+    let _router = mesh.start("router", None, &[], false);
+    wait_healthy(&mesh.http);
+    ask("The capital of France is");
+    let _d1 = mesh.start("decode", Some("decode-1"), &[], false);
+    wait_metrics(&mesh.http, "decode-1 up", |m| up(m, "decode-1"));
+    ask("Once upon a time, in a small village,");
+    drop(d0);
+    wait_metrics(&mesh.http, "decode-0 out of the membership", |m| {
+        !known(m, "decode-0") && members(m, "decode") == 1.0
+    });
+    ask("The three primary colours are");
+    ask("The capital of France is");
+    // Both answers after the kill came from decode-1 (its report lags a
+    // poll).
+    wait_metrics(&mesh.http, "decode-1's grants", |m| {
+        m.value(
+            "kvmesh_node_reservations_granted_total",
+            &[("node", "decode-1")],
+        ) >= Some(2.0)
+    });
+}
+
+fn discovery_config(etcd: &Etcd, test: &str) -> kvmesh_discovery::EtcdConfig {
+    kvmesh_discovery::EtcdConfig::new(
+        &[etcd.endpoint()],
+        &kvmesh_integration::etcd::unique_prefix(test),
+        2,
+        Duration::from_secs(2),
+    )
+    .expect("config")
+}
+
+fn decode_member(grpc: &str) -> kvmesh_discovery::Member {
+    kvmesh_discovery::Member::new(
+        "decode-0",
+        kvmesh_discovery::Role::Decode,
+        grpc,
+        Some("tcp://127.0.0.1:2"),
+        "test",
+    )
+    .expect("member")
+}
+
+/// The value and lease of `key`.
+async fn entry(c: &mut etcd_client::Client, key: &str) -> Option<(Vec<u8>, i64)> {
+    let r = c.get(key, None).await.expect("get");
+    r.kvs().first().map(|kv| (kv.value().to_vec(), kv.lease()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_registrations_of_one_name_do_not_overwrite_each_other() {
+    let etcd = Etcd::shared();
+    let cfg = discovery_config(etcd, "same-name");
+    let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .expect("etcd");
+    let first = kvmesh_discovery::register(&cfg, decode_member("127.0.0.1:1"))
+        .await
+        .expect("first");
+    let key = first.key().to_owned();
+    // A second process of the same name waits for the first to go...
+    let second_cfg = cfg.clone();
+    let second = tokio::spawn(async move {
+        kvmesh_discovery::register(&second_cfg, decode_member("127.0.0.1:9")).await
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!second.is_finished(), "the second took a live node's key");
+    let (value, _) = entry(&mut c, &key).await.expect("first's entry");
+    assert_eq!(value, decode_member("127.0.0.1:1").encode());
+    first.deregister().await.expect("deregister");
+    // ... and takes the name once it is free.
+    let second = tokio::time::timeout(WITHIN, second)
+        .await
+        .expect("second registers")
+        .expect("task")
+        .expect("second");
+    let (value, _) = entry(&mut c, &key).await.expect("second's entry");
+    assert_eq!(value, decode_member("127.0.0.1:9").encode());
+    // A third, while the second lives, gives up after two TTLs and a
+    // second, naming the key.
+    let t0 = Instant::now();
+    let e = kvmesh_discovery::register(&cfg, decode_member("127.0.0.1:8"))
+        .await
+        .expect_err("the name is taken");
+    assert!(
+        matches!(e, kvmesh_discovery::DiscoveryError::NameTaken { .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains(&key), "{e}");
+    assert!(t0.elapsed() >= Duration::from_secs(5), "{:?}", t0.elapsed());
+    second.deregister().await.expect("deregister");
+    assert!(entry(&mut c, &key).await.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_etcd_lost_is_replaced_and_the_key_written_again() {
+    let etcd = Etcd::shared();
+    let cfg = discovery_config(etcd, "lost-lease");
+    let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .expect("etcd");
+    let reg = kvmesh_discovery::register(&cfg, decode_member("127.0.0.1:1"))
+        .await
+        .expect("register");
+    let key = reg.key().to_owned();
+    let (_, lease) = entry(&mut c, &key).await.expect("entry");
+    // What an expiry during a partition does: the lease (and key) gone.
+    c.lease_revoke(lease).await.expect("revoke");
+    assert!(entry(&mut c, &key).await.is_none());
+    let t0 = Instant::now();
+    let new_lease = loop {
+        if let Some((_, l)) = entry(&mut c, &key).await {
+            break l;
+        }
+        assert!(t0.elapsed() < WITHIN, "never registered again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_ne!(new_lease, lease);
+    eprintln!(
+        "MEASURED: a revoked lease was replaced and the key written again after {:.2} s (TTL 2 s)",
+        t0.elapsed().as_secs_f64()
+    );
+    // And the watcher sees one member, with the value the node wrote.
+    let w = kvmesh_discovery::Watcher::spawn(cfg.clone());
+    let view = w.first(WITHIN).await;
+    assert_eq!(view.health, kvmesh_discovery::Health::Live);
+    let members: Vec<_> = view.members().cloned().collect();
+    assert_eq!(members, [decode_member("127.0.0.1:1")]);
+    w.stop().await;
+    reg.deregister().await.expect("deregister");
 }

@@ -75,3 +75,6 @@ pub(crate) fn render(nodes: &Nodes, out: &mut String) {
         nodes.refused()
     );
 }
+
+#[cfg(test)]
+mod tests;
