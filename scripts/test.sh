@@ -13,7 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Real servers the tests run against, from Debian's packages, installed
-# when missing: prometheus (integration/tests/prometheus.rs).
+# when missing: prometheus (integration/tests/prometheus.rs) and etcd
+# (the membership tests, integration/tests/etcd*.rs; KVMESH_ETCD names
+# another etcd binary).
 ensure_package() {
   local bin="$1" package="$2"
   if [ -x "$bin" ]; then
@@ -28,6 +30,10 @@ ensure_package() {
     || { $sudo apt-get update -q && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "$package"; }
 }
 ensure_package /usr/bin/prometheus prometheus
+if [ -z "${KVMESH_ETCD:-}" ] && ! command -v etcd >/dev/null 2>&1; then
+  ensure_package /usr/bin/etcd etcd-server
+  echo "==> kvmesh tests: $(etcd --version | head -1)"
+fi
 
 echo "==> kvmesh tests: building the workspace (first build takes several minutes)"
 cargo build --workspace --all-targets

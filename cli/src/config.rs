@@ -31,7 +31,14 @@
 //!   max_queued: 256
 //!   api_keys:                  # omit: no authentication
 //!     - {key: sk-alpha-..., tenant: alpha}
-//! prefill:
+//! discovery: static             # or etcd: nodes register themselves (below)
+//! # etcd:                        # with discovery: etcd only
+//! #   endpoints: [etcd-0:2379]   # HOST:PORT or http://HOST:PORT, one per member
+//! #   prefix: /kvmesh/prod/      # this mesh's keys (one prefix per mesh)
+//! #   lease_ttl_s: 3             # a killed node leaves every view within this
+//! #   dial_timeout_ms: 2000      # bound on connecting and on each etcd call
+//! prefill:                     # static: every node; etcd: each node's own
+//!                              #   settings (the router takes the members from etcd)
 //!   - name: prefill-0
 //!     grpc: prefill-0:7101       # what the router dials
 //!     listen: 0.0.0.0:7101       # omit: same as grpc
@@ -44,6 +51,15 @@
 //!     kv_listen: 0.0.0.0:7301    #   or a Unix socket path (shm)
 //!     kv_pool_tokens: 4096
 //! ```
+//!
+//! With `discovery: etcd`, each prefill and decode node registers its
+//! `name`, role, `grpc` and (decode) `kv` under `prefix` with a lease of
+//! `lease_ttl_s` and keeps it alive; SIGTERM revokes it before the drain.
+//! The router and the prefill nodes watch the prefix, so nodes join and
+//! leave without a restart, and the `prefill`/`decode` lists may be empty
+//! for the router. Registrations carry no secret: a registered node that
+//! lacks `mesh.secret_file` fails every call's authentication and is never
+//! chosen (ARCHITECTURE.md, "Membership").
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -52,6 +68,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use kvmesh_discovery::EtcdConfig;
 use kvmesh_kvpool::{ParseScrubModeError, ScrubMode};
 use kvmesh_meshauth::tls::{MeshTls, TlsFiles};
 use kvmesh_meshauth::{readable_by_others, MeshSecret};
@@ -114,11 +131,19 @@ pub struct MeshConfig {
     pub prefix_cache: bool,
     /// Mesh-internal authentication; required.
     pub mesh: Option<MeshSection>,
+    /// How the router and the prefill nodes find the nodes: `static` (the
+    /// lists below) or `etcd` (the `etcd` section).
+    #[serde(default, deserialize_with = "discovery_kind")]
+    pub discovery: DiscoveryKind,
+    /// With `discovery: etcd`: where etcd is, and the mesh's key prefix.
+    pub etcd: Option<EtcdSection>,
     /// The router.
     pub router: RouterSection,
-    /// Prefill nodes.
+    /// Prefill nodes (with etcd: only each node's own settings).
+    #[serde(default)]
     pub prefill: Vec<NodeSection>,
-    /// Decode nodes.
+    /// Decode nodes (with etcd: only each node's own settings).
+    #[serde(default)]
     pub decode: Vec<NodeSection>,
     /// The file this was read from (relative paths in it are relative to
     /// its folder).
@@ -156,6 +181,54 @@ pub struct TlsSection {
     pub cert_file: String,
     /// The node's private key.
     pub key_file: String,
+}
+
+/// `discovery:`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DiscoveryKind {
+    /// The mesh file's node lists, read once at start.
+    #[default]
+    Static,
+    /// Nodes register in etcd; the router and prefill nodes watch it.
+    Etcd,
+}
+
+/// `etcd:`, with `discovery: etcd`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EtcdSection {
+    /// `HOST:PORT` or `http://HOST:PORT` of each etcd member.
+    pub endpoints: Vec<String>,
+    /// The key prefix of this mesh's registrations (`/kvmesh/prod/`);
+    /// required, so two meshes sharing an etcd cannot mix by default.
+    pub prefix: Option<String>,
+    /// Lease TTL of every registration, seconds: how long a node killed
+    /// without a word stays in the views.
+    #[serde(default = "default_lease_ttl_s")]
+    pub lease_ttl_s: u64,
+    /// Bound on connecting to etcd and on each call, milliseconds.
+    #[serde(default = "default_dial_timeout_ms")]
+    pub dial_timeout_ms: u64,
+}
+
+fn default_lease_ttl_s() -> u64 {
+    kvmesh_discovery::config::DEFAULT_LEASE_TTL_S
+}
+
+fn default_dial_timeout_ms() -> u64 {
+    kvmesh_discovery::config::DEFAULT_DIAL_TIMEOUT.as_millis() as u64
+}
+
+/// `discovery:` as its typed value, refused naming the field and the value.
+fn discovery_kind<'de, D: serde::Deserializer<'de>>(d: D) -> Result<DiscoveryKind, D::Error> {
+    let s = String::deserialize(d)?;
+    match s.as_str() {
+        "static" => Ok(DiscoveryKind::Static),
+        "etcd" => Ok(DiscoveryKind::Etcd),
+        _ => Err(serde::de::Error::custom(format!(
+            "discovery = {s:?}: expected static or etcd"
+        ))),
+    }
 }
 
 /// How a process of the mesh authenticates its peers.
@@ -343,6 +416,45 @@ impl MeshConfig {
         )
     }
 
+    /// The etcd settings with `discovery: etcd` (checked), `None` with
+    /// `discovery: static`.
+    pub fn etcd(&self) -> Result<Option<EtcdConfig>> {
+        let file = &self.file;
+        match (self.discovery, &self.etcd) {
+            (DiscoveryKind::Static, None) => Ok(None),
+            (DiscoveryKind::Static, Some(_)) => Err(refuse(
+                file,
+                "etcd",
+                "{...}",
+                "only read with discovery: etcd (the default is static)",
+            )),
+            (DiscoveryKind::Etcd, None) => Err(refuse(
+                file,
+                "etcd",
+                "",
+                "discovery: etcd needs an etcd section (endpoints, prefix)",
+            )),
+            (DiscoveryKind::Etcd, Some(e)) => {
+                let prefix = e.prefix.as_deref().ok_or_else(|| {
+                    refuse(
+                        file,
+                        "etcd.prefix",
+                        "",
+                        "required: the key prefix of this mesh's registrations, such as /kvmesh/prod/",
+                    )
+                })?;
+                EtcdConfig::new(
+                    &e.endpoints,
+                    prefix,
+                    e.lease_ttl_s,
+                    Duration::from_millis(e.dial_timeout_ms),
+                )
+                .map(Some)
+                .map_err(|c| refuse(file, &format!("etcd.{}", c.field), &c.value, c.reason))
+            }
+        }
+    }
+
     /// The precision every node loads the model in.
     pub fn precision(&self) -> kvmesh_model::Precision {
         if self.exact {
@@ -356,10 +468,15 @@ impl MeshConfig {
     pub fn load(path: &Path) -> Result<Self> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let mut cfg: Self = serde_yaml_ng::from_str(&text)
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates `text`, read from `path`.
+    fn parse(text: &str, path: &Path) -> Result<Self> {
+        let mut cfg: Self = serde_yaml_ng::from_str(text)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        cfg.validate(path)?;
         cfg.file = path.to_owned();
+        cfg.validate(path)?;
         Ok(cfg)
     }
 
@@ -492,8 +609,9 @@ impl MeshConfig {
                 "must be at least 1"
             ));
         }
+        let etcd = self.etcd()?.is_some();
         for (role, nodes) in [("prefill", &self.prefill), ("decode", &self.decode)] {
-            if nodes.is_empty() {
+            if nodes.is_empty() && !etcd {
                 bail!(refuse(
                     file,
                     role,
@@ -512,6 +630,16 @@ impl MeshConfig {
                         &f("name"),
                         &n.name,
                         "names must be non-empty and unique"
+                    ));
+                }
+                // With etcd the node writes a registration of these fields:
+                // refuse now what it could not register.
+                if etcd && kvmesh_discovery::member::check_name(&n.name).is_err() {
+                    bail!(refuse(
+                        file,
+                        &f("name"),
+                        &n.name,
+                        "with discovery: etcd, letters, digits, '.', '_' and '-' (at most 63, not starting with '.' or '-')"
                     ));
                 }
                 host_port(file, &f("grpc"), &n.grpc)?;
@@ -555,9 +683,42 @@ impl MeshConfig {
                     )),
                     _ => {}
                 }
+                if etcd {
+                    match self.member(role, n) {
+                        Ok(_) => {}
+                        Err(kvmesh_discovery::MemberError::Field {
+                            field,
+                            value,
+                            reason,
+                        }) => bail!(refuse(file, &f(field), &value, reason)),
+                        Err(e) => bail!(refuse(file, &f("grpc"), &n.grpc, &e.to_string())),
+                    }
+                }
             }
         }
         Ok(())
+    }
+
+    /// What node `n` of `role` registers in etcd: its name, role, the
+    /// `grpc` address the router dials and (decode) the KV endpoint
+    /// prefill dials.
+    pub fn member(
+        &self,
+        role: &str,
+        n: &NodeSection,
+    ) -> Result<kvmesh_discovery::Member, kvmesh_discovery::MemberError> {
+        let (role, kv) = if role == "decode" {
+            (kvmesh_discovery::Role::Decode, Some(self.kv_endpoint(n)))
+        } else {
+            (kvmesh_discovery::Role::Prefill, None)
+        };
+        kvmesh_discovery::Member::new(
+            &n.name,
+            role,
+            &n.grpc,
+            kv.as_deref(),
+            env!("CARGO_PKG_VERSION"),
+        )
     }
 
     /// The node named `name` of `role`.
@@ -583,3 +744,6 @@ impl MeshConfig {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -26,6 +26,7 @@ mod bench_router;
 mod config;
 mod doctor;
 mod loadgen;
+mod membership;
 mod percentile;
 mod progress;
 mod scrape;

@@ -23,7 +23,8 @@ use kvmesh_tokenizer::ModelInfo;
 use tokio::net::TcpListener;
 
 use crate::config::MeshConfig;
-use crate::ModelArgs;
+use crate::{membership, ModelArgs};
+use kvmesh_discovery::EtcdConfig;
 
 /// How long a grant may wait for its transfer (`--lease-ms`, `lease_ms:`).
 pub(crate) const LEASE: Duration = Duration::from_secs(60);
@@ -434,13 +435,20 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
     }
     let auth = cfg.mesh_auth()?;
     let tls = cfg.tls_for(name.as_deref().unwrap_or("router"))?;
+    let etcd = cfg.etcd()?;
     if a.check_config {
+        let members = match &etcd {
+            None => format!(
+                "{} prefill and {} decode nodes",
+                cfg.prefill.len(),
+                cfg.decode.len()
+            ),
+            Some(e) => e.describe(),
+        };
         println!(
-            "config ok: {}: {role_name}{}; {} prefill and {} decode nodes, transport {}; {}; {}; {}",
+            "config ok: {}: {role_name}{}; {members}, transport {}; {}; {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
-            cfg.prefill.len(),
-            cfg.decode.len(),
             cfg.transport,
             cfg.describe_pools(),
             auth.describe(),
@@ -456,10 +464,13 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
     let drain = a.drain_timeout.unwrap_or_else(|| cfg.drain_timeout());
     let name = name.as_deref().unwrap_or_default();
     runtime()?.block_on(async move {
+        let etcd = etcd.as_ref();
         match role {
-            RoleKind::Router => router_process(&cfg, fault_injection, secret, tls, drain).await,
-            RoleKind::Prefill => prefill_process(&cfg, name, secret, tls, drain).await,
-            RoleKind::Decode => decode_process(&cfg, name, secret, tls, drain).await,
+            RoleKind::Router => {
+                router_process(&cfg, etcd, fault_injection, secret, tls, drain).await
+            }
+            RoleKind::Prefill => prefill_process(&cfg, etcd, name, secret, tls, drain).await,
+            RoleKind::Decode => decode_process(&cfg, etcd, name, secret, tls, drain).await,
         }
     })
 }
@@ -489,6 +500,7 @@ fn engine_config(cfg: &MeshConfig, kv_pool_tokens: Option<usize>) -> EngineConfi
 
 async fn decode_process(
     cfg: &MeshConfig,
+    etcd: Option<&EtcdConfig>,
     name: &str,
     mesh_secret: MeshSecret,
     tls: Option<Arc<MeshTls>>,
@@ -524,17 +536,24 @@ async fn decode_process(
     )
     .await?;
     let l = listen(n.listen.as_deref().unwrap_or(&n.grpc), "the decode node").await?;
+    // Listening on both ports: only now may routers and prefill nodes learn
+    // of it.
+    let reg = match etcd {
+        Some(e) => Some(membership::register(e, cfg.member("decode", n)?).await?),
+        None => None,
+    };
     println!(
         "decode node {name} ready: gRPC {}, KV {}",
         l.local_addr()?,
         node.kv_endpoint()
     );
-    let d = kvmesh_decode::run(node, l, terminated(drain)).await?;
+    let d = kvmesh_decode::run(node, l, membership::leave_first(terminated(drain), reg)).await?;
     drained("decode", name, &d)
 }
 
 async fn prefill_process(
     cfg: &MeshConfig,
+    etcd: Option<&EtcdConfig>,
     name: &str,
     mesh_secret: MeshSecret,
     tls: Option<Arc<MeshTls>>,
@@ -554,9 +573,15 @@ async fn prefill_process(
         },
         load(&path, cfg.precision())?,
     )?;
-    // Connect to every decode node's KV listener (retrying while they
-    // start), so each can grant to this writer.
-    for d in &cfg.decode {
+    // With etcd: connect to the decode nodes registered now, and from then
+    // on to every one that registers (or whose connection broke).
+    let peers = match etcd {
+        Some(e) => Some(membership::DecodePeers::start(e, &node).await),
+        None => None,
+    };
+    // Static: connect to every decode node's KV listener (retrying while
+    // they start), so each can grant to this writer.
+    for d in cfg.decode.iter().filter(|_| etcd.is_none()) {
         let ep = cfg.kv_endpoint(d);
         let mut tries = 0;
         while let Err(e) = node.connect(&ep).await {
@@ -568,13 +593,21 @@ async fn prefill_process(
         }
     }
     let l = listen(n.listen.as_deref().unwrap_or(&n.grpc), "the prefill node").await?;
+    let reg = match etcd {
+        Some(e) => Some(membership::register(e, cfg.member("prefill", n)?).await?),
+        None => None,
+    };
     println!("prefill node {name} ready: gRPC {}", l.local_addr()?);
-    let d = kvmesh_prefill::run(node, l, terminated(drain)).await?;
+    let d = kvmesh_prefill::run(node, l, membership::leave_first(terminated(drain), reg)).await?;
+    if let Some(p) = peers {
+        p.stop().await;
+    }
     drained("prefill", name, &d)
 }
 
 async fn router_process(
     cfg: &MeshConfig,
+    etcd: Option<&EtcdConfig>,
     fault_injection: bool,
     mesh_secret: MeshSecret,
     tls: Option<Arc<MeshTls>>,
@@ -586,6 +619,8 @@ async fn router_process(
     let max_model_len = cfg.max_model_len.unwrap_or(info.context_length);
     let stop_ids = info.stop_token_ids();
     let tokenizer = info.tokenizer;
+    // Static: the file's nodes. Etcd: none until the watcher's first view,
+    // then whatever registers.
     let specs: Vec<(String, Role, String)> = cfg
         .prefill
         .iter()
@@ -595,8 +630,13 @@ async fn router_process(
                 .iter()
                 .map(|n| (n.name.clone(), Role::Decode, format!("http://{}", n.grpc))),
         )
+        .filter(|_| etcd.is_none())
         .collect();
     let nodes = Nodes::with_tls(&specs, mesh_secret, tls).map_err(anyhow::Error::msg)?;
+    let following = match etcd {
+        Some(e) => Some(membership::follow(e, &nodes).await),
+        None => None,
+    };
     nodes.poll_all().await;
     let poller = nodes.spawn_poller();
     let router = Router::new(
@@ -624,6 +664,9 @@ async fn router_process(
     let listeners = router_listeners(&router, &cfg.router.http, &cfg.router.grpc).await?;
     let served = kvmesh_router::run(router, listeners, terminated(drain)).await;
     poller.abort();
+    if let Some(f) = following {
+        f.stop().await;
+    }
     served.context("the gateway")?;
     println!("kvmesh router drained, exiting");
     Ok(())

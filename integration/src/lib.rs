@@ -5,6 +5,8 @@
 //! from a mesh file) start the real `kvmesh` binary, for what needs a
 //! process of its own (kills, SIGTERM, planted bugs, deploy files);
 //! [`cache`] holds the prefix cache's request helpers and isolation scenario;
+//! [`etcd`] runs a real etcd for the membership tests and meshes that
+//! register in it;
 //! [`http`] is the tests' face of `kvmesh_testkit`'s client and scraper;
 //! [`nodes`] drives the internal services by hand; [`python`] runs the
 //! external clients.
@@ -13,6 +15,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 pub mod cache;
+pub mod etcd;
 pub mod http;
 pub mod inproc;
 pub mod mesh;
@@ -41,6 +44,7 @@ pub fn kvmesh_bin() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     for krate in [
         "cli",
+        "discovery",
         "model",
         "tokenizer",
         "kvxfer",

@@ -19,20 +19,27 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-#[test]
-fn every_compose_command_is_accepted() {
-    let compose: serde_yaml_ng::Value = serde_yaml_ng::from_str(
-        &std::fs::read_to_string(repo().join("docker-compose.yml")).expect("compose file"),
-    )
-    .expect("compose YAML");
+/// Every kvmesh service of the compose file `file` runs a command the
+/// binary accepts (`--check-config`) with the files its volumes mount at
+/// their container paths; returns (role, `--check-config` line) per kvmesh
+/// service, sorted, and the services that are not kvmesh's.
+fn check_compose(file: &str) -> (Vec<(String, String)>, Vec<String>) {
+    let compose: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(repo().join(file)).expect("compose file"))
+            .expect("compose YAML");
     let services = compose["services"].as_mapping().expect("services");
-    assert_eq!(services.len(), 3);
     // The mesh secret is the operator's (`head -c 32 /dev/urandom >
     // deploy/mesh.secret`), never committed: make one as they would.
     let secrets = tempfile::tempdir().expect("tempdir");
     let operator_secret = write_secret(secrets.path(), "mesh.secret");
     let mut roles = Vec::new();
+    let mut others = Vec::new();
     for (name, svc) in services {
+        let name = name.as_str().expect("service name").to_owned();
+        if svc["image"].as_str() != Some("kvmesh:latest") {
+            others.push(name);
+            continue;
+        }
         let mut args: Vec<String> = svc["command"]
             .as_sequence()
             .expect("command list")
@@ -70,7 +77,7 @@ fn every_compose_command_is_accepted() {
         let (stdout, stderr) = texts(&out);
         assert!(
             out.status.success(),
-            "service {name:?}: kvmesh {args:?}: {stderr}"
+            "{file}: service {name:?}: kvmesh {args:?}: {stderr}"
         );
         assert!(stdout.starts_with("config ok"), "{stdout}");
         // Every service authenticates its peers with the mounted secret.
@@ -78,10 +85,18 @@ fn every_compose_command_is_accepted() {
             stdout.contains("mesh auth: secret file") && stdout.contains("mesh.secret"),
             "{stdout}"
         );
-        roles.push(args[0].clone());
+        roles.push((args[0].clone(), stdout));
     }
     roles.sort();
-    assert_eq!(roles, ["decode", "prefill", "router"]);
+    (roles, others)
+}
+
+#[test]
+fn every_compose_command_is_accepted() {
+    let (roles, others) = check_compose("docker-compose.yml");
+    let names: Vec<&str> = roles.iter().map(|(r, _)| r.as_str()).collect();
+    assert_eq!(names, ["decode", "prefill", "router"]);
+    assert!(others.is_empty(), "{others:?}");
     // The image bakes the model the mesh file names, and the mesh file.
     let dockerfile = std::fs::read_to_string(repo().join("Dockerfile")).expect("Dockerfile");
     let mesh = std::fs::read_to_string(repo().join("deploy/mesh.yaml")).expect("mesh file");
@@ -95,6 +110,69 @@ fn every_compose_command_is_accepted() {
         "{model}"
     );
     assert!(dockerfile.contains("COPY deploy/mesh.yaml /etc/kvmesh/mesh.yaml"));
+}
+
+/// The etcd-discovered variant (issue 18 item 5): the same roles (and a
+/// second decode node behind a profile) on deploy/mesh-etcd.yaml, whose
+/// etcd endpoint is the compose file's etcd service and whose prefix is
+/// its own; the etcd image is Debian's package.
+#[test]
+fn every_compose_command_of_the_etcd_variant_is_accepted() {
+    let (roles, others) = check_compose("docker-compose.etcd.yml");
+    let names: Vec<&str> = roles.iter().map(|(r, _)| r.as_str()).collect();
+    assert_eq!(names, ["decode", "decode", "prefill", "router"]);
+    assert_eq!(others, ["etcd"]);
+    for (role, line) in &roles {
+        assert!(
+            line.contains(
+                "discovery etcd: http://etcd:2379 prefix /kvmesh/compose/, lease TTL 3 s"
+            ),
+            "{role}: {line}"
+        );
+    }
+    let compose: serde_yaml_ng::Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(repo().join("docker-compose.etcd.yml")).expect("compose file"),
+    )
+    .expect("compose YAML");
+    let etcd = &compose["services"]["etcd"];
+    let args: Vec<&str> = etcd["command"]
+        .as_sequence()
+        .expect("etcd command")
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    assert!(
+        args.contains(&"--listen-client-urls=http://0.0.0.0:2379"),
+        "{args:?}"
+    );
+    assert!(
+        args.contains(&"--advertise-client-urls=http://etcd:2379"),
+        "{args:?}"
+    );
+    // The nodes wait for etcd; the second decode node joins on demand.
+    for svc in ["decode-0", "decode-1", "prefill-0", "router"] {
+        let deps = &compose["services"][svc]["depends_on"];
+        assert!(
+            deps.as_sequence()
+                .is_some_and(|d| d.iter().any(|s| s.as_str() == Some("etcd"))),
+            "{svc} does not depend on etcd"
+        );
+    }
+    assert_eq!(
+        compose["services"]["decode-1"]["profiles"][0].as_str(),
+        Some("more")
+    );
+    let build = etcd["build"].as_str().expect("etcd build context");
+    let dockerfile =
+        std::fs::read_to_string(repo().join(build).join("Dockerfile")).expect("etcd Dockerfile");
+    assert!(dockerfile.contains("apt-get install -y --no-install-recommends etcd-server"));
+    // Only the Dockerfile is in its build context (no secret travels).
+    let context: Vec<_> = std::fs::read_dir(repo().join(build))
+        .expect("context")
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(context, ["Dockerfile"]);
 }
 
 #[test]

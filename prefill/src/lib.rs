@@ -189,8 +189,11 @@ struct Inner {
     engine: Arc<Engine>,
     jobs: mpsc::Sender<Work>,
     depth: Arc<AtomicUsize>,
-    /// One transport connection per decode endpoint.
-    clients: AsyncMutex<HashMap<String, KvClient>>,
+    /// One transport connection per decode endpoint, each behind a lock of
+    /// its own: connecting to one endpoint (bounded by the caller; a
+    /// registered address may drop packets) never holds up requests to the
+    /// others.
+    clients: Mutex<HashMap<String, Arc<AsyncMutex<Option<KvClient>>>>>,
     /// Proven to decode nodes when a transport connection opens.
     secret: MeshSecret,
     /// Checks every gRPC call's proof of the mesh secret; counts refusals.
@@ -306,7 +309,7 @@ impl PrefillNode {
                 engine,
                 jobs,
                 depth,
-                clients: AsyncMutex::default(),
+                clients: Mutex::default(),
                 calls: Arc::new(CallVerifier::new(cfg.mesh_secret.clone())),
                 secret: cfg.mesh_secret,
                 stopped,
@@ -354,18 +357,26 @@ impl PrefillNode {
     }
 
     async fn client(&self, endpoint: &str) -> Result<KvClient, PrefillError> {
-        let mut clients = self.inner.clients.lock().await;
-        if let Some(c) = clients.get(endpoint) {
-            if c.is_connected() {
-                return Ok(c.clone());
-            }
+        let slot = Arc::clone(
+            self.inner
+                .clients
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(endpoint.to_owned())
+                .or_default(),
+        );
+        // One connection per endpoint: callers for the same endpoint wait
+        // for the one connecting.
+        let mut slot = slot.lock().await;
+        if let Some(c) = slot.as_ref().filter(|c| c.is_connected()) {
+            return Ok(c.clone());
         }
         let auth = KvAuth {
             secret: self.inner.secret.clone(),
             tls: self.inner.tls.clone(),
         };
         let c = KvClient::connect(endpoint, self.inner.writer, auth).await?;
-        clients.insert(endpoint.to_owned(), c.clone());
+        *slot = Some(c.clone());
         Ok(c)
     }
 

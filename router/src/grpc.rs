@@ -25,15 +25,35 @@ use crate::tools::parse::{Out, Parser};
 use crate::validate::{self, invalid, Prompt};
 use crate::Router;
 
+/// The gRPC health service name of the router's membership: SERVING while
+/// it is current (a fixed one always is), NOT_SERVING while its source
+/// (etcd) cannot be reached and the router routes on its last view.
+pub const MEMBERSHIP_HEALTH: &str = "kvmesh.membership";
+
 /// The public gRPC server: Generation (behind the API-key check), health,
 /// reflection.
 pub fn service(router: Router) -> tonic::transport::server::Router {
     let (reporter, health) = tonic_health::server::health_reporter();
     let mut draining = router.draining.subscribe();
+    let mut discovery = router.mesh().discovery();
     tokio::spawn(async move {
         reporter.set_serving::<GenerationServer<Api>>().await;
-        // A drain: health says not serving, for the whole server too.
-        let _ = draining.wait_for(|d| *d).await;
+        // The membership's own entry: NOT_SERVING while its source (etcd)
+        // cannot be reached. The server and the API stay SERVING: the
+        // router routes on its last view meanwhile.
+        let mut watching = true;
+        loop {
+            let status = match discovery.borrow_and_update().degraded_since() {
+                Some(_) => tonic_health::ServingStatus::NotServing,
+                None => tonic_health::ServingStatus::Serving,
+            };
+            reporter.set_service_status(MEMBERSHIP_HEALTH, status).await;
+            tokio::select! {
+                r = discovery.changed(), if watching => watching = r.is_ok(),
+                // A drain: health says not serving, for the whole server too.
+                _ = draining.wait_for(|d| *d) => break,
+            }
+        }
         reporter.set_not_serving::<GenerationServer<Api>>().await;
         reporter
             .set_service_status("", tonic_health::ServingStatus::NotServing)

@@ -665,11 +665,25 @@ async fn health(State(r): State<Router>) -> Response {
     if r.is_draining() {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response();
     }
-    match r.mesh().capacity() {
-        Some(_) => (StatusCode::OK, "ok\n").into_response(),
-        None => (
+    // A membership source that cannot be reached does not stop the
+    // router (it routes on its last view), so it is reported, not failed.
+    let d = *r.mesh().discovery().borrow();
+    let degraded = d.degraded_since().map(|since| {
+        format!(
+            "degraded: membership source {} unreachable for {} s, routing on the last view\n",
+            d.source(),
+            since.elapsed().as_secs()
+        )
+    });
+    match (r.mesh().capacity(), degraded) {
+        (Some(_), None) => (StatusCode::OK, "ok\n").into_response(),
+        (Some(_), Some(d)) => (StatusCode::OK, format!("ok, {d}")).into_response(),
+        (None, d) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            "no healthy prefill or decode node\n",
+            format!(
+                "no healthy prefill or decode node\n{}",
+                d.unwrap_or_default()
+            ),
         )
             .into_response(),
     }

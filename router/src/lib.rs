@@ -39,7 +39,11 @@
 //!   field ([`Router::vocabulary`] is built on the first such request).
 //! - [`openapi`]: the gateway's OpenAPI document, held to those routes.
 //! - [`nodes`]: the nodes, their gRPC clients, load reports, health, and
-//!   the choice of node per request.
+//!   the choice of node per request; the members are fixed or swapped
+//!   whole when a membership service (etcd) says they changed.
+//! - [`membership`]: where the membership comes from and whether it is
+//!   current ([`membership::Discovery`]: degraded while etcd cannot be
+//!   reached), and its metrics.
 //! - `metrics` (private): Prometheus text.
 //!
 //! - [`run`]: the gateway's lifecycle: serve both ports until shutdown,
@@ -55,6 +59,7 @@ pub mod error;
 pub mod grpc;
 pub mod http;
 mod logprobs;
+pub mod membership;
 pub mod mesh;
 mod metrics;
 pub mod nodes;

@@ -231,8 +231,8 @@ fn render_identity(nodes: &Nodes, out: &mut String) {
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i128);
-    let reports: Vec<_> = nodes
-        .all()
+    let members = nodes.all();
+    let reports: Vec<_> = members
         .iter()
         .filter_map(|n| Some((n, n.report()?)))
         .collect();

@@ -4,6 +4,13 @@
 //! each node for its load every [`POLL`]; a node that does not answer
 //! within [`LOAD_TIMEOUT`] is taken out until it answers again.
 //!
+//! The members are fixed (the mesh file) or follow a membership service
+//! (etcd: the binary's watcher calls [`Nodes::set_members`] on every
+//! change and [`Nodes::set_discovery`] when it loses or regains etcd). A
+//! member is only an address: it is chosen once its load report, a call
+//! that must prove the mesh secret both ways, arrived, so a registered
+//! node without the secret is never chosen.
+//!
 //! Routing follows the prefix cache: each node's report carries the
 //! routing ids of the pages it caches (only when they changed since the
 //! epoch the router last saw), and [`Nodes::pick`] scores a node by the
@@ -16,7 +23,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use kvmesh_prefix::{ModelTag, Namespace};
@@ -28,9 +35,11 @@ use kvmesh_proto::internal::v1::decode_client::DecodeClient;
 use kvmesh_proto::internal::v1::prefill_client::PrefillClient;
 use kvmesh_proto::internal::v1::{LoadReport, LoadRequest};
 use kvmesh_proto::peer::{decode_client, prefill_client};
+use tokio::sync::{watch, Notify};
 use tonic::transport::Channel;
 
 use crate::error::Rejection;
+pub use crate::membership::Discovery;
 
 /// How often load is polled.
 pub const POLL: Duration = Duration::from_millis(200);
@@ -263,48 +272,165 @@ impl Node {
     }
 }
 
-/// Every node of the mesh.
+/// Every node of the mesh: a snapshot of the members, swapped whole when
+/// the membership changes ([`Nodes::set_members`]); readers clone the
+/// snapshot's `Arc` and never hold the lock while they work, and a node
+/// that leaves lives on in the requests that hold it.
 #[derive(Debug, Clone)]
 pub struct Nodes {
-    all: Arc<Vec<Arc<Node>>>,
+    members: Arc<RwLock<Arc<Vec<Arc<Node>>>>>,
+    /// The secret every call to a node proves.
+    secret: MeshSecret,
+    /// Mutual TLS on every node channel, when the mesh has certificates.
+    tls: Option<Arc<MeshTls>>,
+    /// Wakes the poller when members join, so a new node is polled (and
+    /// chosen) without waiting for the next round.
+    joined: Arc<Notify>,
+    /// Where the membership comes from, and whether it is current.
+    discovery: Arc<watch::Sender<Discovery>>,
+    /// Registrations the membership source refused (bad entries), in all.
+    refused: Arc<AtomicU64>,
     /// The prefix cache's keyed hashes under the same mesh secret the
     /// nodes hold, so the namespaces derived here are the nodes'.
     cache_keys: Arc<kvmesh_prefix::CacheKeys>,
 }
 
+/// The members at one moment; iterates as the slice it derefs to.
+#[derive(Debug, Clone)]
+pub struct Members(Arc<Vec<Arc<Node>>>);
+
+impl std::ops::Deref for Members {
+    type Target = [Arc<Node>];
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl IntoIterator for Members {
+    type Item = Arc<Node>;
+    type IntoIter = std::vec::IntoIter<Arc<Node>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.as_ref().clone().into_iter()
+    }
+}
+
+fn node(
+    name: &str,
+    role: Role,
+    url: &str,
+    secret: &MeshSecret,
+    tls: Option<&Arc<MeshTls>>,
+) -> Result<Node, String> {
+    let channel = kvmesh_proto::peer::channel(url, tls, CONNECT_TIMEOUT)
+        .map_err(|e| format!("node {name}: {e}"))?;
+    Ok(Node {
+        name: name.to_owned(),
+        role,
+        url: url.to_owned(),
+        channel,
+        secret: secret.clone(),
+        state: Mutex::default(),
+        in_flight: AtomicUsize::new(0),
+        dispatched: AtomicU64::new(0),
+    })
+}
+
 impl Nodes {
     /// Nodes from `(name, role, url)`, called as a peer of the mesh whose
-    /// secret is `secret`; channels connect lazily.
+    /// secret is `secret`; channels connect lazily. The membership is
+    /// [`Discovery::Static`] until [`Nodes::set_discovery`] says otherwise.
     pub fn new(specs: &[(String, Role, String)], secret: MeshSecret) -> Result<Self, String> {
         Self::with_tls(specs, secret, None)
     }
 
     /// [`Nodes::new`], every channel inside mutual TLS with `tls` when
-    /// given (each node's certificate must name the host its URL does).
+    /// given (each node's certificate must name the host its URL does),
+    /// members that join later too.
     pub fn with_tls(
         specs: &[(String, Role, String)],
         secret: MeshSecret,
         tls: Option<Arc<MeshTls>>,
     ) -> Result<Self, String> {
-        let mut all = Vec::new();
-        for (name, role, url) in specs {
-            let channel = kvmesh_proto::peer::channel(url, tls.as_ref(), CONNECT_TIMEOUT)
-                .map_err(|e| format!("node {name}: {e}"))?;
-            all.push(Arc::new(Node {
-                name: name.clone(),
-                role: *role,
-                url: url.clone(),
-                channel,
-                secret: secret.clone(),
-                state: Mutex::default(),
-                in_flight: AtomicUsize::new(0),
-                dispatched: AtomicU64::new(0),
-            }));
-        }
+        let all = specs
+            .iter()
+            .map(|(name, role, url)| node(name, *role, url, &secret, tls.as_ref()).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
-            all: Arc::new(all),
+            members: Arc::new(RwLock::new(Arc::new(all))),
             cache_keys: Arc::new(kvmesh_prefix::CacheKeys::new(&secret)),
+            secret,
+            tls,
+            joined: Arc::default(),
+            discovery: Arc::new(watch::channel(Discovery::Static).0),
+            refused: Arc::default(),
         })
+    }
+
+    /// Replaces the members by `specs` (`(name, role, url)`): a node of the
+    /// same name, role and address keeps its state (load report, health,
+    /// cache index, counts); others are new (polled at once) or gone. A
+    /// spec whose address is not a URL is left out, with a warning.
+    pub fn set_members(&self, specs: &[(String, Role, String)]) {
+        let old = self.all();
+        let mut next = Vec::with_capacity(specs.len());
+        let mut joined = false;
+        for (name, role, url) in specs {
+            if let Some(n) = old
+                .iter()
+                .find(|n| n.name == *name && n.role == *role && n.url == *url)
+            {
+                next.push(Arc::clone(n));
+                continue;
+            }
+            match node(name, *role, url, &self.secret, self.tls.as_ref()) {
+                Ok(n) => {
+                    tracing::info!(node = %name, role = role.as_str(), url = %url, "node joined the membership");
+                    next.push(Arc::new(n));
+                    joined = true;
+                }
+                Err(e) => tracing::warn!(error = %e, "membership entry left out"),
+            }
+        }
+        for n in old.iter() {
+            if !next.iter().any(|m| Arc::ptr_eq(m, n)) {
+                tracing::info!(node = %n.name, role = n.role.as_str(), "node left the membership");
+            }
+        }
+        *self.members.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(next);
+        if joined {
+            self.joined.notify_one();
+        }
+    }
+
+    /// Says where the membership comes from and whether it is current.
+    pub fn set_discovery(&self, d: Discovery) {
+        self.discovery.send_if_modified(|cur| {
+            let changed = *cur != d;
+            *cur = d;
+            changed
+        });
+    }
+
+    /// Where the membership comes from and whether it is current.
+    pub fn discovery(&self) -> Discovery {
+        *self.discovery.borrow()
+    }
+
+    /// A receiver that hears every change of [`Nodes::discovery`].
+    pub fn discovery_changes(&self) -> watch::Receiver<Discovery> {
+        self.discovery.subscribe()
+    }
+
+    /// Records the membership source's count of refused registrations.
+    pub fn set_refused(&self, n: u64) {
+        self.refused.store(n, Ordering::Relaxed);
+    }
+
+    /// Registrations the membership source refused, in all.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
     }
 
     /// The prefix cache's keyed hashes (namespaces, page keys).
@@ -312,17 +438,19 @@ impl Nodes {
         &self.cache_keys
     }
 
-    /// All nodes.
-    pub fn all(&self) -> &[Arc<Node>] {
-        &self.all
+    /// The members now.
+    pub fn all(&self) -> Members {
+        Members(Arc::clone(
+            &self.members.read().unwrap_or_else(PoisonError::into_inner),
+        ))
     }
 
     /// Polls every node once now.
     pub async fn poll_all(&self) {
-        let polls = self.all.iter().map(|n| {
-            let n = Arc::clone(n);
-            tokio::spawn(async move { n.poll().await })
-        });
+        let polls = self
+            .all()
+            .into_iter()
+            .map(|n| tokio::spawn(async move { n.poll().await }));
         for p in polls.collect::<Vec<_>>() {
             let _ = p.await;
         }
@@ -334,7 +462,10 @@ impl Nodes {
         tokio::spawn(async move {
             loop {
                 nodes.poll_all().await;
-                tokio::time::sleep(POLL).await;
+                tokio::select! {
+                    () = tokio::time::sleep(POLL) => {}
+                    () = nodes.joined.notified() => {}
+                }
             }
         })
     }
@@ -367,9 +498,9 @@ impl Nodes {
         holder: Option<&str>,
     ) -> Result<(Arc<Node>, LoadReport), Rejection> {
         let fits = |r: &LoadReport| tokens.is_none_or(|t| r.max_seq_tokens as usize >= t);
+        let all = self.all();
         if let Some(held) = holder.and_then(|name| {
-            self.all
-                .iter()
+            all.iter()
                 .filter(|n| n.role == role && n.name == name)
                 .find_map(|n| n.report().filter(fits).map(|r| (Arc::clone(n), r)))
         }) {
@@ -380,8 +511,7 @@ impl Nodes {
             prefix,
             memo: Vec::new(),
         });
-        self.all
-            .iter()
+        all.iter()
             .filter(|n| n.role == role)
             .filter_map(|n| n.report().map(|r| (Arc::clone(n), r)))
             .filter(|(_, r)| fits(r))
@@ -409,9 +539,9 @@ impl Nodes {
     /// advertises its real capacity). `None` while a role has no healthy
     /// node.
     pub fn capacity(&self) -> Option<usize> {
+        let all = self.all();
         let cap = |role| {
-            self.all
-                .iter()
+            all.iter()
                 .filter(|n| n.role == role)
                 .filter_map(|n| n.report())
                 .map(|r| r.max_seq_tokens as usize)

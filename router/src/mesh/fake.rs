@@ -9,10 +9,11 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, watch, Notify};
 
 use super::{Admitted, Event, Job, Mesh};
 use crate::error::Rejection;
+use crate::membership::Discovery;
 use crate::{Router, RouterConfig};
 
 /// One request's part.
@@ -45,6 +46,8 @@ pub(crate) struct FakeMesh {
     running: Arc<AtomicUsize>,
     /// Signalled when a request's task ends.
     ended: Arc<Notify>,
+    /// What [`Mesh::discovery`] reports.
+    discovery: watch::Sender<Discovery>,
 }
 
 impl FakeMesh {
@@ -57,7 +60,13 @@ impl FakeMesh {
             abandoned: Arc::default(),
             running: Arc::default(),
             ended: Arc::default(),
+            discovery: watch::channel(Discovery::Static).0,
         })
+    }
+
+    /// Sets what [`Mesh::discovery`] reports.
+    pub(crate) fn set_discovery(&self, d: Discovery) {
+        self.discovery.send_replace(d);
     }
 
     /// The next request's script.
@@ -109,6 +118,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Mesh for FakeMesh {
     fn capacity(&self) -> Option<usize> {
         *lock(&self.capacity)
+    }
+
+    fn discovery(&self) -> watch::Receiver<Discovery> {
+        self.discovery.subscribe()
     }
 
     fn generate(&self, req: Admitted) -> Result<mpsc::Receiver<Event>, Rejection> {

@@ -32,6 +32,12 @@ use kvmesh_prefix::Namespace;
 /// `AbortReason::CLIENT_GONE`).
 const CLIENT_GONE: u32 = 1;
 
+/// How long a request retries a decode node that refuses because the
+/// prefill node's KV connection to it is not up: the time a prefill node
+/// takes to connect to a decode node that just registered (it connects as
+/// soon as its own watch sees it, and retries every 500 ms).
+const WRITER_CONNECT_WAIT: Duration = Duration::from_secs(2);
+
 /// How long the end of an answer waits for prefill's reply, which is
 /// already on its way (the transfer it answers for is done).
 const PREFILL_REPLY_WAIT: Duration = Duration::from_secs(2);
@@ -122,6 +128,11 @@ impl Mesh for GrpcMesh {
 
     fn render_metrics(&self, out: &mut String) {
         crate::metrics::render_nodes(&self.nodes, out);
+        crate::membership::render(&self.nodes, out);
+    }
+
+    fn discovery(&self) -> tokio::sync::watch::Receiver<crate::membership::Discovery> {
+        self.nodes.discovery_changes()
     }
 }
 
@@ -271,7 +282,17 @@ async fn run(
                     decode.mark_down();
                     continue;
                 }
-                if kind == RefuseKind::Exhausted && Instant::now() < deadline {
+                // A decode node that just joined may be chosen a moment
+                // before the prefill node's KV connection to it is up (both
+                // learn of it at once): also transient, for a short while.
+                let transient = match kind {
+                    RefuseKind::Exhausted => Instant::now() < deadline,
+                    RefuseKind::WriterNotConnected => {
+                        Instant::now() < deadline.min(started + WRITER_CONNECT_WAIT)
+                    }
+                    _ => false,
+                };
+                if transient {
                     tokio::select! {
                         () = tokio::time::sleep(backoff) => {}
                         () = tx.closed() => return,

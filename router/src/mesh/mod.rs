@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 
 use crate::auth::Tenant;
 use crate::error::{DispatchError, Rejection};
+use crate::membership::Discovery;
 use crate::metrics::Metrics;
 use crate::validate::Valid;
 
@@ -45,6 +46,13 @@ pub trait Mesh: Send + Sync + fmt::Debug + 'static {
     /// Appends the mesh's own Prometheus series (per-node figures) to the
     /// gateway's.
     fn render_metrics(&self, out: &mut String);
+
+    /// Where the mesh's membership comes from and whether it is current,
+    /// as a receiver that hears each change (health reports a degraded
+    /// membership). Default: a fixed membership.
+    fn discovery(&self) -> watch::Receiver<Discovery> {
+        watch::channel(Discovery::Static).1
+    }
 }
 
 /// Why generation ended.

@@ -1,0 +1,145 @@
+//! The mesh file's `discovery` and `etcd` settings: parsed, normalized, and
+//! refused naming the field, the value and the reason.
+
+use std::path::Path;
+use std::time::Duration;
+
+use super::{DiscoveryKind, MeshConfig};
+
+const BASE: &str = "mesh: {insecure_no_mesh_auth: true}\n\
+                    router: {http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\"}\n";
+const NODES: &str = "prefill: [{name: p, grpc: \"127.0.0.1:3\"}]\n\
+                     decode: [{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}]\n";
+const ETCD: &str = "discovery: etcd\netcd: {endpoints: [etcd:2379], prefix: /kvmesh/t}\n";
+
+fn parse(text: &str) -> anyhow::Result<MeshConfig> {
+    MeshConfig::parse(text, Path::new("/t/mesh.yaml"))
+}
+
+fn refused(text: &str) -> String {
+    match parse(text) {
+        Ok(_) => panic!("accepted: {text}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn static_is_the_default_and_needs_both_roles() {
+    let cfg = parse(&format!("{BASE}{NODES}")).expect("valid");
+    assert_eq!(cfg.discovery, DiscoveryKind::Static);
+    assert_eq!(cfg.etcd().expect("no etcd"), None);
+    let cfg = parse(&format!("{BASE}{NODES}discovery: static\n")).expect("valid");
+    assert_eq!(cfg.discovery, DiscoveryKind::Static);
+    assert!(
+        refused(BASE).contains("prefill = \"[]\": the mesh needs at least one node of each role")
+    );
+}
+
+#[test]
+fn etcd_settings_are_normalized_with_defaults() {
+    let cfg = parse(&format!("{BASE}{NODES}{ETCD}")).expect("valid");
+    assert_eq!(cfg.discovery, DiscoveryKind::Etcd);
+    let e = cfg.etcd().expect("valid").expect("etcd");
+    assert_eq!(e.endpoints, ["http://etcd:2379"]);
+    assert_eq!(e.prefix, "/kvmesh/t/");
+    assert_eq!(e.lease_ttl, Duration::from_secs(3));
+    assert_eq!(e.dial_timeout, Duration::from_secs(2));
+    let cfg = parse(&format!(
+        "{BASE}discovery: etcd\netcd: {{endpoints: [\"http://a:1\", \"b:2\"], prefix: /m/, lease_ttl_s: 10, dial_timeout_ms: 500}}\n"
+    ))
+    .expect("valid");
+    let e = cfg.etcd().expect("valid").expect("etcd");
+    assert_eq!(e.endpoints, ["http://a:1", "http://b:2"]);
+    assert_eq!(e.lease_ttl, Duration::from_secs(10));
+    assert_eq!(e.dial_timeout, Duration::from_millis(500));
+    // The router of an etcd mesh needs no node list.
+    assert!(cfg.prefill.is_empty() && cfg.decode.is_empty());
+}
+
+#[test]
+fn bad_discovery_settings_name_field_value_and_reason() {
+    let cases = [
+        (
+            format!("{BASE}{NODES}discovery: consul\n"),
+            "discovery = \"consul\": expected static or etcd",
+        ),
+        (
+            format!("{BASE}{NODES}discovery: etcd\n"),
+            "etcd = \"\": discovery: etcd needs an etcd section",
+        ),
+        (
+            format!("{BASE}{NODES}etcd: {{endpoints: [a:1], prefix: /k/}}\n"),
+            "etcd = \"{...}\": only read with discovery: etcd",
+        ),
+        (
+            format!("{BASE}{NODES}discovery: etcd\netcd: {{endpoints: [a:1]}}\n"),
+            "etcd.prefix = \"\": required",
+        ),
+        (
+            format!("{BASE}{NODES}discovery: etcd\netcd: {{endpoints: [], prefix: /k/}}\n"),
+            "etcd.endpoints = \"[]\": name at least one etcd member",
+        ),
+        (
+            format!("{BASE}{NODES}discovery: etcd\netcd: {{endpoints: [\"https://a:1\"], prefix: /k/}}\n"),
+            "etcd.endpoints = \"https://a:1\": TLS to etcd is not built in",
+        ),
+        (
+            format!("{BASE}{NODES}discovery: etcd\netcd: {{endpoints: [a], prefix: /k/}}\n"),
+            "etcd.endpoints = \"a\": expected HOST:PORT",
+        ),
+        (
+            format!("{BASE}{NODES}discovery: etcd\netcd: {{endpoints: [a:1], prefix: k}}\n"),
+            "etcd.prefix = \"k\": a key prefix of this mesh",
+        ),
+        (
+            format!("{BASE}{NODES}discovery: etcd\netcd: {{endpoints: [a:1], prefix: /k/, lease_ttl_s: 1}}\n"),
+            "etcd.lease_ttl_s = \"1\": 2 to 300 seconds",
+        ),
+        (
+            format!("{BASE}{NODES}discovery: etcd\netcd: {{endpoints: [a:1], prefix: /k/, dial_timeout_ms: 0}}\n"),
+            "etcd.dial_timeout_ms = \"0\": must be at least 1",
+        ),
+        (
+            format!("{BASE}{NODES}discovery: etcd\netcd: {{endpoints: [a:1], prefix: /k/, ttl: 3}}\n"),
+            "unknown field `ttl`",
+        ),
+        (
+            format!("{BASE}{ETCD}decode: [{{name: \"d/0\", grpc: \"h:4\", kv: \"h:5\"}}]\n"),
+            "decode[0].name = \"d/0\": with discovery: etcd, letters, digits",
+        ),
+        (
+            format!("{BASE}{ETCD}prefill: [{{name: p, grpc: \"a b:3\"}}]\n"),
+            "prefill[0].grpc = \"a b:3\": the host must be a DNS name or an IP address",
+        ),
+    ];
+    for (text, want) in cases {
+        let e = refused(&text);
+        assert!(e.contains(want), "{want:?} not in {e}");
+        assert!(e.starts_with("/t/mesh.yaml: "), "{e}");
+    }
+}
+
+#[test]
+fn a_node_registers_its_name_role_and_addresses() {
+    let cfg = parse(&format!("{BASE}{NODES}{ETCD}")).expect("valid");
+    let d = cfg.member("decode", &cfg.decode[0]).expect("member");
+    assert_eq!(
+        (d.name.as_str(), d.role, d.grpc.as_str(), d.kv.as_deref()),
+        (
+            "d",
+            kvmesh_discovery::Role::Decode,
+            "127.0.0.1:4",
+            Some("tcp://127.0.0.1:5")
+        )
+    );
+    assert_eq!(d.key("/kvmesh/t/"), "/kvmesh/t/decode/d");
+    let p = cfg.member("prefill", &cfg.prefill[0]).expect("member");
+    assert_eq!((p.role, p.kv), (kvmesh_discovery::Role::Prefill, None));
+    // With shared memory the KV endpoint is the socket path, as grants say.
+    let shm = parse(&format!(
+        "{BASE}{ETCD}transport: shm\ndecode: [{{name: d, grpc: \"h:4\", kv: /run/k.sock}}]\n"
+    ))
+    .expect("valid");
+    let d = shm.member("decode", &shm.decode[0]).expect("member");
+    assert_eq!(d.kv.as_deref(), Some("unix:/run/k.sock"));
+}

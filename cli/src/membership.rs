@@ -1,0 +1,205 @@
+//! `discovery: etcd` in the processes of a mesh: the router follows the
+//! mesh's prefix into its [`Nodes`]; prefill and decode nodes register
+//! (and deregister first thing on SIGTERM); prefill nodes keep a KV
+//! connection to every registered decode node.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use kvmesh_discovery::{EtcdConfig, Health, Member, Registration, View, Watcher};
+use kvmesh_prefill::PrefillNode;
+use kvmesh_router::membership::Discovery;
+use kvmesh_router::nodes::{Nodes, Role};
+use tokio::sync::watch;
+
+/// How often a prefill node checks its KV connections to decode nodes
+/// (and retries those that failed, after their backoff).
+const RECONNECT_EVERY: Duration = Duration::from_millis(500);
+/// Bound on one KV connection attempt (TCP connect and the mesh-secret
+/// handshake).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest wait before a failing decode endpoint is tried again.
+const MAX_RETRY: Duration = Duration::from_secs(10);
+
+/// The router's membership following etcd, until dropped.
+#[derive(Debug)]
+pub(crate) struct Following {
+    watcher: Watcher,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Following {
+    /// Stops following.
+    pub(crate) async fn stop(self) {
+        self.task.abort();
+        self.watcher.stop().await;
+    }
+}
+
+/// Starts following `cfg`'s prefix into `nodes` (members, and whether the
+/// view is current); returns once the first answer (or failure) is in,
+/// at most the dial timeout and a second after.
+pub(crate) async fn follow(cfg: &EtcdConfig, nodes: &Nodes) -> Following {
+    let started = Instant::now();
+    let watcher = Watcher::spawn(cfg.clone());
+    let first = watcher
+        .first(cfg.dial_timeout + Duration::from_secs(1))
+        .await;
+    apply(nodes, &first, started);
+    let mut views = watcher.views();
+    let nodes = nodes.clone();
+    let task = tokio::spawn(async move {
+        while views.changed().await.is_ok() {
+            let view = views.borrow_and_update().clone();
+            apply(&nodes, &view, started);
+        }
+    });
+    Following { watcher, task }
+}
+
+/// One view into the router's nodes.
+fn apply(nodes: &Nodes, view: &View, started: Instant) {
+    let specs: Vec<(String, Role, String)> = view
+        .members()
+        .map(|m| {
+            let role = match m.role {
+                kvmesh_discovery::Role::Prefill => Role::Prefill,
+                kvmesh_discovery::Role::Decode => Role::Decode,
+            };
+            (m.name.clone(), role, format!("http://{}", m.grpc))
+        })
+        .collect();
+    nodes.set_members(&specs);
+    nodes.set_refused(view.refused);
+    let degraded_since = match &view.health {
+        Health::Live => None,
+        // Not reached yet: as stale as it gets.
+        Health::Connecting => Some(started),
+        Health::Degraded { since, .. } => Some(*since),
+    };
+    nodes.set_discovery(Discovery::Watched {
+        source: "etcd",
+        degraded_since,
+    });
+}
+
+/// Registers `member` (waiting out a predecessor's lease, see
+/// `kvmesh_discovery::register`).
+pub(crate) async fn register(cfg: &EtcdConfig, member: Member) -> Result<Registration> {
+    let key = member.key(&cfg.prefix);
+    kvmesh_discovery::register(cfg, member)
+        .await
+        .with_context(|| format!("registering {key} in etcd"))
+}
+
+/// `signal`, then the registration revoked: what a node's drain waits
+/// for, so the node leaves every view before it starts refusing work.
+pub(crate) async fn leave_first(signal: impl Future<Output = ()>, reg: Option<Registration>) {
+    signal.await;
+    if let Some(reg) = reg {
+        let key = reg.key().to_owned();
+        if let Err(e) = reg.deregister().await {
+            tracing::warn!(key = %key, error = %e, "could not deregister: the entry expires with its lease");
+        }
+    }
+}
+
+/// A prefill node's membership: the watcher and the task that keeps a KV
+/// connection to every registered decode node.
+#[derive(Debug)]
+pub(crate) struct DecodePeers {
+    watcher: Watcher,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl DecodePeers {
+    /// Follows `cfg`'s prefix and connects `node` to every decode node
+    /// registered now (each attempt bounded), before returning; then keeps
+    /// connecting to those that join and reconnecting to those whose
+    /// connection broke, in a task.
+    pub(crate) async fn start(cfg: &EtcdConfig, node: &PrefillNode) -> Self {
+        let watcher = Watcher::spawn(cfg.clone());
+        let view = watcher
+            .first(cfg.dial_timeout + Duration::from_secs(1))
+            .await;
+        let mut peers = Peers::default();
+        peers.round(node, &view).await;
+        let views = watcher.views();
+        let task = tokio::spawn(keep_connected(node.clone(), views, peers));
+        Self { watcher, task }
+    }
+
+    /// Stops connecting and following.
+    pub(crate) async fn stop(self) {
+        self.task.abort();
+        self.watcher.stop().await;
+    }
+}
+
+/// Per decode endpoint that failed: when to try again, and the wait after
+/// that.
+#[derive(Debug, Default)]
+struct Peers {
+    failing: HashMap<String, (Instant, Duration)>,
+}
+
+impl Peers {
+    /// Connects to every registered decode node not connected (connected
+    /// ones cost a check), those that failed only once their wait passed;
+    /// the attempts run at once, each bounded.
+    async fn round(&mut self, node: &PrefillNode, view: &View) {
+        let now = Instant::now();
+        let mut attempts = tokio::task::JoinSet::new();
+        for m in view.members() {
+            let Some(ep) = m.kv.clone() else { continue };
+            if self.failing.get(&ep).is_some_and(|(at, _)| *at > now) {
+                continue;
+            }
+            let (node, name) = (node.clone(), m.name.clone());
+            attempts.spawn(async move {
+                let r = tokio::time::timeout(CONNECT_TIMEOUT, node.connect(&ep)).await;
+                (name, ep, r)
+            });
+        }
+        while let Some(done) = attempts.join_next().await {
+            let Ok((name, ep, r)) = done else { continue };
+            match r {
+                Ok(Ok(())) => {
+                    if self.failing.remove(&ep).is_some() {
+                        tracing::info!(decode = %name, endpoint = %ep, "KV connection to the decode node up");
+                    }
+                }
+                failed => {
+                    let error = match failed {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => "timed out".into(),
+                    };
+                    let wait = self
+                        .failing
+                        .get(&ep)
+                        .map_or(RECONNECT_EVERY, |(_, w)| (*w * 2).min(MAX_RETRY));
+                    if wait == RECONNECT_EVERY {
+                        tracing::warn!(decode = %name, endpoint = %ep, %error, "cannot open a KV connection to the decode node; retrying");
+                    }
+                    self.failing.insert(ep, (Instant::now() + wait, wait));
+                }
+            }
+        }
+        // Forget endpoints that left the view.
+        self.failing
+            .retain(|ep, _| view.members().any(|m| m.kv.as_deref() == Some(ep.as_str())));
+    }
+}
+
+async fn keep_connected(node: PrefillNode, mut views: watch::Receiver<View>, mut peers: Peers) {
+    loop {
+        tokio::select! {
+            r = views.changed() => if r.is_err() { return },
+            () = tokio::time::sleep(RECONNECT_EVERY) => {}
+        }
+        let view = views.borrow_and_update().clone();
+        peers.round(&node, &view).await;
+    }
+}
