@@ -20,6 +20,14 @@
 //!   secret_file: mesh.secret   # 32+ random bytes, the same file on every
 //!                              #   node; relative to this file's folder
 //!   # insecure_no_mesh_auth: true   # instead: no authentication (tests)
+//! tracing:                     # omit: no traces (OTEL_* variables still apply)
+//!   otlp_endpoint: http://collector:4317   # OTLP over gRPC
+//!   sample_ratio: 0.1          # new traces kept; a client's sampled
+//!                              #   traceparent is always followed
+//!   # The standard variables win over this section, per process:
+//!   # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, OTEL_TRACES_SAMPLER(_ARG),
+//!   # OTEL_SERVICE_NAME (default kvmesh-router, -prefill, -decode; a
+//!   # node's name is its service.instance.id), OTEL_SDK_DISABLED.
 //! router:
 //!   http: 0.0.0.0:8080
 //!   grpc: 0.0.0.0:50051
@@ -108,6 +116,9 @@ pub struct MeshConfig {
     pub prefix_cache: bool,
     /// Mesh-internal authentication; required.
     pub mesh: Option<MeshSection>,
+    /// Traces; none: off unless the `OTEL_*` variables say otherwise.
+    #[serde(default)]
+    pub tracing: Option<TracingSection>,
     /// The router.
     pub router: RouterSection,
     /// Prefill nodes.
@@ -132,6 +143,29 @@ pub struct MeshSection {
     /// abort and write KV. For test meshes only; each process warns.
     #[serde(default)]
     pub insecure_no_mesh_auth: bool,
+}
+
+/// Where every process of the mesh sends its spans (`kvmesh_telemetry`;
+/// the `OTEL_*` variables override it per process).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracingSection {
+    /// The OTLP/gRPC collector, `http://host:4317`.
+    pub otlp_endpoint: Option<String>,
+    /// The share of new traces kept, 0 to 1 (default 1).
+    pub sample_ratio: Option<f64>,
+}
+
+impl MeshConfig {
+    /// The file's tracing section as the telemetry settings take it.
+    pub fn tracing(&self) -> Option<kvmesh_telemetry::FileSettings> {
+        self.tracing
+            .as_ref()
+            .map(|t| kvmesh_telemetry::FileSettings {
+                otlp_endpoint: t.otlp_endpoint.clone(),
+                sample_ratio: t.sample_ratio,
+            })
+    }
 }
 
 /// How a process of the mesh authenticates its peers.
@@ -393,6 +427,10 @@ impl MeshConfig {
         }
         if self.abort_timeout_ms == 0 {
             bail!(refuse(file, "abort_timeout_ms", "0", "must be at least 1"));
+        }
+        // The section alone (no variables): its own errors name its fields.
+        if let Err(e) = kvmesh_telemetry::Settings::resolve(|_| None, self.tracing().as_ref()) {
+            bail!("{}: {e}", file.display());
         }
         match &self.mesh {
             None

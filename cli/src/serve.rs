@@ -428,17 +428,41 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
     if let Some(n) = &name {
         cfg.node(role_name, n)?;
     }
+    // The standard variables over the file's section; `--check-config`
+    // checks them too.
+    let traces = kvmesh_telemetry::Settings::from_env(cfg.tracing().as_ref())?;
+    let telemetry = kvmesh_telemetry::init(
+        match role {
+            RoleKind::Router => kvmesh_telemetry::Service::Router,
+            RoleKind::Prefill => kvmesh_telemetry::Service::Prefill,
+            RoleKind::Decode => kvmesh_telemetry::Service::Decode,
+        },
+        name.as_deref(),
+        &if a.check_config {
+            kvmesh_telemetry::Settings::off()
+        } else {
+            traces.clone()
+        },
+    )?;
     let auth = cfg.mesh_auth()?;
     if a.check_config {
         println!(
-            "config ok: {}: {role_name}{}; {} prefill and {} decode nodes, transport {}; {}; {}",
+            "config ok: {}: {role_name}{}; {} prefill and {} decode nodes, transport {}; {}; {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
             cfg.prefill.len(),
             cfg.decode.len(),
             cfg.transport,
             cfg.describe_pools(),
-            auth.describe()
+            auth.describe(),
+            match &traces.endpoint {
+                Some(e) => format!(
+                    "traces to {e} (sample ratio {}{})",
+                    traces.sampling.ratio,
+                    if traces.sampling.parent_based { ", parent-based" } else { "" }
+                ),
+                None => "traces off".into(),
+            }
         );
         return Ok(());
     }
@@ -446,13 +470,18 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
     let fault_injection = a.testing.apply()?;
     let drain = a.drain_timeout.unwrap_or_else(|| cfg.drain_timeout());
     let name = name.as_deref().unwrap_or_default();
-    runtime()?.block_on(async move {
+    let served = runtime()?.block_on(async move {
         match role {
             RoleKind::Router => router_process(&cfg, fault_injection, secret, drain).await,
             RoleKind::Prefill => prefill_process(&cfg, name, secret, drain).await,
             RoleKind::Decode => decode_process(&cfg, name, secret, drain).await,
         }
-    })
+    });
+    // Every span of the drain too is exported before the process exits.
+    if let Err(e) = telemetry.shutdown() {
+        tracing::warn!(error = %e, "flushing traces");
+    }
+    served
 }
 
 fn only(nodes: &[crate::config::NodeSection], role: &str, file: &Path) -> Result<String> {
