@@ -24,6 +24,14 @@
 //!   #   ca_file: ca.pem        #   (relative to this file; {name} is the
 //!   #   cert_file: certs/{name}.pem   #   process's node name, `router`
 //!   #   key_file: certs/{name}-key.pem  #   for the router)
+//! tracing:                     # omit: no traces (OTEL_* variables still apply)
+//!   otlp_endpoint: http://collector:4317   # OTLP over gRPC
+//!   sample_ratio: 0.1          # new traces kept; a client's sampled
+//!                              #   traceparent is always followed
+//!   # The standard variables win over this section, per process:
+//!   # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, OTEL_TRACES_SAMPLER(_ARG),
+//!   # OTEL_SERVICE_NAME (default kvmesh-router, -prefill, -decode; a
+//!   # node's name is its service.instance.id), OTEL_SDK_DISABLED.
 //! router:
 //!   http: 0.0.0.0:8080
 //!   grpc: 0.0.0.0:50051
@@ -137,6 +145,9 @@ pub struct MeshConfig {
     pub discovery: DiscoveryKind,
     /// With `discovery: etcd`: where etcd is, and the mesh's key prefix.
     pub etcd: Option<EtcdSection>,
+    /// Traces; none: off unless the `OTEL_*` variables say otherwise.
+    #[serde(default)]
+    pub tracing: Option<TracingSection>,
     /// The router.
     pub router: RouterSection,
     /// Prefill nodes (with etcd: only each node's own settings).
@@ -228,6 +239,29 @@ fn discovery_kind<'de, D: serde::Deserializer<'de>>(d: D) -> Result<DiscoveryKin
         _ => Err(serde::de::Error::custom(format!(
             "discovery = {s:?}: expected static or etcd"
         ))),
+    }
+}
+
+/// Where every process of the mesh sends its spans (`kvmesh_telemetry`;
+/// the `OTEL_*` variables override it per process).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracingSection {
+    /// The OTLP/gRPC collector, `http://host:4317`.
+    pub otlp_endpoint: Option<String>,
+    /// The share of new traces kept, 0 to 1 (default 1).
+    pub sample_ratio: Option<f64>,
+}
+
+impl MeshConfig {
+    /// The file's tracing section as the telemetry settings take it.
+    pub fn tracing(&self) -> Option<kvmesh_telemetry::FileSettings> {
+        self.tracing
+            .as_ref()
+            .map(|t| kvmesh_telemetry::FileSettings {
+                otlp_endpoint: t.otlp_endpoint.clone(),
+                sample_ratio: t.sample_ratio,
+            })
     }
 }
 
@@ -564,6 +598,10 @@ impl MeshConfig {
         }
         if self.abort_timeout_ms == 0 {
             bail!(refuse(file, "abort_timeout_ms", "0", "must be at least 1"));
+        }
+        // The section alone (no variables): its own errors name its fields.
+        if let Err(e) = kvmesh_telemetry::Settings::resolve(|_| None, self.tracing().as_ref()) {
+            bail!("{}: {e}", file.display());
         }
         match &self.mesh {
             None

@@ -33,7 +33,7 @@ mod scrape;
 mod serve;
 mod soak;
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -387,15 +387,34 @@ fn generate(args: GenerateArgs) -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
     let cli = Cli::parse();
+    // Logs, and traces where configured: the mesh's roles set theirs up
+    // once their mesh file is read (`serve::run_role`); `serve` from the
+    // `OTEL_*` variables; the tools log only.
+    let telemetry = match &cli.command {
+        Command::Router(_) | Command::Prefill(_) | Command::Decode(_) => Ok(None),
+        Command::Serve(_) => kvmesh_telemetry::Settings::from_env(None)
+            .map_err(anyhow::Error::from)
+            .and_then(|s| {
+                kvmesh_telemetry::init(kvmesh_telemetry::Service::Serve, None, &s)
+                    .map_err(Into::into)
+            })
+            .map(Some),
+        _ => kvmesh_telemetry::init(
+            kvmesh_telemetry::Service::Tool,
+            None,
+            &kvmesh_telemetry::Settings::off(),
+        )
+        .map_err(Into::into)
+        .map(Some),
+    };
+    let telemetry = match telemetry {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvmesh: error: {}", error_chain(&e));
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match cli.command {
         Command::Generate(a) => generate(a),
         Command::Serve(a) => serve::run(*a),
@@ -413,6 +432,10 @@ fn main() -> ExitCode {
             .map(|p| println!("{}", p.display()))
             .map_err(Into::into),
     };
+    // The spans of the drain too: flushed after it.
+    if let Some(Err(e)) = telemetry.map(kvmesh_telemetry::Telemetry::shutdown) {
+        eprintln!("kvmesh: flushing traces: {e}");
+    }
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

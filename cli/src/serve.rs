@@ -433,6 +433,22 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
     if let Some(n) = &name {
         cfg.node(role_name, n)?;
     }
+    // The standard variables over the file's section; `--check-config`
+    // checks them too.
+    let traces = kvmesh_telemetry::Settings::from_env(cfg.tracing().as_ref())?;
+    let telemetry = kvmesh_telemetry::init(
+        match role {
+            RoleKind::Router => kvmesh_telemetry::Service::Router,
+            RoleKind::Prefill => kvmesh_telemetry::Service::Prefill,
+            RoleKind::Decode => kvmesh_telemetry::Service::Decode,
+        },
+        name.as_deref(),
+        &if a.check_config {
+            kvmesh_telemetry::Settings::off()
+        } else {
+            traces.clone()
+        },
+    )?;
     let auth = cfg.mesh_auth()?;
     let tls = cfg.tls_for(name.as_deref().unwrap_or("router"))?;
     let etcd = cfg.etcd()?;
@@ -446,7 +462,7 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
             Some(e) => e.describe(),
         };
         println!(
-            "config ok: {}: {role_name}{}; {members}, transport {}; {}; {}; {}",
+            "config ok: {}: {role_name}{}; {members}, transport {}; {}; {}; {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
             cfg.transport,
@@ -455,7 +471,19 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
             tls.as_ref().map_or_else(
                 || "TLS: off".to_owned(),
                 |t| format!("TLS: mutual, certificate {}", t.files().cert.display())
-            )
+            ),
+            match &traces.endpoint {
+                Some(e) => format!(
+                    "traces to {e} (sample ratio {}{})",
+                    traces.sampling.ratio,
+                    if traces.sampling.parent_based {
+                        ", parent-based"
+                    } else {
+                        ""
+                    }
+                ),
+                None => "traces off".into(),
+            }
         );
         return Ok(());
     }
@@ -463,7 +491,7 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
     let fault_injection = a.testing.apply()?;
     let drain = a.drain_timeout.unwrap_or_else(|| cfg.drain_timeout());
     let name = name.as_deref().unwrap_or_default();
-    runtime()?.block_on(async move {
+    let served = runtime()?.block_on(async move {
         let etcd = etcd.as_ref();
         match role {
             RoleKind::Router => {
@@ -472,7 +500,12 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
             RoleKind::Prefill => prefill_process(&cfg, etcd, name, secret, tls, drain).await,
             RoleKind::Decode => decode_process(&cfg, etcd, name, secret, tls, drain).await,
         }
-    })
+    });
+    // Every span of the drain too is exported before the process exits.
+    if let Err(e) = telemetry.shutdown() {
+        tracing::warn!(error = %e, "flushing traces");
+    }
+    served
 }
 
 fn only(nodes: &[crate::config::NodeSection], role: &str, file: &Path) -> Result<String> {

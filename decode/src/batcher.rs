@@ -64,6 +64,8 @@ pub(crate) struct Job {
     pub faults: FaultPlan,
     /// This stream, counted until it ends.
     pub open: Open,
+    /// The `decode.stream` span, ended when the sequence leaves.
+    pub span: tracing::Span,
 }
 
 struct Running {
@@ -77,12 +79,14 @@ struct Running {
     /// Decode steps taken (the `step:N` fault index).
     steps: u32,
     _open: Open,
+    span: tracing::Span,
 }
 
 impl Running {
     /// The sequence leaves: its pages go back now, or after an injected
     /// `release=delay`.
     fn release(self) {
+        self.span.record("decode_steps", self.steps);
         if let Some(Action::Delay(d)) = self.faults.at(Point::Release) {
             let seq = self.seq;
             let _ = std::thread::Builder::new()
@@ -147,6 +151,9 @@ enum Next {
 fn emit(r: &mut Running, s: Sampled) -> Next {
     let tok = s.token;
     let verdict = r.stopping.after(tok);
+    if let Some(why) = verdict {
+        r.span.record("outcome", why.as_str());
+    }
     if verdict == Some(Why::Stop) {
         let _ = r.events.try_send(finished(FinishReason::Stop));
         return Next::Done;
@@ -270,6 +277,7 @@ fn admit(running: &mut Vec<Running>, j: Job) {
         faults: j.faults,
         steps: 0,
         _open: j.open,
+        span: j.span,
     };
     if r.stopping.spent() {
         let _ = r.events.try_send(finished(FinishReason::Length));

@@ -32,6 +32,7 @@ use thiserror::Error;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::batcher::{self, Job, Open, Work};
 use crate::metrics::StepMetrics;
@@ -464,12 +465,22 @@ impl Decode for DecodeNode {
         req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let faults = request_faults(&req)?;
+        // The request's span at this node, for its whole stream: a child
+        // of the router's dispatch span (its `traceparent` metadata).
+        let span = kvmesh_telemetry::span!(
+            "decode.generate",
+            node = %self.inner.name,
+            prompt_tokens = req.get_ref().prompt_ids.len() as u64,
+            max_new_tokens = u64::from(req.get_ref().max_new_tokens)
+        );
+        kvmesh_telemetry::propagate::continue_grpc(&span, req.metadata());
         let r = req.into_inner();
         // Room for the grant, every token and the end, so neither this task
         // nor the batcher ever blocks on a slow reader.
         let (tx, rx) = mpsc::channel((r.max_new_tokens as usize).saturating_add(3).min(1 << 16));
         let stream = Response::new(ReceiverStream::new(rx));
         if self.inner.draining.load(Ordering::Acquire) {
+            kvmesh_telemetry::fail(&span, RefuseKind::Draining.as_str_name());
             let _ = tx.try_send(Ok(refused(
                 RefuseKind::Draining,
                 "decode node draining: it takes no new requests".into(),
@@ -479,6 +490,7 @@ impl Decode for DecodeNode {
         let c = match check(&r, || self.inner.engine.vocabulary()) {
             Ok(c) => c,
             Err(message) => {
+                kvmesh_telemetry::fail(&span, RefuseKind::InvalidRequest.as_str_name());
                 let _ = tx.try_send(Ok(refused(RefuseKind::InvalidRequest, message)));
                 return Ok(stream);
             }
@@ -488,19 +500,33 @@ impl Decode for DecodeNode {
             let keys = self.inner.engine.cacheable_keys(&ns, &r.prompt_ids);
             (!keys.is_empty()).then_some((ns, keys))
         });
-        let reserved = self.inner.table.reserve(ReserveRequest {
-            prompt_tokens: r.prompt_ids.len(),
-            max_new_tokens: c.max_new,
-            writer: c.writer,
-            cached,
+        let reserve = kvmesh_telemetry::span!(parent: &span, "decode.reserve");
+        let reserved = reserve.in_scope(|| {
+            self.inner.table.reserve(ReserveRequest {
+                prompt_tokens: r.prompt_ids.len(),
+                max_new_tokens: c.max_new,
+                writer: c.writer,
+                cached,
+            })
         });
         let (grant, pending) = match reserved {
             Ok(g) => g,
             Err(e) => {
-                let _ = tx.try_send(Ok(refused(refuse_kind(&e), e.to_string())));
+                let kind = refuse_kind(&e);
+                kvmesh_telemetry::fail(&reserve, kind.as_str_name());
+                kvmesh_telemetry::fail(&span, kind.as_str_name());
+                let _ = tx.try_send(Ok(refused(kind, e.to_string())));
                 return Ok(stream);
             }
         };
+        if !reserve.is_disabled() {
+            let id = grant.reservation.to_string();
+            kvmesh_telemetry::record(&reserve, "reservation.id", id.clone());
+            kvmesh_telemetry::record(&reserve, "pages", grant.pages.len() as i64);
+            kvmesh_telemetry::record(&reserve, "cached_tokens", grant.cached_tokens as i64);
+            kvmesh_telemetry::record(&span, "reservation.id", id);
+        }
+        drop(reserve);
         let mut bytes = Vec::new();
         if let Err(e) = grant.encode(&mut bytes) {
             // `pending` drops here: the reservation ends unused.
@@ -515,6 +541,10 @@ impl Decode for DecodeNode {
         tracing::debug!(reservation = %id, tenant = %r.tenant, prompt_tokens = r.prompt_ids.len(), max_new = c.max_new, "granted");
         if !faults.is_empty() {
             self.inner.table.set_faults(id, faults.clone());
+        }
+        if !span.is_disabled() {
+            // The handshake's spans (verify, abort, revoke) are its children.
+            self.inner.table.set_span(id, span.clone());
         }
         if faults.at(Point::Grant) == Some(Action::Drop) {
             // Injected: the grant was made but never reaches the router,
@@ -532,85 +562,106 @@ impl Decode for DecodeNode {
         }
         let node = self.clone();
         let (prompt, stop_ids) = (r.prompt_ids, r.stop_token_ids);
-        tokio::spawn(async move {
-            // The router may leave while the transfer runs: dropping the
-            // wait (and the `Pending` in it) then aborts through the
-            // confirmation path.
-            let wait = pending.wait();
-            tokio::pin!(wait);
-            let mut cut = node.inner.cut.subscribe();
-            let live = tokio::select! {
-                r = &mut wait => r,
-                () = tx.closed() => {
-                    abandon(&node.inner.table, id, wait, &faults).await;
-                    return;
-                }
-                () = cut_set(&mut cut) => {
-                    // The drain deadline: dropping `wait` aborts the
-                    // reservation through the confirmation path.
-                    let _ = tx.send(Err(batcher::cut_status())).await;
-                    return;
-                }
-            };
-            let live = match live {
-                Ok(l) => l,
-                Err(ended) => {
-                    let _ = tx
-                        .send(Err(Status::aborted(format!(
-                            "transfer did not complete: {ended}"
-                        ))))
-                        .await;
-                    return;
-                }
-            };
-            let first = live.first_token();
-            let mut sampler = Sampler::new(c.params, &prompt, &stop_ids);
-            // Prefill drew the first token with the same seed and history.
-            sampler.resume(first);
-            let engine = &node.inner.engine;
-            let kv = live.into_reservation();
-            let adopted = match c.ns {
-                // Its pages (prompt and generated) are offered to the
-                // cache when the sequence ends.
-                Some(ns) => engine.adopt_in(ns, prompt, c.max_new, kv),
-                None => engine.adopt(prompt, c.max_new, kv),
-            };
-            let seq = match adopted {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = tx
-                        .send(Err(Status::internal(format!(
-                            "adopt verified sequence: {e}"
-                        ))))
-                        .await;
-                    return;
-                }
-            };
-            let job = Job {
-                seq,
-                first_token: first,
-                max_new_tokens: c.max_new,
-                sampler,
-                stop_ids,
-                events: tx,
-                faults,
-                open,
-            };
-            if let Err(e) = node.inner.jobs.send(Work::Job(Box::new(job))).await {
-                if let Work::Job(job) = e.0 {
-                    let _ = job
-                        .events
-                        .send(Err(Status::unavailable("decode node shutting down")))
-                        .await;
+        let task_span = span.clone();
+        tokio::spawn(
+            async move {
+                // The router may leave while the transfer runs: dropping the
+                // wait (and the `Pending` in it) then aborts through the
+                // confirmation path.
+                let wait = pending.wait();
+                tokio::pin!(wait);
+                let mut cut = node.inner.cut.subscribe();
+                let live = tokio::select! {
+                    r = &mut wait => r,
+                    () = tx.closed() => {
+                        abandon(&node.inner.table, id, wait, &faults).await;
+                        return;
+                    }
+                    () = cut_set(&mut cut) => {
+                        // The drain deadline: dropping `wait` aborts the
+                        // reservation through the confirmation path.
+                        let _ = tx.send(Err(batcher::cut_status())).await;
+                        return;
+                    }
+                };
+                let live = match live {
+                    Ok(l) => l,
+                    Err(ended) => {
+                        kvmesh_telemetry::fail(&span, ended.outcome.kind());
+                        let _ = tx
+                            .send(Err(Status::aborted(format!(
+                                "transfer did not complete: {ended}"
+                            ))))
+                            .await;
+                        return;
+                    }
+                };
+                let first = live.first_token();
+                let mut sampler = Sampler::new(c.params, &prompt, &stop_ids);
+                // Prefill drew the first token with the same seed and history.
+                sampler.resume(first);
+                let engine = &node.inner.engine;
+                let kv = live.into_reservation();
+                let adopt =
+                    kvmesh_telemetry::span!(parent: &span, "decode.adopt", reservation.id = %id);
+                let adopted = adopt.in_scope(|| match c.ns {
+                    // Its pages (prompt and generated) are offered to the
+                    // cache when the sequence ends.
+                    Some(ns) => engine.adopt_in(ns, prompt, c.max_new, kv),
+                    None => engine.adopt(prompt, c.max_new, kv),
+                });
+                let seq = match adopted {
+                    Ok(s) => s,
+                    Err(e) => {
+                        kvmesh_telemetry::fail(&adopt, "adopt_failed");
+                        kvmesh_telemetry::fail(&span, "adopt_failed");
+                        let _ = tx
+                            .send(Err(Status::internal(format!(
+                                "adopt verified sequence: {e}"
+                            ))))
+                            .await;
+                        return;
+                    }
+                };
+                drop(adopt);
+                let job = Job {
+                    span: kvmesh_telemetry::span!(
+                        parent: &span,
+                        "decode.stream",
+                        reservation.id = %id,
+                        decode_steps = tracing::field::Empty,
+                        outcome = tracing::field::Empty
+                    ),
+                    seq,
+                    first_token: first,
+                    max_new_tokens: c.max_new,
+                    sampler,
+                    stop_ids,
+                    events: tx,
+                    faults,
+                    open,
+                };
+                if let Err(e) = node.inner.jobs.send(Work::Job(Box::new(job))).await {
+                    if let Work::Job(job) = e.0 {
+                        let _ = job
+                            .events
+                            .send(Err(Status::unavailable("decode node shutting down")))
+                            .await;
+                    }
                 }
             }
-        });
+            .instrument(task_span),
+        );
         Ok(stream)
     }
 
     async fn abort(&self, req: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+        let span = kvmesh_telemetry::span!("decode.abort", node = %self.inner.name);
+        kvmesh_telemetry::propagate::continue_grpc(&span, req.metadata());
+        let _entered = span.enter();
         let r = req.into_inner();
         let id = reservation_id(&r.reservation_id)?;
+        kvmesh_telemetry::record(&span, "reservation.id", id.to_string());
         let reason = AbortReason(u16::try_from(r.reason).unwrap_or(AbortReason::CANCELLED.0));
         let state = self
             .inner

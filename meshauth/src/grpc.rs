@@ -74,16 +74,29 @@ impl<S: NamedService> NamedService for Authenticated<S> {
     const NAME: &'static str = S::NAME;
 }
 
-/// Adds a fresh proof of the mesh secret to every call.
+/// Adds a fresh proof of the mesh secret to every call, and whatever else
+/// every internal call carries ([`Signer::with_metadata`]).
 #[derive(Clone, Debug)]
 pub struct Signer {
     secret: MeshSecret,
+    also: Option<fn(&mut tonic::metadata::MetadataMap)>,
 }
 
 impl Signer {
     /// A signer for peers of the mesh holding `secret`.
     pub fn new(secret: MeshSecret) -> Self {
-        Self { secret }
+        Self { secret, also: None }
+    }
+
+    /// Also runs `add` on every call's metadata, in the calling task (the
+    /// trace context: `kvmesh_proto::peer` passes
+    /// `kvmesh_telemetry::propagate::inject_grpc`). A plain function, so
+    /// this crate stays free of what it adds.
+    pub fn with_metadata(self, add: fn(&mut tonic::metadata::MetadataMap)) -> Self {
+        Self {
+            also: Some(add),
+            ..self
+        }
     }
 }
 
@@ -99,6 +112,9 @@ impl Interceptor for Signer {
         let value = MetadataValue::try_from(token)
             .map_err(|_| Status::internal("call proof is not a metadata value"))?;
         req.metadata_mut().insert(CALL_HEADER, value);
+        if let Some(add) = self.also {
+            add(req.metadata_mut());
+        }
         Ok(req)
     }
 }

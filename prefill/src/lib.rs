@@ -61,6 +61,7 @@ use kvmesh_proto::serve::cut_set;
 pub use kvmesh_proto::serve::Drained;
 pub use run::run;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 /// A prefill node's settings.
 #[derive(Clone, Debug)]
@@ -114,6 +115,22 @@ pub enum PrefillError {
     ComputePanicked,
 }
 
+impl PrefillError {
+    /// A short label of the failure (a span's `error.kind`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Invalid(_) => "invalid",
+            Self::Grant(_) => "grant",
+            Self::Model(_) => "model",
+            Self::Writer(e) => e.kind(),
+            Self::Transport(_) => "transport",
+            Self::ShuttingDown => "shutting_down",
+            Self::Serve(_) => "serve",
+            Self::ComputePanicked => "compute_panicked",
+        }
+    }
+}
+
 /// The one mapping from prefill errors to gRPC status codes.
 impl From<PrefillError> for Status {
     fn from(e: PrefillError) -> Self {
@@ -159,6 +176,9 @@ struct Job {
     /// Score the prompt with this many alternatives per position.
     prompt_logprobs: Option<usize>,
     done: oneshot::Sender<Result<Prefilled, PrefillError>>,
+    /// The request's span here (`prefill.request`): parent of its compute
+    /// and transfer spans.
+    span: tracing::Span,
 }
 
 /// What a finished prefill answers.
@@ -451,6 +471,8 @@ impl PrefillNode {
         let id = grant.reservation;
         let mut writer = client.begin(grant)?;
         tracing::debug!(reservation = %id, prompt_tokens = r.prompt_ids.len(), "prefill accepted");
+        let span = kvmesh_telemetry::current();
+        kvmesh_telemetry::record(&span, "reservation.id", id.to_string());
         writer.set_faults(faults);
         let (done, rx) = oneshot::channel();
         self.inner
@@ -462,6 +484,7 @@ impl PrefillNode {
                 ns,
                 prompt_logprobs,
                 done,
+                span,
             })))
             .await
             .map_err(|_| PrefillError::ShuttingDown)?;
@@ -598,6 +621,9 @@ fn run_batch(
     let mut feeds = Vec::with_capacity(admitted.len());
     let mut seqs = Vec::with_capacity(admitted.len());
     let (mut computed, mut from_cache) = (0, 0);
+    // Each request's `prefill.compute` span, open while the batch runs.
+    let batch_size = admitted.len();
+    let mut computing = Vec::with_capacity(batch_size);
     for (job, seq) in admitted {
         from_cache += seq.cached_len();
         computed += job.prompt.len().saturating_sub(seq.cached_len());
@@ -605,18 +631,35 @@ fn run_batch(
             sampler,
             writer,
             done,
+            span,
             ..
         } = job;
         let cached = u32::try_from(seq.cached_len()).unwrap_or(u32::MAX);
-        let (tx, rx) = mpsc::channel(n_layers + 1);
-        rt.spawn(ship(
-            writer,
-            rx,
-            done,
-            Arc::clone(stopped),
-            spare_tx.clone(),
-            Arc::clone(metrics),
+        computing.push(kvmesh_telemetry::span!(
+            parent: &span,
+            "prefill.compute",
+            batch_size = batch_size as u64,
+            prompt_tokens = seq.prompt_len() as u64,
+            cached_tokens = u64::from(cached)
         ));
+        let (tx, rx) = mpsc::channel(n_layers + 1);
+        let transfer = kvmesh_telemetry::span!(
+            parent: &span,
+            "prefill.transfer",
+            reservation.id = %writer.grant().reservation,
+            pages = writer.grant().pages.len() as u64
+        );
+        rt.spawn(
+            ship(
+                writer,
+                rx,
+                done,
+                Arc::clone(stopped),
+                spare_tx.clone(),
+                Arc::clone(metrics),
+            )
+            .instrument(transfer),
+        );
         feeds.push((tx, sampler, cached));
         seqs.push(seq);
     }
@@ -639,9 +682,12 @@ fn run_batch(
     metrics.batch(seqs.len(), began.elapsed(), computed, from_cache);
     match results {
         Ok(results) => {
-            for (((tx, mut sampler, cached), logits), seq) in
-                feeds.into_iter().zip(results).zip(&mut seqs)
+            for ((((tx, mut sampler, cached), logits), seq), span) in
+                feeds.into_iter().zip(results).zip(&mut seqs).zip(computing)
             {
+                if logits.is_err() {
+                    kvmesh_telemetry::fail(&span, "model");
+                }
                 let end = match logits {
                     Ok(mut l) => {
                         let s = sampler.sample(&mut l);
@@ -658,6 +704,9 @@ fn run_batch(
             }
         }
         Err(e) => {
+            for span in &computing {
+                kvmesh_telemetry::fail(span, "model");
+            }
             let msg = e.to_string();
             for (tx, _, _) in feeds {
                 let _ = tx.try_send(Feed::Failed(PrefillError::Invalid(format!(
@@ -694,6 +743,16 @@ async fn ship(
     let id = writer.grant().reservation;
     let began = std::time::Instant::now();
     let mut bytes = 0;
+    // What each layer's write carries: the prompt's slots past a cached
+    // head, over the granted pages.
+    let (pages, written) = {
+        let g = writer.grant();
+        let written = g.prompt_tokens.saturating_sub(g.cached_tokens);
+        (
+            g.pages.len() as u64,
+            u32::try_from(written).unwrap_or(u32::MAX),
+        )
+    };
     let r = async {
         let first = loop {
             match feed.recv().await {
@@ -701,9 +760,22 @@ async fn ship(
                     if is_stopped(&stopped, id) {
                         return Err(WriterError::Aborted(id).into());
                     }
-                    let wrote = writer.write_layer(l, &k, &v).await;
+                    let layer = kvmesh_telemetry::span!(
+                        "kv.layer",
+                        layer = u64::from(l),
+                        pages,
+                        bytes = writer
+                            .grant()
+                            .geometry
+                            .payload_len(&(l..l.saturating_add(1)), written)
+                            .unwrap_or(0)
+                    );
+                    let wrote = writer
+                        .write_layer(l, &k, &v)
+                        .instrument(layer.clone())
+                        .await;
                     bytes = writer.bytes_written();
-                    wrote?;
+                    wrote.inspect_err(|e| kvmesh_telemetry::fail(&layer, e.kind()))?;
                     // Back to the compute thread (gone once the batch
                     // ended: then they are simply freed).
                     let _ = spare.send((k, v));
@@ -717,7 +789,12 @@ async fn ship(
                 }
             }
         };
-        writer.finish(first.first_token).await?;
+        let finish = kvmesh_telemetry::span!("kv.transfer_done");
+        writer
+            .finish(first.first_token)
+            .instrument(finish.clone())
+            .await
+            .inspect_err(|e| kvmesh_telemetry::fail(&finish, e.kind()))?;
         Ok(first)
     }
     .await;
@@ -727,6 +804,9 @@ async fn ship(
         Err(_) => "failed",
     };
     metrics.transfer(outcome, began.elapsed(), bytes);
+    if let Err(e) = &r {
+        kvmesh_telemetry::fail(&kvmesh_telemetry::current(), e.kind());
+    }
     let _ = done.send(r);
 }
 
@@ -742,7 +822,18 @@ impl Prefill for PrefillNode {
                 .and_then(|v| v.to_str().ok()),
         )
         .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let p = PrefillNode::prefill(self, req.into_inner(), faults).await?;
+        // The request's span here: a child of the router's dispatch span.
+        let span = kvmesh_telemetry::span!(
+            "prefill.request",
+            node = %self.inner.name,
+            prompt_tokens = req.get_ref().prompt_ids.len() as u64
+        );
+        kvmesh_telemetry::propagate::continue_grpc(&span, req.metadata());
+        let p = PrefillNode::prefill(self, req.into_inner(), faults)
+            .instrument(span.clone())
+            .await
+            .inspect_err(|e| kvmesh_telemetry::fail(&span, e.kind()))?;
+        kvmesh_telemetry::record(&span, "cached_tokens", i64::from(p.cached_tokens));
         Ok(Response::new(PrefillResponse {
             first_token: p.first_token,
             cached_tokens: p.cached_tokens,
@@ -756,10 +847,14 @@ impl Prefill for PrefillNode {
     }
 
     async fn abort(&self, req: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+        let span = kvmesh_telemetry::span!("prefill.abort", node = %self.inner.name);
+        kvmesh_telemetry::propagate::continue_grpc(&span, req.metadata());
+        let _entered = span.enter();
         let id = <[u8; 16]>::try_from(req.into_inner().reservation_id.as_slice())
             .ok()
             .and_then(ReservationId::from_bytes)
             .ok_or_else(|| Status::invalid_argument("reservation_id: 16 bytes, not all zero"))?;
+        kvmesh_telemetry::record(&span, "reservation.id", id.to_string());
         self.stop(id);
         Ok(Response::new(AbortResponse {
             state: "stopping".into(),

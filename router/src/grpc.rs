@@ -15,6 +15,7 @@ use kvmesh_proto::v1::{
 use kvmesh_tokenizer::ChatMessage;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::auth::Tenant;
 use crate::choices::{Choices, MAX_CHOICES};
@@ -176,12 +177,12 @@ impl Api {
             .map_err(|e| self.fail(e))
     }
 
-    /// Everything before the stream starts: the front-end-neutral request,
-    /// validated, admitted, started on the mesh.
-    /// Also what the answer's messages need besides the events: the tool
-    /// calls' parsing, the echoed prompt text (`echo`) and the prompt's
-    /// alternatives per position (`prompt_logprobs`).
-    async fn start(&self, tenant: Tenant, r: GenerateRequest) -> Result<Started, GatewayError> {
+    /// The request validated and tokenized, with its sample count and
+    /// echoed text: what a refused request never gets past.
+    fn validate(
+        &self,
+        r: GenerateRequest,
+    ) -> Result<(validate::Valid, usize, Option<String>), GatewayError> {
         let prompt = match r.input {
             Some(generate_request::Input::Prompt(text)) => Prompt::Text(text),
             Some(generate_request::Input::Chat(c)) => Prompt::Chat(chat(c)?),
@@ -249,6 +250,22 @@ impl Api {
                 return Err(invalid("n", format!("n = {n} samples; at most {MAX_CHOICES}")).into())
             }
         };
+        Ok((valid, n, echo))
+    }
+
+    /// Everything before the stream starts: the front-end-neutral request,
+    /// validated, admitted, started on the mesh.
+    /// Also what the answer's messages need besides the events: the tool
+    /// calls' parsing, the echoed prompt text (`echo`) and the prompt's
+    /// alternatives per position (`prompt_logprobs`).
+    async fn start(&self, tenant: Tenant, r: GenerateRequest) -> Result<Started, GatewayError> {
+        let span = kvmesh_telemetry::span!("router.validate");
+        let (valid, n, echo) = span
+            .in_scope(|| self.validate(r))
+            .inspect_err(|e| kvmesh_telemetry::fail(&span, e.kind()))?;
+        kvmesh_telemetry::record(&span, "prompt_tokens", valid.ids().len() as i64);
+        kvmesh_telemetry::record(&span, "n", n as i64);
+        drop(span);
         let mode = valid.tool_mode().clone();
         let scored = valid.settings().prompt_logprobs.map(|k| k as usize);
         let choices = Choices::start(
@@ -276,6 +293,13 @@ impl Generation for Api {
 
     async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<GenStream>, Status> {
         let tenant = self.tenant(&req)?;
+        // The root span: a child of the caller's `traceparent` metadata
+        // when valid, else a new trace.
+        let span = kvmesh_telemetry::span!(
+            "router.request",
+            rpc.method = "kvmesh.v1.Generation/Generate"
+        );
+        kvmesh_telemetry::propagate::continue_grpc(&span, req.metadata());
         let Started {
             choices: mut g,
             mode,
@@ -283,11 +307,17 @@ impl Generation for Api {
             scored,
         } = self
             .start(tenant, req.into_inner())
+            .instrument(span.clone())
             .await
-            .map_err(|e| self.fail(e))?;
+            .map_err(|e| {
+                kvmesh_telemetry::fail(&span, e.kind());
+                self.fail(e)
+            })?;
         let (tx, out) = tokio::sync::mpsc::channel(64);
         let router = self.router.clone();
         tokio::spawn(async move {
+            // Held until the answer has gone out.
+            let _span = span;
             let prompt_tokens = g.prompt_tokens();
             let mut lps: Vec<_> = (0..g.len())
                 .map(|_| crate::logprobs::Logprobs::new(router.tokenizer(), 0))

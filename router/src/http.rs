@@ -11,13 +11,14 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::handler::Handler;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::Json;
 use kvmesh_tokenizer::ChatMessage;
 use serde::Deserialize;
 use serde_json::{json, Value};
+use tracing::Instrument;
 
 use kvmesh_faults::FaultPlan;
 
@@ -557,18 +558,34 @@ async fn completions(
     State(r): State<Router>,
     axum::Extension(tenant): axum::Extension<Tenant>,
     faults: Option<axum::Extension<FaultPlan>>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    generate(r, tenant, faults, body, Kind::Completion).await
+    let span = request_span(&headers, Kind::Completion);
+    generate(r, tenant, faults, body, Kind::Completion, span).await
 }
 
 async fn chat_completions(
     State(r): State<Router>,
     axum::Extension(tenant): axum::Extension<Tenant>,
     faults: Option<axum::Extension<FaultPlan>>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    generate(r, tenant, faults, body, Kind::Chat).await
+    let span = request_span(&headers, Kind::Chat);
+    generate(r, tenant, faults, body, Kind::Chat, span).await
+}
+
+/// The gateway's root span of a generation request: a child of the
+/// client's `traceparent` when it sent a valid one, else a new trace.
+fn request_span(headers: &HeaderMap, kind: Kind) -> tracing::Span {
+    let route = match kind {
+        Kind::Completion => "/v1/completions",
+        Kind::Chat => "/v1/chat/completions",
+    };
+    let span = kvmesh_telemetry::span!("router.request", http.route = route);
+    kvmesh_telemetry::propagate::continue_http(&span, headers);
+    span
 }
 
 /// Both generation routes: the body, validated for `kind`, admitted, then
@@ -581,11 +598,18 @@ async fn generate(
     faults: Option<axum::Extension<FaultPlan>>,
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
+    span: tracing::Span,
 ) -> Response {
     let faults = faults.map(|f| f.0).unwrap_or_default();
-    match start(&r, tenant, faults, body, kind).await {
+    match start(&r, tenant, faults, body, kind)
+        .instrument(span.clone())
+        .await
+    {
         Ok((choices, shape, id, echoes, tool_mode)) => {
+            kvmesh_telemetry::record(&span, "request.id", id.clone());
+            kvmesh_telemetry::record(&span, "stream", shape.stream);
             let meta = Meta {
+                span,
                 kind,
                 id,
                 tool_mode,
@@ -604,7 +628,10 @@ async fn generate(
                 }
             }
         }
-        Err(e) => r.fail(e).into_response(),
+        Err(e) => {
+            kvmesh_telemetry::fail(&span, e.kind());
+            r.fail(e).into_response()
+        }
     }
 }
 
@@ -620,22 +647,36 @@ async fn start(
     kind: Kind,
 ) -> Result<(Choices, Shape, String, Vec<String>, crate::tools::Mode), GatewayError> {
     let body = body?;
-    let Parsed { requests, n, shape } = parse_body(matches!(kind, Kind::Chat), &body)?;
-    let mut echoes = Vec::new();
-    let mut prompts = Vec::with_capacity(requests.len());
-    for request in requests {
-        if shape.echo {
-            echoes.push(match &request.prompt {
-                Prompt::Text(t) => t.clone(),
-                Prompt::Ids(ids) => r
-                    .tokenizer()
-                    .decode(ids, false)
-                    .map_err(|e| invalid("prompt", e.to_string()))?,
-                Prompt::Chat(_) => String::new(),
-            });
-        }
-        prompts.push(validate::request(r, request)?);
+    // Parse, validate and tokenize: what a refused body never gets past.
+    let span = kvmesh_telemetry::span!("router.validate");
+    let (n, shape, echoes, prompts) = span
+        .in_scope(|| {
+            let Parsed { requests, n, shape } = parse_body(matches!(kind, Kind::Chat), &body)?;
+            let mut echoes = Vec::new();
+            let mut prompts = Vec::with_capacity(requests.len());
+            for request in requests {
+                if shape.echo {
+                    echoes.push(match &request.prompt {
+                        Prompt::Text(t) => t.clone(),
+                        Prompt::Ids(ids) => r
+                            .tokenizer()
+                            .decode(ids, false)
+                            .map_err(|e| invalid("prompt", e.to_string()))?,
+                        Prompt::Chat(_) => String::new(),
+                    });
+                }
+                prompts.push(validate::request(r, request)?);
+            }
+            Ok::<_, Rejection>((n, shape, echoes, prompts))
+        })
+        .inspect_err(|e| kvmesh_telemetry::fail(&span, e.reason()))?;
+    if !span.is_disabled() {
+        let tokens: usize = prompts.iter().map(|p| p.ids().len()).sum();
+        kvmesh_telemetry::record(&span, "prompts", prompts.len() as i64);
+        kvmesh_telemetry::record(&span, "prompt_tokens", tokens as i64);
+        kvmesh_telemetry::record(&span, "n", n as i64);
     }
+    drop(span);
     let id = match kind {
         Kind::Completion => request_id("cmpl"),
         Kind::Chat => request_id("chatcmpl"),

@@ -78,6 +78,7 @@ use kvmesh_faults::{planted, FaultPlan, PlantedBug};
 use kvmesh_structured::{StructuredError, Vocabulary};
 use kvmesh_tokenizer::TextTokenizer;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tracing::Instrument;
 
 use auth::Tenant;
 pub use error::Rejection;
@@ -273,9 +274,17 @@ impl Router {
         tenant: Tenant,
         faults: FaultPlan,
     ) -> Result<Admitted, Rejection> {
+        let (prompt_tokens, max_tokens) = (valid.ids().len(), valid.settings().max_tokens);
+        let span = kvmesh_telemetry::span!(
+            "router.admit",
+            prompt_tokens = prompt_tokens as u64,
+            max_tokens = max_tokens as u64
+        );
         let permit = self
-            .check(valid.ids().len(), valid.settings().max_tokens)
-            .await?;
+            .check(prompt_tokens, max_tokens)
+            .instrument(span.clone())
+            .await
+            .inspect_err(|r| kvmesh_telemetry::fail(&span, r.reason()))?;
         Ok(Admitted::new(valid, tenant, faults, permit))
     }
 

@@ -127,7 +127,27 @@ struct Entry {
     landed: Vec<u32>,
     /// Injected faults (testing builds).
     faults: kvmesh_faults::FaultPlan,
+    /// The span of the request this reservation serves (decode's stream),
+    /// parent of the handshake's spans; none unless handed one
+    /// ([`ReservationTable::set_span`]).
+    span: tracing::Span,
 }
+
+/// A span of the handshake: a child of its reservation's span, made only
+/// when the reservation has one (so with traces off nothing is made and
+/// the check is one branch). The target is `kvmesh_telemetry::TARGET`,
+/// spelled out: this crate does not link the telemetry crate.
+macro_rules! kv_span {
+    ($parent:expr, $($t:tt)*) => {{
+        let parent: &tracing::Span = $parent;
+        if parent.is_disabled() {
+            tracing::Span::none()
+        } else {
+            tracing::info_span!(target: "kvmesh_trace", parent: parent, $($t)*)
+        }
+    }};
+}
+pub(crate) use kv_span;
 
 #[derive(Debug)]
 struct Conn {
@@ -312,6 +332,15 @@ impl ReservationTable {
             },
         );
         Ok(id)
+    }
+
+    /// Makes `span` (the request's, at decode) the parent of reservation
+    /// `id`'s handshake spans: `kv.verify`, `kv.abort`,
+    /// `kv.abort_confirmed`, `kv.revoke`. Unknown ids are ignored.
+    pub fn set_span(&self, id: ReservationId, span: tracing::Span) {
+        if let Ok(entry) = self.inner.entry(id) {
+            lock(&entry).span = span;
+        }
     }
 
     /// Attaches a request's injected faults to reservation `id` (testing
@@ -552,6 +581,7 @@ impl Inner {
             scratch: Vec::new(),
             landed: vec![0; grant.pages.len() * usize::from(self.geometry.n_layers)],
             faults: kvmesh_faults::FaultPlan::none(),
+            span: tracing::Span::none(),
         };
         lock(&self.entries).insert(reservation, Arc::new(Mutex::new(entry)));
         self.granted.fetch_add(1, Ordering::Relaxed);
@@ -630,12 +660,23 @@ impl Inner {
                 event: "transfer_done",
             });
         }
+        let written = e.grant.prompt_tokens.saturating_sub(e.grant.cached_tokens);
+        let span = kv_span!(
+            &e.span,
+            "kv.verify",
+            reservation.id = %id,
+            pages = e.grant.pages.len() as u64,
+            tokens = written,
+            outcome = tracing::field::Empty
+        );
+        let _entered = span.enter();
         // Close the write path before looking at the pages: what is
         // verified can no longer change.
         if let Revocation::Pending { .. } =
             self.landing.revoke(e.grant.write_key, e.peer.as_deref())
         {
             let outcome = Outcome::Revoked(RevokeCause::DoneWhileWriting);
+            span.record("outcome", outcome.kind());
             self.quarantine(&mut e, outcome.clone());
             return Ok(outcome);
         }
@@ -665,7 +706,6 @@ impl Inner {
                     .receiver_checked()
                     .then_some(e.landed.as_slice());
                 res.publish_prompt(e.grant.prompt_tokens as usize, landed);
-                let written = e.grant.prompt_tokens.saturating_sub(e.grant.cached_tokens);
                 let bytes = u32::try_from(written)
                     .ok()
                     .and_then(|n| {
@@ -693,6 +733,7 @@ impl Inner {
                 Outcome::Revoked(RevokeCause::VerificationFailed(v))
             }
         };
+        span.record("outcome", outcome.kind());
         self.finish(&mut e, outcome.clone());
         drop(e);
         self.forget_if_ended(id);

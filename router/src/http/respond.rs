@@ -8,6 +8,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use serde_json::{json, Value};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
+use tracing::Instrument;
 
 use super::{Kind, Shape, SSE_KEEP_ALIVE};
 use crate::choices::Choices;
@@ -20,6 +21,8 @@ use crate::Router;
 
 /// What every response of one request repeats.
 pub(super) struct Meta {
+    /// The request's root span, held until the answer has gone out.
+    pub(super) span: tracing::Span,
     pub(super) kind: Kind,
     pub(super) id: String,
     pub(super) model: String,
@@ -311,7 +314,8 @@ pub(super) fn stream(
     // its receiver drops, this task drops the choices, and the mesh sees
     // each request abandoned.
     let (tx, out) = tokio::sync::mpsc::channel::<SseEvent>(64);
-    tokio::spawn(async move {
+    let span = m.span.clone();
+    let frames = async move {
         let mut c = c;
         let (k, n) = (c.len(), c.n());
         // A scored prompt's choices open at its `Event::Prompt` (the
@@ -409,7 +413,8 @@ pub(super) fn stream(
                 return;
             }
         }
-    });
+    };
+    tokio::spawn(frames.instrument(span));
     let all = ReceiverStream::new(out).map(Ok);
     // A comment every 250 ms while no event flows: writing is how a
     // closed connection shows (hyper does not watch the read side here),

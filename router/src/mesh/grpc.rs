@@ -21,6 +21,7 @@ use kvmesh_proto::internal::v1::{
 };
 use kvmesh_tokenizer::{TextOut, TextTokenizer};
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use super::{Admitted, Event, Finish, Job, Mesh, PromptScore, PromptToken, TokenLogprob};
 use crate::error::{DispatchError, Rejection};
@@ -88,41 +89,64 @@ impl Mesh for GrpcMesh {
     fn generate(&self, req: Admitted) -> Result<mpsc::Receiver<Event>, Rejection> {
         let (job, slot) = req.into_parts();
         let total = job.prompt_ids.len() + job.max_tokens;
+        let span = kvmesh_telemetry::span!(
+            parent: &job.trace,
+            "router.dispatch",
+            prompt_tokens = job.prompt_ids.len() as u64,
+            max_tokens = job.max_tokens as u64
+        );
         let ns = self.namespace(&job);
         let prefix = ns.as_ref().map(|ns| Prefix {
             ns,
             prompt: &job.prompt_ids,
         });
-        // Fail fast with no node; the node itself is chosen again per try.
-        self.nodes.pick(Role::Decode, needed(total), None)?;
-        let near = job.placement.as_ref().and_then(|p| p.get());
-        // A prompt to be scored is computed whole (prefill skips its cache
-        // for it), so where its pages are cached does not matter: the
-        // prefill node is chosen by load alone (or the first sample's).
-        let prefill_prefix = prefix.as_ref().filter(|_| job.prompt_logprobs.is_none());
-        let (prefill, p_report) = self.nodes.pick_near(
-            Role::Prefill,
-            needed(job.prompt_ids.len()),
-            prefill_prefix,
-            near.map(|(prefill, _)| prefill),
-        )?;
+        let choice = kvmesh_telemetry::span!(parent: &span, "router.node_choice", role = "prefill");
+        let picked = choice.in_scope(|| {
+            // Fail fast with no node; the node itself is chosen again per try.
+            self.nodes.pick(Role::Decode, needed(total), None)?;
+            let near = job.placement.as_ref().and_then(|p| p.get());
+            // A prompt to be scored is computed whole (prefill skips its cache
+            // for it), so where its pages are cached does not matter: the
+            // prefill node is chosen by load alone (or the first sample's).
+            let prefill_prefix = prefix.as_ref().filter(|_| job.prompt_logprobs.is_none());
+            self.nodes.pick_near(
+                Role::Prefill,
+                needed(job.prompt_ids.len()),
+                prefill_prefix,
+                near.map(|(prefill, _)| prefill),
+            )
+        });
+        let (prefill, p_report) = match picked {
+            Ok(p) => p,
+            Err(e) => {
+                kvmesh_telemetry::fail(&choice, e.reason());
+                kvmesh_telemetry::fail(&span, e.reason());
+                return Err(e);
+            }
+        };
+        kvmesh_telemetry::record(&choice, "node", prefill.name.clone());
+        kvmesh_telemetry::record(&span, "prefill.node", prefill.name.clone());
+        drop(choice);
         let busy = prefill.busy();
         let (tx, rx) = mpsc::channel(64);
         let mesh = self.clone();
-        tokio::spawn(async move {
-            let _slot = slot;
-            let _busy = busy;
-            run(
-                &mesh,
-                job,
-                ns,
-                &prefill,
-                p_report.writer_id,
-                &tx,
-                Instant::now(),
-            )
-            .await;
-        });
+        tokio::spawn(
+            async move {
+                let _slot = slot;
+                let _busy = busy;
+                run(
+                    &mesh,
+                    job,
+                    ns,
+                    &prefill,
+                    p_report.writer_id,
+                    &tx,
+                    Instant::now(),
+                )
+                .await;
+            }
+            .instrument(span),
+        );
         Ok(rx)
     }
 
@@ -191,7 +215,12 @@ async fn run(
             status,
         }
     };
+    // The dispatch span's outcome: a finish reason, an error kind, or
+    // `client_gone` when the request ends with neither.
+    let outcome = Outcome::new(kvmesh_telemetry::current());
+    let outcome = &outcome;
     let fail = |e: DispatchError| async move {
+        outcome.fail(e.kind());
         let _ = tx.send(Event::Error(e)).await;
     };
     let cache_namespace = ns.map(|ns| ns.as_bytes().to_vec()).unwrap_or_default();
@@ -231,17 +260,27 @@ async fn run(
     let mut _lost = None;
     let (_busy, decode, mut stream, granted) = loop {
         let near = job.placement.as_ref().and_then(|p| p.get());
-        let decode = match r.nodes.pick_near(
-            Role::Decode,
-            needed(total),
-            prefix.as_ref(),
-            near.map(|(_, decode)| decode),
-        ) {
+        let choice = kvmesh_telemetry::span!("router.node_choice", role = "decode");
+        let decode = match choice.in_scope(|| {
+            r.nodes.pick_near(
+                Role::Decode,
+                needed(total),
+                prefix.as_ref(),
+                near.map(|(_, decode)| decode),
+            )
+        }) {
             Ok((n, _)) => n,
-            Err(_) => {
+            Err(e) => {
+                kvmesh_telemetry::fail(&choice, e.reason());
                 return fail(DispatchError::NoHealthyNode { role: Role::Decode }).await;
             }
         };
+        kvmesh_telemetry::record(&choice, "node", decode.name.clone());
+        drop(choice);
+        // The wait for the grant (or a refusal); the Generate call itself
+        // is made under the dispatch span, whose child the decode node's
+        // stream is.
+        let reserve = kvmesh_telemetry::span!("router.reserve", node = %decode.name);
         match job.faults.at(Point::Reserve) {
             Some(Action::Drop) => {
                 return fail(DispatchError::Injected("the reserve request was lost")).await
@@ -262,7 +301,10 @@ async fn run(
             .await
         {
             Ok(s) => s.into_inner(),
-            Err(s) => return fail(node_err(Role::Decode, &decode, s)).await,
+            Err(s) => {
+                kvmesh_telemetry::fail(&reserve, "node_error");
+                return fail(node_err(Role::Decode, &decode, s)).await;
+            }
         };
         let first = tokio::select! {
             ev = stream.message() => ev,
@@ -271,11 +313,19 @@ async fn run(
         match first {
             Ok(Some(DecodeEvent {
                 event: Some(decode_event::Event::Granted(g)),
-            })) => break (decode.busy(), decode, stream, g),
+            })) => {
+                kvmesh_telemetry::record(
+                    &reserve,
+                    "reservation.id",
+                    reservation(&g.reservation_id),
+                );
+                break (decode.busy(), decode, stream, g);
+            }
             Ok(Some(DecodeEvent {
                 event: Some(decode_event::Event::Refused(refused)),
             })) => {
                 let kind = refused.kind();
+                kvmesh_telemetry::fail(&reserve, kind.as_str_name());
                 if kind == RefuseKind::Draining {
                     // It was told to stop before our poll saw it: out of
                     // the choice from now on; another node may take this.
@@ -315,6 +365,14 @@ async fn run(
         }
     };
     let decode = &decode;
+    if !outcome.span.is_disabled() {
+        kvmesh_telemetry::record(&outcome.span, "decode.node", decode.name.clone());
+        kvmesh_telemetry::record(
+            &outcome.span,
+            "reservation.id",
+            reservation(&granted.reservation_id),
+        );
+    }
     if let Some(p) = &job.placement {
         p.set(&prefill.name, &decode.name);
     }
@@ -497,6 +555,7 @@ async fn run(
                                     // Ends the stream: the decode node drops the sequence.
                                     drop(stream);
                                     settle_prefill!();
+                                    outcome.finish(Finish::Stop, completion);
                                     let _ = tx.send(Event::Done { finish: Finish::Stop, completion_tokens: completion, cached_tokens: prefill_cached }).await;
                                     return;
                                 }
@@ -516,6 +575,7 @@ async fn run(
                             FinishReason::Stop | FinishReason::Unspecified => Finish::Stop,
                         };
                         settle_prefill!();
+                        outcome.finish(finish, completion);
                         let _ = tx.send(Event::Done { finish, completion_tokens: completion, cached_tokens: prefill_cached }).await;
                         return;
                     }
@@ -575,6 +635,8 @@ struct AbortOnDrop {
     node: Arc<Node>,
     rid: Vec<u8>,
     armed: bool,
+    /// The dispatch span, parent of the abort's.
+    span: tracing::Span,
 }
 
 impl AbortOnDrop {
@@ -583,6 +645,7 @@ impl AbortOnDrop {
             node,
             rid,
             armed: true,
+            span: kvmesh_telemetry::current(),
         }
     }
 
@@ -597,6 +660,13 @@ impl Drop for AbortOnDrop {
             return;
         }
         let node = Arc::clone(&self.node);
+        let span = kvmesh_telemetry::span!(
+            parent: &self.span,
+            "router.abort",
+            node = %node.name,
+            reservation.id = reservation(&self.rid),
+            reason = "client_gone"
+        );
         let req = AbortRequest {
             reservation_id: std::mem::take(&mut self.rid),
             reason: CLIENT_GONE,
@@ -604,11 +674,61 @@ impl Drop for AbortOnDrop {
         // Without waiting: a drop cannot await. Outside a runtime (the
         // process is ending) there is nothing to tell.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                if let Err(e) = node.prefill().abort(req).await {
-                    tracing::debug!(node = %node.name, error = %e, "prefill abort");
+            rt.spawn(
+                async move {
+                    if let Err(e) = node.prefill().abort(req).await {
+                        tracing::debug!(node = %node.name, error = %e, "prefill abort");
+                        kvmesh_telemetry::fail(&kvmesh_telemetry::current(), "node_error");
+                    }
                 }
-            });
+                .instrument(span),
+            );
+        }
+    }
+}
+
+/// A reservation id (16 bytes on the wire) as its hex form, the one
+/// attribute that names it in traces and logs; `invalid` for anything else.
+fn reservation(bytes: &[u8]) -> String {
+    <[u8; 16]>::try_from(bytes)
+        .ok()
+        .and_then(kvmesh_kvwire::ReservationId::from_bytes)
+        .map_or_else(|| "invalid".to_owned(), |id| id.to_string())
+}
+
+/// The outcome attribute of a request's dispatch span: a finish reason or
+/// an error kind, or `client_gone` if the request ends with neither (the
+/// gateway dropped it: its client left).
+struct Outcome {
+    span: tracing::Span,
+    set: std::sync::atomic::AtomicBool,
+}
+
+impl Outcome {
+    fn new(span: tracing::Span) -> Self {
+        Self {
+            span,
+            set: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    fn finish(&self, finish: Finish, completion_tokens: usize) {
+        self.set.store(true, std::sync::atomic::Ordering::Relaxed);
+        kvmesh_telemetry::record(&self.span, "outcome", finish.as_str());
+        kvmesh_telemetry::record(&self.span, "completion_tokens", completion_tokens as i64);
+    }
+
+    fn fail(&self, kind: &'static str) {
+        self.set.store(true, std::sync::atomic::Ordering::Relaxed);
+        kvmesh_telemetry::record(&self.span, "outcome", kind);
+        kvmesh_telemetry::fail(&self.span, kind);
+    }
+}
+
+impl Drop for Outcome {
+    fn drop(&mut self) {
+        if !self.set.load(std::sync::atomic::Ordering::Relaxed) {
+            kvmesh_telemetry::record(&self.span, "outcome", "client_gone");
         }
     }
 }

@@ -168,6 +168,10 @@ pub struct Job {
     /// stream opens with [`Event::Prompt`]. Prefill then computes every
     /// position (no prefix-cache lookup for the prompt).
     pub prompt_logprobs: Option<u32>,
+    /// The span its mesh work is a child of: the gateway's request span
+    /// current at admission (a later sample starts outside it); none with
+    /// tracing off.
+    pub trace: tracing::Span,
 }
 
 /// Where the first sample of a prompt ran (its prefill and decode nodes,
@@ -230,6 +234,7 @@ impl Admitted {
                 faults,
                 placement: None,
                 prompt_logprobs: s.prompt_logprobs,
+                trace: kvmesh_telemetry::current(),
             },
             slot: Slot { _permit: permit },
         }

@@ -19,6 +19,14 @@ impl Inner {
             Err(e) => return Err(e),
         };
         let mut e = lock(&entry);
+        let span = kv_span!(
+            &e.span,
+            "kv.abort",
+            reservation.id = %id,
+            reason = u64::from(reason.0),
+            phase = e.phase.name()
+        );
+        let _entered = span.enter();
         match std::mem::replace(&mut e.phase, Phase::Moving) {
             Phase::Granted(res) | Phase::Writing(res)
                 if kvmesh_faults::planted(kvmesh_faults::PlantedBug::NoConfirmOrRevoke) =>
@@ -85,6 +93,8 @@ impl Inner {
                 event: "abort_confirmed",
             });
         };
+        let span = kv_span!(&e.span, "kv.abort_confirmed", reservation.id = %id);
+        let _entered = span.enter();
         let outcome = Outcome::Aborted(reason);
         self.end(&mut e, outcome.clone());
         drop(e);
@@ -142,6 +152,14 @@ impl Inner {
     /// Ends a reservation that is not live: revoke its write path, then
     /// free (or quarantine while the revocation is pending).
     pub(super) fn end(&self, e: &mut Entry, outcome: Outcome) {
+        let span = kv_span!(
+            &e.span,
+            "kv.revoke",
+            reservation.id = %e.grant.reservation,
+            outcome = outcome.kind(),
+            quarantined = tracing::field::Empty
+        );
+        let _entered = span.enter();
         match self.landing.revoke(e.grant.write_key, e.peer.as_deref()) {
             Revocation::Complete => {
                 // Dropping the reservation releases its pages: new
@@ -149,7 +167,10 @@ impl Inner {
                 e.phase = Phase::Moving;
                 self.finish(e, outcome);
             }
-            Revocation::Pending { .. } => self.quarantine(e, outcome),
+            Revocation::Pending { .. } => {
+                span.record("quarantined", true);
+                self.quarantine(e, outcome);
+            }
         }
     }
 
