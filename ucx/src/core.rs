@@ -1,0 +1,738 @@
+//! What both roles share: a UCP context and single-threaded worker, the
+//! events UCX callbacks record, and the progress thread (an actor) that
+//! owns them.
+//!
+//! # Callbacks
+//! UCX calls back only from inside `ucp_worker_progress` on the progress
+//! thread. Callbacks never touch the actor's state: they push an [`Event`]
+//! onto a queue that lives in its own allocation (`arg` of every
+//! callback), and the actor handles the events after progress returns. A
+//! request's completion carries its [`Op`] (and with it any buffer the
+//! operation reads) in a box passed as the request's user data.
+
+use std::cell::RefCell;
+use std::ffi::{c_void, CString};
+use std::mem::MaybeUninit;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags, Timespec};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::api::{load, Api};
+use crate::error::UcxError;
+use crate::sys;
+
+/// What a callback recorded.
+pub(crate) enum Event {
+    /// A connection request on the listener.
+    Conn(sys::ucp_conn_request_h),
+    /// An active message: `id`, the key in its header, the endpoint to
+    /// reply on (null if the sender asked for none).
+    Am {
+        id: u32,
+        key: u64,
+        ep: sys::ucp_ep_h,
+    },
+    /// An endpoint failed (peer gone, connection reset, closed by the
+    /// peer).
+    EpError {
+        ep: sys::ucp_ep_h,
+        status: sys::ucs_status_t,
+    },
+    /// A request completed.
+    Done { op: Op, status: sys::ucs_status_t },
+}
+
+/// What a request was; owns what the request reads until it completes.
+pub(crate) enum Op {
+    /// An endpoint close; `id` is the role's name for the endpoint (never
+    /// its address: UCX may reuse that for a new endpoint before this
+    /// completion is handled).
+    Close { id: u64 },
+    /// A put of `data` for the grant `key`.
+    Put { key: u64, _data: Vec<u8> },
+    /// A flush of the grant `key`'s endpoint.
+    Flush {
+        key: u64,
+        reply: oneshot::Sender<Result<(), UcxError>>,
+    },
+    /// An active message; its header.
+    Am { _header: Box<[u8; 8]> },
+}
+
+type Queue = RefCell<Vec<Event>>;
+
+struct OpBox {
+    queue: *const Queue,
+    op: Op,
+}
+
+/// A UCP context and worker with the features kvmesh uses (RMA, active
+/// messages, wakeup), the worker single-threaded: only the progress thread
+/// touches it.
+pub(crate) struct Core {
+    pub(crate) api: &'static Api,
+    ctx: sys::ucp_context_h,
+    pub(crate) worker: sys::ucp_worker_h,
+    efd: i32,
+    queue: *mut Queue,
+}
+
+/// The transports kvmesh lets UCX use unless `UCX_TLS` says otherwise: all
+/// but shared memory, whose one-sided copies (cma, xpmem, knem, posix) an
+/// endpoint close does not fence. Same-host writers have kvmesh's own shm
+/// transport.
+pub const DEFAULT_TLS: &str = "^sm";
+
+/// Refuses a `UCX_TLS` value that lets UCX use a shared-memory transport.
+pub(crate) fn check_tls(value: &str) -> Result<(), UcxError> {
+    const SHARED: [&str; 9] = [
+        "all", "sm", "shm", "mm", "posix", "sysv", "cma", "knem", "xpmem",
+    ];
+    let bad = |t: &str| UcxError::UnsafeTransport {
+        value: value.to_owned(),
+        transport: t.to_owned(),
+    };
+    if let Some(excluded) = value.strip_prefix('^') {
+        let ex: Vec<&str> = excluded.split(',').map(str::trim).collect();
+        if ex.contains(&"sm") || ex.contains(&"shm") {
+            return Ok(());
+        }
+        return Err(bad("shared memory (an exclusion list must exclude sm)"));
+    }
+    for t in value.split(',').map(str::trim) {
+        // `tcp`, `rc`, `rc_x`, `ud`, `dc`, `self`, ...; aliases with a
+        // suffix (`posix:aux`) count by their name.
+        let name = t.split(':').next().unwrap_or(t);
+        if SHARED.contains(&name) {
+            return Err(bad(t));
+        }
+    }
+    Ok(())
+}
+
+impl Core {
+    /// A context and worker; `UCX_*` variables apply, `UCX_TLS` defaults
+    /// to [`DEFAULT_TLS`] and is checked by [`check_tls`].
+    pub(crate) fn new(name: &str) -> Result<Self, UcxError> {
+        let api = load()?;
+        let tls = std::env::var("UCX_TLS").ok();
+        if let Some(t) = &tls {
+            check_tls(t)?;
+        }
+        let ucp = api.ucp();
+        let mut config: *mut sys::ucp_config_t = ptr::null_mut();
+        // SAFETY: null prefix/file mean the environment and defaults.
+        let st = unsafe { ucp.ucp_config_read(ptr::null(), ptr::null(), &mut config) };
+        UcxError::check(api, "ucp_config_read", st)?;
+        if tls.is_none() {
+            let (k, v) = (c"TLS", CString::new(DEFAULT_TLS).expect("no NUL"));
+            // SAFETY: config is valid; strings are NUL-terminated.
+            let st = unsafe { ucp.ucp_config_modify(config, k.as_ptr(), v.as_ptr()) };
+            if let Err(e) = UcxError::check(api, "ucp_config_modify(TLS)", st) {
+                // SAFETY: read above, released once.
+                unsafe { ucp.ucp_config_release(config) };
+                return Err(e);
+            }
+        }
+        let cname = CString::new(name).map_err(|_| UcxError::Address(name.to_owned()))?;
+        // SAFETY: all-zero is a valid ucp_params_t (no fields selected).
+        let mut params: sys::ucp_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
+        params.field_mask = u64::from(sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_NAME);
+        params.features =
+            u64::from(sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP);
+        params.name = cname.as_ptr();
+        let mut ctx: sys::ucp_context_h = ptr::null_mut();
+        // SAFETY: params and config valid for the call; `ucp_init` is this
+        // call with the header's version.
+        let st = unsafe {
+            ucp.ucp_init_version(
+                sys::UCP_API_MAJOR,
+                sys::UCP_API_MINOR,
+                &params,
+                config,
+                &mut ctx,
+            )
+        };
+        // SAFETY: read above, released once, not used after.
+        unsafe { ucp.ucp_config_release(config) };
+        UcxError::check(api, "ucp_init", st)?;
+        // SAFETY: zeroed worker params are valid; the mask selects fields.
+        let mut wp: sys::ucp_worker_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
+        wp.field_mask = u64::from(sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE);
+        wp.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
+        let mut worker: sys::ucp_worker_h = ptr::null_mut();
+        // SAFETY: ctx is a live context.
+        let st = unsafe { ucp.ucp_worker_create(ctx, &wp, &mut worker) };
+        if let Err(e) = UcxError::check(api, "ucp_worker_create", st) {
+            // SAFETY: ctx is live and has no workers.
+            unsafe { ucp.ucp_cleanup(ctx) };
+            return Err(e);
+        }
+        let queue = Box::into_raw(Box::new(Queue::default()));
+        let mut core = Self {
+            api,
+            ctx,
+            worker,
+            efd: -1,
+            queue,
+        };
+        let mut efd = -1;
+        // SAFETY: worker is live; efd is an out-pointer.
+        let st = unsafe { ucp.ucp_worker_get_efd(worker, &mut efd) };
+        UcxError::check(api, "ucp_worker_get_efd", st)?;
+        core.efd = efd;
+        Ok(core)
+    }
+
+    /// Registers the handler of active messages `id` ([`crate::AM_BIND`]
+    /// or [`crate::AM_BOUND`]), the queue as its `arg`.
+    pub(crate) fn set_am_handler(&self, id: u32) -> Result<(), UcxError> {
+        // SAFETY: zeroed handler params are valid.
+        let mut p: sys::ucp_am_handler_param_t = unsafe { MaybeUninit::zeroed().assume_init() };
+        p.field_mask = u64::from(
+            sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG,
+        );
+        p.id = id;
+        p.cb = Some(if id == crate::AM_BIND {
+            on_bind
+        } else {
+            on_bound
+        });
+        p.arg = self.queue.cast();
+        // SAFETY: worker live; the queue outlives the worker (Drop).
+        let st = unsafe {
+            self.api
+                .ucp()
+                .ucp_worker_set_am_recv_handler(self.worker, &p)
+        };
+        UcxError::check(self.api, "ucp_worker_set_am_recv_handler", st)
+    }
+
+    /// The error handler every endpoint gets (peer error-handling mode).
+    pub(crate) fn ep_params(&self) -> sys::ucp_ep_params_t {
+        // SAFETY: zeroed endpoint params are valid.
+        let mut p: sys::ucp_ep_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
+        p.field_mask = u64::from(
+            sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        );
+        p.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
+        p.err_handler.cb = Some(on_ep_error);
+        p.err_handler.arg = self.queue.cast();
+        p
+    }
+
+    /// Request parameters whose completion pushes `Done(op)`; the box goes
+    /// to [`Self::posted`] with the call's return value.
+    pub(crate) fn request(&self, op: Op, flags: u32) -> (sys::ucp_request_param_t, *mut c_void) {
+        let user = Box::into_raw(Box::new(OpBox {
+            queue: self.queue,
+            op,
+        }));
+        // SAFETY: zeroed request params are valid.
+        let mut p: sys::ucp_request_param_t = unsafe { MaybeUninit::zeroed().assume_init() };
+        p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+        if flags != 0 {
+            p.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
+            p.flags = flags;
+        }
+        p.cb.send = Some(on_done);
+        p.user_data = user.cast();
+        (p, user.cast())
+    }
+
+    /// Accounts for a non-blocking call's return: completed at once (its
+    /// `Done` is queued now, with its status) or in flight (the callback
+    /// queues it).
+    pub(crate) fn posted(&self, ret: sys::ucs_status_ptr_t, user: *mut c_void) {
+        let status = if ret.is_null() {
+            Some(sys::UCS_OK)
+        } else if is_err(ret) {
+            // A status in pointer form (UCS_PTR_STATUS).
+            Some(ret as isize as sys::ucs_status_t)
+        } else {
+            None
+        };
+        if let Some(status) = status {
+            // SAFETY: the callback will not run for a request that did
+            // not start; the box is ours again.
+            let b = unsafe { Box::from_raw(user.cast::<OpBox>()) };
+            self.push(Event::Done { op: b.op, status });
+        }
+    }
+
+    fn push(&self, e: Event) {
+        // SAFETY: the queue lives as long as self; single thread.
+        unsafe { &*self.queue }.borrow_mut().push(e);
+    }
+
+    /// Closes `ep` (force: outstanding operations are cancelled, the
+    /// transport connection torn down); `Done(Close { id })` follows.
+    pub(crate) fn close_ep(&self, ep: sys::ucp_ep_h, id: u64) {
+        let (p, user) = self.request(Op::Close { id }, sys::UCP_EP_CLOSE_FLAG_FORCE);
+        // SAFETY: ep is a live endpoint of this worker, closed once (the
+        // callers track it).
+        let ret = unsafe { self.api.ucp().ucp_ep_close_nbx(ep, &p) };
+        self.posted(ret, user);
+    }
+
+    /// Sends active message `id` with `key` as its header on `ep`.
+    pub(crate) fn send_am(&self, ep: sys::ucp_ep_h, id: u32, key: u64, reply: bool) {
+        let header = Box::new(key.to_le_bytes());
+        let hp = header.as_ptr();
+        let flags = if reply {
+            sys::UCP_AM_SEND_FLAG_REPLY
+        } else {
+            0
+        };
+        let (p, user) = self.request(Op::Am { _header: header }, flags);
+        // SAFETY: ep live; the header lives in the op box until completion.
+        let ret = unsafe {
+            self.api
+                .ucp()
+                .ucp_am_send_nbx(ep, id, hp.cast(), 8, ptr::null(), 0, &p)
+        };
+        self.posted(ret, user);
+    }
+
+    /// Runs progress until it has nothing to do; the events recorded.
+    pub(crate) fn progress(&self) -> Vec<Event> {
+        // SAFETY: single-threaded worker, called from its thread.
+        while unsafe { self.api.ucp().ucp_worker_progress(self.worker) } != 0 {}
+        std::mem::take(&mut *unsafe { &*self.queue }.borrow_mut())
+    }
+
+    /// The context.
+    pub(crate) fn ctx(&self) -> sys::ucp_context_h {
+        self.ctx
+    }
+
+    /// The `arg` of listener callbacks: the event queue.
+    pub(crate) fn queue_arg(&self) -> *mut c_void {
+        self.queue.cast()
+    }
+
+    /// Arms the worker's event fd; false if events are already pending.
+    fn arm(&self) -> bool {
+        // SAFETY: worker live.
+        let st = unsafe { self.api.ucp().ucp_worker_arm(self.worker) };
+        st == sys::UCS_OK
+    }
+
+    fn efd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the worker owns the fd and outlives the borrow.
+        unsafe { BorrowedFd::borrow_raw(self.efd) }
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        let ucp = self.api.ucp();
+        // SAFETY: endpoints, listeners and registrations were released by
+        // the role before this; nothing uses the worker after.
+        unsafe {
+            ucp.ucp_worker_destroy(self.worker);
+            ucp.ucp_cleanup(self.ctx);
+            // Callbacks can no longer run: the queue can go.
+            drop(Box::from_raw(self.queue));
+        }
+    }
+}
+
+/// `UCS_PTR_IS_ERR`.
+fn is_err(p: sys::ucs_status_ptr_t) -> bool {
+    (p as usize) >= (sys::UCS_ERR_LAST as isize as usize)
+}
+
+unsafe extern "C" fn on_done(request: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
+    // SAFETY: `user` is the box `Core::request` made, handed back once.
+    let b = unsafe { Box::from_raw(user.cast::<OpBox>()) };
+    // SAFETY: the queue outlives the worker that runs this callback.
+    unsafe { &*b.queue }
+        .borrow_mut()
+        .push(Event::Done { op: b.op, status });
+    if let Ok(api) = load() {
+        // SAFETY: a request handed to its callback is the user's to free.
+        unsafe { api.ucp().ucp_request_free(request) };
+    }
+}
+
+unsafe extern "C" fn on_ep_error(arg: *mut c_void, ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+    // SAFETY: `arg` is the worker's queue.
+    unsafe { &*arg.cast::<Queue>() }
+        .borrow_mut()
+        .push(Event::EpError { ep, status });
+}
+
+pub(crate) unsafe extern "C" fn on_conn(req: sys::ucp_conn_request_h, arg: *mut c_void) {
+    // SAFETY: `arg` is the worker's queue.
+    unsafe { &*arg.cast::<Queue>() }
+        .borrow_mut()
+        .push(Event::Conn(req));
+}
+
+unsafe extern "C" fn on_bind(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    _data: *mut c_void,
+    _length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: as UCX calls it.
+    unsafe { record_am(crate::AM_BIND, arg, header, header_length, param) }
+}
+
+unsafe extern "C" fn on_bound(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    _data: *mut c_void,
+    _length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: as UCX calls it.
+    unsafe { record_am(crate::AM_BOUND, arg, header, header_length, param) }
+}
+
+/// Both messages carry the key as an 8-byte header and no data; anything
+/// else is dropped (nothing is kept). A bind's reply endpoint is the
+/// target's endpoint of the connection it came on.
+unsafe fn record_am(
+    id: u32,
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    if header_length != 8 || header.is_null() || param.is_null() {
+        return sys::UCS_OK;
+    }
+    let mut k = [0u8; 8];
+    // SAFETY: 8 readable header bytes.
+    unsafe { ptr::copy_nonoverlapping(header.cast::<u8>(), k.as_mut_ptr(), 8) };
+    // SAFETY: param valid for the call.
+    let p = unsafe { &*param };
+    let ep = if p.recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 {
+        p.reply_ep
+    } else {
+        ptr::null_mut()
+    };
+    // SAFETY: `arg` is the worker's queue.
+    unsafe { &*arg.cast::<Queue>() }
+        .borrow_mut()
+        .push(Event::Am {
+            id,
+            key: u64::from_le_bytes(k),
+            ep,
+        });
+    sys::UCS_OK
+}
+
+/// A socket address as UCX takes it.
+pub(crate) struct SockAddr {
+    storage: libc::sockaddr_storage,
+    len: libc::socklen_t,
+}
+
+impl SockAddr {
+    pub(crate) fn new(a: SocketAddr) -> Self {
+        // SAFETY: all-zero sockaddr_storage is valid.
+        let mut storage: libc::sockaddr_storage = unsafe { MaybeUninit::zeroed().assume_init() };
+        let len = match a {
+            SocketAddr::V4(v4) => {
+                let sin = libc::sockaddr_in {
+                    sin_family: libc::AF_INET as libc::sa_family_t,
+                    sin_port: v4.port().to_be(),
+                    sin_addr: libc::in_addr {
+                        s_addr: u32::from_ne_bytes(v4.ip().octets()),
+                    },
+                    sin_zero: [0; 8],
+                };
+                // SAFETY: sockaddr_storage is larger and suitably aligned.
+                unsafe { ptr::write(ptr::addr_of_mut!(storage).cast(), sin) };
+                std::mem::size_of::<libc::sockaddr_in>()
+            }
+            SocketAddr::V6(v6) => {
+                let sin6 = libc::sockaddr_in6 {
+                    sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                    sin6_port: v6.port().to_be(),
+                    sin6_flowinfo: v6.flowinfo(),
+                    sin6_addr: libc::in6_addr {
+                        s6_addr: v6.ip().octets(),
+                    },
+                    sin6_scope_id: v6.scope_id(),
+                };
+                // SAFETY: as above.
+                unsafe { ptr::write(ptr::addr_of_mut!(storage).cast(), sin6) };
+                std::mem::size_of::<libc::sockaddr_in6>()
+            }
+        };
+        Self {
+            storage,
+            len: len as libc::socklen_t,
+        }
+    }
+
+    pub(crate) fn as_ucs(&self) -> sys::ucs_sock_addr_t {
+        sys::ucs_sock_addr_t {
+            addr: ptr::addr_of!(self.storage).cast(),
+            addrlen: self.len,
+        }
+    }
+}
+
+/// A `sockaddr_storage` UCX filled in, as a socket address.
+pub(crate) fn socket_addr(s: &sys::sockaddr_storage) -> Option<SocketAddr> {
+    let family = i32::from(s.ss_family);
+    let p: *const sys::sockaddr_storage = s;
+    if family == libc::AF_INET {
+        // SAFETY: the family says it holds a sockaddr_in.
+        let sin: libc::sockaddr_in = unsafe { ptr::read_unaligned(p.cast()) };
+        let ip = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+        Some(SocketAddr::V4(SocketAddrV4::new(
+            ip,
+            u16::from_be(sin.sin_port),
+        )))
+    } else if family == libc::AF_INET6 {
+        // SAFETY: the family says it holds a sockaddr_in6.
+        let sin6: libc::sockaddr_in6 = unsafe { ptr::read_unaligned(p.cast()) };
+        Some(SocketAddr::V6(SocketAddrV6::new(
+            Ipv6Addr::from(sin6.sin6_addr.s6_addr),
+            u16::from_be(sin6.sin6_port),
+            sin6.sin6_flowinfo,
+            sin6.sin6_scope_id,
+        )))
+    } else {
+        None
+    }
+}
+
+/// The unspecified address is not one to connect to: the loopback of its
+/// family instead (a listener bound to 0.0.0.0 reports that).
+pub(crate) fn connectable(a: SocketAddr) -> SocketAddr {
+    match a.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => {
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), a.port())
+        }
+        IpAddr::V6(ip) if ip.is_unspecified() => {
+            SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), a.port())
+        }
+        _ => a,
+    }
+}
+
+/// A job for the actor.
+pub(crate) type Job<S> = Box<dyn FnOnce(&mut S) + Send>;
+
+/// A role's state on its progress thread.
+pub(crate) trait Actor: 'static {
+    fn core(&self) -> &Core;
+    /// Handles what callbacks recorded.
+    fn handle(&mut self, events: Vec<Event>);
+    /// Timers (about every [`IDLE`]).
+    fn housekeeping(&mut self, _now: Instant) {}
+    /// Releases endpoints and registrations; returns once nothing is in
+    /// flight, or after the deadline.
+    fn shutdown(&mut self);
+}
+
+/// How long the thread sleeps with nothing to do.
+const IDLE: Duration = Duration::from_millis(100);
+/// Jobs queued at most.
+const JOBS: usize = 1024;
+
+/// The caller's handle on a progress thread. Dropping it stops the thread
+/// (after the role's shutdown) and joins it.
+pub(crate) struct Runner<S> {
+    jobs: Option<mpsc::Sender<Job<S>>>,
+    wake: Arc<OwnedFd>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl<S: Actor> Runner<S> {
+    /// Starts a thread named `name` whose state `make` builds there.
+    pub(crate) fn spawn<F>(name: &str, make: F) -> Result<Self, UcxError>
+    where
+        F: FnOnce() -> Result<S, UcxError> + Send + 'static,
+    {
+        let wake = Arc::new(
+            eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)
+                .map_err(|e| UcxError::os("eventfd", e))?,
+        );
+        let (tx, rx) = mpsc::channel::<Job<S>>(JOBS);
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+        let w = Arc::clone(&wake);
+        let thread = std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || match make() {
+                Ok(state) => {
+                    let _ = ready_tx.send(Ok(()));
+                    run(state, rx, &w);
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })
+            .map_err(|e| UcxError::os("spawn the UCX progress thread", e))?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(Self {
+                jobs: Some(tx),
+                wake,
+                thread: Some(thread),
+            }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => {
+                let _ = thread.join();
+                Err(UcxError::Stopped)
+            }
+        }
+    }
+
+    fn wake(&self) {
+        let _ = rustix::io::write(&*self.wake, &1u64.to_ne_bytes());
+    }
+
+    /// Queues a job without waiting; refused if the queue is full or the
+    /// thread is gone.
+    pub(crate) fn try_submit(&self, job: Job<S>) -> Result<(), UcxError> {
+        let tx = self.jobs.as_ref().ok_or(UcxError::Stopped)?;
+        tx.try_send(job).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => UcxError::Timeout("UCX job queue full"),
+            mpsc::error::TrySendError::Closed(_) => UcxError::Stopped,
+        })?;
+        self.wake();
+        Ok(())
+    }
+
+    /// Queues a job, waiting for room.
+    pub(crate) async fn submit(&self, job: Job<S>) -> Result<(), UcxError> {
+        let tx = self.jobs.as_ref().ok_or(UcxError::Stopped)?;
+        tx.send(job).await.map_err(|_| UcxError::Stopped)?;
+        self.wake();
+        Ok(())
+    }
+
+    /// Runs `f` on the thread and returns its answer.
+    pub(crate) async fn call<T, F>(&self, f: F) -> Result<T, UcxError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut S) -> T + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        self.submit(Box::new(move |s| {
+            let _ = tx.send(f(s));
+        }))
+        .await?;
+        rx.await.map_err(|_| UcxError::Stopped)
+    }
+}
+
+impl<S> Drop for Runner<S> {
+    fn drop(&mut self) {
+        self.jobs = None;
+        let _ = rustix::io::write(&*self.wake, &1u64.to_ne_bytes());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run<S: Actor>(mut s: S, mut rx: mpsc::Receiver<Job<S>>, wake: &OwnedFd) {
+    let mut last_tick = Instant::now();
+    loop {
+        let mut closed = false;
+        for _ in 0..JOBS {
+            match rx.try_recv() {
+                Ok(job) => job(&mut s),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    closed = true;
+                    break;
+                }
+            }
+        }
+        let events = s.core().progress();
+        let busy = !events.is_empty();
+        if busy {
+            s.handle(events);
+        }
+        let now = Instant::now();
+        if now.duration_since(last_tick) >= IDLE {
+            s.housekeeping(now);
+            last_tick = now;
+        }
+        if closed {
+            s.shutdown();
+            return;
+        }
+        if busy || !rx.is_empty() {
+            continue;
+        }
+        if !s.core().arm() {
+            continue;
+        }
+        let mut fds = [
+            PollFd::from_borrowed_fd(s.core().efd(), PollFlags::IN),
+            PollFd::from_borrowed_fd(wake.as_fd(), PollFlags::IN),
+        ];
+        let timeout = Timespec {
+            tv_sec: 0,
+            tv_nsec: IDLE.as_nanos() as i64,
+        };
+        let _ = poll(&mut fds, Some(&timeout));
+        let mut buf = [0u8; 8];
+        let _ = rustix::io::read(wake, &mut buf);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls_values_that_allow_shared_memory_are_refused() {
+        for ok in [
+            "tcp",
+            "rc,tcp",
+            "rc_x,ud_x",
+            "^sm",
+            "^sm,ud",
+            "^shm",
+            "tcp,self",
+        ] {
+            assert!(check_tls(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "all", "sm,tcp", "tcp,cma", "posix", "^ud", "xpmem", "tcp,knem", "sysv",
+        ] {
+            let e = check_tls(bad).expect_err(bad);
+            assert_eq!(e.kind(), "ucx_unsafe_transport", "{bad}");
+        }
+    }
+
+    #[test]
+    fn socket_addresses_round_trip_through_sockaddr() {
+        for a in ["127.0.0.1:4242", "[::1]:80", "10.1.2.3:65535"] {
+            let a: SocketAddr = a.parse().expect("addr");
+            let s = SockAddr::new(a);
+            // SAFETY: same layout (both are the C sockaddr_storage).
+            let st: sys::sockaddr_storage = unsafe { ptr::read(ptr::addr_of!(s.storage).cast()) };
+            assert_eq!(socket_addr(&st), Some(a));
+        }
+        assert_eq!(
+            connectable("0.0.0.0:7".parse().expect("addr")),
+            "127.0.0.1:7".parse::<SocketAddr>().expect("addr")
+        );
+    }
+}

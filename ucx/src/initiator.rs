@@ -1,0 +1,357 @@
+//! The initiator (prefill) side: per grant key, an endpoint to the
+//! target's listener, bound by an acknowledged bind, puts, flushes.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::ptr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use crate::core::{Actor, Core, Event, Op, Runner, SockAddr};
+use crate::error::UcxError;
+use crate::{sys, AM_BIND, AM_BOUND};
+
+/// What a writer needs to reach a target: from the target's
+/// [`crate::Target`], carried on kvmesh's authenticated control
+/// connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Remote {
+    /// The target's listener.
+    pub address: SocketAddr,
+    /// The region's address in the target process.
+    pub base: u64,
+    /// The region's size in bytes.
+    pub len: u64,
+    /// The packed remote key.
+    pub rkey: Vec<u8>,
+}
+
+/// A writer's UCX worker: one progress thread, any number of grants.
+pub struct Initiator {
+    runner: Runner<InitiatorState>,
+}
+
+impl fmt::Debug for Initiator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Initiator")
+    }
+}
+
+impl Initiator {
+    /// Starts the worker.
+    pub fn start() -> Result<Self, UcxError> {
+        crate::load()?;
+        let runner = Runner::spawn("kvmesh-ucx-writer", || {
+            let core = Core::new("kvmesh-writer")?;
+            core.set_am_handler(AM_BOUND)?;
+            Ok(InitiatorState {
+                core,
+                grants: HashMap::new(),
+                by_ep: HashMap::new(),
+            })
+        })?;
+        Ok(Self { runner })
+    }
+
+    /// Connects an endpoint for `key` to `remote` and binds it: returns
+    /// once the target acknowledged, so puts through it may start.
+    /// Refused (the endpoint closed) if the target does not know the key
+    /// or revoked it. On error or timeout the endpoint is released.
+    pub async fn bind(
+        &self,
+        key: u64,
+        remote: Arc<Remote>,
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
+        let (tx, rx) = oneshot::channel();
+        self.runner
+            .submit(Box::new(move |s: &mut InitiatorState| {
+                s.bind(key, remote, tx)
+            }))
+            .await?;
+        let r = match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(UcxError::Stopped),
+            Err(_) => Err(UcxError::Timeout("UCX bind acknowledgement")),
+        };
+        if r.is_err() {
+            self.release(key);
+        }
+        r
+    }
+
+    /// Posts a put of `data` at `offset` in the target's region through
+    /// `key`'s endpoint. It may land after this returns, or fail: only
+    /// [`Self::flush`] tells.
+    pub async fn put(&self, key: u64, offset: u64, data: Vec<u8>) -> Result<(), UcxError> {
+        self.runner
+            .submit(Box::new(move |s: &mut InitiatorState| {
+                s.put(key, offset, data)
+            }))
+            .await
+    }
+
+    /// Returns once every put posted through `key` completed at the
+    /// target (`ucp_ep_flush_nbx`). An error if any put failed, or the
+    /// endpoint was closed (revoked): then some writes may not have
+    /// landed, and the transfer must not be reported complete.
+    pub async fn flush(&self, key: u64) -> Result<(), UcxError> {
+        let (tx, rx) = oneshot::channel();
+        self.runner
+            .submit(Box::new(move |s: &mut InitiatorState| s.flush(key, tx)))
+            .await?;
+        rx.await.map_err(|_| UcxError::Stopped)?
+    }
+
+    /// Releases `key`'s endpoint (force close; nothing left to wait for
+    /// after a flush). Fire and forget.
+    pub fn release(&self, key: u64) {
+        let job = Box::new(move |s: &mut InitiatorState| s.release(key));
+        if self.runner.try_submit(job).is_err() {
+            tracing::debug!(
+                key,
+                "UCX release not queued; the endpoint closes with the worker"
+            );
+        }
+    }
+
+    /// Endpoints open now (bound or binding), from the worker.
+    pub async fn open_endpoints(&self) -> Result<usize, UcxError> {
+        self.runner
+            .call(|s: &mut InitiatorState| s.grants.len())
+            .await
+    }
+}
+
+struct GrantEp {
+    ep: sys::ucp_ep_h,
+    remote: Arc<Remote>,
+    rkey: sys::ucp_rkey_h,
+    failed: Option<UcxError>,
+    bind: Option<oneshot::Sender<Result<(), UcxError>>>,
+    closing: bool,
+}
+
+struct InitiatorState {
+    core: Core,
+    grants: HashMap<u64, GrantEp>,
+    /// Keys of live endpoints by address; an endpoint leaves when its
+    /// close is requested (addresses are reused).
+    by_ep: HashMap<usize, u64>,
+}
+
+impl InitiatorState {
+    fn bind(
+        &mut self,
+        key: u64,
+        remote: Arc<Remote>,
+        reply: oneshot::Sender<Result<(), UcxError>>,
+    ) {
+        if self.grants.contains_key(&key) {
+            let _ = reply.send(Err(UcxError::Address(format!(
+                "key {key:#x} already bound"
+            ))));
+            return;
+        }
+        let sa = SockAddr::new(remote.address);
+        let mut p = self.core.ep_params();
+        p.field_mask |=
+            u64::from(sys::UCP_EP_PARAM_FIELD_FLAGS | sys::UCP_EP_PARAM_FIELD_SOCK_ADDR);
+        p.flags = sys::UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+        p.sockaddr = sa.as_ucs();
+        let mut ep: sys::ucp_ep_h = ptr::null_mut();
+        // SAFETY: worker live; the address lives for the call.
+        let st = unsafe {
+            self.core
+                .api
+                .ucp()
+                .ucp_ep_create(self.core.worker, &p, &mut ep)
+        };
+        if let Err(e) = UcxError::check(self.core.api, "ucp_ep_create", st) {
+            let _ = reply.send(Err(e));
+            return;
+        }
+        self.grants.insert(
+            key,
+            GrantEp {
+                ep,
+                remote,
+                rkey: ptr::null_mut(),
+                failed: None,
+                bind: Some(reply),
+                closing: false,
+            },
+        );
+        self.by_ep.insert(ep as usize, key);
+        self.core.send_am(ep, AM_BIND, key, true);
+    }
+
+    fn bound(&mut self, key: u64) {
+        let Some(g) = self.grants.get_mut(&key) else {
+            return;
+        };
+        let Some(reply) = g.bind.take() else {
+            return;
+        };
+        let mut rkey: sys::ucp_rkey_h = ptr::null_mut();
+        // SAFETY: ep live and connected (the target answered through it);
+        // the packed key is read for the call only.
+        let st = unsafe {
+            self.core
+                .api
+                .ucp()
+                .ucp_ep_rkey_unpack(g.ep, g.remote.rkey.as_ptr().cast(), &mut rkey)
+        };
+        match UcxError::check(self.core.api, "ucp_ep_rkey_unpack", st) {
+            Ok(()) => {
+                g.rkey = rkey;
+                let _ = reply.send(Ok(()));
+            }
+            Err(e) => {
+                g.failed = Some(e.clone());
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+
+    fn put(&mut self, key: u64, offset: u64, data: Vec<u8>) {
+        let Some(g) = self.grants.get_mut(&key) else {
+            return;
+        };
+        if g.failed.is_some() || g.rkey.is_null() || g.closing {
+            g.failed.get_or_insert(UcxError::NotBound(key));
+            return;
+        }
+        let end = offset.checked_add(data.len() as u64);
+        if end.is_none_or(|e| e > g.remote.len) {
+            g.failed = Some(UcxError::OutOfRange {
+                offset,
+                len: data.len(),
+                region: g.remote.len,
+            });
+            return;
+        }
+        let (ptr_, len) = (data.as_ptr(), data.len());
+        let remote = g.remote.base + offset;
+        let (ep, rkey) = (g.ep, g.rkey);
+        let (p, user) = self.core.request(Op::Put { key, _data: data }, 0);
+        // SAFETY: ep and rkey live; the data lives in the op box until
+        // the request completes; the range is inside the region.
+        let ret = unsafe {
+            self.core
+                .api
+                .ucp()
+                .ucp_put_nbx(ep, ptr_.cast(), len, remote, rkey, &p)
+        };
+        self.core.posted(ret, user);
+    }
+
+    fn flush(&mut self, key: u64, reply: oneshot::Sender<Result<(), UcxError>>) {
+        let Some(g) = self.grants.get(&key) else {
+            let _ = reply.send(Err(UcxError::NotBound(key)));
+            return;
+        };
+        if let Some(e) = &g.failed {
+            let _ = reply.send(Err(e.clone()));
+            return;
+        }
+        let ep = g.ep;
+        let (p, user) = self.core.request(Op::Flush { key, reply }, 0);
+        // SAFETY: ep live.
+        let ret = unsafe { self.core.api.ucp().ucp_ep_flush_nbx(ep, &p) };
+        self.core.posted(ret, user);
+    }
+
+    fn release(&mut self, key: u64) {
+        let Some(g) = self.grants.get_mut(&key) else {
+            return;
+        };
+        if g.closing {
+            return;
+        }
+        g.closing = true;
+        if !g.rkey.is_null() {
+            // SAFETY: unpacked once, destroyed once, before the endpoint.
+            unsafe { self.core.api.ucp().ucp_rkey_destroy(g.rkey) };
+            g.rkey = ptr::null_mut();
+        }
+        if let Some(reply) = g.bind.take() {
+            let _ = reply.send(Err(UcxError::Closed(key)));
+        }
+        // Later events about this address are not this endpoint's.
+        self.by_ep.remove(&(g.ep as usize));
+        self.core.close_ep(g.ep, key);
+    }
+
+    fn fail(&mut self, key: u64, e: UcxError) {
+        if let Some(g) = self.grants.get_mut(&key) {
+            if let Some(reply) = g.bind.take() {
+                let _ = reply.send(Err(e.clone()));
+            }
+            g.failed.get_or_insert(e);
+        }
+    }
+}
+
+impl Actor for InitiatorState {
+    fn core(&self) -> &Core {
+        &self.core
+    }
+
+    fn handle(&mut self, events: Vec<Event>) {
+        for e in events {
+            match e {
+                Event::Am { id, key, .. } if id == AM_BOUND => self.bound(key),
+                Event::Am { .. } | Event::Conn(_) => {}
+                Event::EpError { ep, status } => {
+                    if let Some(&key) = self.by_ep.get(&(ep as usize)) {
+                        tracing::debug!(key, status, "UCX writer endpoint failed");
+                        self.fail(key, UcxError::Closed(key));
+                        // An endpoint in error is still the user's to close.
+                        self.release(key);
+                    }
+                }
+                Event::Done { op, status } => match op {
+                    Op::Put { key, .. } if status != sys::UCS_OK => {
+                        let e = UcxError::status(self.core.api, "ucp_put_nbx", status);
+                        self.fail(key, e);
+                    }
+                    Op::Flush { key, reply } => {
+                        let failed = self.grants.get(&key).and_then(|g| g.failed.clone());
+                        let r = match (status, failed) {
+                            (_, Some(e)) => Err(e),
+                            (sys::UCS_OK, None) => Ok(()),
+                            (st, None) => {
+                                Err(UcxError::status(self.core.api, "ucp_ep_flush_nbx", st))
+                            }
+                        };
+                        let _ = reply.send(r);
+                    }
+                    Op::Close { id: key } => {
+                        self.grants.remove(&key);
+                    }
+                    Op::Put { .. } | Op::Am { .. } => {}
+                },
+            }
+        }
+    }
+
+    fn shutdown(&mut self) {
+        let keys: Vec<u64> = self.grants.keys().copied().collect();
+        for k in keys {
+            self.release(k);
+        }
+        let end = Instant::now() + Duration::from_secs(2);
+        while !self.grants.is_empty() && Instant::now() < end {
+            let ev = self.core.progress();
+            if ev.is_empty() {
+                std::thread::sleep(Duration::from_micros(200));
+            } else {
+                self.handle(ev);
+            }
+        }
+    }
+}
