@@ -277,6 +277,21 @@ pub enum DataPath {
         /// The mapping's file.
         path: String,
     },
+    /// One-sided puts through UCX into the pool's registered region,
+    /// through an endpoint bound to the grant's write key
+    /// (`kvmesh_kvxfer::transport::ucx`). Code 3. The detail bytes are
+    /// `base u64, len u64, address length u16, address (UTF-8), rkey`.
+    Ucx {
+        /// The decode node's UCX listener, `IP:PORT`; an unspecified IP
+        /// means the host the writer dialled for this connection.
+        address: String,
+        /// The region's address in the decode process.
+        base: u64,
+        /// The region's size in bytes.
+        len: u64,
+        /// The packed remote key (`ucp_rkey_pack`), never empty.
+        rkey: Vec<u8>,
+    },
 }
 
 /// Decode to writer, the answer to a valid [`Hello`]: the decode node's
@@ -353,27 +368,53 @@ impl Hello {
 }
 
 impl Welcome {
-    /// The data path's code and the mapping's path; refused: an empty
-    /// shared-memory path.
-    fn code_and_path(&self) -> Result<(u8, &str), WireError> {
+    /// The data path's code and its detail bytes (the mapping's path, the
+    /// UCX description); refused: an empty shared-memory path, a UCX path
+    /// without a key or address.
+    fn code_and_path(&self) -> Result<(u8, std::borrow::Cow<'_, [u8]>), WireError> {
+        use std::borrow::Cow;
         match &self.data_path {
-            DataPath::Frames => Ok((1, "")),
-            DataPath::SharedMemory { path } if !path.is_empty() => Ok((2, path.as_str())),
+            DataPath::Frames => Ok((1, Cow::Borrowed(&[][..]))),
+            DataPath::SharedMemory { path } if !path.is_empty() => {
+                Ok((2, Cow::Borrowed(path.as_bytes())))
+            }
             DataPath::SharedMemory { .. } => Err(WireError::InvalidField {
                 field: "path",
                 value: 0,
                 reason: "a shared-memory data path names its mapping",
             }),
+            DataPath::Ucx {
+                address,
+                base,
+                len,
+                rkey,
+            } => {
+                if rkey.is_empty() || address.is_empty() {
+                    return Err(WireError::InvalidField {
+                        field: "path",
+                        value: 0,
+                        reason: "a UCX data path has an address and a remote key",
+                    });
+                }
+                let alen: u16 = fit(address.len(), "path.address")?;
+                let mut o = Vec::with_capacity(18 + address.len() + rkey.len());
+                o.put_u64(*base);
+                o.put_u64(*len);
+                o.put_u16(alen);
+                o.extend_from_slice(address.as_bytes());
+                o.extend_from_slice(rkey);
+                Ok((3, Cow::Owned(o)))
+            }
         }
     }
 
     /// Writes the fields after the proof, exactly as on the wire.
-    fn put_fields(&self, o: &mut Vec<u8>, code: u8, path: &str, path_len: u16) {
+    fn put_fields(&self, o: &mut Vec<u8>, code: u8, path: &[u8], path_len: u16) {
         o.put_u8(code);
         o.put_u8(0);
         o.put_u16(path_len);
         self.geometry.put(o);
-        o.extend_from_slice(path.as_bytes());
+        o.extend_from_slice(path);
     }
 
     /// The bytes the proof covers besides the nonces and the writer: the
@@ -381,10 +422,12 @@ impl Welcome {
     /// not encode, its geometry and data path in the same layout, so the
     /// proof still differs from any valid one).
     pub fn signed_fields(&self) -> Vec<u8> {
-        let (code, path) = self.code_and_path().unwrap_or((0, ""));
+        let (code, path) = self
+            .code_and_path()
+            .unwrap_or((0, std::borrow::Cow::Borrowed(&[][..])));
         let path_len = u16::try_from(path.len()).unwrap_or(u16::MAX);
         let mut o = Vec::with_capacity(WELCOME_FIXED_LEN - PROOF_LEN + path.len());
-        self.put_fields(&mut o, code, path, path_len);
+        self.put_fields(&mut o, code, &path, path_len);
         o
     }
 
@@ -401,7 +444,7 @@ impl Welcome {
             out,
             |o| {
                 o.extend_from_slice(&self.proof);
-                self.put_fields(o, code, path, path_len);
+                self.put_fields(o, code, &path, path_len);
             },
         )
     }
@@ -422,21 +465,46 @@ impl Welcome {
         let geometry = Geometry::read(&mut r)?;
         let path = r.take(path_len, "path")?;
         r.finish("welcome")?;
-        let path = std::str::from_utf8(path).map_err(|e| WireError::InvalidField {
-            field: "path",
-            value: e.valid_up_to() as u64,
-            reason: "not UTF-8 (value: bytes of valid prefix)",
-        })?;
+        let utf8 = |b: &[u8], field: &'static str| {
+            std::str::from_utf8(b)
+                .map(str::to_owned)
+                .map_err(|e| WireError::InvalidField {
+                    field,
+                    value: e.valid_up_to() as u64,
+                    reason: "not UTF-8 (value: bytes of valid prefix)",
+                })
+        };
         let data_path = match (code, path.is_empty()) {
             (1, true) => DataPath::Frames,
             (2, false) => DataPath::SharedMemory {
-                path: path.to_owned(),
+                path: utf8(path, "path")?,
             },
-            (1 | 2, _) => {
+            (3, false) => {
+                let mut d = Reader::new(path);
+                let base = d.u64("path.base")?;
+                let len = d.u64("path.len")?;
+                let alen = usize::from(d.u16("path.address")?);
+                let address = utf8(d.take(alen, "path.address")?, "path.address")?;
+                let rkey = d.take(d.remaining(), "path.rkey")?.to_vec();
+                if address.is_empty() || rkey.is_empty() {
+                    return Err(WireError::InvalidField {
+                        field: "path",
+                        value: path_len as u64,
+                        reason: "a UCX data path has an address and a remote key",
+                    });
+                }
+                DataPath::Ucx {
+                    address,
+                    base,
+                    len,
+                    rkey,
+                }
+            }
+            (1..=3, _) => {
                 return Err(WireError::InvalidField {
                     field: "path",
                     value: path_len as u64,
-                    reason: "frames need no path; shared memory needs one",
+                    reason: "frames need no path; shared memory and UCX need one",
                 })
             }
             (other, _) => {

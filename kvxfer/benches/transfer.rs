@@ -19,7 +19,11 @@
 //! writer converts as it sends, the checksum covers the f16 bytes), and on
 //! TCP with and without mutual TLS (`+tls`: TLS 1.3 through rustls, ECDSA
 //! P-256 certificates of a test CA; the handshake is made once per
-//! connection, at setup, as the mesh keeps its connections).
+//! connection, at setup, as the mesh keeps its connections), and over UCX
+//! (`ucx`: one-sided puts into the registered pool over UCX's `tcp`
+//! transport on loopback, one endpoint per grant connected and bound
+//! inside each timed transfer, a flush before transfer-done, the
+//! endpoint's close before verification).
 //!
 //! Prints ms per transfer, GB/s of KV moved (as sent: f16 rows move half the
 //! bytes), and the ratio to memcpy of the f32 KV.
@@ -71,18 +75,34 @@ struct Setup {
     _dir: tempfile::TempDir,
 }
 
-async fn setup(shm: bool, tls: bool, dtype: KvDtype) -> Setup {
+/// The data path under test.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Tcp,
+    Shm,
+    Ucx,
+}
+
+async fn setup(path: Path, tls: bool, dtype: KvDtype) -> Setup {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (pool, landing): (KvPool, Arc<dyn Landing>) = if shm {
-        let (pool, region) =
-            kvmesh_kvxfer::shm::shared_pool(config(dtype), std::path::Path::new("/dev/shm"))
-                .expect("pool");
-        (pool, Arc::new(ShmLanding::new(region)))
-    } else {
-        (
+    let shm = path == Path::Shm;
+    let (pool, landing): (KvPool, Arc<dyn Landing>) = match path {
+        Path::Shm => {
+            let (pool, region) =
+                kvmesh_kvxfer::shm::shared_pool(config(dtype), std::path::Path::new("/dev/shm"))
+                    .expect("pool");
+            (pool, Arc::new(ShmLanding::new(region)))
+        }
+        Path::Tcp => (
             KvPool::new(config(dtype)).expect("pool"),
             Arc::new(TcpLanding),
-        )
+        ),
+        Path::Ucx => {
+            let listen = "127.0.0.1:0".parse().expect("addr");
+            let (pool, landing) =
+                kvmesh_kvxfer::transport::ucx::ucx_pool(config(dtype), listen).expect("ucx pool");
+            (pool, landing as Arc<dyn Landing>)
+        }
     };
     let cfg = TableConfig {
         lease: Duration::from_secs(30),
@@ -193,16 +213,24 @@ fn main() {
         };
         row("memcpy", memcpy, bytes);
         row("checksum", median(sum), bytes);
-        for (name, shm, tls, dtype) in [
-            ("tcp", false, false, KvDtype::F32),
-            ("tcp+tls", false, true, KvDtype::F32),
-            ("shared-memory", true, false, KvDtype::F32),
-            ("tcp f16", false, false, KvDtype::F16),
-            ("tcp+tls f16", false, true, KvDtype::F16),
-            ("shm f16", true, false, KvDtype::F16),
+        for (name, path, tls, dtype) in [
+            ("tcp", Path::Tcp, false, KvDtype::F32),
+            ("tcp+tls", Path::Tcp, true, KvDtype::F32),
+            ("shared-memory", Path::Shm, false, KvDtype::F32),
+            ("ucx", Path::Ucx, false, KvDtype::F32),
+            ("tcp f16", Path::Tcp, false, KvDtype::F16),
+            ("tcp+tls f16", Path::Tcp, true, KvDtype::F16),
+            ("shm f16", Path::Shm, false, KvDtype::F16),
+            ("ucx f16", Path::Ucx, false, KvDtype::F16),
         ] {
+            if path == Path::Ucx {
+                if let Err(e) = kvmesh_ucx::load() {
+                    println!("{prompt:>6}  {name:<13} not run: {e}");
+                    continue;
+                }
+            }
             let secs = rt.block_on(async {
-                let s = setup(shm, tls, dtype).await;
+                let s = setup(path, tls, dtype).await;
                 let mut times = Vec::new();
                 for i in 0..WARMUP + REPS {
                     let t = transfer(&s, prompt, &k, &v).await;

@@ -1,7 +1,7 @@
 //! The initiator (prefill) side: per grant key, an endpoint to the
 //! target's listener, bound by an acknowledged bind, puts, flushes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::net::SocketAddr;
 use std::ptr;
@@ -13,6 +13,12 @@ use tokio::sync::oneshot;
 use crate::core::{Actor, Core, Event, Op, Runner, SockAddr};
 use crate::error::UcxError;
 use crate::{sys, AM_BIND, AM_BOUND};
+
+/// Endpoints kept connected to each target, ready to bind.
+const SPARES: usize = 2;
+/// A spare older than this is closed (the target closes endpoints that
+/// stay unbound for [`crate::target::BIND_TIMEOUT`]).
+const SPARE_AGE: Duration = Duration::from_secs(30);
 
 /// What a writer needs to reach a target: from the target's
 /// [`crate::Target`], carried on kvmesh's authenticated control
@@ -50,6 +56,7 @@ impl Initiator {
             Ok(InitiatorState {
                 core,
                 grants: HashMap::new(),
+                spares: HashMap::new(),
                 by_ep: HashMap::new(),
             })
         })?;
@@ -81,6 +88,14 @@ impl Initiator {
             self.release(key);
         }
         r
+    }
+
+    /// Connects spare endpoints to `address` ahead of the first bind.
+    pub fn prepare(&self, address: SocketAddr) {
+        let job = Box::new(move |s: &mut InitiatorState| s.top_up(address));
+        if self.runner.try_submit(job).is_err() {
+            tracing::debug!(%address, "UCX spare endpoints not prepared: job queue full");
+        }
     }
 
     /// Posts a put of `data` at `offset` in the target's region through
@@ -135,28 +150,34 @@ struct GrantEp {
     closing: bool,
 }
 
+/// An endpoint connected ahead of need, not yet bound to a key.
+struct Spare {
+    ep: sys::ucp_ep_h,
+    born: Instant,
+}
+
+/// Who an endpoint belongs to.
+#[derive(Clone, Copy)]
+enum Owner {
+    Grant(u64),
+    Spare(SocketAddr),
+}
+
 struct InitiatorState {
     core: Core,
     grants: HashMap<u64, GrantEp>,
-    /// Keys of live endpoints by address; an endpoint leaves when its
+    /// Connected endpoints per target, ready to bind: connecting (wire-up)
+    /// takes milliseconds, binding a round trip.
+    spares: HashMap<SocketAddr, VecDeque<Spare>>,
+    /// Owners of live endpoints by address; an endpoint leaves when its
     /// close is requested (addresses are reused).
-    by_ep: HashMap<usize, u64>,
+    by_ep: HashMap<usize, Owner>,
 }
 
 impl InitiatorState {
-    fn bind(
-        &mut self,
-        key: u64,
-        remote: Arc<Remote>,
-        reply: oneshot::Sender<Result<(), UcxError>>,
-    ) {
-        if self.grants.contains_key(&key) {
-            let _ = reply.send(Err(UcxError::Address(format!(
-                "key {key:#x} already bound"
-            ))));
-            return;
-        }
-        let sa = SockAddr::new(remote.address);
+    /// A new endpoint to `address` (client-server, peer error mode).
+    fn connect(&self, address: SocketAddr) -> Result<sys::ucp_ep_h, UcxError> {
+        let sa = SockAddr::new(address);
         let mut p = self.core.ep_params();
         p.field_mask |=
             u64::from(sys::UCP_EP_PARAM_FIELD_FLAGS | sys::UCP_EP_PARAM_FIELD_SOCK_ADDR);
@@ -170,10 +191,68 @@ impl InitiatorState {
                 .ucp()
                 .ucp_ep_create(self.core.worker, &p, &mut ep)
         };
-        if let Err(e) = UcxError::check(self.core.api, "ucp_ep_create", st) {
-            let _ = reply.send(Err(e));
+        UcxError::check(self.core.api, "ucp_ep_create", st)?;
+        Ok(ep)
+    }
+
+    /// Keeps [`SPARES`] connected endpoints to `address`.
+    fn top_up(&mut self, address: SocketAddr) {
+        let have = self.spares.get(&address).map_or(0, VecDeque::len);
+        for _ in have..SPARES {
+            match self.connect(address) {
+                Ok(ep) => {
+                    self.by_ep.insert(ep as usize, Owner::Spare(address));
+                    self.spares.entry(address).or_default().push_back(Spare {
+                        ep,
+                        born: Instant::now(),
+                    });
+                }
+                Err(e) => {
+                    tracing::debug!(%address, error = %e, "UCX spare endpoint not connected");
+                    break;
+                }
+            }
+        }
+    }
+
+    fn close_spare(&mut self, ep: sys::ucp_ep_h) {
+        self.by_ep.remove(&(ep as usize));
+        let (p, user) = self
+            .core
+            .request(Op::CloseSpare, sys::UCP_EP_CLOSE_FLAG_FORCE);
+        // SAFETY: a live endpoint of this worker, closed once (it left
+        // `spares` and `by_ep`).
+        let ret = unsafe { self.core.api.ucp().ucp_ep_close_nbx(ep, &p) };
+        self.core.posted(ret, user);
+    }
+
+    fn bind(
+        &mut self,
+        key: u64,
+        remote: Arc<Remote>,
+        reply: oneshot::Sender<Result<(), UcxError>>,
+    ) {
+        if self.grants.contains_key(&key) {
+            let _ = reply.send(Err(UcxError::Address(format!(
+                "key {key:#x} already bound"
+            ))));
             return;
         }
+        let spare = self
+            .spares
+            .get_mut(&remote.address)
+            .and_then(VecDeque::pop_front);
+        let ep = match spare {
+            Some(s) => s.ep,
+            None => match self.connect(remote.address) {
+                Ok(ep) => ep,
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+            },
+        };
+        let address = remote.address;
         self.grants.insert(
             key,
             GrantEp {
@@ -185,8 +264,9 @@ impl InitiatorState {
                 closing: false,
             },
         );
-        self.by_ep.insert(ep as usize, key);
+        self.by_ep.insert(ep as usize, Owner::Grant(key));
         self.core.send_am(ep, AM_BIND, key, true);
+        self.top_up(address);
     }
 
     fn bound(&mut self, key: u64) {
@@ -283,7 +363,10 @@ impl InitiatorState {
         }
         // Later events about this address are not this endpoint's.
         self.by_ep.remove(&(g.ep as usize));
-        self.core.close_ep(g.ep, key);
+        // Flushed, not forced, unless the endpoint already failed (then
+        // nothing more reaches the target through it).
+        let force = g.failed.is_some();
+        self.core.close_ep(g.ep, key, force);
     }
 
     fn fail(&mut self, key: u64, e: UcxError) {
@@ -306,14 +389,21 @@ impl Actor for InitiatorState {
             match e {
                 Event::Am { id, key, .. } if id == AM_BOUND => self.bound(key),
                 Event::Am { .. } | Event::Conn(_) => {}
-                Event::EpError { ep, status } => {
-                    if let Some(&key) = self.by_ep.get(&(ep as usize)) {
+                Event::EpError { ep, status } => match self.by_ep.get(&(ep as usize)) {
+                    Some(&Owner::Grant(key)) => {
                         tracing::debug!(key, status, "UCX writer endpoint failed");
                         self.fail(key, UcxError::Closed(key));
                         // An endpoint in error is still the user's to close.
                         self.release(key);
                     }
-                }
+                    Some(&Owner::Spare(address)) => {
+                        if let Some(q) = self.spares.get_mut(&address) {
+                            q.retain(|s| s.ep != ep);
+                        }
+                        self.close_spare(ep);
+                    }
+                    None => {}
+                },
                 Event::Done { op, status } => match op {
                     Op::Put { key, .. } if status != sys::UCS_OK => {
                         let e = UcxError::status(self.core.api, "ucp_put_nbx", status);
@@ -333,9 +423,28 @@ impl Actor for InitiatorState {
                     Op::Close { id: key } => {
                         self.grants.remove(&key);
                     }
-                    Op::Put { .. } | Op::Am { .. } => {}
+                    Op::Put { .. } | Op::Am { .. } | Op::CloseSpare => {}
                 },
             }
+        }
+    }
+
+    fn housekeeping(&mut self, now: Instant) {
+        // The target closes endpoints that stay unbound for its bind
+        // timeout: renew spares well before.
+        let mut old = Vec::new();
+        for q in self.spares.values_mut() {
+            while q
+                .front()
+                .is_some_and(|s| now.duration_since(s.born) > SPARE_AGE)
+            {
+                if let Some(s) = q.pop_front() {
+                    old.push(s.ep);
+                }
+            }
+        }
+        for ep in old {
+            self.close_spare(ep);
         }
     }
 
@@ -343,6 +452,14 @@ impl Actor for InitiatorState {
         let keys: Vec<u64> = self.grants.keys().copied().collect();
         for k in keys {
             self.release(k);
+        }
+        let spares: Vec<sys::ucp_ep_h> = self
+            .spares
+            .drain()
+            .flat_map(|(_, q)| q.into_iter().map(|s| s.ep))
+            .collect();
+        for ep in spares {
+            self.close_spare(ep);
         }
         let end = Instant::now() + Duration::from_secs(2);
         while !self.grants.is_empty() && Instant::now() < end {

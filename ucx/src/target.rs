@@ -24,8 +24,9 @@ use crate::core::{connectable, on_conn, socket_addr, Actor, Core, Event, Op, Run
 use crate::error::UcxError;
 use crate::{sys, AM_BIND, AM_BOUND};
 
-/// An endpoint that has not bound a key within this long is closed.
-pub const BIND_TIMEOUT: Duration = Duration::from_secs(10);
+/// An endpoint that has not bound a key within this long is closed
+/// (writers keep spare endpoints connected, renewed well before this).
+pub const BIND_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Where a revocation stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -355,7 +356,7 @@ impl TargetState {
             if !c.closing {
                 c.closing = true;
                 self.ids.remove(&(c.ep as usize));
-                self.core.close_ep(c.ep, id);
+                self.core.close_ep(c.ep, id, true);
             }
         }
     }
@@ -452,12 +453,13 @@ impl Actor for TargetState {
                             },
                         );
                     } else {
+                        // ucp_ep_create consumed the request (UCX rejects
+                        // it on failure): rejecting it again would touch
+                        // freed memory.
                         tracing::debug!(
                             status = st,
                             "UCX endpoint from a connection request failed"
                         );
-                        // SAFETY: listener live; the request was not consumed.
-                        unsafe { self.core.api.ucp().ucp_listener_reject(self.listener, req) };
                     }
                 }
                 Event::Am { id, key, ep } if id == AM_BIND && !ep.is_null() => self.bind(ep, key),

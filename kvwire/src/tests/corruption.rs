@@ -199,7 +199,7 @@ fn invalid_fields_are_named() {
         (patch(&s[6].1, 0, &[0; 16]), "writer"),
         (patch(&s[6].1, 16, &[0; NONCE_LEN]), "nonce"),
         (patch(&s[8].1, 0, &[0; NONCE_LEN]), "nonce"),
-        (patch(&s[7].1, PROOF_LEN, &[3]), "data_path"),
+        (patch(&s[7].1, PROOF_LEN, &[4]), "data_path"),
         (patch(&s[7].1, PROOF_LEN + 1, &[1]), "reserved"),
         (patch(&s[7].1, PROOF_LEN, &[1]), "path"),
     ];

@@ -210,6 +210,26 @@ fn arb_control() -> impl Strategy<Value = Message<'static>> {
                     geometry,
                 })
             }),
+        (
+            any::<[u8; PROOF_LEN]>(),
+            arb_geo(),
+            "[0-9a-f:.\\[\\]]{1,60}",
+            any::<u64>(),
+            any::<u64>(),
+            proptest::collection::vec(any::<u8>(), 1..300)
+        )
+            .prop_map(|(proof, geometry, address, base, len, rkey)| {
+                Message::Welcome(Welcome {
+                    proof,
+                    data_path: DataPath::Ucx {
+                        address,
+                        base,
+                        len,
+                        rkey,
+                    },
+                    geometry,
+                })
+            }),
         arb_nonce().prop_map(|nonce| Message::Challenge(Challenge { nonce })),
     ]
 }

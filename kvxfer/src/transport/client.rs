@@ -36,6 +36,7 @@ use super::greeting::greet;
 use super::shm::ShmWritePath;
 use super::stream::{pump, read_message};
 use super::tcp::TcpWritePath;
+use super::ucx::UcxWritePath;
 use super::{Endpoint, KvAuth, PageWrite, TransportError, WritePath};
 use kvmesh_meshauth::tls::Purpose;
 
@@ -205,8 +206,9 @@ impl KvClient {
                         source,
                     })?;
                 let _ = s.set_nodelay(true);
+                let peer = s.peer_addr().ok().map(|a| a.ip());
                 match &auth.tls {
-                    None => Self::start(s, writer, secret).await,
+                    None => Self::start(s, writer, secret, peer).await,
                     Some(tls) => {
                         let s = tls.connect(s, &addr, Purpose::Kv).await.map_err(|source| {
                             TransportError::Io {
@@ -214,7 +216,7 @@ impl KvClient {
                                 source,
                             }
                         })?;
-                        Self::start(s, writer, secret).await
+                        Self::start(s, writer, secret, peer).await
                     }
                 }
             }
@@ -225,15 +227,18 @@ impl KvClient {
                         op: "connect unix socket",
                         source,
                     })?;
-                Self::start(s, writer, secret).await
+                Self::start(s, writer, secret, None).await
             }
         }
     }
 
+    /// `peer`: the IP dialled (a UCX listener on an unspecified IP is
+    /// reached there).
     async fn start<S>(
         stream: S,
         writer: WriterId,
         secret: &MeshSecret,
+        peer: Option<std::net::IpAddr>,
     ) -> Result<Self, TransportError>
     where
         S: AsyncRead + AsyncWrite + Send + 'static,
@@ -261,6 +266,11 @@ impl KvClient {
                 }
                 Box::new(ShmWritePath::new(region))
             }
+            DataPath::Ucx { .. } => Box::new(UcxWritePath::new(
+                &welcome.data_path,
+                welcome.geometry,
+                peer,
+            )?),
         };
         let shared = Arc::new(Shared {
             writer,
@@ -449,6 +459,14 @@ pub struct GrantWriter {
     /// `done=reorder`: the transfer's last page write, sent after
     /// transfer-done.
     held_back: Option<HeldWrite>,
+}
+
+impl Drop for GrantWriter {
+    fn drop(&mut self) {
+        // Finished, aborted or failed: the path's per-grant resources (a
+        // UCX endpoint) go. The decode side revokes on its own schedule.
+        self.shared.path.release(self.grant.write_key);
+    }
 }
 
 /// A page write kept back by an injected reorder.
@@ -640,7 +658,7 @@ impl GrantWriter {
         }
         let mut s = self.slot.lock().await;
         self.check_state(s.state)?;
-        self.shared.path.drain().await?;
+        self.shared.path.drain_grant(self.grant.write_key).await?;
         let fault = self.faults.at(Point::Done);
         let mut page_checksums: Vec<u64> = self.sums.iter().map(Checksummer::finish).collect();
         match fault {

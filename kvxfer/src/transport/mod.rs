@@ -1,14 +1,14 @@
 //! KV transports: how a prefill node's writes reach a decode node's pool,
 //! behind one pair of traits that fits TCP, shared memory and RDMA.
 //!
-//! | | TCP ([`tcp`]) | shared memory ([`shm`]) | RDMA (later) |
+//! | | TCP ([`tcp`]) | shared memory ([`shm`]) | UCX ([`ucx`]; RDMA where the fabric has it) |
 //! |---|---|---|---|
-//! | data | [`kvmesh_kvwire::KvFrame`]s on the connection | one-sided copies into the pool's mapping | one-sided `RDMA WRITE` into a registered region |
+//! | data | [`kvmesh_kvwire::KvFrame`]s on the connection | one-sided copies into the pool's mapping | one-sided puts (`ucp_put_nbx`) into the registered pool |
 //! | receiver checks each write before it lands | yes | no | no |
-//! | grant's write key | 0 (unused) | lane and epoch of a write gate | remote key of a memory window |
-//! | revoke | refuse the reservation's frames (under its entry lock) | close the lane, wait for active writes to end | invalidate the window / move the QP to error, flush |
-//! | drain (writer) | stream order: nothing to wait for | copies are synchronous | poll the completion queue |
-//! | writer death | connection reset | connection reset + pidfd | QP error / CM disconnect |
+//! | grant's write key | 0 (unused) | lane and epoch of a write gate | a random key one writer endpoint binds |
+//! | revoke | refuse the reservation's frames (under its entry lock) | close the lane, wait for active writes to end | close the grant's endpoint (force, peer error mode), wait for the close |
+//! | drain (writer) | stream order: nothing to wait for | copies are synchronous | flush the grant's endpoint (`ucp_ep_flush_nbx`) |
+//! | writer death | connection reset | connection reset + pidfd | endpoint error, then the same close |
 //!
 //! Control messages (Challenge, Hello, Welcome, TransferDone, Abort,
 //! AbortConfirmed, Revoke) always travel on the connection (`stream`), in
@@ -32,6 +32,7 @@ pub mod server;
 pub mod shm;
 pub(crate) mod stream;
 pub mod tcp;
+pub mod ucx;
 
 use std::fmt;
 use std::future::Future;
@@ -110,8 +111,20 @@ pub trait WritePath: Send + Sync + fmt::Debug {
     fn write<'a>(&'a self, w: PageWrite<'a>) -> BoxFuture<'a, Result<(), TransportError>>;
 
     /// Returns once every write posted so far has landed, or is ordered
-    /// before any control message sent after this call.
+    /// before any control message sent after this call, or can no longer
+    /// land (its grant's path was revoked).
     fn drain(&self) -> BoxFuture<'_, Result<(), TransportError>>;
+
+    /// Returns once every write posted for the grant with `write_key` has
+    /// landed; an error if any may not have (a revoked one-sided path).
+    /// What transfer-done waits for.
+    fn drain_grant(&self, _write_key: u64) -> BoxFuture<'_, Result<(), TransportError>> {
+        self.drain()
+    }
+
+    /// The writer is done with the grant with `write_key` (finished,
+    /// aborted or failed): resources bound to it can go.
+    fn release(&self, _write_key: u64) {}
 }
 
 /// A transport failure.
@@ -159,6 +172,9 @@ pub enum TransportError {
     /// The OS random number generator failed (no handshake nonce).
     #[error(transparent)]
     Mint(#[from] MintError),
+    /// The UCX data path failed (or UCX is not installed).
+    #[error(transparent)]
+    Ucx(#[from] kvmesh_ucx::UcxError),
 }
 
 impl TransportError {
@@ -175,6 +191,7 @@ impl TransportError {
             Self::NoLane => "no_lane",
             Self::Unauthenticated(_) => "unauthenticated",
             Self::Mint(_) => "mint",
+            Self::Ucx(e) => e.kind(),
         }
     }
 }

@@ -53,6 +53,13 @@ async fn child_writer() {
     let key = WriteKey::from_u64(grant.write_key);
     let mut w = client.begin(grant).expect("begin");
     write_layers(&mut w, 0..1, 42.0).await;
+    if shm.is_empty() {
+        // UCX: the endpoint is bound and layer 0's puts are posted, not
+        // flushed; the parent kills this process now.
+        println!("posted");
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        return;
+    }
     let region = ShmRegion::open(std::path::Path::new(&shm), None).expect("map");
     region.freeze_inside_lane(key).expect("freeze");
     println!("frozen");
@@ -71,7 +78,11 @@ struct Writer {
 
 impl Writer {
     fn spawn(node: &Node, mode: &str) -> Self {
-        let shm = node.shm_path();
+        let shm = if node.region.is_some() {
+            node.shm_path()
+        } else {
+            std::path::PathBuf::new()
+        };
         let mut child = Command::new(std::env::current_exe().expect("test binary"))
             .args([
                 "child::child_writer",
@@ -188,6 +199,38 @@ async fn writer_hangs_up_inside_a_write_pages_stay_quarantined_shm() {
         N_PAGES - 4,
         "pages a live writer can reach stay held"
     );
+    w.kill();
+    let ended = pending.wait().await.expect_err("revoked");
+    assert_eq!(ended.outcome, Outcome::Revoked(RevokeCause::WriterLost));
+    node.assert_idle().await;
+    assert_eq!(node.table.stats().ended_total(), 1);
+}
+
+/// UCX: a writer process killed with its endpoint bound and puts posted.
+/// Its endpoint fails at the decode node, the connection is lost, and the
+/// revocation (the endpoint's close) completes: the pages are freed, the
+/// reservation ends once, as writer lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writer_process_killed_mid_put_ucx() {
+    if let Err(e) = kvmesh_ucx::load() {
+        eprintln!("not run: {e}");
+        return;
+    }
+    let node = Node::start(Kind::Ucx).await;
+    let mut w = Writer::spawn(&node, "kill");
+    w.expect_line("connected").await;
+    wait_for("writer registered", || {
+        node.table.connected_writers().len() == 1
+    })
+    .await;
+    let writer = node.table.connected_writers()[0];
+    let (grant, pending) = node
+        .table
+        .reserve(Node::request(12, 2, writer))
+        .expect("reserve");
+    w.send_grant(&grant);
+    w.expect_line("posted").await;
+    assert_eq!(node.free(), N_PAGES - 4);
     w.kill();
     let ended = pending.wait().await.expect_err("revoked");
     assert_eq!(ended.outcome, Outcome::Revoked(RevokeCause::WriterLost));

@@ -27,6 +27,9 @@ use tokio::net::TcpStream;
 pub enum Kind {
     Tcp,
     Shm,
+    /// The pool registered with UCX, puts over its `tcp` transport on
+    /// loopback; control on TCP.
+    Ucx,
 }
 
 pub const PAGE_SIZE: usize = 4;
@@ -117,12 +120,18 @@ impl Node {
                     Some(region),
                 )
             }
+            Kind::Ucx => {
+                let listen = "127.0.0.1:0".parse().expect("addr");
+                let (pool, landing) =
+                    kvmesh_kvxfer::transport::ucx::ucx_pool(pool_cfg, listen).expect("ucx pool");
+                (pool, landing as Arc<dyn Landing>, None)
+            }
         };
         let table = ReservationTable::new(pool, landing, cfg).expect("table");
         let secret_file = secret_file(dir.path());
         let secret = MeshSecret::load(&secret_file).expect("secret");
         let server = match kind {
-            Kind::Tcp => {
+            Kind::Tcp | Kind::Ucx => {
                 let auth = kvmesh_kvxfer::transport::KvAuth {
                     secret: secret.clone(),
                     tls,
