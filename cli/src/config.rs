@@ -8,7 +8,8 @@
 //! exact: false                 # true: f32 weights (default: GGUF blocks as stored)
 //! kv_cache_dtype: auto         # f16 or f32; auto: f16 with quantized weights, f32 exact
 //! page_size: 16
-//! transport: tcp               # or shm (prefill and decode on one host)
+//! transport: tcp               # or shm (prefill and decode on one host), or ucx
+//!                              # (one-sided UCX puts; RDMA where the fabric has it)
 //! allow_small_pool: false
 //! lease_ms: 60000              # how long a grant waits for its transfer
 //! abort_timeout_ms: 10000      # how long an abort waits for the writer's confirmation
@@ -57,6 +58,7 @@
 //!     listen: 0.0.0.0:7201
 //!     kv: decode-0:7301          # KV transport: what prefill dials (tcp),
 //!     kv_listen: 0.0.0.0:7301    #   or a Unix socket path (shm)
+//!     ucx_listen: 0.0.0.0:7401   # ucx only: UCX's listener (default 0.0.0.0:0)
 //!     kv_pool_tokens: 4096
 //! ```
 //!
@@ -337,8 +339,25 @@ pub struct NodeSection {
     pub kv: Option<String>,
     /// Decode only: where the KV listener binds; default `kv`.
     pub kv_listen: Option<String>,
+    /// Decode only, `transport: ucx`: where UCX's listener binds, `IP:PORT`
+    /// (default `0.0.0.0:0`: every interface, any port; writers reach it
+    /// at the host they dialled for `kv`).
+    pub ucx_listen: Option<String>,
     /// Its KV pool, tokens; default one full context.
     pub kv_pool_tokens: Option<usize>,
+}
+
+impl NodeSection {
+    /// Where a decode node's UCX listener binds (`ucx_listen`, checked by
+    /// validation; default every interface, any port).
+    pub fn ucx_listen_addr(&self) -> anyhow::Result<std::net::SocketAddr> {
+        match &self.ucx_listen {
+            None => Ok(std::net::SocketAddr::from(([0, 0, 0, 0], 0))),
+            Some(u) => u
+                .parse()
+                .map_err(|_| anyhow::anyhow!("{}.ucx_listen {u:?}: expected IP:PORT", self.name)),
+        }
+    }
 }
 
 fn default_page_size() -> usize {
@@ -629,12 +648,12 @@ impl MeshConfig {
             )),
             Some(_) => {}
         }
-        if !matches!(self.transport.as_str(), "tcp" | "shm") {
+        if !matches!(self.transport.as_str(), "tcp" | "shm" | "ucx") {
             bail!(refuse(
                 file,
                 "transport",
                 &self.transport,
-                "expected tcp or shm"
+                "expected tcp, shm or ucx"
             ));
         }
         host_port(file, "router.http", &self.router.http)?;
@@ -699,10 +718,29 @@ impl MeshConfig {
                         "",
                         "a decode node needs a KV transport address"
                     )),
-                    ("decode", Some(kv)) if self.transport == "tcp" => {
+                    ("decode", Some(kv)) if self.transport != "shm" => {
                         host_port(file, &f("kv"), kv)?;
                         if let Some(l) = &n.kv_listen {
                             host_port(file, &f("kv_listen"), l)?;
+                        }
+                        match (&n.ucx_listen, self.transport.as_str()) {
+                            (Some(u), "ucx") => {
+                                if u.parse::<std::net::SocketAddr>().is_err() {
+                                    bail!(refuse(
+                                        file,
+                                        &f("ucx_listen"),
+                                        u,
+                                        "expected IP:PORT (UCX binds an address, not a name)"
+                                    ));
+                                }
+                            }
+                            (Some(u), _) => bail!(refuse(
+                                file,
+                                &f("ucx_listen"),
+                                u,
+                                "only with transport: ucx"
+                            )),
+                            (None, _) => {}
                         }
                     }
                     ("decode", Some(kv)) if !kv.starts_with('/') => {
@@ -772,7 +810,8 @@ impl MeshConfig {
         })
     }
 
-    /// A decode node's KV endpoint as grants and prefill name it.
+    /// A decode node's KV endpoint as grants and prefill name it (UCX's
+    /// control connection is TCP).
     pub fn kv_endpoint(&self, n: &NodeSection) -> String {
         let kv = n.kv.as_deref().unwrap_or_default();
         if self.transport == "shm" {

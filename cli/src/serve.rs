@@ -75,6 +75,9 @@ pub enum TransportKind {
     Tcp,
     /// One-sided writes into the decode pool's shared-memory mapping.
     Shm,
+    /// One-sided UCX puts into the decode pool (RDMA where the fabric has
+    /// it; UCX's tcp elsewhere); needs libucp (Debian's libucx0).
+    Ucx,
 }
 
 #[derive(Args, Debug)]
@@ -314,6 +317,10 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let tokenizer = info.tokenizer;
     let transport = match a.transport {
         TransportKind::Tcp => Transport::Tcp("127.0.0.1:0".into()),
+        TransportKind::Ucx => Transport::Ucx {
+            control: "127.0.0.1:0".into(),
+            data: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        },
         TransportKind::Shm => Transport::Shm {
             dir: a.shm_dir.clone(),
             socket: std::env::temp_dir()
@@ -543,13 +550,16 @@ async fn decode_process(
     let path = model_path(&cfg.model)?;
     let kv = n.kv.clone().unwrap_or_default();
     let kv_listen = n.kv_listen.clone().unwrap_or_else(|| kv.clone());
-    let transport = if cfg.transport == "shm" {
-        Transport::Shm {
+    let transport = match cfg.transport.as_str() {
+        "shm" => Transport::Shm {
             dir: cfg.shm_dir.clone(),
             socket: kv_listen.into(),
-        }
-    } else {
-        Transport::Tcp(kv_listen)
+        },
+        "ucx" => Transport::Ucx {
+            control: kv_listen,
+            data: n.ucx_listen_addr()?,
+        },
+        _ => Transport::Tcp(kv_listen),
     };
     let node = DecodeNode::start(
         DecodeConfig {

@@ -51,6 +51,16 @@ pub enum Transport {
         /// The Unix socket writers connect to.
         socket: PathBuf,
     },
+    /// The pool registered with UCX (one-sided puts, RDMA where the fabric
+    /// has it); control over TCP on `control` (`HOST:PORT`), UCX's
+    /// listener on `data` (port 0: any; an unspecified IP is reached at
+    /// the host writers dialled for control).
+    Ucx {
+        /// The control listener.
+        control: String,
+        /// The UCX listener.
+        data: std::net::SocketAddr,
+    },
 }
 
 /// A decode node's settings.
@@ -176,6 +186,16 @@ impl DecodeNode {
                     .map_err(kvmesh_model::ModelError::from)?;
                 (pool, Arc::new(ShmLanding::new(region)))
             }
+            Transport::Ucx { data, .. } => {
+                let (pool, landing) = kvmesh_kvxfer::transport::ucx::ucx_pool(pool_cfg, *data)?;
+                tracing::info!(
+                    node = %cfg.name,
+                    ucx_listener = %landing.target().address(),
+                    ucx = ?kvmesh_ucx::version().ok(),
+                    "decode node KV pool registered with UCX"
+                );
+                (pool, landing as Arc<dyn Landing>)
+            }
         };
         tracing::info!(
             node = %cfg.name,
@@ -195,7 +215,7 @@ impl DecodeNode {
         )
         .map_err(|e| NodeError::Config(e.to_string()))?;
         let server = match &cfg.transport {
-            Transport::Tcp(addr) => {
+            Transport::Tcp(addr) | Transport::Ucx { control: addr, .. } => {
                 let auth = KvAuth {
                     secret: cfg.mesh_secret.clone(),
                     tls: cfg.tls.clone(),

@@ -37,6 +37,8 @@ pub enum KvTransport {
     Tcp,
     /// One-sided writes into a shared-memory mapping (`--transport shm`).
     Shm,
+    /// One-sided UCX puts into the registered pool (`--transport ucx`).
+    Ucx,
 }
 
 /// What `kvmesh serve`'s flags would set.
@@ -186,6 +188,10 @@ impl InProcessMesh {
         let stop_ids = info.stop_token_ids();
         let transport = match o.transport {
             KvTransport::Tcp => Transport::Tcp("127.0.0.1:0".into()),
+            KvTransport::Ucx => Transport::Ucx {
+                control: "127.0.0.1:0".into(),
+                data: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            },
             KvTransport::Shm => Transport::Shm {
                 dir: PathBuf::from("/dev/shm"),
                 socket: shm_socket(),

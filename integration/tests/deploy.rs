@@ -200,7 +200,7 @@ fn bad_mesh_files_are_refused_with_field_value_and_reason() {
         ),
         (
             format!("{good}transport: carrier-pigeon\n"),
-            "transport = \"carrier-pigeon\": expected tcp or shm",
+            "transport = \"carrier-pigeon\": expected tcp, shm or ucx",
         ),
         (
             format!("{good}page_size: 0\n"),

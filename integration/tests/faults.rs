@@ -246,6 +246,25 @@ fn fault_matrix_shm() {
 }
 
 #[test]
+fn fault_matrix_ucx() {
+    if let Err(e) = kvmesh_ucx::load() {
+        eprintln!("not run: {e}");
+        return;
+    }
+    let mesh = start_tiny(&["--transport", "ucx"]);
+    run_matrix(
+        &mesh,
+        &tiny_model_dir(),
+        PROMPT,
+        MAX_TOKENS,
+        None,
+        &[],
+        true,
+    );
+    wait_for_cache_hits(&mesh);
+}
+
+#[test]
 fn bad_fault_specs_are_refused_with_the_header_named() {
     let mesh = start_tiny(&[]);
     for spec in ["frame=drop", "verify=drop", "nonsense", "done=delay:999999"] {
@@ -280,7 +299,11 @@ fn bad_fault_specs_are_refused_with_the_header_named() {
 /// come back every time.
 #[test]
 fn vanishing_clients_with_faulted_aborts_and_confirmations() {
-    for transport in ["tcp", "shm"] {
+    for transport in ["tcp", "shm", "ucx"] {
+        if transport == "ucx" && kvmesh_ucx::load().is_err() {
+            eprintln!("ucx: not run (libucp missing)");
+            continue;
+        }
         let mesh = start_tiny(&["--transport", transport]);
         for (spec, outcome) in [
             ("frame:0=delay:600", "aborted"),

@@ -179,16 +179,38 @@ fn mesh_output_equals_the_reference_engine_shm() {
     mesh.assert_pages_come_back();
 }
 
+#[test]
+fn mesh_output_equals_the_reference_engine_ucx() {
+    if let Err(e) = kvmesh_ucx::load() {
+        eprintln!("not run: {e}");
+        return;
+    }
+    let model = tiny_model_dir();
+    let mesh = start(
+        &model,
+        Options {
+            transport: KvTransport::Ucx,
+            ..Options::default()
+        },
+    );
+    let cases = differential(&mesh, &model, &PROMPTS[..6], MAX_TOKENS);
+    assert_clean_end(&mesh, cases);
+}
+
 /// The same over f16 KV pools (`--kv-cache-dtype f16`, what a quantized
 /// model gets by default) on both transports: prefill's f16 pages travel as
-/// f16 (frames, or one-sided writes into the mapping), their checksums cover
+/// f16 (frames, or one-sided writes into the mapping or through UCX), their checksums cover
 /// the f16 bytes, and decode attends over them; the reference engine keeps
 /// f16 too, so the output still matches token for token.
 #[test]
 fn mesh_output_equals_the_reference_engine_with_f16_kv() {
     let model = tiny_model_dir();
     let f16 = ["--kv-cache-dtype", "f16"];
-    for transport in [KvTransport::Tcp, KvTransport::Shm] {
+    for transport in [KvTransport::Tcp, KvTransport::Shm, KvTransport::Ucx] {
+        if transport == KvTransport::Ucx && kvmesh_ucx::load().is_err() {
+            eprintln!("ucx: not run (libucp missing)");
+            continue;
+        }
         let mut opts = Options {
             transport,
             ..Options::default()

@@ -143,3 +143,38 @@ fn a_node_registers_its_name_role_and_addresses() {
     let d = shm.member("decode", &shm.decode[0]).expect("member");
     assert_eq!(d.kv.as_deref(), Some("unix:/run/k.sock"));
 }
+
+#[test]
+fn the_ucx_transport_takes_a_tcp_kv_address_and_an_optional_ucx_listener() {
+    let ucx = "transport: ucx\nprefill: [{name: p, grpc: \"127.0.0.1:3\"}]\n";
+    let cfg = parse(&format!(
+        "{BASE}{ucx}decode: [{{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}}]\n"
+    ))
+    .expect("valid");
+    assert_eq!(cfg.kv_endpoint(&cfg.decode[0]), "tcp://127.0.0.1:5");
+    assert_eq!(
+        cfg.decode[0].ucx_listen_addr().expect("default"),
+        "0.0.0.0:0".parse::<std::net::SocketAddr>().expect("addr")
+    );
+    let cfg = parse(&format!(
+        "{BASE}{ucx}decode: [{{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\", ucx_listen: \"10.0.0.7:7401\"}}]\n"
+    ))
+    .expect("valid");
+    assert_eq!(
+        cfg.decode[0].ucx_listen_addr().expect("set"),
+        "10.0.0.7:7401"
+            .parse::<std::net::SocketAddr>()
+            .expect("addr")
+    );
+    // UCX binds an address, not a name; and only the ucx transport has one.
+    let e = refused(&format!(
+        "{BASE}{ucx}decode: [{{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\", ucx_listen: \"decode-0:7401\"}}]\n"
+    ));
+    assert!(e.contains("ucx_listen") && e.contains("IP:PORT"), "{e}");
+    let e = refused(&format!(
+        "{BASE}prefill: [{{name: p, grpc: \"127.0.0.1:3\"}}]\ndecode: [{{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\", ucx_listen: \"0.0.0.0:1\"}}]\n"
+    ));
+    assert!(e.contains("only with transport: ucx"), "{e}");
+    let e = refused(&format!("{BASE}{NODES}transport: rdma\n"));
+    assert!(e.contains("expected tcp, shm or ucx"), "{e}");
+}

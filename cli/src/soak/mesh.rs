@@ -29,6 +29,7 @@ pub(super) fn soak_serve_flags(a: &SoakArgs, kv_pool_tokens: usize) -> Vec<Strin
         match a.transport {
             TransportKind::Tcp => "tcp",
             TransportKind::Shm => "shm",
+            TransportKind::Ucx => "ucx",
         }
         .into(),
         "--page-size".into(),

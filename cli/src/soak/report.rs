@@ -108,6 +108,7 @@ pub(super) fn summarize(a: &SoakArgs, s: &Summary<'_>) -> Report {
         (false, _) => "as running",
         (true, TransportKind::Tcp) => "tcp",
         (true, TransportKind::Shm) => "shm",
+        (true, TransportKind::Ucx) => "ucx",
     };
     let _ = writeln!(o, "kvmesh soak summary");
     let _ = writeln!(

@@ -71,19 +71,28 @@
 //!    connection).
 //! 2. `Write`: receiver-checked, `ReservationTable::land_frame` (phase, bound
 //!    connection, `Grant::check_frame`, then the page); one-sided,
-//!    `shm::ShmRegion::write_slots` through the grant's lane.
-//! 3. `SendDone`: `transport::client::GrantWriter::finish` drains first;
-//!    the table revokes the path, then verifies; pass sets watermarks.
+//!    `shm::ShmRegion::write_slots` through the grant's lane, or over UCX
+//!    `ucp_put_nbx` through the endpoint bound to the grant's key (bound by
+//!    `ucp_ep_create` to the decode listener, an acknowledged BIND active
+//!    message, `ucp_ep_rkey_unpack`; `transport::ucx`).
+//! 3. `SendDone`: `transport::client::GrantWriter::finish` drains first
+//!    (UCX: `ucp_ep_flush_nbx` of the grant's endpoint must succeed; a put
+//!    may report success after a revocation, a flush may not); the table
+//!    revokes the path, then verifies; pass sets watermarks.
 //! 4. `Finish`: dropping a `handshake::LiveSequence`.
 //! 5. `Abort`: `ReservationTable::abort` and `abort_confirmed`; the writer
 //!    side answers every Abort under the grant's lock, with a tombstone for
 //!    grants not yet seen (`transport::client`).
-//! 6. `Expire`: `ReservationTable::tick`: revoke (`transport::Landing::revoke`),
-//!    then release; a revocation that cannot complete quarantines.
+//! 6. `Expire`: `ReservationTable::tick`: revoke (`transport::Landing::revoke`:
+//!    UCX closes the key's endpoint with `ucp_ep_close_nbx`, force, peer
+//!    error mode, and completes when that request completes), then release;
+//!    a revocation that cannot complete quarantines.
 //! 7. `Crash` / `DetectCrash`: `ReservationTable::connection_lost` revokes
 //!    every reservation of the connection that is not live (the whole-
 //!    connection path the model leaves out); a one-sided writer's death is
-//!    seen through its pidfd.
+//!    seen through its pidfd (shm) or its endpoint's error callback (UCX,
+//!    peer error-handling mode), and the revocation is the same endpoint
+//!    close.
 //!
 //! # What is abstracted away
 //! - Data: a slot holds the id of the reservation whose data it is.
@@ -222,8 +231,9 @@ pub enum Transport {
     /// a state that accepts writes, the page in the grant at the granted
     /// generation) and drops it otherwise.
     ReceiverChecked,
-    /// Shared memory or RDMA: a frame lands in the page and slot it names,
-    /// unchecked, unless its write path was revoked.
+    /// Shared memory or UCX (RDMA): a frame lands in the page and slot it
+    /// names, unchecked, unless its write path was revoked (lane closed;
+    /// UCX endpoint closed).
     OneSided,
 }
 
