@@ -78,7 +78,7 @@ impl Elem for half::f16 {
 
 /// Whether this build takes a head of `head_dim` values.
 pub(super) fn supports(head_dim: usize) -> bool {
-    head_dim > 0 && head_dim % 32 == 0
+    head_dim > 0 && head_dim.is_multiple_of(32)
 }
 
 /// One KV head's attention for `queries` (vector, position) into `outs`.
