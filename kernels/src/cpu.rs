@@ -252,7 +252,10 @@ mod tests {
             assert_eq!(c.to_string().parse::<CpuKernels>(), Ok(c));
         }
         assert_eq!("AVX512".parse::<CpuKernels>(), Ok(CpuKernels::Avx512));
-        let err = "sse".parse::<CpuKernels>().expect_err("not a path").to_string();
+        let err = "sse"
+            .parse::<CpuKernels>()
+            .expect_err("not a path")
+            .to_string();
         assert!(
             err.contains("\"sse\"") && err.contains("auto, avx512, avx2 or portable"),
             "{err}"

@@ -11,7 +11,8 @@
 //!   page table fails the sequence instead of reading another tenant's KV.
 //! - [`rope`]: rotary position embeddings (rotate-half and interleaved
 //!   layouts; plain, linear and Llama-3 frequency scaling).
-//! - [`norm`] holds RMSNorm.
+//! - [`norm`] holds RMSNorm; [`activation`] SwiGLU (their AVX-512 builds
+//!   in `elementwise512`).
 //! - [`counters`]: [`counters::KindCounters`], lock-free event counters by
 //!   kind label (the guard alarm and every refusal counter above this
 //!   crate).
@@ -33,6 +34,8 @@ pub mod activation;
 pub mod attention;
 pub mod counters;
 pub mod cpu;
+#[cfg(target_arch = "x86_64")]
+mod elementwise512;
 pub mod norm;
 pub mod paged;
 pub mod quant;

@@ -36,7 +36,6 @@ pub(crate) unsafe fn load_both(p: *const f32) -> __m512 {
 /// result to the bit.
 #[inline]
 #[target_feature(enable = "avx512f")]
-#[allow(dead_code)] // used by SwiGLU's AVX-512 build (next step)
 pub(crate) fn exp(x: __m512) -> __m512 {
     use crate::activation::exp_consts::{LN2, MAX, MIN, POLY};
     // max then min with the constant second: a NaN becomes MIN, as in the
@@ -61,4 +60,44 @@ pub(crate) fn exp(x: __m512) -> __m512 {
         _mm512_set1_epi32(127),
     ));
     _mm512_mul_ps(y, _mm512_castsi512_ps(e))
+}
+
+/// As `paged::convert::narrow` (AVX2) sixteen at a time: clamped to
+/// +-65504 with the value as the second operand of min and max (a NaN
+/// passes through), rounded to nearest even. Whole groups of sixteen;
+/// returns the values converted.
+///
+/// # Safety
+/// `dst.len() >= src.len()`.
+#[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
+pub(crate) unsafe fn narrow(src: &[f32], dst: &mut [half::f16]) -> usize {
+    let n = src.len() / 16 * 16;
+    let (hi, lo) = (_mm512_set1_ps(65504.0), _mm512_set1_ps(-65504.0));
+    for i in (0..n).step_by(16) {
+        // SAFETY: i + 16 <= n, within both slices.
+        unsafe {
+            let x = _mm512_loadu_ps(src.as_ptr().add(i));
+            let x = _mm512_max_ps(lo, _mm512_min_ps(hi, x));
+            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+            _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast(), h);
+        }
+    }
+    n
+}
+
+/// Exact widening, sixteen at a time; returns the values converted.
+///
+/// # Safety
+/// `dst.len() >= src.len()`.
+#[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
+pub(crate) unsafe fn widen(src: &[half::f16], dst: &mut [f32]) -> usize {
+    let n = src.len() / 16 * 16;
+    for i in (0..n).step_by(16) {
+        // SAFETY: i + 16 <= n, within both slices.
+        unsafe {
+            let h = _mm256_loadu_si256(src.as_ptr().add(i).cast());
+            _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
+        }
+    }
+    n
 }
