@@ -87,16 +87,24 @@ pub(super) unsafe fn dequantize_pairs(
             // SAFETY: rows below `live` are in `w`; pair p's 2k floats in
             // `out` (asserted).
             unsafe {
-                let row = |r: usize| {
-                    if r >= live {
-                        zero
-                    } else if format == QFormat::Q4_1 {
-                        block::<true>(wp.add(r * rb + b * bb))
-                    } else {
-                        block::<false>(wp.add(r * rb + b * bb))
-                    }
+                let row = |r: usize| r.min(live.saturating_sub(1));
+                let (a, c) = if live == 0 {
+                    (zero, zero)
+                } else if format == QFormat::Q4_1 {
+                    (
+                        block::<true>(wp.add(row(2 * p) * rb + b * bb)),
+                        block::<true>(wp.add(row(2 * p + 1) * rb + b * bb)),
+                    )
+                } else {
+                    (
+                        block::<false>(wp.add(row(2 * p) * rb + b * bb)),
+                        block::<false>(wp.add(row(2 * p + 1) * rb + b * bb)),
+                    )
                 };
-                let (a, c) = (row(2 * p), row(2 * p + 1));
+                // Rows past the matrix's end (their results are never
+                // read) are zeros.
+                let a = if 2 * p < live { a } else { zero };
+                let c = if 2 * p + 1 < live { c } else { zero };
                 let o = op.add(p * 2 * k + b * 2 * BLOCK);
                 // [a chunk q, c chunk q] for q = 0..4: 128-bit lanes 0-1 of
                 // a register are its chunk 0 (or 2), lanes 2-3 chunk 1 (3).
@@ -107,6 +115,22 @@ pub(super) unsafe fn dequantize_pairs(
             }
         }
     }
+}
+
+/// Sixteen Q4_1 quants (as i32) dequantized: `fma(q, d, m)`. (Helpers,
+/// not array `map` closures, which were not reliably inlined into the
+/// AVX-512 context.)
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn q4(q: __m512i, d: __m512, m: __m512) -> __m512 {
+    _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m)
+}
+
+/// Sixteen Q8_0 quants (bytes) dequantized: `q * d`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn q8(q: __m128i, d: __m512) -> __m512 {
+    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d)
 }
 
 /// One block's 32 values in two registers, values 0-15 and 16-31.
@@ -124,16 +148,14 @@ unsafe fn block<const Q4: bool>(p: *const u8) -> [__m512; 2] {
             let m = _mm512_broadcastss_ps(_mm_movehdup_ps(s));
             let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(4).cast()));
             [
-                _mm512_and_si512(q, _mm512_set1_epi32(0x0f)),
-                _mm512_srli_epi32::<4>(q),
+                q4(_mm512_and_si512(q, _mm512_set1_epi32(0x0f)), d, m),
+                q4(_mm512_srli_epi32::<4>(q), d, m),
             ]
-            .map(|q| _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m))
         } else {
             [
-                _mm_loadu_si128(p.add(2).cast()),
-                _mm_loadu_si128(p.add(18).cast()),
+                q8(_mm_loadu_si128(p.add(2).cast()), d),
+                q8(_mm_loadu_si128(p.add(18).cast()), d),
             ]
-            .map(|v| _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), d))
         }
     }
 }
@@ -388,12 +410,11 @@ unsafe fn fused_tile<const MR: usize, const NP: usize, const Q4: bool>(
                     let hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(qa, qb));
                     let mask = _mm512_set1_epi32(0x0f);
                     [
-                        _mm512_and_si512(lo, mask),
-                        _mm512_and_si512(hi, mask),
-                        _mm512_srli_epi32::<4>(lo),
-                        _mm512_srli_epi32::<4>(hi),
+                        q4(_mm512_and_si512(lo, mask), d, m),
+                        q4(_mm512_and_si512(hi, mask), d, m),
+                        q4(_mm512_srli_epi32::<4>(lo), d, m),
+                        q4(_mm512_srli_epi32::<4>(hi), d, m),
                     ]
-                    .map(|q| _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m))
                 } else {
                     let (a0, b0) = (
                         _mm_loadu_si128(pa.add(2).cast()),
@@ -404,12 +425,11 @@ unsafe fn fused_tile<const MR: usize, const NP: usize, const Q4: bool>(
                         _mm_loadu_si128(pb.add(18).cast()),
                     );
                     [
-                        _mm_unpacklo_epi64(a0, b0),
-                        _mm_unpackhi_epi64(a0, b0),
-                        _mm_unpacklo_epi64(a1, b1),
-                        _mm_unpackhi_epi64(a1, b1),
+                        q8(_mm_unpacklo_epi64(a0, b0), d),
+                        q8(_mm_unpackhi_epi64(a0, b0), d),
+                        q8(_mm_unpacklo_epi64(a1, b1), d),
+                        q8(_mm_unpackhi_epi64(a1, b1), d),
                     ]
-                    .map(|q| _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d))
                 };
             }
             for q in 0..4 {
