@@ -17,7 +17,10 @@
 //! # Cost
 //! On Zen 4 a 512-bit operation occupies both halves of a 256-bit pipe,
 //! so the gain over AVX2 is in instructions issued, not in arithmetic
-//! throughput; see the crate's bench report for measured numbers.
+//! throughput. Measured (`taskset -c 0 cargo bench --bench paths`, EPYC
+//! Zen 4, one core of a shared machine; 9 heads / 3 KV heads / 64): AVX2's
+//! time over this build's, prefill of 512 tokens 1.06 (f32 pool) and 1.07
+//! (f16), a decode step at position 1023 1.06 (f32) and 1.11 (f16).
 
 use std::arch::x86_64::*;
 

@@ -12,8 +12,9 @@
 //!
 //! Nothing in that depends on the batch, on a row's place in it, on the tile
 //! shape or on the thread, so a sequence computes the same bits alone,
-//! batched, chunked or whole; and the AVX2 path and the portable path agree
-//! to the bit (the portable one uses `f32::mul_add`, which is a single
+//! batched, chunked or whole; and the AVX-512, AVX2 and portable paths
+//! agree to the bit (AVX-512 keeps two of these eight-lane chains in one
+//! register, one per half: see `x86_512`) (the portable one uses `f32::mul_add`, which is a single
 //! instruction where the target has FMA and a correctly rounded library
 //! call where it has not).
 //!

@@ -19,7 +19,7 @@
 //! # Determinism
 //! Every output element is computed by the same sequence of floating-point
 //! operations whatever the batch size, the position of its row in the batch,
-//! the register tile, the thread, or the path (AVX2 or portable): a
+//! the register tile, the thread, or the path (AVX-512, AVX2 or portable): a
 //! sequence decodes to the same tokens alone or batched, prompt chunked or
 //! whole, and a disaggregated run equals the reference engine token for
 //! token.
