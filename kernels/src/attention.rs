@@ -1,8 +1,8 @@
 //! Causal grouped-query attention over a paged, ownership-checked KV cache.
 //!
 //! # Paths
-//! [`crate::cpu::path`] picks the build: AVX-512 ([`tiled512`]) and AVX2
-//! ([`tiled`], or the generic block with eight-lane primitives for head
+//! [`crate::cpu::path`] picks the build: AVX-512 (`tiled512`) and AVX2
+//! (`tiled`, or the generic block with eight-lane primitives for head
 //! sizes that are not a multiple of 32) compute the same bits as each
 //! other; the portable build (unfused dot products, the C library's
 //! `exp`) agrees with them within f32 rounding, not to the bit. Within any
