@@ -2,10 +2,12 @@
 //! `silu(g) = g / (1 + e^-g)`.
 //!
 //! # Arithmetic (the same on every path, to the bit)
-//! `e^x` is one polynomial ([`exp`]; its AVX2 build is `simd::exp`), then
-//! `g / (1 + e) * u` in that order. The AVX2 path computes eight values at
-//! once with the same operations, so a row's result does not depend on the
-//! path, its place in the batch, or the batch.
+//! `e^x` is one polynomial ([`exp`]; its AVX2 build is `simd::exp`, its
+//! AVX-512 build `simd512::exp`), then `g / (1 + e) * u` in that order.
+//! The AVX2 path computes eight values at once with the same operations,
+//! the AVX-512 path sixteen (then eight, then one by one), so a row's
+//! result does not depend on the path, its place in the batch, or the
+//! batch.
 //!
 //! # Cost
 //! About 20 vector operations per eight values (the polynomial), where the
@@ -58,21 +60,33 @@ pub fn exp(x: f32) -> f32 {
 /// If `gate_up` is not `out.len() / width` rows of `2 * width` (a caller
 /// bug, not input).
 pub fn swiglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
+    swiglu_with(crate::cpu::path(), gate_up, width, out);
+}
+
+/// [`swiglu`] on a chosen path (tests, benchmarks); the same bits on every
+/// path.
+///
+/// # Panics
+/// As [`swiglu`], and if this CPU lacks `path`.
+pub fn swiglu_with(path: crate::cpu::Path, gate_up: &[f32], width: usize, out: &mut [f32]) {
     assert!(width > 0, "swiglu width");
     assert_eq!(out.len() % width, 0, "swiglu output rows");
     assert_eq!(gate_up.len(), 2 * out.len(), "swiglu input rows");
-    #[cfg(target_arch = "x86_64")]
-    if wide() {
-        // SAFETY: `wide` saw AVX2 and FMA on this CPU.
-        unsafe { x86::swiglu(gate_up, width, out) };
-        return;
+    assert!(path.available(), "{path} kernels on a CPU without them");
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512 (asserted); shapes asserted.
+        crate::cpu::Path::Avx512 => unsafe { crate::elementwise512::swiglu(gate_up, width, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX2 and FMA (asserted).
+        crate::cpu::Path::Avx2 => unsafe { x86::swiglu(gate_up, width, out, 0) },
+        _ => portable(gate_up, width, out, 0),
     }
-    portable(gate_up, width, out, 0);
 }
 
-/// The portable path from column `from` of every row on (the AVX2 path's
+/// The portable path from column `from` of every row on (the SIMD paths'
 /// tail, and the whole of it elsewhere).
-fn portable(gate_up: &[f32], width: usize, out: &mut [f32], from: usize) {
+pub(crate) fn portable(gate_up: &[f32], width: usize, out: &mut [f32], from: usize) {
     for (gu, o) in gate_up
         .chunks_exact(2 * width)
         .zip(out.chunks_exact_mut(width))
@@ -84,31 +98,25 @@ fn portable(gate_up: &[f32], width: usize, out: &mut [f32], from: usize) {
     }
 }
 
-/// Whether this CPU runs the AVX2 build (checked once).
 #[cfg(target_arch = "x86_64")]
-fn wide() -> bool {
-    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WIDE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
-}
-
-#[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
-    /// [`super::swiglu`], eight columns at a time.
+    /// [`super::swiglu`] from column `from` of every row on, eight columns
+    /// at a time, the last few by the portable path.
     ///
     /// # Safety
     /// AVX2 and FMA; shapes as [`super::swiglu`] asserts.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn swiglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
-        let whole = width / 8 * 8;
+    pub(crate) unsafe fn swiglu(gate_up: &[f32], width: usize, out: &mut [f32], from: usize) {
+        let whole = from + (width - from) / 8 * 8;
         let (one, sign) = (_mm256_set1_ps(1.0), _mm256_set1_ps(-0.0));
         for (gu, o) in gate_up
             .chunks_exact(2 * width)
             .zip(out.chunks_exact_mut(width))
         {
             let (g, u) = gu.split_at(width);
-            for j in (0..whole).step_by(8) {
+            for j in (from..whole).step_by(8) {
                 // SAFETY: j + 8 <= width, inside each of the three rows.
                 unsafe {
                     let gv = _mm256_loadu_ps(g.as_ptr().add(j));
@@ -126,6 +134,41 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// The AVX-512 build equals the portable one to the bit on random
+    /// rows of every width up to 70 (groups of sixteen, of eight, tails),
+    /// extreme inputs (clamped exponent, NaN) included.
+    #[test]
+    fn avx512_swiglu_equals_the_portable_path_to_the_bit() {
+        if !crate::cpu::require(crate::cpu::Path::Avx512) {
+            return;
+        }
+        let mut s = 0x2545_f491u32;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            s
+        };
+        for width in 1..70 {
+            let rows = 1 + width % 3;
+            let mut gate_up: Vec<f32> = (0..rows * 2 * width)
+                .map(|_| (next() as f32 / u32::MAX as f32 - 0.5) * 40.0)
+                .collect();
+            gate_up[0] = if width % 2 == 0 { 200.0 } else { -200.0 };
+            if width > 5 {
+                gate_up[3] = f32::NAN;
+            }
+            let (mut a, mut b) = (vec![0.0; rows * width], vec![0.0; rows * width]);
+            portable(&gate_up, width, &mut a, 0);
+            swiglu_with(crate::cpu::Path::Avx512, &gate_up, width, &mut b);
+            assert_eq!(bits(&a), bits(&b), "width {width}");
+        }
+    }
 
     #[test]
     fn exp_is_within_a_few_ulp_of_the_library() {
@@ -149,14 +192,13 @@ mod tests {
         let gate_up: Vec<f32> = (0..rows * 2 * width)
             .map(|i| ((i * 7919 % 211) as f32 - 105.0) / 9.0)
             .collect();
-        let mut fast = vec![0.0f32; rows * width];
-        swiglu(&gate_up, width, &mut fast);
         let mut slow = vec![0.0f32; rows * width];
         portable(&gate_up, width, &mut slow, 0);
-        assert_eq!(
-            fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-        );
+        let mut fast = vec![0.0f32; rows * width];
+        for path in crate::cpu::available_paths() {
+            swiglu_with(path, &gate_up, width, &mut fast);
+            assert_eq!(bits(&fast), bits(&slow), "{path}");
+        }
         for t in 0..rows {
             for j in 0..width {
                 let (g, u) = (

@@ -1,5 +1,14 @@
 //! Causal grouped-query attention over a paged, ownership-checked KV cache.
 //!
+//! # Paths
+//! [`crate::cpu::path`] picks the build: AVX-512 (`tiled512`) and AVX2
+//! (`tiled`, or the generic block with eight-lane primitives for head
+//! sizes that are not a multiple of 32) compute the same bits as each
+//! other; the portable build (unfused dot products, the C library's
+//! `exp`) agrees with them within f32 rounding, not to the bit. Within any
+//! one path a query's output does not depend on the block or batch it runs
+//! in.
+//!
 //! Cost per call: one I1/I2 check per page touched (O(pages), independent of
 //! head count and head size), then O(queries * context * n_heads * head_dim)
 //! arithmetic. All checks happen before any arithmetic, so a violation reads
@@ -57,6 +66,26 @@ pub fn paged_attention<K: PagedKv + ?Sized>(
     positions: &[usize],
     out: &mut [f32],
 ) -> Result<(), GuardViolation> {
+    let path = crate::cpu::path();
+    paged_attention_with(path, kv, table, layer, shape, q, positions, out)
+}
+
+/// [`paged_attention`] on a chosen path (tests, benchmarks).
+///
+/// # Panics
+/// As [`paged_attention`], and if this CPU lacks `path`.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_with<K: PagedKv + ?Sized>(
+    path: crate::cpu::Path,
+    kv: &K,
+    table: &[PageRef],
+    layer: usize,
+    shape: &AttentionShape,
+    q: &[f32],
+    positions: &[usize],
+    out: &mut [f32],
+) -> Result<(), GuardViolation> {
+    assert!(path.available(), "{path} kernels on a CPU without them");
     let geo = kv.geometry();
     let AttentionShape {
         n_heads,
@@ -120,7 +149,6 @@ pub fn paged_attention<K: PagedKv + ?Sized>(
     let group = n_heads / n_kv_heads;
     let kv_dim = n_kv_heads * head_dim;
     let work = positions.len() * n_heads * context * head_dim;
-    let wide = wide_simd();
     if positions.len() == 1 {
         // One query token (a decode step): one block per KV head, its query
         // heads together (they are adjacent), so each K and V row is read
@@ -131,7 +159,7 @@ pub fn paged_attention<K: PagedKv + ?Sized>(
                 .collect();
             let mut outs: Vec<&mut [f32]> = o.chunks_mut(head_dim).collect();
             let args = (shape, pages.as_slice(), page_size, kv_dim, kvh * head_dim);
-            run_block(wide, &queries, &mut outs, args);
+            run_block(path, &queries, &mut outs, args);
         };
         if work < PARALLEL_THRESHOLD {
             out.chunks_mut(group * head_dim).enumerate().for_each(body);
@@ -162,7 +190,7 @@ pub fn paged_attention<K: PagedKv + ?Sized>(
                 }
             }
             let args = (shape, pages.as_slice(), page_size, kv_dim, kvh * head_dim);
-            run_block(wide, &queries, &mut outs, args);
+            run_block(path, &queries, &mut outs, args);
         }
     };
     let block = QUERY_BLOCK * q_stride;
@@ -181,22 +209,6 @@ fn window_start(pos: usize, window: Option<usize>) -> usize {
     }
 }
 
-/// Whether this CPU runs the AVX2 builds (AVX2, FMA and F16C, which every
-/// AVX2 CPU has; checked once).
-fn wide_simd() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *WIDE.get_or_init(|| {
-            is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
 /// What every query of a block shares: shape, fetched pages, page size, KV
 /// row width, and the KV head's offset in a KV row.
 type BlockArgs<'a, 'p> = (
@@ -207,27 +219,31 @@ type BlockArgs<'a, 'p> = (
     usize,
 );
 
-/// [`attend_block`] on the widest build this CPU runs.
+/// [`attend_block`] on `path`'s build: register tiles where the head size
+/// allows ([`tiled`], [`tiled512`]), else the generic block with that
+/// path's vector primitives.
 fn run_block(
-    wide: bool,
+    path: crate::cpu::Path,
     queries: &[(&[f32], usize)],
     outs: &mut [&mut [f32]],
     args: BlockArgs<'_, '_>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if wide {
+    if path != crate::cpu::Path::Portable {
+        assert!(path.available(), "{path} kernels on a CPU without them");
         let head_dim = queries.first().map_or(0, |(q, _)| q.len());
-        // SAFETY: `wide_simd` saw AVX2, FMA and F16C on this CPU.
+        // SAFETY: the CPU has the path's features (asserted).
         unsafe {
-            if tiled::supports(head_dim) {
-                tiled::attend_block(queries, outs, args);
-            } else {
-                attend_block_avx2(queries, outs, args);
+            match (path, tiled::supports(head_dim)) {
+                (crate::cpu::Path::Avx512, true) => tiled512::attend_block(queries, outs, args),
+                (crate::cpu::Path::Avx512, false) => attend_block_avx512(queries, outs, args),
+                (_, true) => tiled::attend_block(queries, outs, args),
+                (_, false) => attend_block_avx2(queries, outs, args),
             }
         }
         return;
     }
-    let _ = wide;
+    let _ = path;
     attend_block::<Portable>(queries, outs, args);
 }
 
@@ -246,8 +262,24 @@ unsafe fn attend_block_avx2(
     attend_block::<x86::Avx2>(queries, outs, args);
 }
 
+/// [`attend_block`] compiled for AVX-512: the AVX2 build's arithmetic (its
+/// two eight-lane dot accumulators are the halves of one register), so the
+/// same bits.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/DQ and the AVX2 set.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+unsafe fn attend_block_avx512(
+    queries: &[(&[f32], usize)],
+    outs: &mut [&mut [f32]],
+    args: BlockArgs<'_, '_>,
+) {
+    attend_block::<tiled512::Avx512>(queries, outs, args);
+}
+
 /// The two vector primitives of attention, per instruction set.
-trait Lanes {
+pub(crate) trait Lanes {
     /// `sum(a[i] * b[i])`.
     fn dot(a: &[f32], b: &[f32]) -> f32;
     /// `out[i] += w * x[i]`.
@@ -458,3 +490,5 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod tiled;
+#[cfg(target_arch = "x86_64")]
+mod tiled512;

@@ -11,13 +11,17 @@
 //!   page table fails the sequence instead of reading another tenant's KV.
 //! - [`rope`]: rotary position embeddings (rotate-half and interleaved
 //!   layouts; plain, linear and Llama-3 frequency scaling).
-//! - [`norm`] holds RMSNorm.
+//! - [`norm`] holds RMSNorm; [`activation`] SwiGLU (their AVX-512 builds
+//!   in `elementwise512`).
 //! - [`counters`]: [`counters::KindCounters`], lock-free event counters by
 //!   kind label (the guard alarm and every refusal counter above this
 //!   crate).
+//! - [`cpu`]: the crate-wide kernel path ([`cpu::Path`]: AVX-512, AVX2 or
+//!   portable), detected or forced once per process ([`cpu::select`]) and
+//!   read by every kernel ([`cpu::path`]).
 //! - [`quant`]: matrix multiplication over GGUF Q4_1 / Q8_0 blocks used as
-//!   stored, with f32 activations; AVX2 chosen at run time, a portable
-//!   reference it equals to the bit, every core through rayon.
+//!   stored, with f32 activations; AVX-512 or AVX2 chosen at run time, a
+//!   portable reference they equal to the bit, every core through rayon.
 //!
 //! Dense f32 matmuls (the exact mode) go through candle-core in
 //! `kvmesh-model`.
@@ -29,12 +33,17 @@
 pub mod activation;
 pub mod attention;
 pub mod counters;
+pub mod cpu;
+#[cfg(target_arch = "x86_64")]
+mod elementwise512;
 pub mod norm;
 pub mod paged;
 pub mod quant;
 pub mod rope;
 #[cfg(target_arch = "x86_64")]
 mod simd;
+#[cfg(target_arch = "x86_64")]
+mod simd512;
 
 pub use attention::{paged_attention, AttentionShape};
 pub use paged::{

@@ -117,46 +117,76 @@ pub fn f16_from_f32(x: f32) -> half::f16 {
 }
 
 /// `src` converted into `dst` as [`f16_from_f32`] does, to the bit; equal
-/// lengths. Eight values per instruction (F16C) where the CPU has it.
+/// lengths. Sixteen values per instruction on the AVX-512 path, eight on
+/// the AVX2 one (F16C), the rest one by one ([`crate::cpu::path`]).
 pub fn f32_to_f16_slice(src: &[f32], dst: &mut [half::f16]) {
+    f32_to_f16_slice_with(crate::cpu::path(), src, dst);
+}
+
+/// [`f32_to_f16_slice`] on a chosen path (tests, benchmarks); the same bits on
+/// every path.
+///
+/// # Panics
+/// If this CPU lacks `path`, or the lengths differ.
+pub fn f32_to_f16_slice_with(path: crate::cpu::Path, src: &[f32], dst: &mut [half::f16]) {
     assert_eq!(src.len(), dst.len(), "f16 conversion lengths");
+    assert!(path.available(), "{path} kernels on a CPU without them");
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if convert::f16c() {
-        // SAFETY: the CPU has F16C and AVX (checked); equal lengths.
-        done = unsafe { convert::narrow(src, dst) };
+    {
+        use crate::cpu::Path;
+        if path == Path::Avx512 {
+            // SAFETY: the CPU has the path (asserted).
+            done = unsafe { crate::simd512::narrow(src, dst) };
+        }
+        if path >= Path::Avx2 {
+            // SAFETY: as above (AVX-512 implies the AVX2 set).
+            done += unsafe { convert::narrow(&src[done..], &mut dst[done..]) };
+        }
     }
     for (d, s) in dst[done..].iter_mut().zip(&src[done..]) {
         *d = f16_from_f32(*s);
     }
 }
 
-/// `src` widened into `dst` (exact); equal lengths. Eight values per
-/// instruction (F16C) where the CPU has it.
+/// `src` widened into `dst` (exact); equal lengths. Sixteen values per
+/// instruction on the AVX-512 path, eight on the AVX2 one (F16C).
 pub fn f16_to_f32_slice(src: &[half::f16], dst: &mut [f32]) {
+    f16_to_f32_slice_with(crate::cpu::path(), src, dst);
+}
+
+/// [`f16_to_f32_slice`] on a chosen path (tests, benchmarks); the same bits on
+/// every path.
+///
+/// # Panics
+/// If this CPU lacks `path`, or the lengths differ.
+pub fn f16_to_f32_slice_with(path: crate::cpu::Path, src: &[half::f16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "f16 conversion lengths");
+    assert!(path.available(), "{path} kernels on a CPU without them");
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if convert::f16c() {
-        // SAFETY: the CPU has F16C and AVX (checked); equal lengths.
-        done = unsafe { convert::widen(src, dst) };
+    {
+        use crate::cpu::Path;
+        if path == Path::Avx512 {
+            // SAFETY: the CPU has the path (asserted).
+            done = unsafe { crate::simd512::widen(src, dst) };
+        }
+        if path >= Path::Avx2 {
+            // SAFETY: as above.
+            done += unsafe { convert::widen(&src[done..], &mut dst[done..]) };
+        }
     }
     for (d, s) in dst[done..].iter_mut().zip(&src[done..]) {
         *d = s.to_f32();
     }
 }
 
-/// The F16C builds of the slice conversions: whole groups of eight; the
-/// caller converts the rest one by one.
+/// The F16C builds of the slice conversions (the AVX2 path's): whole
+/// groups of eight; the caller converts the rest one by one. The AVX-512
+/// builds (sixteen at a time) are `simd512::narrow` and `widen`.
 #[cfg(target_arch = "x86_64")]
 mod convert {
     use std::arch::x86_64::*;
-
-    /// Whether this CPU converts in vectors (checked once).
-    pub(super) fn f16c() -> bool {
-        static F16C: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *F16C.get_or_init(|| is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c"))
-    }
 
     /// As [`super::f16_from_f32`]: clamped to +-65504 with the value as
     /// the second operand of min and max, so a NaN passes through (they
@@ -447,11 +477,25 @@ mod tests {
 
     #[test]
     fn slice_conversions_equal_the_scalar_ones_to_the_bit() {
+        for path in crate::cpu::available_paths() {
+            conversions_equal_the_scalar_ones(path);
+        }
+    }
+
+    /// The AVX-512 build (sixteen at a time, then eight, then one by one).
+    #[test]
+    fn avx512_conversions_equal_the_scalar_ones_to_the_bit() {
+        if crate::cpu::require(crate::cpu::Path::Avx512) {
+            conversions_equal_the_scalar_ones(crate::cpu::Path::Avx512);
+        }
+    }
+
+    fn conversions_equal_the_scalar_ones(path: crate::cpu::Path) {
         let src = hard_inputs();
-        // Lengths that leave a tail after the groups of eight.
-        for n in [0, 1, 7, 8, 9, 31, src.len()] {
+        // Lengths that leave a tail after the groups of sixteen and eight.
+        for n in [0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 31, 47, src.len()] {
             let mut h = vec![half::f16::ZERO; n];
-            f32_to_f16_slice(&src[..n], &mut h);
+            f32_to_f16_slice_with(path, &src[..n], &mut h);
             for (x, y) in src[..n].iter().zip(&h) {
                 let want = f16_from_f32(*x);
                 assert!(
@@ -463,7 +507,7 @@ mod tests {
                 );
             }
             let mut back = vec![0.0f32; n];
-            f16_to_f32_slice(&h, &mut back);
+            f16_to_f32_slice_with(path, &h, &mut back);
             for (h, b) in h.iter().zip(&back) {
                 let want = h.to_f32();
                 assert_eq!(want.to_bits(), b.to_bits());
@@ -471,7 +515,7 @@ mod tests {
         }
         // Saturation, not infinity, in both.
         let mut h = vec![half::f16::ZERO; 16];
-        f32_to_f16_slice(&[1.0e9; 16], &mut h);
+        f32_to_f16_slice_with(path, &[1.0e9; 16], &mut h);
         assert!(h.iter().all(|h| h.to_f32() == 65504.0));
     }
 }

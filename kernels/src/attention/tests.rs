@@ -417,3 +417,73 @@ fn f16_conversion_rounds_to_nearest_and_saturates() {
         assert!((s - d.to_f32()).abs() <= s.abs() * 2f32.powi(-11));
     }
 }
+
+/// The AVX-512 build computes the AVX2 build's bits: tiled head sizes
+/// (multiples of 32) and the generic block's (16, 8, 40), f32 and f16
+/// pools, windows, prefill chunks and single decode queries; and within
+/// the AVX-512 path a query's bits do not depend on its block.
+#[test]
+fn avx512_attention_equals_avx2_to_the_bit() {
+    use crate::cpu::Path;
+    if !crate::cpu::require(Path::Avx512) {
+        return;
+    }
+    for (nh, nkv, d, ps, ctx, window) in [
+        (9, 3, 64, 16, 70usize, None),
+        (9, 3, 64, 16, 83, Some(21)),
+        (4, 1, 128, 16, 50, None),
+        (6, 2, 32, 8, 41, Some(40)),
+        (14, 2, 64, 16, 37, None),
+        (4, 2, 16, 4, 13, None),
+        (8, 8, 8, 1, 5, None),
+        (5, 5, 40, 4, 19, Some(7)),
+    ] {
+        let (shape, table, store, _, _) = setup((nh, nkv, d, ps, ctx, window), 7, 3);
+        let (f16, f32) = store.into_f16_pair();
+        for pages in [&f16, &f32] {
+            let q = noise(12, ctx * nh * d);
+            let run = |path: Path, from: usize, to: usize| {
+                let positions: Vec<usize> = (from..to).collect();
+                let mut out = vec![0.0; positions.len() * nh * d];
+                paged_attention_with(
+                    path,
+                    pages,
+                    &table,
+                    0,
+                    &shape,
+                    &q[from * nh * d..to * nh * d],
+                    &positions,
+                    &mut out,
+                )
+                .expect("valid read");
+                out
+            };
+            // The first element whose bits differ, if any.
+            let differ = |a: &[f32], b: &[f32]| {
+                assert_eq!(a.len(), b.len());
+                a.iter()
+                    .zip(b)
+                    .position(|(x, y)| x.to_bits() != y.to_bits())
+            };
+            let whole = run(Path::Avx512, 0, ctx);
+            assert_eq!(
+                differ(&whole, &run(Path::Avx2, 0, ctx)),
+                None,
+                "({nh}/{nkv}/{d}, window {window:?}) prefill"
+            );
+            for (from, to) in [(0, 1), (ctx - 1, ctx), (3, ctx / 2 + 3), (ctx / 3, ctx)] {
+                let part = run(Path::Avx512, from, to);
+                assert_eq!(
+                    differ(&part, &run(Path::Avx2, from, to)),
+                    None,
+                    "({nh}/{nkv}/{d}) {from}..{to}"
+                );
+                assert_eq!(
+                    differ(&part, &whole[from * nh * d..to * nh * d]),
+                    None,
+                    "({nh}/{nkv}/{d}) {from}..{to} alone vs whole"
+                );
+            }
+        }
+    }
+}

@@ -42,6 +42,12 @@ pub(super) trait Elem: Copy {
     /// # Safety
     /// `p` readable for eight values; AVX2/F16C.
     unsafe fn load8(p: *const Self) -> __m256;
+
+    /// Sixteen values from `p`, as f32 (the AVX-512 build).
+    ///
+    /// # Safety
+    /// `p` readable for sixteen values; AVX-512 F.
+    unsafe fn load16(p: *const Self) -> __m512;
 }
 
 impl Elem for f32 {
@@ -57,6 +63,12 @@ impl Elem for f32 {
     unsafe fn load8(p: *const f32) -> __m256 {
         // SAFETY: by the caller.
         unsafe { _mm256_loadu_ps(p) }
+    }
+
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> __m512 {
+        // SAFETY: by the caller.
+        unsafe { _mm512_loadu_ps(p) }
     }
 }
 
@@ -74,11 +86,105 @@ impl Elem for half::f16 {
         // SAFETY: by the caller (eight f16 are sixteen bytes).
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
     }
+
+    #[inline(always)]
+    unsafe fn load16(p: *const half::f16) -> __m512 {
+        // SAFETY: by the caller (sixteen f16 are 32 bytes).
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+}
+
+/// The register tiles of one instruction set: [`attend_typed`] is the
+/// same loop over them for AVX2 ([`Avx2Tiles`]) and AVX-512
+/// (`tiled512::Avx512Tiles`), which compute the same bits.
+pub(super) trait Tiles {
+    /// Queries per score tile (at most [`MAX_SQ`]).
+    const SQ: usize;
+    /// Queries per output tile (at most [`MAX_SQ`]).
+    const WQ: usize;
+
+    /// `q.len()` queries (at most `SQ`) against four key rows: the scores
+    /// before scaling, rows past `q.len()` unspecified.
+    ///
+    /// # Safety
+    /// Every pointer readable for `hd` values; the build's features.
+    unsafe fn scores<E: Elem>(q: &[*const f32], k: &[*const E; 4], hd: usize)
+        -> [[f32; 4]; MAX_SQ];
+
+    /// Values `d .. d + 32` of `out.len()` queries' outputs (at most `WQ`),
+    /// as [`weighted`].
+    ///
+    /// # Safety
+    /// As [`weighted`]; the build's features.
+    unsafe fn weighted<E: Elem>(
+        out: &[*mut f32],
+        w: &[Vec<f32>],
+        off: &[usize],
+        d: usize,
+        vr: &[*const E],
+    );
+
+    /// As [`axpy1`].
+    ///
+    /// # Safety
+    /// As [`axpy1`]; the build's features.
+    unsafe fn axpy1<E: Elem>(w: f32, v: *const E, out: *mut f32, hd: usize);
+}
+
+/// The most queries any build's tile takes.
+pub(super) const MAX_SQ: usize = 6;
+
+/// The AVX2 tiles: 3 queries x 4 keys, 3 queries x 32 values.
+pub(super) struct Avx2Tiles;
+
+impl Tiles for Avx2Tiles {
+    const SQ: usize = 3;
+    const WQ: usize = 3;
+
+    #[inline(always)]
+    unsafe fn scores<E: Elem>(
+        q: &[*const f32],
+        k: &[*const E; 4],
+        hd: usize,
+    ) -> [[f32; 4]; MAX_SQ] {
+        // SAFETY: by the caller.
+        unsafe {
+            match q.len() {
+                3 => pad(scores::<3, E>(q, k, hd)),
+                2 => pad(scores::<2, E>(q, k, hd)),
+                _ => pad(scores::<1, E>(q, k, hd)),
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn weighted<E: Elem>(
+        out: &[*mut f32],
+        w: &[Vec<f32>],
+        off: &[usize],
+        d: usize,
+        vr: &[*const E],
+    ) {
+        // SAFETY: by the caller.
+        unsafe {
+            match out.len() {
+                3 => weighted::<3, E>(out, w, off, d, vr),
+                2 => weighted::<2, E>(out, w, off, d, vr),
+                _ => weighted::<1, E>(out, w, off, d, vr),
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn axpy1<E: Elem>(w: f32, v: *const E, out: *mut f32, hd: usize) {
+        // SAFETY: by the caller.
+        unsafe { axpy1(w, v, out, hd) }
+    }
 }
 
 /// Whether this build takes a head of `head_dim` values.
 pub(super) fn supports(head_dim: usize) -> bool {
-    head_dim > 0 && head_dim % 32 == 0
+    head_dim > 0 && head_dim.is_multiple_of(32)
 }
 
 /// One KV head's attention for `queries` (vector, position) into `outs`.
@@ -99,20 +205,20 @@ pub(super) unsafe fn attend_block(
     // SAFETY: by the caller.
     unsafe {
         if f16 {
-            attend_typed::<half::f16>(queries, outs, args)
+            attend_typed::<half::f16, Avx2Tiles>(queries, outs, args)
         } else {
-            attend_typed::<f32>(queries, outs, args)
+            attend_typed::<f32, Avx2Tiles>(queries, outs, args)
         }
     }
 }
 
-/// [`attend_block`] over K/V rows of type `E`.
+/// [`attend_block`] over K/V rows of type `E` in `T`'s tiles (inlined
+/// into the build's entry point, which carries its target features).
 ///
 /// # Safety
-/// As [`attend_block`].
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_typed<E: Elem>(
+/// As [`attend_block`], with `T`'s features.
+#[inline(always)]
+pub(super) unsafe fn attend_typed<E: Elem, T: Tiles>(
     queries: &[(&[f32], usize)],
     outs: &mut [&mut [f32]],
     args: BlockArgs<'_, '_>,
@@ -169,16 +275,12 @@ unsafe fn attend_typed<E: Elem>(
         if common {
             let mut i = 0;
             while i < queries.len() {
-                let mr = (queries.len() - i).min(3);
+                let mr = (queries.len() - i).min(T::SQ);
                 let mut p = common_lo;
                 while p <= common_hi {
                     let keys = [0, 1, 2, 3].map(|j| row((p + j).min(common_hi), false));
                     let live = (common_hi + 1 - p).min(4);
-                    let s = match mr {
-                        3 => scores::<3, E>(&qp[i..], &keys, hd),
-                        2 => pad(scores::<2, E>(&qp[i..], &keys, hd)),
-                        _ => pad(scores::<1, E>(&qp[i..], &keys, hd)),
-                    };
+                    let s = T::scores::<E>(&qp[i..i + mr], &keys, hd);
                     for (r, s) in s.iter().take(mr).enumerate() {
                         let (start, _) = spans[i + r];
                         for (j, v) in s.iter().take(live).enumerate() {
@@ -223,7 +325,7 @@ unsafe fn attend_typed<E: Elem>(
         for (i, &(start, pos)) in spans.iter().enumerate() {
             let end = if common { common_lo } else { pos + 1 };
             for p in start..end {
-                axpy1(w[i][p - start], row(p, true), op[i], hd);
+                T::axpy1(w[i][p - start], row(p, true), op[i], hd);
             }
         }
         if !common {
@@ -232,27 +334,23 @@ unsafe fn attend_typed<E: Elem>(
         let vr = &vrows[common_lo - lo..=common_hi - lo];
         let mut i = 0;
         while i < queries.len() {
-            let mr = (queries.len() - i).min(3);
+            let mr = (queries.len() - i).min(T::WQ);
             let offs: Vec<usize> = spans[i..i + mr].iter().map(|s| common_lo - s.0).collect();
             for d in (0..hd).step_by(32) {
-                match mr {
-                    3 => weighted::<3, E>(&op[i..], &w[i..], &offs, d, vr),
-                    2 => weighted::<2, E>(&op[i..], &w[i..], &offs, d, vr),
-                    _ => weighted::<1, E>(&op[i..], &w[i..], &offs, d, vr),
-                }
+                T::weighted::<E>(&op[i..i + mr], &w[i..], &offs, d, vr);
             }
             i += mr;
         }
         for (i, &(start, pos)) in spans.iter().enumerate() {
             for p in common_hi + 1..=pos {
-                axpy1(w[i][p - start], row(p, true), op[i], hd);
+                T::axpy1(w[i][p - start], row(p, true), op[i], hd);
             }
         }
     }
 }
 
-fn pad<const MR: usize>(s: [[f32; 4]; MR]) -> [[f32; 4]; 3] {
-    let mut out = [[0.0; 4]; 3];
+fn pad<const MR: usize>(s: [[f32; 4]; MR]) -> [[f32; 4]; MAX_SQ] {
+    let mut out = [[0.0; 4]; MAX_SQ];
     out[..MR].copy_from_slice(&s);
     out
 }
@@ -264,7 +362,7 @@ fn pad<const MR: usize>(s: [[f32; 4]; MR]) -> [[f32; 4]; 3] {
 #[allow(clippy::needless_range_loop)] // tile loops index several arrays
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores<const MR: usize, E: Elem>(
+pub(super) unsafe fn scores<const MR: usize, E: Elem>(
     q: &[*const f32],
     k: &[*const E; 4],
     hd: usize,
@@ -298,7 +396,7 @@ unsafe fn scores<const MR: usize, E: Elem>(
 /// l5) + (l6 + l7))`.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn reduce4(a: [__m256; 4]) -> [f32; 4] {
+pub(super) fn reduce4(a: [__m256; 4]) -> [f32; 4] {
     let h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     // Lanes 0-3 hold (l0+l1)+(l2+l3) of a0..a3; lanes 4-7 (l4+l5)+(l6+l7).
     let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -316,7 +414,7 @@ fn reduce4(a: [__m256; 4]) -> [f32; 4] {
 /// # Safety
 /// AVX2/FMA.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn softmax(s: &mut [f32]) {
+pub(super) unsafe fn softmax(s: &mut [f32]) {
     let whole = s.len() / 8 * 8;
     let (body, tail) = s.split_at_mut(whole);
     // The maximum is exact in any order.

@@ -12,8 +12,9 @@
 //!
 //! Nothing in that depends on the batch, on a row's place in it, on the tile
 //! shape or on the thread, so a sequence computes the same bits alone,
-//! batched, chunked or whole; and the AVX2 path and the portable path agree
-//! to the bit (the portable one uses `f32::mul_add`, which is a single
+//! batched, chunked or whole; and the AVX-512, AVX2 and portable paths
+//! agree to the bit (AVX-512 keeps two of these eight-lane chains in one
+//! register, one per half: see `x86_512`) (the portable one uses `f32::mul_add`, which is a single
 //! instruction where the target has FMA and a correctly rounded library
 //! call where it has not).
 //!
@@ -26,9 +27,10 @@
 
 use rayon::prelude::*;
 
+use super::{scalar, QFormat, QMatrix};
 #[cfg(target_arch = "x86_64")]
-use super::x86;
-use super::{scalar, Kernel, QFormat, QMatrix};
+use super::{x86, x86_512};
+use crate::cpu::Path;
 
 /// Weight rows per task (and per dequantized panel) for small batches; a
 /// multiple of the register tiles' 4 and 8.
@@ -69,7 +71,7 @@ thread_local! {
 /// per block, a small cost beside the block's multiply-adds. All (block,
 /// panel) pairs are one parallel section, so the cores stay evenly loaded
 /// however few panels a matrix has (576 rows are only nine wide panels).
-pub(super) fn matmul(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+pub(super) fn matmul(kernel: Path, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     assert_eq!(x.len(), rows * k, "activation shape");
     assert_eq!(out.len(), rows * n, "output shape");
@@ -103,9 +105,7 @@ pub(super) fn matmul(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &
         }
         PANEL_BUF.with_borrow_mut(|buf| {
             buf.resize(prows * k, 0.0);
-            kernel.dequantize(w.format, bytes, &mut buf[..nr * k]);
-            // Rows past the matrix's end compute zeros nobody reads.
-            buf[nr * k..].fill(0.0);
+            kernel.fill_panel(w.format, bytes, nr, prows, k, buf);
             // The next panel's weights come from memory while this one's
             // multiply-adds run, a few cache lines per register tile (a
             // thread's tasks are mostly consecutive panels; another
@@ -127,16 +127,50 @@ pub(super) fn matmul(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &
 /// Activation bytes per row block of [`matmul`] (half of a 512 KiB L2).
 const ROW_BLOCK_BYTES: usize = 256 << 10;
 
-impl Kernel {
+impl Path {
+    /// Dequantize whole blocks into `out`, rows contiguous.
+    ///
+    /// # Panics
+    /// If the path is not [`Path::available`] on this CPU (so the SIMD
+    /// builds below only run where their features are).
     pub(super) fn dequantize(self, format: QFormat, w: &[u8], out: &mut [f32]) {
+        assert!(
+            self.available(),
+            "{} kernels on a CPU without them",
+            self.name()
+        );
         match self {
-            Self::Scalar => scalar::dequantize_row(format, w, out),
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Avx2` is only chosen when the CPU has AVX2/FMA/F16C.
+            // SAFETY: the CPU has the features (asserted).
             Self::Avx2 => unsafe { x86::dequantize(format, w, out) },
-            #[cfg(not(target_arch = "x86_64"))]
-            Self::Avx2 => scalar::dequantize_row(format, w, out),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Self::Avx512 => unsafe { x86_512::dequantize(format, w, out) },
+            _ => scalar::dequantize_row(format, w, out),
         }
+    }
+
+    /// Dequantize `live` rows (`w`) into a panel of `prows` rows in this
+    /// path's layout (the AVX-512 one pair-interleaves rows); rows past
+    /// the matrix's end are zeros, whose results nobody reads.
+    fn fill_panel(
+        self,
+        format: QFormat,
+        w: &[u8],
+        live: usize,
+        prows: usize,
+        k: usize,
+        buf: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if self == Self::Avx512 {
+            assert!(self.available(), "avx512 kernels on a CPU without them");
+            // SAFETY: the CPU has the features (asserted).
+            unsafe { x86_512::dequantize_pairs(format, w, live, prows, k, buf) };
+            return;
+        }
+        self.dequantize(format, w, &mut buf[..live * k]);
+        buf[live * k..prows * k].fill(0.0);
     }
 
     /// Every row of `x` against the `PANEL` rows of `panel`; writes
@@ -159,8 +193,14 @@ impl Kernel {
     ) {
         match self {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: features as above; `out` by the caller.
+            // SAFETY: the panel was filled by `fill_panel`, which checked
+            // the features; `out` by the caller.
             Self::Avx2 => unsafe { x86::panel(x, rows, k, panel, prows, live, out, stride, ahead) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above (pair-interleaved panel).
+            Self::Avx512 => unsafe {
+                x86_512::panel(x, rows, k, panel, prows, live, out, stride, ahead)
+            },
             _ => {
                 let _ = ahead; // no prefetch hints on the portable path
                 for t in 0..rows {
@@ -176,11 +216,11 @@ impl Kernel {
     }
 }
 
-impl Kernel {
+impl Path {
     /// Whether `rows` activation rows take the fused path.
     fn fuses(self, rows: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if self == Self::Avx2 {
+        if self != Self::Portable {
             return rows <= x86::FUSED_ROWS;
         }
         let _ = rows;
@@ -202,9 +242,21 @@ impl Kernel {
         stride: usize,
     ) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `fuses` is only true for `Avx2`; `out` by the caller.
-        unsafe {
-            x86::fused(format, x, rows, k, w, out, stride)
+        {
+            assert!(
+                self.available(),
+                "{} kernels on a CPU without them",
+                self.name()
+            );
+            // SAFETY: `fuses` is only true for the SIMD paths, whose
+            // features the CPU has (asserted); `out` by the caller.
+            unsafe {
+                if self == Self::Avx512 {
+                    x86_512::fused(format, x, rows, k, w, out, stride)
+                } else {
+                    x86::fused(format, x, rows, k, w, out, stride)
+                }
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!(

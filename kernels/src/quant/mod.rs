@@ -19,7 +19,7 @@
 //! # Determinism
 //! Every output element is computed by the same sequence of floating-point
 //! operations whatever the batch size, the position of its row in the batch,
-//! the register tile, the thread, or the path (AVX2 or portable): a
+//! the register tile, the thread, or the path (AVX-512, AVX2 or portable): a
 //! sequence decodes to the same tokens alone or batched, prompt chunked or
 //! whole, and a disaggregated run equals the reference engine token for
 //! token.
@@ -36,17 +36,23 @@
 //! Output rows are split across the rayon pool (every core).
 //!
 //! # Paths
-//! [`Kernel::detect`] picks the AVX2 (with FMA and F16C) path at run time
-//! when the CPU has it, else the portable path (`f32::mul_add`), which is
-//! also the reference the fast path is tested against, to the bit. Nothing
-//! depends on the compile-time target, so one binary runs everywhere.
+//! [`crate::cpu::path`] (the process's path, chosen once) picks AVX-512
+//! (`x86_512`), AVX2 with FMA and F16C (`x86`), or the portable path
+//! (`f32::mul_add`), which is also the reference the fast paths are tested
+//! against, to the bit. Nothing depends on the compile-time target, so one
+//! binary runs everywhere. [`matmul_with`] runs a chosen path (tests,
+//! benchmarks).
 
 mod gemm;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_512;
 
 use thiserror::Error;
+
+pub use crate::cpu::Path;
 
 /// Values per quantization block (both formats).
 pub const BLOCK: usize = 32;
@@ -151,7 +157,7 @@ impl QMatrix {
         cols: usize,
         data: Vec<u8>,
     ) -> Result<Self, QuantError> {
-        if cols % BLOCK != 0 || cols / BLOCK > MAX_BLOCKS {
+        if !cols.is_multiple_of(BLOCK) || cols / BLOCK > MAX_BLOCKS {
             return Err(QuantError::Columns { cols });
         }
         let expected = rows
@@ -258,40 +264,14 @@ impl QMatrix {
     /// and the exact reference in tests.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols, "one row of output");
-        Kernel::detect().dequantize(self.format, self.row(r), out);
+        crate::cpu::path().dequantize(self.format, self.row(r), out);
     }
 }
 
-/// Which implementation runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kernel {
-    /// Portable Rust; the reference.
-    Scalar,
-    /// AVX2 with FMA and F16C (x86-64).
-    Avx2,
-}
-
-impl Kernel {
-    /// The fastest implementation this CPU runs (checked once per process).
-    pub fn detect() -> Self {
-        static KERNEL: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
-        *KERNEL.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            if x86::available() {
-                return Kernel::Avx2;
-            }
-            Kernel::Scalar
-        })
-    }
-
-    /// Name for logs and benchmark output.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Scalar => "scalar",
-            Self::Avx2 => "avx2",
-        }
-    }
-}
+/// Which implementation runs: the crate-wide [`Path`] (kept under this
+/// name for callers of the quantized kernels; `Kernel::detect()` is the
+/// best path of this CPU, [`crate::cpu::path`] the one in use).
+pub use crate::cpu::Path as Kernel;
 
 /// `out[t, r] = sum_k x[t, k] * w[r, k]` for every activation row `t` and
 /// weight row `r`: `x` is `[rows, w.cols()]` and `out` `[rows, w.rows()]`,
@@ -300,12 +280,14 @@ impl Kernel {
 /// # Panics
 /// If the slice lengths disagree with the shapes (a caller bug).
 pub fn matmul(w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
-    matmul_with(Kernel::detect(), w, x, rows, out);
+    matmul_with(crate::cpu::path(), w, x, rows, out);
 }
 
-/// [`matmul`] with a chosen implementation (tests and benchmarks compare
-/// them).
-pub fn matmul_with(kernel: Kernel, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+/// [`matmul`] with a chosen path (tests and benchmarks compare them).
+///
+/// # Panics
+/// If this CPU lacks `kernel` ([`Path::available`]).
+pub fn matmul_with(kernel: Path, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
     gemm::matmul(kernel, w, x, rows, out);
 }
 

@@ -53,12 +53,9 @@ fn dense(w: &QMatrix) -> Vec<f32> {
     out
 }
 
-fn kernels() -> Vec<Kernel> {
-    let mut k = vec![Kernel::Scalar];
-    if Kernel::detect() != Kernel::Scalar {
-        k.push(Kernel::detect());
-    }
-    k
+/// Every path this CPU runs, portable first.
+fn kernels() -> Vec<Path> {
+    crate::cpu::available_paths()
 }
 
 #[test]
@@ -159,29 +156,88 @@ fn matmul_matches_the_dense_product() {
     }
 }
 
+/// `path` computes the portable path's bits on fresh random matrices and
+/// activations: odd row counts (partial tiles and pairs, a lone last row),
+/// every batch size from the fused one-row path to several panel tiles,
+/// and both panel widths.
+fn equals_portable(path: Path, seed: u64) {
+    let mut rng = Rng(seed);
+    for format in [QFormat::Q4_1, QFormat::Q8_0] {
+        for (n, k) in [(1, 32), (3, 96), (9, 64), (70, 1536), (131, 576)] {
+            let w = random_matrix(&mut rng, format, n, k);
+            for t in [1, 2, 3, 4, 5, 7, 13, 49, 50] {
+                let x = random_acts(&mut rng, t, k);
+                let (mut a, mut b) = (vec![0.0; t * n], vec![0.0; t * n]);
+                matmul_with(Path::Portable, &w, &x, t, &mut a);
+                matmul_with(path, &w, &x, t, &mut b);
+                assert_eq!(bits(&a), bits(&b), "{path} {format:?} [{n}x{k}], {t} rows");
+            }
+            let (mut a, mut b) = (vec![0.0; k], vec![0.0; k]);
+            scalar::dequantize_row(format, w.row(n - 1), &mut a);
+            path.dequantize(format, w.row(n - 1), &mut b);
+            assert_eq!(bits(&a), bits(&b), "{path} {format:?} dequantized row");
+        }
+    }
+}
+
 /// The AVX2 path computes the portable path's bits: same dequantized
 /// weights, same lanes, same order.
 #[test]
-fn simd_path_equals_the_portable_path_to_the_bit() {
-    if Kernel::detect() == Kernel::Scalar {
-        eprintln!("no SIMD path on this CPU; portable only");
-        return;
+fn avx2_path_equals_the_portable_path_to_the_bit() {
+    if crate::cpu::require(Path::Avx2) {
+        equals_portable(Path::Avx2, 5);
     }
-    for format in [QFormat::Q4_1, QFormat::Q8_0] {
-        let mut rng = Rng(5);
-        let (n, k) = (70, 1536);
-        let w = random_matrix(&mut rng, format, n, k);
-        for t in [1, 2, 7, 49] {
-            let x = random_acts(&mut rng, t, k);
-            let (mut a, mut b) = (vec![0.0; t * n], vec![0.0; t * n]);
-            matmul_with(Kernel::Scalar, &w, &x, t, &mut a);
-            matmul_with(Kernel::detect(), &w, &x, t, &mut b);
-            assert_eq!(bits(&a), bits(&b), "{format:?}, {t} rows");
+}
+
+/// The AVX-512 path (two chains per register) computes the portable
+/// path's bits.
+#[test]
+fn avx512_path_equals_the_portable_path_to_the_bit() {
+    if crate::cpu::require(Path::Avx512) {
+        for seed in [5, 17, 23] {
+            equals_portable(Path::Avx512, seed);
         }
-        let (mut a, mut b) = (vec![0.0; k], vec![0.0; k]);
-        scalar::dequantize_row(format, w.row(3), &mut a);
-        w.dequantize_row(3, &mut b);
-        assert_eq!(bits(&a), bits(&b), "{format:?} dequantized row");
+    }
+}
+
+/// Random shapes and batch splits (proptest): every path this CPU runs
+/// equals the portable one, and a row's bits do not depend on the batch
+/// it runs in.
+mod random {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        #[test]
+        fn every_path_equals_portable_in_any_batch(
+            seed in any::<u64>(),
+            q4 in any::<bool>(),
+            n in 1usize..40,
+            blocks in 1usize..12,
+            rows in 1usize..30,
+            cut in 0usize..30,
+        ) {
+            let format = if q4 { QFormat::Q4_1 } else { QFormat::Q8_0 };
+            let k = blocks * BLOCK;
+            let mut rng = Rng(seed | 1);
+            let w = random_matrix(&mut rng, format, n, k);
+            let x = random_acts(&mut rng, rows, k);
+            let mut want = vec![0.0; rows * n];
+            matmul_with(Path::Portable, &w, &x, rows, &mut want);
+            let cut = cut.min(rows);
+            for path in kernels() {
+                let mut got = vec![0.0; rows * n];
+                matmul_with(path, &w, &x, rows, &mut got);
+                prop_assert_eq!(bits(&want), bits(&got), "{} whole", path);
+                // The same rows in two calls.
+                let mut split = vec![0.0; rows * n];
+                let (a, b) = split.split_at_mut(cut * n);
+                matmul_with(path, &w, &x[..cut * k], cut, a);
+                matmul_with(path, &w, &x[cut * k..], rows - cut, b);
+                prop_assert_eq!(bits(&want), bits(&split), "{} split at {}", path, cut);
+            }
+        }
     }
 }
 
@@ -213,7 +269,7 @@ fn results_do_not_depend_on_the_batch() {
 /// Rows `from..to` of `x` run on their own give, to the bit, the rows of
 /// `whole` (all of `x` in one call).
 fn assert_parts_equal_whole(
-    kernel: Kernel,
+    kernel: Path,
     w: &QMatrix,
     x: &[f32],
     whole: &[f32],

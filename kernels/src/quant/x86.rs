@@ -8,13 +8,6 @@ use std::arch::x86_64::*;
 use super::{QFormat, BLOCK};
 use crate::simd::hsum;
 
-/// Whether this CPU runs this path.
-pub(super) fn available() -> bool {
-    is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-}
-
 /// Dequantize whole blocks of `w` into `out` (32 values per block).
 ///
 /// # Safety
@@ -115,8 +108,8 @@ pub(super) unsafe fn panel(
     ahead: &[u8],
 ) {
     assert!(
-        k % 8 == 0
-            && prows % (2 * TILE_ROWS) == 0
+        k.is_multiple_of(8)
+            && prows.is_multiple_of(2 * TILE_ROWS)
             && x.len() >= rows * k
             && panel.len() >= prows * k
     );
@@ -186,7 +179,9 @@ pub(super) unsafe fn fused(
 ) {
     let rb = k / BLOCK * format.block_bytes();
     let n = w.len() / rb;
-    assert!(w.len() == n * rb && x.len() >= rows * k && rows <= FUSED_ROWS && k % BLOCK == 0);
+    assert!(
+        w.len() == n * rb && x.len() >= rows * k && rows <= FUSED_ROWS && k.is_multiple_of(BLOCK)
+    );
     // SAFETY (all): as asserted; writes by the caller.
     unsafe {
         match (format, rows) {
