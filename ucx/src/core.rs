@@ -32,11 +32,12 @@ use crate::sys;
 pub(crate) enum Event {
     /// A connection request on the listener.
     Conn(sys::ucp_conn_request_h),
-    /// An active message: `id`, the key in its header, the endpoint to
-    /// reply on (null if the sender asked for none).
+    /// A control active message: `id`, the key and aux of its header, the
+    /// endpoint to reply on (null if the sender asked for none).
     Am {
         id: u32,
         key: u64,
+        aux: u64,
         ep: sys::ucp_ep_h,
     },
     /// An endpoint failed (peer gone, connection reset, closed by the
@@ -57,13 +58,19 @@ pub(crate) enum Op {
     Close { id: u64 },
     /// A put of `data` for the grant `key`.
     Put { key: u64, _data: Vec<u8> },
+    /// A data message for the grant `key`; its header and data.
+    Data {
+        key: u64,
+        _header: Box<[u8; 16]>,
+        _data: Vec<u8>,
+    },
     /// A flush of the grant `key`'s endpoint.
     Flush {
         key: u64,
         reply: oneshot::Sender<Result<(), UcxError>>,
     },
-    /// An active message; its header.
-    Am { _header: Box<[u8; 8]> },
+    /// A control active message; its header.
+    Am { _header: Box<[u8; 16]> },
     /// The close of an endpoint that never bound a key.
     CloseSpare,
 }
@@ -220,9 +227,26 @@ impl Core {
         Ok(core)
     }
 
-    /// Registers the handler of active messages `id` ([`crate::AM_BIND`]
-    /// or [`crate::AM_BOUND`]), the queue as its `arg`.
+    /// Registers the handler of control messages `id` (any id but
+    /// [`crate::AM_DATA`]), the queue as its `arg`.
     pub(crate) fn set_am_handler(&self, id: u32) -> Result<(), UcxError> {
+        let cb: sys::ucp_am_recv_callback_t = Some(match id {
+            crate::AM_BIND => on_bind,
+            crate::AM_BOUND => on_bound,
+            crate::AM_FENCE => on_fence,
+            _ => on_fenced,
+        });
+        self.set_handler(id, cb, self.queue.cast())
+    }
+
+    /// Registers `cb` for active messages `id`, with `arg` (which must
+    /// outlive the worker).
+    pub(crate) fn set_handler(
+        &self,
+        id: u32,
+        cb: sys::ucp_am_recv_callback_t,
+        arg: *mut c_void,
+    ) -> Result<(), UcxError> {
         // SAFETY: zeroed handler params are valid.
         let mut p: sys::ucp_am_handler_param_t = unsafe { MaybeUninit::zeroed().assume_init() };
         p.field_mask = u64::from(
@@ -231,13 +255,9 @@ impl Core {
                 | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG,
         );
         p.id = id;
-        p.cb = Some(if id == crate::AM_BIND {
-            on_bind
-        } else {
-            on_bound
-        });
-        p.arg = self.queue.cast();
-        // SAFETY: worker live; the queue outlives the worker (Drop).
+        p.cb = cb;
+        p.arg = arg;
+        // SAFETY: worker live; the argument outlives the worker.
         let st = unsafe {
             self.api
                 .ucp()
@@ -323,9 +343,12 @@ impl Core {
         self.posted(ret, user);
     }
 
-    /// Sends active message `id` with `key` as its header on `ep`.
-    pub(crate) fn send_am(&self, ep: sys::ucp_ep_h, id: u32, key: u64, reply: bool) {
-        let header = Box::new(key.to_le_bytes());
+    /// Sends control message `id` with header (`key`, `aux`) on `ep`.
+    pub(crate) fn send_am(&self, ep: sys::ucp_ep_h, id: u32, key: u64, aux: u64, reply: bool) {
+        let mut h = [0u8; 16];
+        h[..8].copy_from_slice(&key.to_le_bytes());
+        h[8..].copy_from_slice(&aux.to_le_bytes());
+        let header = Box::new(h);
         let hp = header.as_ptr();
         let flags = if reply {
             sys::UCP_AM_SEND_FLAG_REPLY
@@ -337,9 +360,67 @@ impl Core {
         let ret = unsafe {
             self.api
                 .ucp()
-                .ucp_am_send_nbx(ep, id, hp.cast(), 8, ptr::null(), 0, &p)
+                .ucp_am_send_nbx(ep, id, hp.cast(), 16, ptr::null(), 0, &p)
         };
         self.posted(ret, user);
+    }
+
+    /// Sends `data` for `key` at `offset` as a data message on `ep`
+    /// (eager only, so that the target handles it in order with the fence
+    /// after it; reply-ep, so that the target knows the endpoint).
+    pub(crate) fn send_data(&self, ep: sys::ucp_ep_h, key: u64, offset: u64, data: Vec<u8>) {
+        let mut h = [0u8; 16];
+        h[..8].copy_from_slice(&key.to_le_bytes());
+        h[8..].copy_from_slice(&offset.to_le_bytes());
+        let header = Box::new(h);
+        let (hp, dp, len) = (header.as_ptr(), data.as_ptr(), data.len());
+        let (p, user) = self.request(
+            Op::Data {
+                key,
+                _header: header,
+                _data: data,
+            },
+            sys::UCP_AM_SEND_FLAG_REPLY | sys::UCP_AM_SEND_FLAG_EAGER,
+        );
+        // SAFETY: ep live; header and data live in the op box until the
+        // request completes.
+        let ret = unsafe {
+            self.api
+                .ucp()
+                .ucp_am_send_nbx(ep, crate::AM_DATA, hp.cast(), 16, dp.cast(), len, &p)
+        };
+        self.posted(ret, user);
+    }
+
+    /// Whether `ep`'s puts are hardware RMA (InfiniBand, RoCE: RDMA writes,
+    /// no target CPU): it has RMA lanes and none is UCX's `tcp`. Over
+    /// `tcp`, puts below the zero-copy size are emulated in software and
+    /// acknowledged from the target, and an acknowledgement that fails
+    /// (the writer died) aborts the target process inside UCX
+    /// (`ucp_request_try_send`: "unexpected error", in 1.13 and upstream);
+    /// data then travels as active messages instead. UCX 1.13 has no query
+    /// for an endpoint's transports: this reads the lane table
+    /// `ucp_ep_print_info` writes ([`hardware_rma`]).
+    pub(crate) fn ep_has_rma_lane(&self, ep: sys::ucp_ep_h) -> bool {
+        let (mut buf, mut size): (*mut libc::c_char, libc::size_t) = (ptr::null_mut(), 0);
+        // SAFETY: out-pointers valid; the stream is closed below.
+        let f = unsafe { libc::open_memstream(&mut buf, &mut size) };
+        if f.is_null() {
+            return false;
+        }
+        // SAFETY: ep live; `f` is a valid FILE (libc's, the same type).
+        unsafe { self.api.ucp().ucp_ep_print_info(ep, f.cast()) };
+        // SAFETY: closing flushes into `buf`, which is then ours to free.
+        unsafe { libc::fclose(f) };
+        if buf.is_null() {
+            return false;
+        }
+        // SAFETY: `size` bytes at `buf`.
+        let text = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) };
+        let rma = hardware_rma(&String::from_utf8_lossy(text));
+        // SAFETY: allocated by open_memstream, freed once.
+        unsafe { libc::free(buf.cast()) };
+        rma
     }
 
     /// Runs progress until it has nothing to do; the events recorded.
@@ -386,6 +467,17 @@ impl Drop for Core {
     }
 }
 
+/// From `ucp_ep_print_info`'s lane table (`lane[1]:  1:tcp/lo.0 md[1] ->
+/// ... rma_bw#0 am am_bw#0 wireup`): whether there is an RMA lane and none
+/// of them is `tcp`.
+pub(crate) fn hardware_rma(info: &str) -> bool {
+    let rma: Vec<&str> = info
+        .lines()
+        .filter(|l| l.contains("lane[") && l.contains("rma"))
+        .collect();
+    !rma.is_empty() && !rma.iter().any(|l| l.contains(":tcp/"))
+}
+
 /// `UCS_PTR_IS_ERR`.
 fn is_err(p: sys::ucs_status_ptr_t) -> bool {
     (p as usize) >= (sys::UCS_ERR_LAST as isize as usize)
@@ -418,32 +510,58 @@ pub(crate) unsafe extern "C" fn on_conn(req: sys::ucp_conn_request_h, arg: *mut 
         .push(Event::Conn(req));
 }
 
-unsafe extern "C" fn on_bind(
-    arg: *mut c_void,
-    header: *const c_void,
-    header_length: usize,
-    _data: *mut c_void,
-    _length: usize,
-    param: *const sys::ucp_am_recv_param_t,
-) -> sys::ucs_status_t {
-    // SAFETY: as UCX calls it.
-    unsafe { record_am(crate::AM_BIND, arg, header, header_length, param) }
+macro_rules! control_handler {
+    ($name:ident, $id:expr) => {
+        unsafe extern "C" fn $name(
+            arg: *mut c_void,
+            header: *const c_void,
+            header_length: usize,
+            _data: *mut c_void,
+            _length: usize,
+            param: *const sys::ucp_am_recv_param_t,
+        ) -> sys::ucs_status_t {
+            // SAFETY: as UCX calls it.
+            unsafe { record_am($id, arg, header, header_length, param) }
+        }
+    };
 }
 
-unsafe extern "C" fn on_bound(
-    arg: *mut c_void,
-    header: *const c_void,
-    header_length: usize,
-    _data: *mut c_void,
-    _length: usize,
-    param: *const sys::ucp_am_recv_param_t,
-) -> sys::ucs_status_t {
-    // SAFETY: as UCX calls it.
-    unsafe { record_am(crate::AM_BOUND, arg, header, header_length, param) }
+control_handler!(on_bind, crate::AM_BIND);
+control_handler!(on_bound, crate::AM_BOUND);
+control_handler!(on_fence, crate::AM_FENCE);
+control_handler!(on_fenced, crate::AM_FENCED);
+
+/// A control message's 16-byte header: key, aux.
+pub(crate) unsafe fn header_of(header: *const c_void, header_length: usize) -> Option<(u64, u64)> {
+    if header_length != 16 || header.is_null() {
+        return None;
+    }
+    let mut h = [0u8; 16];
+    // SAFETY: 16 readable header bytes.
+    unsafe { ptr::copy_nonoverlapping(header.cast::<u8>(), h.as_mut_ptr(), 16) };
+    let (k, a) = h.split_at(8);
+    Some((
+        u64::from_le_bytes(k.try_into().ok()?),
+        u64::from_le_bytes(a.try_into().ok()?),
+    ))
 }
 
-/// Both messages carry the key as an 8-byte header and no data; anything
-/// else is dropped (nothing is kept). A bind's reply endpoint is the
+/// The reply endpoint of a message, or null.
+pub(crate) unsafe fn reply_ep(param: *const sys::ucp_am_recv_param_t) -> sys::ucp_ep_h {
+    if param.is_null() {
+        return ptr::null_mut();
+    }
+    // SAFETY: param valid for the call.
+    let p = unsafe { &*param };
+    if p.recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 {
+        p.reply_ep
+    } else {
+        ptr::null_mut()
+    }
+}
+
+/// Control messages carry a 16-byte header and no data; anything else is
+/// dropped (nothing is kept). A bind's or fence's reply endpoint is the
 /// target's endpoint of the connection it came on.
 unsafe fn record_am(
     id: u32,
@@ -452,27 +570,16 @@ unsafe fn record_am(
     header_length: usize,
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
-    if header_length != 8 || header.is_null() || param.is_null() {
+    // SAFETY: as UCX passed them.
+    let Some((key, aux)) = (unsafe { header_of(header, header_length) }) else {
         return sys::UCS_OK;
-    }
-    let mut k = [0u8; 8];
-    // SAFETY: 8 readable header bytes.
-    unsafe { ptr::copy_nonoverlapping(header.cast::<u8>(), k.as_mut_ptr(), 8) };
-    // SAFETY: param valid for the call.
-    let p = unsafe { &*param };
-    let ep = if p.recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 {
-        p.reply_ep
-    } else {
-        ptr::null_mut()
     };
+    // SAFETY: as UCX passed it.
+    let ep = unsafe { reply_ep(param) };
     // SAFETY: `arg` is the worker's queue.
     unsafe { &*arg.cast::<Queue>() }
         .borrow_mut()
-        .push(Event::Am {
-            id,
-            key: u64::from_le_bytes(k),
-            ep,
-        });
+        .push(Event::Am { id, key, aux, ep });
     sys::UCS_OK
 }
 
@@ -785,6 +892,26 @@ mod tests {
             let e = check_tls(bad).expect_err(bad);
             assert_eq!(e.kind(), "ucx_unsafe_transport", "{bad}");
         }
+    }
+
+    #[test]
+    fn only_non_tcp_rma_lanes_count_as_hardware_rma() {
+        // What UCX 1.13 printed here for a client-server endpoint over tcp.
+        let tcp = "#                 lane[0]: cm rdmacm\n\
+                   #                 lane[1]:  1:tcp/lo.0 md[1]  -> md[1]/tcp/sysdev[255] rma_bw#0 am am_bw#0 wireup\n\
+                   #                 lane[2]:  2:tcp/eth0.0 md[1] -> md[1]/tcp/sysdev[255] rma_bw#1\n\
+                   #                  rma_bw: mds [1] rndv_rkey_size 10\n";
+        assert!(!hardware_rma(tcp));
+        let ib =
+            "#  lane[0]:  3:rc_mlx5/mlx5_0:1 md[2] -> md[2]/ib/sysdev[255] rma_bw#0 am am_bw#0\n\
+                  #  lane[1]:  5:ud_mlx5/mlx5_0:1 md[2] -> md[2]/ib/sysdev[255] wireup\n";
+        assert!(hardware_rma(ib));
+        let mixed = "#  lane[0]:  3:rc_mlx5/mlx5_0:1 md[2] -> md[2]/ib rma_bw#0 am\n\
+                     #  lane[1]:  1:tcp/eth0.0 md[1] -> md[1]/tcp rma_bw#1\n";
+        assert!(!hardware_rma(mixed));
+        assert!(!hardware_rma(
+            "#  lane[0]:  1:tcp/lo.0 md[1] -> md[1]/tcp am am_bw#0\n"
+        ));
     }
 
     #[test]

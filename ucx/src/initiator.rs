@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 
 use crate::core::{Actor, Core, Event, Op, Runner, SockAddr};
 use crate::error::UcxError;
-use crate::{sys, AM_BIND, AM_BOUND};
+use crate::{sys, AM_BIND, AM_BOUND, AM_FENCE, AM_FENCED};
 
 /// Endpoints kept connected to each target, ready to bind.
 const SPARES: usize = 2;
@@ -38,6 +38,7 @@ pub struct Remote {
 /// A writer's UCX worker: one progress thread, any number of grants.
 pub struct Initiator {
     runner: Runner<InitiatorState>,
+    path: DataPath,
 }
 
 impl fmt::Debug for Initiator {
@@ -47,20 +48,46 @@ impl fmt::Debug for Initiator {
 }
 
 impl Initiator {
-    /// Starts the worker.
+    /// Starts the worker, data path [`DataPath::Auto`].
     pub fn start() -> Result<Self, UcxError> {
+        Self::with_path(DataPath::Auto)
+    }
+
+    /// Starts the worker with data path `path`.
+    pub fn with_path(path: DataPath) -> Result<Self, UcxError> {
         crate::load()?;
-        let runner = Runner::spawn("kvmesh-ucx-writer", || {
+        let runner = Runner::spawn("kvmesh-ucx-writer", move || {
             let core = Core::new("kvmesh-writer")?;
             core.set_am_handler(AM_BOUND)?;
+            core.set_am_handler(AM_FENCED)?;
             Ok(InitiatorState {
                 core,
+                path,
                 grants: HashMap::new(),
                 spares: HashMap::new(),
                 by_ep: HashMap::new(),
             })
         })?;
-        Ok(Self { runner })
+        Ok(Self { runner, path })
+    }
+
+    /// Whether `key`'s endpoint sends puts (`Some(true)`) or data messages
+    /// (`Some(false)`); `None` before it is bound.
+    pub async fn uses_puts(&self, key: u64) -> Result<Option<bool>, UcxError> {
+        self.runner
+            .call(move |s: &mut InitiatorState| {
+                s.grants.get(&key).and_then(|g| match g.path {
+                    Path::Undecided => None,
+                    Path::Puts => Some(true),
+                    Path::Messages => Some(false),
+                })
+            })
+            .await
+    }
+
+    /// The data path asked for at start.
+    pub fn data_path(&self) -> DataPath {
+        self.path
     }
 
     /// Connects an endpoint for `key` to `remote` and binds it: returns
@@ -145,9 +172,44 @@ struct GrantEp {
     ep: sys::ucp_ep_h,
     remote: Arc<Remote>,
     rkey: sys::ucp_rkey_h,
+    /// How data travels on this endpoint (decided once bound).
+    path: Path,
     failed: Option<UcxError>,
     bind: Option<oneshot::Sender<Result<(), UcxError>>>,
+    /// Fences sent and not yet answered, by sequence number.
+    fences: HashMap<u64, oneshot::Sender<Result<(), UcxError>>>,
+    next_fence: u64,
+    /// Data messages were sent since the last fence: a flush needs a
+    /// fence. Without, it completes at once, as `ucp_ep_flush_nbx` does
+    /// with nothing outstanding (so draining a grant the target has
+    /// already revoked, whose endpoint it closed, does not wait on an
+    /// answer that cannot come).
+    unfenced: bool,
     closing: bool,
+}
+
+/// How a writer's data reaches the target's region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DataPath {
+    /// Puts where the endpoint has an RMA lane (RDMA), data messages
+    /// otherwise: UCX's software puts (its `tcp`) acknowledge each put from
+    /// the target, and a failed acknowledgement (the writer died) aborts
+    /// the target process inside UCX.
+    #[default]
+    Auto,
+    /// Always one-sided puts (`ucp_put_nbx`; flushed by `ucp_ep_flush_nbx`).
+    Puts,
+    /// Always data messages (active messages the target lands only while
+    /// the endpoint is bound to the key; flushed by a fence round trip).
+    Messages,
+}
+
+/// What an endpoint uses, once decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Undecided,
+    Puts,
+    Messages,
 }
 
 /// An endpoint connected ahead of need, not yet bound to a key.
@@ -165,6 +227,7 @@ enum Owner {
 
 struct InitiatorState {
     core: Core,
+    path: DataPath,
     grants: HashMap<u64, GrantEp>,
     /// Connected endpoints per target, ready to bind: connecting (wire-up)
     /// takes milliseconds, binding a round trip.
@@ -259,13 +322,17 @@ impl InitiatorState {
                 ep,
                 remote,
                 rkey: ptr::null_mut(),
+                path: Path::Undecided,
                 failed: None,
                 bind: Some(reply),
+                fences: HashMap::new(),
+                next_fence: 0,
+                unfenced: false,
                 closing: false,
             },
         );
         self.by_ep.insert(ep as usize, Owner::Grant(key));
-        self.core.send_am(ep, AM_BIND, key, true);
+        self.core.send_am(ep, AM_BIND, key, 0, true);
         self.top_up(address);
     }
 
@@ -288,6 +355,14 @@ impl InitiatorState {
         match UcxError::check(self.core.api, "ucp_ep_rkey_unpack", st) {
             Ok(()) => {
                 g.rkey = rkey;
+                // Wire-up is done (the target answered through it): the
+                // lanes are final.
+                g.path = match self.path {
+                    DataPath::Puts => Path::Puts,
+                    DataPath::Messages => Path::Messages,
+                    DataPath::Auto if self.core.ep_has_rma_lane(g.ep) => Path::Puts,
+                    DataPath::Auto => Path::Messages,
+                };
                 let _ = reply.send(Ok(()));
             }
             Err(e) => {
@@ -314,6 +389,12 @@ impl InitiatorState {
             });
             return;
         }
+        if g.path == Path::Messages {
+            g.unfenced = true;
+            let ep = g.ep;
+            self.core.send_data(ep, key, offset, data);
+            return;
+        }
         let (ptr_, len) = (data.as_ptr(), data.len());
         let remote = g.remote.base + offset;
         let (ep, rkey) = (g.ep, g.rkey);
@@ -336,6 +417,26 @@ impl InitiatorState {
         };
         if let Some(e) = &g.failed {
             let _ = reply.send(Err(e.clone()));
+            return;
+        }
+        if g.path == Path::Messages {
+            // Answered once the target handled every data message before
+            // it (one lane, eager: in order).
+            let Some(g) = self.grants.get_mut(&key) else {
+                return;
+            };
+            if !g.unfenced {
+                let _ = reply.send(Ok(()));
+                return;
+            }
+            // Covers every data message sent before it (one lane, in
+            // order); later ones set `unfenced` again.
+            g.unfenced = false;
+            let seq = g.next_fence;
+            g.next_fence += 1;
+            g.fences.insert(seq, reply);
+            let ep = g.ep;
+            self.core.send_am(ep, AM_FENCE, key, seq, true);
             return;
         }
         let ep = g.ep;
@@ -361,6 +462,9 @@ impl InitiatorState {
         if let Some(reply) = g.bind.take() {
             let _ = reply.send(Err(UcxError::Closed(key)));
         }
+        for (_, reply) in g.fences.drain() {
+            let _ = reply.send(Err(UcxError::Closed(key)));
+        }
         // Later events about this address are not this endpoint's.
         self.by_ep.remove(&(g.ep as usize));
         // Flushed, not forced, unless the endpoint already failed (then
@@ -374,7 +478,21 @@ impl InitiatorState {
             if let Some(reply) = g.bind.take() {
                 let _ = reply.send(Err(e.clone()));
             }
+            for (_, reply) in g.fences.drain() {
+                let _ = reply.send(Err(e.clone()));
+            }
             g.failed.get_or_insert(e);
+        }
+    }
+
+    fn fenced(&mut self, key: u64, seq: u64) {
+        if let Some(g) = self.grants.get_mut(&key) {
+            if let Some(reply) = g.fences.remove(&seq) {
+                let _ = reply.send(match &g.failed {
+                    Some(e) => Err(e.clone()),
+                    None => Ok(()),
+                });
+            }
         }
     }
 }
@@ -388,6 +506,7 @@ impl Actor for InitiatorState {
         for e in events {
             match e {
                 Event::Am { id, key, .. } if id == AM_BOUND => self.bound(key),
+                Event::Am { id, key, aux, .. } if id == AM_FENCED => self.fenced(key, aux),
                 Event::Am { .. } | Event::Conn(_) => {}
                 Event::EpError { ep, status } => match self.by_ep.get(&(ep as usize)) {
                     Some(&Owner::Grant(key)) => {
@@ -409,6 +528,10 @@ impl Actor for InitiatorState {
                         let e = UcxError::status(self.core.api, "ucp_put_nbx", status);
                         self.fail(key, e);
                     }
+                    Op::Data { key, .. } if status != sys::UCS_OK => {
+                        let e = UcxError::status(self.core.api, "ucp_am_send_nbx", status);
+                        self.fail(key, e);
+                    }
                     Op::Flush { key, reply } => {
                         let failed = self.grants.get(&key).and_then(|g| g.failed.clone());
                         let r = match (status, failed) {
@@ -423,7 +546,7 @@ impl Actor for InitiatorState {
                     Op::Close { id: key } => {
                         self.grants.remove(&key);
                     }
-                    Op::Put { .. } | Op::Am { .. } | Op::CloseSpare => {}
+                    Op::Put { .. } | Op::Data { .. } | Op::Am { .. } | Op::CloseSpare => {}
                 },
             }
         }

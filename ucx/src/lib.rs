@@ -70,11 +70,21 @@ pub mod sys;
 
 pub use api::{load, version, Api};
 pub use error::UcxError;
-pub use initiator::{Initiator, Remote};
+pub use initiator::{DataPath, Initiator, Remote};
 pub use target::{Revoke, Target, TargetStats};
 
-/// Active-message id of a writer's bind: header = the grant key (8 bytes,
-/// little-endian), sent with reply-ep so the target learns the endpoint.
+// Active messages. Headers are 16 bytes: the grant key and one more
+// little-endian u64 (`aux`); the control messages carry no data.
+/// A writer's bind (aux 0), sent with reply-ep so the target learns the
+/// endpoint.
 pub(crate) const AM_BIND: u32 = 0x6b76_0001;
-/// Active-message id of the target's acknowledgement: header = the key.
+/// The target's acknowledgement of a bind (aux 0).
 pub(crate) const AM_BOUND: u32 = 0x6b76_0002;
+/// Data for the grant (aux: offset in the region), where the endpoint has
+/// no RMA lane (see [`Initiator`]).
+pub(crate) const AM_DATA: u32 = 0x6b76_0003;
+/// A writer's fence (aux: sequence number), after its data messages.
+pub(crate) const AM_FENCE: u32 = 0x6b76_0004;
+/// The target's answer to a fence, once every data message before it was
+/// handled (aux: the fence's sequence number).
+pub(crate) const AM_FENCED: u32 = 0x6b76_0005;

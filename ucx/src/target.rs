@@ -9,7 +9,9 @@
 //! second bind on one endpoint, closes that endpoint. Revoking an `Open`
 //! key completes at once: no endpoint can bind to it afterwards.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::fmt;
 use std::mem::MaybeUninit;
 use std::net::SocketAddr;
@@ -20,9 +22,12 @@ use std::time::{Duration, Instant};
 
 use memmap2::MmapRaw;
 
-use crate::core::{connectable, on_conn, socket_addr, Actor, Core, Event, Op, Runner, SockAddr};
+use crate::core::{
+    connectable, header_of, on_conn, reply_ep, socket_addr, Actor, Core, Event, Op, Runner,
+    SockAddr,
+};
 use crate::error::UcxError;
-use crate::{sys, AM_BIND, AM_BOUND};
+use crate::{sys, AM_BIND, AM_BOUND, AM_DATA, AM_FENCE, AM_FENCED};
 
 /// An endpoint that has not bound a key within this long is closed
 /// (writers keep spare endpoints connected, renewed well before this).
@@ -59,6 +64,11 @@ pub struct TargetStats {
     pub ep_errors: AtomicU64,
     /// Endpoint closes completed.
     pub closed: AtomicU64,
+    /// Data messages landed (endpoints without an RMA lane).
+    pub data_landed: AtomicU64,
+    /// Data messages refused: their endpoint was not bound to their key
+    /// (revoked: the close under way), or the range left the region.
+    pub data_refused: AtomicU64,
 }
 
 struct Shared {
@@ -242,6 +252,87 @@ impl Target {
     }
 }
 
+/// Where data messages land: the target's region and which endpoint each
+/// key is bound to. The target's actor updates `bound` (binding, and
+/// unbinding before it asks for a close); [`on_data`] reads it, both on the
+/// progress thread, so a data message of a revoked key is refused even
+/// before its endpoint's close completes.
+struct Sink {
+    base: usize,
+    len: usize,
+    bound: RefCell<HashMap<usize, u64>>,
+    shared: Arc<Shared>,
+}
+
+impl Sink {
+    fn new(base: usize, len: usize, shared: Arc<Shared>) -> Self {
+        Self {
+            base,
+            len,
+            bound: RefCell::default(),
+            shared,
+        }
+    }
+
+    fn bind(&self, ep: sys::ucp_ep_h, key: u64) {
+        self.bound.borrow_mut().insert(ep as usize, key);
+    }
+
+    fn unbind(&self, ep: sys::ucp_ep_h) {
+        self.bound.borrow_mut().remove(&(ep as usize));
+    }
+}
+
+/// A data message: lands only if its endpoint is bound to its key and the
+/// range is inside the region; otherwise it is dropped and counted (the
+/// transfer's checksums then fail). Eager data is handed whole to the
+/// callback and valid only during it: copied here.
+unsafe extern "C" fn on_data(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: `arg` is the target's sink, which outlives its worker.
+    let sink = unsafe { &*arg.cast::<Sink>() };
+    // SAFETY: as UCX passed them.
+    let (head, ep) = unsafe { (header_of(header, header_length), reply_ep(param)) };
+    // SAFETY: param valid for the call.
+    let rndv = !param.is_null()
+        && unsafe { &*param }.recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    let ok = match head {
+        Some((key, offset)) if !ep.is_null() && !data.is_null() && !rndv => {
+            sink.bound.borrow().get(&(ep as usize)) == Some(&key)
+                && usize::try_from(offset)
+                    .ok()
+                    .and_then(|o| o.checked_add(length))
+                    .is_some_and(|end| end <= sink.len)
+        }
+        _ => false,
+    };
+    if ok {
+        let offset = head.map_or(0, |(_, o)| o as usize);
+        // SAFETY: `length` readable bytes at `data`; the destination is
+        // inside the region (checked above), which the pool lets only this
+        // key's writer write while it is bound (the transport's contract).
+        unsafe {
+            ptr::copy_nonoverlapping(data.cast::<u8>(), (sink.base + offset) as *mut u8, length)
+        };
+        sink.shared
+            .stats
+            .data_landed
+            .fetch_add(1, Ordering::Relaxed);
+    } else {
+        sink.shared
+            .stats
+            .data_refused
+            .fetch_add(1, Ordering::Relaxed);
+    }
+    sys::UCS_OK
+}
+
 struct Conn {
     ep: sys::ucp_ep_h,
     key: Option<u64>,
@@ -263,6 +354,9 @@ struct TargetState {
     ids: HashMap<usize, u64>,
     by_key: HashMap<u64, u64>,
     next_id: u64,
+    /// Where data messages land; after `core`, so it outlives the worker
+    /// whose handler points at it.
+    sink: Box<Sink>,
 }
 
 impl TargetState {
@@ -274,6 +368,10 @@ impl TargetState {
     ) -> Result<Self, UcxError> {
         let core = Core::new("kvmesh-target")?;
         core.set_am_handler(AM_BIND)?;
+        core.set_am_handler(AM_FENCE)?;
+        let sink = Box::new(Sink::new(base, len, Arc::clone(&shared)));
+        let sink_arg: *const Sink = &*sink;
+        core.set_handler(AM_DATA, Some(on_data), sink_arg.cast_mut().cast())?;
         let ucp = core.api.ucp();
         // SAFETY: zeroed mem-map params are valid.
         let mut mp: sys::ucp_mem_map_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
@@ -303,6 +401,7 @@ impl TargetState {
             ids: HashMap::new(),
             by_key: HashMap::new(),
             next_id: 0,
+            sink,
         };
         match state.listen(listen) {
             Ok(()) => Ok(state),
@@ -356,6 +455,8 @@ impl TargetState {
             if !c.closing {
                 c.closing = true;
                 self.ids.remove(&(c.ep as usize));
+                // Its data messages are refused from now on.
+                self.sink.unbind(c.ep);
                 self.core.close_ep(c.ep, id, true);
             }
         }
@@ -387,10 +488,11 @@ impl TargetState {
             }
         };
         if accepted {
+            self.sink.bind(ep, key);
             conn.key = Some(key);
             self.by_key.insert(key, id);
             self.shared.stats.bound.fetch_add(1, Ordering::Relaxed);
-            self.core.send_am(ep, AM_BOUND, key, false);
+            self.core.send_am(ep, AM_BOUND, key, 0, false);
         } else {
             self.shared.stats.refused.fetch_add(1, Ordering::Relaxed);
             self.close(id);
@@ -462,7 +564,18 @@ impl Actor for TargetState {
                         );
                     }
                 }
-                Event::Am { id, key, ep } if id == AM_BIND && !ep.is_null() => self.bind(ep, key),
+                Event::Am { id, key, ep, .. } if id == AM_BIND && !ep.is_null() => {
+                    self.bind(ep, key)
+                }
+                // Every data message before the fence was handled (one
+                // lane, eager, in order): answer, if the key is still
+                // bound here. A revoked one gets no answer; its close
+                // fails the writer's fence.
+                Event::Am { id, key, aux, ep } if id == AM_FENCE && !ep.is_null() => {
+                    if self.sink.bound.borrow().get(&(ep as usize)) == Some(&key) {
+                        self.core.send_am(ep, AM_FENCED, key, aux, false);
+                    }
+                }
                 Event::Am { .. } => {}
                 Event::EpError { ep, status } => {
                     self.shared.stats.ep_errors.fetch_add(1, Ordering::Relaxed);

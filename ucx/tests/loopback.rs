@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_ucx::{Initiator, Remote, Revoke, Target, UcxError};
+use kvmesh_ucx::{DataPath, Initiator, Remote, Revoke, Target, UcxError};
 
 const WAIT: Duration = Duration::from_secs(5);
 
@@ -48,11 +48,20 @@ fn read(t: &Target, at: usize, n: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn puts_land_after_a_flush_and_none_after_the_revoke() {
+    land_then_revoke(DataPath::Puts).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_messages_land_after_a_fence_and_none_after_the_revoke() {
+    land_then_revoke(DataPath::Messages).await
+}
+
+async fn land_then_revoke(path: DataPath) {
     if !ucx_or_skip() {
         return;
     }
     let t = Target::start(listen(), 1 << 20).expect("target");
-    let w = Initiator::start().expect("initiator");
+    let w = Initiator::with_path(path).expect("initiator");
     let r = remote(&t);
     let key = 0x1234_5678_9abc_def0;
     t.open(key).expect("open");
@@ -71,6 +80,8 @@ async fn puts_land_after_a_flush_and_none_after_the_revoke() {
         "nothing outside the puts"
     );
     eprintln!("bind took {bind_time:?}");
+    let puts = w.uses_puts(key).await.expect("worker");
+    assert_eq!(puts, Some(path == DataPath::Puts));
 
     // Revoke: the endpoint closes; then no put lands and the flush fails.
     assert_eq!(t.revoke(key, Duration::from_secs(1)), Revoke::Complete);
@@ -155,16 +166,34 @@ fn count(t: &Target, b: u8) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_racing_an_in_flight_put_lets_no_byte_land_after_the_revoke() {
+    abort_racing_a_write(DataPath::Puts).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_racing_in_flight_data_messages_lets_no_byte_land_after_the_revoke() {
+    abort_racing_a_write(DataPath::Messages).await
+}
+
+async fn abort_racing_a_write(path: DataPath) {
     if !ucx_or_skip() {
         return;
     }
     const BIG: usize = 64 << 20;
     let t = Target::start(listen(), BIG).expect("target");
-    let w = Initiator::start().expect("initiator");
+    let w = Initiator::with_path(path).expect("initiator");
     let key = 42;
     t.open(key).expect("open");
     w.bind(key, remote(&t), WAIT).await.expect("bind");
-    w.put(key, 0, vec![0xAB; BIG]).await.expect("post");
+    // As one put, or as a page write's worth per data message.
+    if path == DataPath::Puts {
+        w.put(key, 0, vec![0xAB; BIG]).await.expect("post");
+    } else {
+        for at in (0..BIG).step_by(1 << 16) {
+            w.put(key, at as u64, vec![0xAB; 1 << 16])
+                .await
+                .expect("post");
+        }
+    }
     // Revoke while the put is in flight: as soon as its first bytes land.
     let began = Instant::now();
     // SAFETY: inside the mapping.
@@ -179,7 +208,7 @@ async fn an_abort_racing_an_in_flight_put_lets_no_byte_land_after_the_revoke() {
     let at_revoke = count(&t, 0xAB);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let later = count(&t, 0xAB);
-    eprintln!("landed at revoke: {at_revoke} of {BIG} bytes; 300 ms later: {later}");
+    eprintln!("{path:?}: landed at revoke: {at_revoke} of {BIG} bytes; 300 ms later: {later}");
     assert_eq!(later, at_revoke, "bytes landed after the revoke completed");
     let flushed = w.flush(key).await;
     assert!(
@@ -198,7 +227,7 @@ async fn unregistering_the_region_does_not_stop_writes() {
         return;
     }
     let t = Target::start(listen(), 1 << 20).expect("target");
-    let w = Initiator::start().expect("initiator");
+    let w = Initiator::with_path(DataPath::Puts).expect("initiator");
     let key = 7;
     t.open(key).expect("open");
     w.bind(key, remote(&t), WAIT).await.expect("bind");
@@ -212,4 +241,107 @@ async fn unregistering_the_region_does_not_stop_writes() {
         vec![0x5A; 10_000],
         "the put landed in the unregistered region"
     );
+}
+
+const ENV_CHILD: &str = "KVMESH_UCX_TEST_CHILD";
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex"))
+        .collect()
+}
+
+/// The writer process of the test below: binds the key it is given and
+/// puts 64 MiB again and again until it is killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run as a child process by writer_killed_mid_put"]
+async fn child_writer() {
+    let Ok(spec) = std::env::var(ENV_CHILD) else {
+        return;
+    };
+    let f: Vec<&str> = spec.split(' ').collect();
+    let remote = Arc::new(Remote {
+        address: f[0].parse().expect("addr"),
+        base: f[1].parse().expect("base"),
+        len: f[2].parse().expect("len"),
+        rkey: unhex(f[3]),
+    });
+    let key: u64 = f[4].parse().expect("key");
+    let w = Initiator::start().expect("initiator");
+    w.bind(key, remote, WAIT).await.expect("bind");
+    println!("bound, puts: {:?}", w.uses_puts(key).await);
+    loop {
+        for at in (0..64usize << 20).step_by(1 << 16) {
+            w.put(key, at as u64, vec![0xC7; 1 << 16])
+                .await
+                .expect("post");
+        }
+        let _ = w.flush(key).await;
+    }
+}
+
+/// A writer process SIGKILLed in the middle of a 64 MiB write (the data
+/// path UCX chooses: puts over RDMA, data messages over `tcp`, where
+/// software puts would abort the target about once in 30 kills): the
+/// target process lives on, its endpoint fails, the revocation (the
+/// endpoint's close) completes, and no byte lands after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writer_killed_mid_put() {
+    if !ucx_or_skip() {
+        return;
+    }
+    const BIG: usize = 64 << 20;
+    let t = Target::start(listen(), BIG).expect("target");
+    let key = 99;
+    t.open(key).expect("open");
+    let spec = format!(
+        "{} {} {} {} {key}",
+        t.address(),
+        t.base().as_ptr() as u64,
+        t.len(),
+        hex(t.rkey())
+    );
+    let mut child = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args([
+            "child_writer",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ENV_CHILD, spec)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn the writer");
+    // Kill it once its put is landing: some bytes there, not all.
+    let began = Instant::now();
+    // SAFETY: inside the mapping.
+    while unsafe { std::ptr::read_volatile(t.base().as_ptr()) } != 0xC7 {
+        assert!(began.elapsed() < WAIT, "the writer's put never landed");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    child.kill().expect("kill");
+    child.wait().expect("reap");
+    let mut revoked = t.revoke(key, Duration::from_secs(2));
+    while revoked == Revoke::Pending {
+        assert!(began.elapsed() < 4 * WAIT, "the revocation never completed");
+        revoked = t.revoke(key, Duration::from_millis(100));
+    }
+    let at_revoke = count(&t, 0xC7);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(count(&t, 0xC7), at_revoke, "bytes landed after the revoke");
+    eprintln!("landed before the kill and revoke: {at_revoke} of {BIG} bytes");
+    // The target still serves: a new key binds and a put lands.
+    let w = Initiator::start().expect("initiator");
+    t.open(100).expect("open");
+    w.bind(100, remote(&t), WAIT)
+        .await
+        .expect("bind after the kill");
+    w.put(100, 0, vec![0x11; 4096]).await.expect("post");
+    w.flush(100).await.expect("flush");
+    assert_eq!(read(&t, 0, 4096), vec![0x11; 4096]);
 }

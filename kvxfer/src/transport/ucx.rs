@@ -1,23 +1,38 @@
 //! The UCX transport: the decode pool lives in a region registered with
-//! UCX ([`kvmesh_ucx::Target`]); prefill puts into it one-sided, the way
-//! RDMA writes land; the receiver cannot check a write before it lands.
+//! UCX ([`kvmesh_ucx::Target`]); prefill writes into it through UCX, and
+//! the receiver does not see page frames as the TCP transport does.
 //! Control messages (and the mesh-secret handshake, and mutual TLS where
 //! the mesh has certificates) stay on the TCP connection.
 //!
 //! Each grant's write key is a fresh random value that exactly one writer
-//! endpoint binds (acknowledged before the first put). Revocation closes
+//! endpoint binds (acknowledged before the first write). Revocation closes
 //! that endpoint (force, peer error-handling mode) and is complete when
-//! the close is: no put through it lands afterwards, in-flight ones
+//! the close is: no write through it lands afterwards, in-flight ones
 //! included. A writer reports transfer-done only after the endpoint's
-//! flush succeeded (a put can report local success after a revocation).
+//! drain succeeded (a write can report local success after a revocation).
+//!
+//! How the bytes travel is decided per endpoint once it is bound
+//! ([`kvmesh_ucx::DataPath::Auto`]):
+//! - **puts** (`ucp_put_nbx`, one-sided, drained by `ucp_ep_flush_nbx`)
+//!   where the endpoint has a hardware RMA lane (RDMA on InfiniBand or
+//!   RoCE): the NIC writes decode memory, no decode CPU is involved;
+//! - **data messages** (eager active messages, drained by a fence round
+//!   trip) where it has not (UCX's `tcp`): the target's progress thread
+//!   copies each one into the region only while the endpoint is bound to
+//!   the key and the bytes lie inside the region. UCX's software puts over
+//!   `tcp` would cost the same copy, and they acknowledge each put from
+//!   the target, where a failed acknowledgement (a writer killed with puts
+//!   in flight) aborts the decode process inside UCX (1.13 and upstream:
+//!   `ucp_rma_sw_send_cmpl` -> `ucp_request_try_send` fatal "unexpected
+//!   error"; seen 1 in 30 kills before this path existed, 0 in 40 after).
 //!
 //! | handshake step (`protocol_model`) | UCX calls |
 //! |---|---|
 //! | grant opens a write path | `Target::open`: the key becomes bindable |
-//! | writer takes up the grant | `ucp_ep_create` (client-server, peer error mode) to the listener; active message BIND(key) with reply-ep; the target binds the endpoint it created from the connection request (`ucp_ep_create` with the request) and answers BOUND; `ucp_ep_rkey_unpack` |
-//! | one-sided write | `ucp_put_nbx` into the registered region (`ucp_mem_map`, `ucp_rkey_pack`) |
-//! | drain before transfer-done / abort-confirmed | `ucp_ep_flush_nbx`; success is the only proof of landing |
-//! | revoke (transfer-done, abort, lease, connection lost) | `ucp_ep_close_nbx(FORCE)` on the target's endpoint, completion awaited |
+//! | writer takes up the grant | `ucp_ep_create` (client-server, peer error mode) to the listener; active message BIND(key) with reply-ep; the target binds the endpoint it created from the connection request (`ucp_ep_create` with the request) and answers BOUND; `ucp_ep_rkey_unpack`; `ucp_ep_print_info` shows whether a lane does RMA in hardware |
+//! | one-sided write | `ucp_put_nbx` into the registered region (`ucp_mem_map`, `ucp_rkey_pack`) on RDMA; on `tcp`, `ucp_am_send_nbx` DATA(key, offset), landed by the target's handler |
+//! | drain before transfer-done / abort-confirmed | `ucp_ep_flush_nbx` (puts) or FENCE/FENCED (messages, one lane, in order); success is the only proof of landing |
+//! | revoke (transfer-done, abort, lease, connection lost) | the key leaves the target's data sink, then `ucp_ep_close_nbx(FORCE)` on the target's endpoint, completion awaited |
 //! | writer death | the endpoint's error callback; the same close |
 //!
 //! The trust model is the shared-memory transport's, wider: the remote key
