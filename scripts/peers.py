@@ -142,6 +142,8 @@ FILLER = (
 PROMPT_TOKENS = 512
 SHORT_PROMPT_TOKENS = 32
 BATCH = 16
+# --cpu-kernels, passed to kvmesh as KVMESH_CPU_KERNELS (None: its default).
+CPU_KERNELS = None
 # A 1-minute load average above this before the run (or above the run's
 # own threads after it) means other work shared the cores.
 BUSY_LOAD = 0.5
@@ -271,6 +273,8 @@ def run_kvmesh(kvmesh, gguf, threads, repeats, decode_tokens):
     ]
     log("kvmesh: " + " ".join(cmd[1:]))
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), KVMESH_LOG="warn")
+    if CPU_KERNELS:
+        env["KVMESH_CPU_KERNELS"] = CPU_KERNELS
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"kvmesh bench-engine failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
@@ -281,7 +285,11 @@ def run_kvmesh(kvmesh, gguf, threads, repeats, decode_tokens):
         "prefill": v["prefill_tokens_per_s"],
         "decode_b1": decode.get(1),
         f"decode_b{BATCH}": decode.get(BATCH),
-        "info": {"mode": v.get("mode"), "kv_dtype": v.get("kv_dtype"), "threads": v.get("threads"), "binary": str(kvmesh)},
+        "info": {"mode": v.get("mode"), "cpu_kernels": v.get("cpu_kernels"), "kv_dtype": v.get("kv_dtype"),
+                 "threads": v.get("threads"), "binary": str(kvmesh),
+                 # The machine's ceilings measured by bench-engine in the same run: batch-1
+                 # weight streaming against the read bandwidth, prefill against the FMA peak.
+                 "roofline": v.get("roofline")},
     }
 
 
@@ -1056,7 +1064,11 @@ def main():
     ap.add_argument("--kvmesh", default=None, help="the kvmesh binary (default: target/release/kvmesh, built if missing)")
     ap.add_argument("--gguf", default=str(DEFAULT_GGUF), help="the model (default: the cached SmolLM2 Q4_1 GGUF; env KVMESH_GGUF)")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
+    ap.add_argument("--cpu-kernels", default=None, choices=["auto", "avx512", "avx2", "portable"],
+                    help="kvmesh's CPU kernel path (default: its own choice, auto); the report names the one that ran")
     args = ap.parse_args()
+    global CPU_KERNELS
+    CPU_KERNELS = args.cpu_kernels
     if args.repeats < 1 or args.decode_tokens < 1 or args.rounds < 1:
         sys.exit("--repeats, --decode-tokens and --rounds must be at least 1")
     if args.mt_conversations < 1 or args.mt_turns < 1 or args.mt_answer_tokens < 1:

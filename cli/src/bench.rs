@@ -118,16 +118,30 @@ pub fn run(args: BenchArgs) -> Result<()> {
         decode.push((b, median(runs)));
     }
 
+    // The machine's ceilings, measured in this run: a batch-1 step reads
+    // every weight once, a long prefill is bound by the multiply-adds.
+    let path = kvmesh_kernels::cpu::path();
+    let model = engine.model();
+    let weight_gb = model.weight_bytes() as f64 / 1e9;
+    let flops_per_token = 2.0 * model.matmul_params() as f64;
+    let read_gbps = kvmesh_kernels::roofline::read_gbps(256 << 20);
+    let fma_gflops = kvmesh_kernels::roofline::fma_peak_gflops(path);
+    let b1 = decode.iter().find(|(b, _)| *b == 1).map(|(_, r)| *r);
+    let b1_gbps = b1.map(|r| r * weight_gb);
+    let prefill_gflops = prefill * flops_per_token / 1e9;
+
     if args.json {
         let decode_json: Vec<String> = decode
             .iter()
             .map(|(b, r)| format!("{{\"batch\":{b},\"tokens_per_s\":{r:.1}}}"))
             .collect();
         println!(
-            "{{\"threads\":{threads},\"mode\":\"{mode}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},{}\"decode\":[{}]}}",
+            "{{\"threads\":{threads},\"mode\":\"{mode}\",\"cpu_kernels\":\"{path}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},{}\"decode\":[{}],\"roofline\":{{\"weight_bytes\":{},\"decode_b1_weight_gbps\":{},\"read_gbps\":{read_gbps:.2},\"prefill_matmul_gflops\":{prefill_gflops:.2},\"fma_peak_gflops\":{fma_gflops:.2}}}}}",
             args.prompt_tokens,
             scored.map_or_else(String::new, |r| format!("\"scored_prefill_tokens_per_s\":{r:.1},")),
-            decode_json.join(",")
+            decode_json.join(","),
+            model.weight_bytes(),
+            b1_gbps.map_or_else(|| "null".to_owned(), |g| format!("{g:.2}")),
         );
     } else {
         println!(
@@ -154,6 +168,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 r
             );
         }
+        println!("CPU kernels {path}; ceilings measured now on {threads} threads:");
+        if let Some(g) = b1_gbps {
+            println!(
+                "  decode batch 1 streams {g:.2} GB/s of weights ({:.1} MB a token): {:.0}% of a {read_gbps:.2} GB/s read",
+                weight_gb * 1e3,
+                100.0 * g / read_gbps
+            );
+        }
+        println!(
+            "  prefill runs {prefill_gflops:.1} GFLOP/s in the projections: {:.0}% of a {fma_gflops:.1} GFLOP/s {path} FMA peak",
+            100.0 * prefill_gflops / fma_gflops
+        );
     }
     Ok(())
 }

@@ -7,6 +7,8 @@
 //! max_model_len: 2048          # omit: the model's
 //! exact: false                 # true: f32 weights (default: GGUF blocks as stored)
 //! kv_cache_dtype: auto         # f16 or f32; auto: f16 with quantized weights, f32 exact
+//! cpu_kernels: auto            # or avx512, avx2, portable (a node may set its own;
+//!                              #   --cpu-kernels overrides both)
 //! page_size: 16
 //! transport: tcp               # or shm (prefill and decode on one host), or ucx
 //!                              # (one-sided UCX puts; RDMA where the fabric has it)
@@ -60,6 +62,7 @@
 //!     kv_listen: 0.0.0.0:7301    #   or a Unix socket path (shm)
 //!     ucx_listen: 0.0.0.0:7401   # ucx only: UCX's listener (default 0.0.0.0:0)
 //!     kv_pool_tokens: 4096
+//!     # cpu_kernels: avx2        # this node's, over the mesh's
 //! ```
 //!
 //! With `discovery: etcd`, each prefill and decode node registers its
@@ -79,6 +82,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use kvmesh_discovery::EtcdConfig;
+use kvmesh_kernels::cpu::CpuKernels;
 use kvmesh_kvpool::{ParseScrubModeError, ScrubMode};
 use kvmesh_meshauth::tls::{MeshTls, TlsFiles};
 use kvmesh_meshauth::{readable_by_others, MeshSecret};
@@ -103,6 +107,13 @@ pub struct MeshConfig {
     /// mesh: a prefill node refuses grants of another dtype.
     #[serde(default = "default_kv_cache_dtype")]
     pub kv_cache_dtype: String,
+    /// Every node's CPU kernel path (`auto`, `avx512`, `avx2`, `portable`)
+    /// unless the node sets its own. `auto` is each host's widest: avx512
+    /// and avx2 compute the same bits, so a mesh of mixed CPU generations
+    /// pairs freely; the router pairs a portable node only with portable
+    /// ones.
+    #[serde(default = "default_cpu_kernels")]
+    pub cpu_kernels: String,
     /// Token slots per page.
     #[serde(default = "default_page_size")]
     pub page_size: usize,
@@ -345,6 +356,8 @@ pub struct NodeSection {
     pub ucx_listen: Option<String>,
     /// Its KV pool, tokens; default one full context.
     pub kv_pool_tokens: Option<usize>,
+    /// Its CPU kernel path, over the mesh's `cpu_kernels`.
+    pub cpu_kernels: Option<String>,
 }
 
 impl NodeSection {
@@ -387,6 +400,9 @@ fn host_port(file: &Path, field: &str, v: &str) -> Result<()> {
     }
 }
 
+fn default_cpu_kernels() -> String {
+    "auto".into()
+}
 fn default_kv_cache_dtype() -> String {
     "auto".into()
 }
@@ -606,6 +622,14 @@ impl MeshConfig {
         if let Err(e) = self.kv_cache_dtype.parse::<crate::KvCacheDtype>() {
             bail!(refuse(file, "kv_cache_dtype", &self.kv_cache_dtype, &e));
         }
+        if let Err(e) = self.cpu_kernels.parse::<CpuKernels>() {
+            bail!(refuse(
+                file,
+                "cpu_kernels",
+                &self.cpu_kernels,
+                &e.to_string()
+            ));
+        }
         if self.page_size == 0 {
             bail!(refuse(file, "page_size", "0", "must be at least 1"));
         }
@@ -700,6 +724,11 @@ impl MeshConfig {
                     ));
                 }
                 host_port(file, &f("grpc"), &n.grpc)?;
+                if let Some(c) = &n.cpu_kernels {
+                    if let Err(e) = c.parse::<CpuKernels>() {
+                        bail!(refuse(file, &f("cpu_kernels"), c, &e.to_string()));
+                    }
+                }
                 if let Some(l) = &n.listen {
                     host_port(file, &f("listen"), l)?;
                 }
@@ -808,6 +837,18 @@ impl MeshConfig {
             let known: Vec<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
             anyhow::anyhow!("no {role} node named {name:?} in the mesh file (it has {known:?})")
         })
+    }
+
+    /// The CPU kernel path the node named `name` asks for (its own
+    /// `cpu_kernels`, else the mesh's; the router: the mesh's). Checked by
+    /// validation.
+    pub fn cpu_kernels_for(&self, role: &str, name: Option<&str>) -> Result<CpuKernels> {
+        let own = name
+            .and_then(|n| self.node(role, n).ok())
+            .and_then(|n| n.cpu_kernels.as_deref());
+        own.unwrap_or(&self.cpu_kernels)
+            .parse()
+            .map_err(|e: kvmesh_kernels::cpu::CpuKernelsError| anyhow::anyhow!(e))
     }
 
     /// A decode node's KV endpoint as grants and prefill name it (UCX's

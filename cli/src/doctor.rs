@@ -285,6 +285,8 @@ fn through_router(url: &str, timeout: Duration) -> Result<Report> {
             version: label("version"),
             model: label("model"),
             kv_dtype: label("kv_dtype"),
+            cpu_kernels: label("cpu_kernels"),
+            cpu_numerics: label("cpu_numerics"),
             max_model_len: label("max_model_len").parse().unwrap_or(0),
             max_seq_tokens: gauge("kvmesh_node_max_sequence_tokens").unwrap_or(0.0) as u64,
             page_size: gauge("kvmesh_node_page_size_tokens").unwrap_or(0.0) as u32,
@@ -557,7 +559,7 @@ fn across(
     reports: &[(String, &'static str, LoadReport)],
 ) {
     type Field = fn(&LoadReport) -> String;
-    let fields: [(&'static str, Field, Option<String>); 5] = [
+    let fields: [(&'static str, Field, Option<String>); 6] = [
         (
             "version",
             |r| r.version.clone(),
@@ -566,6 +568,9 @@ fn across(
         ("model", |r| r.model.clone(), None),
         ("context limit", |r| r.max_model_len.to_string(), None),
         ("KV element type", |r| r.kv_dtype.clone(), None),
+        // The path may differ (avx2 and avx512 compute alike); the
+        // numerics may not: the router would not pair such nodes.
+        ("CPU kernel numerics", |r| r.cpu_numerics.clone(), None),
         (
             "page size",
             |r| r.page_size.to_string(),

@@ -39,6 +39,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
+use kvmesh_kernels::cpu::CpuKernels;
 use kvmesh_kvpool::{KvDtype, ScrubMode};
 use kvmesh_model::default_model;
 use kvmesh_model::engine::{Engine, EngineConfig, Generation, Prompt};
@@ -55,6 +56,22 @@ use kvmesh_model::{ChatMessage, Precision};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// CPU kernels: auto (the widest this CPU runs), avx512, avx2 or portable [default: a node's cpu_kernels in the mesh file, else auto]. avx512 and avx2 compute the same bits; the router pairs a portable node only with portable ones.
+    #[arg(long, global = true, env = "KVMESH_CPU_KERNELS")]
+    cpu_kernels: Option<CpuKernels>,
+}
+
+/// Fix the process's CPU kernel path (once, before any kernel runs) and
+/// log it.
+pub fn select_cpu_kernels(choice: CpuKernels) -> Result<kvmesh_kernels::cpu::Path> {
+    let path = kvmesh_kernels::cpu::select(choice)?;
+    tracing::info!(
+        cpu_kernels = path.name(),
+        numerics = path.numerics(),
+        asked = %choice,
+        "CPU kernels"
+    );
+    Ok(path)
 }
 
 #[derive(Subcommand, Debug)]
@@ -415,12 +432,23 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let cpu = cli.cpu_kernels;
+    // The roles take theirs from the mesh file too (`serve::run_role`).
+    if !matches!(
+        cli.command,
+        Command::Router(_) | Command::Prefill(_) | Command::Decode(_)
+    ) {
+        if let Err(e) = select_cpu_kernels(cpu.unwrap_or_default()) {
+            eprintln!("kvmesh: error: {}", error_chain(&e));
+            return ExitCode::FAILURE;
+        }
+    }
     let result = match cli.command {
         Command::Generate(a) => generate(a),
         Command::Serve(a) => serve::run(*a),
-        Command::Router(a) => serve::run_role(serve::RoleKind::Router, a),
-        Command::Prefill(a) => serve::run_role(serve::RoleKind::Prefill, a),
-        Command::Decode(a) => serve::run_role(serve::RoleKind::Decode, a),
+        Command::Router(a) => serve::run_role(serve::RoleKind::Router, a, cpu),
+        Command::Prefill(a) => serve::run_role(serve::RoleKind::Prefill, a, cpu),
+        Command::Decode(a) => serve::run_role(serve::RoleKind::Decode, a, cpu),
         Command::BenchEngine(a) => bench::run(a),
         Command::BenchRouter(a) => bench_router::run(*a),
         Command::Bench(a) => loadgen::run(*a),

@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use kvmesh_decode::{DecodeConfig, DecodeNode, Drained, Transport};
+use kvmesh_kernels::cpu::CpuKernels;
 use kvmesh_meshauth::tls::MeshTls;
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::default_model;
@@ -421,7 +422,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
 }
 
 /// `kvmesh router|prefill|decode --config mesh.yaml`.
-pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
+pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) -> Result<()> {
     let mut cfg = MeshConfig::load(&a.config)?;
     if let Some(on) = a.prefix_cache {
         cfg.prefix_cache = on.0;
@@ -456,6 +457,11 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
             traces.clone()
         },
     )?;
+    // The flag over the node's own setting over the mesh's.
+    let cpu_kernels = match cpu_kernels {
+        Some(c) => c,
+        None => cfg.cpu_kernels_for(role_name, name.as_deref())?,
+    };
     let auth = cfg.mesh_auth()?;
     let tls = cfg.tls_for(name.as_deref().unwrap_or("router"))?;
     let etcd = cfg.etcd()?;
@@ -469,7 +475,7 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
             Some(e) => e.describe(),
         };
         println!(
-            "config ok: {}: {role_name}{}; {members}, transport {}; {}; {}; {}; {}",
+            "config ok: {}: {role_name}{}; {members}, transport {}; CPU kernels {cpu_kernels}; {}; {}; {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
             cfg.transport,
@@ -493,6 +499,11 @@ pub fn run_role(role: RoleKind, a: RoleArgs) -> Result<()> {
             }
         );
         return Ok(());
+    }
+    // The router runs no model kernels: a mesh's avx512 must not stop a
+    // router on an older host.
+    if !matches!(role, RoleKind::Router) {
+        crate::select_cpu_kernels(cpu_kernels)?;
     }
     let secret = auth.secret();
     let fault_injection = a.testing.apply()?;

@@ -368,6 +368,7 @@ impl DecodeNode {
                     self.inner.engine.identity(),
                     self.inner.engine.max_model_len(),
                     self.inner.table.pool().config().dtype.name(),
+                    self.inner.engine.cpu_kernels(),
                 )
         }
     }

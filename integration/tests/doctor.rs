@@ -4,10 +4,13 @@
 //! them (exit 1), in the table and in `--json`.
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
-use kvmesh_integration::roles::{start, tiny_mesh_file, wait_healthy, write_secret};
-use kvmesh_integration::{run_kvmesh, texts};
-use serde_json::Value;
+use kvmesh_integration::roles::{
+    start, start_logged, start_with, tiny_mesh_file, wait_healthy, write_secret,
+};
+use kvmesh_integration::{http, reference_text, run_kvmesh, texts, tiny_model_dir};
+use serde_json::{json, Value};
 
 /// `kvmesh doctor --config FILE --json`: (exit code, report).
 fn doctor(file: &Path) -> (i32, Value) {
@@ -41,6 +44,7 @@ fn assert_mesh_agrees(v: &Value) {
         "model",
         "context limit",
         "KV element type",
+        "CPU kernel numerics",
         "page size",
     ] {
         assert_eq!(status(v, "mesh", check), "ok", "{check}: {v:#}");
@@ -213,4 +217,128 @@ fn doctor_checks_a_running_serve_through_its_router() {
         "{:?}",
         texts(&out)
     );
+}
+
+/// Whether this CPU runs the AVX2 kernels (every x86-64 server CPU since
+/// 2013): the mixed-kernels test needs a path other than portable.
+fn has_avx2() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| {
+        ["avx2", "fma", "f16c"]
+            .iter()
+            .all(|f| c.split_whitespace().any(|w| w == *f))
+    })
+}
+
+#[test]
+fn a_mesh_mixing_cpu_kernel_numerics_is_refused_and_named_while_avx2_and_avx512_pair() {
+    if !has_avx2() {
+        eprintln!("not run: no AVX2 on this CPU (only the portable path: nothing to mix)");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (file, ports) = tiny_mesh_file(dir.path());
+    let addr = format!("127.0.0.1:{}", ports[0]);
+    // Decode on this CPU's widest path (avx512 where it has it), prefill
+    // forced to the portable kernels.
+    let _decode = start("decode", &file, Some("decode-0"), "ready").0;
+    let prefill = start_with(
+        "prefill",
+        &file,
+        Some("prefill-0"),
+        "ready",
+        &["--cpu-kernels", "portable"],
+    )
+    .0;
+    let router = start_logged("router", &file, None, "OpenAI API", "warn").0;
+    wait_healthy(&addr);
+    let prompt = "The capital of France is";
+    let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let t0 = Instant::now();
+    let refused = loop {
+        let r = http::post(&addr, "/v1/completions", &body);
+        // Until both load reports are in, the router may say "no healthy
+        // node"; then it must say why it pairs nothing.
+        if r.status == 503 && r.json()["error"]["code"] == "mixed_cpu_kernels" {
+            break r;
+        }
+        assert_ne!(
+            r.status, 200,
+            "a portable prefill paired with an x86 decode: {}",
+            r.body
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "never refused: {} {}",
+            r.status,
+            r.body
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    // The client learns neither node names nor paths; the router's log does.
+    assert!(!refused.body.contains("prefill-0"), "{}", refused.body);
+    let line = router
+        .log_line("refusing to pair nodes", Duration::from_secs(10))
+        .expect("the router logs the refusal");
+    assert!(
+        line.contains("prefill-0 runs portable (portable)"),
+        "{line}"
+    );
+    assert!(line.contains("x86-fma"), "{line}");
+    // The node's series and doctor name the odd one out.
+    let info = http::metrics(&addr);
+    assert!(
+        info.first(
+            "kvmesh_node_info",
+            &[
+                ("node", "prefill-0"),
+                ("cpu_kernels", "portable"),
+                ("cpu_numerics", "portable")
+            ]
+        )
+        .is_some(),
+        "kvmesh_node_info has the prefill node's kernels"
+    );
+    let (code, v) = doctor(&file);
+    assert_eq!(code, 1, "{v:#}");
+    assert_eq!(status(&v, "mesh", "CPU kernel numerics"), "fail", "{v:#}");
+    assert_eq!(
+        failed(&v),
+        vec!["mesh CPU kernel numerics".to_owned()],
+        "only the numerics differ: {v:#}"
+    );
+
+    // Prefill on avx2 instead: avx2 and avx512 compute the same bits, so
+    // this mesh (avx2 prefill, and avx512 decode where the CPU has it)
+    // serves, and its greedy text equals the reference engine's.
+    drop(prefill);
+    let _prefill = start_with(
+        "prefill",
+        &file,
+        Some("prefill-0"),
+        "ready",
+        &["--cpu-kernels", "avx2"],
+    )
+    .0;
+    let want = reference_text(&tiny_model_dir(), prompt, false, 8);
+    let t0 = Instant::now();
+    let got = loop {
+        let r = http::post(&addr, "/v1/completions", &body);
+        if r.status == 200 {
+            break r.json()["choices"][0]["text"]
+                .as_str()
+                .expect("text")
+                .to_owned();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "never served: {} {}",
+            r.status,
+            r.body
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(got, want);
+    let (code, v) = doctor(&file);
+    assert_eq!(code, 0, "{v:#}");
+    assert_mesh_agrees(&v);
 }

@@ -45,7 +45,10 @@ fn a_tenant_reuses_its_own_prefix_and_nobody_else_does() {
     let want = reference_text(&tiny_model_dir(), PROMPT, false, 8);
     let iso = isolation(&m.http, "sk-alpha", "sk-beta", PROMPT, 8);
     assert_eq!(iso.a_first, 0, "{iso:?}");
-    assert!(iso.a_repeat >= 32 && iso.a_repeat % 16 == 0, "{iso:?}");
+    assert!(
+        iso.a_repeat >= 32 && iso.a_repeat.is_multiple_of(16),
+        "{iso:?}"
+    );
     assert_eq!(iso.b_same, 0, "another tenant must find nothing: {iso:?}");
     assert_eq!(iso.a_salted, 0, "a salt is a namespace of its own: {iso:?}");
     assert_eq!(iso.a_salted_repeat, iso.a_repeat, "{iso:?}");

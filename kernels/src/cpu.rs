@@ -121,6 +121,19 @@ impl Path {
         detect()
     }
 
+    /// Which paths compute the same bits: nodes of one mesh must share
+    /// this, so that a transfer carries the KV the decode node would have
+    /// computed itself (the router pairs prefill and decode nodes only
+    /// when it is equal). AVX2 and AVX-512 give the same bits in every
+    /// kernel ("x86-fma"); the portable attention differs within rounding
+    /// ("portable").
+    pub const fn numerics(self) -> &'static str {
+        match self {
+            Self::Portable => "portable",
+            Self::Avx2 | Self::Avx512 => "x86-fma",
+        }
+    }
+
     /// The features the path needs, for error messages.
     const fn features(self) -> &'static str {
         match self {

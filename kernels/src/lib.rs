@@ -13,6 +13,8 @@
 //!   layouts; plain, linear and Llama-3 frequency scaling).
 //! - [`norm`] holds RMSNorm; [`activation`] SwiGLU (their AVX-512 builds
 //!   in `elementwise512`).
+//! - [`roofline`]: the machine's measured memory read bandwidth and FMA
+//!   peak per path, for benchmark reports.
 //! - [`counters`]: [`counters::KindCounters`], lock-free event counters by
 //!   kind label (the guard alarm and every refusal counter above this
 //!   crate).
@@ -39,6 +41,7 @@ mod elementwise512;
 pub mod norm;
 pub mod paged;
 pub mod quant;
+pub mod roofline;
 pub mod rope;
 #[cfg(target_arch = "x86_64")]
 mod simd;

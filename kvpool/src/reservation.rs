@@ -211,7 +211,7 @@ impl Reservation {
         if layer >= n_layers {
             return Err(PoolError::LayerOutOfRange { layer, n_layers });
         }
-        if k.len() % kv_dim != 0 {
+        if !k.len().is_multiple_of(kv_dim) {
             let expected = k.len().div_ceil(kv_dim).saturating_mul(kv_dim);
             return Err(PoolError::BadLength {
                 field: "k",

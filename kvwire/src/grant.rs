@@ -266,7 +266,7 @@ fn check_page_count(
         });
     }
     let page_size = u64::from(geometry.page_size).max(1);
-    if cached_tokens >= prompt_tokens || cached_tokens % page_size != 0 {
+    if cached_tokens >= prompt_tokens || !cached_tokens.is_multiple_of(page_size) {
         return Err(WireError::InvalidField {
             field: "cached_tokens",
             value: cached_tokens,

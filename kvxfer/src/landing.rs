@@ -45,7 +45,7 @@ pub(crate) fn land_payload(
         expected: payload.len() - payload.len() % dtype.size(),
         got: payload.len(),
     };
-    if payload.len() % dtype.size() != 0 {
+    if !payload.len().is_multiple_of(dtype.size()) {
         return Err(bad());
     }
     let f16_copy: Vec<half::f16>;

@@ -192,7 +192,7 @@ impl ModelConfig {
                 ));
             }
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(invalid(
                 names.n_kv_heads,
                 self.n_kv_heads.to_string(),
@@ -202,7 +202,7 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(invalid(
                 names.head_dim,
                 self.head_dim.to_string(),

@@ -228,6 +228,13 @@ impl Engine {
     pub fn identity(&self) -> &str {
         &self.identity
     }
+    /// The CPU kernel path this process computes with and its numerics
+    /// (`("avx512", "x86-fma")`; [`kvmesh_kernels::cpu`]): nodes of one
+    /// mesh pair only when the numerics agree.
+    pub fn cpu_kernels(&self) -> (&'static str, &'static str) {
+        let p = kvmesh_kernels::cpu::path();
+        (p.name(), p.numerics())
+    }
     /// The context limit in tokens (prompt plus generated).
     pub fn max_model_len(&self) -> usize {
         self.max_model_len

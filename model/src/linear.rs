@@ -74,6 +74,19 @@ impl Projection {
         Ok(Self { kind, widths, cols })
     }
 
+    /// Bytes of weights one call reads (the blocks as stored, or f32).
+    pub(crate) fn weight_bytes(&self) -> usize {
+        match &self.kind {
+            Kind::Quant(w) => w.byte_len(),
+            Kind::Dense(_) => self.params() * 4,
+        }
+    }
+
+    /// Weights (multiply-adds per input row).
+    pub(crate) fn params(&self) -> usize {
+        self.widths.iter().sum::<usize>() * self.cols
+    }
+
     /// Whether this runs the quantized kernels.
     pub(crate) fn is_quantized(&self) -> bool {
         matches!(self.kind, Kind::Quant(_))

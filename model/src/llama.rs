@@ -194,19 +194,39 @@ impl Llama {
         })
     }
 
+    /// The projections every token passes through: each layer's four,
+    /// then the vocabulary's.
+    fn projections(&self) -> impl Iterator<Item = &Projection> {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.wo, &l.gate_up, &l.down])
+            .chain(std::iter::once(&self.lm_head))
+    }
+
+    /// Bytes of weights a forward pass reads (every projection once; the
+    /// embedding lookup and the norms are left out): what a batch-1 decode
+    /// step streams from memory.
+    pub fn weight_bytes(&self) -> usize {
+        self.projections().map(Projection::weight_bytes).sum()
+    }
+
+    /// Multiply-adds per token through the projections (attention's are
+    /// left out): twice this is a token's floating-point operations.
+    pub fn matmul_params(&self) -> usize {
+        self.projections().map(Projection::params).sum()
+    }
+
     /// Whether any matrix runs through the quantized kernels.
     pub fn is_quantized(&self) -> bool {
         self.quantized
     }
 
-    /// `exact-f32`, or `quantized-` and the kernel path this CPU runs
-    /// (`avx2`, `scalar`): for logs and benchmark output.
+    /// `exact-f32`, or `quantized-` and the CPU kernel path this process
+    /// runs (`avx512`, `avx2`, `portable`; [`kvmesh_kernels::cpu::path`]):
+    /// for logs and benchmark output.
     pub fn mode(&self) -> String {
         if self.quantized {
-            format!(
-                "quantized-{}",
-                kvmesh_kernels::quant::Kernel::detect().name()
-            )
+            format!("quantized-{}", kvmesh_kernels::cpu::path().name())
         } else {
             "exact-f32".to_owned()
         }

@@ -526,7 +526,7 @@ pub(crate) fn unpermute_order(
     n_head: usize,
     head_dim: usize,
 ) -> std::result::Result<Vec<usize>, String> {
-    if Some(rows) != n_head.checked_mul(head_dim) || head_dim % 2 != 0 {
+    if Some(rows) != n_head.checked_mul(head_dim) || !head_dim.is_multiple_of(2) {
         return Err(format!(
             "{rows} rows cannot be {n_head} heads of {head_dim} (even) rows"
         ));
@@ -559,7 +559,7 @@ fn swap_row_halves(
 ) -> candle_core::Result<Tensor> {
     let dims = t.dims().to_vec();
     let rows = dims.first().copied().unwrap_or(0);
-    if Some(rows) != n_head.checked_mul(head_dim) || head_dim % 2 != 0 {
+    if Some(rows) != n_head.checked_mul(head_dim) || !head_dim.is_multiple_of(2) {
         candle_core::bail!("{rows} rows cannot be {n_head} heads of {head_dim} (even) rows");
     }
     let cols: usize = dims.get(1..).unwrap_or_default().iter().product();

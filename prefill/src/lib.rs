@@ -643,6 +643,7 @@ impl PrefillNode {
                     self.inner.engine.identity(),
                     self.inner.engine.max_model_len(),
                     self.inner.engine.pool().config().dtype.name(),
+                    self.inner.engine.cpu_kernels(),
                 )
         }
     }

@@ -48,13 +48,22 @@ impl internal::v1::LoadReport {
 
     /// This report with what `kvmesh doctor` compares across a mesh: this
     /// build's version, the node's model (file and precision), context
-    /// limit and KV element type, and the node's clock now.
-    pub fn with_identity(self, model: &str, max_model_len: usize, kv_dtype: &str) -> Self {
+    /// limit, KV element type and CPU kernels (path and numerics), and the
+    /// node's clock now.
+    pub fn with_identity(
+        self,
+        model: &str,
+        max_model_len: usize,
+        kv_dtype: &str,
+        (cpu_kernels, cpu_numerics): (&str, &str),
+    ) -> Self {
         Self {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             model: model.to_owned(),
             max_model_len: max_model_len as u64,
             kv_dtype: kv_dtype.to_owned(),
+            cpu_kernels: cpu_kernels.to_owned(),
+            cpu_numerics: cpu_numerics.to_owned(),
             unix_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64),

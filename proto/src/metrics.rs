@@ -165,18 +165,20 @@ pub fn render_report(r: &LoadReport, out: &mut String) {
     header(
         out,
         "kvmesh_node_info",
-        "The node's build, model and KV layout (value 1).",
+        "The node's build, model, KV layout and CPU kernels (value 1).",
         "gauge",
     );
     sample(
         out,
         "kvmesh_node_info",
         &format!(
-            "{labels},version=\"{}\",model=\"{}\",kv_dtype=\"{}\",max_model_len=\"{}\"",
+            "{labels},version=\"{}\",model=\"{}\",kv_dtype=\"{}\",max_model_len=\"{}\",cpu_kernels=\"{}\",cpu_numerics=\"{}\"",
             escape(&r.version),
             escape(&r.model),
             escape(&r.kv_dtype),
-            r.max_model_len
+            r.max_model_len,
+            escape(&r.cpu_kernels),
+            escape(&r.cpu_numerics)
         ),
         1,
     );

@@ -73,6 +73,23 @@ pub enum Rejection {
         /// Which role is missing ("prefill", "decode", "prefill or decode").
         role: &'static str,
     },
+    /// Healthy nodes of `role` exist, but none computes with the CPU
+    /// numerics of a node of the other role (the mesh mixes portable and
+    /// x86 kernel paths): pairing them would decode over KV that decode
+    /// would not have computed itself.
+    #[error(
+        "no healthy {role} node computes with the same CPU kernels as the other role's nodes; the mesh's operator must give every node the same cpu_kernels"
+    )]
+    MixedCpuKernels {
+        /// The role that had no matching node.
+        role: &'static str,
+        /// The numerics the other role's nodes have.
+        wanted: String,
+        /// The healthy nodes of `role` left out, with path and numerics
+        /// (for the router's log: clients see neither node names nor
+        /// paths).
+        found: String,
+    },
     /// The model named is not served.
     #[error("the model {0:?} does not exist")]
     UnknownModel(String),
@@ -89,6 +106,7 @@ impl Rejection {
             Self::Invalid { .. } => "invalid_request",
             Self::Saturated { .. } => "saturated",
             Self::NoHealthyNode { .. } => "no_healthy_node",
+            Self::MixedCpuKernels { .. } => "mixed_cpu_kernels",
             Self::UnknownModel(_) => "model_not_found",
             Self::ShuttingDown => "shutting_down",
         }
@@ -248,9 +266,9 @@ impl GatewayError {
                 StatusCode::BAD_REQUEST
             }
             Self::Rejected(R::Saturated { .. }) => StatusCode::TOO_MANY_REQUESTS,
-            Self::Rejected(R::NoHealthyNode { .. } | R::ShuttingDown) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            Self::Rejected(
+                R::NoHealthyNode { .. } | R::MixedCpuKernels { .. } | R::ShuttingDown,
+            ) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Rejected(R::UnknownModel(_)) => StatusCode::NOT_FOUND,
             Self::Dispatch(d) => dispatch_status(d),
             Self::Auth(_) => StatusCode::UNAUTHORIZED,
@@ -269,6 +287,7 @@ impl GatewayError {
             Self::Rejected(R::Saturated { .. }) => "rate_limit_exceeded",
             Self::Rejected(R::NoHealthyNode { .. })
             | Self::Dispatch(DispatchError::NoHealthyNode { .. }) => "service_unavailable",
+            Self::Rejected(R::MixedCpuKernels { .. }) => "mixed_cpu_kernels",
             Self::Rejected(R::UnknownModel(_)) => "model_not_found",
             Self::Rejected(R::ShuttingDown) => "shutting_down",
             Self::Dispatch(d) => d.kind(),

@@ -250,12 +250,14 @@ fn render_identity(nodes: &Nodes, out: &mut String) {
             out,
             "kvmesh_node_info",
             &format!(
-                "{},version=\"{}\",model=\"{}\",kv_dtype=\"{}\",max_model_len=\"{}\"",
+                "{},version=\"{}\",model=\"{}\",kv_dtype=\"{}\",max_model_len=\"{}\",cpu_kernels=\"{}\",cpu_numerics=\"{}\"",
                 node(n),
                 escape(&r.version),
                 escape(&r.model),
                 escape(&r.kv_dtype),
-                r.max_model_len
+                r.max_model_len,
+                escape(&r.cpu_kernels),
+                escape(&r.cpu_numerics)
             ),
             1,
         );

@@ -482,7 +482,24 @@ impl Nodes {
         tokens: Option<usize>,
         prefix: Option<&Prefix<'_>>,
     ) -> Result<(Arc<Node>, LoadReport), Rejection> {
-        self.pick_near(role, tokens, prefix, None)
+        self.pick_near(role, tokens, prefix, None, None)
+    }
+
+    /// The CPU numerics of the healthy nodes of `role` (fitting `tokens`
+    /// when given), each once: what a node of the other role must compute
+    /// with to be paired with one of them (see [`Nodes::pick_near`]).
+    pub fn numerics(&self, role: Role, tokens: Option<usize>) -> Vec<String> {
+        let mut seen: Vec<String> = self
+            .all()
+            .iter()
+            .filter(|n| n.role == role)
+            .filter_map(|n| n.report())
+            .filter(|r| tokens.is_none_or(|t| r.max_seq_tokens as usize >= t))
+            .map(|r| r.cpu_numerics)
+            .collect();
+        seen.sort();
+        seen.dedup();
+        seen
     }
 
     /// [`Nodes::pick`], but the node named `holder` when it is healthy and
@@ -490,14 +507,24 @@ impl Nodes {
     /// `n`), so its cache holds the prompt's pages before its load report
     /// can say so, and the samples fork there from one transfer, as one
     /// engine runs all `n` samples in vLLM. Otherwise the usual choice.
+    ///
+    /// With `numerics`, only nodes whose CPU numerics (the load report's
+    /// `cpu_numerics`) are among them: a prefill node and a decode node
+    /// pair only when they compute the same bits, so that the transferred
+    /// KV is the KV decode would have computed. Healthy nodes left out
+    /// only for that give [`Rejection::MixedCpuKernels`], naming them.
     pub fn pick_near(
         &self,
         role: Role,
         tokens: Option<usize>,
         prefix: Option<&Prefix<'_>>,
         holder: Option<&str>,
+        numerics: Option<&[String]>,
     ) -> Result<(Arc<Node>, LoadReport), Rejection> {
-        let fits = |r: &LoadReport| tokens.is_none_or(|t| r.max_seq_tokens as usize >= t);
+        let size_fits = |r: &LoadReport| tokens.is_none_or(|t| r.max_seq_tokens as usize >= t);
+        let computes_alike =
+            |r: &LoadReport| numerics.is_none_or(|ns| ns.contains(&r.cpu_numerics));
+        let fits = |r: &LoadReport| size_fits(r) && computes_alike(r);
         let all = self.all();
         if let Some(held) = holder.and_then(|name| {
             all.iter()
@@ -529,8 +556,35 @@ impl Nodes {
                     n.dispatched.load(Ordering::Relaxed),
                 )
             })
-            .ok_or(Rejection::NoHealthyNode {
-                role: role.as_str(),
+            .ok_or_else(|| {
+                let unlike: Vec<String> = all
+                    .iter()
+                    .filter(|n| n.role == role)
+                    .filter_map(|n| n.report().map(|r| (n, r)))
+                    .filter(|(_, r)| size_fits(r) && !computes_alike(r))
+                    .map(|(n, r)| format!("{} runs {} ({})", n.name, r.cpu_kernels, r.cpu_numerics))
+                    .collect();
+                match numerics {
+                    Some(wanted) if !unlike.is_empty() => {
+                        let (wanted, found) = (wanted.join(" or "), unlike.join(", "));
+                        tracing::warn!(
+                            role = role.as_str(),
+                            wanted = %wanted,
+                            found = %found,
+                            "refusing to pair nodes whose CPU kernels compute different bits: \
+                             give every node of the mesh the same cpu_kernels \
+                             (avx2 and avx512 compute alike)"
+                        );
+                        Rejection::MixedCpuKernels {
+                            role: role.as_str(),
+                            wanted,
+                            found,
+                        }
+                    }
+                    _ => Rejection::NoHealthyNode {
+                        role: role.as_str(),
+                    },
+                }
             })
     }
 

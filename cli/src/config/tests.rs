@@ -1,10 +1,10 @@
-//! The mesh file's `discovery` and `etcd` settings: parsed, normalized, and
+//! The mesh file's `discovery`, `etcd` and `cpu_kernels` settings: parsed, normalized, and
 //! refused naming the field, the value and the reason.
 
 use std::path::Path;
 use std::time::Duration;
 
-use super::{DiscoveryKind, MeshConfig};
+use super::{CpuKernels, DiscoveryKind, MeshConfig};
 
 const BASE: &str = "mesh: {insecure_no_mesh_auth: true}\n\
                     router: {http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\"}\n";
@@ -177,4 +177,45 @@ fn the_ucx_transport_takes_a_tcp_kv_address_and_an_optional_ucx_listener() {
     assert!(e.contains("only with transport: ucx"), "{e}");
     let e = refused(&format!("{BASE}{NODES}transport: rdma\n"));
     assert!(e.contains("expected tcp, shm or ucx"), "{e}");
+}
+
+#[test]
+fn cpu_kernels_default_to_auto_and_a_node_may_set_its_own() {
+    let cfg = parse(&format!("{BASE}{NODES}")).expect("valid");
+    assert_eq!(
+        cfg.cpu_kernels_for("prefill", Some("p")).expect("valid"),
+        CpuKernels::Auto
+    );
+    let cfg = parse(&format!(
+        "{BASE}cpu_kernels: avx2\nprefill: [{{name: p, grpc: \"127.0.0.1:3\", cpu_kernels: portable}}]\n\
+         decode: [{{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}}]\n"
+    ))
+    .expect("valid");
+    assert_eq!(
+        cfg.cpu_kernels_for("prefill", Some("p")).expect("valid"),
+        CpuKernels::Portable
+    );
+    assert_eq!(
+        cfg.cpu_kernels_for("decode", Some("d")).expect("valid"),
+        CpuKernels::Avx2
+    );
+    assert_eq!(
+        cfg.cpu_kernels_for("router", None).expect("valid"),
+        CpuKernels::Avx2
+    );
+    assert!(
+        refused(&format!("{BASE}{NODES}cpu_kernels: sse\n"))
+            .contains("cpu_kernels = \"sse\": unknown CPU kernel path \"sse\": expected auto, avx512, avx2 or portable"),
+        "{}",
+        refused(&format!("{BASE}{NODES}cpu_kernels: sse\n"))
+    );
+    let bad_node = format!(
+        "{BASE}prefill: [{{name: p, grpc: \"127.0.0.1:3\", cpu_kernels: avx1024}}]\n\
+         decode: [{{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}}]\n"
+    );
+    assert!(
+        refused(&bad_node).contains("prefill[0].cpu_kernels = \"avx1024\""),
+        "{}",
+        refused(&bad_node)
+    );
 }

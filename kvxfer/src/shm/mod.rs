@@ -469,7 +469,7 @@ impl ShmRegion {
             key_epoch: key.epoch,
             lane_epoch,
         };
-        if key.epoch % 2 == 0 {
+        if key.epoch.is_multiple_of(2) {
             return Err(bogus(l.epoch.load(Ordering::SeqCst)));
         }
         // D1.
@@ -544,7 +544,7 @@ impl ShmRegion {
         }
         let values = k.len() / size;
         let n = values / s.kv_dim;
-        if values % s.kv_dim != 0 || k.len() % size != 0 {
+        if !values.is_multiple_of(s.kv_dim) || !k.len().is_multiple_of(size) {
             return Err(ShmError::BadLength {
                 expected: n * s.kv_dim,
                 got: values,
@@ -577,7 +577,7 @@ impl ShmRegion {
         let _inside = Entered(l.active);
         // W2. An even key epoch never admits: it would match a closed lane.
         let lane_epoch = l.epoch.load(Ordering::SeqCst);
-        if lane_epoch != key.epoch || key.epoch % 2 == 0 {
+        if lane_epoch != key.epoch || key.epoch.is_multiple_of(2) {
             return Err(ShmError::LaneClosed {
                 lane: key.lane,
                 key_epoch: key.epoch,
@@ -609,7 +609,7 @@ impl ShmRegion {
         let l = self.lane(key.lane)?;
         l.active.fetch_add(1, Ordering::SeqCst);
         let lane_epoch = l.epoch.load(Ordering::SeqCst);
-        if lane_epoch != key.epoch || key.epoch % 2 == 0 {
+        if lane_epoch != key.epoch || key.epoch.is_multiple_of(2) {
             l.active.fetch_sub(1, Ordering::Release);
             return Err(ShmError::LaneClosed {
                 lane: key.lane,

@@ -151,7 +151,7 @@ fn rope_scaling(g: &mut GgufFile, head_dim: usize, theta: f32) -> Result<RopeSca
             )
             .into());
     }
-    if head_dim % 2 != 0 || head_dim == 0 {
+    if !head_dim.is_multiple_of(2) || head_dim == 0 {
         // validate() reports the head size itself.
         return Ok(scaling);
     }

@@ -102,6 +102,20 @@ pub(crate) fn every_kind() -> Vec<Case> {
             Refused("no_healthy_node"),
         ),
         (
+            Rejection::MixedCpuKernels {
+                role: "decode",
+                wanted: "portable".into(),
+                found: "decode-0 runs avx512 (x86-fma)".into(),
+            }
+            .into(),
+            S::SERVICE_UNAVAILABLE,
+            server,
+            "mixed_cpu_kernels",
+            None,
+            Code::Unavailable,
+            Refused("mixed_cpu_kernels"),
+        ),
+        (
             Rejection::UnknownModel("gpt-x".into()).into(),
             S::NOT_FOUND,
             bad,
@@ -372,6 +386,15 @@ fn client_messages_are_fixed_per_kind() {
             }
             .into(),
             "This model's maximum context length is 64 tokens. However, you requested 70 tokens (60 in the messages, 10 in the completion). Please reduce the length of the messages or completion.",
+        ),
+        (
+            Rejection::MixedCpuKernels {
+                role: "decode",
+                wanted: "portable".into(),
+                found: "decode-0 runs avx512 (x86-fma)".into(),
+            }
+            .into(),
+            "no healthy decode node computes with the same CPU kernels as the other role's nodes; the mesh's operator must give every node the same cpu_kernels",
         ),
         (
             GatewayError::FaultSpec(kvmesh_faults::FaultSpecError {

@@ -116,7 +116,7 @@ struct Tally {
 impl Tally {
     fn done(&mut self, i: usize, n: usize, completion_tokens: usize, cached_tokens: usize) {
         self.completion_tokens += completion_tokens;
-        if i % n.max(1) == 0 {
+        if i.is_multiple_of(n.max(1)) {
             self.cached_tokens += cached_tokens;
         }
         self.left = self.left.saturating_sub(1);

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use kvmesh_faults::{Action, FaultPlan, PlantedBug, Point};
 use kvmesh_proto::internal::v1::{
-    decode_event, AbortRequest, DecodeEvent, FinishReason, GenerateRequest, Granted, Logprobs,
-    PrefillRequest, RefuseKind,
+    decode_event, AbortRequest, DecodeEvent, FinishReason, GenerateRequest, Granted, LoadReport,
+    Logprobs, PrefillRequest, RefuseKind,
 };
 use kvmesh_tokenizer::{TextOut, TextTokenizer};
 use tokio::sync::mpsc;
@@ -102,8 +102,12 @@ impl Mesh for GrpcMesh {
         });
         let choice = kvmesh_telemetry::span!(parent: &span, "router.node_choice", role = "prefill");
         let picked = choice.in_scope(|| {
-            // Fail fast with no node; the node itself is chosen again per try.
-            self.nodes.pick(Role::Decode, needed(total), None)?;
+            // Fail fast with no node; the node itself is chosen again per
+            // try, among those computing like the prefill node.
+            let decodes = self.nodes.numerics(Role::Decode, needed(total));
+            if decodes.is_empty() {
+                return Err(Rejection::NoHealthyNode { role: "decode" });
+            }
             let near = job.placement.as_ref().and_then(|p| p.get());
             // A prompt to be scored is computed whole (prefill skips its cache
             // for it), so where its pages are cached does not matter: the
@@ -114,6 +118,7 @@ impl Mesh for GrpcMesh {
                 needed(job.prompt_ids.len()),
                 prefill_prefix,
                 near.map(|(prefill, _)| prefill),
+                Some(&decodes),
             )
         });
         let (prefill, p_report) = match picked {
@@ -134,16 +139,7 @@ impl Mesh for GrpcMesh {
             async move {
                 let _slot = slot;
                 let _busy = busy;
-                run(
-                    &mesh,
-                    job,
-                    ns,
-                    &prefill,
-                    p_report.writer_id,
-                    &tx,
-                    Instant::now(),
-                )
-                .await;
+                run(&mesh, job, ns, &prefill, p_report, &tx, Instant::now()).await;
             }
             .instrument(span),
         );
@@ -198,7 +194,7 @@ async fn run(
     job: Job,
     ns: Option<Namespace>,
     prefill: &Arc<Node>,
-    writer_id: Vec<u8>,
+    p_report: LoadReport,
     tx: &mpsc::Sender<Event>,
     started: Instant,
 ) {
@@ -242,7 +238,7 @@ async fn run(
     let generate = GenerateRequest {
         prompt_ids: job.prompt_ids.clone(),
         max_new_tokens: job.max_tokens as u32,
-        writer_id,
+        writer_id: p_report.writer_id.clone(),
         tenant: job.tenant.0.clone(),
         sampling: Some(sampling.clone()),
         stop_token_ids: stop_token_ids.clone(),
@@ -267,6 +263,7 @@ async fn run(
                 needed(total),
                 prefix.as_ref(),
                 near.map(|(_, decode)| decode),
+                Some(std::slice::from_ref(&p_report.cpu_numerics)),
             )
         }) {
             Ok((n, _)) => n,
