@@ -170,13 +170,7 @@ async fn claim(
                     "this node's key is held by another lease (a predecessor killed less than a TTL ago, \
                      or another process of this name): waiting for it to expire"
                 );
-                let k = bounded(
-                    "keep the lease alive",
-                    cfg.dial_timeout,
-                    client.lease_keep_alive(lease),
-                )
-                .await?;
-                keeper.insert(k)
+                keeper.insert(open(client, cfg, lease).await?)
             }
         };
         if renew(k, stream, cfg).await? <= 0 {
@@ -287,13 +281,7 @@ async fn hold(
     stop: &mut watch::Receiver<bool>,
     logged: &mut Logged,
 ) -> Broke {
-    let (mut keeper, mut stream) = match bounded(
-        "keep the lease alive",
-        cfg.dial_timeout,
-        client.lease_keep_alive(id),
-    )
-    .await
-    {
+    let (mut keeper, mut stream) = match open(client, cfg, id).await {
         Ok(k) => k,
         Err(e) => return Broke::Failed(e),
     };
@@ -334,6 +322,22 @@ async fn hold(
             return Broke::Stopped;
         }
     }
+}
+
+/// Opens a keep-alive stream for lease `id`, bounded by the dial timeout.
+/// `etcd-client` sends the first keep-alive as it opens the stream, so a
+/// lease etcd no longer knows fails here, as a generic keep-alive error.
+async fn open(
+    client: &mut Client,
+    cfg: &EtcdConfig,
+    id: i64,
+) -> Result<(LeaseKeeper, LeaseKeepAliveStream), DiscoveryError> {
+    bounded(
+        "keep the lease alive",
+        cfg.dial_timeout,
+        client.lease_keep_alive(id),
+    )
+    .await
 }
 
 /// One keep-alive on an open stream, bounded by the dial timeout: the
