@@ -5,6 +5,18 @@
 //! `/metrics`, served on its gRPC port). The nodes' series carry their own
 //! `node` and `role` labels, so the targets add none (a target label of
 //! the same name would rename the series' to `exported_node`).
+//!
+//! With `mesh.tls` the nodes serve `/metrics` inside mutual TLS, so the
+//! nodes' job scrapes over HTTPS and presents a client certificate of the
+//! mesh's CA: the `{name}` identity `--tls-identity` names (`router` by
+//! default, whose files every such mesh has; a dedicated `prometheus`
+//! certificate keeps the router's key off the Prometheus host). The files'
+//! paths are written absolute (Prometheus reads relative ones from its own
+//! configuration's folder). No `server_name`: Prometheus checks each node's
+//! certificate against the host it dials, the `grpc` address, which the
+//! certificate names already because the router checks it the same way.
+//! The router's job stays plain HTTP: its public port is not inside the
+//! mesh's TLS.
 
 use std::path::PathBuf;
 
@@ -23,6 +35,10 @@ pub struct ScrapeArgs {
     /// How often Prometheus scrapes (a Prometheus duration: 15s, 1s, 1m).
     #[arg(long, default_value = "15s")]
     pub interval: String,
+    /// With `mesh.tls`: whose certificate and key (`{name}` in the mesh
+    /// file's `mesh.tls` paths) Prometheus presents to the nodes.
+    #[arg(long, env = "KVMESH_PROMETHEUS_TLS_IDENTITY", default_value = "router")]
+    pub tls_identity: String,
 }
 
 #[derive(Serialize)]
@@ -35,7 +51,20 @@ struct Job {
     job_name: &'static str,
     scrape_interval: String,
     metrics_path: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scheme: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_config: Option<TlsConfig>,
     static_configs: Vec<Targets>,
+}
+
+/// Prometheus's `tls_config`: the CA the nodes' certificates chain to, and
+/// the client certificate and key it presents.
+#[derive(Serialize)]
+struct TlsConfig {
+    ca_file: PathBuf,
+    cert_file: PathBuf,
+    key_file: PathBuf,
 }
 
 #[derive(Serialize)]
@@ -46,13 +75,15 @@ struct Targets {
 /// Prints the scrape configuration.
 pub fn run(a: ScrapeArgs) -> Result<()> {
     let cfg = MeshConfig::load(&a.config)?;
-    print!("{}", render(&cfg, &a.interval)?);
+    print!("{}", render(&cfg, &a.interval, &a.tls_identity)?);
     Ok(())
 }
 
 /// The configuration's text. A wildcard listen address of the router is
 /// scraped on loopback (the file names no address others dial for it).
-pub fn render(cfg: &MeshConfig, interval: &str) -> Result<String> {
+/// With `mesh.tls`, `tls_identity`'s files must load (a missing or
+/// mismatched file is named now, not seen later as targets down).
+pub fn render(cfg: &MeshConfig, interval: &str, tls_identity: &str) -> Result<String> {
     if !interval
         .strip_suffix(['s', 'm', 'h'])
         .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
@@ -70,16 +101,33 @@ pub fn render(cfg: &MeshConfig, interval: &str) -> Result<String> {
         .chain(&cfg.decode)
         .map(|n| n.grpc.clone())
         .collect();
+    let tls_config = match cfg.tls_for(tls_identity)? {
+        None => None,
+        Some(tls) => {
+            let f = tls.files();
+            Some(TlsConfig {
+                ca_file: std::path::absolute(&f.ca)?,
+                cert_file: std::path::absolute(&f.cert)?,
+                key_file: std::path::absolute(&f.key)?,
+            })
+        }
+    };
     let job = |job_name, targets| Job {
         job_name,
         scrape_interval: interval.to_owned(),
         metrics_path: "/metrics",
+        scheme: None,
+        tls_config: None,
         static_configs: vec![Targets { targets }],
     };
     let file = File {
         scrape_configs: vec![
             job("kvmesh-router", vec![router]),
-            job("kvmesh-nodes", nodes),
+            Job {
+                scheme: tls_config.is_some().then_some("https"),
+                tls_config,
+                ..job("kvmesh-nodes", nodes)
+            },
         ],
     };
     Ok(format!(

@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Client, Compare, CompareOp, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp,
+};
 use tokio::sync::watch;
 
 use crate::{bounded, connect, sleep_or_stop, DiscoveryError, EtcdConfig, Member};
@@ -134,15 +136,7 @@ async fn claim(
     // Our own lease is kept alive while we wait (the wait may outlast it).
     let mut keeper = None;
     loop {
-        let txn = Txn::new()
-            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(
-                key,
-                value.to_vec(),
-                Some(PutOptions::new().with_lease(lease)),
-            )]);
-        let resp = bounded("write the registration", cfg.dial_timeout, client.txn(txn)).await?;
-        if resp.succeeded() {
+        if put_if_free(client, cfg, key, value, lease).await? {
             return Ok(lease);
         }
         let holder = bounded(
@@ -176,20 +170,15 @@ async fn claim(
                     "this node's key is held by another lease (a predecessor killed less than a TTL ago, \
                      or another process of this name): waiting for it to expire"
                 );
-                let k = bounded(
-                    "keep the lease alive",
-                    cfg.dial_timeout,
-                    client.lease_keep_alive(lease),
-                )
-                .await?;
-                keeper.insert(k)
+                keeper.insert(open(client, cfg, lease).await?)
             }
         };
-        bounded("keep the lease alive", cfg.dial_timeout, async {
-            k.keep_alive().await?;
-            stream.message().await
-        })
-        .await?;
+        if renew(k, stream, cfg).await? <= 0 {
+            return Err(DiscoveryError::Lease {
+                ttl: cfg.ttl_secs(),
+                reason: "the lease was revoked while waiting for the key".into(),
+            });
+        }
         tokio::time::sleep(CLAIM_RETRY).await;
     }
 }
@@ -197,7 +186,15 @@ async fn claim(
 /// Keeps the lease alive every third of its TTL until stopped. A broken
 /// stream is reopened (with the same lease: it lives on at etcd for its
 /// TTL); a lease etcd no longer knows (cut off longer than a TTL, or
-/// revoked by someone) is replaced by a new one and the key written again.
+/// revoked by someone) is replaced by a new one and the key written again,
+/// only while no other live lease holds it ([`claim`]).
+///
+/// Which of the two a failure is, etcd itself says ([`lease_gone`]): the
+/// client library turns a lost lease into errors of several shapes (a
+/// keep-alive answer with TTL 0 on an open stream; a generic "lease keep
+/// alive error" when a stream is opened for it; "requested lease not
+/// found" from a write under it), and taking every one but the first for a
+/// broken connection retried the dead lease for ever.
 async fn keep_alive(
     mut client: Client,
     cfg: EtcdConfig,
@@ -206,91 +203,172 @@ async fn keep_alive(
     lease: Arc<AtomicI64>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let every = cfg.lease_ttl / 3;
-    let mut in_touch = true;
-    let mut held = Held::Ours;
+    let mut logged = Logged {
+        held: Held::Ours,
+        in_touch: true,
+    };
     loop {
         let id = lease.load(Ordering::Acquire);
-        let failure = match bounded(
-            "keep the lease alive",
-            cfg.dial_timeout,
-            client.lease_keep_alive(id),
-        )
-        .await
-        {
-            Err(e) => e,
-            Ok((mut keeper, mut stream)) => loop {
-                let answer = bounded("keep the lease alive", cfg.dial_timeout, async {
-                    keeper.keep_alive().await?;
-                    stream.message().await
-                })
-                .await;
-                match answer {
-                    Ok(Some(r)) if r.ttl() > 0 => {
-                        if !in_touch {
-                            in_touch = true;
-                            tracing::info!(key = %key, "etcd keep-alive restored");
-                        }
-                        match restore(&mut client, &cfg, &key, &value, id).await {
-                            Ok(now) => {
-                                if now != held {
-                                    match now {
-                                        Held::Ours => {}
-                                        Held::Rewritten => {
-                                            tracing::warn!(key = %key, "the registration had been deleted while its lease lived: written again")
-                                        }
-                                        Held::Other(l) => {
-                                            tracing::warn!(key = %key, holder = format!("{l:x}"), "another lease holds this node's key (a process of the same name?): not overwriting it")
-                                        }
-                                    }
-                                }
-                                held = if now == Held::Rewritten {
-                                    Held::Ours
-                                } else {
-                                    now
-                                };
-                            }
-                            Err(e) => break e,
-                        }
-                    }
-                    Ok(Some(_)) => {
-                        break DiscoveryError::Lease {
-                            ttl: cfg.ttl_secs(),
-                            reason: "the lease expired at etcd".into(),
-                        }
-                    }
-                    Ok(None) => break DiscoveryError::Watch("the keep-alive stream ended".into()),
-                    Err(e) => break e,
-                }
-                if sleep_or_stop(every, &mut stop).await {
-                    return;
-                }
-            },
-        };
+        let broke = hold(&mut client, &cfg, &key, &value, id, &mut stop, &mut logged).await;
         if *stop.borrow() {
             return;
         }
-        if matches!(failure, DiscoveryError::Lease { .. }) {
-            tracing::warn!(key = %key, "the registration's lease expired at etcd: registering again");
+        let lost = match broke {
+            Broke::Stopped => return,
+            Broke::Lost => true,
+            Broke::Failed(e) => {
+                let gone = lease_gone(&mut client, &cfg, id).await;
+                tracing::debug!(key = %key, lease = format!("{id:x}"), error = %e, gone, "etcd keep-alive failed");
+                if !gone && logged.in_touch {
+                    logged.in_touch = false;
+                    tracing::warn!(key = %key, error = %e, "etcd keep-alive failed; retrying (the entry lives on for its TTL)");
+                }
+                gone
+            }
+        };
+        if lost {
+            tracing::warn!(key = %key, lease = format!("{id:x}"), "the registration's lease is gone at etcd (revoked, or expired while cut off): registering again");
             match claim(&mut client, &cfg, &key, &value, cfg.lease_ttl * 2).await {
                 Ok(new) => {
                     lease.store(new, Ordering::Release);
                     tracing::info!(key = %key, lease = format!("{new:x}"), "registered in etcd again");
-                    in_touch = true;
+                    logged = Logged {
+                        held: Held::Ours,
+                        in_touch: true,
+                    };
                     continue;
                 }
                 Err(e) => {
                     tracing::warn!(key = %key, error = %e, "registering again failed; retrying")
                 }
             }
-        } else if in_touch {
-            in_touch = false;
-            tracing::warn!(key = %key, error = %failure, "etcd keep-alive failed; retrying (the entry lives on for its TTL)");
         }
-        if sleep_or_stop(every.min(Duration::from_secs(1)), &mut stop).await {
+        if sleep_or_stop((cfg.lease_ttl / 3).min(Duration::from_secs(1)), &mut stop).await {
             return;
         }
     }
+}
+
+/// Why [`hold`] stopped keeping a lease alive.
+enum Broke {
+    /// Asked to stop.
+    Stopped,
+    /// etcd answered a keep-alive with TTL 0: it no longer knows the lease.
+    Lost,
+    /// Anything else: etcd unreachable, a stream that ended, an error that
+    /// may or may not mean a lost lease ([`lease_gone`] tells).
+    Failed(DiscoveryError),
+}
+
+/// What [`keep_alive`] last logged, kept across streams so that a state is
+/// logged once, when it begins.
+struct Logged {
+    /// Who held the key.
+    held: Held,
+    /// Whether the last keep-alive was answered.
+    in_touch: bool,
+}
+
+/// Keeps lease `id` alive on one keep-alive stream, every third of the
+/// TTL, checking after each renewal that `key` is still ours
+/// ([`restore`]).
+async fn hold(
+    client: &mut Client,
+    cfg: &EtcdConfig,
+    key: &str,
+    value: &[u8],
+    id: i64,
+    stop: &mut watch::Receiver<bool>,
+    logged: &mut Logged,
+) -> Broke {
+    let (mut keeper, mut stream) = match open(client, cfg, id).await {
+        Ok(k) => k,
+        Err(e) => return Broke::Failed(e),
+    };
+    loop {
+        match renew(&mut keeper, &mut stream, cfg).await {
+            Ok(ttl) if ttl > 0 => {}
+            Ok(_) => return Broke::Lost,
+            Err(e) => return Broke::Failed(e),
+        }
+        if !logged.in_touch {
+            logged.in_touch = true;
+            tracing::info!(key, "etcd keep-alive restored");
+        }
+        let now = match restore(client, cfg, key, value, id).await {
+            Ok(now) => now,
+            Err(e) => return Broke::Failed(e),
+        };
+        if now != logged.held {
+            match now {
+                Held::Ours => {}
+                Held::Rewritten => {
+                    tracing::warn!(
+                        key,
+                        "the registration had been deleted while its lease lived: written again"
+                    )
+                }
+                Held::Other(l) => {
+                    tracing::warn!(key, holder = format!("{l:x}"), "another lease holds this node's key (a process of the same name?): not overwriting it")
+                }
+            }
+        }
+        logged.held = if now == Held::Rewritten {
+            Held::Ours
+        } else {
+            now
+        };
+        if sleep_or_stop(cfg.lease_ttl / 3, stop).await {
+            return Broke::Stopped;
+        }
+    }
+}
+
+/// Opens a keep-alive stream for lease `id`, bounded by the dial timeout.
+/// `etcd-client` sends the first keep-alive as it opens the stream, so a
+/// lease etcd no longer knows fails here, as a generic keep-alive error.
+async fn open(
+    client: &mut Client,
+    cfg: &EtcdConfig,
+    id: i64,
+) -> Result<(LeaseKeeper, LeaseKeepAliveStream), DiscoveryError> {
+    bounded(
+        "keep the lease alive",
+        cfg.dial_timeout,
+        client.lease_keep_alive(id),
+    )
+    .await
+}
+
+/// One keep-alive on an open stream, bounded by the dial timeout: the
+/// lease's TTL as etcd renewed it (0: etcd no longer knows the lease).
+async fn renew(
+    keeper: &mut LeaseKeeper,
+    stream: &mut LeaseKeepAliveStream,
+    cfg: &EtcdConfig,
+) -> Result<i64, DiscoveryError> {
+    let answer = bounded("keep the lease alive", cfg.dial_timeout, async {
+        keeper.keep_alive().await?;
+        stream.message().await
+    })
+    .await?;
+    match answer {
+        Some(r) => Ok(r.ttl()),
+        None => Err(DiscoveryError::Watch("the keep-alive stream ended".into())),
+    }
+}
+
+/// Whether etcd says lease `id` is gone (TTL -1: revoked, or expired).
+/// No answer is not a yes: while etcd cannot be reached the lease may live
+/// on, and replacing it then would only fail the same way.
+async fn lease_gone(client: &mut Client, cfg: &EtcdConfig, id: i64) -> bool {
+    bounded(
+        "look the lease up",
+        cfg.dial_timeout,
+        client.lease_time_to_live(id, None),
+    )
+    .await
+    .is_ok_and(|r| r.ttl() < 0)
 }
 
 /// Who holds a node's key, as [`restore`] found it.
@@ -323,21 +401,31 @@ async fn restore(
     match got.kvs().first().map(|kv| kv.lease()) {
         Some(l) if l == lease => Ok(Held::Ours),
         Some(other) => Ok(Held::Other(other)),
-        None => {
-            let txn = Txn::new()
-                .when([Compare::create_revision(key, CompareOp::Equal, 0)])
-                .and_then([TxnOp::put(
-                    key,
-                    value.to_vec(),
-                    Some(PutOptions::new().with_lease(lease)),
-                )]);
-            let resp = bounded("write the registration", cfg.dial_timeout, client.txn(txn)).await?;
+        None => Ok(if put_if_free(client, cfg, key, value, lease).await? {
+            Held::Rewritten
+        } else {
             // Lost the race to another writer: it holds the key now.
-            Ok(if resp.succeeded() {
-                Held::Rewritten
-            } else {
-                Held::Other(0)
-            })
-        }
+            Held::Other(0)
+        }),
     }
+}
+
+/// Writes `key` = `value` under `lease` only if no live lease holds the
+/// key (its create revision is 0: absent); whether it was written.
+async fn put_if_free(
+    client: &mut Client,
+    cfg: &EtcdConfig,
+    key: &str,
+    value: &[u8],
+    lease: i64,
+) -> Result<bool, DiscoveryError> {
+    let txn = Txn::new()
+        .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+        .and_then([TxnOp::put(
+            key,
+            value.to_vec(),
+            Some(PutOptions::new().with_lease(lease)),
+        )]);
+    let resp = bounded("write the registration", cfg.dial_timeout, client.txn(txn)).await?;
+    Ok(resp.succeeded())
 }

@@ -192,6 +192,15 @@ impl Etcd {
         self.launch();
     }
 
+    /// Starts it again on the same ports without its data, as a member
+    /// whose volume was lost: every lease and key is gone.
+    pub fn restart_empty(&self) {
+        self.kill();
+        let data = self.dir.path().join("data");
+        std::fs::remove_dir_all(&data).unwrap_or_else(|e| panic!("{}: {e}", data.display()));
+        self.launch();
+    }
+
     /// Runs `f` with a client of this etcd, on a runtime of its own.
     fn with_client<T>(
         &self,

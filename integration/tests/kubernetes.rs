@@ -1,16 +1,22 @@
 //! The Kubernetes manifests (`deploy/kubernetes/`), checked offline (no
-//! cluster runs here): every manifest validates against the Kubernetes
-//! schemas in strict mode (the `kubernetes-validate` package, pinned,
-//! pip-installed as the other Python tools are), and a misspelt field
-//! fails that check; the kustomization lists every manifest; each
-//! container's command, with its pod name, is accepted by the binary
-//! (`--check-config`) against the ConfigMap's mesh file and the secret
-//! mounted as the manifests mount it (mode 0440 in the pod's group),
+//! cluster runs here), for both variants: static discovery
+//! (`deploy/kubernetes`) and membership through etcd
+//! (`deploy/kubernetes/etcd`, which adds an etcd and its own mesh file),
+//! each the roles of `deploy/kubernetes/base` and a ConfigMap. Every
+//! manifest validates against the Kubernetes schemas in strict mode (the
+//! `kubernetes-validate` package, pinned, pip-installed as the other Python
+//! tools are), and a misspelt field fails that check; each kustomization
+//! lists every manifest beside it (and, where `kubectl` is installed,
+//! `kubectl kustomize` renders exactly the resources read here); each
+//! container's command, for every pod the mesh file names, is accepted by
+//! the binary (`--check-config`) against the variant's mesh file and the
+//! secret mounted as the manifests mount it (mode 0440 in the pod's group),
 //! without the warning about a secret others can read; the probes and
-//! grace periods match the drain; and each node's memory request covers
-//! the model and the KV pool the mesh file gives it.
+//! grace periods match the drain; each node's memory request covers the
+//! model and the KV pool the mesh file gives it; and etcd's variant points
+//! its mesh file at the etcd it runs.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use kvmesh_integration::python::{pip_install, python};
@@ -25,29 +31,82 @@ fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes")
 }
 
-/// The manifests (every YAML file but the kustomization), by file name.
-fn manifests() -> Vec<String> {
-    let mut out: Vec<String> = std::fs::read_dir(dir())
-        .expect("deploy/kubernetes")
+/// The variants: their folder under `deploy/kubernetes`, and how many
+/// resources each applies.
+const VARIANTS: [(&str, usize); 2] = [("", 7), ("etcd", 9)];
+
+/// The manifest files the kustomization in `at` applies: its `resources`,
+/// files and (recursively) kustomization folders. The kustomizations use
+/// only `resources` and `labels` (checked), so these are all kustomize
+/// applies; and every manifest beside a kustomization is listed by it.
+fn resources(at: &Path) -> Vec<PathBuf> {
+    let path = at.join("kustomization.yaml");
+    let k: Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .expect("YAML");
+    for key in k.as_mapping().expect("a mapping").keys() {
+        let key = key.as_str().expect("a string key");
+        assert!(
+            ["apiVersion", "kind", "labels", "resources"].contains(&key),
+            "{}: {key} is not read by this test",
+            path.display()
+        );
+    }
+    let mut files = Vec::new();
+    let mut listed = Vec::new();
+    for r in k["resources"].as_sequence().expect("resources") {
+        let p = at.join(r.as_str().expect("a path"));
+        if p.is_dir() {
+            files.extend(resources(&p));
+        } else {
+            listed.push(r.as_str().expect("a path").to_owned());
+            // Canonical: `etcd/../base/decode.yaml` is `base/decode.yaml`.
+            files.push(
+                p.canonicalize()
+                    .unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+            );
+        }
+    }
+    let mut beside: Vec<String> = std::fs::read_dir(at)
+        .expect("folder")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
         .filter(|n| n.ends_with(".yaml") && n != "kustomization.yaml")
         .collect();
-    out.sort();
-    out
+    beside.sort();
+    listed.sort();
+    assert_eq!(listed, beside, "{}", path.display());
+    files
 }
 
-/// Every document of every manifest.
-fn documents() -> Vec<Value> {
+/// Every document of `files`.
+fn documents(files: &[PathBuf]) -> Vec<Value> {
     let mut docs = Vec::new();
-    for name in manifests() {
-        let text = std::fs::read_to_string(dir().join(&name)).expect("manifest");
+    for f in files {
+        let text = std::fs::read_to_string(f).expect("manifest");
         for doc in serde_yaml_ng::Deserializer::from_str(&text) {
             docs.push(
-                serde::Deserialize::deserialize(doc).unwrap_or_else(|e| panic!("{name}: {e}")),
+                serde::Deserialize::deserialize(doc)
+                    .unwrap_or_else(|e| panic!("{}: {e}", f.display())),
             );
         }
     }
     docs
+}
+
+/// (kind, name) of each document, sorted.
+fn kinds_and_names(docs: &[Value]) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = docs
+        .iter()
+        .map(|d| {
+            (
+                d["kind"].as_str().expect("kind").to_owned(),
+                d["metadata"]["name"].as_str().expect("name").to_owned(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
 }
 
 /// Runs the validator on `files`; (success, output).
@@ -65,17 +124,58 @@ fn validate(files: &[PathBuf]) -> (bool, String) {
 
 #[test]
 fn manifests_validate_strictly_and_a_misspelt_field_does_not() {
-    let files: Vec<PathBuf> = manifests().iter().map(|n| dir().join(n)).collect();
-    assert_eq!(files.len(), 4, "{files:?}");
+    let mut files = Vec::new();
+    for (variant, count) in VARIANTS {
+        let these = resources(&dir().join(variant));
+        let docs = documents(&these);
+        assert_eq!(docs.len(), count, "{variant:?}: {these:?}");
+        match Command::new("kubectl")
+            .args(["kustomize"])
+            .arg(dir().join(variant))
+            .output()
+        {
+            Ok(out) => {
+                let (stdout, stderr) = texts(&out);
+                assert!(
+                    out.status.success(),
+                    "kubectl kustomize {variant:?}: {stderr}"
+                );
+                let rendered: Vec<Value> = serde_yaml_ng::Deserializer::from_str(&stdout)
+                    .map(|d| serde::Deserialize::deserialize(d).expect("rendered YAML"))
+                    .collect();
+                assert_eq!(
+                    kinds_and_names(&rendered),
+                    kinds_and_names(&docs),
+                    "{variant:?}"
+                );
+                for d in &rendered {
+                    assert_eq!(
+                        d["metadata"]["labels"]["app.kubernetes.io/part-of"], "kvmesh",
+                        "{variant:?}: {:?}",
+                        d["metadata"]["name"]
+                    );
+                }
+            }
+            Err(e) => {
+                eprintln!("note: kubectl not runnable ({e}); kustomize's rendering not compared")
+            }
+        }
+        for f in these {
+            if !files.contains(&f) {
+                files.push(f);
+            }
+        }
+    }
     let (ok, out) = validate(&files);
     assert!(ok, "{out}");
-    // One "passed" line per resource, none skipped.
-    assert_eq!(out.matches(" passed for resource ").count(), 7, "{out}");
+    // One "passed" line per resource, none skipped: the roles' 6 once, a
+    // ConfigMap per variant, etcd's Service and StatefulSet.
+    assert_eq!(out.matches(" passed for resource ").count(), 10, "{out}");
 
     // The check can fail: a field Kubernetes does not have.
     let tmp = tempfile::tempdir().expect("tempdir");
     let bad = tmp.path().join("decode.yaml");
-    let text = std::fs::read_to_string(dir().join("decode.yaml")).expect("decode.yaml");
+    let text = std::fs::read_to_string(dir().join("base/decode.yaml")).expect("decode.yaml");
     assert!(text.contains("terminationGracePeriodSeconds:"));
     std::fs::write(
         &bad,
@@ -85,20 +185,6 @@ fn manifests_validate_strictly_and_a_misspelt_field_does_not() {
     let (ok, out) = validate(&[bad]);
     assert!(!ok, "a misspelt field passed: {out}");
     assert!(out.contains("terminationGracePeriod"), "{out}");
-
-    // The kustomization applies exactly these files.
-    let k: Value = serde_yaml_ng::from_str(
-        &std::fs::read_to_string(dir().join("kustomization.yaml")).expect("kustomization"),
-    )
-    .expect("YAML");
-    let mut listed: Vec<String> = k["resources"]
-        .as_sequence()
-        .expect("resources")
-        .iter()
-        .map(|r| r.as_str().expect("name").to_owned())
-        .collect();
-    listed.sort();
-    assert_eq!(listed, manifests());
 }
 
 /// The mesh file in the ConfigMap.
@@ -123,8 +209,94 @@ fn quantity(q: &str) -> u64 {
 
 #[test]
 fn every_container_command_is_accepted_and_resources_fit_the_pools() {
-    let docs = documents();
-    let mesh = mesh_file(&docs);
+    let docs = documents(&resources(&dir()));
+    let (roles, lines) = check_commands(&docs);
+    assert_eq!(roles, ["decode", "prefill", "router"]);
+    for l in lines {
+        assert!(l.contains("1 prefill and 1 decode nodes"), "{l}");
+    }
+}
+
+/// The etcd variant: the same checks, for every pod its mesh file names
+/// (a second decode node, for `kubectl scale`), and the mesh file points at
+/// the etcd the variant runs, built from deploy/etcd.
+#[test]
+fn the_etcd_variant_runs_its_etcd_and_every_command_is_accepted() {
+    let docs = documents(&resources(&dir().join("etcd")));
+    let (roles, lines) = check_commands(&docs);
+    assert_eq!(roles, ["decode", "decode", "prefill", "router"]);
+    let mesh: Value = serde_yaml_ng::from_str(&mesh_file(&docs)).expect("mesh file YAML");
+    let endpoint = mesh["etcd"]["endpoints"][0].as_str().expect("an endpoint");
+    for l in &lines {
+        assert!(
+            l.contains(&format!(
+                "discovery etcd: http://{endpoint} prefix /kvmesh/kubernetes/, lease TTL 3 s"
+            )),
+            "{l}"
+        );
+    }
+    // The endpoint is etcd's headless Service, on its client port.
+    let (host, port) = endpoint.split_once(':').expect("HOST:PORT");
+    let port: u64 = port.parse().expect("port");
+    let svc = docs
+        .iter()
+        .find(|d| d["kind"] == "Service" && d["metadata"]["name"] == host)
+        .expect("the Service the endpoint names");
+    assert!(svc["spec"]["ports"]
+        .as_sequence()
+        .expect("ports")
+        .iter()
+        .any(|p| p["port"] == port && p["name"] == "client"));
+    let sts = docs
+        .iter()
+        .find(|d| d["kind"] == "StatefulSet" && d["spec"]["serviceName"] == host)
+        .expect("etcd's StatefulSet");
+    assert_eq!(sts["spec"]["replicas"], 1);
+    assert_eq!(
+        svc["spec"]["selector"],
+        sts["spec"]["template"]["metadata"]["labels"]
+    );
+    let pod = &sts["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let args: Vec<&str> = c["args"]
+        .as_sequence()
+        .expect("args")
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    let member = format!("{}-0", sts["metadata"]["name"].as_str().expect("name"));
+    let peer = format!("http://{member}.{host}:2380");
+    for want in [
+        format!("--name={member}"),
+        format!("--listen-client-urls=http://0.0.0.0:{port}"),
+        format!("--advertise-client-urls=http://{member}.{host}:{port}"),
+        format!("--initial-advertise-peer-urls={peer}"),
+        format!("--initial-cluster={member}={peer}"),
+    ] {
+        assert!(args.contains(&want.as_str()), "{want} not in {args:?}");
+    }
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/health");
+    assert_eq!(c["readinessProbe"]["httpGet"]["port"], "client");
+    // The image is deploy/etcd's (Debian's etcd-server), whose user the pod
+    // runs as, with its data folder on the pod's volume.
+    assert_eq!(c["image"], "kvmesh-etcd:latest");
+    let dockerfile = std::fs::read_to_string(dir().join("../etcd/Dockerfile")).expect("Dockerfile");
+    assert!(dockerfile.contains("etcd-server"));
+    let uid = pod["securityContext"]["runAsUser"]
+        .as_u64()
+        .expect("runAsUser");
+    assert!(dockerfile.contains(&format!("--uid {uid} etcd")), "{uid}");
+    assert!(args.contains(&"--data-dir=/var/lib/etcd/data"));
+    assert_eq!(c["volumeMounts"][0]["mountPath"], "/var/lib/etcd");
+}
+
+/// For every kvmesh pod of `docs` (a StatefulSet's: each NAME-i its role's
+/// list in the mesh file names): its command is accepted with the mesh file
+/// and secret as the pod sees them, its probes and grace period match the
+/// drain, its memory covers the model and pool. Returns the pods' roles,
+/// sorted, and their `--check-config` lines.
+fn check_commands(docs: &[Value]) -> (Vec<String>, Vec<String>) {
+    let mesh = mesh_file(docs);
     let mesh_cfg: Value = serde_yaml_ng::from_str(&mesh).expect("mesh file YAML");
     let drain_s = mesh_cfg["drain_timeout_ms"]
         .as_u64()
@@ -143,29 +315,42 @@ fn every_container_command_is_accepted_and_resources_fit_the_pools() {
     }
 
     let mut roles = Vec::new();
-    for d in docs
-        .iter()
-        .filter(|d| d["kind"] == "StatefulSet" || d["kind"] == "Deployment")
-    {
+    let mut lines = Vec::new();
+    for d in docs.iter().filter(|d| {
+        (d["kind"] == "StatefulSet" || d["kind"] == "Deployment")
+            && d["spec"]["template"]["spec"]["containers"][0]["image"] == "kvmesh:latest"
+    }) {
         let name = d["metadata"]["name"].as_str().expect("name");
         let pod = &d["spec"]["template"]["spec"];
-        // A StatefulSet's first pod is NAME-0: the mesh file's node name.
-        let pod_name = format!("{name}-0");
         let c = &pod["containers"][0];
-        let mut args: Vec<String> = c["args"]
+        let template: Vec<&str> = c["args"]
             .as_sequence()
             .expect("args")
             .iter()
-            .map(|a| {
-                a.as_str()
-                    .expect("string arg")
-                    .replace("$(POD_NAME)", &pod_name)
-                    .replace(
-                        "/etc/kvmesh/mesh.yaml",
-                        &etc.join("mesh.yaml").to_string_lossy(),
-                    )
-            })
+            .map(|a| a.as_str().expect("string arg"))
             .collect();
+        let role = template[0];
+        // A StatefulSet's pods are NAME-0, NAME-1, ...: the mesh file's
+        // node names, every one of them (its replicas run the first).
+        let pods: Vec<String> = if role == "router" {
+            vec![String::new()]
+        } else {
+            let names: Vec<String> = mesh_cfg[role]
+                .as_sequence()
+                .expect("nodes")
+                .iter()
+                .map(|n| n["name"].as_str().expect("node name").to_owned())
+                .collect();
+            let want: Vec<String> = (0..names.len()).map(|i| format!("{name}-{i}")).collect();
+            assert_eq!(names, want, "{name}: the mesh file's {role} nodes");
+            let replicas = d["spec"]["replicas"].as_u64().expect("replicas") as usize;
+            assert!(
+                replicas >= 1 && replicas <= names.len(),
+                "{name}: {replicas} replicas"
+            );
+            names
+        };
+
         // The volume the manifests mount there is the mesh file and secret.
         let mount = &c["volumeMounts"][0];
         assert_eq!(mount["mountPath"], "/etc/kvmesh", "{name}");
@@ -179,19 +364,6 @@ fn every_container_command_is_accepted_and_resources_fit_the_pools() {
             pod["securityContext"]["runAsGroup"],
             pod["securityContext"]["fsGroup"]
         );
-
-        args.push("--check-config".into());
-        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        let out = run_kvmesh(&refs, &[]);
-        let (stdout, stderr) = texts(&out);
-        assert!(out.status.success(), "{name}: kvmesh {args:?}: {stderr}");
-        assert!(stdout.starts_with("config ok"), "{stdout}");
-        assert!(stdout.contains("mesh auth: secret file"), "{stdout}");
-        assert!(
-            !stderr.contains("readable by other users"),
-            "{name}: {stderr}"
-        );
-
         // The grace period covers preStop and the whole drain.
         let grace = pod["terminationGracePeriodSeconds"]
             .as_u64()
@@ -200,29 +372,52 @@ fn every_container_command_is_accepted_and_resources_fit_the_pools() {
             grace > drain_s + 5,
             "{name}: grace {grace} s, drain {drain_s} s"
         );
-        let role = args[0].clone();
-        if role == "router" {
-            assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/health");
-        } else {
-            // Readiness is the node's own gRPC health, on its gRPC port.
-            let node = mesh_cfg[role.as_str()]
-                .as_sequence()
-                .expect("nodes")
+
+        for pod_name in pods {
+            let mut args: Vec<String> = template
                 .iter()
-                .find(|n| n["name"] == pod_name.as_str())
-                .expect("the pod's node in the mesh file");
-            let port: u64 = node["listen"]
-                .as_str()
-                .and_then(|l| l.rsplit(':').next())
-                .and_then(|p| p.parse().ok())
-                .expect("listen port");
-            assert_eq!(c["readinessProbe"]["grpc"]["port"], port, "{name}");
-            check_memory(name, c, node, &mesh_cfg);
+                .map(|a| {
+                    a.replace("$(POD_NAME)", &pod_name).replace(
+                        "/etc/kvmesh/mesh.yaml",
+                        &etc.join("mesh.yaml").to_string_lossy(),
+                    )
+                })
+                .collect();
+            args.push("--check-config".into());
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            let out = run_kvmesh(&refs, &[]);
+            let (stdout, stderr) = texts(&out);
+            assert!(out.status.success(), "{name}: kvmesh {args:?}: {stderr}");
+            assert!(stdout.starts_with("config ok"), "{stdout}");
+            assert!(stdout.contains("mesh auth: secret file"), "{stdout}");
+            assert!(
+                !stderr.contains("readable by other users"),
+                "{name}: {stderr}"
+            );
+            if role == "router" {
+                assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/health");
+            } else {
+                // Readiness is the node's own gRPC health, on its gRPC port.
+                let node = mesh_cfg[role]
+                    .as_sequence()
+                    .expect("nodes")
+                    .iter()
+                    .find(|n| n["name"] == pod_name.as_str())
+                    .expect("the pod's node in the mesh file");
+                let port: u64 = node["listen"]
+                    .as_str()
+                    .and_then(|l| l.rsplit(':').next())
+                    .and_then(|p| p.parse().ok())
+                    .expect("listen port");
+                assert_eq!(c["readinessProbe"]["grpc"]["port"], port, "{name}");
+                check_memory(&pod_name, c, node, &mesh_cfg);
+            }
+            roles.push(role.to_owned());
+            lines.push(stdout);
         }
-        roles.push(role);
     }
     roles.sort();
-    assert_eq!(roles, ["decode", "prefill", "router"]);
+    (roles, lines)
 }
 
 /// The container's memory request covers the weights and the node's KV

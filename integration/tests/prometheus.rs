@@ -7,6 +7,11 @@
 //! are checked against each other and the router's relayed view, and every
 //! query of the Grafana dashboard (`deploy/grafana/kvmesh.json`) returns
 //! data.
+//!
+//! A second test runs a mesh inside mutual TLS (`mesh.tls`): its nodes
+//! serve `/metrics` only to clients with a certificate of the mesh's CA,
+//! and Prometheus scrapes them through the configuration
+//! `kvmesh prometheus-config --tls-identity prometheus` writes.
 
 use std::io::Write;
 use std::net::TcpStream;
@@ -14,8 +19,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvmesh_integration::roles::{free_port, start_two_by_two, two_by_two_mesh_file};
+use kvmesh_integration::roles::{
+    free_port, start, start_two_by_two, two_by_two_mesh_file, wait_healthy, write_secret,
+};
 use kvmesh_integration::{http, run_kvmesh, texts};
+use kvmesh_testkit::tls::{TestCa, Validity};
 use serde_json::{json, Value};
 
 /// The Prometheus binary: `$PROMETHEUS`, or Debian's.
@@ -322,4 +330,125 @@ fn prometheus_reads_every_node_and_the_dashboard_queries_all_return_data() {
         }
     }
     eprintln!("{queries} dashboard queries, each returned data");
+}
+
+#[test]
+fn prometheus_scrapes_a_mutual_tls_mesh_through_the_generated_configuration() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let certs = dir.path().join("certs");
+    std::fs::create_dir(&certs).expect("certs dir");
+    let ca = TestCa::new(dir.path(), "mesh").expect("ca");
+    // Prometheus's own identity beside the processes'.
+    for name in ["router", "prefill-0", "decode-0", "prometheus"] {
+        ca.write_node(&certs, name, &["127.0.0.1", "localhost"], Validity::Current)
+            .expect("certificate");
+    }
+    let secret = write_secret(dir.path(), "mesh.secret");
+    let [http_port, grpc_port, prefill_port, decode_port, kv_port] =
+        std::array::from_fn(|_| free_port());
+    // Relative paths, resolved from the mesh file's folder.
+    let text = format!(
+        "model: {model}\n\
+         mesh:\n  secret_file: {secret}\n  tls: {{ca_file: mesh-ca.pem, cert_file: \"certs/{{name}}.pem\", key_file: \"certs/{{name}}-key.pem\"}}\n\
+         router: {{http: \"127.0.0.1:{http_port}\", grpc: \"127.0.0.1:{grpc_port}\"}}\n\
+         prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{prefill_port}\"}}\n\
+         decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{decode_port}\", kv: \"127.0.0.1:{kv_port}\"}}\n",
+        model = kvmesh_integration::tiny_model_dir().display(),
+        secret = secret.display(),
+    );
+    let file = dir.path().join("mesh.yaml");
+    std::fs::write(&file, text).expect("mesh file");
+    let file_arg = file.to_str().expect("utf-8 path");
+
+    let config = |identity: &str| {
+        run_kvmesh(
+            &[
+                "prometheus-config",
+                "--config",
+                file_arg,
+                "--interval",
+                "1s",
+                "--tls-identity",
+                identity,
+            ],
+            &[],
+        )
+    };
+    // An identity without files is named now, not found later as targets
+    // down.
+    let out = config("nobody");
+    let (_, err) = texts(&out);
+    assert!(!out.status.success());
+    assert!(err.contains("mesh.tls") && err.contains("nobody"), "{err}");
+    let out = config("prometheus");
+    let (scrape, err) = texts(&out);
+    assert!(out.status.success(), "prometheus-config failed: {err}");
+    let parsed: serde_yaml_ng::Value = serde_yaml_ng::from_str(&scrape).expect("YAML");
+    let jobs = parsed["scrape_configs"].as_sequence().expect("jobs");
+    let job = |name: &str| {
+        jobs.iter()
+            .find(|j| j["job_name"] == name)
+            .unwrap_or_else(|| panic!("job {name}: {scrape}"))
+    };
+    // The router's public port is outside the mesh's TLS.
+    let router = job("kvmesh-router");
+    assert!(
+        router.get("scheme").is_none() && router.get("tls_config").is_none(),
+        "{scrape}"
+    );
+    let nodes = job("kvmesh-nodes");
+    assert_eq!(nodes["scheme"], "https", "{scrape}");
+    let tls = &nodes["tls_config"];
+    for (field, want) in [
+        ("ca_file", dir.path().join("mesh-ca.pem")),
+        ("cert_file", certs.join("prometheus.pem")),
+        ("key_file", certs.join("prometheus-key.pem")),
+    ] {
+        assert_eq!(tls[field].as_str(), want.to_str(), "{field}: {scrape}");
+    }
+    let config_file = dir.path().join("prometheus.yml");
+    std::fs::write(&config_file, &scrape).expect("write scrape config");
+
+    let _decode = start("decode", &file, Some("decode-0"), "ready").0;
+    let _prefill = start("prefill", &file, Some("prefill-0"), "ready").0;
+    let _router = start("router", &file, None, "OpenAI API").0;
+    let addr = format!("127.0.0.1:{http_port}");
+    wait_healthy(&addr);
+    // The nodes' /metrics is not served in plaintext: without the
+    // generated `scheme` and `tls_config` these targets would be down.
+    for port in [prefill_port, decode_port] {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            .expect("write");
+        let mut answer = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut s, &mut answer);
+        assert!(
+            !answer.starts_with(b"HTTP/"),
+            "port {port} answered plain HTTP: {}",
+            String::from_utf8_lossy(&answer)
+        );
+    }
+    let t0 = Instant::now();
+    let prom = Prometheus::start(&config_file, dir.path());
+    let up = prom.wait("every target up", "up", |v| {
+        v.len() == 3 && v.iter().all(|(_, x)| *x == 1.0)
+    });
+    eprintln!(
+        "MEASURED: a real Prometheus had every target of the TLS mesh up {:.2} s after it was started",
+        t0.elapsed().as_secs_f64()
+    );
+    let https: Vec<&str> = up
+        .iter()
+        .filter(|(l, _)| l["job"] == "kvmesh-nodes")
+        .filter_map(|(l, _)| l["instance"].as_str())
+        .collect();
+    assert_eq!(https.len(), 2, "{up:?}");
+    // The nodes' own series came through: each pool, by node.
+    prom.wait("both nodes' pools", "kvmesh_kv_pool_pages", |v| {
+        let mut nodes: Vec<&str> = v.iter().filter_map(|(l, _)| l["node"].as_str()).collect();
+        nodes.sort();
+        nodes == ["decode-0", "prefill-0"]
+    });
 }
