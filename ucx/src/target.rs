@@ -524,6 +524,9 @@ impl Actor for TargetState {
     fn handle(&mut self, events: Vec<Event>) {
         for e in events {
             match e {
+                // Shutting down (the listener is gone): a request taken
+                // before is left to UCX, which owns it with the worker.
+                Event::Conn(_) if self.listener.is_null() => {}
                 Event::Conn(req) => {
                     let mut p = self.core.ep_params();
                     p.field_mask |= u64::from(sys::UCP_EP_PARAM_FIELD_CONN_REQUEST);
@@ -609,6 +612,19 @@ impl Actor for TargetState {
     }
 
     fn shutdown(&mut self) {
+        let ucp = self.core.api.ucp();
+        // The listener goes first, so that no connection request (a
+        // writer topping up its spare endpoints) is taken while endpoints
+        // close and the worker goes: UCX 1.13 handles a request in its
+        // async thread, and one that arrived as the listener and worker
+        // were destroyed crashed there (`ucp_cm_server_conn_request_cb`).
+        // SAFETY: the listener is live and destroyed once.
+        unsafe {
+            if !self.listener.is_null() {
+                ucp.ucp_listener_destroy(self.listener);
+                self.listener = ptr::null_mut();
+            }
+        }
         let ids: Vec<u64> = self.eps.keys().copied().collect();
         for id in ids {
             self.close(id);
@@ -622,13 +638,9 @@ impl Actor for TargetState {
                 self.handle(ev);
             }
         }
-        let ucp = self.core.api.ucp();
-        // SAFETY: the listener and registration are live and released
-        // once; the worker is destroyed after (Core's drop).
+        // SAFETY: the registration is live and released once; the worker
+        // is destroyed after (Core's drop).
         unsafe {
-            if !self.listener.is_null() {
-                ucp.ucp_listener_destroy(self.listener);
-            }
             if !self.memh.is_null() {
                 ucp.ucp_mem_unmap(self.core.ctx(), self.memh);
                 self.memh = ptr::null_mut();

@@ -10,6 +10,12 @@ use kvmesh_ucx::{DataPath, Initiator, Remote, Revoke, Target, UcxError};
 
 const WAIT: Duration = Duration::from_secs(5);
 
+/// One test's UCX contexts at a time: UCX 1.13's process-wide async
+/// handler table, keyed by file descriptor, mixes up contexts that open and
+/// close sockets at once on different threads (see the handshake suite's
+/// `UCX_ONE_AT_A_TIME`); a node process has one context.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn ucx_or_skip() -> bool {
     match kvmesh_ucx::load() {
         Ok(_) => true,
@@ -48,11 +54,13 @@ fn read(t: &Target, at: usize, n: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn puts_land_after_a_flush_and_none_after_the_revoke() {
+    let _one = ONE_AT_A_TIME.lock().await;
     land_then_revoke(DataPath::Puts).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_messages_land_after_a_fence_and_none_after_the_revoke() {
+    let _one = ONE_AT_A_TIME.lock().await;
     land_then_revoke(DataPath::Messages).await
 }
 
@@ -112,6 +120,7 @@ async fn land_then_revoke(path: DataPath) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bind_for_a_key_not_open_or_revoked_is_refused() {
+    let _one = ONE_AT_A_TIME.lock().await;
     if !ucx_or_skip() {
         return;
     }
@@ -166,11 +175,13 @@ fn count(t: &Target, b: u8) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_racing_an_in_flight_put_lets_no_byte_land_after_the_revoke() {
+    let _one = ONE_AT_A_TIME.lock().await;
     abort_racing_a_write(DataPath::Puts).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_racing_in_flight_data_messages_lets_no_byte_land_after_the_revoke() {
+    let _one = ONE_AT_A_TIME.lock().await;
     abort_racing_a_write(DataPath::Messages).await
 }
 
@@ -223,6 +234,7 @@ async fn abort_racing_a_write(path: DataPath) {
 #[cfg(feature = "testing")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unregistering_the_region_does_not_stop_writes() {
+    let _one = ONE_AT_A_TIME.lock().await;
     if !ucx_or_skip() {
         return;
     }
@@ -291,6 +303,7 @@ async fn child_writer() {
 /// endpoint's close) completes, and no byte lands after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writer_killed_mid_put() {
+    let _one = ONE_AT_A_TIME.lock().await;
     if !ucx_or_skip() {
         return;
     }

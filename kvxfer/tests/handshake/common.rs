@@ -65,7 +65,20 @@ pub struct Node {
     /// The pool's mapping, for a shared-memory node.
     pub region: Option<Arc<kvmesh_kvxfer::shm::ShmRegion>>,
     _dir: tempfile::TempDir,
+    /// UCX nodes run one at a time in this process (dropped last, after
+    /// the node's target): see [`UCX_ONE_AT_A_TIME`].
+    _ucx: Option<tokio::sync::MutexGuard<'static, ()>>,
 }
+
+/// UCX 1.13 keeps one process-wide table of async event handlers keyed by
+/// file descriptor; with several UCX contexts opening and closing sockets
+/// at once on different threads, a reused descriptor meets another
+/// context's handler (`async.c:643 Assertion handler->async == async`, or
+/// a crash in `ucp_cm_server_conn_request_cb`): 2 runs in 8 of this suite
+/// aborted with the ucx tests running in parallel. A node process has one
+/// context (one target or one writer), so the suite runs its UCX nodes
+/// one at a time, as the nodes do.
+pub static UCX_ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// 32 random bytes in a file, as an operator makes one.
 pub fn secret_file(dir: &std::path::Path) -> std::path::PathBuf {
@@ -104,6 +117,10 @@ impl Node {
         pool_cfg: PoolConfig,
         tls: Option<Arc<kvmesh_meshauth::tls::MeshTls>>,
     ) -> Self {
+        let ucx = match kind {
+            Kind::Ucx => Some(UCX_ONE_AT_A_TIME.lock().await),
+            Kind::Tcp | Kind::Shm => None,
+        };
         let dir = tempfile::tempdir().expect("tempdir");
         let (pool, landing, region): (KvPool, Arc<dyn Landing>, _) = match kind {
             Kind::Tcp => (
@@ -151,6 +168,7 @@ impl Node {
             secret_file,
             region,
             _dir: dir,
+            _ucx: ucx,
         }
     }
 
