@@ -50,10 +50,12 @@
 
 #![deny(missing_docs)]
 
+mod addr;
 mod api;
 mod core;
 mod error;
 mod initiator;
+mod runner;
 mod target;
 
 #[allow(
