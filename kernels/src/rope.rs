@@ -90,6 +90,13 @@ impl Rope {
         }
     }
 
+    /// The inverse frequency of each rotated pair, scaling applied
+    /// (`head_dim / 2` values): what a device kernel is given so that it
+    /// rotates by the same angles.
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     /// The pair layout this instance rotates.
     pub fn layout(&self) -> RopeLayout {
         self.layout

@@ -49,6 +49,7 @@
 pub mod cache;
 pub mod config;
 pub mod error;
+pub mod observer;
 pub mod pool;
 pub mod reader;
 pub mod reservation;
@@ -63,6 +64,7 @@ pub use cache::{CacheCounters, CacheIndex, CacheStats, Namespace, PageKey};
 pub use config::{ParseScrubModeError, PoolConfig, ScrubMode};
 pub use error::PoolError;
 pub use kvmesh_kernels::KvDtype;
+pub use observer::{PageEvent, PageFill, PageObserver};
 pub use pool::{KvPool, POISON_BITS, POISON_BITS_F16};
 pub use reader::SeqKv;
 pub use reservation::{OwnerTag, Reservation};

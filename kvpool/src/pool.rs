@@ -42,6 +42,7 @@ use kvmesh_kernels::PageRef;
 use crate::cache::{CacheIndex, CacheState, CacheStats, Entry, Lease, Namespace, PageKey};
 use crate::config::{PoolConfig, ScrubMode};
 use crate::error::PoolError;
+use crate::observer::{PageEvent, PageFill, PageObserver};
 use crate::reservation::{OwnerTag, Reservation};
 use crate::stats::{PoolStats, ViolationCounters};
 use crate::storage::{Fill, PoolMemory, Storage, StorageShape};
@@ -68,6 +69,8 @@ pub(crate) struct Shared {
     owner: Vec<AtomicU64>,
     /// Indexed `page * n_layers + layer`.
     watermarks: Vec<AtomicUsize>,
+    /// Told of every page event (a device pool's mirror), if any.
+    observer: Option<Arc<dyn PageObserver>>,
     state: Mutex<FreeState>,
     pub(crate) violations: ViolationCounters,
 }
@@ -111,7 +114,17 @@ impl KvPool {
     /// comes from a zeroed allocation (no up-front pass over it); with
     /// poison every page is filled with the canary first.
     pub fn new(cfg: PoolConfig) -> Result<Self, PoolError> {
-        Self::build(cfg, None)
+        Self::build(cfg, None, None)
+    }
+
+    /// Like [`KvPool::new`], telling `observer` of every page event
+    /// ([`crate::observer`]): how a device pool mirrors this pool's
+    /// generations and watermarks.
+    pub fn new_observed(
+        cfg: PoolConfig,
+        observer: Arc<dyn PageObserver>,
+    ) -> Result<Self, PoolError> {
+        Self::build(cfg, None, Some(observer))
     }
 
     /// Like [`KvPool::new`], with the storage in memory the caller hands
@@ -119,10 +132,14 @@ impl KvPool {
     /// one-sided: `kvmesh_kvxfer::shm::shared_pool` makes one). `memory`
     /// must hold at least [`PoolConfig::bytes`].
     pub fn new_in(cfg: PoolConfig, memory: Arc<dyn PoolMemory>) -> Result<Self, PoolError> {
-        Self::build(cfg, Some(memory))
+        Self::build(cfg, Some(memory), None)
     }
 
-    fn build(cfg: PoolConfig, memory: Option<Arc<dyn PoolMemory>>) -> Result<Self, PoolError> {
+    fn build(
+        cfg: PoolConfig,
+        memory: Option<Arc<dyn PoolMemory>>,
+        observer: Option<Arc<dyn PageObserver>>,
+    ) -> Result<Self, PoolError> {
         cfg.validate()?;
         let shape = StorageShape {
             n_pages: cfg.n_pages,
@@ -161,6 +178,7 @@ impl KvPool {
             generation,
             owner,
             watermarks,
+            observer,
             state,
             violations: ViolationCounters::default(),
         };
@@ -424,6 +442,11 @@ impl Shared {
             let generation = self.generation[p]
                 .fetch_add(1, Ordering::AcqRel)
                 .wrapping_add(1);
+            self.tell(PageEvent::Allocated {
+                page: id,
+                generation,
+                fill: if zero { PageFill::Zero } else { PageFill::Keep },
+            });
             self.owner[p].store(owner.get(), Ordering::Release);
             table.push(PageRef {
                 page: id,
@@ -431,6 +454,13 @@ impl Shared {
             });
         }
         table
+    }
+
+    /// Reports `event` to the observer, if there is one.
+    fn tell(&self, event: PageEvent) {
+        if let Some(o) = &self.observer {
+            o.page_event(event);
+        }
     }
 
     /// The fill a page gets when it leaves its holder (release, eviction).
@@ -454,16 +484,24 @@ impl Shared {
             .compare_exchange(e.tag, 0, Ordering::AcqRel, Ordering::Acquire)
             .is_ok();
         debug_assert!(claimed, "a cached page is owned by its entry");
-        self.generation[p].fetch_add(1, Ordering::AcqRel);
+        let generation = self.generation[p]
+            .fetch_add(1, Ordering::AcqRel)
+            .wrapping_add(1);
         let n_layers = self.cfg.n_layers;
         for w in &self.watermarks[p * n_layers..(p + 1) * n_layers] {
             w.store(0, Ordering::Release);
         }
-        if let Some(value) = self.release_fill() {
+        let fill = self.release_fill();
+        if let Some(value) = fill {
             // SAFETY: in range; no lease holds the page and it left the
             // cache under the lock, so nobody else can reach it.
             unsafe { self.storage.fill_page(p, value) };
         }
+        self.tell(PageEvent::Freed {
+            page: e.page,
+            generation,
+            fill: page_fill(fill),
+        });
     }
 
     /// Frees evicted entries' pages onto the free list.
@@ -581,6 +619,10 @@ impl Shared {
         let generation = self.generation[p]
             .fetch_add(2, Ordering::AcqRel)
             .wrapping_add(2);
+        self.tell(PageEvent::Retagged {
+            page: entry.page,
+            generation,
+        });
         let stamp = st.cache.now();
         st.cache.insert(
             key,
@@ -664,7 +706,9 @@ impl Shared {
             if !claimed {
                 continue;
             }
-            self.generation[p].fetch_add(1, Ordering::AcqRel);
+            let generation = self.generation[p]
+                .fetch_add(1, Ordering::AcqRel)
+                .wrapping_add(1);
             for w in &self.watermarks[p * n_layers..(p + 1) * n_layers] {
                 w.store(0, Ordering::Release);
             }
@@ -675,6 +719,11 @@ impl Shared {
                 // list.
                 unsafe { self.storage.fill_page(p, value) };
             }
+            self.tell(PageEvent::Freed {
+                page: e.page,
+                generation,
+                fill: page_fill(fill),
+            });
             freed.push(e.page);
         }
         let mut st = self.lock();
@@ -718,6 +767,14 @@ impl Shared {
         if let Some(w) = self.watermark(page, layer) {
             w.store(slots, Ordering::Release);
         }
+    }
+}
+
+fn page_fill(fill: Option<Fill>) -> PageFill {
+    match fill {
+        None => PageFill::Keep,
+        Some(Fill::Zero) => PageFill::Zero,
+        Some(Fill::Canary) => PageFill::Canary,
     }
 }
 

@@ -195,6 +195,11 @@ impl QMatrix {
         self.cols
     }
 
+    /// The GGUF blocks as stored, row-major (what a device copy uploads).
+    pub fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+
     /// Bytes held (what one call reads).
     pub fn byte_len(&self) -> usize {
         self.data.len()

@@ -4,6 +4,7 @@
 
 mod cache;
 mod f16_pool;
+mod observer;
 mod poison_scrub;
 mod props;
 mod props_cache;
