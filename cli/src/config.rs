@@ -9,6 +9,9 @@
 //! kv_cache_dtype: auto         # f16 or f32; auto: f16 with quantized weights, f32 exact
 //! cpu_kernels: auto            # or avx512, avx2, portable (a node may set its own;
 //!                              #   --cpu-kernels overrides both)
+//! device: cpu                  # or cuda, cuda:N: where prefill and decode nodes
+//!                              #   compute (a node may set its own; --device
+//!                              #   overrides both)
 //! page_size: 16
 //! transport: tcp               # or shm (prefill and decode on one host), or ucx
 //!                              # (one-sided UCX puts; RDMA where the fabric has it)
@@ -63,6 +66,7 @@
 //!     ucx_listen: 0.0.0.0:7401   # ucx only: UCX's listener (default 0.0.0.0:0)
 //!     kv_pool_tokens: 4096
 //!     # cpu_kernels: avx2        # this node's, over the mesh's
+//!     # device: cuda:1           # this node's, over the mesh's
 //! ```
 //!
 //! With `discovery: etcd`, each prefill and decode node registers its
@@ -81,6 +85,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use kvmesh_cuda::DeviceSpec;
 use kvmesh_discovery::EtcdConfig;
 use kvmesh_kernels::cpu::CpuKernels;
 use kvmesh_kvpool::{ParseScrubModeError, ScrubMode};
@@ -114,6 +119,10 @@ pub struct MeshConfig {
     /// ones.
     #[serde(default = "default_cpu_kernels")]
     pub cpu_kernels: String,
+    /// Where prefill and decode nodes compute: `cpu`, `cuda` or `cuda:N`
+    /// (a node's own `device` over this; `--device` over both).
+    #[serde(default = "default_device")]
+    pub device: String,
     /// Token slots per page.
     #[serde(default = "default_page_size")]
     pub page_size: usize,
@@ -358,6 +367,8 @@ pub struct NodeSection {
     pub kv_pool_tokens: Option<usize>,
     /// Its CPU kernel path, over the mesh's `cpu_kernels`.
     pub cpu_kernels: Option<String>,
+    /// Its device, over the mesh's `device`.
+    pub device: Option<String>,
 }
 
 impl NodeSection {
@@ -402,6 +413,9 @@ fn host_port(file: &Path, field: &str, v: &str) -> Result<()> {
 
 fn default_cpu_kernels() -> String {
     "auto".into()
+}
+fn default_device() -> String {
+    "cpu".into()
 }
 fn default_kv_cache_dtype() -> String {
     "auto".into()
@@ -630,6 +644,9 @@ impl MeshConfig {
                 &e.to_string()
             ));
         }
+        if let Err(e) = self.device.parse::<DeviceSpec>() {
+            bail!(refuse(file, "device", &self.device, &e.to_string()));
+        }
         if self.page_size == 0 {
             bail!(refuse(file, "page_size", "0", "must be at least 1"));
         }
@@ -727,6 +744,11 @@ impl MeshConfig {
                 if let Some(c) = &n.cpu_kernels {
                     if let Err(e) = c.parse::<CpuKernels>() {
                         bail!(refuse(file, &f("cpu_kernels"), c, &e.to_string()));
+                    }
+                }
+                if let Some(d) = &n.device {
+                    if let Err(e) = d.parse::<DeviceSpec>() {
+                        bail!(refuse(file, &f("device"), d, &e.to_string()));
                     }
                 }
                 if let Some(l) = &n.listen {
@@ -849,6 +871,17 @@ impl MeshConfig {
         own.unwrap_or(&self.cpu_kernels)
             .parse()
             .map_err(|e: kvmesh_kernels::cpu::CpuKernelsError| anyhow::anyhow!(e))
+    }
+
+    /// The device the node named `name` computes on (its own `device`,
+    /// else the mesh's). Checked by validation.
+    pub fn device_for(&self, role: &str, name: Option<&str>) -> Result<DeviceSpec> {
+        let own = name
+            .and_then(|n| self.node(role, n).ok())
+            .and_then(|n| n.device.as_deref());
+        own.unwrap_or(&self.device)
+            .parse()
+            .map_err(|e: kvmesh_cuda::device::ParseDeviceError| anyhow::anyhow!(e))
     }
 
     /// A decode node's KV endpoint as grants and prefill name it (UCX's

@@ -59,6 +59,17 @@ struct Cli {
     /// CPU kernels: auto (the widest this CPU runs), avx512, avx2 or portable [default: a node's cpu_kernels in the mesh file, else auto]. avx512 and avx2 compute the same bits; the router pairs a portable node only with portable ones.
     #[arg(long, global = true, env = "KVMESH_CPU_KERNELS")]
     cpu_kernels: Option<CpuKernels>,
+    /// Where the model computes: cpu, cuda or cuda:N [default: a node's device in the mesh file, else the mesh's, else cpu]. CUDA is loaded at run time: asking for it where the driver, the device or NVRTC is missing fails at start, naming what is missing.
+    #[arg(long, global = true, env = "KVMESH_DEVICE")]
+    device: Option<kvmesh_cuda::DeviceSpec>,
+}
+
+/// `--device`, as given (set once in `main`, before any command runs).
+static DEVICE: std::sync::OnceLock<Option<kvmesh_cuda::DeviceSpec>> = std::sync::OnceLock::new();
+
+/// The `--device` flag (or `KVMESH_DEVICE`), if given.
+pub fn device_flag() -> Option<kvmesh_cuda::DeviceSpec> {
+    DEVICE.get().copied().flatten()
 }
 
 /// Fix the process's CPU kernel path (once, before any kernel runs) and
@@ -197,6 +208,7 @@ impl ModelArgs {
             poison: self.poison,
             precision: self.precision(),
             kv_dtype: self.kv_cache_dtype.0,
+            device: device_flag().unwrap_or_default(),
         }
     }
 
@@ -433,6 +445,7 @@ fn main() -> ExitCode {
         }
     };
     let cpu = cli.cpu_kernels;
+    let _ = DEVICE.set(cli.device);
     // The roles take theirs from the mesh file too (`serve::run_role`).
     if !matches!(
         cli.command,

@@ -462,6 +462,12 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
         Some(c) => c,
         None => cfg.cpu_kernels_for(role_name, name.as_deref())?,
     };
+    // The router runs no model: its device is the CPU's.
+    let device = match (role, crate::device_flag()) {
+        (RoleKind::Router, _) => kvmesh_cuda::DeviceSpec::Cpu,
+        (_, Some(d)) => d,
+        (_, None) => cfg.device_for(role_name, name.as_deref())?,
+    };
     let auth = cfg.mesh_auth()?;
     let tls = cfg.tls_for(name.as_deref().unwrap_or("router"))?;
     let etcd = cfg.etcd()?;
@@ -475,7 +481,7 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
             Some(e) => e.describe(),
         };
         println!(
-            "config ok: {}: {role_name}{}; {members}, transport {}; CPU kernels {cpu_kernels}; {}; {}; {}; {}",
+            "config ok: {}: {role_name}{}; {members}, transport {}; CPU kernels {cpu_kernels}; device {device}; {}; {}; {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
             cfg.transport,
@@ -537,8 +543,19 @@ fn only(nodes: &[crate::config::NodeSection], role: &str, file: &Path) -> Result
     }
 }
 
-fn engine_config(cfg: &MeshConfig, kv_pool_tokens: Option<usize>) -> EngineConfig {
-    EngineConfig {
+/// A prefill or decode node's engine settings: the mesh's, its pool, and
+/// its device (`--device` over the node's `device` over the mesh's).
+fn engine_config(
+    cfg: &MeshConfig,
+    role: &str,
+    name: &str,
+    kv_pool_tokens: Option<usize>,
+) -> Result<EngineConfig> {
+    let device = match crate::device_flag() {
+        Some(d) => d,
+        None => cfg.device_for(role, Some(name))?,
+    };
+    Ok(EngineConfig {
         kv_pool_tokens,
         page_size: cfg.page_size,
         max_model_len: cfg.max_model_len,
@@ -546,7 +563,8 @@ fn engine_config(cfg: &MeshConfig, kv_pool_tokens: Option<usize>) -> EngineConfi
         kv_dtype: cfg.kv_dtype(),
         scrub: cfg.scrub,
         poison: cfg.poison,
-    }
+        device,
+    })
 }
 
 async fn decode_process(
@@ -575,7 +593,7 @@ async fn decode_process(
     let node = DecodeNode::start(
         DecodeConfig {
             name: name.to_owned(),
-            engine: engine_config(cfg, n.kv_pool_tokens),
+            engine: engine_config(cfg, "decode", name, n.kv_pool_tokens)?,
             allow_small_pool: cfg.allow_small_pool,
             transport,
             lease: cfg.lease(),
@@ -618,7 +636,7 @@ async fn prefill_process(
     let node = PrefillNode::start(
         PrefillConfig {
             name: name.to_owned(),
-            engine: engine_config(cfg, n.kv_pool_tokens),
+            engine: engine_config(cfg, "prefill", name, n.kv_pool_tokens)?,
             allow_small_pool: cfg.allow_small_pool,
             mesh_secret,
             tls,

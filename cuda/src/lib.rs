@@ -40,5 +40,7 @@ pub mod source;
 pub mod table;
 pub mod toolkit;
 
+/// The cudarc this crate is built on (device buffers in its callers' types).
+pub use cudarc;
 pub use device::DeviceSpec;
 pub use error::{CudaError, Result};

@@ -108,7 +108,7 @@ pub struct AttentionCall {
     pub n_heads: usize,
     /// Key/value heads (`n_heads` is a multiple).
     pub n_kv_heads: usize,
-    /// Head dimension: a multiple of 32, at most [`MAX_HEAD_DIM`].
+    /// Head dimension, at most [`MAX_HEAD_DIM`].
     pub head_dim: usize,
     /// Softmax scale (`1 / sqrt(head_dim)` for Llama).
     pub scale: f32,
@@ -156,14 +156,17 @@ fn u32_of(op: &'static str, n: usize) -> Result<u32> {
 }
 
 impl DeviceKvPool {
-    /// A device pool of `cfg`'s shape on `gpu`, and the host pool that owns
-    /// its pages (built with this pool's event queue as its observer). The
-    /// device starts as the host pool does: every generation 0, every
-    /// watermark 0, every value zero (or the canary in poison mode).
-    pub fn new(gpu: Arc<Gpu>, cfg: PoolConfig) -> Result<Self> {
+    /// A device pool on `gpu` mirroring `host`, which must never have
+    /// handed out a page (its observer is set to this pool's event queue;
+    /// see [`KvPool::set_observer`]): a pool in plain memory, or the
+    /// shared-memory or UCX-registered pool a decode node's transport
+    /// lands pages in. The device starts as such a pool is: every generation
+    /// 0, every watermark 0, every value zero (or the canary in poison mode).
+    pub fn new(gpu: Arc<Gpu>, host: KvPool) -> Result<Self> {
         const OP: &str = "DeviceKvPool::new";
+        let cfg = host.config().clone();
         let events = Arc::new(PageEvents::default());
-        let host = KvPool::new_observed(cfg.clone(), events.clone())
+        host.set_observer(events.clone())
             .map_err(|e| bad(OP, e.to_string()))?;
         let page_bytes = Self::page_bytes_of(&cfg);
         let total = cfg
@@ -364,13 +367,13 @@ impl DeviceKvPool {
             || call.head_dim != g.head_dim
             || call.n_kv_heads == 0
             || !call.n_heads.is_multiple_of(call.n_kv_heads)
-            || !call.head_dim.is_multiple_of(32)
+            || call.head_dim == 0
             || call.head_dim > MAX_HEAD_DIM
         {
             return Err(bad(
                 OP,
                 format!(
-                    "layer {} of {}, {} heads over {} kv heads of {} (pool: {} of {}; head_dim a multiple of 32 up to {MAX_HEAD_DIM})",
+                    "layer {} of {}, {} heads over {} kv heads of {} (pool: {} of {}; head_dim 1 to {MAX_HEAD_DIM})",
                     call.layer, self.cfg.n_layers, call.n_heads, call.n_kv_heads, call.head_dim, g.n_kv_heads, g.head_dim
                 ),
             ));
@@ -586,7 +589,8 @@ mod tests {
             poison: true,
             ..PoolConfig::for_tokens(32, 4, 2, 1, 32)
         };
-        let host = KvPool::new_observed(cfg, events.clone()).expect("pool");
+        let host = KvPool::new(cfg).expect("pool");
+        host.set_observer(events.clone()).expect("observer");
         let r = host.reserve(6).expect("reserve");
         let table = r.table().to_vec();
         drop(r);

@@ -22,7 +22,7 @@ use kvmesh_cuda::{CudaError, DeviceSpec};
 use kvmesh_kernels::quant::{QFormat, QMatrix};
 use kvmesh_kernels::rope::{Rope, RopeLayout, RopeScaling};
 use kvmesh_kernels::{paged_attention, AttentionShape, GuardViolation, KvDtype, PageRef};
-use kvmesh_kvpool::{PoolConfig, Reservation};
+use kvmesh_kvpool::{KvPool, PoolConfig, Reservation};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -500,6 +500,10 @@ fn pool_cfg(dtype: KvDtype) -> PoolConfig {
     PoolConfig::for_tokens(64 * 16, 16, 2, N_KV, HD).with_dtype(dtype)
 }
 
+fn host_pool(cfg: PoolConfig) -> KvPool {
+    KvPool::new(cfg).expect("host pool")
+}
+
 fn shape(window: Option<usize>) -> AttentionShape {
     AttentionShape {
         n_heads: N_HEADS,
@@ -607,7 +611,7 @@ fn paged_attention_and_kv_write_match_the_cpu_pool() {
     let mut rng = rng();
     for (dtype, bound) in [(KvDtype::F32, 1e-5), (KvDtype::F16, 1e-3)] {
         for window in [None, Some(19)] {
-            let mut dev = DeviceKvPool::new(gpu.clone(), pool_cfg(dtype)).expect("pool");
+            let mut dev = DeviceKvPool::new(gpu.clone(), host_pool(pool_cfg(dtype))).expect("pool");
             let host = dev.host().clone();
             let lens = [37usize, 5, 70];
             let mut rs: Vec<Reservation> = lens
@@ -761,10 +765,10 @@ fn forged_tables_and_unwritten_slots_are_caught_on_the_device() {
     let Some(gpu) = gpu() else { return };
     let mut dev = DeviceKvPool::new(
         gpu.clone(),
-        PoolConfig {
+        host_pool(PoolConfig {
             poison: true,
             ..pool_cfg(KvDtype::F32)
-        },
+        }),
     )
     .expect("pool");
     let host = dev.host().clone();
@@ -910,8 +914,8 @@ fn forged_tables_and_unwritten_slots_are_caught_on_the_device() {
 #[ignore = "needs a CUDA device: scripts/gpu/run.sh runs it"]
 fn a_staged_page_lands_with_its_watermarks() {
     let Some(gpu) = gpu() else { return };
-    let mut src = DeviceKvPool::new(gpu.clone(), pool_cfg(KvDtype::F16)).expect("pool");
-    let mut dst = DeviceKvPool::new(gpu.clone(), pool_cfg(KvDtype::F16)).expect("pool");
+    let mut src = DeviceKvPool::new(gpu.clone(), host_pool(pool_cfg(KvDtype::F16))).expect("pool");
+    let mut dst = DeviceKvPool::new(gpu.clone(), host_pool(pool_cfg(KvDtype::F16))).expect("pool");
     let mut a = src.host().clone().reserve(30).expect("a");
     write_all(&mut src, &gpu, &mut a, 30);
     let b = dst.host().clone().reserve(30).expect("b");
@@ -936,7 +940,7 @@ fn checked_and_unchecked_attention_cost() {
     let Some(gpu) = gpu() else { return };
     let mut dev = DeviceKvPool::new(
         gpu.clone(),
-        PoolConfig::for_tokens(64 * 1024, 16, 1, N_KV, HD),
+        host_pool(PoolConfig::for_tokens(64 * 1024, 16, 1, N_KV, HD)),
     )
     .expect("pool");
     let host = dev.host().clone();

@@ -201,3 +201,79 @@ fn a_pool_too_small_for_the_request_is_a_clear_error_said_once() {
     );
     assert!(stderr.contains("free"), "{stderr}");
 }
+
+#[test]
+fn the_device_flag_refuses_unknown_devices_and_cuda_without_a_driver() {
+    let dir = tiny_model_dir();
+    let base = [
+        "generate",
+        "--model",
+        dir.to_str().expect("utf-8 path"),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "2",
+    ];
+    let out = run_kvmesh(&[&base[..], &["--device", "gpu"]].concat(), &[]);
+    let (_, stderr) = texts(&out);
+    assert!(!out.status.success());
+    assert!(stderr.contains("expected cpu, cuda or cuda:N"), "{stderr}");
+    if kvmesh_cuda::toolkit::driver_present() {
+        eprintln!("not run: the no-driver half (this machine has the NVIDIA driver)");
+        return;
+    }
+    for (args, env) in [
+        (&["--device", "cuda:0"][..], &[][..]),
+        (&[][..], &[("KVMESH_DEVICE", "cuda")][..]),
+    ] {
+        let out = run_kvmesh(&[&base[..], args].concat(), env);
+        let (stdout, stderr) = texts(&out);
+        assert!(!out.status.success(), "ran without a GPU: {stdout}");
+        assert!(stdout.is_empty(), "nothing generated: {stdout}");
+        assert!(
+            stderr.contains("CUDA was asked for (cuda:0)")
+                && stderr.contains("libcuda.so.1")
+                && stderr.contains("--device cpu"),
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device: scripts/gpu/run.sh runs it"]
+fn generate_on_cuda_prints_the_cpu_engines_greedy_text() {
+    let dir = tiny_model_dir();
+    let prompt = "The quick brown fox";
+    let out = run_kvmesh(
+        &[
+            "generate",
+            "--model",
+            dir.to_str().expect("utf-8 path"),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0",
+            "--device",
+            "cuda",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = texts(&out);
+    assert!(
+        out.status.success(),
+        "kvmesh --device cuda failed: {stderr}"
+    );
+    let engine = Engine::load(&dir, &EngineConfig::default()).expect("load tiny model");
+    let want = engine
+        .generate(
+            &Prompt::Text(prompt.into()),
+            24,
+            SamplingParams::greedy(),
+            |_| {},
+        )
+        .expect("generate");
+    println!("cuda: {stdout:?}\ncpu:  {:?}", want.text);
+    assert_eq!(stdout, format!("{}\n", want.text));
+}

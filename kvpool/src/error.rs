@@ -85,6 +85,11 @@ pub enum PoolError {
     /// second); a typed error rather than a panic or a reused tag.
     #[error("owner tags exhausted: the pool will not reuse an owner tag")]
     OwnerTagsExhausted,
+    /// A page observer (a device pool's mirror) was offered to a pool that
+    /// already has one or has already handed out pages: the observer could
+    /// not know every page's state.
+    #[error("a page observer must be set once, before the pool's first allocation")]
+    ObserverTooLate,
 }
 
 impl PoolError {
@@ -100,6 +105,7 @@ impl PoolError {
             Self::WriteGap { .. } => "write_gap",
             Self::SharedPage { .. } => "shared_page",
             Self::OwnerTagsExhausted => "owner_tags_exhausted",
+            Self::ObserverTooLate => "observer_too_late",
         }
     }
 }

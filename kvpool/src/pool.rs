@@ -69,8 +69,9 @@ pub(crate) struct Shared {
     owner: Vec<AtomicU64>,
     /// Indexed `page * n_layers + layer`.
     watermarks: Vec<AtomicUsize>,
-    /// Told of every page event (a device pool's mirror), if any.
-    observer: Option<Arc<dyn PageObserver>>,
+    /// Told of every page event (a device pool's mirror), if any; set
+    /// once, before the first allocation ([`KvPool::set_observer`]).
+    observer: std::sync::OnceLock<Arc<dyn PageObserver>>,
     state: Mutex<FreeState>,
     pub(crate) violations: ViolationCounters,
 }
@@ -114,17 +115,26 @@ impl KvPool {
     /// comes from a zeroed allocation (no up-front pass over it); with
     /// poison every page is filled with the canary first.
     pub fn new(cfg: PoolConfig) -> Result<Self, PoolError> {
-        Self::build(cfg, None, None)
+        Self::build(cfg, None)
     }
 
-    /// Like [`KvPool::new`], telling `observer` of every page event
+    /// Tell `observer` of every page event from now on
     /// ([`crate::observer`]): how a device pool mirrors this pool's
-    /// generations and watermarks.
-    pub fn new_observed(
-        cfg: PoolConfig,
-        observer: Arc<dyn PageObserver>,
-    ) -> Result<Self, PoolError> {
-        Self::build(cfg, None, Some(observer))
+    /// generations and watermarks. Only a pool that has never allocated a
+    /// page takes one (so the observer knows every page's state: all free,
+    /// generation 0, filled as at creation), and only one.
+    pub fn set_observer(&self, observer: Arc<dyn PageObserver>) -> Result<(), PoolError> {
+        let st = self.shared.lock();
+        if st.allocations > 0 || st.releases > 0 {
+            return Err(PoolError::ObserverTooLate);
+        }
+        let set = self.shared.observer.set(observer).is_ok();
+        drop(st);
+        if set {
+            Ok(())
+        } else {
+            Err(PoolError::ObserverTooLate)
+        }
     }
 
     /// Like [`KvPool::new`], with the storage in memory the caller hands
@@ -132,14 +142,10 @@ impl KvPool {
     /// one-sided: `kvmesh_kvxfer::shm::shared_pool` makes one). `memory`
     /// must hold at least [`PoolConfig::bytes`].
     pub fn new_in(cfg: PoolConfig, memory: Arc<dyn PoolMemory>) -> Result<Self, PoolError> {
-        Self::build(cfg, Some(memory), None)
+        Self::build(cfg, Some(memory))
     }
 
-    fn build(
-        cfg: PoolConfig,
-        memory: Option<Arc<dyn PoolMemory>>,
-        observer: Option<Arc<dyn PageObserver>>,
-    ) -> Result<Self, PoolError> {
+    fn build(cfg: PoolConfig, memory: Option<Arc<dyn PoolMemory>>) -> Result<Self, PoolError> {
         cfg.validate()?;
         let shape = StorageShape {
             n_pages: cfg.n_pages,
@@ -178,7 +184,7 @@ impl KvPool {
             generation,
             owner,
             watermarks,
-            observer,
+            observer: std::sync::OnceLock::new(),
             state,
             violations: ViolationCounters::default(),
         };
@@ -328,6 +334,13 @@ impl KvPool {
         self.shared.lock().cache.index(known)
     }
 
+    /// Count a violation found outside this pool's own readers (a device
+    /// kernel's record, decoded), so every refused read raises the same
+    /// alarm metric whichever side caught it.
+    pub fn report_guard_violation(&self, violation: &kvmesh_kernels::GuardViolation) {
+        self.shared.violations.record(violation);
+    }
+
     /// Guard violations returned by readers of this pool so far.
     pub fn guard_violations(&self) -> u64 {
         self.shared.violations.total()
@@ -458,7 +471,7 @@ impl Shared {
 
     /// Reports `event` to the observer, if there is one.
     fn tell(&self, event: PageEvent) {
-        if let Some(o) = &self.observer {
+        if let Some(o) = self.observer.get() {
             o.page_event(event);
         }
     }

@@ -93,6 +93,9 @@ pub type KvBuffers<'a> = dyn FnMut() -> (Vec<f32>, Vec<f32>) + Send + 'a;
 #[derive(Debug)]
 pub struct Engine {
     model: Llama,
+    /// The model on a CUDA device, which then runs every forward pass
+    /// (`model` stays for metadata and as the oracle); `None` on the CPU.
+    cuda: Option<crate::cuda::CudaLlama>,
     tokenizer: TextTokenizer,
     pool: KvPool,
     max_model_len: usize,
@@ -167,13 +170,18 @@ impl Engine {
             Some(n) => n,
             None => limit,
         };
-        let model = Llama::new(config, weights)?;
         let pool_tokens = cfg.kv_pool_tokens.unwrap_or(max_model_len);
         let pool_cfg = PoolConfig {
             scrub: cfg.scrub,
             poison: cfg.poison,
             dtype: kv_dtype,
-            ..model.pool_config(pool_tokens, cfg.page_size)
+            ..PoolConfig::for_tokens(
+                pool_tokens,
+                cfg.page_size,
+                config.n_layers,
+                config.n_kv_heads,
+                config.head_dim,
+            )
         };
         let pool = match pool {
             None => KvPool::new(pool_cfg)?,
@@ -199,8 +207,18 @@ impl Engine {
                 p
             }
         };
+        let cuda = match cfg.device {
+            kvmesh_cuda::DeviceSpec::Cpu => None,
+            spec @ kvmesh_cuda::DeviceSpec::Cuda(_) => {
+                let gpu = kvmesh_cuda::gpu::Gpu::open(spec)?;
+                let device_pool = kvmesh_cuda::pool::DeviceKvPool::new(gpu, pool.clone())?;
+                Some(crate::cuda::CudaLlama::new(&config, &weights, device_pool)?)
+            }
+        };
+        let model = Llama::new(config, weights)?;
         Ok(Self {
             model,
+            cuda,
             tokenizer,
             pool,
             max_model_len,
@@ -209,6 +227,41 @@ impl Engine {
             prefix: None,
             vocabulary: std::sync::OnceLock::new(),
         })
+    }
+
+    /// One forward pass on the engine's device.
+    pub(crate) fn forward(
+        &self,
+        batch: &mut [SeqChunk<'_>],
+    ) -> Result<Vec<crate::llama::ChunkResult>> {
+        match &self.cuda {
+            Some(c) => c.forward(batch),
+            None => self.model.forward(batch),
+        }
+    }
+
+    /// [`Self::forward`] with a per-layer observer.
+    fn forward_observed(
+        &self,
+        batch: &mut [SeqChunk<'_>],
+        observe: &mut LayerDone<'_>,
+    ) -> Result<Vec<crate::llama::ChunkResult>> {
+        match &self.cuda {
+            Some(c) => c.forward_observed(batch, observe),
+            None => self.model.forward_observed(batch, observe),
+        }
+    }
+
+    /// The device the forward pass runs on.
+    pub fn device(&self) -> kvmesh_cuda::DeviceSpec {
+        self.cuda
+            .as_ref()
+            .map_or(kvmesh_cuda::DeviceSpec::Cpu, |c| c.gpu().info().spec)
+    }
+
+    /// The CUDA device's description, when the engine runs on one.
+    pub fn device_info(&self) -> Option<&kvmesh_cuda::gpu::DeviceInfo> {
+        self.cuda.as_ref().map(|c| c.gpu().info())
     }
 
     /// The model.
@@ -312,6 +365,15 @@ impl Engine {
                 ),
             });
         }
+        if let Some(c) = &self.cuda {
+            // The prompt landed (and was verified) in the host pool: the
+            // same values into the device's pages, through the device's
+            // checked KV write, layer by layer.
+            for layer in 0..n_layers {
+                let (k, v) = self.read_kv(&kv, prompt_len, layer)?;
+                c.load_prompt(kv.table(), prompt_len, layer, &k, &v)?;
+            }
+        }
         Ok(Sequence::new(kv, prompt_ids, total, prompt_len))
     }
 
@@ -391,7 +453,7 @@ impl Engine {
                     kv: &mut s.kv,
                 })
                 .collect();
-            self.model.forward_observed(&mut batch, observe)?
+            self.forward_observed(&mut batch, observe)?
         };
         Ok(last_rows(seqs, results, "prefill"))
     }
@@ -407,7 +469,7 @@ impl Engine {
                 kv: &mut seq.kv,
                 logits,
             }];
-            self.model.forward(&mut batch)?
+            self.forward(&mut batch)?
         };
         let out = results.pop().unwrap_or_else(|| Ok(Default::default()))?;
         seq.cached = seq.tokens.len();
@@ -440,8 +502,7 @@ impl Engine {
                 kv: &mut seq.kv,
                 logits: LogitsWanted::All,
             }];
-            self.model
-                .forward(&mut batch)?
+            self.forward(&mut batch)?
                 .pop()
                 .unwrap_or_else(|| Ok(Default::default()))?
                 .logits
@@ -491,7 +552,7 @@ impl Engine {
                     }
                 })
                 .collect();
-            self.model.forward(&mut batch)?
+            self.forward(&mut batch)?
         };
         Ok(last_rows(seqs, results, "decode"))
     }

@@ -131,6 +131,10 @@ pub enum ModelError {
     /// A KV read failed its ownership or initialisation check.
     #[error("KV guard: {0}")]
     Guard(#[from] kvmesh_kernels::GuardViolation),
+    /// The CUDA device refused or failed (absent, a library missing, a
+    /// kernel or copy failed).
+    #[error("device: {0}")]
+    Device(#[from] kvmesh_cuda::CudaError),
     /// A candle operation failed during a forward pass.
     #[error("compute: {detail}")]
     Compute {
@@ -166,6 +170,7 @@ impl ModelError {
             Self::EmptyPrompt => "empty_prompt",
             Self::Kv(_) => "kv",
             Self::Guard(_) => "guard",
+            Self::Device(_) => "device",
             Self::Compute { .. } => "compute",
             Self::Fetch { .. } => "fetch",
         }

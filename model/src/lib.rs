@@ -24,6 +24,7 @@
 //!   engine (an actor thread; bounded queue and event channels).
 
 pub mod config;
+pub mod cuda;
 pub mod default_model;
 pub mod engine;
 pub mod error;

@@ -217,6 +217,63 @@ fn smollm2_matches_transformers() {
     );
 }
 
+/// [`engine_for`] on CUDA device 0 (f32 weights through cuBLAS SGEMM,
+/// the checked device attention), held to the same reference and the same
+/// tolerances as the CPU runtime.
+fn cuda_engine_for(path: &Path) -> Option<Engine> {
+    let device = common::cuda_or_skip()?;
+    Some(
+        Engine::load(
+            path,
+            &EngineConfig {
+                kv_pool_tokens: Some(4096),
+                device,
+                ..EngineConfig::default()
+            },
+        )
+        .expect("load model on cuda:0"),
+    )
+}
+
+#[test]
+#[ignore = "needs a CUDA device: scripts/gpu/run.sh runs it"]
+fn tiny_llama_on_cuda_matches_transformers() {
+    let Some(engine) = cuda_engine_for(&common::tiny_model_dir()) else {
+        return;
+    };
+    let g = read_golden("tiny-llama.json");
+    let worst = check_greedy(&engine, &g, None);
+    println!("tiny-llama on cuda:0: worst logit error = {worst:.3} of tolerance");
+    assert_eq!(
+        engine.pool().free_pages(),
+        engine.pool().capacity_pages(),
+        "pages leaked"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device: scripts/gpu/run.sh runs it"]
+fn smollm2_on_cuda_matches_transformers() {
+    let Some(path) = common::smollm2() else {
+        assert!(
+            std::env::var("KVMESH_REQUIRE_MODEL").as_deref() != Ok("1"),
+            "KVMESH_REQUIRE_MODEL=1 and the default model is not in the cache"
+        );
+        return;
+    };
+    let Some(engine) = cuda_engine_for(&path) else {
+        return;
+    };
+    let g = read_golden("smollm2-135m-instruct-q4_1.json");
+    let worst = check_greedy(&engine, &g, None);
+    println!("smollm2 on cuda:0: worst logit error = {worst:.3} of tolerance");
+    assert_eq!(
+        engine.pool().free_pages(),
+        engine.pool().capacity_pages(),
+        "pages leaked"
+    );
+}
+
 /// The engine of [`engine_for`] with its prefix cache on and pages of 4
 /// tokens, so that even the golden files' short prompts have full pages to
 /// cache.

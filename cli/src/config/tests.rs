@@ -1,4 +1,4 @@
-//! The mesh file's `discovery`, `etcd` and `cpu_kernels` settings: parsed, normalized, and
+//! The mesh file's `discovery`, `etcd`, `cpu_kernels` and `device` settings: parsed, normalized, and
 //! refused naming the field, the value and the reason.
 
 use std::path::Path;
@@ -215,6 +215,43 @@ fn cpu_kernels_default_to_auto_and_a_node_may_set_its_own() {
     );
     assert!(
         refused(&bad_node).contains("prefill[0].cpu_kernels = \"avx1024\""),
+        "{}",
+        refused(&bad_node)
+    );
+}
+
+#[test]
+fn device_defaults_to_cpu_and_a_node_may_set_its_own() {
+    use kvmesh_cuda::DeviceSpec;
+    let cfg = parse(&format!("{BASE}{NODES}")).expect("valid");
+    assert_eq!(
+        cfg.device_for("decode", Some("d")).expect("valid"),
+        DeviceSpec::Cpu
+    );
+    let cfg = parse(&format!(
+        "{BASE}device: cuda\nprefill: [{{name: p, grpc: \"127.0.0.1:3\", device: \"cuda:1\"}}]\n\
+         decode: [{{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}}]\n"
+    ))
+    .expect("valid");
+    assert_eq!(
+        cfg.device_for("prefill", Some("p")).expect("valid"),
+        DeviceSpec::Cuda(1)
+    );
+    assert_eq!(
+        cfg.device_for("decode", Some("d")).expect("valid"),
+        DeviceSpec::Cuda(0)
+    );
+    let msg = refused(&format!("{BASE}{NODES}device: gpu\n"));
+    assert!(
+        msg.contains("device = \"gpu\"") && msg.contains("expected cpu, cuda or cuda:N"),
+        "{msg}"
+    );
+    let bad_node = format!(
+        "{BASE}prefill: [{{name: p, grpc: \"127.0.0.1:3\"}}]\n\
+         decode: [{{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\", device: \"cuda:-1\"}}]\n"
+    );
+    assert!(
+        refused(&bad_node).contains("decode[0].device = \"cuda:-1\""),
         "{}",
         refused(&bad_node)
     );

@@ -3,7 +3,7 @@
 // One block per (query row, head); each warp takes every W-th key of the
 // row's window with an online softmax, and the warps' partial results are
 // merged at the end. Lane `l` holds dimensions l, l + 32, ... of the head
-// (head_dim a multiple of 32, at most 256: the host refuses others).
+// (head_dim at most 256: the host refuses larger heads).
 //
 // The checked build (`paged_attention`) first checks every page the row
 // reads: in the table, in the pool, of the granted generation, and written
@@ -71,7 +71,9 @@ __device__ void attention_row(const float* q, float* out, const u32* tok_chunk, 
     }
 
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 R = head_dim / 32;
+    // Each lane holds dims lane, lane + 32, ...: R registers; a head that
+    // is not a multiple of 32 leaves the last register of some lanes idle.
+    u32 R = (head_dim + 31) / 32;
     u32 kvh = h / (n_heads / n_kv_heads);
     u32 kv_dim = n_kv_heads * head_dim;
     u64 block = (u64)page_size * kv_dim;
@@ -79,7 +81,7 @@ __device__ void attention_row(const float* q, float* out, const u32* tok_chunk, 
     const float* qh = q + ((u64)t * n_heads + h) * head_dim;
     float qr[MAX_R], acc[MAX_R];
     for (u32 r = 0; r < MAX_R; ++r) {
-        qr[r] = r < R ? qh[lane + 32 * r] : 0.0f;
+        qr[r] = (r < R && lane + 32 * r < head_dim) ? qh[lane + 32 * r] : 0.0f;
         acc[r] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
@@ -88,20 +90,23 @@ __device__ void attention_row(const float* q, float* out, const u32* tok_chunk, 
         u64 at = (u64)page * page_values + (u64)layer * 2 * block +
                  (u64)(j % page_size) * kv_dim + (u64)kvh * head_dim + lane;
         float s = 0.0f;
-        for (u32 r = 0; r < R; ++r) s = fmaf(qr[r], kv_load(kv, kv_dtype, at + 32 * r), s);
+        for (u32 r = 0; r < R; ++r)
+            if (lane + 32 * r < head_dim) s = fmaf(qr[r], kv_load(kv, kv_dtype, at + 32 * r), s);
         s = warp_sum(s) * scale;
         float m_new = fmaxf(m, s);
         float corr = expf(m - m_new), p = expf(s - m_new);
         l = l * corr + p;
         for (u32 r = 0; r < R; ++r)
-            acc[r] = fmaf(p, kv_load(kv, kv_dtype, at + block + 32 * r), acc[r] * corr);
+            if (lane + 32 * r < head_dim)
+                acc[r] = fmaf(p, kv_load(kv, kv_dtype, at + block + 32 * r), acc[r] * corr);
         m = m_new;
     }
     if (lane == 0) {
         part_m[warp] = m;
         part_l[warp] = l;
     }
-    for (u32 r = 0; r < R; ++r) part_acc[warp][lane + 32 * r] = acc[r];
+    for (u32 r = 0; r < R; ++r)
+        if (lane + 32 * r < head_dim) part_acc[warp][lane + 32 * r] = acc[r];
     __syncthreads();
     float M = NEG_INF;
     for (u32 w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, part_m[w]);

@@ -88,7 +88,8 @@ fn ns() -> Namespace {
 
 fn run(cfg: PoolConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let rec = Arc::new(Recorder::default());
-    let pool = KvPool::new_observed(cfg.clone(), rec.clone()).expect("pool");
+    let pool = KvPool::new(cfg.clone()).expect("pool");
+    pool.set_observer(rec.clone()).expect("observer");
     pool.set_cache_pages(4);
     let initial = if cfg.poison {
         PageFill::Canary
@@ -160,6 +161,23 @@ fn run(cfg: PoolConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
         }
     }
     Ok(())
+}
+
+#[test]
+fn an_observer_is_taken_once_and_only_before_the_first_allocation() {
+    let pool = KvPool::new(cfg(4)).expect("pool");
+    pool.set_observer(Arc::new(Recorder::default()))
+        .expect("first");
+    assert!(matches!(
+        pool.set_observer(Arc::new(Recorder::default())),
+        Err(crate::PoolError::ObserverTooLate)
+    ));
+    let used = KvPool::new(cfg(4)).expect("pool");
+    drop(used.reserve(3).expect("reserve"));
+    assert!(matches!(
+        used.set_observer(Arc::new(Recorder::default())),
+        Err(crate::PoolError::ObserverTooLate)
+    ));
 }
 
 proptest! {

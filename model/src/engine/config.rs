@@ -27,6 +27,10 @@ pub struct EngineConfig {
     /// loaded quantized (as llama.cpp keeps it). See
     /// [`EngineConfig::kv_dtype_for`].
     pub kv_dtype: Option<KvDtype>,
+    /// Where the forward pass runs: the CPU runtime, or a CUDA device
+    /// ([`crate::cuda`]; the engine fails to build, with a typed error
+    /// naming what is missing, when the device cannot be opened).
+    pub device: kvmesh_cuda::DeviceSpec,
 }
 
 impl EngineConfig {
@@ -50,6 +54,7 @@ impl Default for EngineConfig {
             poison: false,
             precision: Precision::Exact,
             kv_dtype: None,
+            device: kvmesh_cuda::DeviceSpec::Cpu,
         }
     }
 }

@@ -109,7 +109,7 @@ impl Engine {
                     })
                 })
                 .collect();
-            self.model.forward(&mut batch)
+            self.forward(&mut batch)
         };
         let results = match forward {
             Ok(r) => r,

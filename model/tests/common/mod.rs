@@ -30,3 +30,23 @@ pub fn smollm2() -> Option<PathBuf> {
     }
     found
 }
+
+/// An engine config on CUDA device 0, if one can be opened; `None` (with
+/// "not run: no CUDA device" on stderr) on a machine without the driver or
+/// a device, unless `KVMESH_REQUIRE_CUDA=1` (the GPU script), where that
+/// fails the test. Any other failure to open the device fails it too.
+pub fn cuda_or_skip() -> Option<kvmesh_cuda::DeviceSpec> {
+    use kvmesh_cuda::{gpu::Gpu, CudaError, DeviceSpec};
+    match Gpu::open(DeviceSpec::Cuda(0)) {
+        Ok(_) => Some(DeviceSpec::Cuda(0)),
+        Err(e @ (CudaError::NoDriver { .. } | CudaError::NoDevice { .. })) => {
+            assert!(
+                std::env::var("KVMESH_REQUIRE_CUDA").as_deref() != Ok("1"),
+                "KVMESH_REQUIRE_CUDA=1: {e}"
+            );
+            eprintln!("not run: no CUDA device ({e})");
+            None
+        }
+        Err(e) => panic!("opening cuda:0: {e}"),
+    }
+}

@@ -1,0 +1,795 @@
+//! The Llama forward pass on a CUDA device: the engine's CUDA backend.
+//!
+//! Same contract as [`crate::llama::Llama::forward_observed`]: a batch of
+//! chunks in, per chunk its logits rows (or its own error) out, each
+//! chunk's K/V written into its reservation's pages. The CPU runtime stays
+//! the oracle (`cuda/tests/device.rs`, `model/tests/cuda.rs` compare the two).
+//!
+//! # KV and its checks
+//! The engine's KV pool is a [`DeviceKvPool`]: the host pool keeps owners,
+//! leases, generations and watermarks; the device mirrors generations and
+//! watermarks through the host pool's page events, and the `kv_write` and
+//! paged-attention kernels check them (I1, I2) before any write or read.
+//! After each pass, every K/V row the device wrote is also written into the
+//! host pool through [`Reservation::write`], so the host pool holds the
+//! same values under the same watermarks: a prefill node ships from it
+//! (`Engine::prompt_kv`, the transports, unchanged), a decode node's
+//! adoption and the prefix cache read it, and the host's own checks keep
+//! running. Cost: one device-to-host copy of the pass's K/V (what the
+//! transports ship anyway on a prefill node; `2 * rows * kv_dim * 4` bytes
+//! per layer on a decode node) into pinned memory, queued per layer and
+//! waited for once per pass. A chunk whose device record or host write
+//! fails is failed as on the CPU path; its output is never used.
+//!
+//! # Weights
+//! Dense (f32, the exact mode) weights run through cuBLAS SGEMM; GGUF
+//! blocks are dequantized on the device to f16 once at load and run through
+//! cuBLAS GemmEx (f16 in, f32 accumulation). Q, K and V are three GEMMs;
+//! gate and up are one, stacked. The host keeps its copy of the weights
+//! (the CPU runtime beside this one, used for metadata and as the oracle):
+//! a later step drops it for device-only engines.
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use kvmesh_cuda::cudarc::driver::{CudaSlice, PinnedHostSlice};
+
+use kvmesh_cuda::gpu::Gpu;
+use kvmesh_cuda::ops::{self, ChunkSpec, StepTables, WeightDtype};
+use kvmesh_cuda::pool::{AttentionCall, DeviceKvPool};
+use kvmesh_cuda::table::Decoded;
+use kvmesh_cuda::CudaError;
+use kvmesh_kernels::rope::{Rope, RopeLayout};
+use kvmesh_kvpool::PoolError;
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::llama::{ChunkOut, ChunkResult, LayerDone, LogitsWanted, SeqChunk, SCORE_ROWS};
+use crate::sampling::prompt_logprob;
+use crate::weights::{Matrix, Weights};
+
+/// A weight matrix `[rows, cols]` on the device.
+enum DevMatrix {
+    F32 {
+        w: CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+    },
+    Half {
+        w: CudaSlice<u16>,
+        dtype: WeightDtype,
+        rows: usize,
+        cols: usize,
+    },
+}
+
+impl DevMatrix {
+    fn rows(&self) -> usize {
+        match self {
+            Self::F32 { rows, .. } | Self::Half { rows, .. } => *rows,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Self::F32 { rows, cols, .. } => rows * cols * 4,
+            Self::Half { rows, cols, .. } => rows * cols * 2,
+        }
+    }
+
+    /// `out[rows, self.rows] = x[rows, cols] * self^T`; `half` is scratch
+    /// for the activations converted to the weights' half type.
+    fn apply(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        half: &mut CudaSlice<u16>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        match self {
+            Self::F32 { w, rows: n, cols } => ops::gemm_f32(gpu, x, w, rows, *cols, *n, out)?,
+            Self::Half {
+                w,
+                dtype,
+                rows: n,
+                cols,
+            } => {
+                ops::f32_to_half(gpu, x, rows * cols, *dtype, half)?;
+                ops::gemm_half(gpu, half, w, *dtype, rows, *cols, *n, out)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Host f32 values of a dense matrix.
+fn dense_values(m: &Matrix) -> Result<Vec<f32>> {
+    match m {
+        Matrix::Dense(t) => t
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| ModelError::Compute {
+                detail: e.to_string(),
+            }),
+        Matrix::Quant(_) => Err(ModelError::Compute {
+            detail: "dense_values of a quantized matrix".into(),
+        }),
+    }
+}
+
+/// `parts` stacked by rows on the device: f32 if every part is dense,
+/// else f16 (GGUF blocks dequantized on the device; a dense part
+/// converted).
+fn upload_stacked(gpu: &Gpu, parts: &[&Matrix]) -> Result<DevMatrix> {
+    let cols = parts.first().map_or(0, |m| m.shape().1);
+    let rows: usize = parts.iter().map(|m| m.shape().0).sum();
+    if parts.iter().any(|m| m.shape().1 != cols) {
+        return Err(ModelError::Compute {
+            detail: "stacked matrices of different widths".into(),
+        });
+    }
+    if parts.iter().all(|m| matches!(m, Matrix::Dense(_))) {
+        let mut all = Vec::with_capacity(rows * cols);
+        for m in parts {
+            all.extend(dense_values(m)?);
+        }
+        return Ok(DevMatrix::F32 {
+            w: gpu.upload(&all)?,
+            rows,
+            cols,
+        });
+    }
+    let mut w = gpu.zeros::<u16>(rows * cols)?;
+    let mut at = 0;
+    for m in parts {
+        let n = m.shape().0 * cols;
+        let part = match m {
+            Matrix::Quant(q) => {
+                let blocks = gpu.upload(q.bytes())?;
+                let mut h = gpu.zeros::<u16>(n)?;
+                ops::dequantize(gpu, &blocks, q.format(), n / 32, WeightDtype::F16, &mut h)?;
+                h
+            }
+            Matrix::Dense(_) => {
+                let f = gpu.upload(&dense_values(m)?)?;
+                let mut h = gpu.zeros::<u16>(n)?;
+                ops::f32_to_half(gpu, &f, n, WeightDtype::F16, &mut h)?;
+                h
+            }
+        };
+        let mut dst = w.slice_mut(at..at + n);
+        gpu.stream()
+            .memcpy_dtod(&part, &mut dst)
+            .map_err(|e| CudaError::call("cuMemcpyDtoDAsync", e))?;
+        at += n;
+    }
+    Ok(DevMatrix::Half {
+        w,
+        dtype: WeightDtype::F16,
+        rows,
+        cols,
+    })
+}
+
+fn upload_vec(gpu: &Gpu, v: &[f32]) -> Result<CudaSlice<f32>> {
+    Ok(gpu.upload(v)?)
+}
+
+struct DevLayer {
+    attn_norm: CudaSlice<f32>,
+    wq: DevMatrix,
+    wk: DevMatrix,
+    wv: DevMatrix,
+    bq: Option<CudaSlice<f32>>,
+    bk: Option<CudaSlice<f32>>,
+    bv: Option<CudaSlice<f32>>,
+    wo: DevMatrix,
+    mlp_norm: CudaSlice<f32>,
+    gate_up: DevMatrix,
+    down: DevMatrix,
+}
+
+/// Activation buffers, grown to the largest pass so far.
+#[derive(Default)]
+struct Buffers {
+    rows: usize,
+    x: Option<CudaSlice<f32>>,
+    xn: Option<CudaSlice<f32>>,
+    q: Option<CudaSlice<f32>>,
+    k: Option<CudaSlice<f32>>,
+    v: Option<CudaSlice<f32>>,
+    attn: Option<CudaSlice<f32>>,
+    o: Option<CudaSlice<f32>>,
+    gate_up: Option<CudaSlice<f32>>,
+    h: Option<CudaSlice<f32>>,
+    half: Option<CudaSlice<u16>>,
+}
+
+/// What one pass holds exclusively: the device pool and the buffers.
+struct State {
+    pool: DeviceKvPool,
+    buf: Buffers,
+    /// Each layer's K then V rows, copied back for the host mirror.
+    pinned: Option<PinnedHostSlice<f32>>,
+}
+
+/// A model on a CUDA device.
+pub struct CudaLlama {
+    gpu: Arc<Gpu>,
+    cfg: ModelConfig,
+    embed: DevMatrix,
+    layers: Vec<DevLayer>,
+    final_norm: CudaSlice<f32>,
+    lm_head: DevMatrix,
+    inv_freq: CudaSlice<f32>,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for CudaLlama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaLlama")
+            .field("device", self.gpu.info())
+            .field("weight_bytes", &self.weight_bytes())
+            .finish_non_exhaustive()
+    }
+}
+
+fn take(b: &mut Option<CudaSlice<f32>>) -> Result<&mut CudaSlice<f32>> {
+    b.as_mut().ok_or_else(|| ModelError::Compute {
+        detail: "device buffer not allocated".into(),
+    })
+}
+
+impl CudaLlama {
+    /// Upload `w` to `pool`'s device. `pool` is the engine's KV pool (its
+    /// host side is the engine's [`kvmesh_kvpool::KvPool`]).
+    pub fn new(cfg: &ModelConfig, w: &Weights, pool: DeviceKvPool) -> Result<Self> {
+        let gpu = pool.gpu().clone();
+        let c = pool.config();
+        if (c.n_layers, c.n_kv_heads, c.head_dim) != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim) {
+            return Err(ModelError::Compute {
+                detail: "the device pool's shape is not the model's KV shape".into(),
+            });
+        }
+        if cfg.head_dim > ops::MAX_HEAD_DIM || !cfg.head_dim.is_multiple_of(2) {
+            return Err(ModelError::Device(CudaError::Unsupported(format!(
+                "head_dim {} (the CUDA kernels take even head sizes up to {})",
+                cfg.head_dim,
+                ops::MAX_HEAD_DIM
+            ))));
+        }
+        let embed = match &w.embed {
+            Matrix::Dense(_) => upload_stacked(&gpu, &[&w.embed])?,
+            // The embedding is read by rows: f16 rows of the dequantized table.
+            Matrix::Quant(_) => upload_stacked(&gpu, &[&w.embed])?,
+        };
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for l in &w.layers {
+            let opt = |b: &Option<Vec<f32>>| b.as_deref().map(|b| upload_vec(&gpu, b)).transpose();
+            layers.push(DevLayer {
+                attn_norm: upload_vec(&gpu, &l.attn_norm)?,
+                wq: upload_stacked(&gpu, &[&l.wq])?,
+                wk: upload_stacked(&gpu, &[&l.wk])?,
+                wv: upload_stacked(&gpu, &[&l.wv])?,
+                bq: opt(&l.bq)?,
+                bk: opt(&l.bk)?,
+                bv: opt(&l.bv)?,
+                wo: upload_stacked(&gpu, &[&l.wo])?,
+                mlp_norm: upload_vec(&gpu, &l.mlp_norm)?,
+                gate_up: upload_stacked(&gpu, &[&l.w_gate, &l.w_up])?,
+                down: upload_stacked(&gpu, &[&l.w_down])?,
+            });
+        }
+        let rope = Rope::new(
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            RopeLayout::RotateHalf,
+        );
+        let model = Self {
+            embed,
+            layers,
+            final_norm: upload_vec(&gpu, &w.final_norm)?,
+            lm_head: upload_stacked(&gpu, &[&w.lm_head])?,
+            inv_freq: upload_vec(&gpu, rope.inv_freq())?,
+            cfg: cfg.clone(),
+            state: Mutex::new(State {
+                pool,
+                buf: Buffers::default(),
+                pinned: None,
+            }),
+            gpu,
+        };
+        model.gpu.sync()?;
+        tracing::info!(
+            device = %model.gpu.info().spec,
+            name = %model.gpu.info().name,
+            weight_mib = model.weight_bytes() >> 20,
+            "model on the device"
+        );
+        Ok(model)
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// Bytes of weights on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.embed.bytes()
+            + self.lm_head.bytes()
+            + self
+                .layers
+                .iter()
+                .map(|l| {
+                    l.wq.bytes()
+                        + l.wk.bytes()
+                        + l.wv.bytes()
+                        + l.wo.bytes()
+                        + l.gate_up.bytes()
+                        + l.down.bytes()
+                })
+                .sum::<usize>()
+    }
+
+    fn grow(&self, buf: &mut Buffers, rows: usize) -> Result<()> {
+        if rows <= buf.rows && buf.x.is_some() {
+            return Ok(());
+        }
+        let cfg = &self.cfg;
+        let rows = rows.max(buf.rows).next_power_of_two();
+        let (q_dim, kv_dim) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
+        let widest_in = cfg.hidden_size.max(q_dim).max(cfg.intermediate_size);
+        let g = &self.gpu;
+        buf.x = Some(g.zeros(rows * cfg.hidden_size)?);
+        buf.xn = Some(g.zeros(rows * cfg.hidden_size)?);
+        buf.q = Some(g.zeros(rows * q_dim)?);
+        buf.k = Some(g.zeros(rows * kv_dim)?);
+        buf.v = Some(g.zeros(rows * kv_dim)?);
+        buf.attn = Some(g.zeros(rows * q_dim)?);
+        buf.o = Some(g.zeros(rows * cfg.hidden_size)?);
+        buf.gate_up = Some(g.zeros(rows * 2 * cfg.intermediate_size)?);
+        buf.h = Some(g.zeros(rows * cfg.intermediate_size)?);
+        buf.half = Some(g.zeros(rows * widest_in)?);
+        buf.rows = rows;
+        Ok(())
+    }
+
+    /// Run a batch (see the module docs and [`crate::llama::Llama::forward_observed`]).
+    /// `layer_done` is called for every layer of every chunk that did not
+    /// fail, after the pass, once the host mirror holds the layer.
+    pub fn forward_observed(
+        &self,
+        batch: &mut [SeqChunk<'_>],
+        layer_done: &mut LayerDone<'_>,
+    ) -> Result<Vec<ChunkResult>> {
+        use kvmesh_kernels::PagedKv;
+        let cfg = &self.cfg;
+        for chunk in batch.iter() {
+            if let Some(&bad) = chunk.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                return Err(ModelError::InvalidField {
+                    path: "<request>".into(),
+                    field: "token id".into(),
+                    value: bad.to_string(),
+                    reason: format!("the vocabulary has {} tokens", cfg.vocab_size),
+                });
+            }
+        }
+        // I1's owner half, on the host: every entry of every table is held
+        // by the chunk's reservation (or a cache page it leases) at the
+        // generation the table names. The device then checks that the
+        // generation is still that one when it reads or writes, and a page
+        // changes owner only with a new generation, so the pair is the CPU
+        // reader's check. A chunk that fails leaves the batch here.
+        let mut failed: Vec<Option<ModelError>> = batch
+            .iter()
+            .map(|c| {
+                let reader = c.kv.reader();
+                c.kv.table()
+                    .iter()
+                    .find_map(|e| reader.read_page(*e, 0, 0).err())
+                    .map(ModelError::Guard)
+            })
+            .collect();
+        let mut ids = Vec::new();
+        let mut spans: Vec<Range<usize>> = Vec::with_capacity(batch.len());
+        // The device's chunk index of each batch chunk that runs.
+        let mut slot: Vec<Option<usize>> = Vec::with_capacity(batch.len());
+        let mut specs: Vec<ChunkSpec> = Vec::new();
+        for (i, chunk) in batch.iter().enumerate() {
+            if failed[i].is_some() || chunk.tokens.is_empty() {
+                spans.push(ids.len()..ids.len());
+                slot.push(None);
+                continue;
+            }
+            spans.push(ids.len()..ids.len() + chunk.tokens.len());
+            ids.extend_from_slice(chunk.tokens);
+            slot.push(Some(specs.len()));
+            specs.push(ChunkSpec {
+                table: chunk.kv.table().to_vec(),
+                start: chunk.start_pos,
+                rows: chunk.tokens.len(),
+            });
+        }
+        let rows = ids.len();
+        if rows == 0 {
+            return Ok(failed
+                .into_iter()
+                .map(|f| f.map_or_else(|| Ok(ChunkOut::default()), Err))
+                .collect());
+        }
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let st = &mut *st;
+        let gpu = &*self.gpu;
+        st.pool.apply_events()?;
+        let mut tables = StepTables::new(gpu, &specs)?;
+        self.grow(&mut st.buf, rows)?;
+        let (q_dim, kv_dim) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
+        let n_layers = self.layers.len();
+        let mirror = n_layers * 2 * rows * kv_dim;
+        if st.pinned.as_ref().is_none_or(|p| p.len() < mirror) {
+            // SAFETY: every value read back is first written by the
+            // device-to-host copies below (waited for before reading).
+            st.pinned = Some(
+                unsafe {
+                    gpu.context()
+                        .alloc_pinned_with_flags::<f32>(mirror.next_power_of_two(), 0)
+                }
+                .map_err(|e| CudaError::call("cuMemHostAlloc", e))?,
+            );
+        }
+        let ids_d = gpu.upload(&ids)?;
+        let Buffers {
+            x,
+            xn,
+            q,
+            k,
+            v,
+            attn,
+            o,
+            gate_up,
+            h,
+            half,
+            ..
+        } = &mut st.buf;
+        let (x, xn, q, k, v, attn, o, gate_up, h) = (
+            take(x)?,
+            take(xn)?,
+            take(q)?,
+            take(k)?,
+            take(v)?,
+            take(attn)?,
+            take(o)?,
+            take(gate_up)?,
+            take(h)?,
+        );
+        let half = half.as_mut().ok_or_else(|| ModelError::Compute {
+            detail: "no scratch".into(),
+        })?;
+        let hidden = cfg.hidden_size;
+        self.embed_rows(&ids_d, rows, x)?;
+        let pinned = st.pinned.as_mut().ok_or_else(|| ModelError::Compute {
+            detail: "no pinned buffer".into(),
+        })?;
+        // Waits for the previous pass's copies (already read), then the raw
+        // pointer the copies below write through.
+        let base = pinned
+            .as_mut_ptr()
+            .map_err(|e| CudaError::call("cuEventSynchronize", e))?;
+        for (layer, lw) in self.layers.iter().enumerate() {
+            ops::rms_norm(gpu, x, &lw.attn_norm, rows, hidden, cfg.rms_norm_eps, xn)?;
+            lw.wq.apply(gpu, xn, rows, half, q)?;
+            lw.wk.apply(gpu, xn, rows, half, k)?;
+            lw.wv.apply(gpu, xn, rows, half, v)?;
+            if let Some(b) = &lw.bq {
+                ops::add_bias(gpu, q, b, rows, q_dim)?;
+            }
+            if let Some(b) = &lw.bk {
+                ops::add_bias(gpu, k, b, rows, kv_dim)?;
+            }
+            if let Some(b) = &lw.bv {
+                ops::add_bias(gpu, v, b, rows, kv_dim)?;
+            }
+            ops::rope(
+                gpu,
+                q,
+                &tables.tok_pos,
+                &self.inv_freq,
+                rows,
+                cfg.n_heads,
+                cfg.head_dim,
+                false,
+            )?;
+            ops::rope(
+                gpu,
+                k,
+                &tables.tok_pos,
+                &self.inv_freq,
+                rows,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                false,
+            )?;
+            st.pool.write_kv(layer, k, v, &mut tables)?;
+            // K then V of this layer into the pinned mirror buffer (queued).
+            let at = layer * 2 * rows * kv_dim;
+            let n = rows * kv_dim;
+            // SAFETY: `pinned` holds n_layers * 2 * rows * kv_dim values
+            // and is read only after the `sync` below.
+            unsafe {
+                copy_back(gpu, k, n, base, at)?;
+                copy_back(gpu, v, n, base, at + n)?;
+            }
+            let call = AttentionCall {
+                layer,
+                n_heads: cfg.n_heads,
+                n_kv_heads: cfg.n_kv_heads,
+                head_dim: cfg.head_dim,
+                scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+                window: cfg.sliding_window.unwrap_or(0),
+                checked: true,
+            };
+            st.pool.attention(call, q, &mut tables, attn)?;
+            lw.wo.apply(gpu, attn, rows, half, o)?;
+            ops::add_into(gpu, x, o, rows * hidden)?;
+            ops::rms_norm(gpu, x, &lw.mlp_norm, rows, hidden, cfg.rms_norm_eps, xn)?;
+            lw.gate_up.apply(gpu, xn, rows, half, gate_up)?;
+            ops::swiglu(gpu, gate_up, rows, cfg.intermediate_size, h)?;
+            lw.down.apply(gpu, h, rows, half, o)?;
+            ops::add_into(gpu, x, o, rows * hidden)?;
+        }
+
+        // Which rows get logits.
+        let mut want: Vec<u32> = Vec::new();
+        for (chunk, span) in batch.iter().zip(&spans) {
+            if span.is_empty() {
+                continue;
+            }
+            match chunk.logits {
+                LogitsWanted::None => {}
+                LogitsWanted::Last => want.push(span.end as u32 - 1),
+                LogitsWanted::All | LogitsWanted::Prompt { .. } => {
+                    want.extend(span.start as u32..span.end as u32)
+                }
+            }
+        }
+        let logits = self.logits_of(x, &want, xn, half)?;
+
+        // One wait for the pass: records, mirror, logits.
+        gpu.sync()?;
+        let records = tables.violations(gpu)?;
+        // SAFETY: the copies into it are done (synchronized above).
+        let mirror =
+            unsafe { std::slice::from_raw_parts(base.cast_const(), n_layers * 2 * rows * kv_dim) };
+        let n_pages = st.pool.config().n_pages as u32;
+        for (i, s) in slot.iter().enumerate() {
+            let Some(r) = s.and_then(|s| records.get(s)) else {
+                continue;
+            };
+            failed[i] = match r.decode(n_pages) {
+                Decoded::Clean => None,
+                Decoded::Guard(g) => {
+                    st.pool.host().report_guard_violation(&g);
+                    Some(ModelError::Guard(g))
+                }
+                Decoded::WriteGap {
+                    page,
+                    layer,
+                    slot,
+                    watermark,
+                } => Some(ModelError::Kv(PoolError::WriteGap {
+                    page,
+                    layer,
+                    slot,
+                    watermark,
+                })),
+                Decoded::Unknown { raw } => Some(ModelError::Compute {
+                    detail: format!("the device wrote an unknown violation record {raw:?}"),
+                }),
+            };
+        }
+        // The host mirror, layer by layer, then the observer.
+        for layer in 0..n_layers {
+            let at = layer * 2 * rows * kv_dim;
+            for (i, chunk) in batch.iter_mut().enumerate() {
+                if failed[i].is_some() || slot[i].is_none() {
+                    continue;
+                }
+                let s = &spans[i];
+                let ks = &mirror[at + s.start * kv_dim..at + s.end * kv_dim];
+                let vs = &mirror
+                    [at + rows * kv_dim + s.start * kv_dim..at + rows * kv_dim + s.end * kv_dim];
+                if let Err(e) = chunk.kv.write(layer, chunk.start_pos, ks, vs) {
+                    failed[i] = Some(e.into());
+                }
+            }
+            for (i, chunk) in batch.iter().enumerate() {
+                if failed[i].is_none() && slot[i].is_some() {
+                    layer_done(layer, i, chunk);
+                }
+            }
+        }
+
+        let vocab = cfg.vocab_size;
+        let mut row_of = want.iter().zip(logits.chunks_exact(vocab.max(1)));
+        let mut results = Vec::with_capacity(batch.len());
+        for (i, chunk) in batch.iter().enumerate() {
+            let span = &spans[i];
+            let n = match chunk.logits {
+                _ if span.is_empty() => 0,
+                LogitsWanted::None => 0,
+                LogitsWanted::Last => 1,
+                LogitsWanted::All | LogitsWanted::Prompt { .. } => span.len(),
+            };
+            let mine: Vec<&[f32]> = (0..n)
+                .filter_map(|_| row_of.next().map(|(_, r)| r))
+                .collect();
+            if let Some(e) = failed[i].take() {
+                results.push(Err(e));
+                continue;
+            }
+            results.push(Ok(match chunk.logits {
+                LogitsWanted::Prompt { top } => ChunkOut {
+                    logits: mine.last().map(|r| r.to_vec()).into_iter().collect(),
+                    prompt: mine
+                        .iter()
+                        .zip(chunk.tokens.iter().skip(1))
+                        .map(|(row, &next)| prompt_logprob(row, next, top))
+                        .collect(),
+                },
+                _ => ChunkOut {
+                    logits: mine.iter().map(|r| r.to_vec()).collect(),
+                    prompt: Vec::new(),
+                },
+            }));
+        }
+        Ok(results)
+    }
+
+    /// Write positions `0..n` of `layer` (K and V, `n * kv_dim` values
+    /// each, read from the host pool's checked reader) into `table`'s pages
+    /// on the device, through the checked `kv_write`: how a decode node's
+    /// adopted prompt, which landed and was verified in the host pool,
+    /// reaches the device.
+    pub fn load_prompt(
+        &self,
+        table: &[kvmesh_kernels::PageRef],
+        n: usize,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        st.pool.apply_events()?;
+        let spec = ChunkSpec {
+            table: table.to_vec(),
+            start: 0,
+            rows: n,
+        };
+        let mut tables = StepTables::new(gpu, &[spec])?;
+        st.pool
+            .write_kv(layer, &gpu.upload(k)?, &gpu.upload(v)?, &mut tables)?;
+        let n_pages = st.pool.config().n_pages as u32;
+        match tables.violations(gpu)?.first().map(|r| r.decode(n_pages)) {
+            None | Some(Decoded::Clean) => Ok(()),
+            Some(Decoded::Guard(g)) => {
+                st.pool.host().report_guard_violation(&g);
+                Err(ModelError::Guard(g))
+            }
+            Some(Decoded::WriteGap {
+                page,
+                layer,
+                slot,
+                watermark,
+            }) => Err(ModelError::Kv(PoolError::WriteGap {
+                page,
+                layer,
+                slot,
+                watermark,
+            })),
+            Some(Decoded::Unknown { raw }) => Err(ModelError::Compute {
+                detail: format!("the device wrote an unknown violation record {raw:?}"),
+            }),
+        }
+    }
+
+    /// [`Self::forward_observed`] without an observer.
+    pub fn forward(&self, batch: &mut [SeqChunk<'_>]) -> Result<Vec<ChunkResult>> {
+        self.forward_observed(batch, &mut |_, _, _| {})
+    }
+
+    fn embed_rows(&self, ids: &CudaSlice<u32>, rows: usize, x: &mut CudaSlice<f32>) -> Result<()> {
+        let cfg = &self.cfg;
+        match &self.embed {
+            DevMatrix::F32 { w, .. } => ops::embedding(
+                &self.gpu,
+                w,
+                WeightDtype::F32,
+                ids,
+                rows,
+                cfg.vocab_size,
+                cfg.hidden_size,
+                x,
+            )?,
+            DevMatrix::Half { w, dtype, .. } => ops::embedding(
+                &self.gpu,
+                w,
+                *dtype,
+                ids,
+                rows,
+                cfg.vocab_size,
+                cfg.hidden_size,
+                x,
+            )?,
+        }
+        Ok(())
+    }
+
+    /// Final norm and vocabulary projection of rows `want` of `x`,
+    /// [`SCORE_ROWS`] rows at a time (device memory stays `SCORE_ROWS x
+    /// vocab` floats whatever the prompt), copied to the host.
+    fn logits_of(
+        &self,
+        x: &CudaSlice<f32>,
+        want: &[u32],
+        xn: &mut CudaSlice<f32>,
+        half: &mut CudaSlice<u16>,
+    ) -> Result<Vec<f32>> {
+        let cfg = &self.cfg;
+        let gpu = &*self.gpu;
+        let (hidden, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        let mut out = Vec::with_capacity(want.len() * vocab);
+        if want.is_empty() {
+            return Ok(out);
+        }
+        let block = SCORE_ROWS.min(want.len());
+        let mut sel = gpu.zeros::<f32>(block * hidden)?;
+        let mut logits = gpu.zeros::<f32>(block * vocab)?;
+        for rows in want.chunks(block) {
+            let idx = gpu.upload(rows)?;
+            ops::gather_rows(gpu, x, &idx, rows.len(), hidden, &mut sel)?;
+            ops::rms_norm(
+                gpu,
+                &sel,
+                &self.final_norm,
+                rows.len(),
+                hidden,
+                cfg.rms_norm_eps,
+                xn,
+            )?;
+            self.lm_head.apply(gpu, xn, rows.len(), half, &mut logits)?;
+            let host = gpu.download(&logits)?;
+            out.extend_from_slice(&host[..rows.len() * vocab]);
+        }
+        debug_assert_eq!(self.lm_head.rows(), vocab);
+        Ok(out)
+    }
+}
+
+/// Queue a copy of the first `n` values of `d` to `base + at`.
+///
+/// # Safety
+/// `base` points to pinned host memory of at least `at + n` values that
+/// stays allocated, and is neither read nor written, until the stream has
+/// been synchronized.
+unsafe fn copy_back(
+    gpu: &Gpu,
+    d: &CudaSlice<f32>,
+    n: usize,
+    base: *mut f32,
+    at: usize,
+) -> Result<()> {
+    use kvmesh_cuda::cudarc::driver::DevicePtr;
+    let (src, _read) = d.device_ptr(gpu.stream());
+    // SAFETY: the caller's contract.
+    let dst = unsafe { std::slice::from_raw_parts_mut(base.add(at), n) };
+    // SAFETY: `src` holds at least `n` values (the caller sized `d`).
+    unsafe {
+        kvmesh_cuda::cudarc::driver::result::memcpy_dtoh_async(dst, src, gpu.stream().cu_stream())
+    }
+    .map_err(|e| CudaError::call("cuMemcpyDtoHAsync", e))?;
+    Ok(())
+}
