@@ -130,13 +130,32 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let b1_gbps = b1.map(|r| r * weight_gb);
     let prefill_gflops = prefill * flops_per_token / 1e9;
 
+    // On a CUDA device: its weights and its copy bandwidth, measured now.
+    let device = match engine.cuda() {
+        Some(c) => Some((
+            c.gpu().info().clone(),
+            c.weight_bytes(),
+            c.gpu().copy_gbps(1 << 30)?,
+        )),
+        None => None,
+    };
+    let device_b1 = device.as_ref().and_then(|(_, bytes, _)| b1.map(|r| r * *bytes as f64 / 1e9));
     if args.json {
+        let device_json = device.as_ref().map_or_else(String::new, |(info, bytes, gbps)| {
+            format!(
+                "\"device\":{{\"spec\":\"{}\",\"name\":\"{}\",\"target\":\"{}\",\"weight_bytes\":{bytes},\"copy_gbps\":{gbps:.1},\"decode_b1_weight_gbps\":{}}},",
+                info.spec,
+                info.name,
+                info.target,
+                device_b1.map_or_else(|| "null".to_owned(), |g| format!("{g:.1}"))
+            )
+        });
         let decode_json: Vec<String> = decode
             .iter()
             .map(|(b, r)| format!("{{\"batch\":{b},\"tokens_per_s\":{r:.1}}}"))
             .collect();
         println!(
-            "{{\"threads\":{threads},\"mode\":\"{mode}\",\"cpu_kernels\":\"{path}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},{}\"decode\":[{}],\"roofline\":{{\"weight_bytes\":{},\"decode_b1_weight_gbps\":{},\"read_gbps\":{read_gbps:.2},\"prefill_matmul_gflops\":{prefill_gflops:.2},\"fma_peak_gflops\":{fma_gflops:.2}}}}}",
+            "{{{device_json}\"threads\":{threads},\"mode\":\"{mode}\",\"cpu_kernels\":\"{path}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},{}\"decode\":[{}],\"roofline\":{{\"weight_bytes\":{},\"decode_b1_weight_gbps\":{},\"read_gbps\":{read_gbps:.2},\"prefill_matmul_gflops\":{prefill_gflops:.2},\"fma_peak_gflops\":{fma_gflops:.2}}}}}",
             args.prompt_tokens,
             scored.map_or_else(String::new, |r| format!("\"scored_prefill_tokens_per_s\":{r:.1},")),
             decode_json.join(","),
@@ -167,6 +186,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 format!("decode batch {b} (aggregate)"),
                 r
             );
+        }
+        if let Some((info, bytes, gbps)) = &device {
+            println!(
+                "device {} ({}, sm_{}, kernels {}): {:.1} MB of weights; copy bandwidth measured now {gbps:.0} GB/s",
+                info.spec,
+                info.name,
+                info.arch,
+                info.target,
+                *bytes as f64 / 1e6
+            );
+            if let Some(g) = device_b1 {
+                println!(
+                    "  decode batch 1 streams {g:.0} GB/s of weights: {:.0}% of the copy bandwidth",
+                    100.0 * g / gbps
+                );
+            }
         }
         println!("CPU kernels {path}; ceilings measured now on {threads} threads:");
         if let Some(g) = b1_gbps {

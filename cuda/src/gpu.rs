@@ -232,6 +232,36 @@ impl Gpu {
             .map_err(|e| CudaError::call("cuMemcpyHtoD", e))
     }
 
+    /// Device memory bandwidth as a copy measures it: bytes read plus
+    /// bytes written per second (GB/s), copying one `bytes` buffer into
+    /// another (filled first, not zeros), best of 5 timings of 10 copies
+    /// each after a warm-up. The ceiling the benchmarks put the decode
+    /// step's weight streaming against; costs `2 * bytes` of device memory
+    /// while it runs.
+    pub fn copy_gbps(&self, bytes: usize) -> Result<f64> {
+        let n = (bytes / 4).max(1);
+        let fill: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+        let src = self.upload(&fill)?;
+        let mut dst = self.zeros::<u32>(n)?;
+        let copy = |dst: &mut CudaSlice<u32>| {
+            self.stream
+                .memcpy_dtod(&src, dst)
+                .map_err(|e| CudaError::call("cuMemcpyDtoDAsync", e))
+        };
+        copy(&mut dst)?;
+        self.sync()?;
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            for _ in 0..10 {
+                copy(&mut dst)?;
+            }
+            self.sync()?;
+            best = best.min(t.elapsed().as_secs_f64() / 10.0);
+        }
+        Ok(2.0 * (n * 4) as f64 / best / 1e9)
+    }
+
     /// Wait for everything queued so far.
     pub fn sync(&self) -> Result<()> {
         self.stream

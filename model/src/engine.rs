@@ -259,6 +259,11 @@ impl Engine {
             .map_or(kvmesh_cuda::DeviceSpec::Cpu, |c| c.gpu().info().spec)
     }
 
+    /// The model on the CUDA device, when the engine runs on one.
+    pub fn cuda(&self) -> Option<&crate::cuda::CudaLlama> {
+        self.cuda.as_ref()
+    }
+
     /// The CUDA device's description, when the engine runs on one.
     pub fn device_info(&self) -> Option<&kvmesh_cuda::gpu::DeviceInfo> {
         self.cuda.as_ref().map(|c| c.gpu().info())

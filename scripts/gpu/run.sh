@@ -1,40 +1,109 @@
 #!/usr/bin/env bash
 # The GPU checks of kvmesh's CUDA backend, in one call on a lent GPU machine
-# (see DEVELOPERS.md, "GPU machines"). Built here first:
-#   bash scripts/gpu/build.sh
-# then run there with `carry: ["target/gpu"]`:
-#   bash scripts/gpu/run.sh
-# It prints the device, then runs
-#   1. the compile check with the device machine's own NVRTC (every kernel
-#      to PTX and sm_90 CUBIN, registers, no spills),
-#   2. every device test (cuda/tests/device.rs), none skippable
-#      (KVMESH_REQUIRE_CUDA=1): each kernel against the CPU runtime on fresh
-#      random inputs with NaN-poisoned outputs, relative errors printed per
-#      kernel and dtype; forged tables, stale generations, unwritten slots
-#      and write gaps caught on the device and decoded as the CPU pool's
-#      errors; a page staged out and back; checked vs unchecked attention,
-# and writes the full log to $OUT/gpu.log. Exit status: the first failure.
+# (DEVELOPERS.md, "GPU machines"). Here first: `bash scripts/gpu/build.sh`.
+# Then, on the device machine (the `run` tool):
+#   a. with the default model (three calls back to back: the machine stays
+#      warm 30 s after each and keeps what earlier calls carried; carry's
+#      limit is 64 MiB a call):
+#        carry ["target/gpu-model-a"]  command: true
+#        carry ["target/gpu-model-b"]  command: true
+#        carry ["target/gpu"]          command: bash scripts/gpu/run.sh
+#   b. without it: carry ["target/gpu"], command: bash scripts/gpu/run.sh
+# Steps (each logged in full to $OUT/gpu.log; the table comes last):
+#   1. the compile check with the device machine's own NVRTC (PTX and
+#      sm_90 CUBIN, registers, no spills);
+#   2. kernel tests: every kernel against the CPU runtime on fresh random
+#      inputs with NaN-poisoned outputs, relative error per kernel and
+#      dtype; forged tables, stale generations, unwritten slots and write
+#      gaps caught on the device; a staged page; checked vs unchecked
+#      attention;
+#   3. engine tests on cuda:0: batched prefill/decode equal to the CPU
+#      engine, an adopted prompt, forged tables failing only their
+#      sequence; the golden files' greedy tokens and logits (tiny model and
+#      SmolLM2) within the CPU runtime's tolerances of transformers;
+#   4. `kvmesh generate --device cuda` against `--device cpu` (greedy);
+#   5. a mesh on the GPU: `kvmesh serve --device cuda` (prefill and decode
+#      engines on cuda:0, the handshake and TCP transfer between them), a
+#      greedy completion equal to `kvmesh generate --device cpu`;
+#   6. benchmarks: `bench-engine` prefill 512 and decode batch 1, 16, 64 on
+#      SmolLM2, --device cuda and --device cpu in the same run, with the
+#      device's copy bandwidth measured now.
+# Nothing is skippable (KVMESH_REQUIRE_CUDA=1, KVMESH_REQUIRE_NVRTC=1, and
+# KVMESH_REQUIRE_MODEL=1 when the model was carried). Exit status: 0 only
+# if every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-bin=target/gpu
+bin=$PWD/target/gpu
 out="${OUT:-/tmp/kvmesh-gpu}"
 mkdir -p "$out"
 log="$out/gpu.log"
-export KVMESH_REQUIRE_CUDA=1 KVMESH_REQUIRE_NVRTC=1
-export KVMESH_CUDA_CACHE="$out/cuda-cache"
-export RUST_BACKTRACE=1
+export KVMESH_REQUIRE_CUDA=1 KVMESH_REQUIRE_NVRTC=1 RUST_BACKTRACE=1
+export KVMESH_CUDA_CACHE="$out/cuda-cache" KVMESH_HOME="$out/home" KVMESH_LOG=warn
+mkdir -p "$KVMESH_HOME"
 [ -x "$bin/device" ] || { echo "no $bin/device: run scripts/gpu/build.sh here and carry target/gpu"; exit 2; }
+model=""
+if ls target/gpu-model-a/part.* target/gpu-model-b/part.* >/dev/null 2>&1; then
+  cat target/gpu-model-a/part.* target/gpu-model-b/part.* > "$KVMESH_HOME/SmolLM2-135M-Instruct.Q4_1.gguf"
+  model="$KVMESH_HOME/SmolLM2-135M-Instruct.Q4_1.gguf"
+  export KVMESH_REQUIRE_MODEL=1
+fi
+tiny=$PWD/model/tests/data/tiny-llama
+status=0
+step() { # name, command...
+  local name="$1"; shift
+  echo "== $name"
+  "$@"
+  local rc=$?
+  echo "$name rc=$rc"
+  [ "$rc" = 0 ] || status=1
+}
+same_text() { # label, model, extra args
+  local a b
+  a=$("$bin/kvmesh" generate --model "$2" --prompt "The capital of France is" --max-tokens 24 --temperature 0 --device cuda "${@:3}") || return 1
+  b=$("$bin/kvmesh" generate --model "$2" --prompt "The capital of France is" --max-tokens 24 --temperature 0 --device cpu "${@:3}") || return 1
+  echo "$1 cuda: $a"
+  echo "$1 cpu:  $b"
+  [ "$a" = "$b" ]
+}
+mesh_check() {
+  "$bin/kvmesh" serve --device cuda --model "$tiny" --http-port 18080 --grpc-port 0 > "$out/serve.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 120); do
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:18080/health', timeout=2)" >/dev/null 2>&1 && break
+    sleep 0.5
+  done
+  local got want
+  got=$(python3 - <<'PY'
+import json, urllib.request
+req = urllib.request.Request("http://127.0.0.1:18080/v1/completions", method="POST",
+    headers={"content-type": "application/json"},
+    data=json.dumps({"model": "kvmesh", "prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0}).encode())
+print(json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["text"], end="")
+PY
+)
+  local rc=$?
+  kill -TERM "$pid"; wait "$pid"
+  want=$("$bin/kvmesh" generate --model "$tiny" --prompt "The quick brown fox" --max-tokens 16 --temperature 0 --device cpu)
+  echo "mesh cuda: $got"
+  echo "cpu:       $want"
+  [ "$rc" = 0 ] && [ "$got" = "$want" ]
+}
 {
   echo "== device"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
-  echo "== 1. compile (this machine's NVRTC)"
-  timeout 120 "$bin/compile" --nocapture --test-threads=1
-  echo "compile rc=$?"
-  echo "== 2. device tests"
-  timeout 300 "$bin/device" --include-ignored --nocapture --test-threads=1
-  echo "device rc=$?"
+  step "1 compile" timeout 120 "$bin/compile" --nocapture --test-threads=1
+  step "2 kernels" timeout 240 "$bin/device" --include-ignored --nocapture --test-threads=1
+  step "3a engine" timeout 120 "$bin/cuda-model" --include-ignored --nocapture --test-threads=1
+  step "3b golden" timeout 180 "$bin/golden" --include-ignored --nocapture --test-threads=1 on_cuda
+  step "4 generate tiny" same_text tiny "$tiny"
+  [ -n "$model" ] && step "4 generate smollm2 exact" same_text smollm2 "$model" --exact
+  step "5 mesh" timeout 120 mesh_check
+  if [ -n "$model" ]; then
+    step "6 bench cuda" timeout 150 "$bin/kvmesh" bench-engine --model "$model" --device cuda --prompt-tokens 512 --batch 1,16,64 --decode-tokens 32
+    step "6 bench cpu" timeout 150 "$bin/kvmesh" bench-engine --model "$model" --device cpu --prompt-tokens 512 --batch 1,16,64 --decode-tokens 8 --repeats 1
+  fi
+  echo "== status $status"
 } > "$log" 2>&1
-# The reply carries the end of the output: the table last.
 echo "== summary (full log: $log)"
-grep -E '^NVIDIA|^name|rel err|bit-exact|checked/unchecked|device |cpu  |^test |panicked|rc=' "$log" | tail -80
-grep -q '^compile rc=0$' "$log" && grep -q '^device rc=0$' "$log"
+grep -E '^NVIDIA|^name|rel err|bit-exact|checked/unchecked|worst|forged table|adopted|cuda: |cpu: |cpu:  |mesh cuda|^kvmesh bench|^prefill|^decode|^device |streams|^test .*FAIL|panicked| rc=|^== status' "$log" | tail -100
+[ "$status" = 0 ]
