@@ -73,11 +73,12 @@ mesh_check() {
     sleep 0.5
   done
   local got want
-  got=$(python3 - <<'PY'
+  got=$(timeout 90 python3 - <<'PY'
 import json, urllib.request
+model = json.load(urllib.request.urlopen("http://127.0.0.1:18080/v1/models", timeout=10))["data"][0]["id"]
 req = urllib.request.Request("http://127.0.0.1:18080/v1/completions", method="POST",
     headers={"content-type": "application/json"},
-    data=json.dumps({"model": "kvmesh", "prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0}).encode())
+    data=json.dumps({"model": model, "prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0}).encode())
 print(json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["text"], end="")
 PY
 )
@@ -97,7 +98,7 @@ PY
   step "3b golden" timeout 180 "$bin/golden" --include-ignored --nocapture --test-threads=1 on_cuda
   step "4 generate tiny" same_text tiny "$tiny"
   [ -n "$model" ] && step "4 generate smollm2 exact" same_text smollm2 "$model" --exact
-  step "5 mesh" timeout 120 mesh_check
+  step "5 mesh" mesh_check
   if [ -n "$model" ]; then
     step "6 bench cuda" timeout 150 "$bin/kvmesh" bench-engine --model "$model" --device cuda --prompt-tokens 512 --batch 1,16,64 --decode-tokens 32
     step "6 bench cpu" timeout 150 "$bin/kvmesh" bench-engine --model "$model" --device cpu --prompt-tokens 512 --batch 1,16,64 --decode-tokens 8 --repeats 1
