@@ -6,12 +6,24 @@
 # is fetched with pip at build time and baked into the image.
 # docker-compose.etcd.yml runs the same image with membership through etcd.
 
+# CUDA=1 (docker-compose.gpu.yml) adds the pinned NVRTC and cuBLAS wheels'
+# libraries (CUDA 13.0, the GPU machines' driver generation), which kvmesh
+# opens at run time for `--device cuda`; the driver comes from the host
+# (NVIDIA Container Toolkit). The default image has none of it and runs on
+# the CPU.
+ARG CUDA=0
+
 FROM rust:1-bookworm AS build
+ARG CUDA
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 RUN cargo build --release -p kvmesh-cli \
  && KVMESH_HOME=/models ./target/release/kvmesh fetch-model
+RUN mkdir -p /cuda/lib && if [ "$CUDA" = 1 ]; then \
+      pip install --break-system-packages --no-deps --target /cuda/py \
+        nvidia-cuda-nvrtc==13.0.88 nvidia-cublas==13.0.2.14 \
+      && cp -a /cuda/py/nvidia/cu13/lib/. /cuda/lib/; fi
 
 FROM debian:bookworm-slim
 # libucp for `transport: ucx` (opened at run time; the other transports
@@ -20,6 +32,9 @@ RUN apt-get update && apt-get install -y --no-install-recommends libucx0 && rm -
  && useradd --system --uid 10001 kvmesh
 COPY --from=build /src/target/release/kvmesh /usr/local/bin/kvmesh
 COPY --from=build /models/SmolLM2-135M-Instruct.Q4_1.gguf /models/SmolLM2-135M-Instruct.Q4_1.gguf
+# Empty unless CUDA=1; searched first by kvmesh's CUDA loader.
+COPY --from=build /cuda/lib /opt/kvmesh/cuda/lib
+ENV KVMESH_CUDA_LIB_DIR=/opt/kvmesh/cuda/lib
 COPY deploy/mesh.yaml /etc/kvmesh/mesh.yaml
 # The mesh secret is never baked in: docker-compose.yml mounts it.
 USER kvmesh

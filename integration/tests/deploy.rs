@@ -36,7 +36,10 @@ fn check_compose(file: &str) -> (Vec<(String, String)>, Vec<String>) {
     let mut others = Vec::new();
     for (name, svc) in services {
         let name = name.as_str().expect("service name").to_owned();
-        if svc["image"].as_str() != Some("kvmesh:latest") {
+        if !svc["image"]
+            .as_str()
+            .is_some_and(|i| i == "kvmesh:latest" || i == "kvmesh:cuda")
+        {
             others.push(name);
             continue;
         }
@@ -110,6 +113,81 @@ fn every_compose_command_is_accepted() {
         "{model}"
     );
     assert!(dockerfile.contains("COPY deploy/mesh.yaml /etc/kvmesh/mesh.yaml"));
+}
+
+/// The GPU variant: prefill and decode on a GPU each of one host (device
+/// reservations of the NVIDIA driver, different device ids), `device: cuda`
+/// in their mesh file and the router on the CPU; the image built with the
+/// CUDA libraries, which the Dockerfile installs from the pinned wheels.
+#[test]
+fn every_compose_command_of_the_gpu_variant_is_accepted() {
+    let (roles, others) = check_compose("docker-compose.gpu.yml");
+    let names: Vec<&str> = roles.iter().map(|(r, _)| r.as_str()).collect();
+    assert_eq!(names, ["decode", "prefill", "router"]);
+    assert!(others.is_empty(), "{others:?}");
+    for (role, line) in &roles {
+        let want = if role == "router" {
+            "device cpu"
+        } else {
+            "device cuda:0"
+        };
+        assert!(line.contains(want), "{role}: {line}");
+    }
+    let compose: serde_yaml_ng::Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(repo().join("docker-compose.gpu.yml")).expect("compose file"),
+    )
+    .expect("compose YAML");
+    let gpus = |svc: &str| -> Vec<String> {
+        let devices = &compose["services"][svc]["deploy"]["resources"]["reservations"]["devices"];
+        let d = &devices.as_sequence().expect("device reservations")[0];
+        assert_eq!(d["driver"].as_str(), Some("nvidia"), "{svc}");
+        assert!(
+            d["capabilities"]
+                .as_sequence()
+                .is_some_and(|c| c.iter().any(|c| c.as_str() == Some("gpu"))),
+            "{svc}"
+        );
+        d["device_ids"]
+            .as_sequence()
+            .expect("device ids")
+            .iter()
+            .map(|i| i.as_str().expect("id").to_owned())
+            .collect()
+    };
+    let (p, d) = (gpus("prefill-0"), gpus("decode-0"));
+    assert_eq!(p.len(), 1);
+    assert_eq!(d.len(), 1);
+    assert_ne!(p, d, "prefill and decode on different GPUs");
+    assert!(
+        compose["services"]["router"]["deploy"].is_null(),
+        "the router reserves no GPU"
+    );
+    assert_eq!(
+        compose["services"]["decode-0"]["build"]["args"]["CUDA"].as_str(),
+        Some("1")
+    );
+    let dockerfile = std::fs::read_to_string(repo().join("Dockerfile")).expect("Dockerfile");
+    for pin in [
+        "nvidia-cuda-nvrtc==13.0.88",
+        "nvidia-cublas==13.0.2.14",
+        "ENV KVMESH_CUDA_LIB_DIR=/opt/kvmesh/cuda/lib",
+    ] {
+        assert!(dockerfile.contains(pin), "{pin}");
+    }
+    // The GPU mesh file is the CPU one with the device added.
+    let cpu = std::fs::read_to_string(repo().join("deploy/mesh.yaml")).expect("mesh");
+    let gpu = std::fs::read_to_string(repo().join("deploy/mesh-gpu.yaml")).expect("mesh");
+    let body = |t: &str| -> Vec<String> {
+        t.lines()
+            .filter(|l| !l.starts_with('#') && !l.starts_with("device:"))
+            .map(str::to_owned)
+            .collect()
+    };
+    assert_eq!(
+        body(&cpu),
+        body(&gpu),
+        "deploy/mesh-gpu.yaml drifted from deploy/mesh.yaml"
+    );
 }
 
 /// The etcd-discovered variant (issue 18 item 5): the same roles (and a
