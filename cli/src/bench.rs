@@ -139,7 +139,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         )),
         None => None,
     };
-    let device_b1 = device.as_ref().and_then(|(_, bytes, _)| b1.map(|r| r * *bytes as f64 / 1e9));
+    let device_b1 = device
+        .as_ref()
+        .and_then(|(_, bytes, _)| b1.map(|r| r * *bytes as f64 / 1e9));
     if args.json {
         let device_json = device.as_ref().map_or_else(String::new, |(info, bytes, gbps)| {
             format!(

@@ -240,7 +240,9 @@ impl Gpu {
     /// while it runs.
     pub fn copy_gbps(&self, bytes: usize) -> Result<f64> {
         let n = (bytes / 4).max(1);
-        let fill: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+        let fill: Vec<u32> = (0..n as u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
         let src = self.upload(&fill)?;
         let mut dst = self.zeros::<u32>(n)?;
         let copy = |dst: &mut CudaSlice<u32>| {

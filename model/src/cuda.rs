@@ -223,6 +223,7 @@ pub struct CudaLlama {
     final_norm: CudaSlice<f32>,
     lm_head: DevMatrix,
     inv_freq: CudaSlice<f32>,
+    label: String,
     state: Mutex<State>,
 }
 
@@ -294,6 +295,7 @@ impl CudaLlama {
             lm_head: upload_stacked(&gpu, &[&w.lm_head])?,
             inv_freq: upload_vec(&gpu, rope.inv_freq())?,
             cfg: cfg.clone(),
+            label: gpu.info().spec.to_string(),
             state: Mutex::new(State {
                 pool,
                 buf: Buffers::default(),
@@ -314,6 +316,11 @@ impl CudaLlama {
     /// The device.
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+
+    /// `cuda:N`, for load reports and logs.
+    pub fn device_label(&self) -> &str {
+        &self.label
     }
 
     /// Bytes of weights on the device.
@@ -648,25 +655,31 @@ impl CudaLlama {
         Ok(results)
     }
 
-    /// Write positions `0..n` of `layer` (K and V, `n * kv_dim` values
-    /// each, read from the host pool's checked reader) into `table`'s pages
-    /// on the device, through the checked `kv_write`: how a decode node's
-    /// adopted prompt, which landed and was verified in the host pool,
-    /// reaches the device.
+    /// Write positions `start..start + n` of `layer` (K and V, `n *
+    /// kv_dim` values each, read from the host pool's checked reader) into
+    /// `table`'s pages on the device, through the checked `kv_write`: how a
+    /// decode node's adopted prompt, which landed and was verified in the
+    /// host pool, reaches the device. `start` is the reservation's cached
+    /// head (pages shared through the prefix cache, already on the device
+    /// and never written again).
     pub fn load_prompt(
         &self,
         table: &[kvmesh_kernels::PageRef],
+        start: usize,
         n: usize,
         layer: usize,
         k: &[f32],
         v: &[f32],
     ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
         let gpu = &*self.gpu;
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         st.pool.apply_events()?;
         let spec = ChunkSpec {
             table: table.to_vec(),
-            start: 0,
+            start,
             rows: n,
         };
         let mut tables = StepTables::new(gpu, &[spec])?;

@@ -286,12 +286,20 @@ impl Engine {
     pub fn identity(&self) -> &str {
         &self.identity
     }
-    /// The CPU kernel path this process computes with and its numerics
-    /// (`("avx512", "x86-fma")`; [`kvmesh_kernels::cpu`]): nodes of one
-    /// mesh pair only when the numerics agree.
-    pub fn cpu_kernels(&self) -> (&'static str, &'static str) {
-        let p = kvmesh_kernels::cpu::path();
-        (p.name(), p.numerics())
+    /// The kernels this engine computes with and their numerics: the
+    /// process's CPU path (`("avx512", "x86-fma")`; [`kvmesh_kernels::cpu`]),
+    /// or on a CUDA device its name and `"cuda"` (`("cuda:0", "cuda")`).
+    /// Nodes of one mesh pair only when the numerics agree, so the router
+    /// never joins a GPU prefill to a CPU decode (their KV differ in the
+    /// last bits) unless every node runs the same kind.
+    pub fn cpu_kernels(&self) -> (&str, &'static str) {
+        match &self.cuda {
+            Some(c) => (c.device_label(), "cuda"),
+            None => {
+                let p = kvmesh_kernels::cpu::path();
+                (p.name(), p.numerics())
+            }
+        }
     }
     /// The context limit in tokens (prompt plus generated).
     pub fn max_model_len(&self) -> usize {
@@ -373,10 +381,21 @@ impl Engine {
         if let Some(c) = &self.cuda {
             // The prompt landed (and was verified) in the host pool: the
             // same values into the device's pages, through the device's
-            // checked KV write, layer by layer.
+            // checked KV write, layer by layer; a cached head is on the
+            // device already.
+            let cached = kv.cached_tokens().min(prompt_len);
+            let kv_dim = self.pool.config().geometry().kv_dim();
             for layer in 0..n_layers {
                 let (k, v) = self.read_kv(&kv, prompt_len, layer)?;
-                c.load_prompt(kv.table(), prompt_len, layer, &k, &v)?;
+                let from = cached * kv_dim;
+                c.load_prompt(
+                    kv.table(),
+                    cached,
+                    prompt_len - cached,
+                    layer,
+                    &k[from..],
+                    &v[from..],
+                )?;
             }
         }
         Ok(Sequence::new(kv, prompt_ids, total, prompt_len))
