@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvmesh_model::engine::{Engine, Sequence};
 use kvmesh_model::sampling::argmax;
@@ -37,6 +37,9 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// Draw the weights at random (this seed) for the shape of --model, a directory with a config.json and a tokenizer: benchmarks of shapes whose weights are not at hand (a Llama-3-8B shape on a GPU). The text is noise; the speed is the shape's.
+    #[arg(long, value_name = "SEED")]
+    random_weights: Option<u64>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -59,7 +62,20 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 pub fn run(args: BenchArgs) -> Result<()> {
     let repeats = args.repeats.max(1);
-    let engine = args.model.load_engine()?;
+    let engine = match args.random_weights {
+        None => args.model.load_engine()?,
+        Some(seed) => {
+            let dir =
+                args.model.model.as_deref().context(
+                    "--random-weights needs --model DIR (its config.json and tokenizer)",
+                )?;
+            if args.model.exact {
+                bail!("--random-weights draws f32 weights already; --exact adds nothing");
+            }
+            let loaded = kvmesh_model::loader::load_random(dir, seed)?;
+            Engine::from_loaded(loaded, &args.model.engine_config())?
+        }
+    };
     let threads = std::env::var("RAYON_NUM_THREADS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())

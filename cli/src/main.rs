@@ -142,6 +142,9 @@ pub struct ModelArgs {
     /// Element type of the KV cache: auto (f16 with quantized weights, f32 with --exact), f16 or f32. Prefill and decode nodes must agree.
     #[arg(long, env = "KVMESH_KV_CACHE_DTYPE", default_value = "auto")]
     pub kv_cache_dtype: KvCacheDtype,
+    /// With --device cuda: the type dense weights are held and multiplied in on the device, f32 (the exact mode), f16 or bf16 (half the bytes; f32 accumulation). GGUF blocks are dequantized to it (to f16 when f32). Refused with --device cpu.
+    #[arg(long, env = "KVMESH_DEVICE_WEIGHTS", default_value = "f32")]
+    pub device_weights: kvmesh_cuda::ops::WeightDtype,
 }
 
 /// `--kv-cache-dtype`: `auto` or a [`KvDtype`].
@@ -186,6 +189,9 @@ impl ModelArgs {
         if let Some(d) = self.kv_cache_dtype.0 {
             flags.push(format!("--kv-cache-dtype={d}"));
         }
+        if self.device_weights != kvmesh_cuda::ops::WeightDtype::F32 {
+            flags.push(format!("--device-weights={}", self.device_weights));
+        }
         flags
     }
 
@@ -209,6 +215,7 @@ impl ModelArgs {
             precision: self.precision(),
             kv_dtype: self.kv_cache_dtype.0,
             device: device_flag().unwrap_or_default(),
+            device_weights: self.device_weights,
         }
     }
 

@@ -564,6 +564,7 @@ fn engine_config(
         scrub: cfg.scrub,
         poison: cfg.poison,
         device,
+        device_weights: kvmesh_cuda::ops::WeightDtype::F32,
     })
 }
 

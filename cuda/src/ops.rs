@@ -23,6 +23,30 @@ pub enum WeightDtype {
     Bf16 = 2,
 }
 
+/// A weight dtype name that is not f32, f16 or bf16.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("weight dtype {0:?}: expected f32, f16 or bf16")]
+pub struct ParseWeightDtypeError(pub String);
+
+impl std::str::FromStr for WeightDtype {
+    type Err = ParseWeightDtypeError;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "f16" => Ok(Self::F16),
+            "bf16" => Ok(Self::Bf16),
+            other => Err(ParseWeightDtypeError(other.to_owned())),
+        }
+    }
+}
+
+impl std::fmt::Display for WeightDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl WeightDtype {
     /// Bytes per value.
     pub fn size(self) -> usize {

@@ -118,10 +118,10 @@ fn dense_values(m: &Matrix) -> Result<Vec<f32>> {
     }
 }
 
-/// `parts` stacked by rows on the device: f32 if every part is dense,
-/// else f16 (GGUF blocks dequantized on the device; a dense part
-/// converted).
-fn upload_stacked(gpu: &Gpu, parts: &[&Matrix]) -> Result<DevMatrix> {
+/// `parts` stacked by rows on the device: f32 if every part is dense and
+/// `dense` is f32; else `dense` (f16 when that is f32), GGUF blocks
+/// dequantized on the device and dense parts converted there.
+fn upload_stacked(gpu: &Gpu, parts: &[&Matrix], dense: WeightDtype) -> Result<DevMatrix> {
     let cols = parts.first().map_or(0, |m| m.shape().1);
     let rows: usize = parts.iter().map(|m| m.shape().0).sum();
     if parts.iter().any(|m| m.shape().1 != cols) {
@@ -129,7 +129,7 @@ fn upload_stacked(gpu: &Gpu, parts: &[&Matrix]) -> Result<DevMatrix> {
             detail: "stacked matrices of different widths".into(),
         });
     }
-    if parts.iter().all(|m| matches!(m, Matrix::Dense(_))) {
+    if dense == WeightDtype::F32 && parts.iter().all(|m| matches!(m, Matrix::Dense(_))) {
         let mut all = Vec::with_capacity(rows * cols);
         for m in parts {
             all.extend(dense_values(m)?);
@@ -140,6 +140,10 @@ fn upload_stacked(gpu: &Gpu, parts: &[&Matrix]) -> Result<DevMatrix> {
             cols,
         });
     }
+    let half = match dense {
+        WeightDtype::F32 => WeightDtype::F16,
+        d => d,
+    };
     let mut w = gpu.zeros::<u16>(rows * cols)?;
     let mut at = 0;
     for m in parts {
@@ -148,13 +152,13 @@ fn upload_stacked(gpu: &Gpu, parts: &[&Matrix]) -> Result<DevMatrix> {
             Matrix::Quant(q) => {
                 let blocks = gpu.upload(q.bytes())?;
                 let mut h = gpu.zeros::<u16>(n)?;
-                ops::dequantize(gpu, &blocks, q.format(), n / 32, WeightDtype::F16, &mut h)?;
+                ops::dequantize(gpu, &blocks, q.format(), n / 32, half, &mut h)?;
                 h
             }
             Matrix::Dense(_) => {
                 let f = gpu.upload(&dense_values(m)?)?;
                 let mut h = gpu.zeros::<u16>(n)?;
-                ops::f32_to_half(gpu, &f, n, WeightDtype::F16, &mut h)?;
+                ops::f32_to_half(gpu, &f, n, half, &mut h)?;
                 h
             }
         };
@@ -166,7 +170,7 @@ fn upload_stacked(gpu: &Gpu, parts: &[&Matrix]) -> Result<DevMatrix> {
     }
     Ok(DevMatrix::Half {
         w,
-        dtype: WeightDtype::F16,
+        dtype: half,
         rows,
         cols,
     })
@@ -245,7 +249,12 @@ fn take(b: &mut Option<CudaSlice<f32>>) -> Result<&mut CudaSlice<f32>> {
 impl CudaLlama {
     /// Upload `w` to `pool`'s device. `pool` is the engine's KV pool (its
     /// host side is the engine's [`kvmesh_kvpool::KvPool`]).
-    pub fn new(cfg: &ModelConfig, w: &Weights, pool: DeviceKvPool) -> Result<Self> {
+    pub fn new(
+        cfg: &ModelConfig,
+        w: &Weights,
+        pool: DeviceKvPool,
+        dense: WeightDtype,
+    ) -> Result<Self> {
         let gpu = pool.gpu().clone();
         let c = pool.config();
         if (c.n_layers, c.n_kv_heads, c.head_dim) != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim) {
@@ -260,26 +269,23 @@ impl CudaLlama {
                 ops::MAX_HEAD_DIM
             ))));
         }
-        let embed = match &w.embed {
-            Matrix::Dense(_) => upload_stacked(&gpu, &[&w.embed])?,
-            // The embedding is read by rows: f16 rows of the dequantized table.
-            Matrix::Quant(_) => upload_stacked(&gpu, &[&w.embed])?,
-        };
+        // Read by rows (the embedding kernel takes f32, f16 and bf16).
+        let embed = upload_stacked(&gpu, &[&w.embed], dense)?;
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
             let opt = |b: &Option<Vec<f32>>| b.as_deref().map(|b| upload_vec(&gpu, b)).transpose();
             layers.push(DevLayer {
                 attn_norm: upload_vec(&gpu, &l.attn_norm)?,
-                wq: upload_stacked(&gpu, &[&l.wq])?,
-                wk: upload_stacked(&gpu, &[&l.wk])?,
-                wv: upload_stacked(&gpu, &[&l.wv])?,
+                wq: upload_stacked(&gpu, &[&l.wq], dense)?,
+                wk: upload_stacked(&gpu, &[&l.wk], dense)?,
+                wv: upload_stacked(&gpu, &[&l.wv], dense)?,
                 bq: opt(&l.bq)?,
                 bk: opt(&l.bk)?,
                 bv: opt(&l.bv)?,
-                wo: upload_stacked(&gpu, &[&l.wo])?,
+                wo: upload_stacked(&gpu, &[&l.wo], dense)?,
                 mlp_norm: upload_vec(&gpu, &l.mlp_norm)?,
-                gate_up: upload_stacked(&gpu, &[&l.w_gate, &l.w_up])?,
-                down: upload_stacked(&gpu, &[&l.w_down])?,
+                gate_up: upload_stacked(&gpu, &[&l.w_gate, &l.w_up], dense)?,
+                down: upload_stacked(&gpu, &[&l.w_down], dense)?,
             });
         }
         let rope = Rope::new(
@@ -292,7 +298,7 @@ impl CudaLlama {
             embed,
             layers,
             final_norm: upload_vec(&gpu, &w.final_norm)?,
-            lm_head: upload_stacked(&gpu, &[&w.lm_head])?,
+            lm_head: upload_stacked(&gpu, &[&w.lm_head], dense)?,
             inv_freq: upload_vec(&gpu, rope.inv_freq())?,
             cfg: cfg.clone(),
             label: gpu.info().spec.to_string(),

@@ -208,11 +208,25 @@ impl Engine {
             }
         };
         let cuda = match cfg.device {
+            kvmesh_cuda::DeviceSpec::Cpu
+                if cfg.device_weights != kvmesh_cuda::ops::WeightDtype::F32 =>
+            {
+                return Err(invalid(
+                    "device_weights",
+                    cfg.device_weights.name(),
+                    "applies to a CUDA device only (--device cuda)",
+                ))
+            }
             kvmesh_cuda::DeviceSpec::Cpu => None,
             spec @ kvmesh_cuda::DeviceSpec::Cuda(_) => {
                 let gpu = kvmesh_cuda::gpu::Gpu::open(spec)?;
                 let device_pool = kvmesh_cuda::pool::DeviceKvPool::new(gpu, pool.clone())?;
-                Some(crate::cuda::CudaLlama::new(&config, &weights, device_pool)?)
+                Some(crate::cuda::CudaLlama::new(
+                    &config,
+                    &weights,
+                    device_pool,
+                    cfg.device_weights,
+                )?)
             }
         };
         let model = Llama::new(config, weights)?;

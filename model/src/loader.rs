@@ -28,6 +28,9 @@ pub enum ModelFormat {
     /// A single GGUF file (blocks kept as stored in the quantized mode,
     /// dequantized to f32 in the exact mode).
     Gguf,
+    /// A Hugging Face directory's `config.json` and tokenizer, with weights
+    /// drawn at random ([`load_random`]).
+    RandomWeights,
 }
 
 impl ModelFormat {
@@ -36,6 +39,7 @@ impl ModelFormat {
         match self {
             Self::HfSafetensors => "safetensors",
             Self::Gguf => "gguf",
+            Self::RandomWeights => "random-weights",
         }
     }
 }
@@ -82,6 +86,42 @@ impl LoadedModel {
 /// (the exact mode).
 pub fn load(path: &Path) -> Result<LoadedModel> {
     load_with(path, Precision::Exact)
+}
+
+/// A model of the shape `dir/config.json` gives, with `dir`'s tokenizer and
+/// weights drawn at random from `seed` ([`Weights::random`], f32: the exact
+/// mode). For benchmarks of shapes whose weights are not at hand; its text
+/// is noise. The tokenizer's vocabulary must fit the config's.
+pub fn load_random(dir: &Path, seed: u64) -> Result<LoadedModel> {
+    let config = ModelConfig::from_hf_config(&dir.join("config.json"))?;
+    let tokenizer = TextTokenizer::from_hf_dir(dir)?;
+    if tokenizer.vocab_size() > config.vocab_size {
+        return Err(ModelError::InvalidField {
+            path: dir.to_owned(),
+            field: "vocab_size".into(),
+            value: config.vocab_size.to_string(),
+            reason: format!("the tokenizer has {} ids", tokenizer.vocab_size()),
+        });
+    }
+    let started = Instant::now();
+    let weights = Weights::random(&config, seed)?;
+    tracing::info!(
+        path = %dir.display(),
+        layers = config.n_layers,
+        hidden = config.hidden_size,
+        parameters = weights.parameter_count(),
+        seed,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "random weights drawn"
+    );
+    Ok(LoadedModel {
+        config,
+        weights,
+        precision: Precision::Exact,
+        tokenizer,
+        path: dir.to_owned(),
+        format: ModelFormat::RandomWeights,
+    })
 }
 
 /// Load a model in the given precision. A Hugging Face directory is always

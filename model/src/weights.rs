@@ -192,6 +192,76 @@ impl Weights {
         assemble(file, config, Layout::Gguf, precision)
     }
 
+    /// Weights of `config`'s shape drawn at random (seeded; the same seed
+    /// gives the same weights): each matrix uniform in `±1/sqrt(cols)`, so
+    /// activations keep their scale through the layers; norms 1; biases
+    /// small. For benchmarks of shapes whose weights are not at hand (the
+    /// Llama-3-8B shape on a GPU): speed does not depend on the values,
+    /// as long as they are not all zeros. Cost: the parameters as f32 in
+    /// host memory, drawn in parallel.
+    pub fn random(config: &ModelConfig, seed: u64) -> Result<Self> {
+        use rand::{Rng, SeedableRng};
+        use rayon::prelude::*;
+        let matrix = |rows: usize, cols: usize, salt: u64| -> Result<Matrix> {
+            let n = rows.checked_mul(cols).ok_or_else(|| ModelError::Compute {
+                detail: format!("a {rows} x {cols} matrix overflows"),
+            })?;
+            let a = 1.0 / (cols.max(1) as f32).sqrt();
+            let mut v = vec![0f32; n];
+            v.par_chunks_mut(1 << 20)
+                .enumerate()
+                .for_each(|(i, chunk)| {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(
+                        seed ^ salt.rotate_left(17)
+                            ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                    );
+                    chunk.iter_mut().for_each(|x| *x = rng.random_range(-a..a));
+                });
+            Tensor::from_vec(v, (rows, cols), &Device::Cpu)
+                .map(Matrix::Dense)
+                .map_err(|e| ModelError::Compute {
+                    detail: e.to_string(),
+                })
+        };
+        let (h, q, kv, inter) = (
+            config.hidden_size,
+            config.q_dim(),
+            config.kv_dim(),
+            config.intermediate_size,
+        );
+        let bias = |n: usize| config.attention_bias.then(|| vec![0.01; n]);
+        let embed = matrix(config.vocab_size, h, 1)?;
+        let mut layers = Vec::with_capacity(config.n_layers);
+        for l in 0..config.n_layers as u64 {
+            let salt = 16 * (l + 1);
+            layers.push(LayerWeights {
+                attn_norm: vec![1.0; h],
+                wq: matrix(q, h, salt + 1)?,
+                wk: matrix(kv, h, salt + 2)?,
+                wv: matrix(kv, h, salt + 3)?,
+                wo: matrix(h, q, salt + 4)?,
+                bq: bias(q),
+                bk: bias(kv),
+                bv: bias(kv),
+                mlp_norm: vec![1.0; h],
+                w_gate: matrix(inter, h, salt + 5)?,
+                w_up: matrix(inter, h, salt + 6)?,
+                w_down: matrix(h, inter, salt + 7)?,
+            });
+        }
+        let lm_head = if config.tie_word_embeddings {
+            embed.clone()
+        } else {
+            matrix(config.vocab_size, h, 2)?
+        };
+        Ok(Self {
+            embed,
+            layers,
+            final_norm: vec![1.0; h],
+            lm_head,
+        })
+    }
+
     /// Bytes the matrices occupy (what a decode step reads).
     pub fn matrix_bytes(&self) -> usize {
         let bytes = |m: &Matrix| match m {

@@ -31,6 +31,12 @@ pub struct EngineConfig {
     /// ([`crate::cuda`]; the engine fails to build, with a typed error
     /// naming what is missing, when the device cannot be opened).
     pub device: kvmesh_cuda::DeviceSpec,
+    /// On a CUDA device, the type dense weights are held and multiplied in
+    /// (f32: the exact mode's SGEMM; f16 or bf16: half the bytes, GemmEx
+    /// with f32 accumulation). GGUF blocks are dequantized to it, or to
+    /// f16 when this is f32. On the CPU anything but f32 is refused (the
+    /// CPU runtime's types are the precision's), never ignored.
+    pub device_weights: kvmesh_cuda::ops::WeightDtype,
 }
 
 impl EngineConfig {
@@ -55,6 +61,7 @@ impl Default for EngineConfig {
             precision: Precision::Exact,
             kv_dtype: None,
             device: kvmesh_cuda::DeviceSpec::Cpu,
+            device_weights: kvmesh_cuda::ops::WeightDtype::F32,
         }
     }
 }

@@ -111,3 +111,34 @@ fn plan_lists_every_tensor_with_its_shape() {
         .iter()
         .any(|(n, s)| n == "blk.1.ffn_gate.weight" && s == &vec![64, 32]));
 }
+
+#[test]
+fn random_weights_have_the_shape_and_repeat_by_seed() {
+    let cfg = ModelConfig::from_hf_config(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny-llama/config.json"),
+    )
+    .expect("config");
+    let a = Weights::random(&cfg, 5).expect("weights");
+    let b = Weights::random(&cfg, 5).expect("weights");
+    let c = Weights::random(&cfg, 6).expect("weights");
+    assert_eq!(a.layers.len(), cfg.n_layers);
+    assert_eq!(a.embed.shape(), (cfg.vocab_size, cfg.hidden_size));
+    assert_eq!(a.layers[0].wk.shape(), (cfg.kv_dim(), cfg.hidden_size));
+    assert_eq!(
+        a.layers[0].w_down.shape(),
+        (cfg.hidden_size, cfg.intermediate_size)
+    );
+    let row = |w: &Weights| {
+        let mut r = vec![0f32; cfg.hidden_size];
+        w.layers[1].wq.row_into(3, &mut r).expect("row");
+        r
+    };
+    assert_eq!(row(&a), row(&b), "the same seed draws the same weights");
+    assert_ne!(row(&a), row(&c), "another seed draws others");
+    let bound = 1.0 / (cfg.hidden_size as f32).sqrt();
+    assert!(row(&a).iter().all(|v| v.abs() <= bound) && row(&a).iter().any(|v| *v != 0.0));
+    // Layers differ from each other too.
+    let mut other = vec![0f32; cfg.hidden_size];
+    a.layers[2].wq.row_into(3, &mut other).expect("row");
+    assert_ne!(row(&a), other);
+}
