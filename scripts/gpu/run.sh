@@ -25,9 +25,13 @@
 #   5. a mesh on the GPU: `kvmesh serve --device cuda` (prefill and decode
 #      engines on cuda:0, the handshake and TCP transfer between them), a
 #      greedy completion equal to `kvmesh generate --device cpu`;
-#   6. benchmarks: `bench-engine` prefill 512 and decode batch 1, 16, 64 on
-#      SmolLM2, --device cuda and --device cpu in the same run, with the
-#      device's copy bandwidth measured now.
+#   6. benchmarks, prefill 512 and decode batch 1, 16, 64, each with the
+#      device's copy bandwidth measured in the same run: `bench-engine` on
+#      SmolLM2 (its GGUF blocks as f16 on the device) --device cuda and
+#      --device cpu; `bench-engine --random-weights` on the Llama-3-8B
+#      shape in bf16 (scripts/gpu/shapes/llama3-8b.json; goal: decode batch
+#      1 streams >= 70% of the copy bandwidth); and PyTorch/transformers on
+#      the same GPU, bf16, both shapes (scripts/gpu/torch_bench.py).
 # Nothing is skippable (KVMESH_REQUIRE_CUDA=1, KVMESH_REQUIRE_NVRTC=1, and
 # KVMESH_REQUIRE_MODEL=1 when the model was carried). Exit status: 0 only
 # if every step passed.
@@ -100,11 +104,18 @@ PY
   [ -n "$model" ] && step "4 generate smollm2 exact" same_text smollm2 "$model" --exact
   step "5 mesh" mesh_check
   if [ -n "$model" ]; then
-    step "6 bench cuda" timeout 150 "$bin/kvmesh" bench-engine --model "$model" --device cuda --prompt-tokens 512 --batch 1,16,64 --decode-tokens 32
-    step "6 bench cpu" timeout 150 "$bin/kvmesh" bench-engine --model "$model" --device cpu --prompt-tokens 512 --batch 1,16,64 --decode-tokens 8 --repeats 1
+    step "6 bench smollm2 cuda" timeout 90 "$bin/kvmesh" bench-engine --model "$model" --device cuda --prompt-tokens 512 --batch 1,16,64 --decode-tokens 32
+    step "6 bench smollm2 cpu" timeout 90 "$bin/kvmesh" bench-engine --model "$model" --device cpu --prompt-tokens 512 --batch 1,16,64 --decode-tokens 8 --repeats 1
   fi
+  step "6 torch smollm2 shape bf16" timeout 90 python3 scripts/gpu/torch_bench.py --config scripts/gpu/shapes/smollm2-135m.json
+  shape="$out/llama3-8b"
+  mkdir -p "$shape"
+  cp scripts/gpu/shapes/llama3-8b.json "$shape/config.json"
+  cp "$tiny"/tokenizer.json "$tiny"/tokenizer_config.json "$tiny"/special_tokens_map.json "$shape/"
+  step "6 bench llama3-8b shape cuda bf16" timeout 240 "$bin/kvmesh" bench-engine --model "$shape" --random-weights 1 --device cuda --device-weights bf16 --kv-cache-dtype f16 --prompt-tokens 512 --batch 1,16,64 --decode-tokens 32 --repeats 2
+  step "6 torch llama3-8b shape bf16" timeout 150 python3 scripts/gpu/torch_bench.py --config scripts/gpu/shapes/llama3-8b.json --repeats 2
   echo "== status $status"
 } > "$log" 2>&1
 echo "== summary (full log: $log)"
-grep -E '^NVIDIA|^name|rel err|bit-exact|checked/unchecked|worst|forged table|adopted|cuda: |cpu: |cpu:  |mesh cuda|^kvmesh bench|^prefill|^decode|^device |streams|^test .*FAIL|panicked| rc=|^== status' "$log" | tail -100
+grep -E '^NVIDIA|^name|rel err|bit-exact|checked/unchecked|worst|forged table|adopted|cuda: |cpu: |cpu:  |mesh cuda|^kvmesh bench|^transformers|^prefill|^decode|^device |streams|^test .*FAIL|panicked| rc=|^== status' "$log" | tail -120
 [ "$status" = 0 ]
