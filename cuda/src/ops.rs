@@ -524,7 +524,7 @@ impl StepTables {
 }
 
 /// `out[rows, n] = x[rows, k] * w[n, k]^T` (row-major), f32 in and out:
-/// cuBLAS SGEMM (the exact mode).
+/// cuBLAS in full f32 (`CUBLAS_COMPUTE_32F`, no TF32): the exact mode.
 pub fn gemm_f32(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
@@ -534,52 +534,13 @@ pub fn gemm_f32(
     n: usize,
     out: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    use cudarc::cublas::sys;
-    const OP: &str = "gemm_f32";
-    need(OP, "x", x, rows * k)?;
-    need(OP, "w", w, n * k)?;
-    need(OP, "out", out, rows * n)?;
-    if rows * n == 0 {
-        return Ok(());
-    }
-    let blas = gpu.blas()?;
-    let (m, nn, kk) = (i32_of(OP, n)?, i32_of(OP, rows)?, i32_of(OP, k)?);
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let stream = gpu.stream();
-    let (wp, _g1) = w.device_ptr(stream);
-    let (xp, _g2) = x.device_ptr(stream);
-    let (op, _g3) = out.device_ptr_mut(stream);
-    // SAFETY: column-major view of the row-major product (see `gemm_half`);
-    // every buffer is at least the size the dimensions read or write.
-    let st = unsafe {
-        sys::cublasSgemm_v2(
-            *blas.handle(),
-            sys::cublasOperation_t::CUBLAS_OP_T,
-            sys::cublasOperation_t::CUBLAS_OP_N,
-            m,
-            nn,
-            kk,
-            &alpha,
-            wp as *const f32,
-            kk,
-            xp as *const f32,
-            kk,
-            &beta,
-            op as *mut f32,
-            m,
-        )
-    };
-    blas_ok("cublasSgemm", st)
+    use cudarc::cublas::sys::cudaDataType::CUDA_R_32F;
+    gemm_ex(gpu, "gemm_f32", x, w, CUDA_R_32F, (rows, k, n), out)
 }
 
 /// `out[rows, n] = x[rows, k] * w[n, k]^T` with `w` and `x_half` in f16 or
 /// bf16 (`x` converted by [`f32_to_half`] first) and f32 out, accumulated
 /// in f32 (cuBLAS GemmEx, `CUBLAS_COMPUTE_32F`).
-///
-/// cuBLAS is column-major: the row-major `out` is the column-major
-/// `n x rows` matrix `W * X^T`, where the row-major `[n, k]` weights read
-/// column-major are `W^T` (so `transa = T`, `lda = k`) and the row-major
-/// `[rows, k]` activations are `X^T` as they lie (`transb = N`, `ldb = k`).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_half(
     gpu: &Gpu,
@@ -591,27 +552,46 @@ pub fn gemm_half(
     n: usize,
     out: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    use cudarc::cublas::sys;
-    const OP: &str = "gemm_half";
-    need(OP, "x", x_half, rows * k)?;
-    need(OP, "w", w, n * k)?;
-    need(OP, "out", out, rows * n)?;
+    use cudarc::cublas::sys::cudaDataType;
     let ty = match dtype {
-        WeightDtype::F16 => sys::cudaDataType::CUDA_R_16F,
-        WeightDtype::Bf16 => sys::cudaDataType::CUDA_R_16BF,
-        WeightDtype::F32 => return Err(bad(OP, "f32 weights go through gemm_f32".into())),
+        WeightDtype::F16 => cudaDataType::CUDA_R_16F,
+        WeightDtype::Bf16 => cudaDataType::CUDA_R_16BF,
+        WeightDtype::F32 => return Err(bad("gemm_half", "f32 weights go through gemm_f32".into())),
     };
+    gemm_ex(gpu, "gemm_half", x_half, w, ty, (rows, k, n), out)
+}
+
+/// The one cuBLAS call: `x` and `w` of type `ty`, f32 out, f32 compute.
+///
+/// cuBLAS is column-major: the row-major `out` is the column-major
+/// `n x rows` matrix `W * X^T`, where the row-major `[n, k]` weights read
+/// column-major are `W^T` (so `transa = T`, `lda = k`) and the row-major
+/// `[rows, k]` activations are `X^T` as they lie (`transb = N`, `ldb = k`).
+fn gemm_ex<T>(
+    gpu: &Gpu,
+    op: &'static str,
+    x: &CudaSlice<T>,
+    w: &CudaSlice<T>,
+    ty: cudarc::cublas::sys::cudaDataType,
+    (rows, k, n): (usize, usize, usize),
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    use cudarc::cublas::sys;
+    need(op, "x", x, rows * k)?;
+    need(op, "w", w, n * k)?;
+    need(op, "out", out, rows * n)?;
     if rows * n == 0 {
         return Ok(());
     }
     let blas = gpu.blas()?;
-    let (m, nn, kk) = (i32_of(OP, n)?, i32_of(OP, rows)?, i32_of(OP, k)?);
+    let (m, nn, kk) = (i32_of(op, n)?, i32_of(op, rows)?, i32_of(op, k)?);
     let (alpha, beta) = (1.0f32, 0.0f32);
     let stream = gpu.stream();
     let (wp, _g1) = w.device_ptr(stream);
-    let (xp, _g2) = x_half.device_ptr(stream);
-    let (op, _g3) = out.device_ptr_mut(stream);
-    // SAFETY: as in gemm_f32.
+    let (xp, _g2) = x.device_ptr(stream);
+    let (outp, _g3) = out.device_ptr_mut(stream);
+    // SAFETY: every buffer is at least the size the dimensions read or
+    // write (checked above); the scalars are f32 as the compute type says.
     let st = unsafe {
         sys::cublasGemmEx(
             *blas.handle(),
@@ -628,14 +608,14 @@ pub fn gemm_half(
             ty,
             kk,
             (&beta as *const f32).cast(),
-            op as *mut std::ffi::c_void,
+            outp as *mut std::ffi::c_void,
             sys::cudaDataType::CUDA_R_32F,
             m,
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     };
-    blas_ok("cublasGemmEx", st)
+    blas_ok(op, st)
 }
 
 fn i32_of(op: &'static str, n: usize) -> Result<i32> {

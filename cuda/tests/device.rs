@@ -177,6 +177,10 @@ fn elementwise_kernels_match_the_cpu() {
     close("gather_rows", &gpu.download(&out).expect("dl"), &want, 0.0);
 }
 
+/// f32 to a half type's bits, and back.
+type Narrow = fn(f32) -> u16;
+type Widen = fn(u16) -> f32;
+
 #[test]
 #[ignore = "needs a CUDA device: scripts/gpu/run.sh runs it"]
 fn embedding_and_conversions_match_the_host_conversions() {
@@ -210,42 +214,30 @@ fn embedding_and_conversions_match_the_host_conversions() {
         &rows_of(&|k| table[k]),
         0.0,
     );
-    let t16: Vec<u16> = table.iter().map(|v| f16::from_f32(*v).to_bits()).collect();
-    ops::embedding(
-        &gpu,
-        &gpu.upload(&t16).expect("t"),
-        WeightDtype::F16,
-        &dids,
-        ids.len(),
-        vocab,
-        hidden,
-        &mut out,
-    )
-    .expect("emb");
-    close(
-        "embedding f16",
-        &gpu.download(&out).expect("dl"),
-        &rows_of(&|k| f16::from_bits(t16[k]).to_f32()),
-        0.0,
-    );
-    let tb: Vec<u16> = table.iter().map(|v| bf16::from_f32(*v).to_bits()).collect();
-    ops::embedding(
-        &gpu,
-        &gpu.upload(&tb).expect("t"),
-        WeightDtype::Bf16,
-        &dids,
-        ids.len(),
-        vocab,
-        hidden,
-        &mut out,
-    )
-    .expect("emb");
-    close(
-        "embedding bf16",
-        &gpu.download(&out).expect("dl"),
-        &rows_of(&|k| bf16::from_bits(tb[k]).to_f32()),
-        0.0,
-    );
+    let halves: [(WeightDtype, Narrow, Widen); 2] = [
+        (
+            WeightDtype::F16,
+            |v| f16::from_f32(v).to_bits(),
+            |b| f16::from_bits(b).to_f32(),
+        ),
+        (
+            WeightDtype::Bf16,
+            |v| bf16::from_f32(v).to_bits(),
+            |b| bf16::from_bits(b).to_f32(),
+        ),
+    ];
+    for (dtype, narrow, widen) in halves {
+        let bits: Vec<u16> = table.iter().map(|v| narrow(*v)).collect();
+        let dt = gpu.upload(&bits).expect("t");
+        ops::embedding(&gpu, &dt, dtype, &dids, ids.len(), vocab, hidden, &mut out).expect("emb");
+        let want = rows_of(&|k| widen(bits[k]));
+        close(
+            &format!("embedding {}", dtype.name()),
+            &gpu.download(&out).expect("dl"),
+            &want,
+            0.0,
+        );
+    }
 
     // f32 -> f16 / bf16, round to nearest even, as the `half` crate.
     let x: Vec<f32> = random(&mut rng, 4096)

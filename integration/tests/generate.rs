@@ -5,6 +5,21 @@ use kvmesh_model::default_model;
 use kvmesh_model::engine::{Engine, EngineConfig, Prompt};
 use kvmesh_model::sampling::SamplingParams;
 
+/// The reference engine's greedy text for `prompt` on the tiny model (CPU).
+fn cpu_greedy_text(prompt: &str, max_tokens: usize) -> String {
+    let engine =
+        Engine::load(&tiny_model_dir(), &EngineConfig::default()).expect("load tiny model");
+    engine
+        .generate(
+            &Prompt::Text(prompt.into()),
+            max_tokens,
+            SamplingParams::greedy(),
+            |_| {},
+        )
+        .expect("generate")
+        .text
+}
+
 #[test]
 fn generate_prints_exactly_the_engine_text_on_stdout() {
     let dir = tiny_model_dir();
@@ -26,19 +41,11 @@ fn generate_prints_exactly_the_engine_text_on_stdout() {
     let (stdout, stderr) = texts(&out);
     assert!(out.status.success(), "kvmesh failed: {stderr}");
 
-    let engine = Engine::load(&dir, &EngineConfig::default()).expect("load tiny model");
-    let want = engine
-        .generate(
-            &Prompt::Text(prompt.into()),
-            12,
-            SamplingParams::greedy(),
-            |_| {},
-        )
-        .expect("generate");
-    assert!(!want.text.is_empty(), "the tiny model generated no text");
+    let want = cpu_greedy_text(prompt, 12);
+    assert!(!want.is_empty(), "the tiny model generated no text");
     assert_eq!(
         stdout,
-        format!("{}\n", want.text),
+        format!("{want}\n"),
         "stdout must hold the generated text and nothing else"
     );
 }
@@ -265,15 +272,7 @@ fn generate_on_cuda_prints_the_cpu_engines_greedy_text() {
         out.status.success(),
         "kvmesh --device cuda failed: {stderr}"
     );
-    let engine = Engine::load(&dir, &EngineConfig::default()).expect("load tiny model");
-    let want = engine
-        .generate(
-            &Prompt::Text(prompt.into()),
-            24,
-            SamplingParams::greedy(),
-            |_| {},
-        )
-        .expect("generate");
-    println!("cuda: {stdout:?}\ncpu:  {:?}", want.text);
-    assert_eq!(stdout, format!("{}\n", want.text));
+    let want = cpu_greedy_text(prompt, 24);
+    println!("cuda: {stdout:?}\ncpu:  {want:?}");
+    assert_eq!(stdout, format!("{want}\n"));
 }

@@ -17,23 +17,7 @@ use kvmesh_model::engine::{Engine, EngineConfig, Sequence};
 use kvmesh_model::sampling::argmax;
 use kvmesh_model::ModelError;
 
-const PROMPTS: [&str; 3] = [
-    "The quick brown fox jumps over the lazy dog again and again",
-    "Numbers 1 2 3 and letters a b c",
-    "A third prompt that shares the batch",
-];
-
-fn engine(device: DeviceSpec) -> Engine {
-    Engine::load(
-        &common::tiny_model_dir(),
-        &EngineConfig {
-            kv_pool_tokens: Some(1024),
-            device,
-            ..EngineConfig::default()
-        },
-    )
-    .expect("load tiny model")
-}
+use common::{tiny_engine as engine, GUARD_PROMPTS as PROMPTS};
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -171,9 +155,7 @@ fn an_adopted_prompt_reaches_the_device() {
     assert!(d <= 1e-3, "logits differ by {d}");
 }
 
-/// A decode batch with sequence 0's table forged by `forge`: only sequence
-/// 0 fails, with the violation `expect` accepts, counted once; the others
-/// give the clean run's logits.
+/// [`common::forged_run`] on CUDA device 0.
 fn forged_run(
     forge: impl Fn(&[Sequence]) -> Vec<PageRef>,
     expect: impl Fn(&GuardViolation) -> bool,
@@ -181,60 +163,7 @@ fn forged_run(
     let Some(device) = common::cuda_or_skip() else {
         return;
     };
-    let engine = engine(device);
-    let start = |engine: &Engine| -> (Vec<Sequence>, Vec<u32>) {
-        let mut seqs = Vec::new();
-        let mut next = Vec::new();
-        for p in PROMPTS {
-            let ids = engine.tokenizer().encode(p).expect("encode");
-            assert!(ids.len() > 16, "prompt {p:?} must span two pages");
-            let mut s = engine.admit(ids, 40).expect("admit");
-            next.push(argmax(&engine.prefill(&mut s).expect("prefill")));
-            seqs.push(s);
-        }
-        (seqs, next)
-    };
-    let step = |engine: &Engine, seqs: &mut [Sequence], next: &[u32]| {
-        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
-        engine.decode_step(&mut refs, next).expect("batch runs")
-    };
-    let clean: Vec<Vec<f32>> = {
-        let (mut seqs, next) = start(&engine);
-        step(&engine, &mut seqs, &next)
-            .into_iter()
-            .map(|r| r.expect("clean"))
-            .collect()
-    };
-    let (mut seqs, next) = start(&engine);
-    let forged = forge(&seqs);
-    seqs[0].kv_mut().forge_table(forged);
-    let before = engine.pool().guard_violations();
-    let results = step(&engine, &mut seqs, &next);
-    assert_eq!(
-        engine.pool().guard_violations(),
-        before + 1,
-        "exactly one violation is counted"
-    );
-    match &results[0] {
-        Err(ModelError::Guard(v)) => {
-            println!("forged table on cuda:0: {v}");
-            assert!(expect(v), "unexpected violation {v:?}");
-        }
-        other => panic!("the forged sequence must fail with a guard violation, got {other:?}"),
-    }
-    for i in 1..PROMPTS.len() {
-        let d = max_diff(results[i].as_ref().expect("the others run"), &clean[i]);
-        assert!(
-            d <= 1e-5,
-            "sequence {i} changed by {d} next to a forged one"
-        );
-    }
-    drop(seqs);
-    assert_eq!(
-        engine.pool().free_pages(),
-        engine.pool().capacity_pages(),
-        "pages leaked"
-    );
+    common::forged_run(device, forge, expect);
 }
 
 #[test]

@@ -50,3 +50,100 @@ pub fn cuda_or_skip() -> Option<kvmesh_cuda::DeviceSpec> {
         Err(e) => panic!("opening cuda:0: {e}"),
     }
 }
+
+/// The prompts of the forged-table batches (each spans two pages).
+pub const GUARD_PROMPTS: [&str; 3] = [
+    "The quick brown fox jumps over the lazy dog again and again",
+    "Numbers 1 2 3 and letters a b c",
+    "A third prompt that shares the batch",
+];
+
+/// The tiny model with a 1024-token pool on `device`.
+pub fn tiny_engine(device: kvmesh_cuda::DeviceSpec) -> kvmesh_model::engine::Engine {
+    kvmesh_model::engine::Engine::load(
+        &tiny_model_dir(),
+        &kvmesh_model::engine::EngineConfig {
+            kv_pool_tokens: Some(1024),
+            device,
+            ..kvmesh_model::engine::EngineConfig::default()
+        },
+    )
+    .expect("load tiny model")
+}
+
+/// A decode batch of [`GUARD_PROMPTS`] on `device` with sequence 0's table
+/// forged by `forge`: only sequence 0 fails, with the violation `expect`
+/// accepts, exactly one violation is counted, the other sequences' logits
+/// equal a clean run's, and no page leaks.
+pub fn forged_run(
+    device: kvmesh_cuda::DeviceSpec,
+    forge: impl Fn(&[kvmesh_model::engine::Sequence]) -> Vec<kvmesh_kernels::PageRef>,
+    expect: impl Fn(&kvmesh_kernels::GuardViolation) -> bool,
+) {
+    use kvmesh_model::engine::{Engine, Sequence};
+    use kvmesh_model::sampling::argmax;
+    use kvmesh_model::ModelError;
+    let engine = tiny_engine(device);
+    let start = |engine: &Engine| -> (Vec<Sequence>, Vec<u32>) {
+        let mut seqs = Vec::new();
+        let mut next = Vec::new();
+        for p in GUARD_PROMPTS {
+            let ids = engine.tokenizer().encode(p).expect("encode");
+            assert!(ids.len() > 16, "prompt {p:?} must span two pages");
+            let mut s = engine.admit(ids, 40).expect("admit");
+            next.push(argmax(&engine.prefill(&mut s).expect("prefill")));
+            seqs.push(s);
+        }
+        (seqs, next)
+    };
+    let step = |engine: &Engine, seqs: &mut [Sequence], next: &[u32]| {
+        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+        engine.decode_step(&mut refs, next).expect("batch runs")
+    };
+    let clean: Vec<Vec<f32>> = {
+        let (mut seqs, next) = start(&engine);
+        step(&engine, &mut seqs, &next)
+            .into_iter()
+            .map(|r| r.expect("clean step"))
+            .collect()
+    };
+    assert_eq!(engine.pool().free_pages(), engine.pool().capacity_pages());
+
+    let (mut seqs, next) = start(&engine);
+    let forged = forge(&seqs);
+    seqs[0].kv_mut().forge_table(forged);
+    let before = engine.pool().guard_violations();
+    let results = step(&engine, &mut seqs, &next);
+    assert_eq!(
+        engine.pool().guard_violations(),
+        before + 1,
+        "exactly one violation is counted"
+    );
+    match &results[0] {
+        Err(ModelError::Guard(v)) => {
+            println!("forged table on {device}: {v}");
+            assert!(expect(v), "unexpected violation {v:?}");
+        }
+        other => panic!("the forged sequence must fail with a guard violation, got {other:?}"),
+    }
+    for i in 1..GUARD_PROMPTS.len() {
+        let got = results[i]
+            .as_ref()
+            .expect("the other sequences are unaffected");
+        let diff = got
+            .iter()
+            .zip(&clean[i])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            diff <= 1e-5,
+            "sequence {i} changed by {diff} next to a forged one"
+        );
+    }
+    drop(seqs);
+    assert_eq!(
+        engine.pool().free_pages(),
+        engine.pool().capacity_pages(),
+        "pages leaked"
+    );
+}
