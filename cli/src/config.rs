@@ -12,6 +12,8 @@
 //! device: cpu                  # or cuda, cuda:N: where prefill and decode nodes
 //!                              #   compute (a node may set its own; --device
 //!                              #   overrides both)
+//! device_weights: f32          # on a CUDA device: f32, f16 or bf16 dense weights
+//!                              #   (a node may set its own; refused on the CPU)
 //! page_size: 16
 //! transport: tcp               # or shm (prefill and decode on one host), or ucx
 //!                              # (one-sided UCX puts; RDMA where the fabric has it)
@@ -67,6 +69,7 @@
 //!     kv_pool_tokens: 4096
 //!     # cpu_kernels: avx2        # this node's, over the mesh's
 //!     # device: cuda:1           # this node's, over the mesh's
+//!     # device_weights: bf16     # this node's, over the mesh's
 //! ```
 //!
 //! With `discovery: etcd`, each prefill and decode node registers its
@@ -85,6 +88,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use kvmesh_cuda::ops::WeightDtype;
 use kvmesh_cuda::DeviceSpec;
 use kvmesh_discovery::EtcdConfig;
 use kvmesh_kernels::cpu::CpuKernels;
@@ -123,6 +127,10 @@ pub struct MeshConfig {
     /// (a node's own `device` over this; `--device` over both).
     #[serde(default = "default_device")]
     pub device: String,
+    /// On a CUDA device, the type dense weights are held in: `f32`, `f16`
+    /// or `bf16` (a node's own over this).
+    #[serde(default = "default_device_weights")]
+    pub device_weights: String,
     /// Token slots per page.
     #[serde(default = "default_page_size")]
     pub page_size: usize,
@@ -369,6 +377,8 @@ pub struct NodeSection {
     pub cpu_kernels: Option<String>,
     /// Its device, over the mesh's `device`.
     pub device: Option<String>,
+    /// Its device weight type, over the mesh's `device_weights`.
+    pub device_weights: Option<String>,
 }
 
 impl NodeSection {
@@ -416,6 +426,9 @@ fn default_cpu_kernels() -> String {
 }
 fn default_device() -> String {
     "cpu".into()
+}
+fn default_device_weights() -> String {
+    "f32".into()
 }
 fn default_kv_cache_dtype() -> String {
     "auto".into()
@@ -647,6 +660,14 @@ impl MeshConfig {
         if let Err(e) = self.device.parse::<DeviceSpec>() {
             bail!(refuse(file, "device", &self.device, &e.to_string()));
         }
+        if let Err(e) = self.device_weights.parse::<WeightDtype>() {
+            bail!(refuse(
+                file,
+                "device_weights",
+                &self.device_weights,
+                &e.to_string()
+            ));
+        }
         if self.page_size == 0 {
             bail!(refuse(file, "page_size", "0", "must be at least 1"));
         }
@@ -749,6 +770,11 @@ impl MeshConfig {
                 if let Some(d) = &n.device {
                     if let Err(e) = d.parse::<DeviceSpec>() {
                         bail!(refuse(file, &f("device"), d, &e.to_string()));
+                    }
+                }
+                if let Some(w) = &n.device_weights {
+                    if let Err(e) = w.parse::<WeightDtype>() {
+                        bail!(refuse(file, &f("device_weights"), w, &e.to_string()));
                     }
                 }
                 if let Some(l) = &n.listen {
@@ -882,6 +908,17 @@ impl MeshConfig {
         own.unwrap_or(&self.device)
             .parse()
             .map_err(|e: kvmesh_cuda::device::ParseDeviceError| anyhow::anyhow!(e))
+    }
+
+    /// The device weight type of the node named `name` (its own
+    /// `device_weights`, else the mesh's). Checked by validation.
+    pub fn device_weights_for(&self, role: &str, name: Option<&str>) -> Result<WeightDtype> {
+        let own = name
+            .and_then(|n| self.node(role, n).ok())
+            .and_then(|n| n.device_weights.as_deref());
+        own.unwrap_or(&self.device_weights)
+            .parse()
+            .map_err(|e: kvmesh_cuda::ops::ParseWeightDtypeError| anyhow::anyhow!(e))
     }
 
     /// A decode node's KV endpoint as grants and prefill name it (UCX's

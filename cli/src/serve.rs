@@ -468,6 +468,16 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
         (_, Some(d)) => d,
         (_, None) => cfg.device_for(role_name, name.as_deref())?,
     };
+    let device_weights = match role {
+        RoleKind::Router => kvmesh_cuda::ops::WeightDtype::F32,
+        _ => cfg.device_weights_for(role_name, name.as_deref())?,
+    };
+    if !device.is_cuda() && device_weights != kvmesh_cuda::ops::WeightDtype::F32 {
+        anyhow::bail!(
+            "{}: device_weights {device_weights} applies to a CUDA device only; this node runs on {device}",
+            a.config.display()
+        );
+    }
     let auth = cfg.mesh_auth()?;
     let tls = cfg.tls_for(name.as_deref().unwrap_or("router"))?;
     let etcd = cfg.etcd()?;
@@ -481,10 +491,15 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
             Some(e) => e.describe(),
         };
         println!(
-            "config ok: {}: {role_name}{}; {members}, transport {}; CPU kernels {cpu_kernels}; device {device}; {}; {}; {}; {}",
+            "config ok: {}: {role_name}{}; {members}, transport {}; CPU kernels {cpu_kernels}; device {device}{}; {}; {}; {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
             cfg.transport,
+            if device.is_cuda() {
+                format!(" (weights {device_weights})")
+            } else {
+                String::new()
+            },
             cfg.describe_pools(),
             auth.describe(),
             tls.as_ref().map_or_else(
@@ -564,7 +579,7 @@ fn engine_config(
         scrub: cfg.scrub,
         poison: cfg.poison,
         device,
-        device_weights: kvmesh_cuda::ops::WeightDtype::F32,
+        device_weights: cfg.device_weights_for(role, Some(name))?,
     })
 }
 

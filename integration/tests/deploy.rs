@@ -374,6 +374,34 @@ fn bad_mesh_files_are_refused_with_field_value_and_reason() {
         ),
         "{stdout}"
     );
+    // Device settings: the node's over the mesh's, weights shown for a CUDA
+    // node, and a weight type for a CPU node refused, not ignored.
+    let f = dir.path().join("device.yaml");
+    std::fs::write(&f, format!("{good}device: cuda:1\ndevice_weights: bf16\n")).expect("write");
+    let out = run_kvmesh(
+        &["decode", "--config", &f.to_string_lossy(), "--check-config"],
+        &[],
+    );
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("device cuda:1 (weights bf16)"), "{stdout}");
+    let f = dir.path().join("cpu-weights.yaml");
+    std::fs::write(&f, format!("{good}device_weights: f16\n")).expect("write");
+    let out = run_kvmesh(
+        &[
+            "prefill",
+            "--config",
+            &f.to_string_lossy(),
+            "--check-config",
+        ],
+        &[],
+    );
+    let (_, stderr) = texts(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("device_weights f16 applies to a CUDA device only; this node runs on cpu"),
+        "{stderr}"
+    );
     // A node name the file does not have.
     let f = dir.path().join("good.yaml");
     std::fs::write(&f, good).expect("write");

@@ -256,3 +256,31 @@ fn device_defaults_to_cpu_and_a_node_may_set_its_own() {
         refused(&bad_node)
     );
 }
+
+#[test]
+fn device_weights_default_to_f32_and_a_node_may_set_its_own() {
+    use kvmesh_cuda::ops::WeightDtype;
+    let cfg = parse(&format!("{BASE}{NODES}")).expect("valid");
+    assert_eq!(
+        cfg.device_weights_for("decode", Some("d")).expect("valid"),
+        WeightDtype::F32
+    );
+    let cfg = parse(&format!(
+        "{BASE}device: cuda\ndevice_weights: bf16\nprefill: [{{name: p, grpc: \"127.0.0.1:3\", device_weights: f16}}]\n\
+         decode: [{{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}}]\n"
+    ))
+    .expect("valid");
+    assert_eq!(
+        cfg.device_weights_for("prefill", Some("p")).expect("valid"),
+        WeightDtype::F16
+    );
+    assert_eq!(
+        cfg.device_weights_for("decode", Some("d")).expect("valid"),
+        WeightDtype::Bf16
+    );
+    let msg = refused(&format!("{BASE}{NODES}device_weights: fp8\n"));
+    assert!(
+        msg.contains("device_weights = \"fp8\"") && msg.contains("expected f32, f16 or bf16"),
+        "{msg}"
+    );
+}
