@@ -887,38 +887,45 @@ impl MeshConfig {
         })
     }
 
+    /// A node setting: the node named `name`'s own value (`own`), else the
+    /// mesh's (`mesh`), parsed. The router (`name` None) takes the mesh's.
+    fn node_setting<T>(
+        &self,
+        role: &str,
+        name: Option<&str>,
+        own: impl Fn(&NodeSection) -> Option<&str>,
+        mesh: &str,
+    ) -> Result<T>
+    where
+        T: std::str::FromStr,
+        T::Err: std::error::Error + Send + Sync + 'static,
+    {
+        let node = name.and_then(|n| self.node(role, n).ok());
+        Ok(node.and_then(own).unwrap_or(mesh).parse::<T>()?)
+    }
+
     /// The CPU kernel path the node named `name` asks for (its own
     /// `cpu_kernels`, else the mesh's; the router: the mesh's). Checked by
     /// validation.
     pub fn cpu_kernels_for(&self, role: &str, name: Option<&str>) -> Result<CpuKernels> {
-        let own = name
-            .and_then(|n| self.node(role, n).ok())
-            .and_then(|n| n.cpu_kernels.as_deref());
-        own.unwrap_or(&self.cpu_kernels)
-            .parse()
-            .map_err(|e: kvmesh_kernels::cpu::CpuKernelsError| anyhow::anyhow!(e))
+        self.node_setting(role, name, |n| n.cpu_kernels.as_deref(), &self.cpu_kernels)
     }
 
     /// The device the node named `name` computes on (its own `device`,
     /// else the mesh's). Checked by validation.
     pub fn device_for(&self, role: &str, name: Option<&str>) -> Result<DeviceSpec> {
-        let own = name
-            .and_then(|n| self.node(role, n).ok())
-            .and_then(|n| n.device.as_deref());
-        own.unwrap_or(&self.device)
-            .parse()
-            .map_err(|e: kvmesh_cuda::device::ParseDeviceError| anyhow::anyhow!(e))
+        self.node_setting(role, name, |n| n.device.as_deref(), &self.device)
     }
 
     /// The device weight type of the node named `name` (its own
     /// `device_weights`, else the mesh's). Checked by validation.
     pub fn device_weights_for(&self, role: &str, name: Option<&str>) -> Result<WeightDtype> {
-        let own = name
-            .and_then(|n| self.node(role, n).ok())
-            .and_then(|n| n.device_weights.as_deref());
-        own.unwrap_or(&self.device_weights)
-            .parse()
-            .map_err(|e: kvmesh_cuda::ops::ParseWeightDtypeError| anyhow::anyhow!(e))
+        self.node_setting(
+            role,
+            name,
+            |n| n.device_weights.as_deref(),
+            &self.device_weights,
+        )
     }
 
     /// A decode node's KV endpoint as grants and prefill name it (UCX's

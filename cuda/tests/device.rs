@@ -610,25 +610,11 @@ fn paged_attention_and_kv_write_match_the_cpu_pool() {
                 .iter()
                 .map(|&n| host.reserve(n + 4).expect("reserve"))
                 .collect();
-            // Prefill: whole prompts.
-            let chunks: Vec<(usize, usize)> = lens.iter().map(|&n| (0, n)).collect();
-            let (got, want) = step_both(
-                &gpu,
-                &mut dev,
-                &mut rs.iter_mut().collect::<Vec<_>>(),
-                &chunks,
-                window,
-                &mut rng,
-            );
-            close(
-                &format!("attention prefill {} window {window:?}", dtype.name()),
-                &got,
-                &want,
-                bound,
-            );
-            // Decode: one token each, four steps.
-            for s in 0..4 {
-                let chunks: Vec<(usize, usize)> = lens.iter().map(|&n| (n + s, 1)).collect();
+            // Prefill (whole prompts), then four decode steps of a token
+            // each.
+            let steps = std::iter::once(lens.map(|n| (0, n)))
+                .chain((0..4).map(|s| lens.map(|n| (n + s, 1))));
+            for (i, chunks) in steps.enumerate() {
                 let (got, want) = step_both(
                     &gpu,
                     &mut dev,
@@ -637,8 +623,13 @@ fn paged_attention_and_kv_write_match_the_cpu_pool() {
                     window,
                     &mut rng,
                 );
+                let what = if i == 0 {
+                    "prefill".to_owned()
+                } else {
+                    format!("decode step {i}")
+                };
                 close(
-                    &format!("attention decode {} step {s}", dtype.name()),
+                    &format!("attention {what} {} window {window:?}", dtype.name()),
                     &got,
                     &want,
                     bound,
