@@ -517,6 +517,17 @@ impl DeviceKvPool {
         Ok((page as usize * n, n))
     }
 
+    /// What a chunk's violation record says, decoded against this pool;
+    /// a refused read or write is also counted in the host pool's guard
+    /// violations (the one alarm metric, whichever side caught it).
+    pub fn outcome(&self, record: &crate::table::Violation) -> crate::table::Decoded {
+        let d = record.decode(self.cfg.n_pages as u32);
+        if let crate::table::Decoded::Guard(g) = &d {
+            self.host.report_guard_violation(g);
+        }
+        d
+    }
+
     /// Every page's generation on the device (low 32 bits). Waits.
     pub fn generations(&self) -> Result<Vec<u32>> {
         self.gpu.download(&self.gens)

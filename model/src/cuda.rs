@@ -46,153 +46,10 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::llama::{ChunkOut, ChunkResult, LayerDone, LogitsWanted, SeqChunk, SCORE_ROWS};
 use crate::sampling::prompt_logprob;
-use crate::weights::{Matrix, Weights};
+use crate::weights::Weights;
 
-/// A weight matrix `[rows, cols]` on the device.
-enum DevMatrix {
-    F32 {
-        w: CudaSlice<f32>,
-        rows: usize,
-        cols: usize,
-    },
-    Half {
-        w: CudaSlice<u16>,
-        dtype: WeightDtype,
-        rows: usize,
-        cols: usize,
-    },
-}
-
-impl DevMatrix {
-    fn rows(&self) -> usize {
-        match self {
-            Self::F32 { rows, .. } | Self::Half { rows, .. } => *rows,
-        }
-    }
-
-    fn bytes(&self) -> usize {
-        match self {
-            Self::F32 { rows, cols, .. } => rows * cols * 4,
-            Self::Half { rows, cols, .. } => rows * cols * 2,
-        }
-    }
-
-    /// `out[rows, self.rows] = x[rows, cols] * self^T`; `half` is scratch
-    /// for the activations converted to the weights' half type.
-    fn apply(
-        &self,
-        gpu: &Gpu,
-        x: &CudaSlice<f32>,
-        rows: usize,
-        half: &mut CudaSlice<u16>,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        match self {
-            Self::F32 { w, rows: n, cols } => ops::gemm_f32(gpu, x, w, rows, *cols, *n, out)?,
-            Self::Half {
-                w,
-                dtype,
-                rows: n,
-                cols,
-            } => {
-                ops::f32_to_half(gpu, x, rows * cols, *dtype, half)?;
-                ops::gemm_half(gpu, half, w, *dtype, rows, *cols, *n, out)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Host f32 values of a dense matrix.
-fn dense_values(m: &Matrix) -> Result<Vec<f32>> {
-    match m {
-        Matrix::Dense(t) => t
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(|e| ModelError::Compute {
-                detail: e.to_string(),
-            }),
-        Matrix::Quant(_) => Err(ModelError::Compute {
-            detail: "dense_values of a quantized matrix".into(),
-        }),
-    }
-}
-
-/// `parts` stacked by rows on the device: f32 if every part is dense and
-/// `dense` is f32; else `dense` (f16 when that is f32), GGUF blocks
-/// dequantized on the device and dense parts converted there.
-fn upload_stacked(gpu: &Gpu, parts: &[&Matrix], dense: WeightDtype) -> Result<DevMatrix> {
-    let cols = parts.first().map_or(0, |m| m.shape().1);
-    let rows: usize = parts.iter().map(|m| m.shape().0).sum();
-    if parts.iter().any(|m| m.shape().1 != cols) {
-        return Err(ModelError::Compute {
-            detail: "stacked matrices of different widths".into(),
-        });
-    }
-    if dense == WeightDtype::F32 && parts.iter().all(|m| matches!(m, Matrix::Dense(_))) {
-        let mut all = Vec::with_capacity(rows * cols);
-        for m in parts {
-            all.extend(dense_values(m)?);
-        }
-        return Ok(DevMatrix::F32 {
-            w: gpu.upload(&all)?,
-            rows,
-            cols,
-        });
-    }
-    let half = match dense {
-        WeightDtype::F32 => WeightDtype::F16,
-        d => d,
-    };
-    let mut w = gpu.zeros::<u16>(rows * cols)?;
-    let mut at = 0;
-    for m in parts {
-        let n = m.shape().0 * cols;
-        let part = match m {
-            Matrix::Quant(q) => {
-                let blocks = gpu.upload(q.bytes())?;
-                let mut h = gpu.zeros::<u16>(n)?;
-                ops::dequantize(gpu, &blocks, q.format(), n / 32, half, &mut h)?;
-                h
-            }
-            Matrix::Dense(_) => {
-                let f = gpu.upload(&dense_values(m)?)?;
-                let mut h = gpu.zeros::<u16>(n)?;
-                ops::f32_to_half(gpu, &f, n, half, &mut h)?;
-                h
-            }
-        };
-        let mut dst = w.slice_mut(at..at + n);
-        gpu.stream()
-            .memcpy_dtod(&part, &mut dst)
-            .map_err(|e| CudaError::call("cuMemcpyDtoDAsync", e))?;
-        at += n;
-    }
-    Ok(DevMatrix::Half {
-        w,
-        dtype: half,
-        rows,
-        cols,
-    })
-}
-
-fn upload_vec(gpu: &Gpu, v: &[f32]) -> Result<CudaSlice<f32>> {
-    Ok(gpu.upload(v)?)
-}
-
-struct DevLayer {
-    attn_norm: CudaSlice<f32>,
-    wq: DevMatrix,
-    wk: DevMatrix,
-    wv: DevMatrix,
-    bq: Option<CudaSlice<f32>>,
-    bk: Option<CudaSlice<f32>>,
-    bv: Option<CudaSlice<f32>>,
-    wo: DevMatrix,
-    mlp_norm: CudaSlice<f32>,
-    gate_up: DevMatrix,
-    down: DevMatrix,
-}
+mod weights;
+use weights::{upload_stacked, upload_vec, DevLayer, DevMatrix};
 
 /// Activation buffers, grown to the largest pass so far.
 #[derive(Default)]
@@ -576,32 +433,10 @@ impl CudaLlama {
         // SAFETY: the copies into it are done (synchronized above).
         let mirror =
             unsafe { std::slice::from_raw_parts(base.cast_const(), n_layers * 2 * rows * kv_dim) };
-        let n_pages = st.pool.config().n_pages as u32;
         for (i, s) in slot.iter().enumerate() {
-            let Some(r) = s.and_then(|s| records.get(s)) else {
-                continue;
-            };
-            failed[i] = match r.decode(n_pages) {
-                Decoded::Clean => None,
-                Decoded::Guard(g) => {
-                    st.pool.host().report_guard_violation(&g);
-                    Some(ModelError::Guard(g))
-                }
-                Decoded::WriteGap {
-                    page,
-                    layer,
-                    slot,
-                    watermark,
-                } => Some(ModelError::Kv(PoolError::WriteGap {
-                    page,
-                    layer,
-                    slot,
-                    watermark,
-                })),
-                Decoded::Unknown { raw } => Some(ModelError::Compute {
-                    detail: format!("the device wrote an unknown violation record {raw:?}"),
-                }),
-            };
+            if let Some(r) = s.and_then(|s| records.get(s)) {
+                failed[i] = chunk_error(st.pool.outcome(r));
+            }
         }
         // The host mirror, layer by layer, then the observer.
         for layer in 0..n_layers {
@@ -691,27 +526,13 @@ impl CudaLlama {
         let mut tables = StepTables::new(gpu, &[spec])?;
         st.pool
             .write_kv(layer, &gpu.upload(k)?, &gpu.upload(v)?, &mut tables)?;
-        let n_pages = st.pool.config().n_pages as u32;
-        match tables.violations(gpu)?.first().map(|r| r.decode(n_pages)) {
-            None | Some(Decoded::Clean) => Ok(()),
-            Some(Decoded::Guard(g)) => {
-                st.pool.host().report_guard_violation(&g);
-                Err(ModelError::Guard(g))
-            }
-            Some(Decoded::WriteGap {
-                page,
-                layer,
-                slot,
-                watermark,
-            }) => Err(ModelError::Kv(PoolError::WriteGap {
-                page,
-                layer,
-                slot,
-                watermark,
-            })),
-            Some(Decoded::Unknown { raw }) => Err(ModelError::Compute {
-                detail: format!("the device wrote an unknown violation record {raw:?}"),
-            }),
+        match tables
+            .violations(gpu)?
+            .first()
+            .and_then(|r| chunk_error(st.pool.outcome(r)))
+        {
+            None => Ok(()),
+            Some(e) => Err(e),
         }
     }
 
@@ -785,6 +606,29 @@ impl CudaLlama {
         }
         debug_assert_eq!(self.lm_head.rows(), vocab);
         Ok(out)
+    }
+}
+
+/// A chunk's decoded violation record as the error that fails it (the
+/// errors the CPU pool gives for the same refusals), or `None` if clean.
+fn chunk_error(d: Decoded) -> Option<ModelError> {
+    match d {
+        Decoded::Clean => None,
+        Decoded::Guard(g) => Some(ModelError::Guard(g)),
+        Decoded::WriteGap {
+            page,
+            layer,
+            slot,
+            watermark,
+        } => Some(ModelError::Kv(PoolError::WriteGap {
+            page,
+            layer,
+            slot,
+            watermark,
+        })),
+        Decoded::Unknown { raw } => Some(ModelError::Compute {
+            detail: format!("the device wrote an unknown violation record {raw:?}"),
+        }),
     }
 }
 
