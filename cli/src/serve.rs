@@ -463,21 +463,13 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
         None => cfg.cpu_kernels_for(role_name, name.as_deref())?,
     };
     // The router runs no model: its device is the CPU's.
-    let device = match (role, crate::device_flag()) {
-        (RoleKind::Router, _) => kvmesh_cuda::DeviceSpec::Cpu,
-        (_, Some(d)) => d,
-        (_, None) => cfg.device_for(role_name, name.as_deref())?,
+    let (device, device_weights) = match role {
+        RoleKind::Router => (
+            kvmesh_cuda::DeviceSpec::Cpu,
+            kvmesh_cuda::ops::WeightDtype::F32,
+        ),
+        _ => node_device(&cfg, role_name, name.as_deref().unwrap_or_default())?,
     };
-    let device_weights = match role {
-        RoleKind::Router => kvmesh_cuda::ops::WeightDtype::F32,
-        _ => cfg.device_weights_for(role_name, name.as_deref())?,
-    };
-    if !device.is_cuda() && device_weights != kvmesh_cuda::ops::WeightDtype::F32 {
-        anyhow::bail!(
-            "{}: device_weights {device_weights} applies to a CUDA device only; this node runs on {device}",
-            a.config.display()
-        );
-    }
     let auth = cfg.mesh_auth()?;
     let tls = cfg.tls_for(name.as_deref().unwrap_or("router"))?;
     let etcd = cfg.etcd()?;
@@ -558,18 +550,38 @@ fn only(nodes: &[crate::config::NodeSection], role: &str, file: &Path) -> Result
     }
 }
 
+/// A prefill or decode node's device and device weight type: `--device`
+/// over the node's `device` over the mesh's; weights the node's over the
+/// mesh's, refused for a node on the CPU (as the engine would refuse them
+/// at load, but already at `--check-config`).
+fn node_device(
+    cfg: &MeshConfig,
+    role: &str,
+    name: &str,
+) -> Result<(kvmesh_cuda::DeviceSpec, kvmesh_cuda::ops::WeightDtype)> {
+    let device = match crate::device_flag() {
+        Some(d) => d,
+        None => cfg.device_for(role, Some(name))?,
+    };
+    let weights = cfg.device_weights_for(role, Some(name))?;
+    if !device.is_cuda() && weights != kvmesh_cuda::ops::WeightDtype::F32 {
+        anyhow::bail!(
+            "{}: device_weights {weights} applies to a CUDA device only; this node runs on {device}",
+            cfg.file.display()
+        );
+    }
+    Ok((device, weights))
+}
+
 /// A prefill or decode node's engine settings: the mesh's, its pool, and
-/// its device (`--device` over the node's `device` over the mesh's).
+/// its device ([`node_device`]).
 fn engine_config(
     cfg: &MeshConfig,
     role: &str,
     name: &str,
     kv_pool_tokens: Option<usize>,
 ) -> Result<EngineConfig> {
-    let device = match crate::device_flag() {
-        Some(d) => d,
-        None => cfg.device_for(role, Some(name))?,
-    };
+    let (device, device_weights) = node_device(cfg, role, name)?;
     Ok(EngineConfig {
         kv_pool_tokens,
         page_size: cfg.page_size,
@@ -579,7 +591,7 @@ fn engine_config(
         scrub: cfg.scrub,
         poison: cfg.poison,
         device,
-        device_weights: cfg.device_weights_for(role, Some(name))?,
+        device_weights,
     })
 }
 

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
 
 use crate::compile::{self, Target, Versions};
@@ -215,7 +215,10 @@ impl Gpu {
     }
 
     /// A copy of `d` on the host (waits for the stream).
-    pub fn download<T: DeviceRepr + Default + Clone>(&self, d: &CudaSlice<T>) -> Result<Vec<T>> {
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        d: &impl DevicePtr<T>,
+    ) -> Result<Vec<T>> {
         self.stream
             .clone_dtoh(d)
             .map_err(|e| CudaError::call("cuMemcpyDtoH", e))

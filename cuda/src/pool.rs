@@ -537,21 +537,6 @@ impl DeviceKvPool {
     pub fn watermarks(&self) -> Result<Vec<u32>> {
         self.gpu.download(&self.wm)
     }
-
-    /// Raise a watermark without writing (a simulated watermark bug, for
-    /// the device tests that show the kernels catch what the host would).
-    #[doc(hidden)]
-    pub fn forge_watermark(&mut self, page: u32, layer: usize, slots: u32) -> Result<()> {
-        let at = page as usize * self.cfg.n_layers + layer;
-        if at >= self.wm.len() {
-            return Err(bad("forge_watermark", format!("page {page} layer {layer}")));
-        }
-        let mut one = self.wm.slice_mut(at..at + 1);
-        self.gpu
-            .stream()
-            .memcpy_htod(&[slots], &mut one)
-            .map_err(|e| CudaError::call("cuMemcpyHtoDAsync", e))
-    }
 }
 
 #[cfg(test)]

@@ -65,6 +65,9 @@ struct Buffers {
     gate_up: Option<CudaSlice<f32>>,
     h: Option<CudaSlice<f32>>,
     half: Option<CudaSlice<u16>>,
+    /// [`SCORE_ROWS`] rows of hidden states, and their logits.
+    sel: Option<CudaSlice<f32>>,
+    logits: Option<CudaSlice<f32>>,
 }
 
 /// What one pass holds exclusively: the device pool and the buffers.
@@ -223,6 +226,10 @@ impl CudaLlama {
         buf.gate_up = Some(g.zeros(rows * 2 * cfg.intermediate_size)?);
         buf.h = Some(g.zeros(rows * cfg.intermediate_size)?);
         buf.half = Some(g.zeros(rows * widest_in)?);
+        if buf.logits.is_none() {
+            buf.sel = Some(g.zeros(SCORE_ROWS * cfg.hidden_size)?);
+            buf.logits = Some(g.zeros(SCORE_ROWS * cfg.vocab_size)?);
+        }
         buf.rows = rows;
         Ok(())
     }
@@ -322,6 +329,8 @@ impl CudaLlama {
             gate_up,
             h,
             half,
+            sel,
+            logits: logits_d,
             ..
         } = &mut st.buf;
         let (x, xn, q, k, v, attn, o, gate_up, h) = (
@@ -425,7 +434,7 @@ impl CudaLlama {
                 }
             }
         }
-        let logits = self.logits_of(x, &want, xn, half)?;
+        let logits = self.logits_of(x, &want, xn, half, take(sel)?, take(logits_d)?)?;
 
         // One wait for the pass: records, mirror, logits.
         gpu.sync()?;
@@ -577,6 +586,8 @@ impl CudaLlama {
         want: &[u32],
         xn: &mut CudaSlice<f32>,
         half: &mut CudaSlice<u16>,
+        sel: &mut CudaSlice<f32>,
+        logits: &mut CudaSlice<f32>,
     ) -> Result<Vec<f32>> {
         let cfg = &self.cfg;
         let gpu = &*self.gpu;
@@ -585,24 +596,20 @@ impl CudaLlama {
         if want.is_empty() {
             return Ok(out);
         }
-        let block = SCORE_ROWS.min(want.len());
-        let mut sel = gpu.zeros::<f32>(block * hidden)?;
-        let mut logits = gpu.zeros::<f32>(block * vocab)?;
-        for rows in want.chunks(block) {
+        for rows in want.chunks(SCORE_ROWS) {
             let idx = gpu.upload(rows)?;
-            ops::gather_rows(gpu, x, &idx, rows.len(), hidden, &mut sel)?;
+            ops::gather_rows(gpu, x, &idx, rows.len(), hidden, sel)?;
             ops::rms_norm(
                 gpu,
-                &sel,
+                sel,
                 &self.final_norm,
                 rows.len(),
                 hidden,
                 cfg.rms_norm_eps,
                 xn,
             )?;
-            self.lm_head.apply(gpu, xn, rows.len(), half, &mut logits)?;
-            let host = gpu.download(&logits)?;
-            out.extend_from_slice(&host[..rows.len() * vocab]);
+            self.lm_head.apply(gpu, xn, rows.len(), half, logits)?;
+            out.extend(gpu.download(&logits.slice(..rows.len() * vocab))?);
         }
         debug_assert_eq!(self.lm_head.rows(), vocab);
         Ok(out)

@@ -266,21 +266,9 @@ impl Engine {
         }
     }
 
-    /// The device the forward pass runs on.
-    pub fn device(&self) -> kvmesh_cuda::DeviceSpec {
-        self.cuda
-            .as_ref()
-            .map_or(kvmesh_cuda::DeviceSpec::Cpu, |c| c.gpu().info().spec)
-    }
-
     /// The model on the CUDA device, when the engine runs on one.
     pub fn cuda(&self) -> Option<&crate::cuda::CudaLlama> {
         self.cuda.as_ref()
-    }
-
-    /// The CUDA device's description, when the engine runs on one.
-    pub fn device_info(&self) -> Option<&kvmesh_cuda::gpu::DeviceInfo> {
-        self.cuda.as_ref().map(|c| c.gpu().info())
     }
 
     /// The model.
