@@ -52,6 +52,35 @@ pub fn exp(x: f32) -> f32 {
     y * e
 }
 
+/// `out[t][j] = gelu_tanh(gate_up[t][j]) * gate_up[t][width + j]` (GeGLU,
+/// Gemma's MLP), with PyTorch's tanh approximation
+/// `gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))` and
+/// `tanh(y) = 1 - 2 / (e^(2y) + 1)` through [`exp`]. One implementation on
+/// every path (so every path computes the same bits); about 1e-7 from
+/// PyTorch's `tanh` in absolute terms.
+///
+/// # Panics
+/// As [`swiglu`].
+pub fn geglu_tanh(gate_up: &[f32], width: usize, out: &mut [f32]) {
+    assert!(width > 0, "geglu width");
+    assert_eq!(out.len() % width, 0, "geglu output rows");
+    assert_eq!(gate_up.len(), 2 * out.len(), "geglu input rows");
+    // sqrt(2 / pi), as PyTorch's `M_SQRT2 * M_2_SQRTPI * 0.5`.
+    const BETA: f32 = 0.797_884_6;
+    const KAPPA: f32 = 0.044_715;
+    for (row, o) in gate_up
+        .chunks_exact(2 * width)
+        .zip(out.chunks_exact_mut(width))
+    {
+        let (gate, up) = row.split_at(width);
+        for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+            let inner = BETA * (g + KAPPA * g * g * g);
+            let tanh = 1.0 - 2.0 / (exp(2.0 * inner) + 1.0);
+            *o = 0.5 * g * (1.0 + tanh) * u;
+        }
+    }
+}
+
 /// `out[t][j] = silu(gate_up[t][j]) * gate_up[t][width + j]`: each row of
 /// `gate_up` is a row of gate values then a row of up values (`2 * width`),
 /// as a stacked gate/up projection writes them.

@@ -1,27 +1,40 @@
-//! [`ModelConfig`]: the shape and hyperparameters of a Llama-family model,
-//! from a Hugging Face `config.json` (submodule `hf`) or from
-//! GGUF metadata (submodule `gguf`).
+//! [`ModelConfig`]: the shape and hyperparameters of a decoder of one of the
+//! families in [`crate::arch`], from a Hugging Face `config.json` (submodule
+//! `hf`) or from GGUF metadata (submodule `gguf`); each family reads its own
+//! keys through its hooks.
 //!
 //! Both constructors end in one validation, so every `ModelConfig` in the
 //! program has nonzero sizes, a head count divisible by the KV head count and
 //! an even head size: the forward pass relies on these without re-checking.
 
 mod gguf;
-mod hf;
+pub(crate) mod hf;
 
 use std::path::Path;
 
 use kvmesh_kernels::rope::RopeScaling;
 use serde_json::Value;
 
+use crate::arch::{Block, LayerType};
 use crate::error::{ModelError, Result};
 
-/// Hyperparameters of a Llama-family decoder.
+/// Hyperparameters of a decoder.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
     /// `architectures[0]` of a `config.json` (e.g. `LlamaForCausalLM`), or
     /// `general.architecture` of a GGUF file (`llama`).
     pub architecture: String,
+    /// The family ([`crate::arch`]'s name for it: `llama`, `qwen3`,
+    /// `gemma3`, ...), whatever the source format.
+    pub family: &'static str,
+    /// The forward pass's switches for this family.
+    pub block: Block,
+    /// Each layer's attention: full, or the sliding window (one entry per
+    /// layer).
+    pub layer_types: Vec<LayerType>,
+    /// Rope base of the [`LayerType::Sliding`] layers where it differs from
+    /// [`Self::rope_theta`] (Gemma 3's local layers; no scaling).
+    pub local_rope_theta: Option<f32>,
     /// Rows of the embedding and of the LM head. At least the tokenizer's
     /// vocabulary (checked by the loader); may be larger (padding).
     pub vocab_size: usize,
@@ -51,7 +64,8 @@ pub struct ModelConfig {
     /// projection never has one here: configurations that ask for it are
     /// refused.
     pub attention_bias: bool,
-    /// Sliding-window attention span (Mistral), applied to every layer.
+    /// Sliding-window span of the [`LayerType::Sliding`] layers; `None`
+    /// when every layer is full.
     pub sliding_window: Option<usize>,
     /// Beginning-of-sequence token, if the model names one.
     pub bos_token_id: Option<u32>,
@@ -61,52 +75,93 @@ pub struct ModelConfig {
 
 /// The field names that validation errors cite, per source format.
 pub(crate) struct FieldNames {
-    vocab_size: &'static str,
-    hidden_size: &'static str,
-    intermediate_size: &'static str,
-    n_layers: &'static str,
-    n_heads: &'static str,
-    n_kv_heads: &'static str,
-    head_dim: &'static str,
-    rms_norm_eps: &'static str,
-    rope_theta: &'static str,
-    max_position_embeddings: &'static str,
-    sliding_window: &'static str,
-    bos_token_id: &'static str,
-    eos_token_id: &'static str,
+    layer_types: String,
+    attn_scale: String,
+    softcap: String,
+    vocab_size: String,
+    hidden_size: String,
+    intermediate_size: String,
+    n_layers: String,
+    n_heads: String,
+    n_kv_heads: String,
+    head_dim: String,
+    rms_norm_eps: String,
+    rope_theta: String,
+    max_position_embeddings: String,
+    sliding_window: String,
+    bos_token_id: String,
+    eos_token_id: String,
 }
 
-const HF_FIELDS: FieldNames = FieldNames {
-    vocab_size: "vocab_size",
-    hidden_size: "hidden_size",
-    intermediate_size: "intermediate_size",
-    n_layers: "num_hidden_layers",
-    n_heads: "num_attention_heads",
-    n_kv_heads: "num_key_value_heads",
-    head_dim: "head_dim",
-    rms_norm_eps: "rms_norm_eps",
-    rope_theta: "rope_theta",
-    max_position_embeddings: "max_position_embeddings",
-    sliding_window: "sliding_window",
-    bos_token_id: "bos_token_id",
-    eos_token_id: "eos_token_id",
-};
+impl FieldNames {
+    /// The names of a Hugging Face `config.json`.
+    pub(crate) fn hf() -> Self {
+        Self {
+            layer_types: "layer_types".into(),
+            attn_scale: "query_pre_attn_scalar".into(),
+            softcap: "final_logit_softcapping".into(),
+            vocab_size: "vocab_size".into(),
+            hidden_size: "hidden_size".into(),
+            intermediate_size: "intermediate_size".into(),
+            n_layers: "num_hidden_layers".into(),
+            n_heads: "num_attention_heads".into(),
+            n_kv_heads: "num_key_value_heads".into(),
+            head_dim: "head_dim".into(),
+            rms_norm_eps: "rms_norm_eps".into(),
+            rope_theta: "rope_theta".into(),
+            max_position_embeddings: "max_position_embeddings".into(),
+            sliding_window: "sliding_window".into(),
+            bos_token_id: "bos_token_id".into(),
+            eos_token_id: "eos_token_id".into(),
+        }
+    }
+
+    /// The names of GGUF metadata keys of architecture `arch`.
+    pub(crate) fn gguf(arch: &str) -> Self {
+        let key = |k: &str| format!("{arch}.{k}");
+        Self {
+            layer_types: key("attention.sliding_window_pattern"),
+            attn_scale: key("attention.scale"),
+            softcap: key("final_logit_softcapping"),
+            vocab_size: key("vocab_size"),
+            hidden_size: key("embedding_length"),
+            intermediate_size: key("feed_forward_length"),
+            n_layers: key("block_count"),
+            n_heads: key("attention.head_count"),
+            n_kv_heads: key("attention.head_count_kv"),
+            head_dim: key("attention.key_length"),
+            rms_norm_eps: key("attention.layer_norm_rms_epsilon"),
+            rope_theta: key("rope.freq_base"),
+            max_position_embeddings: key("context_length"),
+            sliding_window: key("attention.sliding_window"),
+            bos_token_id: "tokenizer.ggml.bos_token_id".into(),
+            eos_token_id: "tokenizer.ggml.eos_token_id".into(),
+        }
+    }
+}
 
 /// More layers than any released model has by far; a larger count means a
 /// corrupt file, and refusing it bounds what loading allocates up front.
 const MAX_LAYERS: usize = 4096;
 
-/// `model_type` values accepted, with the class name each implies.
-const HF_MODEL_TYPES: [(&str, &str); 3] = [
-    ("llama", "LlamaForCausalLM"),
-    ("mistral", "MistralForCausalLM"),
-    ("qwen2", "Qwen2ForCausalLM"),
-];
+/// Refuse a layer count over [`MAX_LAYERS`] before anything is sized by it
+/// (per-layer lists are built before [`ModelConfig::validate`] runs).
+pub(crate) fn check_layer_count(path: &Path, field: &str, n_layers: usize) -> Result<()> {
+    if n_layers > MAX_LAYERS {
+        return Err(ModelError::InvalidField {
+            path: path.to_owned(),
+            field: field.to_owned(),
+            value: n_layers.to_string(),
+            reason: format!("more than {MAX_LAYERS} layers; the file is likely corrupt"),
+        });
+    }
+    Ok(())
+}
 
 impl ModelConfig {
     /// Parse and validate a Hugging Face `config.json`.
     ///
-    /// Accepts `model_type` llama, mistral and qwen2. Defaults follow
+    /// Accepts the `model_type`s of [`crate::arch::FAMILIES`]. Defaults follow
     /// transformers' config classes where a checkpoint may omit a field
     /// (`num_key_value_heads`, `head_dim`, `rope_theta`, `rms_norm_eps`,
     /// `max_position_embeddings`, `tie_word_embeddings`); the sizes that
@@ -140,14 +195,17 @@ impl ModelConfig {
             reason: reason.to_owned(),
         };
         for (field, v) in [
-            (names.vocab_size, self.vocab_size),
-            (names.hidden_size, self.hidden_size),
-            (names.intermediate_size, self.intermediate_size),
-            (names.n_layers, self.n_layers),
-            (names.n_heads, self.n_heads),
-            (names.n_kv_heads, self.n_kv_heads),
-            (names.head_dim, self.head_dim),
-            (names.max_position_embeddings, self.max_position_embeddings),
+            (names.vocab_size.as_str(), self.vocab_size),
+            (names.hidden_size.as_str(), self.hidden_size),
+            (names.intermediate_size.as_str(), self.intermediate_size),
+            (names.n_layers.as_str(), self.n_layers),
+            (names.n_heads.as_str(), self.n_heads),
+            (names.n_kv_heads.as_str(), self.n_kv_heads),
+            (names.head_dim.as_str(), self.head_dim),
+            (
+                names.max_position_embeddings.as_str(),
+                self.max_position_embeddings,
+            ),
         ] {
             if v == 0 {
                 return Err(invalid(field, "0".into(), "must be positive"));
@@ -155,7 +213,7 @@ impl ModelConfig {
         }
         if self.n_layers > MAX_LAYERS {
             return Err(invalid(
-                names.n_layers,
+                names.n_layers.as_str(),
                 self.n_layers.to_string(),
                 &format!("more than {MAX_LAYERS} layers; the file is likely corrupt"),
             ));
@@ -169,17 +227,17 @@ impl ModelConfig {
         };
         for (field, value, dims) in [
             (
-                names.vocab_size,
+                names.vocab_size.as_str(),
                 self.vocab_size,
                 [self.vocab_size, self.hidden_size, 1],
             ),
             (
-                names.n_heads,
+                names.n_heads.as_str(),
                 self.n_heads,
                 [self.n_heads, self.head_dim, self.hidden_size],
             ),
             (
-                names.intermediate_size,
+                names.intermediate_size.as_str(),
                 self.intermediate_size,
                 [self.intermediate_size, self.hidden_size, 1],
             ),
@@ -194,7 +252,7 @@ impl ModelConfig {
         }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(invalid(
-                names.n_kv_heads,
+                names.n_kv_heads.as_str(),
                 self.n_kv_heads.to_string(),
                 &format!(
                     "must divide the number of attention heads ({})",
@@ -204,38 +262,65 @@ impl ModelConfig {
         }
         if !self.head_dim.is_multiple_of(2) {
             return Err(invalid(
-                names.head_dim,
+                names.head_dim.as_str(),
                 self.head_dim.to_string(),
                 "must be even (RoPE rotates pairs)",
             ));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return Err(invalid(
-                names.rms_norm_eps,
+                names.rms_norm_eps.as_str(),
                 self.rms_norm_eps.to_string(),
                 "must be a positive number",
             ));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(invalid(
-                names.rope_theta,
+                names.rope_theta.as_str(),
                 self.rope_theta.to_string(),
                 "must be a positive number",
             ));
         }
         if self.sliding_window == Some(0) {
             return Err(invalid(
-                names.sliding_window,
+                names.sliding_window.as_str(),
                 "0".into(),
                 "must be positive or null",
             ));
+        }
+        if self.layer_types.len() != self.n_layers {
+            return Err(invalid(
+                names.layer_types.as_str(),
+                format!("{} entries", self.layer_types.len()),
+                &format!("must have one entry per layer ({})", self.n_layers),
+            ));
+        }
+        if self.sliding_window.is_none() && self.layer_types.contains(&LayerType::Sliding) {
+            return Err(invalid(
+                names.sliding_window.as_str(),
+                "null".into(),
+                "sliding-window layers need a window size",
+            ));
+        }
+        for (field, v) in [
+            (names.rope_theta.as_str(), self.local_rope_theta),
+            (names.attn_scale.as_str(), Some(self.block.attn_scale)),
+            (names.softcap.as_str(), self.block.final_softcap),
+        ] {
+            if v.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
+                return Err(invalid(
+                    field,
+                    format!("{v:?}"),
+                    "must be a positive number",
+                ));
+            }
         }
         if let Some(bos) = self
             .bos_token_id
             .filter(|&id| id as usize >= self.vocab_size)
         {
             return Err(invalid(
-                names.bos_token_id,
+                names.bos_token_id.as_str(),
                 bos.to_string(),
                 "is not below the vocabulary size",
             ));
@@ -246,7 +331,7 @@ impl ModelConfig {
             .find(|&&id| id as usize >= self.vocab_size)
         {
             return Err(invalid(
-                names.eos_token_id,
+                names.eos_token_id.as_str(),
                 eos.to_string(),
                 "is not below the vocabulary size",
             ));

@@ -100,6 +100,26 @@ impl std::fmt::Debug for CudaLlama {
     }
 }
 
+/// The CUDA forward pass is the Llama block with q/k/v biases and one
+/// window for every layer: a model with any other [`crate::arch::Block`]
+/// switch, or with sliding and full layers mixed, is refused at load with
+/// what is missing named, never run without it.
+fn refuse_unimplemented(cfg: &ModelConfig) -> Result<()> {
+    let mut missing = cfg.block.non_llama_switches(cfg.head_dim);
+    let mixed = cfg.layer_types.windows(2).any(|w| w[0] != w[1]);
+    if mixed || cfg.local_rope_theta.is_some() {
+        missing.push("sliding-window layers mixed with full ones");
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(ModelError::Device(CudaError::Unsupported(format!(
+        "the CUDA backend does not run {} models yet ({}): use --device cpu",
+        cfg.family,
+        missing.join(", ")
+    ))))
+}
+
 fn take(b: &mut Option<CudaSlice<f32>>) -> Result<&mut CudaSlice<f32>> {
     b.as_mut().ok_or_else(|| ModelError::Compute {
         detail: "device buffer not allocated".into(),
@@ -122,6 +142,7 @@ impl CudaLlama {
                 detail: "the device pool's shape is not the model's KV shape".into(),
             });
         }
+        refuse_unimplemented(cfg)?;
         if cfg.head_dim > ops::MAX_HEAD_DIM || !cfg.head_dim.is_multiple_of(2) {
             return Err(ModelError::Device(CudaError::Unsupported(format!(
                 "head_dim {} (the CUDA kernels take even head sizes up to {})",

@@ -54,11 +54,12 @@ pub enum ModelError {
         /// Why it is rejected.
         reason: String,
     },
-    /// The model is not of the Llama family this runtime implements.
+    /// The model is of no family [`crate::arch`] implements (or has a
+    /// feature none of them does).
     #[error(
-        "{}: unsupported architecture {architecture:?} (supported: llama, mistral and qwen2 \
-         checkpoints; GGUF files of architecture llama with a gpt2-style tokenizer)",
-        path.display()
+        "{}: unsupported architecture {architecture:?} (supported: {})",
+        path.display(),
+        crate::arch::Family::supported()
     )]
     UnsupportedArchitecture {
         /// The model file or configuration.

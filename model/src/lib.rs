@@ -1,7 +1,9 @@
-//! kvmesh model runtime (Llama family).
+//! kvmesh model runtime (the decoder families of [`arch`]).
 //!
 //! # Layout
 //! - [`error`]: [`ModelError`], the one error type of this layer.
+//! - [`arch`]: the decoder families (Llama, Mistral, Qwen2/3, Gemma 2/3,
+//!   Phi-3), each a description over one forward pass.
 //! - [`config`]: [`ModelConfig`] from a Hugging Face `config.json` or GGUF metadata.
 //! - [`weights`]: tensors as f32 (exact mode) or GGUF Q4_1/Q8_0 blocks as
 //!   stored (quantized mode, [`Precision`]), GGUF Q/K rows un-permuted.
@@ -23,6 +25,7 @@
 //! - [`scheduler`]: continuous batching with chunked prefill over the
 //!   engine (an actor thread; bounded queue and event channels).
 
+pub mod arch;
 pub mod config;
 pub mod cuda;
 pub mod default_model;

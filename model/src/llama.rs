@@ -1,4 +1,7 @@
-//! The Llama-family forward pass over the paged, ownership-checked KV pool.
+//! The one decoder forward pass over the paged, ownership-checked KV pool,
+//! for every family of [`crate::arch`] (their differences are the
+//! [`crate::arch::Block`] switches and each layer's attention window and
+//! rope).
 //!
 //! One call runs a batch of sequence chunks together: all their tokens go
 //! through each projection as one matrix (so a batched decode step reads
@@ -20,13 +23,14 @@
 //! matmul per projection, attention linear in each sequence's context, and the
 //! vocabulary projection only for the rows whose logits were asked for.
 
-use kvmesh_kernels::activation::swiglu;
+use kvmesh_kernels::activation::{geglu_tanh, swiglu};
 use kvmesh_kernels::norm::rms_norm;
 use kvmesh_kernels::rope::{Rope, RopeLayout};
 use kvmesh_kernels::{paged_attention, AttentionShape, KvGeometry};
 use kvmesh_kvpool::{PoolConfig, Reservation};
 use rayon::prelude::*;
 
+use crate::arch::{Activation, LayerType};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::linear::Projection;
@@ -98,10 +102,17 @@ struct LayerRt {
     bq: Option<Vec<f32>>,
     bk: Option<Vec<f32>>,
     bv: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
     wo: Projection,
+    post_attn_norm: Option<Vec<f32>>,
     mlp_norm: Vec<f32>,
     gate_up: Projection,
     down: Projection,
+    post_mlp_norm: Option<Vec<f32>>,
+    /// This layer's attention (its window) and rope (index into `ropes`).
+    shape: AttentionShape,
+    rope: usize,
 }
 
 /// A loaded Llama-family model ready to run.
@@ -111,8 +122,8 @@ pub struct Llama {
     layers: Vec<LayerRt>,
     final_norm: Vec<f32>,
     lm_head: Projection,
-    rope: Rope,
-    shape: AttentionShape,
+    /// The global rope, then the local one where the family has one.
+    ropes: Vec<Rope>,
     quantized: bool,
     /// Activation buffers of finished passes, taken by the next one (see
     /// [`Workspace`]): one per pass that ran at the same time, so a model
@@ -149,21 +160,23 @@ impl Llama {
     /// (exact mode), quantized ones through the block kernels, with Q/K/V
     /// and gate/up stacked into one pass each.
     pub fn new(cfg: ModelConfig, w: Weights) -> Result<Self> {
-        let rope = Rope::new(
+        let mut ropes = vec![Rope::new(
             cfg.head_dim,
             cfg.rope_theta,
             cfg.rope_scaling,
             RopeLayout::RotateHalf,
-        );
-        let shape = AttentionShape {
-            n_heads: cfg.n_heads,
-            n_kv_heads: cfg.n_kv_heads,
-            head_dim: cfg.head_dim,
-            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
-            window: cfg.sliding_window,
-        };
+        )];
+        if let Some(theta) = cfg.local_rope_theta {
+            ropes.push(Rope::new(
+                cfg.head_dim,
+                theta,
+                kvmesh_kernels::rope::RopeScaling::None,
+                RopeLayout::RotateHalf,
+            ));
+        }
         let mut layers = Vec::with_capacity(w.layers.len());
-        for l in w.layers {
+        for (l, kind) in w.layers.into_iter().zip(&cfg.layer_types) {
+            let sliding = *kind == LayerType::Sliding;
             layers.push(LayerRt {
                 qkv: Projection::new(&[&l.wq, &l.wk, &l.wv])?,
                 wo: Projection::new(&[&l.wo])?,
@@ -174,6 +187,18 @@ impl Llama {
                 bq: l.bq,
                 bk: l.bk,
                 bv: l.bv,
+                q_norm: l.q_norm,
+                k_norm: l.k_norm,
+                post_attn_norm: l.post_attn_norm,
+                post_mlp_norm: l.post_mlp_norm,
+                shape: AttentionShape {
+                    n_heads: cfg.n_heads,
+                    n_kv_heads: cfg.n_kv_heads,
+                    head_dim: cfg.head_dim,
+                    scale: cfg.block.attn_scale,
+                    window: if sliding { cfg.sliding_window } else { None },
+                },
+                rope: usize::from(sliding && ropes.len() > 1),
             });
         }
         let lm_head = Projection::new(&[&w.lm_head])?;
@@ -187,8 +212,7 @@ impl Llama {
             layers,
             final_norm: w.final_norm,
             lm_head,
-            rope,
-            shape,
+            ropes,
             quantized,
             workspaces: std::sync::Mutex::default(),
         })
@@ -380,6 +404,9 @@ impl Llama {
         for (&id, row) in ids.iter().zip(x.chunks_exact_mut(hidden)) {
             self.embed.row_into(id as usize, row).map_err(compute)?;
         }
+        if let Some(scale) = cfg.block.embed_scale {
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
         xn.resize(x.len(), 0.0);
         attn.resize(rows * q_dim, 0.0);
         for (layer, lw) in self.layers.iter().enumerate() {
@@ -389,8 +416,11 @@ impl Llama {
             add_bias(q, lw.bq.as_ref());
             add_bias(k, lw.bk.as_ref());
             add_bias(v, lw.bv.as_ref());
-            self.rope.apply(q, positions, cfg.n_heads);
-            self.rope.apply(k, positions, cfg.n_kv_heads);
+            head_norm(q, lw.q_norm.as_deref(), cfg.rms_norm_eps, xn);
+            head_norm(k, lw.k_norm.as_deref(), cfg.rms_norm_eps, xn);
+            let rope = &self.ropes[lw.rope];
+            rope.apply(q, positions, cfg.n_heads);
+            rope.apply(k, positions, cfg.n_kv_heads);
 
             // K/V into each sequence's pages (serial: each needs its
             // reservation mutably).
@@ -429,7 +459,7 @@ impl Llama {
                     &chunk.kv.reader(),
                     chunk.kv.table(),
                     layer,
-                    &self.shape,
+                    &lw.shape,
                     qs,
                     &positions[span],
                     out,
@@ -454,15 +484,15 @@ impl Llama {
             }
 
             lw.wo.apply_into(attn, rows, &mut [&mut *o], stacked)?;
-            x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);
+            add_residual(x, o, lw.post_attn_norm.as_deref(), cfg.rms_norm_eps, xn);
 
             rms_norm(x, &lw.mlp_norm, cfg.rms_norm_eps, xn);
-            // `silu(gate) * up` straight from the stacked projection's rows.
+            // `act(gate) * up` straight from the stacked projection's rows.
             lw.gate_up.apply_stacked(xn, rows, stacked)?;
             gate.resize(rows * cfg.intermediate_size, 0.0);
-            swiglu_rows(stacked, cfg.intermediate_size, gate);
+            gated_rows(cfg.block.activation, stacked, cfg.intermediate_size, gate);
             lw.down.apply_into(gate, rows, &mut [&mut *down], stacked)?;
-            x.iter_mut().zip(down.iter()).for_each(|(x, d)| *x += d);
+            add_residual(x, down, lw.post_mlp_norm.as_deref(), cfg.rms_norm_eps, xn);
         }
 
         Ok(())
@@ -512,6 +542,7 @@ impl Llama {
             rms_norm(&sel, &self.final_norm, cfg.rms_norm_eps, xn);
             self.lm_head
                 .apply_into(xn, want.len(), &mut [&mut *logits], stacked)?;
+            softcap(logits, cfg.block.final_softcap);
             logits_rows = logits
                 .chunks_exact(cfg.vocab_size)
                 .map(<[f32]>::to_vec)
@@ -586,6 +617,7 @@ impl Llama {
             rms_norm(sel, &self.final_norm, cfg.rms_norm_eps, xn);
             self.lm_head
                 .apply_into(xn, rows, &mut [&mut *logits], stacked)?;
+            softcap(logits, cfg.block.final_softcap);
             let next = &tokens[block + 1..block + 1 + rows];
             let scores: Vec<PromptLogprob> = logits
                 .par_chunks_exact(vocab)
@@ -598,25 +630,71 @@ impl Llama {
     }
 }
 
-/// Values from which [`swiglu_rows`] splits its rows across the pool.
+/// Values from which [`gated_rows`] splits its rows across the pool.
 const SWIGLU_PARALLEL: usize = 1 << 14;
 
-/// [`swiglu`] over whole rows, in parallel from [`SWIGLU_PARALLEL`] values
-/// on (rows are independent, so the bits do not change). Serial, a batch's
-/// SwiGLU left the other cores idle long enough to fall asleep (16
-/// sequences: tens of microseconds per layer; a 512-token prompt chunk: a
-/// millisecond or more).
-fn swiglu_rows(gate_up: &[f32], width: usize, out: &mut [f32]) {
+/// The MLP's gated activation ([`swiglu`] or [`geglu_tanh`]) over whole
+/// rows, in parallel from [`SWIGLU_PARALLEL`] values on (rows are
+/// independent, so the bits do not change). Serial, a batch's SwiGLU left
+/// the other cores idle long enough to fall asleep (16 sequences: tens of
+/// microseconds per layer; a 512-token prompt chunk: a millisecond or more).
+fn gated_rows(act: Activation, gate_up: &[f32], width: usize, out: &mut [f32]) {
+    let f = match act {
+        Activation::Silu => swiglu,
+        Activation::GeluTanh => geglu_tanh,
+    };
     let rows = out.len() / width.max(1);
     if out.len() < SWIGLU_PARALLEL || rows < 2 {
-        swiglu(gate_up, width, out);
+        f(gate_up, width, out);
         return;
     }
     let per = rows.div_ceil(rayon::current_num_threads().max(1));
     gate_up
         .par_chunks(2 * width * per)
         .zip(out.par_chunks_mut(width * per))
-        .for_each(|(gu, o)| swiglu(gu, width, o));
+        .for_each(|(gu, o)| f(gu, width, o));
+}
+
+/// RMSNorm over each head of `x` (rows of `weight.len()` values) in place,
+/// when the family has one (Qwen3, Gemma 3); `scratch` is any free buffer.
+fn head_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32, scratch: &mut Vec<f32>) {
+    if let Some(w) = weight {
+        let keep = scratch.len();
+        scratch.resize(keep.max(x.len()), 0.0);
+        rms_norm(x, w, eps, &mut scratch[..x.len()]);
+        x.copy_from_slice(&scratch[..x.len()]);
+        scratch.truncate(keep);
+    }
+}
+
+/// `x += out`, or `x += rms_norm(out)` where the family norms a branch's
+/// output before the residual (Gemma); `scratch` holds the normed rows.
+fn add_residual(
+    x: &mut [f32],
+    out: &[f32],
+    norm: Option<&[f32]>,
+    eps: f32,
+    scratch: &mut Vec<f32>,
+) {
+    match norm {
+        Some(w) => {
+            let keep = scratch.len();
+            scratch.resize(keep.max(out.len()), 0.0);
+            rms_norm(out, w, eps, &mut scratch[..out.len()]);
+            x.iter_mut()
+                .zip(&scratch[..out.len()])
+                .for_each(|(x, o)| *x += o);
+            scratch.truncate(keep);
+        }
+        None => x.iter_mut().zip(out).for_each(|(x, o)| *x += o),
+    }
+}
+
+/// Logits `l` become `cap * tanh(l / cap)` (Gemma 2's final soft-capping).
+fn softcap(logits: &mut [f32], cap: Option<f32>) {
+    if let Some(cap) = cap {
+        logits.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
+    }
 }
 
 /// A forward pass's activation buffers, kept by the model between passes so

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use kvmesh_kernels::quant::QMatrix;
 
+use crate::arch::{gguf_name, llama_hf_name, Family, Part};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::loader::gguf::GgufFile;
@@ -149,8 +150,16 @@ pub struct LayerWeights {
     pub bk: Option<Vec<f32>>,
     /// Value bias (when `attention_bias`), `[n_kv_heads * head_dim]`.
     pub bv: Option<Vec<f32>>,
+    /// RMSNorm weight of each query head (Qwen3, Gemma 3), `[head_dim]`.
+    pub q_norm: Option<Vec<f32>>,
+    /// RMSNorm weight of each key head, `[head_dim]`.
+    pub k_norm: Option<Vec<f32>>,
+    /// RMSNorm weight on the attention output (Gemma), `[hidden]`.
+    pub post_attn_norm: Option<Vec<f32>>,
     /// RMSNorm weight before the MLP, `[hidden]`.
     pub mlp_norm: Vec<f32>,
+    /// RMSNorm weight on the MLP output (Gemma), `[hidden]`.
+    pub post_mlp_norm: Option<Vec<f32>>,
     /// MLP gate projection, `[intermediate, hidden]`.
     pub w_gate: Matrix,
     /// MLP up projection, `[intermediate, hidden]`.
@@ -174,7 +183,6 @@ pub struct Weights {
 }
 
 impl Weights {
-    /// Load every `*.safetensors` file of a Hugging Face model directory.
     /// Load every `*.safetensors` file of a Hugging Face model directory
     /// (always f32).
     pub fn from_hf_dir(dir: &std::path::Path, config: &ModelConfig) -> Result<Self> {
@@ -243,7 +251,11 @@ impl Weights {
                 bq: bias(q),
                 bk: bias(kv),
                 bv: bias(kv),
+                q_norm: config.block.qk_norm.then(|| vec![1.0; config.head_dim]),
+                k_norm: config.block.qk_norm.then(|| vec![1.0; config.head_dim]),
+                post_attn_norm: config.block.sandwich_norms.then(|| vec![1.0; h]),
                 mlp_norm: vec![1.0; h],
+                post_mlp_norm: config.block.sandwich_norms.then(|| vec![1.0; h]),
                 w_gate: matrix(inter, h, salt + 5)?,
                 w_up: matrix(inter, h, salt + 6)?,
                 w_down: matrix(h, inter, salt + 7)?,
@@ -287,10 +299,18 @@ impl Weights {
                 .sum::<usize>()
                 + l.attn_norm.len()
                 + l.mlp_norm.len()
-                + [&l.bq, &l.bk, &l.bv]
-                    .iter()
-                    .map(|b| b.as_ref().map_or(0, Vec::len))
-                    .sum::<usize>()
+                + [
+                    &l.bq,
+                    &l.bk,
+                    &l.bv,
+                    &l.q_norm,
+                    &l.k_norm,
+                    &l.post_attn_norm,
+                    &l.post_mlp_norm,
+                ]
+                .iter()
+                .map(|b| b.as_ref().map_or(0, Vec::len))
+                .sum::<usize>()
         };
         let tied = self.lm_head.same_storage(&self.embed);
         self.embed.elem_count()
@@ -353,23 +373,6 @@ pub(crate) enum Layout {
     Gguf,
 }
 
-/// A parameter's role within a layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Part {
-    AttnNorm,
-    Q,
-    K,
-    V,
-    O,
-    QBias,
-    KBias,
-    VBias,
-    MlpNorm,
-    Gate,
-    Up,
-    Down,
-}
-
 impl Layout {
     fn embed(self) -> &'static str {
         match self {
@@ -392,36 +395,13 @@ impl Layout {
         }
     }
 
-    fn layer(self, i: usize, part: Part) -> String {
-        let suffix = match (self, part) {
-            (Self::Hf, Part::AttnNorm) => "input_layernorm.weight",
-            (Self::Hf, Part::Q) => "self_attn.q_proj.weight",
-            (Self::Hf, Part::K) => "self_attn.k_proj.weight",
-            (Self::Hf, Part::V) => "self_attn.v_proj.weight",
-            (Self::Hf, Part::O) => "self_attn.o_proj.weight",
-            (Self::Hf, Part::QBias) => "self_attn.q_proj.bias",
-            (Self::Hf, Part::KBias) => "self_attn.k_proj.bias",
-            (Self::Hf, Part::VBias) => "self_attn.v_proj.bias",
-            (Self::Hf, Part::MlpNorm) => "post_attention_layernorm.weight",
-            (Self::Hf, Part::Gate) => "mlp.gate_proj.weight",
-            (Self::Hf, Part::Up) => "mlp.up_proj.weight",
-            (Self::Hf, Part::Down) => "mlp.down_proj.weight",
-            (Self::Gguf, Part::AttnNorm) => "attn_norm.weight",
-            (Self::Gguf, Part::Q) => "attn_q.weight",
-            (Self::Gguf, Part::K) => "attn_k.weight",
-            (Self::Gguf, Part::V) => "attn_v.weight",
-            (Self::Gguf, Part::O) => "attn_output.weight",
-            (Self::Gguf, Part::QBias) => "attn_q.bias",
-            (Self::Gguf, Part::KBias) => "attn_k.bias",
-            (Self::Gguf, Part::VBias) => "attn_v.bias",
-            (Self::Gguf, Part::MlpNorm) => "ffn_norm.weight",
-            (Self::Gguf, Part::Gate) => "ffn_gate.weight",
-            (Self::Gguf, Part::Up) => "ffn_up.weight",
-            (Self::Gguf, Part::Down) => "ffn_down.weight",
-        };
+    fn layer(self, family: &Family, i: usize, part: Part) -> String {
         match self {
-            Self::Hf => format!("model.layers.{i}.{suffix}"),
-            Self::Gguf => format!("blk.{i}.{suffix}"),
+            Self::Hf => {
+                let name = (family.hf_name)(part).unwrap_or_else(|| llama_hf_name(part));
+                format!("model.layers.{i}.{name}")
+            }
+            Self::Gguf => format!("blk.{i}.{}", gguf_name(part)),
         }
     }
 }
@@ -435,33 +415,25 @@ fn part_shape(config: &ModelConfig, part: Part) -> Vec<usize> {
         config.intermediate_size,
     );
     match part {
-        Part::AttnNorm | Part::MlpNorm => vec![h],
+        Part::AttnNorm | Part::MlpNorm | Part::PostAttnNorm | Part::PostMlpNorm => vec![h],
+        Part::QNorm | Part::KNorm => vec![config.head_dim],
         Part::Q => vec![q, h],
         Part::K | Part::V => vec![kv, h],
+        Part::Qkv => vec![q + 2 * kv, h],
         Part::O => vec![h, q],
         Part::QBias => vec![q],
         Part::KBias | Part::VBias => vec![kv],
         Part::Gate | Part::Up => vec![ff, h],
+        Part::GateUp => vec![2 * ff, h],
         Part::Down => vec![h, ff],
     }
 }
 
-fn layer_parts(config: &ModelConfig) -> Vec<Part> {
-    let mut parts = vec![
-        Part::AttnNorm,
-        Part::Q,
-        Part::K,
-        Part::V,
-        Part::O,
-        Part::MlpNorm,
-        Part::Gate,
-        Part::Up,
-        Part::Down,
-    ];
-    if config.attention_bias {
-        parts.extend([Part::QBias, Part::KBias, Part::VBias]);
-    }
-    parts
+/// The family of a configuration (every `ModelConfig` names one).
+fn family_of(config: &ModelConfig) -> Result<&'static Family> {
+    Family::named(config.family).ok_or_else(|| ModelError::Compute {
+        detail: format!("no model family named {:?}", config.family),
+    })
 }
 
 /// Every tensor the configuration needs, with its expected shape.
@@ -474,85 +446,155 @@ pub(crate) fn plan(config: &ModelConfig, layout: Layout) -> Vec<(String, Vec<usi
     if !config.tie_word_embeddings {
         out.push((layout.lm_head().to_owned(), vec![v, h]));
     }
+    let Ok(family) = family_of(config) else {
+        return out;
+    };
     for i in 0..config.n_layers {
-        for part in layer_parts(config) {
-            out.push((layout.layer(i, part), part_shape(config, part)));
+        for part in family.layer_parts(config) {
+            out.push((layout.layer(family, i, part), part_shape(config, part)));
         }
     }
     out
 }
 
-/// Build [`Weights`] from a source, un-permuting GGUF's Q and K rows.
+/// Rows `range` of a matrix (splitting Phi-3's fused tensors: blocks are
+/// whole rows, so a quantized matrix splits without dequantizing).
+fn matrix_rows(m: &Matrix, range: std::ops::Range<usize>) -> candle_core::Result<Matrix> {
+    match m {
+        Matrix::Dense(t) => t
+            .narrow(0, range.start, range.len())
+            .and_then(|t| t.contiguous())
+            .map(Matrix::Dense),
+        Matrix::Quant(q) => {
+            let row_bytes = q.byte_len() / q.rows().max(1);
+            let bytes = q.bytes()[range.start * row_bytes..range.end * row_bytes].to_vec();
+            QMatrix::from_bytes(q.format(), range.len(), q.cols(), bytes)
+                .map(|q| Matrix::Quant(Arc::new(q)))
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        }
+    }
+}
+
+/// Build [`Weights`] from a source: GGUF's q/k rows un-permuted where the
+/// family's converter permuted them, fused tensors split, Gemma's Hugging
+/// Face norms offset by one.
 fn assemble(
     src: &mut dyn TensorSource,
     config: &ModelConfig,
     layout: Layout,
     precision: Precision,
 ) -> Result<Weights> {
+    let family = family_of(config)?;
     let (v, h) = (config.vocab_size, config.hidden_size);
     let path = src.source_path().to_owned();
+    let norm_offset = match layout {
+        Layout::Hf => family.hf_norm_offset,
+        Layout::Gguf => 0.0,
+    };
     let embed = src.take_matrix(layout.embed(), &[v, h], precision)?;
     let mut layers = Vec::new();
     for i in 0..config.n_layers {
-        let vector = |t: Tensor, part: Part| to_vec1(&path, &layout.layer(i, part), &t);
-        let unpermute_err = |part: Part, e: String| {
-            ModelError::malformed(
-                &path,
-                format!("un-permuting `{}`: {e}", layout.layer(i, part)),
-            )
+        let name = |part: Part| layout.layer(family, i, part);
+        let malformed = |part: Part, e: String| {
+            ModelError::malformed(&path, format!("tensor `{}`: {e}", name(part)))
         };
-        // GGUF stores Q and K (and their biases) permuted for interleaved RoPE.
-        let qk = |t: Tensor, part: Part, heads: usize| match layout {
-            Layout::Hf => Ok(t),
-            Layout::Gguf => unpermute_qk_rows(&t, heads, config.head_dim)
-                .map_err(|e| unpermute_err(part, e.to_string())),
+        let permuted = layout == Layout::Gguf && family.gguf_qk_permuted;
+        // GGUF stores Q and K (and their biases) permuted for interleaved
+        // rope in the `llama` architecture.
+        let qk = |t: Tensor, part: Part, heads: usize| {
+            if !permuted {
+                return Ok(t);
+            }
+            unpermute_qk_rows(&t, heads, config.head_dim)
+                .map_err(|e| malformed(part, format!("un-permuting: {e}")))
         };
-        let qk_matrix = |m: Matrix, part: Part, heads: usize| match (layout, m) {
-            (Layout::Hf, m) => Ok(m),
-            (Layout::Gguf, Matrix::Dense(t)) => qk(t, part, heads).map(Matrix::Dense),
-            (Layout::Gguf, Matrix::Quant(q)) => {
+        let qk_matrix = |m: Matrix, part: Part, heads: usize| match m {
+            m if !permuted => Ok(m),
+            Matrix::Dense(t) => qk(t, part, heads).map(Matrix::Dense),
+            Matrix::Quant(q) => {
                 let order = unpermute_order(q.rows(), heads, config.head_dim)
-                    .map_err(|e| unpermute_err(part, e))?;
+                    .map_err(|e| malformed(part, format!("un-permuting: {e}")))?;
                 Ok(Matrix::Quant(Arc::new(q.permute_rows(&order))))
             }
         };
-        let mut take = |part: Part| src.take(&layout.layer(i, part), &part_shape(config, part));
+        let mut take = |part: Part| src.take(&name(part), &part_shape(config, part));
         let (bq, bk, bv) = if config.attention_bias {
             let bq = qk(take(Part::QBias)?, Part::QBias, config.n_heads)?;
             let bk = qk(take(Part::KBias)?, Part::KBias, config.n_kv_heads)?;
             (
-                Some(vector(bq, Part::QBias)?),
-                Some(vector(bk, Part::KBias)?),
-                Some(vector(take(Part::VBias)?, Part::VBias)?),
+                Some(to_vec1(&path, &name(Part::QBias), &bq)?),
+                Some(to_vec1(&path, &name(Part::KBias), &bk)?),
+                Some(to_vec1(&path, &name(Part::VBias), &take(Part::VBias)?)?),
             )
         } else {
             (None, None, None)
         };
-        let attn_norm = vector(take(Part::AttnNorm)?, Part::AttnNorm)?;
-        let mlp_norm = vector(take(Part::MlpNorm)?, Part::MlpNorm)?;
-        let mut matrix = |part: Part| {
-            src.take_matrix(&layout.layer(i, part), &part_shape(config, part), precision)
+        let mut norm = |part: Part| -> Result<Vec<f32>> {
+            let mut w = to_vec1(&path, &name(part), &take(part)?)?;
+            if norm_offset != 0.0 {
+                w.iter_mut().for_each(|x| *x += norm_offset);
+            }
+            Ok(w)
+        };
+        let mut opt_norm = |on: bool, part: Part| on.then(|| norm(part)).transpose();
+        let q_norm = opt_norm(config.block.qk_norm, Part::QNorm)?;
+        let k_norm = opt_norm(config.block.qk_norm, Part::KNorm)?;
+        let post_attn_norm = opt_norm(config.block.sandwich_norms, Part::PostAttnNorm)?;
+        let post_mlp_norm = opt_norm(config.block.sandwich_norms, Part::PostMlpNorm)?;
+        let attn_norm = norm(Part::AttnNorm)?;
+        let mlp_norm = norm(Part::MlpNorm)?;
+        let mut matrix =
+            |part: Part| src.take_matrix(&name(part), &part_shape(config, part), precision);
+        let (wq, wk, wv, w_gate, w_up) = if family.fused {
+            let (q, kv, ff) = (config.q_dim(), config.kv_dim(), config.intermediate_size);
+            let qkv = matrix(Part::Qkv)?;
+            let gate_up = matrix(Part::GateUp)?;
+            let split = |m: &Matrix, part: Part, r: std::ops::Range<usize>| {
+                matrix_rows(m, r).map_err(|e| malformed(part, format!("splitting: {e}")))
+            };
+            (
+                split(&qkv, Part::Qkv, 0..q)?,
+                split(&qkv, Part::Qkv, q..q + kv)?,
+                split(&qkv, Part::Qkv, q + kv..q + 2 * kv)?,
+                split(&gate_up, Part::GateUp, 0..ff)?,
+                split(&gate_up, Part::GateUp, ff..2 * ff)?,
+            )
+        } else {
+            (
+                qk_matrix(matrix(Part::Q)?, Part::Q, config.n_heads)?,
+                qk_matrix(matrix(Part::K)?, Part::K, config.n_kv_heads)?,
+                matrix(Part::V)?,
+                matrix(Part::Gate)?,
+                matrix(Part::Up)?,
+            )
         };
         layers.push(LayerWeights {
             attn_norm,
-            wq: qk_matrix(matrix(Part::Q)?, Part::Q, config.n_heads)?,
-            wk: qk_matrix(matrix(Part::K)?, Part::K, config.n_kv_heads)?,
-            wv: matrix(Part::V)?,
+            wq,
+            wk,
+            wv,
             wo: matrix(Part::O)?,
             bq,
             bk,
             bv,
+            q_norm,
+            k_norm,
+            post_attn_norm,
             mlp_norm,
-            w_gate: matrix(Part::Gate)?,
-            w_up: matrix(Part::Up)?,
+            post_mlp_norm,
+            w_gate,
+            w_up,
             w_down: matrix(Part::Down)?,
         });
     }
-    let final_norm = to_vec1(
+    let mut final_norm = to_vec1(
         &path,
         layout.final_norm(),
         &src.take(layout.final_norm(), &[h])?,
     )?;
+    if norm_offset != 0.0 {
+        final_norm.iter_mut().for_each(|x| *x += norm_offset);
+    }
     let lm_head = if config.tie_word_embeddings {
         embed.clone()
     } else {

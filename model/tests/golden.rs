@@ -200,6 +200,48 @@ fn tiny_llama_matches_transformers() {
     );
 }
 
+/// A family's tiny model (`scripts/golden/make_families.py`: each config
+/// exercises what its family changes, windows shorter than the long
+/// prompt) against transformers, as [`tiny_llama_matches_transformers`].
+fn check_family(family: &str) {
+    let engine = engine_for(&common::tiny_family_dir(family));
+    assert_eq!(engine.model().config().family, family);
+    let g = read_golden(&format!("tiny-{family}.json"));
+    check_tokenizer(&engine, &g);
+    let worst = check_greedy(&engine, &g, None);
+    eprintln!("tiny-{family}: worst logit error = {worst:.3} of tolerance");
+    assert_eq!(
+        engine.pool().free_pages(),
+        engine.pool().capacity_pages(),
+        "pages leaked"
+    );
+}
+
+#[test]
+fn tiny_qwen2_matches_transformers() {
+    check_family("qwen2");
+}
+
+#[test]
+fn tiny_qwen3_matches_transformers() {
+    check_family("qwen3");
+}
+
+#[test]
+fn tiny_gemma3_matches_transformers() {
+    check_family("gemma3");
+}
+
+#[test]
+fn tiny_phi3_matches_transformers() {
+    check_family("phi3");
+}
+
+#[test]
+fn tiny_mistral_matches_transformers() {
+    check_family("mistral");
+}
+
 #[test]
 fn smollm2_matches_transformers() {
     let Some(path) = common::smollm2() else {

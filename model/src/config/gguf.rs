@@ -1,26 +1,12 @@
-//! [`ModelConfig`] from GGUF metadata (`general.architecture` = `llama`).
+//! [`ModelConfig`] from GGUF metadata: the keys every family shares
+//! (`{arch}.embedding_length` and so on), then the family's hook.
 
 use kvmesh_kernels::rope::RopeScaling;
 
 use super::{FieldNames, ModelConfig};
+use crate::arch::{Block, Family, LayerType};
 use crate::error::{ModelError, Result};
 use crate::loader::gguf::GgufFile;
-
-const GGUF_FIELDS: FieldNames = FieldNames {
-    vocab_size: "llama.vocab_size",
-    hidden_size: "llama.embedding_length",
-    intermediate_size: "llama.feed_forward_length",
-    n_layers: "llama.block_count",
-    n_heads: "llama.attention.head_count",
-    n_kv_heads: "llama.attention.head_count_kv",
-    head_dim: "llama.attention.key_length",
-    rms_norm_eps: "llama.attention.layer_norm_rms_epsilon",
-    rope_theta: "llama.rope.freq_base",
-    max_position_embeddings: "llama.context_length",
-    sliding_window: "llama.attention.sliding_window",
-    bos_token_id: "tokenizer.ggml.bos_token_id",
-    eos_token_id: "tokenizer.ggml.eos_token_id",
-};
 
 /// Tensor in which llama.cpp's converter stores Llama 3.1-style RoPE
 /// scaling as one divisor per rotated pair, instead of metadata.
@@ -32,108 +18,123 @@ impl ModelConfig {
     pub(crate) fn from_gguf(g: &mut GgufFile) -> Result<Self> {
         let arch = g
             .opt_str("general.architecture")?
-            .ok_or_else(|| g.missing_field("general.architecture"))?;
-        if arch != "llama" {
+            .ok_or_else(|| g.missing_field("general.architecture"))?
+            .to_owned();
+        let family = Family::by_gguf(&arch).ok_or_else(|| ModelError::UnsupportedArchitecture {
+            path: g.path().to_owned(),
+            architecture: arch.clone(),
+        })?;
+        let key = |k: &str| format!("{arch}.{k}");
+        if let Some(experts) = g.opt_u64(&key("expert_count"))?.filter(|&n| n > 0) {
             return Err(ModelError::UnsupportedArchitecture {
                 path: g.path().to_owned(),
-                architecture: arch.to_owned(),
-            });
-        }
-        if let Some(experts) = g.opt_u64("llama.expert_count")?.filter(|&n| n > 0) {
-            return Err(ModelError::UnsupportedArchitecture {
-                path: g.path().to_owned(),
-                architecture: format!("llama with {experts} experts (mixture of experts)"),
+                architecture: format!("{arch} with {experts} experts (mixture of experts)"),
             });
         }
 
-        let n_heads = g.req_usize("llama.attention.head_count")?;
-        let hidden_size = g.req_usize("llama.embedding_length")?;
-        let head_dim = match g.opt_usize("llama.attention.key_length")? {
+        let n_heads = g.req_usize(&key("attention.head_count"))?;
+        let hidden_size = g.req_usize(&key("embedding_length"))?;
+        let head_dim = match g.opt_usize(&key("attention.key_length"))? {
             Some(d) => d,
             None if n_heads > 0 && hidden_size % n_heads == 0 => hidden_size / n_heads,
             None => {
-                return Err(g.invalid_field(
-                    "llama.attention.head_count",
-                    n_heads.to_string(),
-                    format!("must divide llama.embedding_length ({hidden_size}) when llama.attention.key_length is absent"),
-                ).into())
+                return Err(g
+                    .invalid_field(
+                        &key("attention.head_count"),
+                        n_heads.to_string(),
+                        format!(
+                            "must divide {} ({hidden_size}) when {} is absent",
+                            key("embedding_length"),
+                            key("attention.key_length")
+                        ),
+                    )
+                    .into())
             }
         };
         if let Some(v) = g
-            .opt_usize("llama.attention.value_length")?
+            .opt_usize(&key("attention.value_length"))?
             .filter(|&v| v != head_dim)
         {
             return Err(g
                 .invalid_field(
-                    "llama.attention.value_length",
+                    &key("attention.value_length"),
                     v.to_string(),
                     format!("must equal the key length ({head_dim})"),
                 )
                 .into());
         }
         if let Some(r) = g
-            .opt_usize("llama.rope.dimension_count")?
+            .opt_usize(&key("rope.dimension_count"))?
             .filter(|&r| r != head_dim)
         {
             return Err(g.invalid_field(
-                "llama.rope.dimension_count",
+                &key("rope.dimension_count"),
                 r.to_string(),
                 format!("partial rotary embeddings are not implemented: must equal the head size ({head_dim})"),
             ).into());
         }
-        let vocab_size = match g.opt_usize("llama.vocab_size")? {
+        let vocab_size = match g.opt_usize(&key("vocab_size"))? {
             Some(v) => v,
             None => g
                 .array_len("tokenizer.ggml.tokens")
-                .ok_or_else(|| g.missing_field("llama.vocab_size"))?,
+                .ok_or_else(|| g.missing_field(&key("vocab_size")))?,
         };
-        let rope_theta = g.opt_f32("llama.rope.freq_base")?.unwrap_or(10_000.0);
+        let rope_theta = g.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0);
+        let n_layers = g.req_usize(&key("block_count"))?;
+        super::check_layer_count(g.path(), &key("block_count"), n_layers)?;
 
-        let eos_token_ids = kvmesh_tokenizer::info::gguf_eos_token_ids(g)?;
-
-        let config = ModelConfig {
-            architecture: arch.to_owned(),
+        let mut config = ModelConfig {
+            architecture: arch.clone(),
+            family: family.name,
+            block: Block::llama(head_dim),
+            layer_types: vec![LayerType::Full; n_layers],
+            local_rope_theta: None,
             vocab_size,
             hidden_size,
-            intermediate_size: g.req_usize("llama.feed_forward_length")?,
-            n_layers: g.req_usize("llama.block_count")?,
+            intermediate_size: g.req_usize(&key("feed_forward_length"))?,
+            n_layers,
             n_heads,
             n_kv_heads: g
-                .opt_usize("llama.attention.head_count_kv")?
+                .opt_usize(&key("attention.head_count_kv"))?
                 .unwrap_or(n_heads),
             head_dim,
             rms_norm_eps: g
-                .opt_f32("llama.attention.layer_norm_rms_epsilon")?
-                .ok_or_else(|| g.missing_field("llama.attention.layer_norm_rms_epsilon"))?,
+                .opt_f32(&key("attention.layer_norm_rms_epsilon"))?
+                .ok_or_else(|| g.missing_field(&key("attention.layer_norm_rms_epsilon")))?,
             rope_theta,
-            rope_scaling: rope_scaling(g, head_dim, rope_theta)?,
-            max_position_embeddings: kvmesh_tokenizer::info::gguf_context_length(g, "llama")?,
+            rope_scaling: rope_scaling(g, &arch, head_dim, rope_theta)?,
+            max_position_embeddings: kvmesh_tokenizer::info::gguf_context_length(g, &arch)?,
             tie_word_embeddings: !g.has_tensor("output.weight"),
             attention_bias: false,
-            sliding_window: g.opt_usize("llama.attention.sliding_window")?,
+            sliding_window: g.opt_usize(&key("attention.sliding_window"))?,
             bos_token_id: g.opt_u32("tokenizer.ggml.bos_token_id")?,
-            eos_token_ids,
+            eos_token_ids: kvmesh_tokenizer::info::gguf_eos_token_ids(g)?,
         };
-        config.validate(g.path(), &GGUF_FIELDS)?;
+        (family.gguf)(g, &mut config)?;
+        if !config.layer_types.contains(&LayerType::Sliding) {
+            config.sliding_window = None;
+        }
+        config.validate(g.path(), &FieldNames::gguf(&arch))?;
         Ok(config)
     }
 }
 
-/// `llama.rope.scaling.type` none/linear, or a `rope_freqs.weight` tensor
+/// `{arch}.rope.scaling.type` none/linear, or a `rope_freqs.weight` tensor
 /// that matches a Llama 3 scaling.
-fn rope_scaling(g: &mut GgufFile, head_dim: usize, theta: f32) -> Result<RopeScaling> {
-    let scaling = match g.opt_str("llama.rope.scaling.type")? {
+fn rope_scaling(g: &mut GgufFile, arch: &str, head_dim: usize, theta: f32) -> Result<RopeScaling> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let scaling = match g.opt_str(&key("rope.scaling.type"))? {
         None | Some("none") => RopeScaling::None,
-        Some("linear") => match g.opt_f32("llama.rope.scaling.factor")? {
+        Some("linear") => match g.opt_f32(&key("rope.scaling.factor"))? {
             Some(factor) if factor.is_finite() && factor > 0.0 => RopeScaling::Linear { factor },
             Some(factor) => {
-                return Err(g.invalid_field("llama.rope.scaling.factor", factor.to_string(), "must be positive").into())
+                return Err(g.invalid_field(&key("rope.scaling.factor"), factor.to_string(), "must be positive").into())
             }
-            None => return Err(g.missing_field("llama.rope.scaling.factor").into()),
+            None => return Err(g.missing_field(&key("rope.scaling.factor")).into()),
         },
         Some(other) => {
             return Err(g.invalid_field(
-                "llama.rope.scaling.type",
+                &key("rope.scaling.type"),
                 format!("{other:?}"),
                 "supported RoPE scalings are none and linear (Llama 3 scaling comes as rope_freqs.weight)",
             ).into())
@@ -145,7 +146,7 @@ fn rope_scaling(g: &mut GgufFile, head_dim: usize, theta: f32) -> Result<RopeSca
     if scaling != RopeScaling::None {
         return Err(g
             .invalid_field(
-                "llama.rope.scaling.type",
+                &key("rope.scaling.type"),
                 "\"linear\"",
                 "cannot be combined with a rope_freqs.weight tensor",
             )
@@ -160,13 +161,13 @@ fn rope_scaling(g: &mut GgufFile, head_dim: usize, theta: f32) -> Result<RopeSca
         ModelError::malformed(g.path(), format!("tensor `{ROPE_FREQS_TENSOR}`: {e}"))
     })?;
     let original = g
-        .opt_usize("llama.rope.scaling.original_context_length")?
+        .opt_usize(&key("rope.scaling.original_context_length"))?
         .unwrap_or(LLAMA3_ORIGINAL_CONTEXT);
     match llama3_from_divisors(&divisors, head_dim, theta, original) {
         Some(scaling) => Ok(scaling),
         None => Err(ModelError::UnsupportedArchitecture {
             path: g.path().to_owned(),
-            architecture: format!("llama with per-pair RoPE divisors ({ROPE_FREQS_TENSOR}) that match no Llama 3 scaling"),
+            architecture: format!("{arch} with per-pair RoPE divisors ({ROPE_FREQS_TENSOR}) that match no Llama 3 scaling"),
         }),
     }
 }

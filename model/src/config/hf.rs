@@ -5,18 +5,19 @@ use std::path::Path;
 use kvmesh_kernels::rope::RopeScaling;
 use serde_json::{Map, Value};
 
-use super::{ModelConfig, HF_FIELDS, HF_MODEL_TYPES};
+use super::{FieldNames, ModelConfig};
+use crate::arch::{Activation, Block, Family, LayerType};
 use crate::error::{ModelError, Result};
 
 /// A `config.json` object being parsed; errors name `path` and the key.
-pub(super) struct HfConfig<'a> {
-    pub(super) path: &'a Path,
-    pub(super) obj: &'a Map<String, Value>,
+pub(crate) struct HfConfig<'a> {
+    pub(crate) path: &'a Path,
+    pub(crate) obj: &'a Map<String, Value>,
 }
 
 impl HfConfig<'_> {
     pub(super) fn parse(&self) -> Result<ModelConfig> {
-        let (model_type, architecture) = self.architecture()?;
+        let (family, architecture) = self.architecture()?;
 
         let n_heads = self.req_usize("num_attention_heads")?;
         let hidden_size = self.req_usize("hidden_size")?;
@@ -35,43 +36,15 @@ impl HfConfig<'_> {
                 hidden_size / n_heads
             }
         };
-
-        if self.get("hidden_act").is_some() {
-            let act = self.opt_str("hidden_act")?.unwrap_or_default();
-            if act != "silu" {
-                return Err(self.invalid(
-                    "hidden_act",
-                    format!("{act:?}"),
-                    "only silu is implemented".into(),
-                ));
-            }
-        }
-        if self.opt_bool("mlp_bias")? == Some(true) {
-            return Err(self.invalid(
-                "mlp_bias",
-                "true".into(),
-                "MLP biases are not implemented".into(),
-            ));
-        }
-        // Llama and Mistral's `attention_bias` also biases o_proj, which the
-        // layer weights have no slot for; Qwen2 biases q, k and v only and
-        // has no such key.
-        let attention_bias = if model_type == "qwen2" {
-            true
-        } else {
-            if self.opt_bool("attention_bias")? == Some(true) {
-                return Err(self.invalid(
-                    "attention_bias",
-                    "true".into(),
-                    "an output-projection bias is not implemented".into(),
-                ));
-            }
-            false
-        };
-
         let n_layers = self.req_usize("num_hidden_layers")?;
-        let config = ModelConfig {
+        super::check_layer_count(self.path, "num_hidden_layers", n_layers)?;
+        let (rope_theta, rope_scaling) = self.rope("full_attention")?;
+        let mut config = ModelConfig {
             architecture,
+            family: family.name,
+            block: Block::llama(head_dim),
+            layer_types: self.layer_types(n_layers)?.unwrap_or_default(),
+            local_rope_theta: None,
             vocab_size: self.req_usize("vocab_size")?,
             hidden_size,
             intermediate_size: self.req_usize("intermediate_size")?,
@@ -80,23 +53,30 @@ impl HfConfig<'_> {
             n_kv_heads: self.opt_usize("num_key_value_heads")?.unwrap_or(n_heads),
             head_dim,
             rms_norm_eps: self.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
-            rope_theta: self.opt_f32("rope_theta")?.unwrap_or(10_000.0),
-            rope_scaling: self.rope_scaling()?,
+            rope_theta,
+            rope_scaling,
             max_position_embeddings: kvmesh_tokenizer::info::hf_context_length(
                 self.path, self.obj,
             )?,
             tie_word_embeddings: self.opt_bool("tie_word_embeddings")?.unwrap_or(false),
-            attention_bias,
-            sliding_window: self.sliding_window(&model_type, n_layers)?,
+            attention_bias: false,
+            sliding_window: self.opt_usize("sliding_window")?,
             bos_token_id: self.opt_token_id("bos_token_id")?,
             eos_token_ids: kvmesh_tokenizer::info::hf_eos_token_ids(self.path, self.obj)?,
         };
-        config.validate(self.path, &HF_FIELDS)?;
+        (family.hf)(self, &mut config)?;
+        if config.layer_types.is_empty() {
+            config.layer_types = vec![LayerType::Full; n_layers];
+        }
+        if !config.layer_types.contains(&LayerType::Sliding) {
+            config.sliding_window = None;
+        }
+        config.validate(self.path, &FieldNames::hf())?;
         Ok(config)
     }
 
-    /// `(model_type, architecture)`; refuses anything outside the family.
-    fn architecture(&self) -> Result<(String, String)> {
+    /// `(family, architecture)`; refuses anything no family reads.
+    fn architecture(&self) -> Result<(&'static Family, String)> {
         let unsupported = |architecture: &str| ModelError::UnsupportedArchitecture {
             path: self.path.to_owned(),
             architecture: architecture.to_owned(),
@@ -114,31 +94,78 @@ impl HfConfig<'_> {
                 }
             },
         };
-        let model_type = match (self.opt_str("model_type")?, class) {
-            (Some(t), _) => HF_MODEL_TYPES
-                .iter()
-                .find(|(mt, _)| *mt == t)
-                .map(|(mt, _)| *mt)
-                .ok_or_else(|| unsupported(t))?,
-            (None, Some(c)) => HF_MODEL_TYPES
-                .iter()
-                .find(|(_, cl)| *cl == c)
-                .map(|(mt, _)| *mt)
-                .ok_or_else(|| unsupported(c))?,
-            (None, None) => return Err(self.missing("model_type")),
-        };
+        let model_type = self.opt_str("model_type")?;
+        if model_type.is_none() && class.is_none() {
+            return Err(self.missing("model_type"));
+        }
+        let family = Family::by_hf(model_type, class)
+            .ok_or_else(|| unsupported(model_type.or(class).unwrap_or_default()))?;
         let architecture = match class {
-            Some(c) if HF_MODEL_TYPES.iter().any(|(_, cl)| *cl == c) => c.to_owned(),
+            Some(c) if family.hf_types.iter().any(|(_, cl)| *cl == c) => c.to_owned(),
             Some(c) => return Err(unsupported(c)),
-            None => model_type.to_owned(),
+            None => model_type.unwrap_or(family.name).to_owned(),
         };
-        Ok((model_type.to_owned(), architecture))
+        Ok((family, architecture))
     }
 
-    fn rope_scaling(&self) -> Result<RopeScaling> {
-        let obj = match self.get("rope_scaling") {
-            None | Some(Value::Null) => return Ok(RopeScaling::None),
-            Some(Value::Object(obj)) => obj,
+    /// `layer_types` (transformers 5 writes it): `full_attention` or
+    /// `sliding_attention` per layer; `None` when absent (the family
+    /// derives it).
+    pub(crate) fn layer_types(&self, n_layers: usize) -> Result<Option<Vec<LayerType>>> {
+        let list = match self.get("layer_types") {
+            None | Some(Value::Null) => return Ok(None),
+            Some(Value::Array(list)) => list,
+            Some(v) => {
+                return Err(self.invalid(
+                    "layer_types",
+                    json_text(v),
+                    "expected a list of layer types".into(),
+                ))
+            }
+        };
+        if list.len() != n_layers {
+            return Err(self.invalid(
+                "layer_types",
+                format!("{} entries", list.len()),
+                format!("must have one entry per layer ({n_layers})"),
+            ));
+        }
+        list.iter()
+            .map(|v| match v.as_str() {
+                Some("full_attention") => Ok(LayerType::Full),
+                Some("sliding_attention") => Ok(LayerType::Sliding),
+                _ => Err(self.invalid(
+                    "layer_types",
+                    json_text(v),
+                    "supported layer types are full_attention and sliding_attention".into(),
+                )),
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    /// The rope base and scaling of layers of `layer_type`: transformers
+    /// 5's `rope_parameters` (flat, or one entry per layer type), else the
+    /// older `rope_theta` and `rope_scaling` keys.
+    pub(crate) fn rope(&self, layer_type: &str) -> Result<(f32, RopeScaling)> {
+        if let Some(Value::Object(params)) = self.get("rope_parameters") {
+            let (obj, prefix) = match params.get(layer_type) {
+                Some(Value::Object(inner)) => (inner, format!("rope_parameters.{layer_type}")),
+                _ => (params, "rope_parameters".to_owned()),
+            };
+            let theta_key = format!("{prefix}.rope_theta");
+            let theta = match obj.get("rope_theta") {
+                None | Some(Value::Null) => self.opt_f32("rope_theta")?.unwrap_or(10_000.0),
+                Some(v) => v.as_f64().map(|x| x as f32).ok_or_else(|| {
+                    self.invalid(&theta_key, json_text(v), "expected a number".into())
+                })?,
+            };
+            return Ok((theta, self.rope_scaling(obj, &prefix)?));
+        }
+        let theta = self.opt_f32("rope_theta")?.unwrap_or(10_000.0);
+        let scaling = match self.get("rope_scaling") {
+            None | Some(Value::Null) => RopeScaling::None,
+            Some(Value::Object(obj)) => self.rope_scaling(obj, "rope_scaling")?,
             Some(other) => {
                 return Err(self.invalid(
                     "rope_scaling",
@@ -147,20 +174,52 @@ impl HfConfig<'_> {
                 ))
             }
         };
+        Ok((theta, scaling))
+    }
+
+    /// Refuse a `hidden_act` (or Gemma's `hidden_activation`) other than
+    /// `expected`.
+    pub(crate) fn require_activation(&self, expected: Activation) -> Result<()> {
+        for key in ["hidden_activation", "hidden_act"] {
+            if let Some(act) = self.opt_str(key)? {
+                if act != expected.name() {
+                    return Err(self.invalid(
+                        key,
+                        format!("{act:?}"),
+                        format!("this family runs {} only", expected.name()),
+                    ));
+                }
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuse `key: true` (a feature the forward pass does not have).
+    pub(crate) fn refuse_true(&self, key: &str, what: &str) -> Result<()> {
+        if self.opt_bool(key)? == Some(true) {
+            return Err(self.invalid(key, "true".into(), format!("{what} is not implemented")));
+        }
+        Ok(())
+    }
+
+    fn rope_scaling(&self, obj: &Map<String, Value>, prefix: &str) -> Result<RopeScaling> {
         let (type_key, kind) = match (obj.get("rope_type"), obj.get("type")) {
-            (Some(Value::String(s)), _) => ("rope_scaling.rope_type", s.as_str()),
-            (None, Some(Value::String(s))) => ("rope_scaling.type", s.as_str()),
+            (Some(Value::String(s)), _) => (format!("{prefix}.rope_type"), s.as_str()),
+            (None, Some(Value::String(s))) => (format!("{prefix}.type"), s.as_str()),
             (Some(other), _) | (None, Some(other)) => {
                 return Err(self.invalid(
-                    "rope_scaling.rope_type",
+                    &format!("{prefix}.rope_type"),
                     json_text(other),
                     "expected a string".into(),
                 ))
             }
-            (None, None) => return Err(self.missing("rope_scaling.rope_type")),
+            // `rope_parameters` with only a base: no scaling.
+            (None, None) if prefix != "rope_scaling" => return Ok(RopeScaling::None),
+            (None, None) => return Err(self.missing(&format!("{prefix}.rope_type"))),
         };
         let factor = |key: &str| -> Result<f32> {
-            let field = format!("rope_scaling.{key}");
+            let field = format!("{prefix}.{key}");
             match obj.get(key) {
                 None | Some(Value::Null) => Err(self.missing(&field)),
                 Some(v) => match v.as_f64() {
@@ -181,7 +240,7 @@ impl HfConfig<'_> {
                 let high_freq_factor = factor("high_freq_factor")?;
                 if high_freq_factor <= low_freq_factor {
                     return Err(self.invalid(
-                        "rope_scaling.high_freq_factor",
+                        &format!("{prefix}.high_freq_factor"),
                         high_freq_factor.to_string(),
                         format!("must exceed low_freq_factor ({low_freq_factor})"),
                     ));
@@ -192,12 +251,12 @@ impl HfConfig<'_> {
                     _ => match original {
                         None | Some(Value::Null) => {
                             return Err(
-                                self.missing("rope_scaling.original_max_position_embeddings")
+                                self.missing(&format!("{prefix}.original_max_position_embeddings"))
                             )
                         }
                         Some(v) => {
                             return Err(self.invalid(
-                                "rope_scaling.original_max_position_embeddings",
+                                &format!("{prefix}.original_max_position_embeddings"),
                                 json_text(v),
                                 "expected a positive integer".into(),
                             ))
@@ -212,38 +271,11 @@ impl HfConfig<'_> {
                 })
             }
             other => Err(self.invalid(
-                type_key,
+                &type_key,
                 format!("{other:?}"),
                 "supported RoPE scalings are default, linear and llama3".into(),
             )),
         }
-    }
-
-    /// Mistral's window applies to every layer. Qwen2 uses it only when
-    /// `use_sliding_window` is true, and then only from layer
-    /// `max_window_layers` on: a mix of windowed and full layers is refused.
-    fn sliding_window(&self, model_type: &str, n_layers: usize) -> Result<Option<usize>> {
-        let window = self.opt_usize("sliding_window")?;
-        if model_type == "llama" {
-            return Ok(None);
-        }
-        if model_type == "qwen2" {
-            if self.opt_bool("use_sliding_window")? != Some(true) {
-                return Ok(None);
-            }
-            let from_layer = self.opt_usize("max_window_layers")?.unwrap_or(0);
-            if from_layer >= n_layers {
-                return Ok(None);
-            }
-            if from_layer > 0 {
-                return Err(self.invalid(
-                    "max_window_layers",
-                    from_layer.to_string(),
-                    format!("sliding-window attention on only some of the {n_layers} layers is not implemented"),
-                ));
-            }
-        }
-        Ok(window)
     }
 
     fn opt_token_id(&self, key: &str) -> Result<Option<u32>> {
@@ -265,15 +297,15 @@ impl HfConfig<'_> {
             })
     }
 
-    fn get(&self, key: &str) -> Option<&Value> {
+    pub(crate) fn get(&self, key: &str) -> Option<&Value> {
         self.obj.get(key)
     }
 
-    fn req_usize(&self, key: &str) -> Result<usize> {
+    pub(crate) fn req_usize(&self, key: &str) -> Result<usize> {
         self.opt_usize(key)?.ok_or_else(|| self.missing(key))
     }
 
-    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+    pub(crate) fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => v
@@ -286,7 +318,7 @@ impl HfConfig<'_> {
         }
     }
 
-    fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
+    pub(crate) fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
         match self.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => v
@@ -296,7 +328,7 @@ impl HfConfig<'_> {
         }
     }
 
-    fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+    pub(crate) fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         match self.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
@@ -304,7 +336,7 @@ impl HfConfig<'_> {
         }
     }
 
-    fn opt_str(&self, key: &str) -> Result<Option<&str>> {
+    pub(crate) fn opt_str(&self, key: &str) -> Result<Option<&str>> {
         match self.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) => Ok(Some(s)),
@@ -312,14 +344,14 @@ impl HfConfig<'_> {
         }
     }
 
-    fn missing(&self, field: &str) -> ModelError {
+    pub(crate) fn missing(&self, field: &str) -> ModelError {
         ModelError::MissingField {
             path: self.path.to_owned(),
             field: field.to_owned(),
         }
     }
 
-    fn invalid(&self, field: &str, value: String, reason: String) -> ModelError {
+    pub(crate) fn invalid(&self, field: &str, value: String, reason: String) -> ModelError {
         ModelError::InvalidField {
             path: self.path.to_owned(),
             field: field.to_owned(),

@@ -1,4 +1,5 @@
 use super::*;
+use crate::arch::LayerType;
 use serde_json::json;
 
 fn write_config(value: &Value) -> (tempfile::TempDir, std::path::PathBuf) {
@@ -218,12 +219,17 @@ fn qwen2_and_mistral_specifics() {
         parse(windowed).expect("qwen2 windowed").sliding_window,
         Some(4096)
     );
+    // Windows from layer `max_window_layers` on (transformers' rule): a
+    // mix of windowed and full layers.
     let mixed = with(
         with(qwen, "use_sliding_window", json!(true)),
         "max_window_layers",
         json!(21),
     );
-    assert_invalid(parse(mixed), "max_window_layers", "21");
+    let c = parse(mixed).expect("qwen2 mixed");
+    assert_eq!(c.sliding_window, Some(4096));
+    assert!(c.layer_types[..21].iter().all(|t| *t == LayerType::Full));
+    assert!(c.layer_types[21..].iter().all(|t| *t == LayerType::Sliding));
 
     let mistral = with(
         with(smollm2(), "model_type", json!("mistral")),

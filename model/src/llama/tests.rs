@@ -3,6 +3,7 @@
 
 use candle_core::quantized::GgmlDType;
 
+use crate::arch::Activation;
 use crate::engine::{Engine, EngineConfig, Sequence};
 use crate::llama::{LogitsWanted, SeqChunk};
 use crate::loader::test_util::{smollm2_gguf, write_gguf_model};
@@ -170,16 +171,24 @@ fn quantized_logits_are_close_to_exact() {
 }
 
 #[test]
-fn swiglu_rows_in_parallel_equal_the_serial_pass_to_the_bit() {
+fn gated_rows_in_parallel_equal_the_serial_pass_to_the_bit() {
     // 37 rows of 1536 (over the parallel threshold, an uneven split).
     let (rows, width) = (37, 1536);
     let gate_up: Vec<f32> = (0..rows * 2 * width)
         .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 97.0)
         .collect();
-    let (mut serial, mut split) = (vec![0.0; rows * width], vec![0.0; rows * width]);
-    kvmesh_kernels::activation::swiglu(&gate_up, width, &mut serial);
-    super::swiglu_rows(&gate_up, width, &mut split);
-    assert_eq!(bits(&serial), bits(&split));
+    for (act, serial_fn) in [
+        (
+            Activation::Silu,
+            kvmesh_kernels::activation::swiglu as fn(&[f32], usize, &mut [f32]),
+        ),
+        (Activation::GeluTanh, kvmesh_kernels::activation::geglu_tanh),
+    ] {
+        let (mut serial, mut split) = (vec![0.0; rows * width], vec![0.0; rows * width]);
+        serial_fn(&gate_up, width, &mut serial);
+        super::gated_rows(act, &gate_up, width, &mut split);
+        assert_eq!(bits(&serial), bits(&split), "{act:?}");
+    }
     assert!(rows * width >= super::SWIGLU_PARALLEL);
 }
 

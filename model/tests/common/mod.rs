@@ -10,6 +10,12 @@ pub fn tiny_model_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny-llama")
 }
 
+/// The committed tiny random-weight model of a family
+/// (`scripts/golden/make_families.py`): `tiny-qwen3` and so on.
+pub fn tiny_family_dir(family: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/data/tiny-{family}"))
+}
+
 /// A committed golden file.
 pub fn golden_path(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

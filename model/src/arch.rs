@@ -1,0 +1,311 @@
+//! The decoder families kvmesh runs, each one description over one forward
+//! pass.
+//!
+//! # Why a description, not a forward per model
+//! Every family here is the same pre-norm decoder: embed, then per layer
+//! `norm -> q/k/v -> rope -> paged attention -> o` and `norm -> gated MLP
+//! -> down`, each added to the residual stream, then a final norm and the
+//! vocabulary projection. What differs is a handful of switches (biases on
+//! q/k/v, an RMSNorm per head on q and k, norms after attention and MLP,
+//! the MLP's activation, a scaled embedding, soft-capped logits, which
+//! layers attend a sliding window and with which rope base) and the tensor
+//! names. llama.cpp writes one graph builder per architecture (hundreds of
+//! near-copies); mistral.rs and candle-transformers one model file each.
+//! Both make a fix to the shared part (the checked paged attention, the
+//! batched projections, the CUDA twin) a change to every copy. Here a
+//! family is data ([`Family`]): how its configuration is read (Hugging Face
+//! `config.json` and GGUF metadata), which tensors it has and under what
+//! names, and the [`Block`] switches; the one forward pass
+//! ([`crate::llama::Llama`], and the CUDA backend, which refuses switches it
+//! does not implement) reads the switches. A family whose difference is not
+//! a switch (mixture-of-experts MLPs, latent attention) adds a component
+//! behind a new switch, not a copy of the pass.
+//!
+//! # Adding a family
+//! One file in this module: a `pub(crate) const FAMILY: Family` with its
+//! names and its two configuration hooks, listed in [`FAMILIES`]; its
+//! golden test beside the others (`model/tests/golden.rs`).
+
+mod gemma2;
+mod gemma3;
+mod llama;
+mod phi3;
+mod qwen2;
+mod qwen3;
+
+use crate::config::hf::HfConfig;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::loader::gguf::GgufFile;
+
+/// Every family, in the order a model type or class is looked up.
+pub(crate) const FAMILIES: &[&Family] = &[
+    &llama::LLAMA,
+    &llama::MISTRAL,
+    &qwen2::FAMILY,
+    &qwen3::FAMILY,
+    &gemma2::FAMILY,
+    &gemma3::FAMILY,
+    &phi3::FAMILY,
+];
+
+/// The MLP's activation on the gate (the up projection multiplies it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu(gate) * up` (SwiGLU).
+    #[default]
+    Silu,
+    /// `gelu_tanh(gate) * up` (GeGLU with the tanh approximation, Gemma).
+    GeluTanh,
+}
+
+impl Activation {
+    /// The name configuration files use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Silu => "silu",
+            Self::GeluTanh => "gelu_pytorch_tanh",
+        }
+    }
+}
+
+/// What one layer's attention reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LayerType {
+    /// Every earlier position.
+    #[default]
+    Full,
+    /// The last [`ModelConfig::sliding_window`] positions, with the local
+    /// rope base where the family has one.
+    Sliding,
+}
+
+/// The switches of the one forward pass (see the module docs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Block {
+    /// The MLP's activation.
+    pub activation: Activation,
+    /// RMSNorm over each head of q and of k, after the projection and
+    /// before rope (Qwen3, Gemma 3); weights `[head_dim]`.
+    pub qk_norm: bool,
+    /// RMSNorm on the attention output and on the MLP output before each
+    /// is added to the residual stream (Gemma 2/3).
+    pub sandwich_norms: bool,
+    /// Embedding rows multiplied by this (Gemma: `sqrt(hidden)`, rounded
+    /// to f32 as transformers does).
+    pub embed_scale: Option<f32>,
+    /// Softmax scale of attention (`1/sqrt(head_dim)`, or Gemma's
+    /// `query_pre_attn_scalar^-0.5`).
+    pub attn_scale: f32,
+    /// Final logits become `cap * tanh(logits / cap)` (Gemma 2).
+    pub final_softcap: Option<f32>,
+}
+
+impl Block {
+    /// A Llama block: SiLU, no extra norms, `1/sqrt(head_dim)`.
+    pub(crate) fn llama(head_dim: usize) -> Self {
+        Self {
+            activation: Activation::Silu,
+            qk_norm: false,
+            sandwich_norms: false,
+            embed_scale: None,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            final_softcap: None,
+        }
+    }
+
+    /// The switches that differ from a Llama block, by name (for logs and
+    /// the CUDA backend's refusal); empty for a Llama block.
+    pub fn non_llama_switches(&self, head_dim: usize) -> Vec<&'static str> {
+        let base = Self::llama(head_dim);
+        let mut out = Vec::new();
+        if self.activation != base.activation {
+            out.push("gelu-tanh MLP");
+        }
+        if self.qk_norm {
+            out.push("q/k norms");
+        }
+        if self.sandwich_norms {
+            out.push("post-attention and post-MLP norms");
+        }
+        if self.embed_scale.is_some() {
+            out.push("scaled embeddings");
+        }
+        if self.attn_scale != base.attn_scale {
+            out.push("a non-default attention scale");
+        }
+        if self.final_softcap.is_some() {
+            out.push("soft-capped logits");
+        }
+        out
+    }
+}
+
+/// Where a tensor role's names differ from Llama's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Part {
+    AttnNorm,
+    Q,
+    K,
+    V,
+    /// q, k and v fused by rows (Phi-3): `[q_dim + 2 kv_dim, hidden]`.
+    Qkv,
+    O,
+    QBias,
+    KBias,
+    VBias,
+    QNorm,
+    KNorm,
+    PostAttnNorm,
+    MlpNorm,
+    Gate,
+    Up,
+    /// Gate and up fused by rows (Phi-3): `[2 intermediate, hidden]`.
+    GateUp,
+    Down,
+    PostMlpNorm,
+}
+
+/// One decoder family: its names, how its configuration is read, and its
+/// tensors.
+pub(crate) struct Family {
+    /// Short name (`gemma3`), shown by `--check-config`, `doctor` and
+    /// `/v1/models`, and part of the prefix cache's model digest.
+    pub name: &'static str,
+    /// `(model_type, architectures[0])` pairs of its `config.json`.
+    pub hf_types: &'static [(&'static str, &'static str)],
+    /// Its `general.architecture` in GGUF (also the metadata key prefix).
+    pub gguf_arch: &'static str,
+    /// llama.cpp's converter permuted q/k rows for interleaved rope (only
+    /// the `llama` architecture: every other family runs rotate-half).
+    pub gguf_qk_permuted: bool,
+    /// Added to every RMSNorm weight of a Hugging Face checkpoint (Gemma
+    /// stores `w` and multiplies by `1 + w`; its GGUF files store `1 + w`).
+    pub hf_norm_offset: f32,
+    /// q/k/v and gate/up are fused tensors (Phi-3).
+    pub fused: bool,
+    /// Reads the family's own `config.json` keys into `cfg` (the common
+    /// sizes are already there) and refuses what it cannot run.
+    pub hf: fn(&HfConfig<'_>, &mut ModelConfig) -> Result<()>,
+    /// The same from GGUF metadata (keys under `{gguf_arch}.`).
+    pub gguf: fn(&GgufFile, &mut ModelConfig) -> Result<()>,
+    /// Hugging Face tensor names (after `model.layers.{i}.`) that differ
+    /// from Llama's.
+    pub hf_name: fn(Part) -> Option<&'static str>,
+}
+
+impl std::fmt::Debug for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Family").field("name", &self.name).finish()
+    }
+}
+
+impl Family {
+    /// The family of a `config.json` `model_type` or class name.
+    pub(crate) fn by_hf(model_type: Option<&str>, class: Option<&str>) -> Option<&'static Family> {
+        FAMILIES.iter().copied().find(|f| {
+            f.hf_types.iter().any(|(mt, cl)| match model_type {
+                Some(t) => *mt == t,
+                None => Some(*cl) == class,
+            })
+        })
+    }
+
+    /// The family of a GGUF `general.architecture`.
+    pub(crate) fn by_gguf(arch: &str) -> Option<&'static Family> {
+        FAMILIES.iter().copied().find(|f| f.gguf_arch == arch)
+    }
+
+    /// The family named `name` ([`ModelConfig::family`]).
+    pub(crate) fn named(name: &str) -> Option<&'static Family> {
+        FAMILIES.iter().copied().find(|f| f.name == name)
+    }
+
+    /// What is supported, for error messages: every `model_type` and
+    /// every GGUF architecture accepted.
+    pub(crate) fn supported() -> String {
+        let types: Vec<&str> = FAMILIES
+            .iter()
+            .flat_map(|f| f.hf_types.iter().map(|(mt, _)| *mt))
+            .collect();
+        let archs: Vec<&str> = FAMILIES.iter().map(|f| f.gguf_arch).collect();
+        format!(
+            "Hugging Face model types {}; GGUF architectures {}",
+            types.join(", "),
+            archs.join(", ")
+        )
+    }
+
+    /// The tensor roles of one layer of `cfg`.
+    pub(crate) fn layer_parts(&self, cfg: &ModelConfig) -> Vec<Part> {
+        let mut parts = vec![Part::AttnNorm, Part::MlpNorm, Part::O, Part::Down];
+        if self.fused {
+            parts.extend([Part::Qkv, Part::GateUp]);
+        } else {
+            parts.extend([Part::Q, Part::K, Part::V, Part::Gate, Part::Up]);
+        }
+        if cfg.attention_bias {
+            parts.extend([Part::QBias, Part::KBias, Part::VBias]);
+        }
+        if cfg.block.qk_norm {
+            parts.extend([Part::QNorm, Part::KNorm]);
+        }
+        if cfg.block.sandwich_norms {
+            parts.extend([Part::PostAttnNorm, Part::PostMlpNorm]);
+        }
+        parts
+    }
+}
+
+/// The Llama name of a layer tensor in a Hugging Face checkpoint (after
+/// `model.layers.{i}.`).
+pub(crate) fn llama_hf_name(part: Part) -> &'static str {
+    match part {
+        Part::AttnNorm => "input_layernorm.weight",
+        Part::Q => "self_attn.q_proj.weight",
+        Part::K => "self_attn.k_proj.weight",
+        Part::V => "self_attn.v_proj.weight",
+        Part::Qkv => "self_attn.qkv_proj.weight",
+        Part::O => "self_attn.o_proj.weight",
+        Part::QBias => "self_attn.q_proj.bias",
+        Part::KBias => "self_attn.k_proj.bias",
+        Part::VBias => "self_attn.v_proj.bias",
+        Part::QNorm => "self_attn.q_norm.weight",
+        Part::KNorm => "self_attn.k_norm.weight",
+        Part::PostAttnNorm => "post_attention_layernorm.weight",
+        Part::MlpNorm => "post_attention_layernorm.weight",
+        Part::Gate => "mlp.gate_proj.weight",
+        Part::Up => "mlp.up_proj.weight",
+        Part::GateUp => "mlp.gate_up_proj.weight",
+        Part::Down => "mlp.down_proj.weight",
+        Part::PostMlpNorm => "post_feedforward_layernorm.weight",
+    }
+}
+
+/// The name of a layer tensor in GGUF (after `blk.{i}.`): llama.cpp names
+/// one role the same in every architecture (a fused gate/up is its
+/// `ffn_up`).
+pub(crate) fn gguf_name(part: Part) -> &'static str {
+    match part {
+        Part::AttnNorm => "attn_norm.weight",
+        Part::Q => "attn_q.weight",
+        Part::K => "attn_k.weight",
+        Part::V => "attn_v.weight",
+        Part::Qkv => "attn_qkv.weight",
+        Part::O => "attn_output.weight",
+        Part::QBias => "attn_q.bias",
+        Part::KBias => "attn_k.bias",
+        Part::VBias => "attn_v.bias",
+        Part::QNorm => "attn_q_norm.weight",
+        Part::KNorm => "attn_k_norm.weight",
+        Part::PostAttnNorm => "post_attention_norm.weight",
+        Part::MlpNorm => "ffn_norm.weight",
+        Part::Gate => "ffn_gate.weight",
+        Part::Up | Part::GateUp => "ffn_up.weight",
+        Part::Down => "ffn_down.weight",
+        Part::PostMlpNorm => "post_ffw_norm.weight",
+    }
+}
+
+#[cfg(test)]
+mod tests;

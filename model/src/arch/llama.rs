@@ -1,0 +1,66 @@
+//! Llama (2, 3.x) and Mistral: the base block ([`Block::llama`]); Mistral
+//! attends a sliding window on every layer when its config gives one.
+
+use super::{Activation, Family, LayerType};
+use crate::config::hf::HfConfig;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::loader::gguf::GgufFile;
+
+/// Llama 2 and 3.x.
+pub(crate) const LLAMA: Family = Family {
+    name: "llama",
+    hf_types: &[("llama", "LlamaForCausalLM")],
+    gguf_arch: "llama",
+    gguf_qk_permuted: true,
+    hf_norm_offset: 0.0,
+    fused: false,
+    hf: llama_hf,
+    gguf: every_layer_window,
+    hf_name: |_| None,
+};
+
+/// Mistral (GGUF files of Mistral models say `llama`).
+pub(crate) const MISTRAL: Family = Family {
+    name: "mistral",
+    hf_types: &[("mistral", "MistralForCausalLM")],
+    gguf_arch: "mistral",
+    gguf_qk_permuted: true,
+    hf_norm_offset: 0.0,
+    fused: false,
+    hf: mistral_hf,
+    gguf: every_layer_window,
+    hf_name: |_| None,
+};
+
+/// SiLU, no MLP bias, no attention bias (Llama's `attention_bias` also
+/// biases o_proj, which the block has no slot for).
+pub(crate) fn plain_llama_block(hf: &HfConfig<'_>) -> Result<()> {
+    hf.require_activation(Activation::Silu)?;
+    hf.refuse_true("mlp_bias", "an MLP bias")?;
+    hf.refuse_true("attention_bias", "an output-projection bias")
+}
+
+fn llama_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {
+    plain_llama_block(hf)?;
+    // Llama has no sliding window, whatever else the file carries.
+    cfg.layer_types = vec![LayerType::Full; cfg.n_layers];
+    Ok(())
+}
+
+fn mistral_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {
+    plain_llama_block(hf)?;
+    if cfg.layer_types.is_empty() && cfg.sliding_window.is_some() {
+        cfg.layer_types = vec![LayerType::Sliding; cfg.n_layers];
+    }
+    Ok(())
+}
+
+/// GGUF: `{arch}.attention.sliding_window`, when present, applies to every
+/// layer.
+pub(crate) fn every_layer_window(_: &GgufFile, cfg: &mut ModelConfig) -> Result<()> {
+    if cfg.sliding_window.is_some() {
+        cfg.layer_types = vec![LayerType::Sliding; cfg.n_layers];
+    }
+    Ok(())
+}

@@ -1,0 +1,174 @@
+"""Tiny random-weight models of every decoder family kvmesh runs, and their
+golden data, made by Hugging Face transformers (the oracle).
+
+For each family in FAMILIES: a small seeded config built with
+`AutoConfig.for_model`, random weights drawn from a seeded generator with
+scales that make the logits peaky (greedy comparisons need top-2 gaps well
+above summation noise), saved as float32 safetensors with the tiny Llama's
+byte-level BPE tokenizer, loaded back from disk, and run through the same
+golden computation as the tiny Llama (`make_golden.build_golden`: tokenize,
+chat, 9 greedy prompts of 32 tokens with the top logits of every step).
+
+Outputs (committed; CI does not run this script):
+
+  model/tests/data/tiny-<family>/            config.json, model.safetensors, tokenizer files
+  model/tests/data/golden/tiny-<family>.json
+
+Each config exercises what its family changes: Qwen2's q/k/v biases and a
+window on its last layers only, Qwen3's q/k norms, Gemma 3's sandwich norms,
+GeGLU, scaled embeddings, q/k norms, non-default attention scale and a
+window of 8 positions on its local layers with their own rope base, Phi-3's
+fused tensors and a window, Mistral's window on every layer. The windows are
+shorter than the long greedy prompt, so a layer that read outside its
+window would change the logits.
+
+    scripts/golden/run_families.sh           (venv as run.sh makes it)
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import safetensors.torch
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_golden as mg  # noqa: E402
+
+COMMON = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+    "tie_word_embeddings": False,
+}
+
+# family -> (model_type, overrides, seed)
+FAMILIES = {
+    "qwen2": (
+        "qwen2",
+        {"rope_theta": 1_000_000.0, "use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1},
+        21,
+    ),
+    "qwen3": ("qwen3", {"rope_theta": 1_000_000.0, "tie_word_embeddings": True}, 22),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 100.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+        },
+        23,
+    ),
+    "phi3": ("phi3", {"sliding_window": 24, "rope_theta": 10_000.0}, 24),
+    "mistral": ("mistral", {"sliding_window": 16, "rope_theta": 10_000.0}, 25),
+}
+
+# Init std per parameter kind (see make_golden.TINY_INIT_STD).
+STD = {"embed": 0.5, "lm_head": 1.0, "qk": 0.3, "vo": 0.25, "mlp": 0.15, "bias": 0.1, "norm_jitter": 0.1}
+
+
+def init_weights(model, seed, norm_offset, embed_scale):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in sorted(model.named_parameters()):
+            r = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if "norm" in n:
+                # Gemma applies 1 + w: jitter around an effective weight of 1.
+                p.copy_(1.0 - norm_offset + STD["norm_jitter"] * r)
+            elif "embed_tokens" in n:
+                p.copy_(STD["embed"] / embed_scale * r)
+            elif n.startswith("lm_head"):
+                p.copy_(STD["lm_head"] * r)
+            elif n.endswith(".bias"):
+                p.copy_(STD["bias"] * r)
+            elif any(k in n for k in ("q_proj", "k_proj", "qkv_proj")):
+                p.copy_(STD["qk"] * r)
+            elif "v_proj" in n or "o_proj" in n:
+                p.copy_(STD["vo"] * r)
+            elif "mlp" in n:
+                p.copy_(STD["mlp"] * r)
+            else:
+                raise AssertionError(f"unexpected parameter {n}")
+
+
+def make_family(name, data_dir):
+    model_type, overrides, seed = FAMILIES[name]
+    out = data_dir / f"tiny-{name}"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(data_dir / "tiny-llama" / f, out / f)
+
+    params = dict(COMMON)
+    params.update(overrides)
+    cfg = AutoConfig.for_model(model_type, **params)
+    cfg.torch_dtype = "float32"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=mg.ATTN_IMPL).eval()
+    gemma = model_type.startswith("gemma")
+    init_weights(model, seed, 1.0 if gemma else 0.0, cfg.hidden_size**0.5 if gemma else 1.0)
+    model.save_pretrained(str(out), safe_serialization=True)
+    for p in out.iterdir():
+        os.chmod(p, 0o644)
+    (out / "generation_config.json").unlink(missing_ok=True)
+
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation=mg.ATTN_IMPL).eval()
+    # The tokenizer as its tokenizer.json says (AutoTokenizer would pick the
+    # family's own class, which for qwen2 re-creates Qwen2's pre-tokenizer).
+    tok = PreTrainedTokenizerFast.from_pretrained(str(out))
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": mg.sha256_file(p)} for p in sorted(out.iterdir())}
+    source = (
+        f"Generated by scripts/golden/make_families.py: transformers {transformers.__version__} "
+        f"{type(model).__name__} from AutoConfig.for_model({model_type!r}, ...), random weights "
+        f"(torch.Generator seed {seed}, init std {STD}), the tiny Llama's tokenizer; loaded back "
+        f"from model/tests/data/tiny-{name}"
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    return mg.build_golden(
+        f"tiny-{name}",
+        source,
+        tok,
+        model,
+        mg.LONG_TEXT_TINY,
+        smollm=False,
+        extra={"n_params": n_params, "files": files, "family": name},
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data-dir", type=Path, default=mg.REPO_ROOT / "model" / "tests" / "data")
+    ap.add_argument("--only", choices=sorted(FAMILIES), action="append")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    for name in args.only or sorted(FAMILIES):
+        g = make_family(name, args.data_dir)
+        mg.write_json(args.data_dir / "golden" / f"tiny-{name}.json", g)
+
+
+if __name__ == "__main__":
+    main()
