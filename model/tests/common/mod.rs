@@ -37,6 +37,22 @@ pub fn smollm2() -> Option<PathBuf> {
     found
 }
 
+/// A model shipped in Python packages (`default_model::SHIPPED`) if it is
+/// in the cache; tests on it are skipped (with a note on stderr) when it is
+/// not. `.ci/run` fetches every one first (`kvmesh fetch-model --all`).
+pub fn shipped(name: &str) -> Option<PathBuf> {
+    let model = default_model::ShippedModel::named(name)?;
+    let found = model.cached();
+    if found.is_none() {
+        eprintln!(
+            "note: {} not in {}; its tests skipped (run `kvmesh fetch-model --all`)",
+            model.file,
+            default_model::cache_dir().display()
+        );
+    }
+    found
+}
+
 /// An engine config on CUDA device 0, if one can be opened; `None` (with
 /// "not run: no CUDA device" on stderr) on a machine without the driver or
 /// a device, unless `KVMESH_REQUIRE_CUDA=1` (the GPU script), where that
