@@ -144,3 +144,45 @@ fn bad_sampling_parameters_are_refused_by_name() {
         .expect_err("top_p 0");
     assert!(err.to_string().contains("top_p"), "{err}");
 }
+
+/// Sliding windows and the pool (ARCHITECTURE.md, "Decoder families"):
+/// pages that have left every layer's window stay the sequence's until it
+/// is released, and admission reserves every token for every layer. The
+/// tiny Mistral attends a window of 16 positions on every layer; a
+/// 100-token prompt and 20 generated tokens leave most of its pages
+/// outside every window.
+#[test]
+fn pages_that_left_every_window_are_kept_until_release() {
+    let e = Engine::load(
+        &common::tiny_family_dir("mistral"),
+        &EngineConfig {
+            kv_pool_tokens: Some(256),
+            page_size: 4,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("load tiny mistral");
+    let cfg = e.model().config();
+    assert_eq!(cfg.sliding_window, Some(16));
+    let cap = e.pool().capacity_pages();
+    let prompt: Vec<u32> = (0..100u32).map(|i| 3 + i % 400).collect();
+    let mut seq = e.admit(prompt, 20).expect("admit");
+    // 120 tokens in pages of 4, reserved up front.
+    let held = cap - e.pool().free_pages();
+    assert_eq!(held, 30);
+    let mut logits = e.prefill(&mut seq).expect("prefill");
+    for _ in 0..20 {
+        let next = kvmesh_model::sampling::argmax(&logits);
+        logits = e
+            .decode_step(&mut [&mut seq], &[next])
+            .expect("step")
+            .pop()
+            .expect("one")
+            .expect("decode");
+        // Nothing given back while the sequence lives, though positions
+        // below `len - 16` are outside every layer's window.
+        assert_eq!(cap - e.pool().free_pages(), held);
+    }
+    drop(seq);
+    assert_eq!(e.pool().free_pages(), cap, "all given back on release");
+}
