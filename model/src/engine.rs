@@ -100,8 +100,10 @@ pub struct Engine {
     pool: KvPool,
     max_model_len: usize,
     eos: Vec<u32>,
-    /// The model file's name and the precision its weights run at: what
-    /// the prefix cache's model tag names.
+    /// The model's family, its weights' fingerprint
+    /// ([`crate::weights::Weights::fingerprint`]: configuration and weight
+    /// values, not the file's name) and the precision its weights run at:
+    /// what the prefix cache's model tag names.
     identity: String,
     /// The prefix cache's keys, when it is on
     /// ([`Engine::with_prefix_cache`]).
@@ -144,11 +146,9 @@ impl Engine {
         let eos = loaded.stop_token_ids();
         let kv_dtype = cfg.kv_dtype_for(loaded.precision);
         let identity = format!(
-            "{}@{:?}",
-            loaded
-                .path
-                .file_name()
-                .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+            "{}-{}@{:?}",
+            loaded.config.family,
+            loaded.weights.fingerprint(&loaded.config),
             loaded.precision
         );
         let LoadedModel {
@@ -283,8 +283,8 @@ impl Engine {
     pub fn pool(&self) -> &KvPool {
         &self.pool
     }
-    /// The model's identity: its file name and precision
-    /// (`model.gguf@Quantized`); nodes of one mesh must agree on it.
+    /// The model's identity: family, weights' fingerprint and precision
+    /// (`llama-3f0c...@Quantized`); nodes of one mesh must agree on it.
     pub fn identity(&self) -> &str {
         &self.identity
     }

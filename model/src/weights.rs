@@ -274,6 +274,65 @@ impl Weights {
         })
     }
 
+    /// What identifies these weights, whatever file or format they came
+    /// from: SHA-256 over the configuration, every vector (norms, biases)
+    /// whole, and every matrix's shape and 16 evenly spaced rows as f32
+    /// (dequantized: a Q4_K and a Q8_0 file of one model differ, the same
+    /// weights renamed or re-read do not). Reading 16 rows per matrix keeps
+    /// it a few milliseconds where hashing every weight of an 8B model
+    /// would take seconds; a fine-tune changes every row, so it changes the
+    /// sampled ones. Hex, 32 digits.
+    pub fn fingerprint(&self, config: &ModelConfig) -> String {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(format!("{config:?}").as_bytes());
+        let floats = |h: &mut Sha256, v: &[f32]| {
+            for x in v {
+                h.update(x.to_le_bytes());
+            }
+        };
+        let matrix = |h: &mut Sha256, m: &Matrix| {
+            let (rows, cols) = m.shape();
+            h.update((rows as u64).to_le_bytes());
+            h.update((cols as u64).to_le_bytes());
+            let mut row = vec![0f32; cols];
+            for i in 0..16.min(rows) {
+                let r = i * rows / 16.min(rows);
+                if m.row_into(r, &mut row).is_ok() {
+                    floats(h, &row);
+                }
+            }
+        };
+        matrix(&mut h, &self.embed);
+        for l in &self.layers {
+            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+                matrix(&mut h, m);
+            }
+            floats(&mut h, &l.attn_norm);
+            floats(&mut h, &l.mlp_norm);
+            for v in [
+                &l.bq,
+                &l.bk,
+                &l.bv,
+                &l.q_norm,
+                &l.k_norm,
+                &l.post_attn_norm,
+                &l.post_mlp_norm,
+            ]
+            .into_iter()
+            .flatten()
+            {
+                floats(&mut h, v);
+            }
+        }
+        floats(&mut h, &self.final_norm);
+        matrix(&mut h, &self.lm_head);
+        h.finalize()[..16]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     /// Bytes the matrices occupy (what a decode step reads).
     pub fn matrix_bytes(&self) -> usize {
         let bytes = |m: &Matrix| match m {

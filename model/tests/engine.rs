@@ -186,3 +186,28 @@ fn pages_that_left_every_window_are_kept_until_release() {
     drop(seq);
     assert_eq!(e.pool().free_pages(), cap, "all given back on release");
 }
+
+/// The prefix cache's model tag names the model by its weights, not its
+/// file: the same model under another name has the same identity, another
+/// model (or the same in another precision) another.
+#[test]
+fn identity_is_the_weights_not_the_file_name() {
+    let copy = tempfile::tempdir().expect("tempdir");
+    for entry in std::fs::read_dir(common::tiny_model_dir()).expect("list") {
+        let entry = entry.expect("entry");
+        std::fs::copy(entry.path(), copy.path().join(entry.file_name())).expect("copy");
+    }
+    let load = |path: &std::path::Path| {
+        Engine::load(path, &EngineConfig::default())
+            .expect("load")
+            .identity()
+            .to_owned()
+    };
+    let original = load(&common::tiny_model_dir());
+    assert!(
+        original.starts_with("llama-") && original.ends_with("@Exact"),
+        "{original}"
+    );
+    assert_eq!(load(copy.path()), original);
+    assert_ne!(load(&common::tiny_family_dir("mistral")), original);
+}

@@ -47,7 +47,8 @@ impl internal::v1::LoadReport {
     }
 
     /// This report with what `kvmesh doctor` compares across a mesh: this
-    /// build's version, the node's model (file and precision), context
+    /// build's version, the node's model (family, weights' fingerprint and
+    /// precision), context
     /// limit, KV element type and CPU kernels (path and numerics), and the
     /// node's clock now.
     pub fn with_identity(
