@@ -257,6 +257,45 @@ impl Family {
     }
 }
 
+/// `{arch}.attention.sliding_window_pattern` of a GGUF file, as llama.cpp
+/// writes it: a period `n` (every `n`-th layer global, the others sliding)
+/// or one bool per layer (`true`: sliding); `None` when absent.
+pub(crate) fn gguf_window_pattern(
+    g: &GgufFile,
+    arch: &str,
+    n_layers: usize,
+) -> Result<Option<Vec<LayerType>>> {
+    use kvmesh_tokenizer::gguf::GgufValue;
+    let key = format!("{arch}.attention.sliding_window_pattern");
+    let bad = |reason: &str| crate::error::ModelError::InvalidField {
+        path: g.path().to_owned(),
+        field: key.clone(),
+        value: "(the value in the file)".into(),
+        reason: reason.to_owned(),
+    };
+    match g.get(&key) {
+        None => Ok(None),
+        Some(GgufValue::Array(flags)) => {
+            if flags.len() != n_layers {
+                return Err(bad(&format!("must have one entry per layer ({n_layers})")));
+            }
+            flags
+                .iter()
+                .map(|f| match f {
+                    GgufValue::Bool(true) => Ok(LayerType::Sliding),
+                    GgufValue::Bool(false) => Ok(LayerType::Full),
+                    _ => Err(bad("expected a period or one bool per layer")),
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some)
+        }
+        Some(_) => match g.opt_usize(&key)? {
+            Some(period) if period > 0 => Ok(Some(gemma2::window_pattern(n_layers, period))),
+            _ => Err(bad("expected a positive period or one bool per layer")),
+        },
+    }
+}
+
 /// The Llama name of a layer tensor in a Hugging Face checkpoint (after
 /// `model.layers.{i}.`).
 pub(crate) fn llama_hf_name(part: Part) -> &'static str {

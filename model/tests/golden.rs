@@ -217,6 +217,23 @@ fn check_family(family: &str) {
     );
 }
 
+/// The same tiny models written as GGUF by the `gguf` package in f32
+/// (`scripts/golden/make_family_ggufs.py`: llama.cpp's names and metadata,
+/// q/k permuted for the `llama` architecture, Gemma's norms as `1 + w`,
+/// Phi-3's tensors fused, the vocabulary as GGUF BPE): the same tokens,
+/// chat templates, greedy tokens and logits as the safetensors against
+/// transformers.
+#[test]
+fn tiny_families_from_gguf_match_transformers() {
+    for family in ["qwen2", "qwen3", "gemma3", "phi3", "mistral"] {
+        let engine = engine_for(&common::tiny_family_gguf(family, "F32"));
+        let g = read_golden(&format!("tiny-{family}.json"));
+        check_tokenizer(&engine, &g);
+        let worst = check_greedy(&engine, &g, None);
+        eprintln!("tiny-{family} from GGUF: worst logit error = {worst:.3} of tolerance");
+    }
+}
+
 #[test]
 fn tiny_qwen2_matches_transformers() {
     check_family("qwen2");

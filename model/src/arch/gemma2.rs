@@ -11,6 +11,7 @@ use super::{Activation, Family, LayerType, Part};
 use crate::config::hf::HfConfig;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::loader::gguf::GgufFile;
 
 pub(crate) const FAMILY: Family = Family {
     name: "gemma2",
@@ -42,10 +43,11 @@ pub(crate) const FAMILY: Family = Family {
                 reason: "attention logit soft-capping is not implemented".into(),
             });
         }
-        gemma_gguf_scale(cfg);
+        gemma_gguf_scale(g, cfg)?;
         cfg.block.final_softcap = g.opt_f32("gemma2.final_logit_softcapping")?;
         if cfg.sliding_window.is_some() {
-            cfg.layer_types = window_pattern(cfg.n_layers, 2);
+            cfg.layer_types = super::gguf_window_pattern(g, "gemma2", cfg.n_layers)?
+                .unwrap_or_else(|| window_pattern(cfg.n_layers, 2));
         }
         Ok(())
     },
@@ -80,10 +82,11 @@ pub(crate) fn gemma_block(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()
     Ok(())
 }
 
-/// The same from GGUF, where the attention scale is not stored: llama.cpp
-/// uses `hidden / heads` for the 27B models (whose
+/// The same from GGUF, where the attention scale is usually not stored:
+/// `{arch}.attention.scale` when the file has it, else what llama.cpp
+/// uses, `hidden / heads` for the 27B models (whose
 /// `query_pre_attn_scalar` is that) and the head size for the others.
-pub(crate) fn gemma_gguf_scale(cfg: &mut ModelConfig) {
+pub(crate) fn gemma_gguf_scale(g: &GgufFile, cfg: &mut ModelConfig) -> Result<()> {
     cfg.block.activation = Activation::GeluTanh;
     cfg.block.sandwich_norms = true;
     cfg.block.embed_scale = Some(embed_scale(cfg.hidden_size));
@@ -93,7 +96,11 @@ pub(crate) fn gemma_gguf_scale(cfg: &mut ModelConfig) {
     } else {
         cfg.head_dim as f64
     };
-    cfg.block.attn_scale = scalar.powf(-0.5) as f32;
+    cfg.block.attn_scale = match g.opt_f32(&format!("{}.attention.scale", cfg.architecture))? {
+        Some(scale) => scale,
+        None => scalar.powf(-0.5) as f32,
+    };
+    Ok(())
 }
 
 /// `sqrt(hidden)`, computed in double and rounded to f32 as transformers'

@@ -29,15 +29,17 @@ pub(crate) const FAMILY: Family = Family {
     fused: false,
     hf: gemma3_hf,
     gguf: |g, cfg| {
-        gemma_gguf_scale(cfg);
+        gemma_gguf_scale(g, cfg)?;
         cfg.block.qk_norm = true;
-        let pattern = g
-            .opt_usize("gemma3.attention.sliding_window_pattern")?
-            .unwrap_or(PATTERN);
         if cfg.sliding_window.is_some() {
-            cfg.layer_types = window_pattern(cfg.n_layers, pattern);
+            cfg.layer_types = super::gguf_window_pattern(g, "gemma3", cfg.n_layers)?
+                .unwrap_or_else(|| window_pattern(cfg.n_layers, PATTERN));
         }
-        cfg.local_rope_theta = Some(LOCAL_ROPE_THETA);
+        // llama.cpp's fixed local base, unless the file names one.
+        cfg.local_rope_theta = Some(
+            g.opt_f32("gemma3.rope.freq_base_swa")?
+                .unwrap_or(LOCAL_ROPE_THETA),
+        );
         cfg.block.final_softcap = g.opt_f32("gemma3.final_logit_softcapping")?;
         Ok(())
     },

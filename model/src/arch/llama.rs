@@ -56,11 +56,13 @@ fn mistral_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {
     Ok(())
 }
 
-/// GGUF: `{arch}.attention.sliding_window`, when present, applies to every
+/// GGUF: `{arch}.attention.sliding_window`, when present, applies to the
+/// layers `{arch}.attention.sliding_window_pattern` names, or to every
 /// layer.
-pub(crate) fn every_layer_window(_: &GgufFile, cfg: &mut ModelConfig) -> Result<()> {
+pub(crate) fn every_layer_window(g: &GgufFile, cfg: &mut ModelConfig) -> Result<()> {
     if cfg.sliding_window.is_some() {
-        cfg.layer_types = vec![LayerType::Sliding; cfg.n_layers];
+        cfg.layer_types = super::gguf_window_pattern(g, &cfg.architecture, cfg.n_layers)?
+            .unwrap_or_else(|| vec![LayerType::Sliding; cfg.n_layers]);
     }
     Ok(())
 }

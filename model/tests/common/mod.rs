@@ -16,6 +16,13 @@ pub fn tiny_family_dir(family: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/data/tiny-{family}"))
 }
 
+/// A committed tiny family model written as GGUF
+/// (`scripts/golden/make_family_ggufs.py`): `tiny-qwen3-Q8_0.gguf`.
+pub fn tiny_family_gguf(family: &str, ty: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("tests/data/gguf/tiny-{family}-{ty}.gguf"))
+}
+
 /// A committed golden file.
 pub fn golden_path(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

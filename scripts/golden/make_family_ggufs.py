@@ -1,0 +1,181 @@
+"""The tiny family models (make_families.py) written as GGUF files by the
+`gguf` package, the way llama.cpp's converter lays them out: its tensor
+names, its metadata keys under the architecture's prefix, q/k rows permuted
+for interleaved rope (the `llama` architecture only: Mistral checkpoints
+convert to it), Gemma's norms stored as `1 + w`, Phi-3's fused q/k/v and
+gate/up kept fused, a tied embedding without `output.weight`, the tiny
+Llama's byte-level BPE vocabulary (`tokenizer.ggml.pre` = smollm).
+
+Written per family: F32 (the same weights as the safetensors: greedy must
+equal transformers' golden data) and Q8_0; for qwen3 also F16, BF16, Q4_0,
+Q4_1, Q5_0 and Q5_1. (The tiny models are 64 wide: K-quants need 256-wide
+rows, so they are tested on the real Gemma 3 GGUF and in the kernels.)
+Matrices are quantized, vectors stay F32, as llama.cpp does.
+
+Outputs (committed): model/tests/data/gguf/tiny-<family>-<type>.gguf
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+
+import gguf
+from gguf import GGMLQuantizationType as Q
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_golden as mg  # noqa: E402
+
+DATA = mg.REPO_ROOT / "model" / "tests" / "data"
+TYPES = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1, "Q5_0": Q.Q5_0, "Q5_1": Q.Q5_1}
+PER_FAMILY = {
+    "qwen2": ["F32", "Q8_0"],
+    "qwen3": ["F32", "Q8_0", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1"],
+    "gemma3": ["F32", "Q8_0"],
+    "phi3": ["F32", "Q8_0"],
+    "mistral": ["F32", "Q8_0"],
+}
+# family -> GGUF architecture
+ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3", "mistral": "llama"}
+
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def layer_name(family, rest):
+    """HF `self_attn.q_proj.weight` -> GGUF `attn_q.weight` for this family."""
+    base, _, kind = rest.rpartition(".")
+    if base == "post_attention_layernorm":
+        base_out = "post_attention_norm" if family == "gemma3" else "ffn_norm"
+    elif base == "pre_feedforward_layernorm":
+        base_out = "ffn_norm"
+    elif base == "post_feedforward_layernorm":
+        base_out = "post_ffw_norm"
+    else:
+        base_out = LAYER_NAMES[base]
+    return f"{base_out}.{kind}"
+
+
+def permute(w, n_head):
+    """llama.cpp's q/k permutation for interleaved rope (rows, or a bias)."""
+    shape = w.shape
+    return w.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def tokenizer_metadata(w, src):
+    tok = json.loads((src / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    specials = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
+    for i, t in specials.items():
+        tokens[i] = t
+    types = [gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    w.add_chat_template(cfg["chat_template"])
+    return len(tokens)
+
+
+def convert(family, type_name):
+    src = DATA / f"tiny-{family}"
+    cfg = json.loads((src / "config.json").read_text())
+    arch = ARCH[family]
+    out = DATA / "gguf" / f"tiny-{family}-{type_name}.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"tiny-{family}")
+    n_layers, n_head, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg["head_dim"]
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    theta = (rope.get("full_attention") or rope).get("rope_theta", cfg.get("rope_theta", 10000.0))
+    w.add_rope_freq_base(theta)
+    layer_types = cfg.get("layer_types")
+    if cfg.get("sliding_window") and (family != "qwen2" or cfg.get("use_sliding_window")):
+        w.add_sliding_window(cfg["sliding_window"])
+        if layer_types and len(set(layer_types)) > 1:
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in layer_types])
+    if family == "gemma3":
+        local = (rope.get("sliding_attention") or {}).get("rope_theta")
+        assert local is not None
+        w.add_float32("gemma3.rope.freq_base_swa", local)
+        # llama.cpp derives the scale from the model size; the tiny model's
+        # query_pre_attn_scalar is not its head size, so it is written.
+        w.add_float32("gemma3.attention.scale", float(np.float32(cfg["query_pre_attn_scalar"] ** -0.5)))
+    vocab = tokenizer_metadata(w, src)
+    w.add_vocab_size(vocab)
+
+    qtype = TYPES[type_name]
+    tensors = safetensors.numpy.load_file(str(src / "model.safetensors"))
+    for name in sorted(tensors):
+        t = tensors[name].astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            prefix = "model.layers."
+            assert name.startswith(prefix), name
+            i, rest = name[len(prefix):].split(".", 1)
+            gname = f"blk.{i}.{layer_name(family, rest)}"
+            if arch == "llama" and rest.startswith("self_attn.q_proj"):
+                t = permute(t, n_head)
+            elif arch == "llama" and rest.startswith("self_attn.k_proj"):
+                t = permute(t, n_kv)
+        if family == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1.0
+        if t.ndim == 2 and qtype != Q.F32:
+            data = gguf.quants.quantize(t, qtype)
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    mg.log(f"wrote {out.relative_to(mg.REPO_ROOT)} ({out.stat().st_size} bytes)")
+
+
+def main():
+    for family, types in PER_FAMILY.items():
+        for t in types:
+            convert(family, t)
+
+
+if __name__ == "__main__":
+    main()
