@@ -49,43 +49,267 @@ mod scalar;
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_512;
+#[cfg(target_arch = "x86_64")]
+mod x86_blocks;
 
 use thiserror::Error;
 
 pub use crate::cpu::Path;
 
-/// Values per quantization block (both formats).
-pub const BLOCK: usize = 32;
+/// Widest inner dimension the kernels take: 32,768 columns, beyond any
+/// Llama-family hidden or intermediate size (rows of blocks this long keep
+/// a panel of 64 weight rows within 8 MiB).
+pub const MAX_COLS: usize = 32 * 1024;
 
-/// Widest inner dimension the kernels take (blocks per row), so a row's
-/// scales fit a stack buffer: 32,768 columns, beyond any Llama-family
-/// hidden or intermediate size.
-pub const MAX_BLOCKS: usize = 1024;
+/// Values per group: every format is decoded 32 values at a time (one
+/// legacy block, an eighth of a K-quant super-block, or 32 halves).
+pub(crate) const GROUP: usize = 32;
 
-/// A GGUF block format the kernels run directly.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A GGUF weight format the kernels run directly, as its bytes.
+#[allow(non_camel_case_types)] // GGUF's spelling
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum QFormat {
-    /// 4-bit with a per-block scale and minimum.
+    /// IEEE half precision, taken in blocks of 32 values (64 bytes).
+    F16,
+    /// bfloat16, taken in blocks of 32 values (64 bytes).
+    BF16,
+    /// 4-bit, per-block scale: `(q - 8) * d`.
+    Q4_0,
+    /// 4-bit with a per-block scale and minimum: `q * d + m`.
     Q4_1,
-    /// 8-bit with a per-block scale.
+    /// 5-bit, per-block scale: `(q - 16) * d`.
+    Q5_0,
+    /// 5-bit with a per-block scale and minimum: `q * d + m`.
+    Q5_1,
+    /// 8-bit, per-block scale: `q * d`.
     Q8_0,
+    /// K-quant, 2-bit, 4-bit scales and minimums per 16 values.
+    Q2_K,
+    /// K-quant, 3-bit, 6-bit scales per 16 values.
+    Q3_K,
+    /// K-quant, 4-bit, 6-bit scales and minimums per 32 values.
+    Q4_K,
+    /// K-quant, 5-bit, 6-bit scales and minimums per 32 values.
+    Q5_K,
+    /// K-quant, 6-bit, 8-bit scales per 16 values.
+    Q6_K,
 }
 
+/// The formats' GGML type ids (`enum ggml_type` in ggml.h,
+/// `GGMLQuantizationType` in gguf-py), also the kernels' compile-time
+/// format parameter (`const F: u8`).
+pub(crate) mod code {
+    pub const F16: u8 = 1;
+    pub const Q4_0: u8 = 2;
+    pub const Q4_1: u8 = 3;
+    pub const Q5_0: u8 = 6;
+    pub const Q5_1: u8 = 7;
+    pub const Q8_0: u8 = 8;
+    pub const Q2_K: u8 = 10;
+    pub const Q3_K: u8 = 11;
+    pub const Q4_K: u8 = 12;
+    pub const Q5_K: u8 = 13;
+    pub const Q6_K: u8 = 14;
+    pub const BF16: u8 = 30;
+}
+
+/// `$body` with `$F` a `const u8` holding `$format`'s [`code`], so a kernel
+/// generic over `const F: u8` is monomorphized per format and its format
+/// tests fold away.
+macro_rules! with_format {
+    ($format:expr, $F:ident => $body:expr) => {{
+        use $crate::quant::{code as c, QFormat as Q};
+        match $format {
+            Q::F16 => {
+                const $F: u8 = c::F16;
+                $body
+            }
+            Q::BF16 => {
+                const $F: u8 = c::BF16;
+                $body
+            }
+            Q::Q4_0 => {
+                const $F: u8 = c::Q4_0;
+                $body
+            }
+            Q::Q4_1 => {
+                const $F: u8 = c::Q4_1;
+                $body
+            }
+            Q::Q5_0 => {
+                const $F: u8 = c::Q5_0;
+                $body
+            }
+            Q::Q5_1 => {
+                const $F: u8 = c::Q5_1;
+                $body
+            }
+            Q::Q8_0 => {
+                const $F: u8 = c::Q8_0;
+                $body
+            }
+            Q::Q2_K => {
+                const $F: u8 = c::Q2_K;
+                $body
+            }
+            Q::Q3_K => {
+                const $F: u8 = c::Q3_K;
+                $body
+            }
+            Q::Q4_K => {
+                const $F: u8 = c::Q4_K;
+                $body
+            }
+            Q::Q5_K => {
+                const $F: u8 = c::Q5_K;
+                $body
+            }
+            Q::Q6_K => {
+                const $F: u8 = c::Q6_K;
+                $body
+            }
+        }
+    }};
+}
+pub(crate) use with_format;
+
 impl QFormat {
-    /// Bytes per 32-value block.
+    /// Every format, in GGML type id order.
+    pub const ALL: [QFormat; 12] = [
+        Self::F16,
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q5_0,
+        Self::Q5_1,
+        Self::Q8_0,
+        Self::Q2_K,
+        Self::Q3_K,
+        Self::Q4_K,
+        Self::Q5_K,
+        Self::Q6_K,
+        Self::BF16,
+    ];
+
+    /// The format of a GGML type id (a GGUF tensor's `type`), or `None`
+    /// for a type the kernels do not run (F32, Q8_1, the IQ and TQ
+    /// families, MXFP4, ...).
+    pub const fn from_ggml_type(code: u32) -> Option<QFormat> {
+        let mut i = 0;
+        while i < Self::ALL.len() {
+            if Self::ALL[i].ggml_type() == code {
+                return Some(Self::ALL[i]);
+            }
+            i += 1;
+        }
+        None
+    }
+
+    /// The GGML type id.
+    pub const fn ggml_type(self) -> u32 {
+        self.code() as u32
+    }
+
+    /// The kernels' compile-time format parameter (the GGML type id).
+    pub(crate) const fn code(self) -> u8 {
+        match self {
+            Self::F16 => code::F16,
+            Self::BF16 => code::BF16,
+            Self::Q4_0 => code::Q4_0,
+            Self::Q4_1 => code::Q4_1,
+            Self::Q5_0 => code::Q5_0,
+            Self::Q5_1 => code::Q5_1,
+            Self::Q8_0 => code::Q8_0,
+            Self::Q2_K => code::Q2_K,
+            Self::Q3_K => code::Q3_K,
+            Self::Q4_K => code::Q4_K,
+            Self::Q5_K => code::Q5_K,
+            Self::Q6_K => code::Q6_K,
+        }
+    }
+
+    /// The format of a [`Self::code`] (kernels generic over `const F: u8`).
+    pub(crate) const fn of_code(f: u8) -> QFormat {
+        match Self::from_ggml_type(f as u32) {
+            Some(format) => format,
+            None => panic!("not a format code"),
+        }
+    }
+
+    /// Values per block: 256 for the K-quants, 32 for the others.
+    pub const fn block_values(self) -> usize {
+        match self {
+            Self::Q2_K | Self::Q3_K | Self::Q4_K | Self::Q5_K | Self::Q6_K => 256,
+            _ => GROUP,
+        }
+    }
+
+    /// Bytes per block (GGUF's `type_size`; 64 for 32 halves).
     pub const fn block_bytes(self) -> usize {
         match self {
+            Self::F16 | Self::BF16 => 64,
+            Self::Q4_0 => 18,
             Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
             Self::Q8_0 => 34,
+            Self::Q2_K => 84,
+            Self::Q3_K => 110,
+            Self::Q4_K => 144,
+            Self::Q5_K => 176,
+            Self::Q6_K => 210,
         }
     }
 
     /// The format's name as GGUF tools write it.
     pub const fn name(self) -> &'static str {
         match self {
+            Self::F16 => "F16",
+            Self::BF16 => "BF16",
+            Self::Q4_0 => "Q4_0",
             Self::Q4_1 => "Q4_1",
+            Self::Q5_0 => "Q5_0",
+            Self::Q5_1 => "Q5_1",
             Self::Q8_0 => "Q8_0",
+            Self::Q2_K => "Q2_K",
+            Self::Q3_K => "Q3_K",
+            Self::Q4_K => "Q4_K",
+            Self::Q5_K => "Q5_K",
+            Self::Q6_K => "Q6_K",
         }
+    }
+
+    /// Whether values are quants times scales (every format but F16 and
+    /// BF16, which are converted).
+    pub(crate) const fn is_quantized(self) -> bool {
+        !matches!(self, Self::F16 | Self::BF16)
+    }
+
+    /// Whether a value adds an offset (`fma(q, s, o)`; else `q * s`).
+    pub(crate) const fn has_offset(self) -> bool {
+        matches!(
+            self,
+            Self::Q4_1 | Self::Q5_1 | Self::Q2_K | Self::Q4_K | Self::Q5_K
+        )
+    }
+
+    /// Values sharing one scale (and offset): 16 in Q2_K, Q3_K and Q6_K,
+    /// 32 in the others (a legacy block is one).
+    pub(crate) const fn sub_block(self) -> usize {
+        match self {
+            Self::Q2_K | Self::Q3_K | Self::Q6_K => 16,
+            _ => GROUP,
+        }
+    }
+
+    /// Bytes of a matrix row of `cols` values (whole blocks).
+    pub const fn row_bytes(self, cols: usize) -> usize {
+        cols / self.block_values() * self.block_bytes()
+    }
+}
+
+impl std::fmt::Display for QFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -94,10 +318,14 @@ impl QFormat {
 pub enum QuantError {
     /// The inner dimension is not a whole number of blocks, or too wide.
     #[error(
-        "{cols} columns: not a multiple of the {BLOCK}-value block, or over {} blocks",
-        MAX_BLOCKS
+        "{format} matrix of {cols} columns: not a multiple of its {block}-value block, or over {}",
+        MAX_COLS
     )]
     Columns {
+        /// Format name.
+        format: &'static str,
+        /// The format's values per block.
+        block: usize,
         /// The inner dimension.
         cols: usize,
     },
@@ -130,7 +358,7 @@ pub enum QuantError {
 }
 
 /// A `[rows, cols]` weight matrix of GGUF blocks, row-major: row `r` is
-/// `cols / 32` consecutive blocks.
+/// `cols / format.block_values()` consecutive blocks.
 #[derive(Clone)]
 pub struct QMatrix {
     format: QFormat,
@@ -157,11 +385,16 @@ impl QMatrix {
         cols: usize,
         data: Vec<u8>,
     ) -> Result<Self, QuantError> {
-        if !cols.is_multiple_of(BLOCK) || cols / BLOCK > MAX_BLOCKS {
-            return Err(QuantError::Columns { cols });
+        let block = format.block_values();
+        if !cols.is_multiple_of(block) || cols > MAX_COLS {
+            return Err(QuantError::Columns {
+                format: format.name(),
+                block,
+                cols,
+            });
         }
         let expected = rows
-            .checked_mul(cols / BLOCK)
+            .checked_mul(cols / block)
             .and_then(|b| b.checked_mul(format.block_bytes()));
         if expected != Some(data.len()) {
             return Err(QuantError::Length {
@@ -207,7 +440,7 @@ impl QMatrix {
 
     /// Bytes of one row of blocks.
     pub(super) fn row_bytes(&self) -> usize {
-        self.cols / BLOCK * self.format.block_bytes()
+        self.format.row_bytes(self.cols)
     }
 
     /// The blocks of row `r`.
