@@ -16,7 +16,8 @@
 //! `cargo bench -p kvmesh-kernels --bench quant` runs both;
 //! `QUANT_BENCH_TABLE=formats` (or `paths`) one of them, `QUANT_BENCH` (a
 //! substring of a shape's or format's name) only some rows, and
-//! `QUANT_BENCH_ROWS=1,16` only those batch sizes in `formats`. A benchmark,
+//! `QUANT_BENCH_ROWS=1,16` only those batch sizes in `formats`, and
+//! `QUANT_BENCH_PATH=avx2` that path instead of the best in `formats`. A benchmark,
 //! not a test: nothing here asserts a time.
 
 use std::hint::black_box;
@@ -107,7 +108,13 @@ fn rows_wanted(t: usize) -> bool {
 
 /// Every format on the best path (see the module docs).
 fn formats() {
-    let path = Path::detect();
+    // `QUANT_BENCH_PATH=avx2` (or `portable`): another path than the best.
+    let path = std::env::var("QUANT_BENCH_PATH").map_or(Path::detect(), |p| {
+        *cpu::available_paths()
+            .iter()
+            .find(|a| a.name() == p)
+            .expect("a path this CPU runs: avx512, avx2 or portable")
+    });
     println!(
         "every format, {} path, {} threads (rayon); ms per call (median), GB/s of weight bytes",
         path.name(),

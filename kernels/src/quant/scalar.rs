@@ -65,6 +65,13 @@ pub(super) struct Head {
     pub o: [f32; 16],
 }
 
+impl Head {
+    pub const ZERO: Head = Head {
+        s: [0.0; 16],
+        o: [0.0; 16],
+    };
+}
+
 /// The six-bit scales and minimums of a Q4_K or Q5_K super-block (12
 /// bytes, as little-endian words `w0 w1 w2`): scale `j < 4` is the low six
 /// bits of byte `j`, minimum `j < 4` of byte `j + 4`; scale `j + 4` is the
@@ -106,10 +113,7 @@ pub(super) fn q3k_scales(sc: &[u8]) -> [u64; 2] {
 
 /// A quantized block's [`Head`] (the portable conversions).
 pub(super) fn head(format: QFormat, b: &[u8]) -> Head {
-    let mut h = Head {
-        s: [0.0; 16],
-        o: [0.0; 16],
-    };
+    let mut h = Head::ZERO;
     match format.code() {
         code::Q4_0 | code::Q5_0 | code::Q8_0 => h.s = [half(b, 0); 16],
         code::Q4_1 | code::Q5_1 => (h.s, h.o) = ([half(b, 0); 16], [half(b, 2); 16]),

@@ -5,6 +5,7 @@
 
 use std::arch::x86_64::*;
 
+use super::scalar::Head;
 use super::x86_blocks::{chunk, head, quants};
 use super::{with_format, QFormat, GROUP};
 use crate::simd::hsum;
@@ -237,22 +238,17 @@ unsafe fn fused_tile<const MR: usize, const NR: usize, const F: u8>(
     let (bb, bv) = (f.block_bytes(), f.block_values());
     let groups = bv / GROUP;
     let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+    let mut heads = [Head::ZERO; NR];
     for b in 0..k / bv {
         // SAFETY: block b of each row, and values b*bv .. (b+1)*bv of each
         // activation row, by the caller. The prefetch is only a hint (it
         // may point past the matrix; it never faults).
         unsafe {
-            let p: [*const u8; NR] = std::array::from_fn(|j| w.add(j * rb + b * bb));
-            let heads = p.map(|p| {
-                if f.is_quantized() {
-                    head::<F>(p)
-                } else {
-                    super::scalar::Head {
-                        s: [0.0; 16],
-                        o: [0.0; 16],
-                    }
-                }
-            });
+            let mut p = [w; NR];
+            for j in 0..NR {
+                p[j] = w.add(j * rb + b * bb);
+                head::<F>(p[j], &mut heads[j]);
+            }
             for g in 0..groups {
                 let mut q = [_mm256_setzero_si256(); NR];
                 for j in 0..NR {

@@ -38,27 +38,9 @@
 use std::arch::x86_64::*;
 
 use super::scalar::Head;
-use super::x86_blocks::{head, quants};
+use super::x86_blocks::{field, head, load16, nibbles16, qh, quants, sub};
 use super::{code, with_format, QFormat, GROUP};
 use crate::simd512::{hsum2, load_both};
-
-/// A quantized block's head, or nothing (F16, BF16).
-///
-/// # Safety
-/// `p` points at a whole block of format `F`; AVX2/FMA/F16C.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn head_of<const F: u8>(p: *const u8) -> Head {
-    if const { QFormat::of_code(F).is_quantized() } {
-        // SAFETY: by the caller.
-        unsafe { head::<F>(p) }
-    } else {
-        Head {
-            s: [0.0; 16],
-            o: [0.0; 16],
-        }
-    }
-}
 
 /// Group `g`'s quants of two blocks: 128-bit lane `c` holds row `a`'s
 /// bytes `8c .. 8c + 8` then row `b`'s.
@@ -72,9 +54,52 @@ unsafe fn pair_quants<const F: u8>(a: *const u8, b: *const u8, g: usize) -> __m5
         return _mm512_setzero_si512();
     }
     // SAFETY: by the caller.
-    let (qa, qb) = unsafe { (quants::<F>(a, g), quants::<F>(b, g)) };
+    let (qa, qb) = unsafe { (quants512::<F>(a, g), quants512::<F>(b, g)) };
     let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qa), qb);
     _mm512_permutexvar_epi64(_mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0), v)
+}
+
+/// [`quants`] with AVX-512's byte masks where a format has a bit plane
+/// (the fifth bit of Q5_0, Q5_1 and Q5_K, Q3_K's high bit): one test and
+/// one masked add instead of AVX2's shuffles and compares. The same
+/// integers.
+///
+/// # Safety
+/// As [`quants`]; AVX-512.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn quants512<const F: u8>(p: *const u8, g: usize) -> __m256i {
+    let sixteen = _mm256_set1_epi8(16);
+    // SAFETY (all): offsets inside the block, by the format's layout.
+    unsafe {
+        match F {
+            code::Q5_0 | code::Q5_1 => {
+                let (qh_at, qs_at) = if F == code::Q5_0 { (2, 6) } else { (4, 8) };
+                let low = nibbles16(load16(p.add(qs_at)));
+                let k = _cvtu32_mask32(qh(p.add(qh_at)));
+                let q = _mm256_mask_add_epi8(low, k, low, sixteen);
+                if F == code::Q5_0 {
+                    sub(q, 16)
+                } else {
+                    q
+                }
+            }
+            code::Q3_K => {
+                // Minus 4 where the high bit is clear.
+                let low = field(p.add(32 + 32 * (g / 4)), 2 * (g % 4), 3);
+                let plane = _mm256_loadu_si256(p.cast());
+                let clear = _mm256_testn_epi8_mask(plane, _mm256_set1_epi8((1u8 << g) as i8));
+                _mm256_mask_sub_epi8(low, clear, low, _mm256_set1_epi8(4))
+            }
+            code::Q5_K => {
+                let low = field(p.add(48 + 32 * (g / 2)), 4 * (g % 2), 0x0f);
+                let plane = _mm256_loadu_si256(p.add(16).cast());
+                let set = _mm256_test_epi8_mask(plane, _mm256_set1_epi8((1u8 << g) as i8));
+                _mm256_mask_add_epi8(low, set, low, sixteen)
+            }
+            _ => quants::<F>(p, g),
+        }
+    }
 }
 
 /// `x` in the low half and `y` in the high half of every lane pair.
@@ -105,32 +130,28 @@ unsafe fn chunk2<const F: u8>(
     c: usize,
 ) -> __m512 {
     let f = const { QFormat::of_code(F) };
-    // SAFETY: eight halves of each 32-value block (F16, BF16).
-    let raw = || unsafe {
-        _mm256_set_m128i(
-            _mm_loadu_si128(b.add(16 * c).cast()),
-            _mm_loadu_si128(a.add(16 * c).cast()),
-        )
+    if !f.is_quantized() {
+        // SAFETY: eight halves of each 32-value block.
+        let raw = unsafe { _mm256_set_m128i(load16(b.add(16 * c)), load16(a.add(16 * c))) };
+        return if F == code::F16 {
+            _mm512_cvtph_ps(raw)
+        } else {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+        };
+    }
+    let e = match c {
+        0 => _mm512_castsi512_si128(q),
+        1 => _mm512_extracti32x4_epi32::<1>(q),
+        2 => _mm512_extracti32x4_epi32::<2>(q),
+        _ => _mm512_extracti32x4_epi32::<3>(q),
     };
-    match F {
-        code::F16 => _mm512_cvtph_ps(raw()),
-        code::BF16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw()))),
-        _ => {
-            let e = match c {
-                0 => _mm512_castsi512_si128(q),
-                1 => _mm512_extracti32x4_epi32::<1>(q),
-                2 => _mm512_extracti32x4_epi32::<2>(q),
-                _ => _mm512_extracti32x4_epi32::<3>(q),
-            };
-            let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(e));
-            let i = (GROUP * g + 8 * c) / f.sub_block();
-            let s = both(ha.s[i], hb.s[i]);
-            if f.has_offset() {
-                _mm512_fmadd_ps(v, s, both(ha.o[i], hb.o[i]))
-            } else {
-                _mm512_mul_ps(v, s)
-            }
-        }
+    let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(e));
+    let i = (GROUP * g + 8 * c) / f.sub_block();
+    let s = both(ha.s[i], hb.s[i]);
+    if f.has_offset() {
+        _mm512_fmadd_ps(v, s, both(ha.o[i], hb.o[i]))
+    } else {
+        _mm512_mul_ps(v, s)
     }
 }
 
@@ -163,7 +184,9 @@ unsafe fn dequantize_blocks<const F: u8>(w: &[u8], out: &mut [f32]) {
         unsafe {
             let second = b + 1 < nb;
             let (pa, pb) = (wp.add(b * bb), wp.add((b + usize::from(second)) * bb));
-            let (ha, hb) = (head_of::<F>(pa), head_of::<F>(pb));
+            let (mut ha, mut hb) = (Head::ZERO, Head::ZERO);
+            head::<F>(pa, &mut ha);
+            head::<F>(pb, &mut hb);
             for g in 0..bv / GROUP {
                 let q = pair_quants::<F>(pa, pb, g);
                 for c in 0..4 {
@@ -232,7 +255,9 @@ unsafe fn pairs<const F: u8>(w: &[u8], live: usize, prows: usize, k: usize, out:
             unsafe {
                 let pa = wp.add(row(2 * p) * rb + b * bb);
                 let pb = wp.add(row(2 * p + 1) * rb + b * bb);
-                let (ha, hb) = (head_of::<F>(pa), head_of::<F>(pb));
+                let (mut ha, mut hb) = (Head::ZERO, Head::ZERO);
+                head::<F>(pa, &mut ha);
+                head::<F>(pb, &mut hb);
                 for g in 0..bv / GROUP {
                     let q = pair_quants::<F>(pa, pb, g);
                     for c in 0..4 {
@@ -418,7 +443,10 @@ unsafe fn fused_rows<const MR: usize, const F: u8>(
     // caller.
     unsafe {
         while r + 2 * FUSED_PAIRS <= n {
-            let rows: [*const u8; 2 * FUSED_PAIRS] = std::array::from_fn(|i| w.add((r + i) * rb));
+            let mut rows = [w; 2 * FUSED_PAIRS];
+            for (i, p) in rows.iter_mut().enumerate() {
+                *p = w.add((r + i) * rb);
+            }
             let t = fused_tile::<MR, FUSED_PAIRS, F>(x, k, &rows, rb);
             store(&t, out.add(r), stride, 2 * FUSED_PAIRS);
             r += 2 * FUSED_PAIRS;
@@ -456,15 +484,19 @@ unsafe fn fused_tile<const MR: usize, const NP: usize, const F: u8>(
     let (bb, bv) = (f.block_bytes(), f.block_values());
     let groups = bv / GROUP;
     let mut acc = [[_mm512_setzero_ps(); NP]; MR];
+    let (mut ha, mut hb) = ([Head::ZERO; NP], [Head::ZERO; NP]);
     for b in 0..k / bv {
         // SAFETY: block b of each row and values b*bv .. (b+1)*bv of each
         // activation row, by the caller; prefetches are hints (they may
         // point past the matrix and never fault).
         unsafe {
-            let pa: [*const u8; NP] = std::array::from_fn(|j| rows[2 * j].add(b * bb));
-            let pb: [*const u8; NP] = std::array::from_fn(|j| rows[2 * j + 1].add(b * bb));
-            let ha = pa.map(|p| head_of::<F>(p));
-            let hb = pb.map(|p| head_of::<F>(p));
+            let (mut pa, mut pb) = ([rows[0]; NP], [rows[0]; NP]);
+            for j in 0..NP {
+                pa[j] = rows[2 * j].add(b * bb);
+                pb[j] = rows[2 * j + 1].add(b * bb);
+                head::<F>(pa[j], &mut ha[j]);
+                head::<F>(pb[j], &mut hb[j]);
+            }
             for g in 0..groups {
                 let mut q = [_mm512_setzero_si512(); NP];
                 for j in 0..NP {

@@ -44,17 +44,15 @@ unsafe fn scale8(v: __m128i, signed: bool, d: __m256, out: *mut f32) {
     unsafe { _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(v), d)) };
 }
 
-/// A quantized block's [`Head`], as [`scalar::head`] (to the bit).
+/// A block's [`Head`] into `h`, as [`scalar::head`] (to the bit): the
+/// entries format `F` uses are written, the others left as they were (so
+/// a tile's heads are set up once, not per block). F16 and BF16 have none.
 ///
 /// # Safety
 /// `p` points at a whole block of format `F`; AVX2/FMA/F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn head<const F: u8>(p: *const u8) -> Head {
-    let mut h = Head {
-        s: [0.0; 16],
-        o: [0.0; 16],
-    };
+pub(super) unsafe fn head<const F: u8>(p: *const u8, h: &mut Head) {
     // SAFETY (all): offsets inside the block, by the format's layout.
     unsafe {
         match F {
@@ -111,7 +109,6 @@ pub(super) unsafe fn head<const F: u8>(p: *const u8) -> Head {
             _ => {}
         }
     }
-    h
 }
 
 /// Lane 1 of `s` (a block's `dmin`) negated, in lane 0: the sign flipped
@@ -126,7 +123,7 @@ fn neg(s: __m128) -> __m128 {
 /// nibbles in bytes 16-31 (a legacy block's value order).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn nibbles16(v: __m128i) -> __m256i {
+pub(super) fn nibbles16(v: __m128i) -> __m256i {
     let m = _mm_set1_epi8(0x0f);
     _mm256_set_m128i(
         _mm_and_si128(_mm_srli_epi16::<4>(v), m),
@@ -160,7 +157,7 @@ fn fifth_bits(qh: u32) -> __m256i {
 /// `p` readable for 32 bytes; AVX2.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn field(p: *const u8, shift: usize, mask: i8) -> __m256i {
+pub(super) unsafe fn field(p: *const u8, shift: usize, mask: i8) -> __m256i {
     // SAFETY: by the caller.
     let v = unsafe { _mm256_loadu_si256(p.cast()) };
     // A 16-bit shift moves bits across the byte pair, but the mask keeps
@@ -180,13 +177,14 @@ pub(super) unsafe fn quants<const F: u8>(p: *const u8, g: usize) -> __m256i {
     let (h, t) = (g / 4, g % 4);
     // SAFETY (all): offsets inside the block, by the format's layout.
     unsafe {
-        let load16 = |at: usize| _mm_loadu_si128(p.add(at).cast());
-        let qh = |at: usize| p.add(at).cast::<u32>().read_unaligned();
         match F {
-            code::Q4_0 => sub(nibbles16(load16(2)), 8),
-            code::Q4_1 => nibbles16(load16(4)),
-            code::Q5_0 => sub(_mm256_or_si256(nibbles16(load16(6)), fifth_bits(qh(2))), 16),
-            code::Q5_1 => _mm256_or_si256(nibbles16(load16(8)), fifth_bits(qh(4))),
+            code::Q4_0 => sub(nibbles16(load16(p.add(2))), 8),
+            code::Q4_1 => nibbles16(load16(p.add(4))),
+            code::Q5_0 => sub(
+                _mm256_or_si256(nibbles16(load16(p.add(6))), fifth_bits(qh(p.add(2)))),
+                16,
+            ),
+            code::Q5_1 => _mm256_or_si256(nibbles16(load16(p.add(8))), fifth_bits(qh(p.add(4)))),
             code::Q8_0 => _mm256_loadu_si256(p.add(2).cast()),
             code::Q2_K => field(p.add(16 + 32 * h), 2 * t, 3),
             code::Q3_K => {
@@ -210,10 +208,31 @@ pub(super) unsafe fn quants<const F: u8>(p: *const u8, g: usize) -> __m256i {
     }
 }
 
+/// Sixteen bytes at `p`.
+///
+/// # Safety
+/// `p` readable for sixteen bytes.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn load16(p: *const u8) -> __m128i {
+    // SAFETY: by the caller.
+    unsafe { _mm_loadu_si128(p.cast()) }
+}
+
+/// The little-endian u32 at `p`.
+///
+/// # Safety
+/// `p` readable for four bytes.
+#[inline]
+pub(super) unsafe fn qh(p: *const u8) -> u32 {
+    // SAFETY: by the caller.
+    u32::from_le(unsafe { p.cast::<u32>().read_unaligned() })
+}
+
 /// `v - k` in every byte.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn sub(v: __m256i, k: i8) -> __m256i {
+pub(super) fn sub(v: __m256i, k: i8) -> __m256i {
     _mm256_sub_epi8(v, _mm256_set1_epi8(k))
 }
 
@@ -249,11 +268,13 @@ pub(super) unsafe fn chunk<const F: u8>(
     c: usize,
 ) -> __m256 {
     let f = const { QFormat::of_code(F) };
-    // SAFETY: eight halves of the 32-value block (F16, BF16).
-    let raw = || unsafe { _mm_loadu_si128(p.add(16 * c).cast()) };
     match F {
-        code::F16 => _mm256_cvtph_ps(raw()),
-        code::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw()))),
+        // SAFETY (both): eight halves of the 32-value block.
+        code::F16 => _mm256_cvtph_ps(unsafe { load16(p.add(16 * c)) }),
+        code::BF16 => {
+            let v = _mm256_cvtepu16_epi32(unsafe { load16(p.add(16 * c)) });
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v))
+        }
         _ => {
             let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eighth(q, c)));
             let i = (GROUP * g + 8 * c) / f.sub_block();
@@ -281,14 +302,8 @@ pub(super) unsafe fn dequantize<const F: u8>(w: &[u8], out: &mut [f32]) {
         // SAFETY: block b's bytes lie in `w` and its values in `out`.
         unsafe {
             let p = w.as_ptr().add(b * bb);
-            let h = if f.is_quantized() {
-                head::<F>(p)
-            } else {
-                Head {
-                    s: [0.0; 16],
-                    o: [0.0; 16],
-                }
-            };
+            let mut h = Head::ZERO;
+            head::<F>(p, &mut h);
             for g in 0..bv / GROUP {
                 let q = quants::<F>(p, g);
                 for c in 0..4 {
