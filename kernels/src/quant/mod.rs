@@ -2,12 +2,29 @@
 //! stored in the file (no dequantizing at load).
 //!
 //! # Formats
-//! Weights are rows of 32-value blocks, exactly the GGUF bytes:
-//! - [`QFormat::Q4_1`]: 20 bytes per block, `d: f16, m: f16, qs: [u8; 16]`;
-//!   value `i` is `fma(q_i, d, m)`, with `q_i` the low nibble of `qs[i]` for
-//!   `i < 16` and the high nibble of `qs[i - 16]` otherwise.
-//! - [`QFormat::Q8_0`]: 34 bytes per block, `d: f16, qs: [i8; 32]`; value
-//!   `i` is `qs[i] * d`.
+//! Weights are rows of blocks, exactly the GGUF bytes (ggml's `block_*`
+//! structs, little-endian; `d`, `dmin`, `m` are f16). A value is an integer
+//! quant `q` times a scale, plus an offset in some formats; [`scalar`]
+//! defines the decoding and its order of operations (the reference every
+//! path equals to the bit, and GGUF's own results, bit for bit):
+//!
+//! | format | values / bytes | layout | value |
+//! |---|---|---|---|
+//! | F16, BF16 | 32 / 64 | 32 halves | converted |
+//! | Q4_0 | 32 / 18 | `d, qs[16]` | `(q - 8) * d` |
+//! | Q4_1 | 32 / 20 | `d, m, qs[16]` | `fma(q, d, m)` |
+//! | Q5_0 | 32 / 22 | `d, qh[4], qs[16]` | `(q - 16) * d` |
+//! | Q5_1 | 32 / 24 | `d, m, qh[4], qs[16]` | `fma(q, d, m)` |
+//! | Q8_0 | 32 / 34 | `d, qs[32]` (i8) | `q * d` |
+//! | Q2_K | 256 / 84 | `scales[16], qs[64], d, dmin` | `fma(q, d * sc, -(dmin * m))` per 16 |
+//! | Q3_K | 256 / 110 | `hmask[32], qs[64], scales[12], d` | `q * (d * (sc - 32))` per 16 |
+//! | Q4_K | 256 / 144 | `d, dmin, scales[12], qs[128]` | `fma(q, d * sc, -(dmin * m))` per 32 |
+//! | Q5_K | 256 / 176 | `d, dmin, scales[12], qh[32], qs[128]` | as Q4_K |
+//! | Q6_K | 256 / 210 | `ql[128], qh[64], scales[16] (i8), d` | `q * (d * sc)` per 16 |
+//!
+//! Legacy blocks put value `i` in the low nibble of `qs[i]` and value
+//! `i + 16` in the high one (the fifth bit is bit `i` of `qh`); the
+//! K-quants' bit layouts are spelled out in [`scalar::quants`].
 //!
 //! Activations stay f32. A call dequantizes each weight once, in
 //! registers or into a small panel buffer, and multiplies in f32 with fused
@@ -49,6 +66,8 @@ mod scalar;
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_512;
+#[cfg(target_arch = "x86_64")]
+mod x86_512_blocks;
 #[cfg(target_arch = "x86_64")]
 mod x86_blocks;
 

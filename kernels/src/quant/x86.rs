@@ -1,12 +1,15 @@
 //! AVX2 + FMA + F16C build of [`super::gemm`], chosen at run time: the
 //! panel dequantization, the register tiles, and the fused path for one or
 //! two activation rows. Same arithmetic, to the bit, as the portable path
-//! (see that module).
+//! (see that module). Blocks are decoded by [`super::x86_blocks`]: in the
+//! fused path Q4_0, Q4_1 and Q8_0 eight values at a time straight from the
+//! block bytes with the scales in registers, every other format a 32-value
+//! group at a time.
 
 use std::arch::x86_64::*;
 
 use super::scalar::Head;
-use super::x86_blocks::{chunk, head, quants};
+use super::x86_blocks::{chunk, head, is_direct, legacy_chunk, legacy_scales, quants};
 use super::{with_format, QFormat, GROUP};
 use crate::simd::hsum;
 
@@ -238,6 +241,11 @@ unsafe fn fused_tile<const MR: usize, const NR: usize, const F: u8>(
     let (bb, bv) = (f.block_bytes(), f.block_values());
     let groups = bv / GROUP;
     let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+    if const { is_direct(QFormat::of_code(F)) } {
+        // SAFETY: by the caller, as below.
+        unsafe { fused_legacy::<MR, NR, F>(&mut acc, x, k, w, rb) };
+        return reduce_tile(&acc);
+    }
     let mut heads = [Head::ZERO; NR];
     for b in 0..k / bv {
         // SAFETY: block b of each row, and values b*bv .. (b+1)*bv of each
@@ -272,10 +280,58 @@ unsafe fn fused_tile<const MR: usize, const NR: usize, const F: u8>(
             }
         }
     }
+    reduce_tile(&acc)
+}
+
+/// [`fused_tile`]'s accumulation for Q4_0, Q4_1 and Q8_0: each block's
+/// scales once per row, each eight values straight from its bytes.
+///
+/// # Safety
+/// As [`fused_tile`].
+#[allow(clippy::needless_range_loop)] // tile loops index several arrays
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fused_legacy<const MR: usize, const NR: usize, const F: u8>(
+    acc: &mut [[__m256; NR]; MR],
+    x: *const f32,
+    k: usize,
+    w: *const u8,
+    rb: usize,
+) {
+    let bb = const { QFormat::of_code(F).block_bytes() };
+    for b in 0..k / GROUP {
+        // SAFETY: block b of each row, and values b*32 .. b*32+32 of each
+        // activation row, by the caller; the prefetch is a hint.
+        unsafe {
+            let mut sc = [(_mm256_setzero_ps(), _mm256_setzero_ps()); NR];
+            for (j, sc) in sc.iter_mut().enumerate() {
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((j + AHEAD) * rb + b * bb).cast());
+                *sc = legacy_scales(w.add(j * rb + b * bb));
+            }
+            for c in 0..4 {
+                let mut a = [_mm256_setzero_ps(); MR];
+                for (i, a) in a.iter_mut().enumerate() {
+                    *a = _mm256_loadu_ps(x.add(i * k + b * GROUP + 8 * c));
+                }
+                for (j, &(d, m)) in sc.iter().enumerate() {
+                    let v = legacy_chunk::<F>(w.add(j * rb + b * bb), c, d, m);
+                    for i in 0..MR {
+                        acc[i][j] = _mm256_fmadd_ps(a[i], v, acc[i][j]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Each accumulator's eight lanes summed (the module's tree).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn reduce_tile<const MR: usize, const NR: usize>(acc: &[[__m256; NR]; MR]) -> [[f32; NR]; MR] {
     let mut out = [[0.0f32; NR]; MR];
-    for i in 0..MR {
-        for j in 0..NR {
-            out[i][j] = hsum(acc[i][j]);
+    for (o, a) in out.iter_mut().zip(acc) {
+        for (o, a) in o.iter_mut().zip(a) {
+            *o = hsum(*a);
         }
     }
     out

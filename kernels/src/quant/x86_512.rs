@@ -13,22 +13,25 @@
 //! - Panels are dequantized pair-interleaved: pair `p`'s eight-value chunk
 //!   `c` is sixteen floats, row `2p`'s values `8c .. 8c + 8` then row
 //!   `2p + 1`'s, so one aligned load feeds both rows.
-//! - The fused path builds the same pair vectors in registers from the two
-//!   rows' quants: each row's 32 quants of a group (the AVX2 decoding,
-//!   [`super::x86_blocks::quants`]) in one half of a 512-bit register,
-//!   interleaved by eighths, so eight values of each row widen and scale
-//!   in one instruction each.
+//! - The fused path builds the same pair vectors in registers
+//!   ([`super::x86_512_blocks`]): the legacy formats straight from the two
+//!   rows' block bytes (one 16-byte load per row and block for Q4_1), the
+//!   K-quants a 32-value group at a time from each row's quants (the AVX2
+//!   decoding in one half of a 512-bit register each, interleaved by
+//!   eighths), F16 and BF16 by converting eight halves of each row.
 //!
 //! # Cost
-//! Per 64 weights of a decode step about 26 instructions where AVX2 takes
-//! about 54 for the same weights. On Zen 4 a 512-bit operation occupies
-//! both 256-bit halves of a pipe, so the arithmetic throughput is AVX2's;
-//! the gain is in front-end and register pressure (32 registers: 4 x 8
-//! output tiles in the panel).
+//! Per 64 Q4_1 weights of a decode step about 26 instructions where AVX2
+//! takes about 54. On Zen 4 a 512-bit operation occupies both 256-bit
+//! halves of a pipe, so the arithmetic throughput is AVX2's; the gain is in
+//! front-end and register pressure (32 registers: 4 x 8 output tiles in the
+//! panel). A K-quant group costs more (its quants are unpacked per row in
+//! 256-bit registers, then paired, and its scales broadcast per group):
+//! see the table in [`super`] for every format.
 //!
-//! Measured (`taskset -c 0 cargo bench --bench quant`, EPYC Zen 4, one
-//! core of a shared machine, so +-10%): AVX2's time over this build's,
-//! SmolLM2-135M shapes, rows 1 / 2 / 16 / 64 / 512:
+//! Measured before the K-quants (`taskset -c 0 cargo bench --bench
+//! quant`, EPYC Zen 4, one core of a shared machine, so +-10%): AVX2's
+//! time over this build's, SmolLM2-135M shapes, rows 1 / 2 / 16 / 64 / 512:
 //! gate+up Q4_1 [3072x576] 1.19 / 1.56 / 1.14 / 1.10 / 1.06;
 //! down Q4_1 [576x1536] 1.18 / 1.19 / 1.34 / 1.28 / 1.34;
 //! lm_head Q8_0 [49152x576] (28 MB, bandwidth-bound) 2.05 / 1.22 / 0.96 /
@@ -38,122 +41,10 @@
 use std::arch::x86_64::*;
 
 use super::scalar::Head;
-use super::x86_blocks::{field, head, load16, nibbles16, qh, quants, sub};
-use super::{code, with_format, QFormat, GROUP};
+use super::x86_512_blocks::{chunk2, legacy_pair, legacy_pair_scales, pair_quants};
+use super::x86_blocks::{head, is_legacy};
+use super::{with_format, QFormat, GROUP};
 use crate::simd512::{hsum2, load_both};
-
-/// Group `g`'s quants of two blocks: 128-bit lane `c` holds row `a`'s
-/// bytes `8c .. 8c + 8` then row `b`'s.
-///
-/// # Safety
-/// `a`, `b` point at whole blocks of format `F`; AVX-512.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn pair_quants<const F: u8>(a: *const u8, b: *const u8, g: usize) -> __m512i {
-    if !const { QFormat::of_code(F).is_quantized() } {
-        return _mm512_setzero_si512();
-    }
-    // SAFETY: by the caller.
-    let (qa, qb) = unsafe { (quants512::<F>(a, g), quants512::<F>(b, g)) };
-    let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qa), qb);
-    _mm512_permutexvar_epi64(_mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0), v)
-}
-
-/// [`quants`] with AVX-512's byte masks where a format has a bit plane
-/// (the fifth bit of Q5_0, Q5_1 and Q5_K, Q3_K's high bit): one test and
-/// one masked add instead of AVX2's shuffles and compares. The same
-/// integers.
-///
-/// # Safety
-/// As [`quants`]; AVX-512.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn quants512<const F: u8>(p: *const u8, g: usize) -> __m256i {
-    let sixteen = _mm256_set1_epi8(16);
-    // SAFETY (all): offsets inside the block, by the format's layout.
-    unsafe {
-        match F {
-            code::Q5_0 | code::Q5_1 => {
-                let (qh_at, qs_at) = if F == code::Q5_0 { (2, 6) } else { (4, 8) };
-                let low = nibbles16(load16(p.add(qs_at)));
-                let k = _cvtu32_mask32(qh(p.add(qh_at)));
-                let q = _mm256_mask_add_epi8(low, k, low, sixteen);
-                if F == code::Q5_0 {
-                    sub(q, 16)
-                } else {
-                    q
-                }
-            }
-            code::Q3_K => {
-                // Minus 4 where the high bit is clear.
-                let low = field(p.add(32 + 32 * (g / 4)), 2 * (g % 4), 3);
-                let plane = _mm256_loadu_si256(p.cast());
-                let clear = _mm256_testn_epi8_mask(plane, _mm256_set1_epi8((1u8 << g) as i8));
-                _mm256_mask_sub_epi8(low, clear, low, _mm256_set1_epi8(4))
-            }
-            code::Q5_K => {
-                let low = field(p.add(48 + 32 * (g / 2)), 4 * (g % 2), 0x0f);
-                let plane = _mm256_loadu_si256(p.add(16).cast());
-                let set = _mm256_test_epi8_mask(plane, _mm256_set1_epi8((1u8 << g) as i8));
-                _mm256_mask_add_epi8(low, set, low, sixteen)
-            }
-            _ => quants::<F>(p, g),
-        }
-    }
-}
-
-/// `x` in the low half and `y` in the high half of every lane pair.
-#[inline]
-#[target_feature(enable = "avx512f,avx512dq")]
-fn both(x: f32, y: f32) -> __m512 {
-    _mm512_insertf32x8::<1>(_mm512_set1_ps(x), _mm256_set1_ps(y))
-}
-
-/// Values `8c .. 8c + 8` of group `g` of blocks `a` (low half) and `b`
-/// (high half): each half [`super::x86_blocks::chunk`]'s operations, so
-/// its bits. `q` is the group's [`pair_quants`], `ha`, `hb` the blocks'
-/// heads.
-///
-/// # Safety
-/// `a`, `b` point at whole blocks of format `F`, `g` below their groups,
-/// `c < 4`; AVX-512.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn chunk2<const F: u8>(
-    a: *const u8,
-    b: *const u8,
-    q: __m512i,
-    ha: &Head,
-    hb: &Head,
-    g: usize,
-    c: usize,
-) -> __m512 {
-    let f = const { QFormat::of_code(F) };
-    if !f.is_quantized() {
-        // SAFETY: eight halves of each 32-value block.
-        let raw = unsafe { _mm256_set_m128i(load16(b.add(16 * c)), load16(a.add(16 * c))) };
-        return if F == code::F16 {
-            _mm512_cvtph_ps(raw)
-        } else {
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
-        };
-    }
-    let e = match c {
-        0 => _mm512_castsi512_si128(q),
-        1 => _mm512_extracti32x4_epi32::<1>(q),
-        2 => _mm512_extracti32x4_epi32::<2>(q),
-        _ => _mm512_extracti32x4_epi32::<3>(q),
-    };
-    let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(e));
-    let i = (GROUP * g + 8 * c) / f.sub_block();
-    let s = both(ha.s[i], hb.s[i]);
-    if f.has_offset() {
-        _mm512_fmadd_ps(v, s, both(ha.o[i], hb.o[i]))
-    } else {
-        _mm512_mul_ps(v, s)
-    }
-}
 
 /// Dequantize whole blocks of `w` into `out`, values in order, as
 /// [`super::x86::dequantize`] (to the bit): blocks two at a time, one per
@@ -484,6 +375,11 @@ unsafe fn fused_tile<const MR: usize, const NP: usize, const F: u8>(
     let (bb, bv) = (f.block_bytes(), f.block_values());
     let groups = bv / GROUP;
     let mut acc = [[_mm512_setzero_ps(); NP]; MR];
+    if const { is_legacy(QFormat::of_code(F)) } {
+        // SAFETY: by the caller, as below.
+        unsafe { fused_legacy::<MR, NP, F>(&mut acc, x, k, rows, rb) };
+        return reduce_tile(&acc);
+    }
     let (mut ha, mut hb) = ([Head::ZERO; NP], [Head::ZERO; NP]);
     for b in 0..k / bv {
         // SAFETY: block b of each row and values b*bv .. (b+1)*bv of each
@@ -521,10 +417,60 @@ unsafe fn fused_tile<const MR: usize, const NP: usize, const F: u8>(
             }
         }
     }
+    reduce_tile(&acc)
+}
+
+/// [`fused_tile`]'s accumulation for a legacy format: each pair's blocks
+/// decoded straight from their bytes, scales converted once per block pair.
+///
+/// # Safety
+/// As [`fused_tile`].
+#[allow(clippy::needless_range_loop)] // tile loops index several arrays
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn fused_legacy<const MR: usize, const NP: usize, const F: u8>(
+    acc: &mut [[__m512; NP]; MR],
+    x: *const f32,
+    k: usize,
+    rows: &[*const u8],
+    rb: usize,
+) {
+    let bb = const { QFormat::of_code(F).block_bytes() };
+    for b in 0..k / GROUP {
+        // SAFETY: block b of each row and values b*32 .. b*32+32 of each
+        // activation row, by the caller; prefetches are hints.
+        unsafe {
+            let mut v = [[_mm512_setzero_ps(); 4]; NP];
+            for (j, v) in v.iter_mut().enumerate() {
+                let (pa, pb) = (rows[2 * j].add(b * bb), rows[2 * j + 1].add(b * bb));
+                _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add(AHEAD * rb).cast());
+                _mm_prefetch::<_MM_HINT_T0>(pb.wrapping_add(AHEAD * rb).cast());
+                let (d, m) = legacy_pair_scales(pa, pb);
+                *v = legacy_pair::<F>(pa, pb, d, m);
+            }
+            for c in 0..4 {
+                let mut a = [_mm512_setzero_ps(); MR];
+                for (i, a) in a.iter_mut().enumerate() {
+                    *a = load_both(x.add(i * k + b * GROUP + 8 * c));
+                }
+                for j in 0..NP {
+                    for i in 0..MR {
+                        acc[i][j] = _mm512_fmadd_ps(a[i], v[j][c], acc[i][j]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Each accumulator's two chains summed (the module's tree per half).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+fn reduce_tile<const MR: usize, const NP: usize>(acc: &[[__m512; NP]; MR]) -> [[[f32; 2]; NP]; MR] {
     let mut out = [[[0.0f32; 2]; NP]; MR];
-    for i in 0..MR {
-        for j in 0..NP {
-            out[i][j] = hsum2(acc[i][j]);
+    for (o, a) in out.iter_mut().zip(acc) {
+        for (o, a) in o.iter_mut().zip(a) {
+            *o = hsum2(*a);
         }
     }
     out

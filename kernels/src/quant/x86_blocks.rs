@@ -314,3 +314,95 @@ pub(super) unsafe fn dequantize<const F: u8>(w: &[u8], out: &mut [f32]) {
         }
     }
 }
+
+/// Whether format `F` is a 32-value legacy block with quants (Q4_0, Q4_1,
+/// Q5_0, Q5_1, Q8_0): the AVX-512 fused path decodes those straight from
+/// memory with the scales in registers, as the AVX2 one does those
+/// without fifth bits ([`is_direct`]); the same operations as [`chunk`],
+/// so the same bits.
+pub(super) const fn is_legacy(f: QFormat) -> bool {
+    f.is_quantized() && f.block_values() == GROUP
+}
+
+/// The legacy formats the AVX2 fused path decodes straight from memory
+/// ([`legacy_scales`], [`legacy_chunk`]): Q4_0, Q4_1, Q8_0.
+pub(super) const fn is_direct(f: QFormat) -> bool {
+    is_legacy(f) && legacy_layout(f).1 == 0
+}
+
+/// Where a legacy block's `qs` and `qh` start.
+pub(super) const fn legacy_layout(f: QFormat) -> (usize, usize) {
+    match f {
+        QFormat::Q4_0 => (2, 0),
+        QFormat::Q4_1 => (4, 0),
+        QFormat::Q5_0 => (6, 2),
+        QFormat::Q5_1 => (8, 4),
+        _ => (2, 0),
+    }
+}
+
+/// What a legacy format subtracts from its quants (Q4_0: 8, Q5_0: 16).
+pub(super) const fn legacy_bias(f: QFormat) -> i32 {
+    match f {
+        QFormat::Q4_0 => 8,
+        QFormat::Q5_0 => 16,
+        _ => 0,
+    }
+}
+
+/// A legacy block's scale and offset, broadcast (the offset is garbage in
+/// formats without one, and unused).
+///
+/// # Safety
+/// `p` points at a whole block; AVX2/FMA/F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn legacy_scales(p: *const u8) -> (__m256, __m256) {
+    // SAFETY: by the caller (a block is at least 18 bytes).
+    let s = unsafe { halves(p) };
+    (
+        _mm256_broadcastss_ps(s),
+        _mm256_broadcastss_ps(_mm_movehdup_ps(s)),
+    )
+}
+
+/// Values `8c .. 8c + 8` of a block of format `F` ([`is_direct`]), read
+/// from memory: [`chunk`]'s integers and operations.
+///
+/// # Safety
+/// `p` points at a whole block, `c < 4`; AVX2/FMA/F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn legacy_chunk<const F: u8>(
+    p: *const u8,
+    c: usize,
+    d: __m256,
+    m: __m256,
+) -> __m256 {
+    let f = const { QFormat::of_code(F) };
+    let (qs, qh_at) = const { legacy_layout(QFormat::of_code(F)) };
+    // SAFETY (all): offsets inside the block, by the format's layout.
+    let q = unsafe {
+        if F == code::Q8_0 {
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(2 + 8 * c).cast()))
+        } else {
+            // Bytes 0-7 hold values 0-7 (low nibbles) and 16-23 (high).
+            let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(qs + 8 * (c % 2)).cast()));
+            let q = if c < 2 {
+                _mm256_and_si256(v, _mm256_set1_epi32(0x0f))
+            } else {
+                _mm256_srli_epi32::<4>(v)
+            };
+            // (Q5_0 and Q5_1 are not decoded here: their fifth bits cost
+            // more per eight values in AVX2 than the group decoding's.)
+            debug_assert_eq!(qh_at, 0, "no fifth bits on this path");
+            _mm256_sub_epi32(q, _mm256_set1_epi32(legacy_bias(f)))
+        }
+    };
+    let v = _mm256_cvtepi32_ps(q);
+    if f.has_offset() {
+        _mm256_fmadd_ps(v, d, m)
+    } else {
+        _mm256_mul_ps(v, d)
+    }
+}
