@@ -4,7 +4,7 @@
 //! # Formats
 //! Weights are rows of blocks, exactly the GGUF bytes (ggml's `block_*`
 //! structs, little-endian; `d`, `dmin`, `m` are f16). A value is an integer
-//! quant `q` times a scale, plus an offset in some formats; [`scalar`]
+//! quant `q` times a scale, plus an offset in some formats; `scalar.rs`
 //! defines the decoding and its order of operations (the reference every
 //! path equals to the bit, and GGUF's own results, bit for bit):
 //!
@@ -24,11 +24,11 @@
 //!
 //! Legacy blocks put value `i` in the low nibble of `qs[i]` and value
 //! `i + 16` in the high one (the fifth bit is bit `i` of `qh`); the
-//! K-quants' bit layouts are spelled out in [`scalar::quants`].
+//! K-quants' bit layouts are spelled out in `scalar.rs` (`quants`).
 //!
 //! Activations stay f32. A call dequantizes each weight once, in
 //! registers or into a small panel buffer, and multiplies in f32 with fused
-//! multiply-adds (see [`gemm`] for the order of operations). So the
+//! multiply-adds (see `gemm.rs` for the order of operations). So the
 //! product differs from the `--exact` f32 weights only by the weights'
 //! quantization, and not by the activations' as llama.cpp's 8-bit-activation
 //! kernels do.
@@ -43,12 +43,51 @@
 //!
 //! # Cost
 //! - One or two activation rows (a decode step of one or two sequences):
-//!   each weight block is dequantized in registers and used at once, so the
-//!   call is bound by reading the weight bytes (memory bandwidth).
+//!   each weight block is dequantized in registers and used at once, never
+//!   stored (legacy blocks straight from their bytes, K-quants a 32-value
+//!   group at a time). F16 and BF16 run at the speed of reading their
+//!   bytes; the packed formats are bound by the unpacking and f32
+//!   conversion of each weight (about 10-17 Gweights/s per core on the
+//!   machine below), which at 0.3-1.1 bytes a weight is less than the
+//!   bandwidth: fewer bytes, not proportionally less time.
 //! - More rows: each task dequantizes a panel of 16 (from 48 rows, 64)
 //!   weight rows into an L1/L2-resident f32 buffer once, then every
 //!   activation row passes over it in 3 x 4 register tiles, twelve
-//!   independent multiply-add chains, bound by the FMA units.
+//!   independent multiply-add chains, bound by the FMA units: every format
+//!   costs about the same there.
+//!
+//! # Measured
+//! `cargo bench -p kvmesh-kernels --bench quant` (`QUANT_BENCH_TABLE=formats`),
+//! AVX-512 path, 2 rayon threads, on this project's build machine: 2 cores
+//! of an Intel Xeon (Sapphire Rapids class: AVX-512 F/BW/VL/DQ, VNNI, BF16,
+//! FP16; 2 MiB L2 per core, 480 MiB L3, so both matrices are cache
+//! resident), shared with other jobs during the run (load average 4-5.5:
+//! the second core was mostly busy, so the batch-1 times equal one core's
+//! and the 512-row GMAC/s are about half an idle machine's 50-58). ms per
+//! call (median), GB/s of weight bytes; `copy` is one thread copying the
+//! same bytes (about 14.5 GB/s from L3), `x1/copy` the one-row time over it.
+//!
+//! | format | 576x1536 x1 ms | GB/s | x16 ms | x512 ms | 2048x8192 x1 ms | GB/s | x1/copy | x16 ms | x512 GMAC/s |
+//! |---|---|---|---|---|---|---|---|---|---|
+//! | Q8_0 (baseline) | 0.053 | 17.9 | 0.315 | 12.8 | 0.954 | 18.7 | 0.78 | 10.4 | 27.3 |
+//! | Q4_1 (baseline) | 0.053 | 10.4 | 0.312 | 9.07 | 0.878 | 11.9 | 1.23 | 8.00 | 26.7 |
+//! | F16 | 0.037 | 48.2 | 0.280 | 14.4 | 1.192 | 28.1 | 0.52 | 10.7 | 22.7 |
+//! | BF16 | 0.038 | 46.3 | 0.325 | 12.3 | 1.295 | 25.9 | 0.56 | 10.4 | 24.9 |
+//! | Q4_0 | 0.058 | 8.6 | 0.221 | 12.4 | 1.104 | 8.5 | 1.74 | 8.50 | 26.1 |
+//! | Q5_0 | 0.078 | 7.8 | 0.311 | 12.0 | 1.430 | 8.1 | 1.84 | 8.13 | 27.2 |
+//! | Q5_1 | 0.073 | 9.1 | 0.331 | 12.5 | 1.317 | 9.6 | 1.54 | 9.71 | 26.2 |
+//! | Q2_K | 0.075 | 3.9 | 0.321 | 12.5 | 1.393 | 4.0 | 3.72 | 9.57 | 29.2 |
+//! | Q3_K | 0.079 | 4.8 | 0.300 | 12.4 | 1.501 | 4.8 | 2.97 | 8.39 | 30.4 |
+//! | Q4_K | 0.076 | 6.5 | 0.335 | 11.5 | 1.442 | 6.5 | 2.21 | 11.8 | 29.6 |
+//! | Q5_K | 0.090 | 6.7 | 0.220 | 11.8 | 1.656 | 7.0 | 2.09 | 8.10 | 29.9 |
+//! | Q6_K | 0.084 | 8.7 | 0.305 | 8.59 | 1.583 | 8.7 | 1.65 | 9.94 | 29.1 |
+//!
+//! So at one row every format takes 0.9-1.8x the time of Q8_0 on the same
+//! shape (F16/BF16 at 27 GB/s, about what one core reads from L3), and
+//! batched calls cost the same for every format. Against the build before
+//! the new formats (one core, runs alternated): Q8_0 [49152x576] one row
+//! 1.66-1.76 ms (before 1.68-1.75), Q4_1 [576x1536] 0.053 ms (0.053); on
+//! the AVX2 path 1.59-1.62 (1.63-1.68) and 0.064 (0.073).
 //!
 //! Output rows are split across the rayon pool (every core).
 //!
