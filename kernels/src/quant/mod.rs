@@ -85,8 +85,8 @@
 //! So at one row every format takes 0.9-1.8x the time of Q8_0 on the same
 //! shape (F16/BF16 at 27 GB/s, about what one core reads from L3), and
 //! batched calls cost the same for every format. Against the build before
-//! the new formats (one core, runs alternated): Q8_0 [49152x576] one row
-//! 1.66-1.76 ms (before 1.68-1.75), Q4_1 [576x1536] 0.053 ms (0.053); on
+//! the new formats (one core, runs alternated): Q8_0 49152x576 one row
+//! 1.66-1.76 ms (before 1.68-1.75), Q4_1 576x1536 0.053 ms (0.053); on
 //! the AVX2 path 1.59-1.62 (1.63-1.68) and 0.064 (0.073).
 //!
 //! Output rows are split across the rayon pool (every core).
