@@ -69,6 +69,15 @@ pub enum CudaError {
         #[source]
         source: std::io::Error,
     },
+    /// A weight format the device kernels do not decode (they take Q4_1 and
+    /// Q8_0; the CPU kernels take every format of `kvmesh_kernels::quant`).
+    #[error("format {format} has no device {op} kernel (the device kernels take Q4_1 and Q8_0)")]
+    NoDeviceKernel {
+        /// The operation (`dequantize`, `qmatvec`).
+        op: &'static str,
+        /// The format's GGUF name.
+        format: &'static str,
+    },
     /// A host argument that the kernels cannot take (a caller bug, reported
     /// instead of launching on bad sizes).
     #[error("bad argument to {op}: {detail}")]

@@ -66,12 +66,23 @@ impl WeightDtype {
     }
 }
 
-/// The kernels' code for a GGUF block format (`Q4_1`, `Q8_0` in `quant.cu`).
-fn format_code(format: QFormat) -> u32 {
+/// The device kernels' code for a GGUF block format (`Q4_1`, `Q8_0` in
+/// `quant.cu`), or `None` for a format they do not decode (every other
+/// format of [`QFormat`] runs on the CPU kernels only).
+pub fn device_format_code(format: QFormat) -> Option<u32> {
     match format {
-        QFormat::Q4_1 => 0,
-        QFormat::Q8_0 => 1,
+        QFormat::Q4_1 => Some(0),
+        QFormat::Q8_0 => Some(1),
+        _ => None,
     }
+}
+
+/// [`device_format_code`], or the error that names the format and `op`.
+fn format_code(op: &'static str, format: QFormat) -> Result<u32> {
+    device_format_code(format).ok_or(CudaError::NoDeviceKernel {
+        op,
+        format: format.name(),
+    })
 }
 
 /// Most activation rows [`qmatvec`] takes (`MV_MAX_ROWS` in `quant.cu`).
@@ -347,7 +358,9 @@ pub fn gather_rows(
     launched(unsafe { b.launch(rows_cfg(n_sel, 256)) }, OP)
 }
 
-/// Every value of `n_blocks` GGUF blocks into `out` (f32, f16 or bf16).
+/// Every value of `n_blocks` GGUF blocks (of 32 values: Q4_1 or Q8_0; any
+/// other format is [`CudaError::NoDeviceKernel`]) into `out` (f32, f16 or
+/// bf16).
 pub fn dequantize<T>(
     gpu: &Gpu,
     blocks: &CudaSlice<u8>,
@@ -357,6 +370,7 @@ pub fn dequantize<T>(
     out: &mut CudaSlice<T>,
 ) -> Result<()> {
     const OP: &str = "dequantize";
+    let fm = format_code(OP, format)?;
     need(OP, "blocks", blocks, n_blocks * format.block_bytes())?;
     if out.len() * std::mem::size_of::<T>() < n_blocks * 32 * dtype.size() {
         return Err(bad(OP, "out is smaller than the values".into()));
@@ -364,7 +378,7 @@ pub fn dequantize<T>(
     if n_blocks == 0 {
         return Ok(());
     }
-    let (fm, nb, dt) = (format_code(format), n_blocks as u64, dtype as u32);
+    let (nb, dt) = (n_blocks as u64, dtype as u32);
     let f = gpu.function("dequantize")?;
     let mut b = gpu.stream().launch_builder(f);
     b.arg(blocks).arg(&fm).arg(&nb).arg(&dt).arg(out);
@@ -372,7 +386,8 @@ pub fn dequantize<T>(
     launched(unsafe { b.launch(linear(n_blocks * 32)) }, OP)
 }
 
-/// `out[t, r] = sum_k x[t, k] * w[r, k]` over GGUF blocks, for at most
+/// `out[t, r] = sum_k x[t, k] * w[r, k]` over GGUF blocks (Q4_1 or Q8_0;
+/// any other format is [`CudaError::NoDeviceKernel`]), for at most
 /// [`QMATVEC_MAX_ROWS`] activation rows.
 #[allow(clippy::too_many_arguments)]
 pub fn qmatvec(
@@ -386,6 +401,7 @@ pub fn qmatvec(
     out: &mut CudaSlice<f32>,
 ) -> Result<()> {
     const OP: &str = "qmatvec";
+    let fm = format_code(OP, format)?;
     if rows > QMATVEC_MAX_ROWS || !cols.is_multiple_of(32) {
         return Err(bad(
             OP,
@@ -400,8 +416,7 @@ pub fn qmatvec(
     if rows == 0 || out_rows == 0 {
         return Ok(());
     }
-    let (fm, o, c, r) = (
-        format_code(format),
+    let (o, c, r) = (
         u32_of(OP, "out_rows", out_rows)?,
         u32_of(OP, "cols", cols)?,
         rows as u32,
@@ -627,5 +642,33 @@ fn blas_ok(call: &'static str, st: cudarc::cublas::sys::cublasStatus_t) -> Resul
         Ok(())
     } else {
         Err(CudaError::call(call, st))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The device kernels decode Q4_1 and Q8_0 only; every other format
+    /// the CPU kernels run gets an error naming it, before any launch.
+    #[test]
+    fn formats_without_a_device_kernel_are_named() {
+        for format in QFormat::ALL {
+            let code = device_format_code(format);
+            match format {
+                QFormat::Q4_1 => assert_eq!(code, Some(0)),
+                QFormat::Q8_0 => assert_eq!(code, Some(1)),
+                _ => {
+                    assert_eq!(code, None, "{format}");
+                    let err = format_code("qmatvec", format)
+                        .expect_err("no kernel")
+                        .to_string();
+                    assert!(
+                        err.contains(&format!("format {format} has no device qmatvec kernel")),
+                        "{err}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -1,13 +1,24 @@
-//! Quantized matmul throughput (f32 activations): every path this CPU runs
-//! (AVX-512, AVX2, portable) and a plain copy of the same weight bytes (the
-//! memory-bandwidth baseline), in one run, reported as times and ratios
-//! (`512/avx2`: AVX2's time over AVX-512's, above 1 when AVX-512 is faster;
-//! `p/copy`: the path's time over the copy's). GB/s and GMAC/s are the
-//! fastest path's.
+//! Quantized matmul throughput (f32 activations), two tables:
 //!
-//! `cargo bench -p kvmesh-kernels --bench quant` (shapes of SmolLM2-135M:
-//! hidden 576, intermediate 1536, vocab 49,152). A benchmark, not a test:
-//! nothing here asserts a time.
+//! - `formats`: every GGUF format on this CPU's best path, at 1, 16 and 512
+//!   activation rows, on a [576 x 1536] matrix (SmolLM2-135M's down
+//!   projection, L2-resident at 4 bits) and a [2048 x 8192] one (a 1-2B
+//!   model's MLP, from memory): ms per call, GB/s of weight bytes read, and
+//!   GMAC/s; `copy` is a plain copy of the same bytes (the bandwidth
+//!   baseline), `x1/copy` the one-row call's time over it. Q8_0 and Q4_1,
+//!   the formats that came first, are the baseline of the others.
+//! - `paths`: every path this CPU runs (AVX-512, AVX2, portable) and the
+//!   copy, on SmolLM2-135M's shapes (hidden 576, intermediate 1536, vocab
+//!   49,152), as times and ratios (`512/avx2`: AVX2's time over AVX-512's,
+//!   above 1 when AVX-512 is faster; `p/copy`: the path's time over the
+//!   copy's). GB/s and GMAC/s are the fastest path's.
+//!
+//! `cargo bench -p kvmesh-kernels --bench quant` runs both;
+//! `QUANT_BENCH_TABLE=formats` (or `paths`) one of them, `QUANT_BENCH` (a
+//! substring of a shape's or format's name) only some rows, and
+//! `QUANT_BENCH_ROWS=1,16` only those batch sizes in `formats`, and
+//! `QUANT_BENCH_PATH=avx2` that path instead of the best in `formats`. A benchmark,
+//! not a test: nothing here asserts a time.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -15,21 +26,47 @@ use std::time::{Duration, Instant};
 use kvmesh_kernels::cpu::{self, Path};
 use kvmesh_kernels::quant::{matmul_with, QFormat, QMatrix};
 
+/// Where a block of `format` keeps its f16 scales (byte offsets).
+fn scale_offsets(format: QFormat) -> &'static [usize] {
+    match format {
+        QFormat::Q4_0 | QFormat::Q5_0 | QFormat::Q8_0 => &[0],
+        QFormat::Q4_1 | QFormat::Q5_1 | QFormat::Q4_K | QFormat::Q5_K => &[0, 2],
+        QFormat::Q2_K => &[80, 82],
+        QFormat::Q3_K => &[108],
+        QFormat::Q6_K => &[208],
+        _ => &[],
+    }
+}
+
+/// Random quants with small f16 scales (F16 and BF16: small values).
 fn matrix(format: QFormat, rows: usize, cols: usize, seed: u64) -> QMatrix {
     let mut x = seed | 1;
-    let blocks = rows * cols / 32;
-    let mut data = Vec::with_capacity(blocks * format.block_bytes());
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let blocks = rows * cols / format.block_values();
+    let bb = format.block_bytes();
+    let mut data = Vec::with_capacity(blocks * bb);
     for _ in 0..blocks {
-        // A small positive f16 scale (and minimum), then random quants.
-        data.extend_from_slice(&0x2c00u16.to_le_bytes());
-        if format == QFormat::Q4_1 {
-            data.extend_from_slice(&0xac00u16.to_le_bytes());
-        }
-        while data.len() % format.block_bytes() != 0 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            data.push(x as u8);
+        let at = data.len();
+        data.extend((0..bb).map(|_| next() as u8));
+        let block = &mut data[at..];
+        match format {
+            // 2^-5 .. 2^-4 in either sign (F16: exponent 10; BF16: 122).
+            QFormat::F16 => block.chunks_exact_mut(2).for_each(|h| {
+                h.copy_from_slice(&(0x2800 | (next() as u16 & 0x83ff)).to_le_bytes())
+            }),
+            QFormat::BF16 => block.chunks_exact_mut(2).for_each(|h| {
+                h.copy_from_slice(&(0x3d00 | (next() as u16 & 0x807f)).to_le_bytes())
+            }),
+            _ => {
+                for &s in scale_offsets(format) {
+                    block[s..s + 2].copy_from_slice(&0x2c00u16.to_le_bytes());
+                }
+            }
         }
     }
     QMatrix::from_bytes(format, rows, cols, data).expect("shape")
@@ -50,6 +87,102 @@ fn time(budget: Duration, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
+    let table = std::env::var("QUANT_BENCH_TABLE").unwrap_or_default();
+    if table.is_empty() || table == "formats" {
+        formats();
+    }
+    if table.is_empty() || table == "paths" {
+        paths();
+    }
+}
+
+fn wanted(name: &str) -> bool {
+    std::env::var("QUANT_BENCH").map_or(true, |f| name.contains(f.as_str()))
+}
+
+/// `QUANT_BENCH_ROWS=1,16` (activation row counts) runs only those.
+fn rows_wanted(t: usize) -> bool {
+    std::env::var("QUANT_BENCH_ROWS")
+        .map_or(true, |r| r.split(',').any(|r| r.trim() == t.to_string()))
+}
+
+/// Every format on the best path (see the module docs).
+fn formats() {
+    // `QUANT_BENCH_PATH=avx2` (or `portable`): another path than the best.
+    let path = std::env::var("QUANT_BENCH_PATH").map_or(Path::detect(), |p| {
+        *cpu::available_paths()
+            .iter()
+            .find(|a| a.name() == p)
+            .expect("a path this CPU runs: avx512, avx2 or portable")
+    });
+    println!(
+        "every format, {} path, {} threads (rayon); ms per call (median), GB/s of weight bytes",
+        path.name(),
+        rayon::current_num_threads()
+    );
+    println!(
+        "{:<6} {:<13} {:>8} {:>8} {:>7} {:>8} {:>8} {:>7} {:>8} {:>7} {:>8} {:>7}",
+        "format",
+        "shape",
+        "MB",
+        "copy ms",
+        "copy GB/s",
+        "x1 ms",
+        "x1 GB/s",
+        "x1/copy",
+        "x16 ms",
+        "x16 GB/s",
+        "x512 ms",
+        "GMAC/s"
+    );
+    let budget = Duration::from_millis(300);
+    for (rows, cols) in [(576, 1536), (2048, 8192)] {
+        for format in QFormat::ALL {
+            let shape = format!("[{rows}x{cols}]");
+            if !wanted(&format!("{} {shape}", format.name())) {
+                continue;
+            }
+            let w = matrix(format, rows, cols, 7);
+            let bytes = w.byte_len() as f64;
+            let src = vec![1u8; w.byte_len()];
+            let mut dst = vec![0u8; w.byte_len()];
+            let copy = time(budget, || dst.copy_from_slice(black_box(&src)));
+            black_box(&dst);
+            let ms: Vec<f64> = [1usize, 16, 512]
+                .iter()
+                .map(|&t| {
+                    if !rows_wanted(t) {
+                        return f64::NAN;
+                    }
+                    let x: Vec<f32> = (0..t * cols)
+                        .map(|i| ((i % 97) as f32 - 48.0) / 31.0)
+                        .collect();
+                    let mut out = vec![0.0f32; t * rows];
+                    time(budget, || matmul_with(path, &w, &x, t, black_box(&mut out)))
+                })
+                .collect();
+            println!(
+                "{:<6} {:<13} {:>8.2} {:>8.3} {:>7.1} {:>8.3} {:>8.1} {:>7.2} {:>8.3} {:>7.1} {:>8.2} {:>7.1}",
+                format.name(),
+                shape,
+                bytes / 1e6,
+                copy * 1e3,
+                bytes / copy / 1e9,
+                ms[0] * 1e3,
+                bytes / ms[0] / 1e9,
+                ms[0] / copy,
+                ms[1] * 1e3,
+                bytes / ms[1] / 1e9,
+                ms[2] * 1e3,
+                (512 * rows * cols) as f64 / ms[2] / 1e9,
+            );
+        }
+    }
+    println!();
+}
+
+/// Every path on SmolLM2-135M's shapes (see the module docs).
+fn paths() {
     let paths = cpu::available_paths();
     let threads = rayon::current_num_threads();
     let names: Vec<&str> = paths.iter().map(|p| p.name()).collect();
@@ -76,7 +209,7 @@ fn main() {
         ("lm_head Q8_0 [49152x576]", QFormat::Q8_0, 49152, 576),
     ] {
         // `QUANT_BENCH=lm_head` (a substring of the shape) runs one shape.
-        if std::env::var("QUANT_BENCH").is_ok_and(|f| !name.contains(f.as_str())) {
+        if !wanted(name) {
             continue;
         }
         let w = matrix(format, rows, cols, 7);

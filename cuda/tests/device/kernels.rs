@@ -214,6 +214,7 @@ fn random_blocks(rng: &mut StdRng, format: QFormat, rows: usize, cols: usize) ->
                 data.extend((0..16).map(|_| rng.random::<u8>()));
             }
             QFormat::Q8_0 => data.extend((0..32).map(|_| rng.random::<u8>())),
+            other => unreachable!("{other} has no device kernel to test"),
         }
     }
     QMatrix::from_bytes(format, rows, cols, data).expect("blocks")

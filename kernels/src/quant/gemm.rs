@@ -3,8 +3,10 @@
 //! passes over it in small register tiles.
 //!
 //! # Arithmetic (the same on every path, to the bit)
-//! - A weight is `fma(q, d, m)` (Q4_1) or `q * d` (Q8_0), as
-//!   [`super::QMatrix::dequantize_row`] computes it.
+//! - A weight is dequantized to f32 by [`super::scalar`]'s operations
+//!   (`q * s`, or `fma(q, s, o)` in the formats with an offset; an exact
+//!   conversion for F16 and BF16), as
+//!   [`super::QMatrix::dequantize_row`] computes it, on every path.
 //! - Output `(t, r)` keeps eight lanes; lane `j` accumulates
 //!   `x[t, k] * w[r, k]` for `k = j, j + 8, j + 16, ...` in order, each step a
 //!   fused multiply-add. The lanes are then summed as

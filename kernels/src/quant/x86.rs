@@ -1,39 +1,26 @@
 //! AVX2 + FMA + F16C build of [`super::gemm`], chosen at run time: the
 //! panel dequantization, the register tiles, and the fused path for one or
 //! two activation rows. Same arithmetic, to the bit, as the portable path
-//! (see that module).
+//! (see that module). Blocks are decoded by [`super::x86_blocks`]: in the
+//! fused path Q4_0, Q4_1 and Q8_0 eight values at a time straight from the
+//! block bytes with the scales in registers, every other format a 32-value
+//! group at a time.
 
 use std::arch::x86_64::*;
 
-use super::{QFormat, BLOCK};
+use super::scalar::Head;
+use super::x86_blocks::{chunk, head, is_direct, legacy_chunk, legacy_scales, quants};
+use super::{with_format, QFormat, GROUP};
 use crate::simd::hsum;
 
-/// Dequantize whole blocks of `w` into `out` (32 values per block).
+/// Dequantize whole blocks of `w` into `out`, values in order.
 ///
 /// # Safety
 /// AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dequantize(format: QFormat, w: &[u8], out: &mut [f32]) {
-    let bb = format.block_bytes();
-    let nb = w.len() / bb;
-    assert!(
-        w.len() == nb * bb && out.len() >= nb * BLOCK,
-        "whole blocks"
-    );
-    let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
-    for b in 0..nb {
-        // SAFETY: block b's bytes lie in `w` and its 32 outputs in `out`,
-        // checked above.
-        unsafe {
-            let v = match format {
-                QFormat::Q4_1 => block::<true>(wp.add(b * bb)),
-                QFormat::Q8_0 => block::<false>(wp.add(b * bb)),
-            };
-            for (i, v) in v.into_iter().enumerate() {
-                _mm256_storeu_ps(op.add(b * BLOCK + 8 * i), v);
-            }
-        }
-    }
+    // SAFETY: the caller has the features.
+    with_format!(format, F => unsafe { super::x86_blocks::dequantize::<F>(w, out) })
 }
 
 /// `MR` activation rows against `NR` panel rows, `k` values each:
@@ -177,28 +164,23 @@ pub(super) unsafe fn fused(
     out: *mut f32,
     stride: usize,
 ) {
-    let rb = k / BLOCK * format.block_bytes();
+    let rb = format.row_bytes(k);
     let n = w.len() / rb;
     assert!(
-        w.len() == n * rb && x.len() >= rows * k && rows <= FUSED_ROWS && k.is_multiple_of(BLOCK)
+        w.len() == n * rb
+            && x.len() >= rows * k
+            && (1..=FUSED_ROWS).contains(&rows)
+            && k.is_multiple_of(format.block_values())
     );
+    let (x, w) = (x.as_ptr(), w.as_ptr());
     // SAFETY (all): as asserted; writes by the caller.
-    unsafe {
-        match (format, rows) {
-            (QFormat::Q4_1, 1) => {
-                fused_rows::<1, true>(x.as_ptr(), k, w.as_ptr(), rb, n, out, stride)
-            }
-            (QFormat::Q8_0, 1) => {
-                fused_rows::<1, false>(x.as_ptr(), k, w.as_ptr(), rb, n, out, stride)
-            }
-            (QFormat::Q4_1, _) => {
-                fused_rows::<2, true>(x.as_ptr(), k, w.as_ptr(), rb, n, out, stride)
-            }
-            (QFormat::Q8_0, _) => {
-                fused_rows::<2, false>(x.as_ptr(), k, w.as_ptr(), rb, n, out, stride)
-            }
+    with_format!(format, F => unsafe {
+        if rows == 1 {
+            fused_rows::<1, F>(x, k, w, rb, n, out, stride)
+        } else {
+            fused_rows::<2, F>(x, k, w, rb, n, out, stride)
         }
-    }
+    })
 }
 
 /// [`fused`] for `MR` activation rows: weight rows by fours, the last few
@@ -209,7 +191,7 @@ pub(super) unsafe fn fused(
 /// valid for `MR` rows of stride `stride` and `n` columns; AVX2/FMA/F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fused_rows<const MR: usize, const Q4: bool>(
+unsafe fn fused_rows<const MR: usize, const F: u8>(
     x: *const f32,
     k: usize,
     w: *const u8,
@@ -222,147 +204,117 @@ unsafe fn fused_rows<const MR: usize, const Q4: bool>(
     // SAFETY (all): rows r .. r + 4 <= n (or r < n), by the caller.
     unsafe {
         while r + 4 <= n {
-            store(
-                &fused_tile::<MR, 4, Q4>(x, k, w.add(r * rb), rb),
-                out.add(r),
-                stride,
-                4,
-            );
+            let t = fused_tile::<MR, 4, F>(x, k, w.add(r * rb), rb);
+            store(&t, out.add(r), stride, 4);
             r += 4;
         }
         while r < n {
-            store(
-                &fused_tile::<MR, 1, Q4>(x, k, w.add(r * rb), rb),
-                out.add(r),
-                stride,
-                1,
-            );
+            let t = fused_tile::<MR, 1, F>(x, k, w.add(r * rb), rb);
+            store(&t, out.add(r), stride, 1);
             r += 1;
         }
     }
 }
 
-/// One block's four dequantized vectors, values 0-7, 8-15, 16-23, 24-31
-/// (`Q4 = true`: Q4_1, `fma(q, d, m)`; else Q8_0, `q * d`).
-///
-/// # Safety
-/// `p` points at a whole block; AVX2/FMA/F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block<const Q4: bool>(p: *const u8) -> [__m256; 4] {
-    // SAFETY: by the caller.
-    unsafe {
-        if Q4 {
-            // d and m are adjacent halves: one conversion for both.
-            let s = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
-            let d = _mm256_broadcastss_ps(s);
-            let m = _mm256_broadcastss_ps(_mm_movehdup_ps(s));
-            let mask = _mm256_set1_epi32(0x0f);
-            // Bytes 0-7 hold values 0-7 (low nibbles) and 16-23 (high).
-            let a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(4).cast()));
-            let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(12).cast()));
-            [
-                _mm256_and_si256(a, mask),
-                _mm256_and_si256(b, mask),
-                _mm256_srli_epi32(a, 4),
-                _mm256_srli_epi32(b, 4),
-            ]
-            .map(|q| _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m))
-        } else {
-            let s = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
-            let d = _mm256_broadcastss_ps(s);
-            let q = p.add(2);
-            [
-                _mm_loadl_epi64(q.cast()),
-                _mm_loadl_epi64(q.add(8).cast()),
-                _mm_loadl_epi64(q.add(16).cast()),
-                _mm_loadl_epi64(q.add(24).cast()),
-            ]
-            .map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d))
-        }
-    }
-}
-
-/// A block's scale and minimum, broadcast (`m` is zero for Q8_0).
-///
-/// # Safety
-/// `p` points at a whole block; AVX2/FMA/F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scales<const Q4: bool>(p: *const u8) -> (__m256, __m256) {
-    // SAFETY: by the caller (a block is at least 20 bytes).
-    let s = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
-        p.cast::<i32>().read_unaligned()
-    }));
-    let m = if Q4 {
-        _mm256_broadcastss_ps(_mm_movehdup_ps(s))
-    } else {
-        _mm256_setzero_ps()
-    };
-    (_mm256_broadcastss_ps(s), m)
-}
-
-/// Values `8q .. 8q + 8` of a block, dequantized exactly as [`block`] does.
-///
-/// # Safety
-/// `p` points at a whole block, `q < 4`; AVX2/FMA/F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn slice<const Q4: bool>(p: *const u8, q: usize, d: __m256, m: __m256) -> __m256 {
-    // SAFETY: by the caller.
-    unsafe {
-        if Q4 {
-            let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(4 + 8 * (q & 1)).cast()));
-            let v = if q < 2 {
-                _mm256_and_si256(v, _mm256_set1_epi32(0x0f))
-            } else {
-                _mm256_srli_epi32(v, 4)
-            };
-            _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m)
-        } else {
-            let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(2 + 8 * q).cast()));
-            _mm256_mul_ps(_mm256_cvtepi32_ps(v), d)
-        }
-    }
-}
+/// Rows ahead the fused path prefetches (many streams at once are more
+/// than the hardware prefetcher follows).
+const AHEAD: usize = 8;
 
 /// `MR` activation rows against `NR` rows of blocks (`rb` bytes apart),
-/// dequantized in registers. Each step feeds every output's chain once, so
-/// `MR * NR` independent multiply-adds are in flight.
+/// dequantized in registers a group (32 values) at a time. Each step feeds
+/// every output's chain once, so `MR * NR` independent multiply-adds are
+/// in flight.
 ///
 /// # Safety
-/// `x` readable for `MR` rows of `k`; `w` for `NR` rows of `k / 32` blocks;
-/// AVX2/FMA/F16C.
+/// `x` readable for `MR` rows of `k`; `w` for `NR` rows of `k` values of
+/// format `F`; AVX2/FMA/F16C.
 #[allow(clippy::needless_range_loop)] // tile loops index several arrays
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fused_tile<const MR: usize, const NR: usize, const Q4: bool>(
+unsafe fn fused_tile<const MR: usize, const NR: usize, const F: u8>(
     x: *const f32,
     k: usize,
     w: *const u8,
     rb: usize,
 ) -> [[f32; NR]; MR] {
-    let bb = if Q4 { 20 } else { 34 };
+    let f = const { QFormat::of_code(F) };
+    let (bb, bv) = (f.block_bytes(), f.block_values());
+    let groups = bv / GROUP;
     let mut acc = [[_mm256_setzero_ps(); NR]; MR];
-    for b in 0..k / BLOCK {
-        // SAFETY: block b of each row, and values b*32 .. b*32+32 of each
+    if const { is_direct(QFormat::of_code(F)) } {
+        // SAFETY: by the caller, as below.
+        unsafe { fused_legacy::<MR, NR, F>(&mut acc, x, k, w, rb) };
+        return reduce_tile(&acc);
+    }
+    let mut heads = [Head::ZERO; NR];
+    for b in 0..k / bv {
+        // SAFETY: block b of each row, and values b*bv .. (b+1)*bv of each
         // activation row, by the caller. The prefetch is only a hint (it
         // may point past the matrix; it never faults).
         unsafe {
+            let mut p = [w; NR];
+            for j in 0..NR {
+                p[j] = w.add(j * rb + b * bb);
+                head::<F>(p[j], &mut heads[j]);
+            }
+            for g in 0..groups {
+                let mut q = [_mm256_setzero_si256(); NR];
+                for j in 0..NR {
+                    // The next rows' same bytes, a few tiles ahead.
+                    let ahead = p[j].wrapping_add(AHEAD * rb + g * bb / groups);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                    q[j] = quants::<F>(p[j], g);
+                }
+                for c in 0..4 {
+                    let mut a = [_mm256_setzero_ps(); MR];
+                    for (i, a) in a.iter_mut().enumerate() {
+                        *a = _mm256_loadu_ps(x.add(i * k + b * bv + GROUP * g + 8 * c));
+                    }
+                    for j in 0..NR {
+                        let v = chunk::<F>(p[j], q[j], &heads[j], g, c);
+                        for i in 0..MR {
+                            acc[i][j] = _mm256_fmadd_ps(a[i], v, acc[i][j]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    reduce_tile(&acc)
+}
+
+/// [`fused_tile`]'s accumulation for Q4_0, Q4_1 and Q8_0: each block's
+/// scales once per row, each eight values straight from its bytes.
+///
+/// # Safety
+/// As [`fused_tile`].
+#[allow(clippy::needless_range_loop)] // tile loops index several arrays
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fused_legacy<const MR: usize, const NR: usize, const F: u8>(
+    acc: &mut [[__m256; NR]; MR],
+    x: *const f32,
+    k: usize,
+    w: *const u8,
+    rb: usize,
+) {
+    let bb = const { QFormat::of_code(F).block_bytes() };
+    for b in 0..k / GROUP {
+        // SAFETY: block b of each row, and values b*32 .. b*32+32 of each
+        // activation row, by the caller; the prefetch is a hint.
+        unsafe {
             let mut sc = [(_mm256_setzero_ps(), _mm256_setzero_ps()); NR];
             for (j, sc) in sc.iter_mut().enumerate() {
-                // The next rows, a tile ahead (many streams at once are
-                // more than the hardware prefetcher follows).
-                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((j + 8) * rb + b * bb).cast());
-                *sc = scales::<Q4>(w.add(j * rb + b * bb));
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((j + AHEAD) * rb + b * bb).cast());
+                *sc = legacy_scales(w.add(j * rb + b * bb));
             }
-            for q in 0..4 {
+            for c in 0..4 {
                 let mut a = [_mm256_setzero_ps(); MR];
                 for (i, a) in a.iter_mut().enumerate() {
-                    *a = _mm256_loadu_ps(x.add(i * k + b * BLOCK + 8 * q));
+                    *a = _mm256_loadu_ps(x.add(i * k + b * GROUP + 8 * c));
                 }
                 for (j, &(d, m)) in sc.iter().enumerate() {
-                    let v = slice::<Q4>(w.add(j * rb + b * bb), q, d, m);
+                    let v = legacy_chunk::<F>(w.add(j * rb + b * bb), c, d, m);
                     for i in 0..MR {
                         acc[i][j] = _mm256_fmadd_ps(a[i], v, acc[i][j]);
                     }
@@ -370,10 +322,16 @@ unsafe fn fused_tile<const MR: usize, const NR: usize, const Q4: bool>(
             }
         }
     }
+}
+
+/// Each accumulator's eight lanes summed (the module's tree).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn reduce_tile<const MR: usize, const NR: usize>(acc: &[[__m256; NR]; MR]) -> [[f32; NR]; MR] {
     let mut out = [[0.0f32; NR]; MR];
-    for i in 0..MR {
-        for j in 0..NR {
-            out[i][j] = hsum(acc[i][j]);
+    for (o, a) in out.iter_mut().zip(acc) {
+        for (o, a) in o.iter_mut().zip(a) {
+            *o = hsum(*a);
         }
     }
     out

@@ -13,19 +13,25 @@
 //! - Panels are dequantized pair-interleaved: pair `p`'s eight-value chunk
 //!   `c` is sixteen floats, row `2p`'s values `8c .. 8c + 8` then row
 //!   `2p + 1`'s, so one aligned load feeds both rows.
-//! - The fused path builds the same pair vectors in registers from the two
-//!   rows' block bytes (one 16-byte load per row and block for Q4_1).
+//! - The fused path builds the same pair vectors in registers
+//!   ([`super::x86_512_blocks`]): the legacy formats straight from the two
+//!   rows' block bytes (one 16-byte load per row and block for Q4_1), the
+//!   K-quants a 32-value group at a time from each row's quants (the AVX2
+//!   decoding in one half of a 512-bit register each, interleaved by
+//!   eighths), F16 and BF16 by converting eight halves of each row.
 //!
 //! # Cost
-//! Per 64 weights of a decode step about 26 instructions where AVX2 takes
-//! about 54 for the same weights. On Zen 4 a 512-bit operation occupies
-//! both 256-bit halves of a pipe, so the arithmetic throughput is AVX2's;
-//! the gain is in front-end and register pressure (32 registers: 4 x 8
-//! output tiles in the panel).
+//! Per 64 Q4_1 weights of a decode step about 26 instructions where AVX2
+//! takes about 54. On Zen 4 a 512-bit operation occupies both 256-bit
+//! halves of a pipe, so the arithmetic throughput is AVX2's; the gain is in
+//! front-end and register pressure (32 registers: 4 x 8 output tiles in the
+//! panel). A K-quant group costs more (its quants are unpacked per row in
+//! 256-bit registers, then paired, and its scales broadcast per group):
+//! see the table in [`super`] for every format.
 //!
-//! Measured (`taskset -c 0 cargo bench --bench quant`, EPYC Zen 4, one
-//! core of a shared machine, so +-10%): AVX2's time over this build's,
-//! SmolLM2-135M shapes, rows 1 / 2 / 16 / 64 / 512:
+//! Measured before the K-quants (`taskset -c 0 cargo bench --bench
+//! quant`, EPYC Zen 4, one core of a shared machine, so +-10%): AVX2's
+//! time over this build's, SmolLM2-135M shapes, rows 1 / 2 / 16 / 64 / 512:
 //! gate+up Q4_1 [3072x576] 1.19 / 1.56 / 1.14 / 1.10 / 1.06;
 //! down Q4_1 [576x1536] 1.18 / 1.19 / 1.34 / 1.28 / 1.34;
 //! lm_head Q8_0 [49152x576] (28 MB, bandwidth-bound) 2.05 / 1.22 / 0.96 /
@@ -34,39 +40,62 @@
 
 use std::arch::x86_64::*;
 
-use super::{QFormat, BLOCK};
+use super::scalar::Head;
+use super::x86_512_blocks::{chunk2, legacy_pair, legacy_pair_scales, pair_quants};
+use super::x86_blocks::{head, is_legacy};
+use super::{with_format, QFormat, GROUP};
 use crate::simd512::{hsum2, load_both};
 
-/// Dequantize whole blocks of `w` into `out` (32 values per block), rows
-/// contiguous, as [`super::x86::dequantize`] (to the bit).
+/// Dequantize whole blocks of `w` into `out`, values in order, as
+/// [`super::x86::dequantize`] (to the bit): blocks two at a time, one per
+/// half.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/DQ with AVX2/FMA/F16C.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 pub(super) unsafe fn dequantize(format: QFormat, w: &[u8], out: &mut [f32]) {
-    let bb = format.block_bytes();
+    // SAFETY: the caller has the features.
+    with_format!(format, F => unsafe { dequantize_blocks::<F>(w, out) })
+}
+
+/// [`dequantize`] for format `F`.
+///
+/// # Safety
+/// As [`dequantize`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn dequantize_blocks<const F: u8>(w: &[u8], out: &mut [f32]) {
+    let f = const { QFormat::of_code(F) };
+    let (bb, bv) = (f.block_bytes(), f.block_values());
     let nb = w.len() / bb;
-    assert!(
-        w.len() == nb * bb && out.len() >= nb * BLOCK,
-        "whole blocks"
-    );
+    assert!(w.len() == nb * bb && out.len() >= nb * bv, "whole blocks");
     let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
-    for b in 0..nb {
-        // SAFETY: block b's bytes lie in `w` and its 32 outputs in `out`.
+    for b in (0..nb).step_by(2) {
+        // SAFETY: blocks b and (if there) b + 1 lie in `w`, their values
+        // in `out` (asserted).
         unsafe {
-            let [lo, hi] = match format {
-                QFormat::Q4_1 => block::<true>(wp.add(b * bb)),
-                QFormat::Q8_0 => block::<false>(wp.add(b * bb)),
-            };
-            _mm512_storeu_ps(op.add(b * BLOCK), lo);
-            _mm512_storeu_ps(op.add(b * BLOCK + 16), hi);
+            let second = b + 1 < nb;
+            let (pa, pb) = (wp.add(b * bb), wp.add((b + usize::from(second)) * bb));
+            let (mut ha, mut hb) = (Head::ZERO, Head::ZERO);
+            head::<F>(pa, &mut ha);
+            head::<F>(pb, &mut hb);
+            for g in 0..bv / GROUP {
+                let q = pair_quants::<F>(pa, pb, g);
+                for c in 0..4 {
+                    let v = chunk2::<F>(pa, pb, q, &ha, &hb, g, c);
+                    let at = op.add(b * bv + GROUP * g + 8 * c);
+                    _mm256_storeu_ps(at, _mm512_castps512_ps256(v));
+                    if second {
+                        _mm256_storeu_ps(at.add(bv), _mm512_extractf32x8_ps::<1>(v));
+                    }
+                }
+            }
         }
     }
 }
 
-/// Dequantize `live` rows of `k` values (rows of `w`, `rb` bytes each) into
-/// a panel of `prows` rows in the pair-interleaved layout of the module
-/// docs; rows from `live` on are zeros.
+/// Dequantize `live` rows of `k` values (rows of `w`) into a panel of
+/// `prows` rows in the pair-interleaved layout of the module docs; rows
+/// from `live` on are zeros.
 ///
 /// # Safety
 /// AVX-512 as [`dequantize`].
@@ -79,91 +108,56 @@ pub(super) unsafe fn dequantize_pairs(
     k: usize,
     out: &mut [f32],
 ) {
-    let bb = format.block_bytes();
-    let rb = k / BLOCK * bb;
+    let rb = format.row_bytes(k);
     assert!(
         prows.is_multiple_of(2)
             && live <= prows
             && w.len() >= live * rb
             && out.len() >= prows * k
-            && k.is_multiple_of(BLOCK)
+            && k.is_multiple_of(format.block_values())
     );
-    let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
-    let zero = [_mm512_setzero_ps(); 2];
-    for p in 0..prows / 2 {
-        for b in 0..k / BLOCK {
-            // SAFETY: rows below `live` are in `w`; pair p's 2k floats in
-            // `out` (asserted).
-            unsafe {
-                let row = |r: usize| r.min(live.saturating_sub(1));
-                let (a, c) = if live == 0 {
-                    (zero, zero)
-                } else if format == QFormat::Q4_1 {
-                    (
-                        block::<true>(wp.add(row(2 * p) * rb + b * bb)),
-                        block::<true>(wp.add(row(2 * p + 1) * rb + b * bb)),
-                    )
-                } else {
-                    (
-                        block::<false>(wp.add(row(2 * p) * rb + b * bb)),
-                        block::<false>(wp.add(row(2 * p + 1) * rb + b * bb)),
-                    )
-                };
-                // Rows past the matrix's end (their results are never
-                // read) are zeros.
-                let a = if 2 * p < live { a } else { zero };
-                let c = if 2 * p + 1 < live { c } else { zero };
-                let o = op.add(p * 2 * k + b * 2 * BLOCK);
-                // [a chunk q, c chunk q] for q = 0..4: 128-bit lanes 0-1 of
-                // a register are its chunk 0 (or 2), lanes 2-3 chunk 1 (3).
-                _mm512_storeu_ps(o, _mm512_shuffle_f32x4::<0x44>(a[0], c[0]));
-                _mm512_storeu_ps(o.add(16), _mm512_shuffle_f32x4::<0xee>(a[0], c[0]));
-                _mm512_storeu_ps(o.add(32), _mm512_shuffle_f32x4::<0x44>(a[1], c[1]));
-                _mm512_storeu_ps(o.add(48), _mm512_shuffle_f32x4::<0xee>(a[1], c[1]));
-            }
-        }
+    if live == 0 {
+        out[..prows * k].fill(0.0);
+        return;
     }
+    // SAFETY: the caller has the features; sizes asserted.
+    with_format!(format, F => unsafe { pairs::<F>(w, live, prows, k, out) })
 }
 
-/// Sixteen Q4_1 quants (as i32) dequantized: `fma(q, d, m)`. (Helpers,
-/// not array `map` closures, which were not reliably inlined into the
-/// AVX-512 context.)
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn q4(q: __m512i, d: __m512, m: __m512) -> __m512 {
-    _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m)
-}
-
-/// Sixteen Q8_0 quants (bytes) dequantized: `q * d`.
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn q8(q: __m128i, d: __m512) -> __m512 {
-    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d)
-}
-
-/// One block's 32 values in two registers, values 0-15 and 16-31.
+/// [`dequantize_pairs`] for format `F` (`live >= 1`, sizes checked).
 ///
 /// # Safety
-/// `p` points at a whole block; AVX-512.
-#[inline]
+/// As [`dequantize_pairs`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn block<const Q4: bool>(p: *const u8) -> [__m512; 2] {
-    // SAFETY: by the caller.
-    unsafe {
-        let s = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
-        let d = _mm512_broadcastss_ps(s);
-        if Q4 {
-            let m = _mm512_broadcastss_ps(_mm_movehdup_ps(s));
-            let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(4).cast()));
-            [
-                q4(_mm512_and_si512(q, _mm512_set1_epi32(0x0f)), d, m),
-                q4(_mm512_srli_epi32::<4>(q), d, m),
-            ]
-        } else {
-            [
-                q8(_mm_loadu_si128(p.add(2).cast()), d),
-                q8(_mm_loadu_si128(p.add(18).cast()), d),
-            ]
+unsafe fn pairs<const F: u8>(w: &[u8], live: usize, prows: usize, k: usize, out: &mut [f32]) {
+    let f = const { QFormat::of_code(F) };
+    let (bb, bv) = (f.block_bytes(), f.block_values());
+    let rb = f.row_bytes(k);
+    let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+    let row = |r: usize| r.min(live - 1);
+    for p in 0..prows / 2 {
+        // Rows past the matrix's end (their results are never read) are
+        // zeros: the halves of those rows are masked off.
+        let keep =
+            (if 2 * p < live { 0x00ff } else { 0 }) | (if 2 * p + 1 < live { 0xff00 } else { 0 });
+        for b in 0..k / bv {
+            // SAFETY: rows below `live` are in `w`; pair p's 2k floats in
+            // `out` (asserted by the caller).
+            unsafe {
+                let pa = wp.add(row(2 * p) * rb + b * bb);
+                let pb = wp.add(row(2 * p + 1) * rb + b * bb);
+                let (mut ha, mut hb) = (Head::ZERO, Head::ZERO);
+                head::<F>(pa, &mut ha);
+                head::<F>(pb, &mut hb);
+                for g in 0..bv / GROUP {
+                    let q = pair_quants::<F>(pa, pb, g);
+                    for c in 0..4 {
+                        let v = chunk2::<F>(pa, pb, q, &ha, &hb, g, c);
+                        let at = op.add(p * 2 * k + 2 * (b * bv + GROUP * g + 8 * c));
+                        _mm512_storeu_ps(at, _mm512_maskz_mov_ps(keep, v));
+                    }
+                }
+            }
         }
     }
 }
@@ -295,24 +289,23 @@ pub(super) unsafe fn fused(
     out: *mut f32,
     stride: usize,
 ) {
-    let rb = k / BLOCK * format.block_bytes();
+    let rb = format.row_bytes(k);
     let n = w.len() / rb;
     assert!(
         w.len() == n * rb
             && x.len() >= rows * k
             && (1..=2).contains(&rows)
-            && k.is_multiple_of(BLOCK)
+            && k.is_multiple_of(format.block_values())
     );
     let (x, w) = (x.as_ptr(), w.as_ptr());
     // SAFETY (all): as asserted; writes by the caller.
-    unsafe {
-        match (format, rows) {
-            (QFormat::Q4_1, 1) => fused_rows::<1, true>(x, k, w, rb, n, out, stride),
-            (QFormat::Q8_0, 1) => fused_rows::<1, false>(x, k, w, rb, n, out, stride),
-            (QFormat::Q4_1, _) => fused_rows::<2, true>(x, k, w, rb, n, out, stride),
-            (QFormat::Q8_0, _) => fused_rows::<2, false>(x, k, w, rb, n, out, stride),
+    with_format!(format, F => unsafe {
+        if rows == 1 {
+            fused_rows::<1, F>(x, k, w, rb, n, out, stride)
+        } else {
+            fused_rows::<2, F>(x, k, w, rb, n, out, stride)
         }
-    }
+    })
 }
 
 /// Weight row pairs per fused tile (eight rows: as many streams as the
@@ -327,7 +320,7 @@ const FUSED_PAIRS: usize = 4;
 /// As [`fused`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn fused_rows<const MR: usize, const Q4: bool>(
+unsafe fn fused_rows<const MR: usize, const F: u8>(
     x: *const f32,
     k: usize,
     w: *const u8,
@@ -341,14 +334,17 @@ unsafe fn fused_rows<const MR: usize, const Q4: bool>(
     // caller.
     unsafe {
         while r + 2 * FUSED_PAIRS <= n {
-            let rows: [*const u8; 2 * FUSED_PAIRS] = std::array::from_fn(|i| w.add((r + i) * rb));
-            let t = fused_tile::<MR, FUSED_PAIRS, Q4>(x, k, &rows, rb);
+            let mut rows = [w; 2 * FUSED_PAIRS];
+            for (i, p) in rows.iter_mut().enumerate() {
+                *p = w.add((r + i) * rb);
+            }
+            let t = fused_tile::<MR, FUSED_PAIRS, F>(x, k, &rows, rb);
             store(&t, out.add(r), stride, 2 * FUSED_PAIRS);
             r += 2 * FUSED_PAIRS;
         }
         while r < n {
             let b = (r + 1).min(n - 1);
-            let t = fused_tile::<MR, 1, Q4>(x, k, &[w.add(r * rb), w.add(b * rb)], rb);
+            let t = fused_tile::<MR, 1, F>(x, k, &[w.add(r * rb), w.add(b * rb)], rb);
             store(&t, out.add(r), stride, n - r);
             r += 2;
         }
@@ -359,104 +355,122 @@ unsafe fn fused_rows<const MR: usize, const Q4: bool>(
 /// than the hardware prefetcher follows).
 const AHEAD: usize = 16;
 
-/// Permutation indices that spread lanes 0 and 2 (or 1 and 3) of a
-/// converted scale vector over the low and high halves.
-const D_IDX: [i32; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2];
-const M_IDX: [i32; 16] = [1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3];
-
 /// `MR` activation rows against `2 * NP` rows of blocks (`rows[2j]` and
-/// `rows[2j + 1]` share pair `j`'s registers), dequantized in registers.
+/// `rows[2j + 1]` share pair `j`'s registers), dequantized in registers a
+/// group (32 values) at a time.
 ///
 /// # Safety
-/// `x` readable for `MR` rows of `k`; each row pointer for `k / 32`
-/// blocks; AVX-512.
+/// `x` readable for `MR` rows of `k`; each row pointer for `k` values of
+/// format `F`; AVX-512.
 #[allow(clippy::needless_range_loop)] // tile loops index several arrays
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn fused_tile<const MR: usize, const NP: usize, const Q4: bool>(
+unsafe fn fused_tile<const MR: usize, const NP: usize, const F: u8>(
     x: *const f32,
     k: usize,
     rows: &[*const u8],
     rb: usize,
 ) -> [[[f32; 2]; NP]; MR] {
-    let bb = if Q4 { 20 } else { 34 };
-    // SAFETY: constant arrays of sixteen lanes.
-    let (di, mi) = unsafe {
-        (
-            _mm512_loadu_si512(D_IDX.as_ptr().cast()),
-            _mm512_loadu_si512(M_IDX.as_ptr().cast()),
-        )
-    };
+    let f = const { QFormat::of_code(F) };
+    let (bb, bv) = (f.block_bytes(), f.block_values());
+    let groups = bv / GROUP;
     let mut acc = [[_mm512_setzero_ps(); NP]; MR];
-    for b in 0..k / BLOCK {
-        // SAFETY: block b of each row and values b*32 .. b*32+32 of each
+    if const { is_legacy(QFormat::of_code(F)) } {
+        // SAFETY: by the caller, as below.
+        unsafe { fused_legacy::<MR, NP, F>(&mut acc, x, k, rows, rb) };
+        return reduce_tile(&acc);
+    }
+    let (mut ha, mut hb) = ([Head::ZERO; NP], [Head::ZERO; NP]);
+    for b in 0..k / bv {
+        // SAFETY: block b of each row and values b*bv .. (b+1)*bv of each
         // activation row, by the caller; prefetches are hints (they may
         // point past the matrix and never fault).
         unsafe {
-            let mut v = [[_mm512_setzero_ps(); 4]; NP];
-            for (j, v) in v.iter_mut().enumerate() {
-                let (pa, pb) = (rows[2 * j].add(b * bb), rows[2 * j + 1].add(b * bb));
-                // The same rows AHEAD rows on (two tiles).
-                _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add(AHEAD * rb).cast());
-                _mm_prefetch::<_MM_HINT_T0>(pb.wrapping_add(AHEAD * rb).cast());
-                // [d_a, m_a, d_b, m_b] (Q8_0: [d_a, q, d_b, q]).
-                let s = _mm_cvtph_ps(_mm_unpacklo_epi32(
-                    _mm_cvtsi32_si128(pa.cast::<i32>().read_unaligned()),
-                    _mm_cvtsi32_si128(pb.cast::<i32>().read_unaligned()),
-                ));
-                let s = _mm512_castps128_ps512(s);
-                let d = _mm512_permutexvar_ps(di, s);
-                *v = if Q4 {
-                    let m = _mm512_permutexvar_ps(mi, s);
-                    let (qa, qb) = (
-                        _mm_loadu_si128(pa.add(4).cast()),
-                        _mm_loadu_si128(pb.add(4).cast()),
-                    );
-                    // Bytes 0-7 of each row hold values 0-7 (low nibbles)
-                    // and 16-23 (high); bytes 8-15 values 8-15 and 24-31.
-                    let lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(qa, qb));
-                    let hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(qa, qb));
-                    let mask = _mm512_set1_epi32(0x0f);
-                    [
-                        q4(_mm512_and_si512(lo, mask), d, m),
-                        q4(_mm512_and_si512(hi, mask), d, m),
-                        q4(_mm512_srli_epi32::<4>(lo), d, m),
-                        q4(_mm512_srli_epi32::<4>(hi), d, m),
-                    ]
-                } else {
-                    let (a0, b0) = (
-                        _mm_loadu_si128(pa.add(2).cast()),
-                        _mm_loadu_si128(pb.add(2).cast()),
-                    );
-                    let (a1, b1) = (
-                        _mm_loadu_si128(pa.add(18).cast()),
-                        _mm_loadu_si128(pb.add(18).cast()),
-                    );
-                    [
-                        q8(_mm_unpacklo_epi64(a0, b0), d),
-                        q8(_mm_unpackhi_epi64(a0, b0), d),
-                        q8(_mm_unpacklo_epi64(a1, b1), d),
-                        q8(_mm_unpackhi_epi64(a1, b1), d),
-                    ]
-                };
+            let (mut pa, mut pb) = ([rows[0]; NP], [rows[0]; NP]);
+            for j in 0..NP {
+                pa[j] = rows[2 * j].add(b * bb);
+                pb[j] = rows[2 * j + 1].add(b * bb);
+                head::<F>(pa[j], &mut ha[j]);
+                head::<F>(pb[j], &mut hb[j]);
             }
-            for q in 0..4 {
-                let mut a = [_mm512_setzero_ps(); MR];
-                for (i, a) in a.iter_mut().enumerate() {
-                    *a = load_both(x.add(i * k + b * BLOCK + 8 * q));
-                }
+            for g in 0..groups {
+                let mut q = [_mm512_setzero_si512(); NP];
                 for j in 0..NP {
-                    for i in 0..MR {
-                        acc[i][j] = _mm512_fmadd_ps(a[i], v[j][q], acc[i][j]);
+                    // The same rows' bytes AHEAD rows on (two tiles).
+                    let at = AHEAD * rb + g * bb / groups;
+                    _mm_prefetch::<_MM_HINT_T0>(pa[j].wrapping_add(at).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(pb[j].wrapping_add(at).cast());
+                    q[j] = pair_quants::<F>(pa[j], pb[j], g);
+                }
+                for c in 0..4 {
+                    let mut a = [_mm512_setzero_ps(); MR];
+                    for (i, a) in a.iter_mut().enumerate() {
+                        *a = load_both(x.add(i * k + b * bv + GROUP * g + 8 * c));
+                    }
+                    for j in 0..NP {
+                        let v = chunk2::<F>(pa[j], pb[j], q[j], &ha[j], &hb[j], g, c);
+                        for i in 0..MR {
+                            acc[i][j] = _mm512_fmadd_ps(a[i], v, acc[i][j]);
+                        }
                     }
                 }
             }
         }
     }
+    reduce_tile(&acc)
+}
+
+/// [`fused_tile`]'s accumulation for a legacy format: each pair's blocks
+/// decoded straight from their bytes, scales converted once per block pair.
+///
+/// # Safety
+/// As [`fused_tile`].
+#[allow(clippy::needless_range_loop)] // tile loops index several arrays
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn fused_legacy<const MR: usize, const NP: usize, const F: u8>(
+    acc: &mut [[__m512; NP]; MR],
+    x: *const f32,
+    k: usize,
+    rows: &[*const u8],
+    rb: usize,
+) {
+    let bb = const { QFormat::of_code(F).block_bytes() };
+    for b in 0..k / GROUP {
+        // SAFETY: block b of each row and values b*32 .. b*32+32 of each
+        // activation row, by the caller; prefetches are hints.
+        unsafe {
+            let mut v = [[_mm512_setzero_ps(); 4]; NP];
+            for (j, v) in v.iter_mut().enumerate() {
+                let (pa, pb) = (rows[2 * j].add(b * bb), rows[2 * j + 1].add(b * bb));
+                _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add(AHEAD * rb).cast());
+                _mm_prefetch::<_MM_HINT_T0>(pb.wrapping_add(AHEAD * rb).cast());
+                let (d, m) = legacy_pair_scales(pa, pb);
+                *v = legacy_pair::<F>(pa, pb, d, m);
+            }
+            for c in 0..4 {
+                let mut a = [_mm512_setzero_ps(); MR];
+                for (i, a) in a.iter_mut().enumerate() {
+                    *a = load_both(x.add(i * k + b * GROUP + 8 * c));
+                }
+                for j in 0..NP {
+                    for i in 0..MR {
+                        acc[i][j] = _mm512_fmadd_ps(a[i], v[j][c], acc[i][j]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Each accumulator's two chains summed (the module's tree per half).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+fn reduce_tile<const MR: usize, const NP: usize>(acc: &[[__m512; NP]; MR]) -> [[[f32; 2]; NP]; MR] {
     let mut out = [[[0.0f32; 2]; NP]; MR];
-    for i in 0..MR {
-        for j in 0..NP {
-            out[i][j] = hsum2(acc[i][j]);
+    for (o, a) in out.iter_mut().zip(acc) {
+        for (o, a) in o.iter_mut().zip(a) {
+            *o = hsum2(*a);
         }
     }
     out

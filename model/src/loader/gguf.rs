@@ -201,11 +201,15 @@ impl GgufFile {
         let &[rows, cols] = expected else {
             return Ok(None);
         };
-        if cols % kvmesh_kernels::quant::BLOCK != 0 {
-            return Err(self.bad(name, format!("{cols} columns is not whole blocks")));
+        let block = format.block_values();
+        if cols % block != 0 {
+            return Err(self.bad(
+                name,
+                format!("{cols} columns is not whole {block}-value {format} blocks"),
+            ));
         }
         let len = (rows as u64)
-            .checked_mul((cols / kvmesh_kernels::quant::BLOCK) as u64)
+            .checked_mul((cols / block) as u64)
             .and_then(|b| b.checked_mul(format.block_bytes() as u64))
             .ok_or_else(|| self.bad(name, "size overflows".into()))?;
         let data = self.read_data(name, offset, len)?;

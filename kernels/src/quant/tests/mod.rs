@@ -25,19 +25,50 @@ impl Rng {
     }
 }
 
-fn random_matrix(rng: &mut Rng, format: QFormat, rows: usize, cols: usize) -> QMatrix {
-    let blocks = rows * cols / BLOCK;
-    let mut data = Vec::with_capacity(blocks * format.block_bytes());
-    for _ in 0..blocks {
-        data.extend_from_slice(&rng.half());
-        if format == QFormat::Q4_1 {
-            data.extend_from_slice(&rng.half());
+/// Where a block of `format` keeps its f16 scales (byte offsets).
+fn scale_offsets(format: QFormat) -> &'static [usize] {
+    match format {
+        QFormat::Q4_0 | QFormat::Q5_0 | QFormat::Q8_0 => &[0],
+        QFormat::Q4_1 | QFormat::Q5_1 | QFormat::Q4_K | QFormat::Q5_K => &[0, 2],
+        QFormat::Q2_K => &[80, 82],
+        QFormat::Q3_K => &[108],
+        QFormat::Q6_K => &[208],
+        QFormat::F16 | QFormat::BF16 => &[],
+    }
+}
+
+/// One block of `format`: random bytes with sane f16 scales (F16 and
+/// BF16: sane values of either sign).
+fn random_block(rng: &mut Rng, format: QFormat) -> Vec<u8> {
+    let mut b: Vec<u8> = (0..format.block_bytes()).map(|_| rng.byte()).collect();
+    match format {
+        QFormat::F16 => {
+            for h in b.chunks_exact_mut(2) {
+                h.copy_from_slice(&rng.half());
+            }
         }
-        let n = format.block_bytes() - data.len() % format.block_bytes();
-        for _ in 0..n {
-            data.push(rng.byte());
+        QFormat::BF16 => {
+            for h in b.chunks_exact_mut(2) {
+                // Sign, an exponent near 2^0, a random 7-bit mantissa.
+                let exp = 120 + (rng.next() % 12) as u16;
+                let bits = ((rng.next() & 1) as u16) << 15 | exp << 7 | (rng.next() & 0x7f) as u16;
+                h.copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        _ => {
+            for &at in scale_offsets(format) {
+                b[at..at + 2].copy_from_slice(&rng.half());
+            }
         }
     }
+    b
+}
+
+fn random_matrix(rng: &mut Rng, format: QFormat, rows: usize, cols: usize) -> QMatrix {
+    let blocks = rows * cols / format.block_values();
+    let data = (0..blocks)
+        .flat_map(|_| random_block(rng, format))
+        .collect();
     QMatrix::from_bytes(format, rows, cols, data).expect("shape")
 }
 
@@ -96,7 +127,11 @@ fn dequantize_reads_the_gguf_block_layout() {
 fn shapes_are_checked() {
     assert!(matches!(
         QMatrix::from_bytes(QFormat::Q4_1, 2, 40, vec![0; 40]),
-        Err(QuantError::Columns { cols: 40 })
+        Err(QuantError::Columns {
+            cols: 40,
+            block: 32,
+            ..
+        })
     ));
     assert!(matches!(
         QMatrix::from_bytes(QFormat::Q8_0, 2, 64, vec![0; 135]),
@@ -106,12 +141,73 @@ fn shapes_are_checked() {
             ..
         })
     ));
+    for format in QFormat::ALL {
+        let bv = format.block_values();
+        // Whole blocks of the format, or nothing.
+        let bad = if bv == 32 { 48 } else { 128 };
+        let err = QMatrix::from_bytes(format, 1, bad, vec![0; format.block_bytes()])
+            .expect_err("a partial block");
+        assert_eq!(
+            err,
+            QuantError::Columns {
+                format: format.name(),
+                block: bv,
+                cols: bad
+            }
+        );
+        assert!(err.to_string().contains(format.name()), "{err}");
+        // Too wide, though whole blocks.
+        let wide = MAX_COLS + bv;
+        assert!(matches!(
+            QMatrix::from_bytes(format, 1, wide, vec![0; format.row_bytes(wide)]),
+            Err(QuantError::Columns { .. })
+        ));
+        // One byte short, one byte over, then exact.
+        let need = 3 * 2 * format.block_bytes();
+        for got in [need - 1, need + 1] {
+            assert_eq!(
+                QMatrix::from_bytes(format, 3, 2 * bv, vec![0; got]).expect_err("wrong length"),
+                QuantError::Length {
+                    format: format.name(),
+                    rows: 3,
+                    cols: 2 * bv,
+                    expected: need,
+                    got
+                }
+            );
+        }
+        let w = QMatrix::from_bytes(format, 3, 2 * bv, vec![0; need]).expect("exact");
+        assert_eq!((w.rows(), w.cols(), w.byte_len()), (3, 2 * bv, need));
+    }
+    // Stacking needs one format and one width.
     let mut rng = Rng(7);
-    let a = random_matrix(&mut rng, QFormat::Q8_0, 2, 64);
-    let b = random_matrix(&mut rng, QFormat::Q4_1, 2, 64);
+    for (fa, fb) in [
+        (QFormat::Q8_0, QFormat::Q4_1),
+        (QFormat::Q4_K, QFormat::Q5_K),
+        (QFormat::F16, QFormat::BF16),
+        (QFormat::Q6_K, QFormat::Q8_0),
+    ] {
+        let a = random_matrix(&mut rng, fa, 2, 256);
+        let b = random_matrix(&mut rng, fb, 2, 256);
+        assert_eq!(
+            QMatrix::stack(&[&a, &b]).expect_err("mixed formats"),
+            QuantError::Stack {
+                a: fa.name(),
+                a_cols: 256,
+                b: fb.name(),
+                b_cols: 256
+            }
+        );
+    }
+    let a = random_matrix(&mut rng, QFormat::Q4_K, 2, 256);
+    let b = random_matrix(&mut rng, QFormat::Q4_K, 2, 512);
     assert!(matches!(
         QMatrix::stack(&[&a, &b]),
-        Err(QuantError::Stack { .. })
+        Err(QuantError::Stack {
+            a_cols: 256,
+            b_cols: 512,
+            ..
+        })
     ));
 }
 
@@ -119,9 +215,9 @@ fn shapes_are_checked() {
 /// activations: only f32 rounding separates them.
 #[test]
 fn matmul_matches_the_dense_product() {
-    for format in [QFormat::Q4_1, QFormat::Q8_0] {
+    for format in QFormat::ALL {
         let mut rng = Rng(11);
-        let (n, k) = (37, 192);
+        let (n, k) = (37, 512);
         let w = random_matrix(&mut rng, format, n, k);
         let wd = dense(&w);
         // One and two rows take the fused path, more the panel path.
@@ -156,26 +252,38 @@ fn matmul_matches_the_dense_product() {
     }
 }
 
+/// Matrix shapes for `format` in the bit-equality tests: one block, odd
+/// row counts (partial tiles and pairs, a lone last row), a few widths.
+fn shapes(format: QFormat) -> Vec<(usize, usize)> {
+    let bv = format.block_values();
+    let mut v = vec![(1, bv), (3, 3 * bv), (9, 2 * bv), (70, 1536), (131, 768)];
+    if bv == 32 {
+        v.push((20, 576));
+    }
+    v
+}
+
 /// `path` computes the portable path's bits on fresh random matrices and
-/// activations: odd row counts (partial tiles and pairs, a lone last row),
-/// every batch size from the fused one-row path to several panel tiles,
-/// and both panel widths.
+/// activations, every format: batch sizes from the fused one-row path to
+/// several panel tiles and both panel widths; and the dequantized rows.
 fn equals_portable(path: Path, seed: u64) {
     let mut rng = Rng(seed);
-    for format in [QFormat::Q4_1, QFormat::Q8_0] {
-        for (n, k) in [(1, 32), (3, 96), (9, 64), (70, 1536), (131, 576)] {
+    for format in QFormat::ALL {
+        for (n, k) in shapes(format) {
             let w = random_matrix(&mut rng, format, n, k);
-            for t in [1, 2, 3, 4, 5, 7, 13, 49, 50] {
+            for t in [1, 2, 3, 5, 17, 49, 64] {
                 let x = random_acts(&mut rng, t, k);
                 let (mut a, mut b) = (vec![0.0; t * n], vec![0.0; t * n]);
                 matmul_with(Path::Portable, &w, &x, t, &mut a);
                 matmul_with(path, &w, &x, t, &mut b);
-                assert_eq!(bits(&a), bits(&b), "{path} {format:?} [{n}x{k}], {t} rows");
+                assert_eq!(bits(&a), bits(&b), "{path} {format} [{n}x{k}], {t} rows");
             }
-            let (mut a, mut b) = (vec![0.0; k], vec![0.0; k]);
-            scalar::dequantize_row(format, w.row(n - 1), &mut a);
-            path.dequantize(format, w.row(n - 1), &mut b);
-            assert_eq!(bits(&a), bits(&b), "{path} {format:?} dequantized row");
+            for r in [0, n - 1] {
+                let (mut a, mut b) = (vec![0.0; k], vec![0.0; k]);
+                scalar::dequantize_row(format, w.row(r), &mut a);
+                path.dequantize(format, w.row(r), &mut b);
+                assert_eq!(bits(&a), bits(&b), "{path} {format} dequantized row {r}");
+            }
         }
     }
 }
@@ -212,14 +320,13 @@ mod random {
         #[test]
         fn every_path_equals_portable_in_any_batch(
             seed in any::<u64>(),
-            q4 in any::<bool>(),
+            format in proptest::sample::select(QFormat::ALL.to_vec()),
             n in 1usize..40,
-            blocks in 1usize..12,
+            blocks in 1usize..6,
             rows in 1usize..30,
             cut in 0usize..30,
         ) {
-            let format = if q4 { QFormat::Q4_1 } else { QFormat::Q8_0 };
-            let k = blocks * BLOCK;
+            let k = blocks * format.block_values();
             let mut rng = Rng(seed | 1);
             let w = random_matrix(&mut rng, format, n, k);
             let x = random_acts(&mut rng, rows, k);
@@ -250,9 +357,9 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// and chunked prefill equal the reference.
 #[test]
 fn results_do_not_depend_on_the_batch() {
-    for format in [QFormat::Q4_1, QFormat::Q8_0] {
+    for format in QFormat::ALL {
         let mut rng = Rng(9);
-        let (n, k) = (300, 576);
+        let (n, k) = (300, 768);
         let w = random_matrix(&mut rng, format, n, k);
         let x = random_acts(&mut rng, 53, k);
         for kernel in kernels() {
@@ -296,7 +403,7 @@ fn assert_parts_equal_whole(
 /// computed alone, or in a batch inside one block.
 #[test]
 fn row_blocks_and_partial_panels_do_not_change_results() {
-    for format in [QFormat::Q4_1, QFormat::Q8_0] {
+    for format in QFormat::ALL {
         let mut rng = Rng(11);
         let (n, k, rows) = (130, 1536, 101);
         let w = random_matrix(&mut rng, format, n, k);
@@ -312,19 +419,24 @@ fn row_blocks_and_partial_panels_do_not_change_results() {
 
 #[test]
 fn stack_and_permute_move_whole_rows() {
-    let mut rng = Rng(13);
-    let a = random_matrix(&mut rng, QFormat::Q4_1, 3, 64);
-    let b = random_matrix(&mut rng, QFormat::Q4_1, 2, 64);
-    let s = QMatrix::stack(&[&a, &b]).expect("same format");
-    assert_eq!((s.rows(), s.cols()), (5, 64));
-    let p = s.permute_rows(&[4, 0, 3, 1, 2]);
-    let (mut x, mut y) = (vec![0.0; 64], vec![0.0; 64]);
-    for (i, (src, r)) in [(&b, 1), (&a, 0), (&b, 0), (&a, 1), (&a, 2)]
-        .iter()
-        .enumerate()
-    {
-        p.dequantize_row(i, &mut x);
-        src.dequantize_row(*r, &mut y);
-        assert_eq!(x, y, "row {i}");
+    for format in QFormat::ALL {
+        let mut rng = Rng(13);
+        let k = 2 * format.block_values();
+        let a = random_matrix(&mut rng, format, 3, k);
+        let b = random_matrix(&mut rng, format, 2, k);
+        let s = QMatrix::stack(&[&a, &b]).expect("same format");
+        assert_eq!((s.rows(), s.cols(), s.format()), (5, k, format));
+        let p = s.permute_rows(&[4, 0, 3, 1, 2]);
+        let (mut x, mut y) = (vec![0.0; k], vec![0.0; k]);
+        for (i, (src, r)) in [(&b, 1), (&a, 0), (&b, 0), (&a, 1), (&a, 2)]
+            .iter()
+            .enumerate()
+        {
+            p.dequantize_row(i, &mut x);
+            src.dequantize_row(*r, &mut y);
+            assert_eq!(bits(&x), bits(&y), "{format} row {i}");
+        }
     }
 }
+
+mod formats;
