@@ -67,8 +67,8 @@ pub enum ModelError {
         /// The architecture (or feature of it) as named by the file.
         architecture: String,
     },
-    /// A tensor is stored in a dtype this runtime cannot convert to f32.
-    #[error("{}: tensor `{tensor}` has dtype {dtype}, which cannot be loaded (supported: f32, f16, bf16; GGUF: the ggml types candle dequantizes)", path.display())]
+    /// A tensor is stored in a type this runtime cannot run.
+    #[error("{}: tensor `{tensor}` has type {dtype}, which kvmesh cannot run (supported: safetensors f32, f16, bf16; GGUF F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)", path.display())]
     UnsupportedDtype {
         /// The weight file.
         path: PathBuf,

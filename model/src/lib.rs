@@ -5,7 +5,7 @@
 //! - [`arch`]: the decoder families (Llama, Mistral, Qwen2/3, Gemma 2/3,
 //!   Phi-3), each a description over one forward pass.
 //! - [`config`]: [`ModelConfig`] from a Hugging Face `config.json` or GGUF metadata.
-//! - [`weights`]: tensors as f32 (exact mode) or GGUF Q4_1/Q8_0 blocks as
+//! - [`weights`]: tensors as f32 (exact mode) or GGUF blocks (every `QFormat`) as
 //!   stored (quantized mode, [`Precision`]), GGUF Q/K rows un-permuted.
 //! - tokenizer, chat templates, incremental detokenization and the GGUF
 //!   header reader live in `kvmesh-tokenizer` (which links no candle, so

@@ -8,8 +8,11 @@
 //!   (one dispatch to the thread pool instead of three). Each output element
 //!   is independent of the batch (see `kvmesh_kernels::quant`).
 //!
-//! A mix (say a K-quant tensor the kernels do not run, dequantized at load,
-//! next to Q4_1 ones) runs dense, with the blocks dequantized at build.
+//! Matrices of different block formats (a Q4_K_M file's Q4_K q/k next to
+//! its Q6_K v) stay in their own blocks: one pass each, their rows
+//! interleaved into the stacked layout afterwards. A mix of f32 and blocks
+//! (an f32 tensor beside quantized ones) runs dense, with the blocks
+//! dequantized at build.
 
 use std::sync::Arc;
 
@@ -28,6 +31,8 @@ fn compute(e: impl std::fmt::Display) -> ModelError {
 enum Kind {
     Dense(Vec<Tensor>),
     Quant(Arc<QMatrix>),
+    /// Parts whose formats differ, each run on its own.
+    QuantParts(Vec<Arc<QMatrix>>),
 }
 
 /// Matrices sharing an input, with their output widths.
@@ -40,7 +45,7 @@ pub(crate) struct Projection {
 impl std::fmt::Debug for Projection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Projection")
-            .field("quantized", &matches!(self.kind, Kind::Quant(_)))
+            .field("quantized", &self.is_quantized())
             .field("widths", &self.widths)
             .field("cols", &self.cols)
             .finish()
@@ -61,12 +66,13 @@ impl Projection {
             .collect();
         let kind = match quants.as_deref() {
             Some([one]) => Kind::Quant(Arc::clone(one)),
-            Some(q) => {
-                let q: Vec<&QMatrix> = q.iter().map(|a| a.as_ref()).collect();
+            Some(arcs) => {
+                let q: Vec<&QMatrix> = arcs.iter().map(|a| a.as_ref()).collect();
                 match QMatrix::stack(&q) {
                     Ok(stacked) => Kind::Quant(Arc::new(stacked)),
-                    // Different formats: run them dense.
-                    Err(_) => Kind::Dense(dense_all(parts)?),
+                    // Different formats: each in its own blocks (shared,
+                    // not copied).
+                    Err(_) => Kind::QuantParts(arcs.iter().map(|a| Arc::clone(a)).collect()),
                 }
             }
             None => Kind::Dense(dense_all(parts)?),
@@ -78,6 +84,7 @@ impl Projection {
     pub(crate) fn weight_bytes(&self) -> usize {
         match &self.kind {
             Kind::Quant(w) => w.byte_len(),
+            Kind::QuantParts(ws) => ws.iter().map(|w| w.byte_len()).sum(),
             Kind::Dense(_) => self.params() * 4,
         }
     }
@@ -89,7 +96,7 @@ impl Projection {
 
     /// Whether this runs the quantized kernels.
     pub(crate) fn is_quantized(&self) -> bool {
-        matches!(self.kind, Kind::Quant(_))
+        matches!(self.kind, Kind::Quant(_) | Kind::QuantParts(_))
     }
 
     /// `x [rows, cols]` through every matrix into `outs[i]` (`[rows,
@@ -117,6 +124,12 @@ impl Projection {
             Kind::Dense(ws) => {
                 for (w, out) in ws.iter().zip(outs.iter_mut()) {
                     **out = dense_linear(x, rows, w)?;
+                }
+            }
+            Kind::QuantParts(ws) => {
+                for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                    out.resize(rows * w.rows(), 0.0);
+                    quant::matmul(w, x, rows, out);
                 }
             }
             Kind::Quant(w) => {
@@ -150,6 +163,17 @@ impl Projection {
                 out.resize(rows * w.rows(), 0.0);
                 quant::matmul(w, x, rows, out);
             }
+            Kind::QuantParts(ws) => {
+                let parts: Vec<Vec<f32>> = ws
+                    .iter()
+                    .map(|w| {
+                        let mut o = vec![0.0; rows * w.rows()];
+                        quant::matmul(w, x, rows, &mut o);
+                        o
+                    })
+                    .collect();
+                interleave(&parts, &self.widths, rows, out);
+            }
             Kind::Dense(ws) => {
                 let parts = ws
                     .iter()
@@ -164,6 +188,16 @@ impl Projection {
             }
         }
         Ok(())
+    }
+}
+
+/// Row `t` of `out` is part 0's row `t`, then part 1's, and so on.
+fn interleave(parts: &[Vec<f32>], widths: &[usize], rows: usize, out: &mut Vec<f32>) {
+    out.clear();
+    for t in 0..rows {
+        for (part, &width) in parts.iter().zip(widths) {
+            out.extend_from_slice(&part[t * width..(t + 1) * width]);
+        }
     }
 }
 

@@ -13,7 +13,7 @@
 //!
 //! Exact mode: weights are f32 (dequantized at load), activations f32, the
 //! same arithmetic as the Hugging Face reference up to summation order.
-//! Quantized mode: GGUF Q4_1/Q8_0 matrices run through the block kernels
+//! Quantized mode: GGUF block matrices (every `QFormat`) run through the block kernels
 //! (`kvmesh_kernels::quant`) with f32 activations; norms, RoPE, attention
 //! and the residual stream are f32 as in the exact mode. In both modes a row's result does not
 //! depend on the other rows of the batch, so batched decode, chunked prefill

@@ -125,8 +125,8 @@ pub fn load_random(dir: &Path, seed: u64) -> Result<LoadedModel> {
 }
 
 /// Load a model in the given precision. A Hugging Face directory is always
-/// f32; a GGUF file's Q4_1 / Q8_0 matrices stay blocks in
-/// [`Precision::Quantized`] (other formats are dequantized).
+/// f32; a GGUF file's block-format matrices stay blocks in
+/// [`Precision::Quantized`] (F32 stays f32; a type kvmesh does not run is refused).
 pub fn load_with(path: &Path, precision: Precision) -> Result<LoadedModel> {
     let started = Instant::now();
     let meta = std::fs::metadata(path).map_err(|e| match e.kind() {

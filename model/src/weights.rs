@@ -4,7 +4,7 @@
 //!
 //! Matrices are [`Matrix`] values: f32 in the exact mode ([`Precision::Exact`])
 //! and for sources without supported blocks; in [`Precision::Quantized`] a
-//! GGUF tensor stored as Q4_1 or Q8_0 keeps its blocks as they are in the file
+//! GGUF matrix stored in a block format (F16, BF16, Q4_0..Q8_0, Q2_K..Q6_K) keeps its blocks as they are in the file
 //! ([`QMatrix`]), read straight from the file without dequantizing. Vectors
 //! (norms, biases) are always f32.
 //!
@@ -36,7 +36,7 @@ pub enum Precision {
     /// transformers (GGUF blocks are dequantized at load).
     #[default]
     Exact,
-    /// GGUF Q4_1 / Q8_0 blocks used as stored (dequantized in registers or
+    /// GGUF blocks (every format of `QFormat`) used as stored (dequantized in registers or
     /// in small per-call panels, never whole at load), f32 activations;
     /// other tensors f32. Differs from the exact mode by the weights'
     /// quantization only, and every output is independent of batching (see
@@ -191,7 +191,7 @@ impl Weights {
     }
 
     /// Load the tensors of an open GGUF file: dequantized to f32, or (in
-    /// [`Precision::Quantized`]) Q4_1 / Q8_0 blocks kept as stored.
+    /// [`Precision::Quantized`]) every block format kept as stored.
     pub(crate) fn from_gguf(
         file: &mut GgufFile,
         config: &ModelConfig,

@@ -66,6 +66,7 @@ fn every_legacy_format_loads_back_to_its_dequantized_values() {
                 (&lq.w_down, &le.w_down),
             ]);
         }
+        let total = pairs.len();
         let mut quant = 0;
         for (mq, me) in pairs {
             assert!(matches!(me, Matrix::Dense(_)), "the exact mode is f32");
@@ -76,6 +77,25 @@ fn every_legacy_format_loads_back_to_its_dequantized_values() {
                 "{family} {ty}: a matrix differs by {d} of its largest value"
             );
         }
-        eprintln!("{family} {ty}: {quant} matrices kept quantized");
+        assert_eq!(
+            quant, total,
+            "{family} {ty}: every matrix stays in its blocks"
+        );
+    }
+}
+
+/// A type kvmesh does not run is refused at load in either mode, naming
+/// the tensor and the type, never widened or skipped.
+#[test]
+fn an_unsupported_tensor_type_is_refused_by_name() {
+    let path = common::tiny_family_gguf("qwen3", "IQ4_NL");
+    for precision in [Precision::Quantized, Precision::Exact] {
+        let err = load_with(&path, precision).expect_err("IQ4_NL is not run");
+        let msg = err.to_string();
+        assert_eq!(err.kind(), "unsupported_dtype", "{msg}");
+        assert!(
+            msg.contains("blk.1.attn_v.weight") && msg.contains("IQ4_NL"),
+            "{msg}"
+        );
     }
 }

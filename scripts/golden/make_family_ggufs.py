@@ -12,7 +12,9 @@ Q4_1, Q5_0 and Q5_1. (The tiny models are 64 wide: K-quants need 256-wide
 rows, so they are tested on the real Gemma 3 GGUF and in the kernels.)
 Matrices are quantized, vectors stay F32, as llama.cpp does.
 
-Outputs (committed): model/tests/data/gguf/tiny-<family>-<type>.gguf
+Outputs (committed): model/tests/data/gguf/tiny-<family>-<type>.gguf, and
+tiny-qwen3-IQ4_NL.gguf: Q8_0 with one tensor in IQ4_NL, a type kvmesh does
+not run (the loader must refuse it, naming the tensor and the type).
 """
 
 import json
@@ -100,11 +102,12 @@ def tokenizer_metadata(w, src):
     return len(tokens)
 
 
-def convert(family, type_name):
+def convert(family, type_name, odd_tensor=None):
     src = DATA / f"tiny-{family}"
     cfg = json.loads((src / "config.json").read_text())
     arch = ARCH[family]
-    out = DATA / "gguf" / f"tiny-{family}-{type_name}.gguf"
+    suffix = "IQ4_NL" if odd_tensor else type_name
+    out = DATA / "gguf" / f"tiny-{family}-{suffix}.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(f"tiny-{family}")
@@ -159,7 +162,13 @@ def convert(family, type_name):
                 t = permute(t, n_kv)
         if family == "gemma3" and name.endswith("norm.weight"):
             t = t + 1.0
-        if t.ndim == 2 and qtype != Q.F32:
+        if gname == odd_tensor:
+            # A type kvmesh does not run (IQ4_NL: 18 bytes per 32 values),
+            # with arbitrary block bytes: loading must refuse it by name.
+            rows, cols = t.shape
+            raw = np.random.default_rng(7).integers(0, 256, size=(rows, cols // 32 * 18), dtype=np.uint8)
+            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=Q.IQ4_NL)
+        elif t.ndim == 2 and qtype != Q.F32:
             data = gguf.quants.quantize(t, qtype)
             w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
         else:
@@ -175,6 +184,7 @@ def main():
     for family, types in PER_FAMILY.items():
         for t in types:
             convert(family, t)
+    convert("qwen3", "Q8_0", odd_tensor="blk.1.attn_v.weight")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,31 @@ impl std::ops::Deref for GgufFile {
 }
 
 /// candle's type for a ggml type code (the codes of `ggml.h`).
+/// The ggml type code of f32.
+const GGML_F32: u32 = 0;
+
+/// A ggml type's name for messages (`IQ2_XXS (ggml type 16)`).
+fn ggml_type_name(code: u32) -> String {
+    const NAMES: [(u32, &str); 12] = [
+        (16, "IQ2_XXS"),
+        (17, "IQ2_XS"),
+        (18, "IQ3_XXS"),
+        (19, "IQ1_S"),
+        (20, "IQ4_NL"),
+        (21, "IQ3_S"),
+        (22, "IQ2_S"),
+        (23, "IQ4_XS"),
+        (29, "IQ1_M"),
+        (34, "TQ1_0"),
+        (35, "TQ2_0"),
+        (39, "MXFP4"),
+    ];
+    match NAMES.iter().find(|(c, _)| *c == code) {
+        Some((_, n)) => format!("{n} (ggml type {code})"),
+        None => format!("ggml type {code}"),
+    }
+}
+
 fn ggml_dtype(code: u32) -> Option<GgmlDType> {
     Some(match code {
         0 => GgmlDType::F32,
@@ -156,7 +181,7 @@ impl GgufFile {
             return Err(ModelError::UnsupportedDtype {
                 path: self.path_buf(),
                 tensor: name.to_owned(),
-                dtype: format!("ggml type {code}"),
+                dtype: ggml_type_name(code),
             });
         };
         let elems = dims
@@ -182,24 +207,33 @@ impl GgufFile {
         guarded(path, &what, || qtensor.dequantize(&Device::Cpu))
     }
 
-    /// Read tensor `name` as its GGUF blocks, unconverted, when it is stored
-    /// in a format the quantized kernels run (Q4_1, Q8_0); `None` for any
-    /// other format. Shape checked as in [`Self::tensor_f32`]; the byte range
-    /// is checked against the file's length before reading.
+    /// Read matrix `name` as its GGUF blocks, unconverted, when it is stored
+    /// in a block format ([`QFormat`]: F16, BF16, Q4_0..Q8_0, Q2_K..Q6_K);
+    /// `None` for F32 (and for a tensor that is not a matrix). Any other
+    /// type is refused, naming the tensor and its type, rather than widened
+    /// to f32. Shape checked as in [`Self::tensor_f32`]; the byte range is
+    /// checked against the file's length before reading.
     pub(crate) fn tensor_blocks(
         &mut self,
         name: &str,
         expected: &[usize],
     ) -> Result<Option<QMatrix>> {
         let info = self.info(name, expected)?;
-        let format = match ggml_dtype(info.ggml_type) {
-            Some(GgmlDType::Q4_1) => QFormat::Q4_1,
-            Some(GgmlDType::Q8_0) => QFormat::Q8_0,
-            _ => return Ok(None),
-        };
+        let code = info.ggml_type;
         let offset = info.offset;
         let &[rows, cols] = expected else {
             return Ok(None);
+        };
+        let format = match QFormat::from_ggml_type(code) {
+            Some(f) => f,
+            None if code == GGML_F32 => return Ok(None),
+            None => {
+                return Err(ModelError::UnsupportedDtype {
+                    path: self.path_buf(),
+                    tensor: name.to_owned(),
+                    dtype: ggml_type_name(code),
+                })
+            }
         };
         let block = format.block_values();
         if cols % block != 0 {
