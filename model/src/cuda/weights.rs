@@ -73,9 +73,16 @@ fn dense_values(m: &Matrix) -> Result<Vec<f32>> {
             .map_err(|e| ModelError::Compute {
                 detail: e.to_string(),
             }),
-        Matrix::Quant(_) => Err(ModelError::Compute {
-            detail: "dense_values of a quantized matrix".into(),
-        }),
+        // A block format the device kernels do not decode (the K-quants,
+        // Q4_0, Q5_x, F16/BF16 blocks): dequantized on the host by the CPU
+        // kernels, once, at load.
+        Matrix::Quant(q) => {
+            let mut v = vec![0f32; q.rows() * q.cols()];
+            for (r, row) in v.chunks_exact_mut(q.cols()).enumerate() {
+                q.dequantize_row(r, row);
+            }
+            Ok(v)
+        }
     }
 }
 
@@ -114,13 +121,13 @@ pub(super) fn upload_stacked(
     for m in parts {
         let n = m.shape().0 * cols;
         let part = match m {
-            Matrix::Quant(q) => {
+            Matrix::Quant(q) if ops::device_format_code(q.format()).is_some() => {
                 let blocks = gpu.upload(q.bytes())?;
                 let mut h = gpu.zeros::<u16>(n)?;
                 ops::dequantize(gpu, &blocks, q.format(), n / 32, half, &mut h)?;
                 h
             }
-            Matrix::Dense(_) => {
+            _ => {
                 let f = gpu.upload(&dense_values(m)?)?;
                 let mut h = gpu.zeros::<u16>(n)?;
                 ops::f32_to_half(gpu, &f, n, half, &mut h)?;
