@@ -135,7 +135,7 @@ impl<'g> Vocab<'g> {
         specials.iter().map(|&i| self.tokens[i as usize]).collect()
     }
 
-    /// `(text, id)` of a token the file names, for messages and BOS/EOS.
+    /// `(id, text)` of a token the file names (BOS, EOS, UNK).
     fn named(&self, id: Option<u32>) -> Option<(u32, String)> {
         id.map(|id| (id, self.tokens[id as usize].to_owned()))
     }
