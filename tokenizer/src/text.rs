@@ -3,14 +3,16 @@
 //!
 //! A Hugging Face directory provides `tokenizer.json` (read by the
 //! `tokenizers` crate as is) and optionally `tokenizer_config.json`; a GGUF
-//! file provides a vocabulary and merges from which an equivalent byte-level
-//! BPE tokenizer is built (submodule `gguf`). Chat templates are rendered
-//! with minijinja in `chat`; streaming detokenization lives in `stream`.
+//! file provides a vocabulary from which the tokenizer transformers would
+//! build is built: byte-level BPE or SentencePiece (submodule `gguf`). Chat
+//! templates are rendered with minijinja in `chat`; streaming
+//! detokenization lives in `stream`.
 //!
 //! `encode` follows `tokenizer(text)` in transformers: special-token text in
-//! the input (such as `<|im_start|>`) becomes the special token, and BOS is
-//! added only when the model's tokenizer says so. [`TextTokenizer::encode_raw`]
-//! adds nothing (templates write their own BOS).
+//! the input (such as `<|im_start|>`) becomes the special token, and BOS
+//! (EOS) is added only when the model's tokenizer says so, and not a second
+//! time when the text already has it. [`TextTokenizer::encode_raw`] adds
+//! nothing (templates write their own BOS).
 //!
 //! [`TextTokenizer::encode_chat`] owns this invariant: **message content
 //! never becomes control tokens; only the special tokens the chat template
@@ -36,6 +38,9 @@ use serde_json::Value;
 use crate::error::{Result, TokenizerError};
 
 pub use stream::StreamDecoder;
+
+#[cfg(any(test, feature = "testing"))]
+pub(crate) use self::gguf::byte_chars;
 pub use tools::{FunctionCall, ToolCall};
 
 /// One message of a conversation, as chat templates expect it.
@@ -86,7 +91,25 @@ pub struct TextTokenizer {
     eos_ids: Vec<u32>,
     /// Prepend BOS in [`TextTokenizer::encode`] if the tokenizer itself did not.
     add_bos: bool,
+    /// Append this EOS in [`TextTokenizer::encode`] if the ids do not
+    /// already end with it (GGUF `add_eos_token`).
+    add_eos: Option<u32>,
     chat_template: Option<String>,
+}
+
+/// A tokenizer's special tokens and whether `encode` adds them, as a
+/// source (a Hugging Face directory, a GGUF file) states them.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Specials {
+    pub(crate) bos_token: Option<String>,
+    pub(crate) bos_id: Option<u32>,
+    pub(crate) eos_token: Option<String>,
+    /// The ids that end generation, EOS first.
+    pub(crate) eos_ids: Vec<u32>,
+    /// Prepend BOS (only where `bos_id` is known).
+    pub(crate) add_bos: bool,
+    /// The EOS id to append, if the source says to.
+    pub(crate) add_eos: Option<u32>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -97,6 +120,7 @@ impl std::fmt::Debug for TextTokenizer {
             .field("eos_token", &self.eos_token)
             .field("eos_ids", &self.eos_ids)
             .field("add_bos", &self.add_bos)
+            .field("add_eos", &self.add_eos)
             .field("has_chat_template", &self.chat_template.is_some())
             .finish_non_exhaustive()
     }
@@ -184,26 +208,32 @@ impl TextTokenizer {
             .and_then(|t| inner.token_to_id(t))
             .into_iter()
             .collect();
-        Self::assemble(
-            inner,
+        // EOS, when a checkpoint adds it, is in tokenizer.json's
+        // post-processor, which `encode` runs.
+        let specials = Specials {
             bos_token,
             bos_id,
             eos_token,
             eos_ids,
             add_bos,
-            chat_template,
-        )
+            add_eos: None,
+        };
+        Self::assemble(inner, specials, chat_template)
     }
 
     pub(crate) fn assemble(
         inner: tokenizers::Tokenizer,
-        bos_token: Option<String>,
-        bos_id: Option<u32>,
-        eos_token: Option<String>,
-        eos_ids: Vec<u32>,
-        add_bos: bool,
+        specials: Specials,
         chat_template: Option<String>,
     ) -> Result<Self> {
+        let Specials {
+            bos_token,
+            bos_id,
+            eos_token,
+            eos_ids,
+            add_bos,
+            add_eos,
+        } = specials;
         let chat = Arc::new(chat_encode::ChatEncoder::new(&inner)?);
         let vocab_size = inner
             .get_vocab(true)
@@ -219,16 +249,25 @@ impl TextTokenizer {
             eos_token,
             eos_ids,
             add_bos: add_bos && bos_id.is_some(),
+            add_eos,
             chat_template,
         })
     }
 
     /// Token ids of `text`, as `tokenizer(text)` in transformers: special
-    /// tokens written in the text become those tokens, and BOS is prepended
+    /// tokens written in the text become those tokens, BOS is prepended
     /// when the tokenizer is configured to add it (and the text did not
-    /// already begin with it).
+    /// already begin with it), and EOS appended likewise (a GGUF file's
+    /// `add_eos_token`). Unlike transformers, a text that already begins
+    /// with BOS (ends with EOS) does not get a second one.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        Ok(self.with_bos(self.encode_with(text, true)?))
+        let mut ids = self.with_bos(self.encode_with(text, true)?);
+        if let Some(eos) = self.add_eos {
+            if ids.last() != Some(&eos) {
+                ids.push(eos);
+            }
+        }
+        Ok(ids)
     }
 
     /// `ids` with BOS prepended when the tokenizer is configured to add it

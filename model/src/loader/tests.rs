@@ -303,21 +303,21 @@ fn gguf_errors_name_the_field_or_tensor() {
     );
 
     write_gguf_model(&path, true, GgmlDType::F32, |md, _| {
-        set(
-            md,
-            "tokenizer.ggml.model",
-            GgufValue::String("llama".into()),
-        )
+        set(md, "tokenizer.ggml.model", GgufValue::String("bert".into()))
     });
     assert!(
         matches!(load(&path), Err(ModelError::InvalidField { ref field, .. }) if field == "tokenizer.ggml.model")
     );
 
     write_gguf_model(&path, true, GgmlDType::F32, |md, _| {
-        set(md, "tokenizer.ggml.pre", GgufValue::String("qwen2".into()))
+        set(
+            md,
+            "tokenizer.ggml.pre",
+            GgufValue::String("deepseek-llm".into()),
+        )
     });
     assert!(
-        matches!(load(&path), Err(ModelError::InvalidField { ref field, ref value, .. }) if field == "tokenizer.ggml.pre" && value.contains("qwen2"))
+        matches!(load(&path), Err(ModelError::InvalidField { ref field, ref value, .. }) if field == "tokenizer.ggml.pre" && value.contains("deepseek-llm"))
     );
 
     write_gguf_model(&path, true, GgmlDType::F32, |md, _| {

@@ -93,6 +93,38 @@ fn typed_access_names_the_key_and_value() {
 }
 
 #[test]
+fn number_arrays_read_as_f32_and_keys_list_every_entry() {
+    let mut md = tiny_gguf_metadata();
+    let floats = [0.0, -1.5, -1000.0].map(GgufValue::F32).to_vec();
+    set_metadata(&mut md, "f", GgufValue::Array(floats));
+    let ints = [0, -3, 7].map(GgufValue::I32).to_vec();
+    set_metadata(&mut md, "i", GgufValue::Array(ints));
+    let nan = [1.0, f32::NAN].map(GgufValue::F32).to_vec();
+    set_metadata(&mut md, "nan", GgufValue::Array(nan));
+    let h = parse(&gguf_bytes(3, &md)).expect("parse");
+    assert_eq!(
+        h.opt_f32_array("f").ok().flatten(),
+        Some(vec![0.0, -1.5, -1000.0])
+    );
+    assert_eq!(
+        h.opt_f32_array("i").ok().flatten(),
+        Some(vec![0.0, -3.0, 7.0])
+    );
+    assert!(matches!(h.opt_f32_array("nope"), Ok(None)));
+    for bad in ["nan", "tokenizer.ggml.tokens", "llama.context_length"] {
+        assert!(
+            matches!(h.opt_f32_array(bad), Err(TokenizerError::InvalidField { ref field, .. }) if field == bad),
+            "{bad}"
+        );
+    }
+    let mut keys: Vec<&str> = h.keys().collect();
+    keys.sort_unstable();
+    let mut want: Vec<&str> = md.iter().map(|(k, _)| k.as_str()).collect();
+    want.sort_unstable();
+    assert_eq!(keys, want);
+}
+
+#[test]
 fn the_tensor_directory_is_read_in_hugging_face_order() {
     let mut md = tiny_gguf_metadata();
     set_metadata(&mut md, "general.alignment", GgufValue::U32(64));

@@ -3,9 +3,10 @@
 //!
 //! transformers renders with Jinja2's sandbox, `trim_blocks=True`,
 //! `lstrip_blocks=True`, Python string methods on values, a
-//! `raise_exception(msg)` global and (since Llama 3.1) `strftime_now(fmt)`.
-//! minijinja with minijinja-contrib's Python compatibility covers the
-//! methods; the two globals are defined here.
+//! `raise_exception(msg)` global, (since Llama 3.1) `strftime_now(fmt)`,
+//! and its own `tojson` filter (Python's `json.dumps`). minijinja with
+//! minijinja-contrib's Python compatibility covers the methods; the two
+//! globals are defined here, the filter in `tojson`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -14,6 +15,8 @@ use minijinja::{Environment, ErrorKind, Value as JinjaValue};
 use serde_json::Value;
 
 use super::{invalid, ChatMessage};
+
+mod tojson;
 use crate::error::{Result, TokenizerError};
 
 /// `chat_template` of `tokenizer_config.json`: a string, or a list of
@@ -105,6 +108,7 @@ impl<'source> Compiled<'source> {
                 ))
             },
         );
+        env.add_filter("tojson", tojson::tojson);
         let now = unix_now();
         env.add_function("strftime_now", move |format: String| {
             strftime_utc(&format, now)

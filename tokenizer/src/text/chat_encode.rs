@@ -459,3 +459,6 @@ impl AddedTokens {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
