@@ -276,6 +276,49 @@ fn smollm2_matches_transformers() {
     );
 }
 
+/// The real Gemma 3 270M GGUF (Q4_K_M: Q4_K, Q5_0, Q6_K and Q8_0 tensors,
+/// a SentencePiece vocabulary of 262,144 tokens), dequantized to f32 at
+/// load (the exact mode), against transformers' own GGUF loader on the
+/// same file: tokenization and greedy tokens and logits.
+#[test]
+fn gemma3_270m_gguf_matches_transformers() {
+    let Some(path) = common::shipped("gemma3-270m") else {
+        return;
+    };
+    let engine = engine_for(&path);
+    assert_eq!(engine.model().config().family, "gemma3");
+    let g = read_golden("gemma-3-270m-q4_k_m.json");
+    check_tokenizer(&engine, &g);
+    let worst = check_greedy(&engine, &g, None);
+    eprintln!("gemma3-270m: worst logit error = {worst:.3} of tolerance");
+}
+
+/// The same file in the quantized mode: every matrix stays in its GGUF
+/// blocks (Q4_K, Q5_0, Q6_K, Q8_0), dequantized in registers to the same
+/// f32 values gguf-py gets (the kernels' ground truth), f32 activations and
+/// an f32 KV pool: the same tokens and logits as transformers within the
+/// golden tolerance, and at most the blocks' bytes in memory.
+#[test]
+fn gemma3_270m_gguf_quantized_matches_transformers() {
+    let Some(path) = common::shipped("gemma3-270m") else {
+        return;
+    };
+    let engine = Engine::load(
+        &path,
+        &EngineConfig {
+            kv_pool_tokens: Some(4096),
+            precision: kvmesh_model::Precision::Quantized,
+            kv_dtype: Some(kvmesh_kvpool::KvDtype::F32),
+            ..EngineConfig::default()
+        },
+    )
+    .expect("load quantized");
+    assert!(engine.model().is_quantized());
+    let g = read_golden("gemma-3-270m-q4_k_m.json");
+    let worst = check_greedy(&engine, &g, None);
+    eprintln!("gemma3-270m quantized: worst logit error = {worst:.3} of tolerance");
+}
+
 /// [`engine_for`] on CUDA device 0 (f32 weights through cuBLAS SGEMM,
 /// the checked device attention), held to the same reference and the same
 /// tolerances as the CPU runtime.

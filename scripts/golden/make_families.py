@@ -176,6 +176,9 @@ def make_real(name, cache_dir):
     model = AutoModelForCausalLM.from_pretrained(
         str(cache_dir), gguf_file=file, dtype=torch.float32, attn_implementation=mg.ATTN_IMPL
     ).eval()
+    # Text as a user's completion request sends it: with the special tokens
+    # the tokenizer adds (Gemma's <bos>, without which its text degrades).
+    mg.encode = lambda t, text: list(t.encode(text, add_special_tokens=True))
     if tok.chat_template is None:
         # A base model's file carries no template: no chat cases.
         mg.CHAT_CASES = []
