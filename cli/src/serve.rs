@@ -315,6 +315,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let info = decode_model.info();
     let max_model_len = engine.max_model_len.unwrap_or(info.context_length);
     let stop_ids = info.stop_token_ids();
+    let model_description = (info.architecture.clone(), info.quantization.clone());
     let tokenizer = info.tokenizer;
     let transport = match a.transport {
         TransportKind::Tcp => Transport::Tcp("127.0.0.1:0".into()),
@@ -392,6 +393,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let router = Router::new(
         RouterConfig {
             model_id: model_id(&path),
+            model_description,
             max_model_len,
             api_keys: keys,
             fault_injection,
@@ -718,6 +720,13 @@ async fn router_process(
     let info = model_info(&path)?;
     let max_model_len = cfg.max_model_len.unwrap_or(info.context_length);
     let stop_ids = info.stop_token_ids();
+    tracing::info!(
+        model = %path.display(),
+        architecture = %info.architecture,
+        quantization = %info.quantization,
+        "model metadata read"
+    );
+    let model_description = (info.architecture.clone(), info.quantization.clone());
     let tokenizer = info.tokenizer;
     // Static: the file's nodes. Etcd: none until the watcher's first view,
     // then whatever registers.
@@ -742,6 +751,7 @@ async fn router_process(
     let router = Router::new(
         RouterConfig {
             model_id: model_id(&path),
+            model_description,
             max_model_len,
             max_running: cfg.router.max_running,
             max_queued: cfg.router.max_queued,

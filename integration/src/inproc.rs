@@ -184,6 +184,7 @@ impl InProcessMesh {
         };
         let decode_model = load()?;
         let info = decode_model.info();
+        let model_description = (info.architecture.clone(), info.quantization.clone());
         let max_model_len = o.engine.max_model_len.unwrap_or(info.context_length);
         let stop_ids = info.stop_token_ids();
         let transport = match o.transport {
@@ -256,6 +257,7 @@ impl InProcessMesh {
                 model_id: model
                     .file_stem()
                     .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()),
+                model_description: model_description.clone(),
                 max_model_len,
                 api_keys: kvmesh_router::auth::ApiKeys::new(o.api_keys.clone())
                     .map_err(anyhow::Error::msg)?,

@@ -338,6 +338,8 @@ fn bad_requests_get_openai_style_errors() {
     assert_eq!(r.status, 404);
     let models = http::get(&mesh.http, "/v1/models").json();
     assert_eq!(models["data"][0]["id"], "tiny-llama");
+    assert_eq!(models["data"][0]["architecture"], "llama");
+    assert_eq!(models["data"][0]["quantization"], "safetensors float32");
 }
 
 /// The default model through the mesh: Paris, and a client that leaves

@@ -73,11 +73,17 @@ impl LoadedModel {
     /// What a gateway needs of this model, as `ModelInfo::read` would read
     /// it from the same path, without reading the file again.
     pub fn info(&self) -> kvmesh_tokenizer::ModelInfo {
+        // From `config.json` or the GGUF header, as `ModelInfo::read`
+        // reads them (random weights: their config's family, f32).
+        let (architecture, quantization) = kvmesh_tokenizer::info::describe(&self.path)
+            .unwrap_or_else(|_| (self.config.family.to_owned(), "float32".to_owned()));
         kvmesh_tokenizer::ModelInfo {
             path: self.path.clone(),
             tokenizer: self.tokenizer.clone(),
             context_length: self.config.max_position_embeddings,
             config_eos_token_ids: self.config.eos_token_ids.clone(),
+            architecture,
+            quantization,
         }
     }
 }

@@ -287,6 +287,11 @@ fn gemma3_270m_gguf_matches_transformers() {
     };
     let engine = engine_for(&path);
     assert_eq!(engine.model().config().family, "gemma3");
+    // What `/v1/models` and the router's log show, read without weights.
+    assert_eq!(
+        kvmesh_tokenizer::info::describe(&path).expect("describe"),
+        ("gemma3".to_owned(), "Q5_0, Q4_K, Q8_0, Q6_K".to_owned())
+    );
     let g = read_golden("gemma-3-270m-q4_k_m.json");
     check_tokenizer(&engine, &g);
     let worst = check_greedy(&engine, &g, None);

@@ -697,9 +697,16 @@ enum Kind {
 }
 
 async fn models(State(r): State<Router>) -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": r.config().model_id, "object": "model", "created": 0, "owned_by": "kvmesh", "max_model_len": r.config().max_model_len}]}),
-    )
+    Json({
+        let c = r.config();
+        let mut model = json!({"id": c.model_id, "object": "model", "created": 0, "owned_by": "kvmesh", "max_model_len": c.max_model_len});
+        let (architecture, quantization) = &c.model_description;
+        if !architecture.is_empty() {
+            model["architecture"] = json!(architecture);
+            model["quantization"] = json!(quantization);
+        }
+        json!({"object": "list", "data": [model]})
+    })
 }
 
 async fn health(State(r): State<Router>) -> Response {

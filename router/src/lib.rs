@@ -94,6 +94,10 @@ use validate::Valid;
 pub struct RouterConfig {
     /// The model id clients name.
     pub model_id: String,
+    /// The model's architecture and how its weights are stored
+    /// (`ModelInfo::architecture`, `ModelInfo::quantization`), shown by
+    /// `/v1/models`; empty: not shown.
+    pub model_description: (String, String),
     /// The context window (prompt plus completion), tokens.
     pub max_model_len: usize,
     /// Requests dispatched at once.
@@ -120,6 +124,7 @@ impl Default for RouterConfig {
     fn default() -> Self {
         Self {
             model_id: "default".into(),
+            model_description: (String::new(), String::new()),
             max_model_len: 2048,
             max_running: 64,
             max_queued: 256,

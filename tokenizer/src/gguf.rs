@@ -171,6 +171,20 @@ impl GgufHeader {
         self.tensor_data_offset
     }
 
+    /// How the file's matrices (tensors of two or more dimensions) are
+    /// stored: their ggml type names, most matrices first (`Q5_0, Q4_K,
+    /// Q8_0, Q6_K`).
+    pub fn matrix_types(&self) -> String {
+        let mut counts: HashMap<u32, usize> = HashMap::new();
+        for t in self.tensors.values().filter(|t| t.dims.len() >= 2) {
+            *counts.entry(t.ggml_type).or_default() += 1;
+        }
+        let mut by_count: Vec<(u32, usize)> = counts.into_iter().collect();
+        by_count.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let names: Vec<String> = by_count.iter().map(|(c, _)| ggml_type_name(*c)).collect();
+        names.join(", ")
+    }
+
     /// A tensor's directory entry, if the file has that tensor.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.get(name)
@@ -420,3 +434,54 @@ mod metadata;
 
 #[cfg(test)]
 mod tests;
+
+/// A ggml type's name (`Q4_K`), or `ggml type N` for a code this table
+/// does not know.
+pub fn ggml_type_name(code: u32) -> String {
+    const NAMES: [&str; 40] = [
+        "F32",
+        "F16",
+        "Q4_0",
+        "Q4_1",
+        "Q4_2",
+        "Q4_3",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q8_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "Q8_K",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ3_XXS",
+        "IQ1_S",
+        "IQ4_NL",
+        "IQ3_S",
+        "IQ2_S",
+        "IQ4_XS",
+        "I8",
+        "I16",
+        "I32",
+        "I64",
+        "F64",
+        "IQ1_M",
+        "BF16",
+        "Q4_0_4_4",
+        "Q4_0_4_8",
+        "Q4_0_8_8",
+        "TQ1_0",
+        "TQ2_0",
+        "IQ4_NL_4_4",
+        "IQ4_NL_4_8",
+        "IQ4_NL_8_8",
+        "MXFP4",
+    ];
+    match NAMES.get(code as usize) {
+        Some(n) if !matches!(*n, "Q4_2" | "Q4_3") => (*n).to_owned(),
+        _ => format!("ggml type {code}"),
+    }
+}

@@ -50,6 +50,13 @@ pub struct ModelInfo {
     /// of `config.json`; the GGUF EOS, EOT and EOM ids), without the
     /// tokenizer's; see [`ModelInfo::stop_token_ids`].
     pub config_eos_token_ids: Vec<u32>,
+    /// The architecture its metadata names (`config.json`'s `model_type`,
+    /// GGUF `general.architecture`): `/v1/models` and the logs show it.
+    pub architecture: String,
+    /// How its weights are stored: a GGUF file's matrix types, most used
+    /// first (`Q5_0, Q4_K, Q8_0, Q6_K`), or a directory's `torch_dtype`
+    /// (`safetensors bfloat16`).
+    pub quantization: String,
 }
 
 impl ModelInfo {
@@ -75,6 +82,8 @@ impl ModelInfo {
                     hf_context_length(&config_path, &config)?,
                 )?,
                 config_eos_token_ids: hf_eos_token_ids(&config_path, &config)?,
+                architecture: hf_architecture(&config),
+                quantization: hf_quantization(&config),
             })
         } else {
             if !starts_with_gguf_magic(path)? {
@@ -90,6 +99,8 @@ impl ModelInfo {
                 tokenizer: TextTokenizer::from_gguf(&header)?,
                 context_length: positive(path, &key, gguf_context_length(&header, arch)?)?,
                 config_eos_token_ids: gguf_eos_token_ids(&header)?,
+                architecture: arch.to_owned(),
+                quantization: header.matrix_types(),
             })
         }
     }
@@ -104,6 +115,41 @@ impl ModelInfo {
     pub fn chat_template(&self) -> Option<&str> {
         self.tokenizer.chat_template()
     }
+}
+
+/// `config.json`'s `model_type` ([`ModelInfo::architecture`]).
+pub fn hf_architecture(config: &Map<String, Value>) -> String {
+    config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .unwrap_or("unknown")
+        .to_owned()
+}
+
+/// `safetensors` and `config.json`'s `torch_dtype` (or transformers 5's
+/// `dtype`) ([`ModelInfo::quantization`]).
+pub fn hf_quantization(config: &Map<String, Value>) -> String {
+    let dtype = config
+        .get("torch_dtype")
+        .or_else(|| config.get("dtype"))
+        .and_then(Value::as_str)
+        .unwrap_or("float32");
+    format!("safetensors {dtype}")
+}
+
+/// [`ModelInfo::architecture`] and [`ModelInfo::quantization`] of a model
+/// directory or GGUF file, read from `config.json` or the GGUF header only.
+pub fn describe(path: &Path) -> Result<(String, String)> {
+    if path.is_dir() {
+        let config = read_json_object(&path.join("config.json"), "config.json")?;
+        return Ok((hf_architecture(&config), hf_quantization(&config)));
+    }
+    let header = GgufHeader::read(path)?;
+    let arch = header
+        .opt_str("general.architecture")?
+        .ok_or_else(|| header.missing_field("general.architecture"))?
+        .to_owned();
+    Ok((arch, header.matrix_types()))
 }
 
 /// The error for a file that is neither a directory nor a GGUF file.

@@ -47,26 +47,9 @@ impl std::ops::Deref for GgufFile {
 /// The ggml type code of f32.
 const GGML_F32: u32 = 0;
 
-/// A ggml type's name for messages (`IQ2_XXS (ggml type 16)`).
+/// A ggml type's name for messages (`IQ4_NL`).
 fn ggml_type_name(code: u32) -> String {
-    const NAMES: [(u32, &str); 12] = [
-        (16, "IQ2_XXS"),
-        (17, "IQ2_XS"),
-        (18, "IQ3_XXS"),
-        (19, "IQ1_S"),
-        (20, "IQ4_NL"),
-        (21, "IQ3_S"),
-        (22, "IQ2_S"),
-        (23, "IQ4_XS"),
-        (29, "IQ1_M"),
-        (34, "TQ1_0"),
-        (35, "TQ2_0"),
-        (39, "MXFP4"),
-    ];
-    match NAMES.iter().find(|(c, _)| *c == code) {
-        Some((_, n)) => format!("{n} (ggml type {code})"),
-        None => format!("ggml type {code}"),
-    }
+    kvmesh_tokenizer::gguf::ggml_type_name(code)
 }
 
 fn ggml_dtype(code: u32) -> Option<GgmlDType> {
