@@ -168,6 +168,26 @@ pub struct LayerWeights {
     pub w_down: Matrix,
 }
 
+impl LayerWeights {
+    /// Every vector the layer has (norms, then the biases and norms its
+    /// family adds).
+    pub fn vectors(&self) -> impl Iterator<Item = &Vec<f32>> {
+        [&self.attn_norm, &self.mlp_norm].into_iter().chain(
+            [
+                &self.bq,
+                &self.bk,
+                &self.bv,
+                &self.q_norm,
+                &self.k_norm,
+                &self.post_attn_norm,
+                &self.post_mlp_norm,
+            ]
+            .into_iter()
+            .flatten(),
+        )
+    }
+}
+
 /// All parameters of a model, on the CPU.
 #[derive(Clone, Debug)]
 pub struct Weights {
@@ -308,20 +328,7 @@ impl Weights {
             for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
                 matrix(&mut h, m);
             }
-            floats(&mut h, &l.attn_norm);
-            floats(&mut h, &l.mlp_norm);
-            for v in [
-                &l.bq,
-                &l.bk,
-                &l.bv,
-                &l.q_norm,
-                &l.k_norm,
-                &l.post_attn_norm,
-                &l.post_mlp_norm,
-            ]
-            .into_iter()
-            .flatten()
-            {
+            for v in l.vectors() {
                 floats(&mut h, v);
             }
         }
@@ -356,20 +363,7 @@ impl Weights {
                 .iter()
                 .map(|t| t.elem_count())
                 .sum::<usize>()
-                + l.attn_norm.len()
-                + l.mlp_norm.len()
-                + [
-                    &l.bq,
-                    &l.bk,
-                    &l.bv,
-                    &l.q_norm,
-                    &l.k_norm,
-                    &l.post_attn_norm,
-                    &l.post_mlp_norm,
-                ]
-                .iter()
-                .map(|b| b.as_ref().map_or(0, Vec::len))
-                .sum::<usize>()
+                + l.vectors().map(Vec::len).sum::<usize>()
         };
         let tied = self.lm_head.same_storage(&self.embed);
         self.embed.elem_count()

@@ -266,11 +266,11 @@ fn gguf_loads_and_unpermutes_q_and_k() {
         assert_eq!(m.tokenizer.eos_token_ids(), vec![TINY_EOS]);
         assert_eq!(m.config.eos_token_ids, vec![TINY_EOS]);
 
-        // Quantized: Q4_1 / Q8_0 matrices stay blocks (un-permuted by whole
-        // rows), everything else is f32; the values are the same.
+        // Quantized: every block format stays blocks (un-permuted by whole
+        // rows), f32 stays f32; the values are the same.
         let q = crate::load_with(&path, crate::Precision::Quantized)
             .unwrap_or_else(|e| panic!("{dtype:?}: {e}"));
-        let kept = matches!(dtype, GgmlDType::Q4_1 | GgmlDType::Q8_0);
+        let kept = dtype != GgmlDType::F32;
         for l in &q.weights.layers {
             for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
                 assert_eq!(m.dense().is_none(), kept, "{dtype:?}");
