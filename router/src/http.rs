@@ -25,6 +25,7 @@ use kvmesh_faults::FaultPlan;
 use crate::auth::Tenant;
 use crate::choices::{Choices, MAX_CHOICES};
 use crate::error::{GatewayError, Rejection};
+use crate::tools::parse::Reading;
 use crate::validate::{self, invalid, Prompt, Valid};
 use crate::Router;
 use body::{Body, CHAT_FIELDS, COMMON_FIELDS, COMPLETION_FIELDS, MAX_USER};
@@ -201,6 +202,10 @@ struct ChatIn {
     tool_call_id: Option<String>,
     #[serde(default)]
     name: Option<String>,
+    /// An assistant message's reasoning, as a reasoning model's answer
+    /// carried it (`reasoning` is vLLM's newer name for it).
+    #[serde(default, alias = "reasoning")]
+    reasoning_content: Option<String>,
 }
 
 /// A call of an assistant message, as OpenAI sends it back: the arguments
@@ -401,6 +406,11 @@ fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
         tools,
         // Prefill computes the most alternatives either use asks for.
         prompt_logprobs: prompt_logprobs.max(echo_logprobs),
+        enable_thinking: if chat {
+            body::enable_thinking(b.get("chat_template_kwargs")?)?
+        } else {
+            None
+        },
         ..validate::Request::new(Prompt::Ids(Vec::new()))
     };
     let requests = prompt
@@ -548,6 +558,7 @@ fn chat_messages(msgs: Option<Vec<ChatIn>>) -> Result<Vec<ChatMessage>, Rejectio
                 tool_calls,
                 tool_call_id: m.tool_call_id,
                 name: m.name,
+                reasoning_content: m.reasoning_content,
                 ..ChatMessage::new(m.role, content)
             })
         })
@@ -605,14 +616,14 @@ async fn generate(
         .instrument(span.clone())
         .await
     {
-        Ok((choices, shape, id, echoes, tool_mode)) => {
+        Ok((choices, shape, id, echoes, reading)) => {
             kvmesh_telemetry::record(&span, "request.id", id.clone());
             kvmesh_telemetry::record(&span, "stream", shape.stream);
             let meta = Meta {
                 span,
                 kind,
                 id,
-                tool_mode,
+                reading,
                 model: r.config().model_id.clone(),
                 created: unix_now(),
                 shape,
@@ -645,7 +656,7 @@ async fn start(
     faults: FaultPlan,
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
-) -> Result<(Choices, Shape, String, Vec<String>, crate::tools::Mode), GatewayError> {
+) -> Result<(Choices, Shape, String, Vec<String>, Reading), GatewayError> {
     let body = body?;
     // Parse, validate and tokenize: what a refused body never gets past.
     let span = kvmesh_telemetry::span!("router.validate");
@@ -682,12 +693,12 @@ async fn start(
         Kind::Chat => request_id("chatcmpl"),
     }
     .ok_or(GatewayError::Internal("cannot mint a request id"))?;
-    let tool_mode = prompts
+    let reading = prompts
         .first()
-        .map(|v| v.tool_mode().clone())
+        .map(|v| v.reading().clone())
         .unwrap_or_default();
     let choices = Choices::start(r, prompts, n, tenant, faults).await?;
-    Ok((choices, shape, id, echoes, tool_mode))
+    Ok((choices, shape, id, echoes, reading))
 }
 
 #[derive(Clone, Copy)]

@@ -7,10 +7,11 @@
 //! empty prompt, the same bound on stop strings, the same model check.
 
 use kvmesh_proto::internal::v1::Sampling;
-use kvmesh_tokenizer::ChatMessage;
+use kvmesh_tokenizer::{ChatMessage, ChatOptions};
 
 use crate::error::Rejection;
 use crate::structured::{self, Structured};
+use crate::tools::parse::Reading;
 use crate::tools::{Mode, Tools};
 use crate::Router;
 
@@ -80,6 +81,9 @@ pub struct Request {
     /// `prompt_logprobs`, or what `echo` with `logprobs` needs), 0 to
     /// [`MAX_PROMPT_LOGPROBS`]; `None`: no scores.
     pub prompt_logprobs: Option<u64>,
+    /// `chat_template_kwargs.enable_thinking` (chat only): passed to the
+    /// template; `false` also turns reasoning parsing off for the request.
+    pub enable_thinking: Option<bool>,
 }
 
 impl Request {
@@ -98,6 +102,7 @@ impl Request {
             structured: None,
             tools: None,
             prompt_logprobs: None,
+            enable_thinking: None,
         }
     }
 }
@@ -161,6 +166,10 @@ pub struct Settings {
     /// Score the prompt with this many alternatives per position (at most
     /// [`MAX_PROMPT_LOGPROBS`]).
     pub prompt_logprobs: Option<u32>,
+    /// Special tokens the decoded text keeps: the markers the request's
+    /// tool-call and reasoning parsers read
+    /// ([`crate::parsing::Parsers::keep`]).
+    pub keep_special: Vec<u32>,
 }
 
 /// A request that passed [`request`]: its prompt's token ids (at least
@@ -169,7 +178,7 @@ pub struct Settings {
 pub struct Valid {
     ids: Vec<u32>,
     settings: Settings,
-    tool_mode: Mode,
+    reading: Reading,
 }
 
 impl Valid {
@@ -183,9 +192,10 @@ impl Valid {
         &self.settings
     }
 
-    /// How the output is read: text, or tool calls out of it.
-    pub fn tool_mode(&self) -> &Mode {
-        &self.tool_mode
+    /// How the output is read: text, or reasoning and tool calls out of
+    /// it.
+    pub fn reading(&self) -> &Reading {
+        &self.reading
     }
 
     /// Both, by value.
@@ -209,7 +219,7 @@ impl Valid {
         Valid {
             ids: self.ids.clone(),
             settings,
-            tool_mode: self.tool_mode.clone(),
+            reading: self.reading.clone(),
         }
     }
 }
@@ -262,6 +272,7 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
             });
         }
     }
+    let constrained = structured.is_some();
     if let Some(s) = &structured {
         if req.ignore_eos {
             return Err(invalid(
@@ -282,8 +293,12 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
         Prompt::Chat(msgs) => {
             let rendered = tools.map(Tools::rendered).unwrap_or_default();
             let msgs = roles(msgs)?;
+            let opts = ChatOptions {
+                add_generation_prompt: true,
+                enable_thinking: req.enable_thinking,
+            };
             (
-                tokenizer.encode_chat_tools(&msgs, &rendered, true),
+                tokenizer.encode_chat_opts(&msgs, &rendered, opts),
                 "messages",
             )
         }
@@ -293,6 +308,16 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
         }
     };
     let ids = ids.map_err(|e| invalid(param, e.to_string()))?;
+    // A constrained output is all answer: reasoning is not read out of it.
+    let reading = r.parsers().reading(
+        tool_mode,
+        matches!(req.prompt, Prompt::Chat(_)),
+        constrained,
+        req.enable_thinking,
+        &ids,
+        tokenizer,
+    );
+    settings.keep_special = r.parsers().keep_for(&reading);
     // No node can reserve for a prompt of no tokens: refused here.
     if ids.is_empty() {
         return Err(invalid(
@@ -303,7 +328,7 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
     Ok(Valid {
         ids,
         settings,
-        tool_mode,
+        reading,
     })
 }
 
@@ -431,6 +456,7 @@ fn settings(req: &Request, vocab: usize) -> Result<Settings, Rejection> {
         stop_token_ids: req.stop_token_ids.clone(),
         ignore_eos: req.ignore_eos,
         cache_salt: req.cache_salt.clone(),
+        keep_special: Vec::new(),
     })
 }
 
