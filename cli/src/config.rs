@@ -47,6 +47,10 @@
 //!   max_queued: 256
 //!   api_keys:                  # omit: no authentication
 //!     - {key: sk-alpha-..., tenant: alpha}
+//!   tool_call_parser: auto     # or hermes, llama3_json, mistral (auto: from
+//!                              #   the chat template; --tool-call-parser wins)
+//!   reasoning_parser: auto     # or none, qwen3, deepseek_r1 (auto: qwen3 when
+//!                              #   the template has <think>; --reasoning-parser wins)
 //! discovery: static             # or etcd: nodes register themselves (below)
 //! # etcd:                        # with discovery: etcd only
 //! #   endpoints: [etcd-0:2379]   # HOST:PORT or http://HOST:PORT, one per member
@@ -94,6 +98,7 @@ use kvmesh_kernels::cpu::CpuKernels;
 use kvmesh_kvpool::{ParseScrubModeError, ScrubMode};
 use kvmesh_meshauth::tls::{MeshTls, TlsFiles};
 use kvmesh_meshauth::{readable_by_others, MeshSecret};
+use kvmesh_router::parsing::{ReasoningParserSetting, ToolParserSetting, UnknownParser};
 use serde::Deserialize;
 
 /// The whole file.
@@ -339,6 +344,43 @@ pub struct RouterSection {
     /// API keys and their tenants; none: no authentication.
     #[serde(default)]
     pub api_keys: Vec<ApiKey>,
+    /// How `tool_choice: auto` reads calls: `auto` (from the chat
+    /// template; the default), `hermes`, `llama3_json` or `mistral`.
+    #[serde(default)]
+    pub tool_call_parser: Option<String>,
+    /// How chat answers' reasoning is read: `auto` (the default), `none`,
+    /// `qwen3` or `deepseek_r1`.
+    #[serde(default)]
+    pub reasoning_parser: Option<String>,
+}
+
+impl RouterSection {
+    /// `tool_call_parser` and `reasoning_parser`, parsed (absent: `auto`).
+    pub fn parsers(&self, file: &Path) -> Result<(ToolParserSetting, ReasoningParserSetting)> {
+        let tool = match &self.tool_call_parser {
+            None => ToolParserSetting::Auto,
+            Some(v) => v.parse().map_err(|e: UnknownParser| {
+                refuse(
+                    file,
+                    "router.tool_call_parser",
+                    v,
+                    &format!("expected one of {}", e.known),
+                )
+            })?,
+        };
+        let reasoning = match &self.reasoning_parser {
+            None => ReasoningParserSetting::Auto,
+            Some(v) => v.parse().map_err(|e: UnknownParser| {
+                refuse(
+                    file,
+                    "router.reasoning_parser",
+                    v,
+                    &format!("expected one of {}", e.known),
+                )
+            })?,
+        };
+        Ok((tool, reasoning))
+    }
 }
 
 /// One API key.

@@ -19,6 +19,7 @@ use kvmesh_model::engine::EngineConfig;
 use kvmesh_model::Precision;
 use kvmesh_prefill::{PrefillConfig, PrefillNode};
 use kvmesh_router::nodes::{Nodes, Role};
+use kvmesh_router::parsing::{ReasoningParserSetting, ToolParserSetting};
 use kvmesh_router::{Listeners, Router, RouterConfig};
 use kvmesh_tokenizer::ModelInfo;
 use tokio::net::TcpListener;
@@ -125,7 +126,38 @@ pub struct ServeArgs {
     #[arg(long, env = "KVMESH_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
     #[command(flatten)]
+    pub parsers: ParserArgs,
+    #[command(flatten)]
     pub testing: TestingArgs,
+}
+
+/// How the router reads answers: tool calls and reasoning (vLLM's
+/// `--tool-call-parser` and `--reasoning-parser`).
+#[derive(Args, Debug, Clone, Default)]
+pub struct ParserArgs {
+    /// How tool_choice auto reads calls out of the text: auto (from the chat template: <tool_call> hermes, <|python_tag|> or Llama's "parameters" instruction llama3_json, [TOOL_CALLS] mistral, else hermes), hermes, llama3_json or mistral [default: auto; kvmesh router: the mesh file's tool_call_parser, else auto].
+    #[arg(long, env = "KVMESH_TOOL_CALL_PARSER")]
+    pub tool_call_parser: Option<ToolParserSetting>,
+    /// How chat answers' reasoning becomes reasoning_content: auto (qwen3 when the chat template has <think>, else none), none, qwen3 or deepseek_r1 [default: auto; kvmesh router: the mesh file's reasoning_parser, else auto].
+    #[arg(long, env = "KVMESH_REASONING_PARSER")]
+    pub reasoning_parser: Option<ReasoningParserSetting>,
+}
+
+impl ParserArgs {
+    /// The flags over `file`'s settings.
+    fn over(
+        &self,
+        file: (ToolParserSetting, ReasoningParserSetting),
+    ) -> (ToolParserSetting, ReasoningParserSetting) {
+        (
+            self.tool_call_parser.unwrap_or(file.0),
+            self.reasoning_parser.unwrap_or(file.1),
+        )
+    }
+
+    fn given(&self) -> bool {
+        self.tool_call_parser.is_some() || self.reasoning_parser.is_some()
+    }
 }
 
 /// Test-only switches, refused by builds without fault injection (see
@@ -199,6 +231,9 @@ pub struct RoleArgs {
     /// Prefix cache: on or off; default: the mesh file's `prefix_cache`.
     #[arg(long, env = "KVMESH_PREFIX_CACHE")]
     pub prefix_cache: Option<OnOff>,
+    /// The router's parsers (refused for prefill and decode nodes).
+    #[command(flatten)]
+    pub parsers: ParserArgs,
     #[command(flatten)]
     pub testing: TestingArgs,
 }
@@ -280,6 +315,7 @@ async fn router_listeners(router: &Router, http: &str, grpc: &str) -> Result<Lis
     };
     let (http_addr, grpc_addr) = l.addrs()?;
     println!("kvmesh ready: model {}", router.config().model_id);
+    println!("  parsers     {}", router.parsers().describe());
     println!("  OpenAI API  http://{http_addr}/v1");
     println!("  gRPC API    grpc://{grpc_addr}");
     println!("  metrics     http://{http_addr}/metrics");
@@ -397,6 +433,8 @@ async fn serve(a: ServeArgs) -> Result<()> {
             fault_injection,
             drain_timeout: a.drain_timeout,
             prefix_cache: a.prefix_cache.0,
+            tool_call_parser: a.parsers.tool_call_parser.unwrap_or_default(),
+            reasoning_parser: a.parsers.reasoning_parser.unwrap_or_default(),
             ..RouterConfig::default()
         },
         tokenizer,
@@ -441,6 +479,12 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
     if let Some(n) = &name {
         cfg.node(role_name, n)?;
     }
+    if role != RoleKind::Router && a.parsers.given() {
+        anyhow::bail!(
+            "--tool-call-parser and --reasoning-parser apply to the router only, not to a {role_name} node"
+        );
+    }
+    let parsers = a.parsers.over(cfg.router.parsers(&cfg.file)?);
     // The standard variables over the file's section; `--check-config`
     // checks them too.
     let traces = kvmesh_telemetry::Settings::from_env(cfg.tracing().as_ref())?;
@@ -482,8 +526,16 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
             ),
             Some(e) => e.describe(),
         };
+        let parsers = match role {
+            // `auto` reads the chat template at start; no model is read here.
+            RoleKind::Router => format!(
+                "; tool-call parser {}, reasoning parser {}",
+                parsers.0, parsers.1
+            ),
+            _ => String::new(),
+        };
         println!(
-            "config ok: {}: {role_name}{}; {members}, transport {}; CPU kernels {cpu_kernels}; device {device}{}; {}; {}; {}; {}",
+            "config ok: {}: {role_name}{}{parsers}; {members}, transport {}; CPU kernels {cpu_kernels}; device {device}{}; {}; {}; {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
             cfg.transport,
@@ -526,7 +578,7 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
         let etcd = etcd.as_ref();
         match role {
             RoleKind::Router => {
-                router_process(&cfg, etcd, fault_injection, secret, tls, drain).await
+                router_process(&cfg, etcd, fault_injection, secret, tls, drain, parsers).await
             }
             RoleKind::Prefill => prefill_process(&cfg, etcd, name, secret, tls, drain).await,
             RoleKind::Decode => decode_process(&cfg, etcd, name, secret, tls, drain).await,
@@ -712,6 +764,7 @@ async fn router_process(
     mesh_secret: MeshSecret,
     tls: Option<Arc<MeshTls>>,
     drain: Duration,
+    parsers: (ToolParserSetting, ReasoningParserSetting),
 ) -> Result<()> {
     let path = model_path(&cfg.model)?;
     // The router needs only the tokenizer and limits: no weight is read.
@@ -748,6 +801,8 @@ async fn router_process(
             fault_injection,
             drain_timeout: drain,
             prefix_cache: cfg.prefix_cache,
+            tool_call_parser: parsers.0,
+            reasoning_parser: parsers.1,
             api_keys: kvmesh_router::auth::ApiKeys::new(
                 cfg.router
                     .api_keys

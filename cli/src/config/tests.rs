@@ -284,3 +284,40 @@ fn device_weights_default_to_f32_and_a_node_may_set_its_own() {
         "{msg}"
     );
 }
+
+#[test]
+fn the_router_parsers_default_to_auto_and_unknown_names_are_refused() {
+    let cfg = parse(&format!("{BASE}{NODES}")).expect("valid");
+    let (tool, reasoning) = cfg.router.parsers(&cfg.file).expect("defaults");
+    assert_eq!(
+        (tool.to_string(), reasoning.to_string()),
+        ("auto".into(), "auto".into())
+    );
+    let router = "router: {http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\", \
+                  tool_call_parser: mistral, reasoning_parser: none}\n";
+    let text = format!("mesh: {{insecure_no_mesh_auth: true}}\n{router}{NODES}");
+    let cfg = parse(&text).expect("valid");
+    let (tool, reasoning) = cfg.router.parsers(&cfg.file).expect("named");
+    assert_eq!(
+        (tool.to_string(), reasoning.to_string()),
+        ("mistral".into(), "none".into())
+    );
+    for (field, value, want) in [
+        (
+            "tool_call_parser",
+            "pythonic",
+            "router.tool_call_parser = \"pythonic\": expected one of auto, hermes, llama3_json, mistral",
+        ),
+        (
+            "reasoning_parser",
+            "granite",
+            "router.reasoning_parser = \"granite\": expected one of auto, none, qwen3, deepseek_r1",
+        ),
+    ] {
+        let router = format!(
+            "router: {{http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\", {field}: {value}}}\n"
+        );
+        let e = refused(&format!("mesh: {{insecure_no_mesh_auth: true}}\n{router}{NODES}"));
+        assert!(e.contains(want), "{want:?} not in {e}");
+    }
+}
