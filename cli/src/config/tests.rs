@@ -4,7 +4,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use super::{CpuKernels, DiscoveryKind, MeshConfig};
+use kvmesh_kernels::cpu::CpuKernels;
+
+use super::{DiscoveryKind, MeshConfig};
 
 const BASE: &str = "mesh: {insecure_no_mesh_auth: true}\n\
                     router: {http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\"}\n";
