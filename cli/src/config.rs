@@ -47,6 +47,10 @@
 //!   max_queued: 256
 //!   api_keys:                  # omit: no authentication
 //!     - {key: sk-alpha-..., tenant: alpha}
+//!   tool_call_parser: auto     # or hermes, llama3_json, mistral (auto: from
+//!                              #   the chat template; --tool-call-parser wins)
+//!   reasoning_parser: auto     # or none, qwen3, deepseek_r1 (auto: qwen3 when
+//!                              #   the template has <think>; --reasoning-parser wins)
 //! discovery: static             # or etcd: nodes register themselves (below)
 //! # etcd:                        # with discovery: etcd only
 //! #   endpoints: [etcd-0:2379]   # HOST:PORT or http://HOST:PORT, one per member
@@ -87,10 +91,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use kvmesh_cuda::ops::WeightDtype;
-use kvmesh_cuda::DeviceSpec;
 use kvmesh_discovery::EtcdConfig;
-use kvmesh_kernels::cpu::CpuKernels;
 use kvmesh_kvpool::{ParseScrubModeError, ScrubMode};
 use kvmesh_meshauth::tls::{MeshTls, TlsFiles};
 use kvmesh_meshauth::{readable_by_others, MeshSecret};
@@ -322,77 +323,6 @@ impl MeshAuth {
     }
 }
 
-/// The router's section.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RouterSection {
-    /// HTTP gateway listen address.
-    pub http: String,
-    /// Public gRPC listen address.
-    pub grpc: String,
-    /// Requests dispatched at once.
-    #[serde(default = "default_running")]
-    pub max_running: usize,
-    /// Requests queued at most.
-    #[serde(default = "default_queued")]
-    pub max_queued: usize,
-    /// API keys and their tenants; none: no authentication.
-    #[serde(default)]
-    pub api_keys: Vec<ApiKey>,
-}
-
-/// One API key.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ApiKey {
-    /// The secret clients send as `Authorization: Bearer KEY`.
-    pub key: String,
-    /// The tenant it maps to.
-    pub tenant: String,
-}
-
-/// One node.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NodeSection {
-    /// Unique name.
-    pub name: String,
-    /// Address others dial for its gRPC service.
-    pub grpc: String,
-    /// Address it listens on; default `grpc`.
-    pub listen: Option<String>,
-    /// Decode only: KV transport address prefill dials (TCP `HOST:PORT`, or
-    /// a Unix socket path with `transport: shm`).
-    pub kv: Option<String>,
-    /// Decode only: where the KV listener binds; default `kv`.
-    pub kv_listen: Option<String>,
-    /// Decode only, `transport: ucx`: where UCX's listener binds, `IP:PORT`
-    /// (default `0.0.0.0:0`: every interface, any port; writers reach it
-    /// at the host they dialled for `kv`).
-    pub ucx_listen: Option<String>,
-    /// Its KV pool, tokens; default one full context.
-    pub kv_pool_tokens: Option<usize>,
-    /// Its CPU kernel path, over the mesh's `cpu_kernels`.
-    pub cpu_kernels: Option<String>,
-    /// Its device, over the mesh's `device`.
-    pub device: Option<String>,
-    /// Its device weight type, over the mesh's `device_weights`.
-    pub device_weights: Option<String>,
-}
-
-impl NodeSection {
-    /// Where a decode node's UCX listener binds (`ucx_listen`, checked by
-    /// validation; default every interface, any port).
-    pub fn ucx_listen_addr(&self) -> anyhow::Result<std::net::SocketAddr> {
-        match &self.ucx_listen {
-            None => Ok(std::net::SocketAddr::from(([0, 0, 0, 0], 0))),
-            Some(u) => u
-                .parse()
-                .map_err(|_| anyhow::anyhow!("{}.ucx_listen {u:?}: expected IP:PORT", self.name)),
-        }
-    }
-}
-
 fn default_page_size() -> usize {
     16
 }
@@ -401,12 +331,6 @@ fn default_transport() -> String {
 }
 fn default_shm_dir() -> PathBuf {
     "/dev/shm".into()
-}
-fn default_running() -> usize {
-    64
-}
-fn default_queued() -> usize {
-    256
 }
 
 fn refuse(file: &Path, field: &str, value: &str, reason: &str) -> anyhow::Error {
@@ -643,95 +567,13 @@ impl MeshConfig {
             }
         }
     }
-
-    /// What node `n` of `role` registers in etcd: its name, role, the
-    /// `grpc` address the router dials and (decode) the KV endpoint
-    /// prefill dials.
-    pub fn member(
-        &self,
-        role: &str,
-        n: &NodeSection,
-    ) -> Result<kvmesh_discovery::Member, kvmesh_discovery::MemberError> {
-        let (role, kv) = if role == "decode" {
-            (kvmesh_discovery::Role::Decode, Some(self.kv_endpoint(n)))
-        } else {
-            (kvmesh_discovery::Role::Prefill, None)
-        };
-        kvmesh_discovery::Member::new(
-            &n.name,
-            role,
-            &n.grpc,
-            kv.as_deref(),
-            env!("CARGO_PKG_VERSION"),
-        )
-    }
-
-    /// The node named `name` of `role`.
-    pub fn node(&self, role: &str, name: &str) -> Result<&NodeSection> {
-        let nodes = if role == "prefill" {
-            &self.prefill
-        } else {
-            &self.decode
-        };
-        nodes.iter().find(|n| n.name == name).ok_or_else(|| {
-            let known: Vec<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
-            anyhow::anyhow!("no {role} node named {name:?} in the mesh file (it has {known:?})")
-        })
-    }
-
-    /// A node setting: the node named `name`'s own value (`own`), else the
-    /// mesh's (`mesh`), parsed. The router (`name` None) takes the mesh's.
-    fn node_setting<T>(
-        &self,
-        role: &str,
-        name: Option<&str>,
-        own: impl Fn(&NodeSection) -> Option<&str>,
-        mesh: &str,
-    ) -> Result<T>
-    where
-        T: std::str::FromStr,
-        T::Err: std::error::Error + Send + Sync + 'static,
-    {
-        let node = name.and_then(|n| self.node(role, n).ok());
-        Ok(node.and_then(own).unwrap_or(mesh).parse::<T>()?)
-    }
-
-    /// The CPU kernel path the node named `name` asks for (its own
-    /// `cpu_kernels`, else the mesh's; the router: the mesh's). Checked by
-    /// validation.
-    pub fn cpu_kernels_for(&self, role: &str, name: Option<&str>) -> Result<CpuKernels> {
-        self.node_setting(role, name, |n| n.cpu_kernels.as_deref(), &self.cpu_kernels)
-    }
-
-    /// The device the node named `name` computes on (its own `device`,
-    /// else the mesh's). Checked by validation.
-    pub fn device_for(&self, role: &str, name: Option<&str>) -> Result<DeviceSpec> {
-        self.node_setting(role, name, |n| n.device.as_deref(), &self.device)
-    }
-
-    /// The device weight type of the node named `name` (its own
-    /// `device_weights`, else the mesh's). Checked by validation.
-    pub fn device_weights_for(&self, role: &str, name: Option<&str>) -> Result<WeightDtype> {
-        self.node_setting(
-            role,
-            name,
-            |n| n.device_weights.as_deref(),
-            &self.device_weights,
-        )
-    }
-
-    /// A decode node's KV endpoint as grants and prefill name it (UCX's
-    /// control connection is TCP).
-    pub fn kv_endpoint(&self, n: &NodeSection) -> String {
-        let kv = n.kv.as_deref().unwrap_or_default();
-        if self.transport == "shm" {
-            format!("unix:{kv}")
-        } else {
-            format!("tcp://{kv}")
-        }
-    }
 }
 
+mod nodes;
+mod router;
 #[cfg(test)]
 mod tests;
 mod validate;
+
+pub use nodes::NodeSection;
+pub use router::RouterSection;

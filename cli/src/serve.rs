@@ -2,30 +2,27 @@
 //! node on loopback in one process, each a real gRPC service on its own
 //! port, KV over the chosen transport) and `kvmesh router|prefill|decode
 //! --config mesh.yaml` (one service per process, for several processes or
-//! hosts).
+//! hosts; each role's process is in `roles`).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use kvmesh_decode::{DecodeConfig, DecodeNode, Drained, Transport};
 use kvmesh_kernels::cpu::CpuKernels;
-use kvmesh_meshauth::tls::MeshTls;
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::default_model;
-use kvmesh_model::engine::EngineConfig;
 use kvmesh_model::Precision;
 use kvmesh_prefill::{PrefillConfig, PrefillNode};
 use kvmesh_router::nodes::{Nodes, Role};
+use kvmesh_router::parsing::{ReasoningParserSetting, ToolParserSetting};
 use kvmesh_router::{Listeners, Router, RouterConfig};
 use kvmesh_tokenizer::ModelInfo;
 use tokio::net::TcpListener;
 
 use crate::config::MeshConfig;
-use crate::{membership, ModelArgs};
-use kvmesh_discovery::EtcdConfig;
+use crate::ModelArgs;
 
 /// How long a grant may wait for its transfer (`--lease-ms`, `lease_ms:`).
 pub(crate) const LEASE: Duration = Duration::from_secs(60);
@@ -125,7 +122,38 @@ pub struct ServeArgs {
     #[arg(long, env = "KVMESH_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
     #[command(flatten)]
+    pub parsers: ParserArgs,
+    #[command(flatten)]
     pub testing: TestingArgs,
+}
+
+/// How the router reads answers: tool calls and reasoning (vLLM's
+/// `--tool-call-parser` and `--reasoning-parser`).
+#[derive(Args, Debug, Clone, Default)]
+pub struct ParserArgs {
+    /// How tool_choice auto reads calls out of the text: auto (from the chat template: <tool_call> hermes, <|python_tag|> or Llama's "parameters" instruction llama3_json, [TOOL_CALLS] mistral, else hermes), hermes, llama3_json or mistral [default: auto; kvmesh router: the mesh file's tool_call_parser, else auto].
+    #[arg(long, env = "KVMESH_TOOL_CALL_PARSER")]
+    pub tool_call_parser: Option<ToolParserSetting>,
+    /// How chat answers' reasoning becomes reasoning_content: auto (qwen3 when the chat template has <think>, else none), none, qwen3 or deepseek_r1 [default: auto; kvmesh router: the mesh file's reasoning_parser, else auto].
+    #[arg(long, env = "KVMESH_REASONING_PARSER")]
+    pub reasoning_parser: Option<ReasoningParserSetting>,
+}
+
+impl ParserArgs {
+    /// The flags over `file`'s settings.
+    fn over(
+        &self,
+        file: (ToolParserSetting, ReasoningParserSetting),
+    ) -> (ToolParserSetting, ReasoningParserSetting) {
+        (
+            self.tool_call_parser.unwrap_or(file.0),
+            self.reasoning_parser.unwrap_or(file.1),
+        )
+    }
+
+    fn given(&self) -> bool {
+        self.tool_call_parser.is_some() || self.reasoning_parser.is_some()
+    }
 }
 
 /// Test-only switches, refused by builds without fault injection (see
@@ -199,6 +227,9 @@ pub struct RoleArgs {
     /// Prefix cache: on or off; default: the mesh file's `prefix_cache`.
     #[arg(long, env = "KVMESH_PREFIX_CACHE")]
     pub prefix_cache: Option<OnOff>,
+    /// The router's parsers (refused for prefill and decode nodes).
+    #[command(flatten)]
+    pub parsers: ParserArgs,
     #[command(flatten)]
     pub testing: TestingArgs,
 }
@@ -280,6 +311,7 @@ async fn router_listeners(router: &Router, http: &str, grpc: &str) -> Result<Lis
     };
     let (http_addr, grpc_addr) = l.addrs()?;
     println!("kvmesh ready: model {}", router.config().model_id);
+    println!("  parsers     {}", router.parsers().describe());
     println!("  OpenAI API  http://{http_addr}/v1");
     println!("  gRPC API    grpc://{grpc_addr}");
     println!("  metrics     http://{http_addr}/metrics");
@@ -399,6 +431,8 @@ async fn serve(a: ServeArgs) -> Result<()> {
             fault_injection,
             drain_timeout: a.drain_timeout,
             prefix_cache: a.prefix_cache.0,
+            tool_call_parser: a.parsers.tool_call_parser.unwrap_or_default(),
+            reasoning_parser: a.parsers.reasoning_parser.unwrap_or_default(),
             ..RouterConfig::default()
         },
         tokenizer,
@@ -443,6 +477,12 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
     if let Some(n) = &name {
         cfg.node(role_name, n)?;
     }
+    if role != RoleKind::Router && a.parsers.given() {
+        anyhow::bail!(
+            "--tool-call-parser and --reasoning-parser apply to the router only, not to a {role_name} node"
+        );
+    }
+    let parsers = a.parsers.over(cfg.router.parsers(&cfg.file)?);
     // The standard variables over the file's section; `--check-config`
     // checks them too.
     let traces = kvmesh_telemetry::Settings::from_env(cfg.tracing().as_ref())?;
@@ -484,8 +524,16 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
             ),
             Some(e) => e.describe(),
         };
+        let parsers = match role {
+            // `auto` reads the chat template at start; no model is read here.
+            RoleKind::Router => format!(
+                "; tool-call parser {}, reasoning parser {}",
+                parsers.0, parsers.1
+            ),
+            _ => String::new(),
+        };
         println!(
-            "config ok: {}: {role_name}{}; {members}, transport {}; CPU kernels {cpu_kernels}; device {device}{}; {}; {}; {}; {}",
+            "config ok: {}: {role_name}{}{parsers}; {members}, transport {}; CPU kernels {cpu_kernels}; device {device}{}; {}; {}; {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
             cfg.transport,
@@ -528,7 +576,7 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
         let etcd = etcd.as_ref();
         match role {
             RoleKind::Router => {
-                router_process(&cfg, etcd, fault_injection, secret, tls, drain).await
+                router_process(&cfg, etcd, fault_injection, secret, tls, drain, parsers).await
             }
             RoleKind::Prefill => prefill_process(&cfg, etcd, name, secret, tls, drain).await,
             RoleKind::Decode => decode_process(&cfg, etcd, name, secret, tls, drain).await,
@@ -575,209 +623,5 @@ fn node_device(
     Ok((device, weights))
 }
 
-/// A prefill or decode node's engine settings: the mesh's, its pool, and
-/// its device ([`node_device`]).
-fn engine_config(
-    cfg: &MeshConfig,
-    role: &str,
-    name: &str,
-    kv_pool_tokens: Option<usize>,
-) -> Result<EngineConfig> {
-    let (device, device_weights) = node_device(cfg, role, name)?;
-    Ok(EngineConfig {
-        kv_pool_tokens,
-        page_size: cfg.page_size,
-        max_model_len: cfg.max_model_len,
-        precision: cfg.precision(),
-        kv_dtype: cfg.kv_dtype(),
-        scrub: cfg.scrub,
-        poison: cfg.poison,
-        device,
-        device_weights,
-    })
-}
-
-async fn decode_process(
-    cfg: &MeshConfig,
-    etcd: Option<&EtcdConfig>,
-    name: &str,
-    mesh_secret: MeshSecret,
-    tls: Option<Arc<MeshTls>>,
-    drain: Duration,
-) -> Result<()> {
-    let n = cfg.node("decode", name)?;
-    let path = model_path(&cfg.model)?;
-    let kv = n.kv.clone().unwrap_or_default();
-    let kv_listen = n.kv_listen.clone().unwrap_or_else(|| kv.clone());
-    let transport = match cfg.transport.as_str() {
-        "shm" => Transport::Shm {
-            dir: cfg.shm_dir.clone(),
-            socket: kv_listen.into(),
-        },
-        "ucx" => Transport::Ucx {
-            control: kv_listen,
-            data: n.ucx_listen_addr()?,
-        },
-        _ => Transport::Tcp(kv_listen),
-    };
-    let node = DecodeNode::start(
-        DecodeConfig {
-            name: name.to_owned(),
-            engine: engine_config(cfg, "decode", name, n.kv_pool_tokens)?,
-            allow_small_pool: cfg.allow_small_pool,
-            transport,
-            lease: cfg.lease(),
-            abort_timeout: cfg.abort_timeout(),
-            kv_advertise: Some(cfg.kv_endpoint(n)),
-            mesh_secret,
-            tls,
-            drain_timeout: drain,
-            prefix_cache: cfg.prefix_cache,
-        },
-        load(&path, cfg.precision())?,
-    )
-    .await?;
-    let l = listen(n.listen.as_deref().unwrap_or(&n.grpc), "the decode node").await?;
-    // Listening on both ports: only now may routers and prefill nodes learn
-    // of it.
-    let reg = match etcd {
-        Some(e) => Some(membership::register(e, cfg.member("decode", n)?).await?),
-        None => None,
-    };
-    println!(
-        "decode node {name} ready: gRPC {}, KV {}",
-        l.local_addr()?,
-        node.kv_endpoint()
-    );
-    let d = kvmesh_decode::run(node, l, membership::leave_first(terminated(drain), reg)).await?;
-    drained("decode", name, &d)
-}
-
-async fn prefill_process(
-    cfg: &MeshConfig,
-    etcd: Option<&EtcdConfig>,
-    name: &str,
-    mesh_secret: MeshSecret,
-    tls: Option<Arc<MeshTls>>,
-    drain: Duration,
-) -> Result<()> {
-    let n = cfg.node("prefill", name)?;
-    let path = model_path(&cfg.model)?;
-    let node = PrefillNode::start(
-        PrefillConfig {
-            name: name.to_owned(),
-            engine: engine_config(cfg, "prefill", name, n.kv_pool_tokens)?,
-            allow_small_pool: cfg.allow_small_pool,
-            mesh_secret,
-            tls,
-            drain_timeout: drain,
-            prefix_cache: cfg.prefix_cache,
-        },
-        load(&path, cfg.precision())?,
-    )?;
-    // With etcd: connect to the decode nodes registered now, and from then
-    // on to every one that registers (or whose connection broke).
-    let peers = match etcd {
-        Some(e) => Some(membership::DecodePeers::start(e, &node).await),
-        None => None,
-    };
-    // Static: connect to every decode node's KV listener (retrying while
-    // they start), so each can grant to this writer.
-    for d in cfg.decode.iter().filter(|_| etcd.is_none()) {
-        let ep = cfg.kv_endpoint(d);
-        let mut tries = 0;
-        while let Err(e) = node.connect(&ep).await {
-            tries += 1;
-            if tries % 10 == 1 {
-                tracing::warn!(decode = %d.name, endpoint = %ep, error = %e, "waiting for the decode node's KV listener");
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-    let l = listen(n.listen.as_deref().unwrap_or(&n.grpc), "the prefill node").await?;
-    let reg = match etcd {
-        Some(e) => Some(membership::register(e, cfg.member("prefill", n)?).await?),
-        None => None,
-    };
-    println!("prefill node {name} ready: gRPC {}", l.local_addr()?);
-    let d = kvmesh_prefill::run(node, l, membership::leave_first(terminated(drain), reg)).await?;
-    if let Some(p) = peers {
-        p.stop().await;
-    }
-    drained("prefill", name, &d)
-}
-
-async fn router_process(
-    cfg: &MeshConfig,
-    etcd: Option<&EtcdConfig>,
-    fault_injection: bool,
-    mesh_secret: MeshSecret,
-    tls: Option<Arc<MeshTls>>,
-    drain: Duration,
-) -> Result<()> {
-    let path = model_path(&cfg.model)?;
-    // The router needs only the tokenizer and limits: no weight is read.
-    let info = model_info(&path)?;
-    let max_model_len = cfg.max_model_len.unwrap_or(info.context_length);
-    let stop_ids = info.stop_token_ids();
-    tracing::info!(
-        model = %path.display(),
-        architecture = %info.architecture,
-        quantization = %info.quantization,
-        "model metadata read"
-    );
-    let model_description = (info.architecture.clone(), info.quantization.clone());
-    let tokenizer = info.tokenizer;
-    // Static: the file's nodes. Etcd: none until the watcher's first view,
-    // then whatever registers.
-    let specs: Vec<(String, Role, String)> = cfg
-        .prefill
-        .iter()
-        .map(|n| (n.name.clone(), Role::Prefill, format!("http://{}", n.grpc)))
-        .chain(
-            cfg.decode
-                .iter()
-                .map(|n| (n.name.clone(), Role::Decode, format!("http://{}", n.grpc))),
-        )
-        .filter(|_| etcd.is_none())
-        .collect();
-    let nodes = Nodes::with_tls(&specs, mesh_secret, tls).map_err(anyhow::Error::msg)?;
-    let following = match etcd {
-        Some(e) => Some(membership::follow(e, &nodes).await),
-        None => None,
-    };
-    nodes.poll_all().await;
-    let poller = nodes.spawn_poller();
-    let router = Router::new(
-        RouterConfig {
-            model_id: model_id(&path),
-            model_description,
-            max_model_len,
-            max_running: cfg.router.max_running,
-            max_queued: cfg.router.max_queued,
-            fault_injection,
-            drain_timeout: drain,
-            prefix_cache: cfg.prefix_cache,
-            api_keys: kvmesh_router::auth::ApiKeys::new(
-                cfg.router
-                    .api_keys
-                    .iter()
-                    .map(|k| (k.key.clone(), k.tenant.clone())),
-            )
-            .map_err(anyhow::Error::msg)?,
-            ..RouterConfig::default()
-        },
-        tokenizer,
-        stop_ids,
-        nodes,
-    );
-    let listeners = router_listeners(&router, &cfg.router.http, &cfg.router.grpc).await?;
-    let served = kvmesh_router::run(router, listeners, terminated(drain)).await;
-    poller.abort();
-    if let Some(f) = following {
-        f.stop().await;
-    }
-    served.context("the gateway")?;
-    println!("kvmesh router drained, exiting");
-    Ok(())
-}
+mod roles;
+use roles::{decode_process, prefill_process, router_process};

@@ -70,11 +70,14 @@ fuzz_target!(|data: &[u8]| {
                 // A tool choice that constrains the output came with its
                 // grammar (checked to compile above).
                 if matches!(
-                    v.tool_mode(),
+                    v.reading().mode,
                     kvmesh_router::tools::Mode::Named(_) | kvmesh_router::tools::Mode::Required
                 ) {
                     assert!(!p.grammar.is_empty());
+                    // A constrained answer is all answer: no reasoning read.
+                    assert!(v.reading().reasoning.is_none());
                 }
+                assert!(s.keep_special.iter().all(|&t| t < 512));
             }
         }
         Err(Rejection::Invalid { param, .. }) => assert!(!param.is_empty()),

@@ -81,8 +81,8 @@ pub fn service(router: Router) -> tonic::transport::server::Router {
 /// A started request and what its messages need besides its events.
 struct Started {
     choices: Choices,
-    /// How the answer's text becomes content and tool calls.
-    mode: crate::tools::Mode,
+    /// How the answer's text becomes reasoning, content and tool calls.
+    reading: crate::tools::parse::Reading,
     /// `echo`: the prompt's text, for each sample's first message.
     echo: Option<String>,
     /// `prompt_logprobs`: alternatives per prompt position.
@@ -122,18 +122,21 @@ fn chat(c: Chat) -> Result<Vec<ChatMessage>, crate::Rejection> {
                 tool_calls,
                 tool_call_id: (!m.tool_call_id.is_empty()).then_some(m.tool_call_id),
                 name: (!m.name.is_empty()).then_some(m.name),
+                reasoning_content: (!m.reasoning_content.is_empty()).then_some(m.reasoning_content),
                 ..ChatMessage::new(m.role, m.content)
             })
         })
         .collect()
 }
 
-/// The message of `pieces` of a sample's answer: content as `text`, calls
-/// as `tool_calls` (a call's opening piece joined to its first arguments).
+/// The message of `pieces` of a sample's answer: reasoning as
+/// `reasoning_text`, content as `text`, calls as `tool_calls` (a call's
+/// opening piece joined to its first arguments).
 fn answer_message(pieces: Vec<Out>) -> GenerateResponse {
     let mut msg = GenerateResponse::default();
     for p in pieces {
         match p {
+            Out::Reasoning(t) => msg.reasoning_text.push_str(&t),
             Out::Content(t) => msg.text.push_str(&t),
             Out::Start { index, id, name } => msg.tool_calls.push(ToolCall {
                 index: u32::try_from(index).unwrap_or(u32::MAX),
@@ -206,6 +209,13 @@ impl Api {
                 .into())
             }
         };
+        if r.enable_thinking.is_some() && !matches!(prompt, Prompt::Chat(_)) {
+            return Err(invalid(
+                "enable_thinking",
+                "enable_thinking applies to a chat (the chat template's argument)",
+            )
+            .into());
+        }
         let sampling = validate::SamplingIn {
             temperature: r.temperature.map(f64::from),
             top_p: r.top_p.map(f64::from),
@@ -240,6 +250,7 @@ impl Api {
                 structured: crate::structured::from_grpc(r.structured_output)?,
                 tools: crate::tools::from_grpc(r.tools, r.tool_choice, r.parallel_tool_calls)?,
                 prompt_logprobs: r.prompt_logprobs.map(u64::from),
+                enable_thinking: r.enable_thinking,
                 ..validate::Request::new(prompt)
             },
         )?;
@@ -266,7 +277,7 @@ impl Api {
         kvmesh_telemetry::record(&span, "prompt_tokens", valid.ids().len() as i64);
         kvmesh_telemetry::record(&span, "n", n as i64);
         drop(span);
-        let mode = valid.tool_mode().clone();
+        let reading = valid.reading().clone();
         let scored = valid.settings().prompt_logprobs.map(|k| k as usize);
         let choices = Choices::start(
             &self.router,
@@ -278,7 +289,7 @@ impl Api {
         .await?;
         Ok(Started {
             choices,
-            mode,
+            reading,
             echo,
             scored,
         })
@@ -302,7 +313,7 @@ impl Generation for Api {
         kvmesh_telemetry::propagate::continue_grpc(&span, req.metadata());
         let Started {
             choices: mut g,
-            mode,
+            reading,
             echo,
             scored,
         } = self
@@ -323,8 +334,7 @@ impl Generation for Api {
                 .map(|_| crate::logprobs::Logprobs::new(router.tokenizer(), 0))
                 .collect();
             let mut left = g.len();
-            let mut parsers: Vec<Parser> =
-                (0..g.len()).map(|_| Parser::new(mode.clone())).collect();
+            let mut parsers: Vec<Parser> = (0..g.len()).map(|_| Parser::new(&reading)).collect();
             // Each sample's first message carries the echo and the
             // prompt's scores (sample 0's `Event::Prompt`, which comes
             // before every event of the other samples).

@@ -15,7 +15,6 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::Json;
-use kvmesh_tokenizer::ChatMessage;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tracing::Instrument;
@@ -25,9 +24,11 @@ use kvmesh_faults::FaultPlan;
 use crate::auth::Tenant;
 use crate::choices::{Choices, MAX_CHOICES};
 use crate::error::{GatewayError, Rejection};
+use crate::tools::parse::Reading;
 use crate::validate::{self, invalid, Prompt, Valid};
 use crate::Router;
 use body::{Body, CHAT_FIELDS, COMMON_FIELDS, COMPLETION_FIELDS, MAX_USER};
+use chat::chat_messages;
 use respond::Meta;
 
 /// Interval of SSE keep-alive comments (see `stream`).
@@ -188,37 +189,6 @@ enum PromptIn {
 struct StreamOptions {
     #[serde(default)]
     include_usage: Option<bool>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ChatIn {
-    role: String,
-    content: Option<Value>,
-    #[serde(default)]
-    tool_calls: Option<Vec<ToolCallIn>>,
-    #[serde(default)]
-    tool_call_id: Option<String>,
-    #[serde(default)]
-    name: Option<String>,
-}
-
-/// A call of an assistant message, as OpenAI sends it back: the arguments
-/// are JSON text.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ToolCallIn {
-    id: String,
-    #[serde(rename = "type")]
-    kind: String,
-    function: FunctionIn,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FunctionIn {
-    name: String,
-    arguments: String,
 }
 
 fn unix_now() -> u64 {
@@ -401,6 +371,11 @@ fn parse_body(chat: bool, bytes: &[u8]) -> Result<Parsed, Rejection> {
         tools,
         // Prefill computes the most alternatives either use asks for.
         prompt_logprobs: prompt_logprobs.max(echo_logprobs),
+        enable_thinking: if chat {
+            body::enable_thinking(b.get("chat_template_kwargs")?)?
+        } else {
+            None
+        },
         ..validate::Request::new(Prompt::Ids(Vec::new()))
     };
     let requests = prompt
@@ -489,71 +464,6 @@ fn completion_prompt(p: Option<PromptIn>) -> Result<Vec<Prompt>, Rejection> {
     Ok(prompts)
 }
 
-fn chat_messages(msgs: Option<Vec<ChatIn>>) -> Result<Vec<ChatMessage>, Rejection> {
-    let msgs = msgs.ok_or_else(|| invalid("messages", "messages is required"))?;
-    msgs.into_iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let content = match m.content {
-                None | Some(Value::Null) => String::new(),
-                Some(Value::String(s)) => s,
-                // The array form: text parts concatenated.
-                Some(Value::Array(parts)) => parts
-                    .iter()
-                    .map(|p| {
-                        match (
-                            p.get("type").and_then(Value::as_str),
-                            p.get("text").and_then(Value::as_str),
-                        ) {
-                            (Some("text"), Some(t)) => Ok(t.to_owned()),
-                            _ => Err(invalid("messages", "only text content parts are supported")),
-                        }
-                    })
-                    .collect::<Result<String, _>>()?,
-                Some(_) => {
-                    return Err(invalid(
-                        "messages",
-                        "content must be a string or text parts",
-                    ))
-                }
-            };
-            let tool_calls = m
-                .tool_calls
-                .unwrap_or_default()
-                .into_iter()
-                .map(|c| {
-                    if c.kind != "function" {
-                        return Err(invalid(
-                            "messages",
-                            format!("messages[{i}].tool_calls: type must be function"),
-                        ));
-                    }
-                    // Templates get the arguments as an object
-                    // (transformers' convention).
-                    let arguments: Value =
-                        serde_json::from_str(&c.function.arguments).map_err(|e| {
-                            invalid(
-                                "messages",
-                                format!("messages[{i}].tool_calls: arguments is not JSON: {e}"),
-                            )
-                        })?;
-                    Ok(kvmesh_tokenizer::ToolCall::function(
-                        c.id,
-                        c.function.name,
-                        arguments,
-                    ))
-                })
-                .collect::<Result<_, _>>()?;
-            Ok(ChatMessage {
-                tool_calls,
-                tool_call_id: m.tool_call_id,
-                name: m.name,
-                ..ChatMessage::new(m.role, content)
-            })
-        })
-        .collect()
-}
-
 async fn completions(
     State(r): State<Router>,
     axum::Extension(tenant): axum::Extension<Tenant>,
@@ -605,14 +515,14 @@ async fn generate(
         .instrument(span.clone())
         .await
     {
-        Ok((choices, shape, id, echoes, tool_mode)) => {
+        Ok((choices, shape, id, echoes, reading)) => {
             kvmesh_telemetry::record(&span, "request.id", id.clone());
             kvmesh_telemetry::record(&span, "stream", shape.stream);
             let meta = Meta {
                 span,
                 kind,
                 id,
-                tool_mode,
+                reading,
                 model: r.config().model_id.clone(),
                 created: unix_now(),
                 shape,
@@ -645,7 +555,7 @@ async fn start(
     faults: FaultPlan,
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
-) -> Result<(Choices, Shape, String, Vec<String>, crate::tools::Mode), GatewayError> {
+) -> Result<(Choices, Shape, String, Vec<String>, Reading), GatewayError> {
     let body = body?;
     // Parse, validate and tokenize: what a refused body never gets past.
     let span = kvmesh_telemetry::span!("router.validate");
@@ -682,12 +592,12 @@ async fn start(
         Kind::Chat => request_id("chatcmpl"),
     }
     .ok_or(GatewayError::Internal("cannot mint a request id"))?;
-    let tool_mode = prompts
+    let reading = prompts
         .first()
-        .map(|v| v.tool_mode().clone())
+        .map(|v| v.reading().clone())
         .unwrap_or_default();
     let choices = Choices::start(r, prompts, n, tenant, faults).await?;
-    Ok((choices, shape, id, echoes, tool_mode))
+    Ok((choices, shape, id, echoes, reading))
 }
 
 #[derive(Clone, Copy)]
@@ -754,6 +664,7 @@ async fn metrics(State(r): State<Router>) -> Response {
 }
 
 mod body;
+mod chat;
 mod respond;
 mod tokenize;
 

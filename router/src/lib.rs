@@ -33,6 +33,15 @@
 //!   counted once); `mesh::grpc` is the real one (the prefill and decode
 //!   nodes, the handshake, token ids to text through
 //!   `kvmesh_tokenizer::TextOut`); unit tests use a scripted fake.
+//! - [`tools`]: tools (`tools`, `tool_choice`), their calls read out of
+//!   the text by the served model's format ([`tools::parsers`]: hermes,
+//!   llama3_json, mistral), and [`tools::parse`], the one reader of a
+//!   choice's text into reasoning, content and calls, streamed or whole.
+//! - [`reasoning`]: reasoning formats (`<think>` blocks: deepseek_r1,
+//!   qwen3), read into `reasoning_content`.
+//! - [`parsing`]: which formats the router reads with
+//!   (`--tool-call-parser`, `--reasoning-parser`, `auto` from the chat
+//!   template), resolved once at start ([`parsing::Parsers`]).
 //! - [`structured`]: structured output's request fields (`response_format`,
 //!   `structured_outputs`) read into a `kvmesh_structured::Constraint`, and
 //!   compiled once here so a refused schema or grammar is a 400 naming its
@@ -64,6 +73,8 @@ pub mod mesh;
 mod metrics;
 pub mod nodes;
 pub mod openapi;
+pub mod parsing;
+pub mod reasoning;
 mod run;
 pub mod structured;
 pub mod tokenize;
@@ -86,6 +97,7 @@ use error::{Count, GatewayError};
 use mesh::{Admitted, Generation, Mesh};
 use metrics::Metrics;
 use nodes::Nodes;
+use parsing::{Parsers, ReasoningParserSetting, ToolParserSetting};
 pub use run::{run, Listeners};
 use validate::Valid;
 
@@ -118,6 +130,10 @@ pub struct RouterConfig {
     /// (`--prefix-cache on`); off, they carry none and no node caches or
     /// reuses their pages.
     pub prefix_cache: bool,
+    /// How `tool_choice: auto` reads calls (`--tool-call-parser`).
+    pub tool_call_parser: ToolParserSetting,
+    /// How chat answers' reasoning is read (`--reasoning-parser`).
+    pub reasoning_parser: ReasoningParserSetting,
 }
 
 impl Default for RouterConfig {
@@ -133,6 +149,8 @@ impl Default for RouterConfig {
             fault_injection: false,
             drain_timeout: Duration::from_secs(30),
             prefix_cache: true,
+            tool_call_parser: ToolParserSetting::Auto,
+            reasoning_parser: ReasoningParserSetting::Auto,
         }
     }
 }
@@ -154,6 +172,8 @@ pub struct Router {
     eos: Arc<[u32]>,
     /// Structured output's vocabulary, built on first use.
     vocabulary: Arc<std::sync::OnceLock<Result<Vocabulary, StructuredError>>>,
+    /// The tool-call and reasoning formats answers are read with.
+    parsers: Arc<Parsers>,
 }
 
 impl Router {
@@ -192,7 +212,10 @@ impl Router {
         metrics: Arc<Metrics>,
         eos: Arc<[u32]>,
     ) -> Self {
+        let parsers = Parsers::resolve(cfg.tool_call_parser, cfg.reasoning_parser, &tokenizer);
+        tracing::info!(model = %cfg.model_id, "{}", parsers.describe());
         Self {
+            parsers: Arc::new(parsers),
             slots: Arc::new(Semaphore::new(cfg.max_running.max(1))),
             cfg: Arc::new(cfg),
             tokenizer,
@@ -244,6 +267,11 @@ impl Router {
     /// The settings.
     pub fn config(&self) -> &RouterConfig {
         &self.cfg
+    }
+
+    /// The tool-call and reasoning formats answers are read with.
+    pub fn parsers(&self) -> &Parsers {
+        &self.parsers
     }
 
     /// Counts a failure the client is about to be told of, in the counter

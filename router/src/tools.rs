@@ -10,11 +10,14 @@
 //!   [`Constraint`] (vLLM's: the named function's parameters schema; for
 //!   `required` an array of at least one `{name, parameters}` object, one
 //!   `anyOf` branch per tool), so the output always parses into calls;
-//! - `auto` parses Hermes `<tool_call>` blocks out of the text ([`parse`]);
-//!   `none` still shows the tools to the model (vLLM's default since
-//!   0.10) and parses nothing.
+//! - `auto` parses calls out of the text in the served model's format
+//!   ([`parsers`]: `hermes`, `llama3_json`, `mistral`, chosen by
+//!   [`crate::parsing`]); `none` still shows the tools to the model
+//!   (vLLM's default since 0.10) and parses nothing.
 //!
-//! Submodules: `parse` (the text to calls, whole or streamed).
+//! Submodules: `parsers` (one module per format of calls in text),
+//! `parse` (a choice's text to reasoning, content and calls, whole or
+//! streamed).
 
 use kvmesh_structured::Constraint;
 use serde_json::{json, Map, Value};
@@ -23,6 +26,7 @@ use crate::error::Rejection;
 use crate::validate::invalid;
 
 pub mod parse;
+pub mod parsers;
 
 /// Tools a request may define at most (OpenAI's limit).
 pub const MAX_TOOLS: usize = 128;
@@ -75,8 +79,8 @@ pub enum Mode {
     /// Text as it is.
     #[default]
     Text,
-    /// Hermes `<tool_call>` blocks parsed out of the text; `parallel`:
-    /// keep every call, else the first.
+    /// Calls parsed out of the text in the served model's format
+    /// ([`parsers`]); `parallel`: keep every call, else the first.
     Auto { parallel: bool },
     /// The whole text is the arguments of one call of this function.
     Named(String),

@@ -7,10 +7,11 @@
 //! empty prompt, the same bound on stop strings, the same model check.
 
 use kvmesh_proto::internal::v1::Sampling;
-use kvmesh_tokenizer::ChatMessage;
+use kvmesh_tokenizer::{ChatMessage, ChatOptions};
 
 use crate::error::Rejection;
 use crate::structured::{self, Structured};
+use crate::tools::parse::Reading;
 use crate::tools::{Mode, Tools};
 use crate::Router;
 
@@ -80,6 +81,9 @@ pub struct Request {
     /// `prompt_logprobs`, or what `echo` with `logprobs` needs), 0 to
     /// [`MAX_PROMPT_LOGPROBS`]; `None`: no scores.
     pub prompt_logprobs: Option<u64>,
+    /// `chat_template_kwargs.enable_thinking` (chat only): passed to the
+    /// template; `false` also turns reasoning parsing off for the request.
+    pub enable_thinking: Option<bool>,
 }
 
 impl Request {
@@ -98,6 +102,7 @@ impl Request {
             structured: None,
             tools: None,
             prompt_logprobs: None,
+            enable_thinking: None,
         }
     }
 }
@@ -161,6 +166,10 @@ pub struct Settings {
     /// Score the prompt with this many alternatives per position (at most
     /// [`MAX_PROMPT_LOGPROBS`]).
     pub prompt_logprobs: Option<u32>,
+    /// Special tokens the decoded text keeps: the markers the request's
+    /// tool-call and reasoning parsers read
+    /// ([`crate::parsing::Parsers::keep`]).
+    pub keep_special: Vec<u32>,
 }
 
 /// A request that passed [`request`]: its prompt's token ids (at least
@@ -169,7 +178,7 @@ pub struct Settings {
 pub struct Valid {
     ids: Vec<u32>,
     settings: Settings,
-    tool_mode: Mode,
+    reading: Reading,
 }
 
 impl Valid {
@@ -183,9 +192,10 @@ impl Valid {
         &self.settings
     }
 
-    /// How the output is read: text, or tool calls out of it.
-    pub fn tool_mode(&self) -> &Mode {
-        &self.tool_mode
+    /// How the output is read: text, or reasoning and tool calls out of
+    /// it.
+    pub fn reading(&self) -> &Reading {
+        &self.reading
     }
 
     /// Both, by value.
@@ -209,7 +219,7 @@ impl Valid {
         Valid {
             ids: self.ids.clone(),
             settings,
-            tool_mode: self.tool_mode.clone(),
+            reading: self.reading.clone(),
         }
     }
 }
@@ -262,6 +272,7 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
             });
         }
     }
+    let constrained = structured.is_some();
     if let Some(s) = &structured {
         if req.ignore_eos {
             return Err(invalid(
@@ -282,8 +293,12 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
         Prompt::Chat(msgs) => {
             let rendered = tools.map(Tools::rendered).unwrap_or_default();
             let msgs = roles(msgs)?;
+            let opts = ChatOptions {
+                add_generation_prompt: true,
+                enable_thinking: req.enable_thinking,
+            };
             (
-                tokenizer.encode_chat_tools(&msgs, &rendered, true),
+                tokenizer.encode_chat_opts(&msgs, &rendered, opts),
                 "messages",
             )
         }
@@ -293,6 +308,16 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
         }
     };
     let ids = ids.map_err(|e| invalid(param, e.to_string()))?;
+    // A constrained output is all answer: reasoning is not read out of it.
+    let reading = r.parsers().reading(
+        tool_mode,
+        matches!(req.prompt, Prompt::Chat(_)),
+        constrained,
+        req.enable_thinking,
+        &ids,
+        tokenizer,
+    );
+    settings.keep_special = r.parsers().keep_for(&reading);
     // No node can reserve for a prompt of no tokens: refused here.
     if ids.is_empty() {
         return Err(invalid(
@@ -303,7 +328,7 @@ pub fn request(r: &Router, req: Request) -> Result<Valid, Rejection> {
     Ok(Valid {
         ids,
         settings,
-        tool_mode,
+        reading,
     })
 }
 
@@ -431,6 +456,7 @@ fn settings(req: &Request, vocab: usize) -> Result<Settings, Rejection> {
         stop_token_ids: req.stop_token_ids.clone(),
         ignore_eos: req.ignore_eos,
         cache_salt: req.cache_salt.clone(),
+        keep_special: Vec::new(),
     })
 }
 
@@ -556,138 +582,4 @@ fn fresh_seed() -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn req(prompt: Prompt) -> Request {
-        Request::new(prompt)
-    }
-
-    fn text(t: &str) -> Prompt {
-        Prompt::Text(t.into())
-    }
-
-    fn param(e: Rejection) -> &'static str {
-        match e {
-            Rejection::Invalid { param, .. } => param,
-            other => panic!("not a field refusal: {other:?}"),
-        }
-    }
-
-    #[test]
-    fn defaults_are_one_set_and_unseeded_requests_get_their_own_seed() {
-        let r = crate::openapi::tests::router(false);
-        let a = request(&r, req(text("Hello"))).expect("valid");
-        let s = a.settings();
-        assert_eq!(s.max_tokens, DEFAULT_MAX_TOKENS);
-        assert_eq!((s.sampling.temperature, s.sampling.top_p), (1.0, 1.0));
-        assert_eq!(s.sampling.repetition_penalty, 1.0);
-        assert_eq!((s.sampling.logprobs, s.sampling.top_k), (None, 0));
-        assert!(!a.ids().is_empty());
-        let seeds: std::collections::HashSet<u64> = (0..8)
-            .map(|_| {
-                request(&r, req(text("Hello")))
-                    .expect("valid")
-                    .settings()
-                    .sampling
-                    .seed
-            })
-            .collect();
-        assert_eq!(seeds.len(), 8, "unseeded requests do not share a seed");
-        let mut seeded = req(text("Hello"));
-        seeded.sampling.seed = Some(7);
-        assert_eq!(
-            request(&r, seeded).expect("valid").settings().sampling.seed,
-            7
-        );
-    }
-
-    #[test]
-    fn refusals_name_their_field() {
-        let r = crate::openapi::tests::router(false);
-        assert_eq!(
-            param(request(&r, req(text(""))).expect_err("empty")),
-            "prompt"
-        );
-        assert_eq!(
-            param(request(&r, req(Prompt::Chat(Vec::new()))).expect_err("no messages")),
-            "messages"
-        );
-        let five = Request {
-            stop: vec!["a".into(); 5],
-            ..req(text("Hello"))
-        };
-        assert_eq!(param(request(&r, five).expect_err("five stops")), "stop");
-        let zero = Request {
-            max_tokens: Some(0),
-            max_tokens_param: "max_completion_tokens",
-            ..req(text("Hello"))
-        };
-        assert_eq!(
-            param(request(&r, zero).expect_err("zero")),
-            "max_completion_tokens"
-        );
-        let mut hot = req(text("Hello"));
-        hot.sampling.temperature = Some(2.000_000_1);
-        assert_eq!(param(request(&r, hot).expect_err("too hot")), "temperature");
-        let vocab = r.tokenizer().vocab_size() as u32;
-        type Spoil = fn(&mut Request, u32);
-        let bad: [(&str, Spoil); 10] = [
-            ("top_k", |q, _| q.sampling.top_k = Some(-2)),
-            ("min_p", |q, _| q.sampling.min_p = Some(1.5)),
-            ("presence_penalty", |q, _| {
-                q.sampling.presence_penalty = Some(-2.5)
-            }),
-            ("frequency_penalty", |q, _| {
-                q.sampling.frequency_penalty = Some(f64::NAN)
-            }),
-            ("repetition_penalty", |q, _| {
-                q.sampling.repetition_penalty = Some(0.0)
-            }),
-            ("logit_bias", |q, v| q.sampling.logit_bias = vec![(v, 1.0)]),
-            ("logit_bias", |q, _| {
-                q.sampling.logit_bias = vec![(1, 100.5)]
-            }),
-            ("min_tokens", |q, _| q.sampling.min_tokens = Some(17)),
-            ("stop_token_ids", |q, v| q.stop_token_ids = vec![1, v]),
-            ("prompt", |q, v| q.prompt = Prompt::Ids(vec![1, v])),
-        ];
-        for (field, set) in bad {
-            let mut q = req(text("Hello"));
-            set(&mut q, vocab);
-            assert_eq!(param(request(&r, q).expect_err(field)), field);
-        }
-        let mut many = req(text("Hello"));
-        many.sampling.logprobs = Some(6);
-        many.sampling.logprobs_param = "logprobs";
-        many.sampling.logprobs_max = 5;
-        assert_eq!(param(request(&r, many).expect_err("six")), "logprobs");
-        let mut fine = req(Prompt::Ids(vec![1, 2, 3]));
-        fine.sampling = SamplingIn {
-            top_k: Some(-1),
-            logit_bias: vec![(vocab - 1, -100.0)],
-            min_tokens: Some(16),
-            logprobs: Some(5),
-            logprobs_max: 5,
-            ..SamplingIn::default()
-        };
-        let v = request(&r, fine).expect("valid");
-        assert_eq!(v.ids(), [1, 2, 3]);
-        let s = &v.settings().sampling;
-        assert_eq!((s.top_k, s.min_tokens, s.logprobs), (0, 16, Some(5)));
-        assert_eq!(s.logit_bias.get(&(vocab - 1)), Some(&-100.0));
-        let other = Request {
-            model: Some("gpt-x".into()),
-            ..req(text("Hello"))
-        };
-        assert!(matches!(
-            request(&r, other),
-            Err(Rejection::UnknownModel(_))
-        ));
-        let stops = Request {
-            stop: vec![String::new(), "x".into()],
-            ..req(text("Hello"))
-        };
-        assert_eq!(request(&r, stops).expect("valid").settings().stop, ["x"]);
-    }
-}
+mod tests;

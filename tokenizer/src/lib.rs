@@ -39,4 +39,4 @@ pub use error::{Result, TokenizerError};
 pub use gguf::{GgufHeader, GgufValue};
 pub use info::{stop_token_ids, ModelInfo};
 pub use stop::TextOut;
-pub use text::{ChatMessage, FunctionCall, StreamDecoder, TextTokenizer, ToolCall};
+pub use text::{ChatMessage, ChatOptions, FunctionCall, StreamDecoder, TextTokenizer, ToolCall};

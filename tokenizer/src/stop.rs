@@ -50,6 +50,14 @@ impl<'a> TextOut<'a> {
         }
     }
 
+    /// Writes the special tokens `ids` out as their text instead of
+    /// skipping them ([`StreamDecoder::keeping`]): the markers a request's
+    /// tool-call or reasoning parser reads.
+    pub fn keep(mut self, ids: &[u32]) -> Self {
+        self.decoder = self.decoder.keeping(ids);
+        self
+    }
+
     /// Stop strings apply only from the `n`-th pushed id on: text before
     /// is emitted as it comes, a stop string in it included.
     pub fn min_tokens(mut self, n: usize) -> Self {
@@ -154,6 +162,37 @@ mod tests {
 
     fn tiny() -> TextTokenizer {
         tiny_text_tokenizer(None, false)
+    }
+
+    #[test]
+    fn kept_special_tokens_are_written_and_the_others_skipped() {
+        let t = tiny();
+        let start = t.token_to_id("<|im_start|>").expect("special");
+        let end = t.token_to_id("<|im_end|>").expect("special");
+        let mut ids = t.encode_raw("ab").expect("encode");
+        ids.push(start);
+        ids.extend(t.encode_raw("hello").expect("encode"));
+        ids.push(end);
+        ids.extend(t.encode_raw(" é").expect("encode"));
+        let decode = |keep: &[u32]| {
+            let mut out = TextOut::new(&t, &[]).keep(keep);
+            let mut text = String::new();
+            for &id in &ids {
+                text.push_str(&out.push(id).expect("push").0);
+            }
+            text + &out.finish().expect("finish")
+        };
+        assert_eq!(decode(&[]), "abhello é", "specials skipped by default");
+        assert_eq!(decode(&[start]), "ab<|im_start|>hello é");
+        assert_eq!(decode(&[start, end]), "ab<|im_start|>hello<|im_end|> é");
+        // The marker flushes: it arrives with the text before it, and the
+        // text after it is decoded from a fresh window.
+        let mut out = TextOut::new(&t, &[]).keep(&[start]);
+        let pieces: Vec<String> = ids
+            .iter()
+            .map(|&id| out.push(id).expect("push").0)
+            .collect();
+        assert_eq!(pieces[2], "<|im_start|>");
     }
 
     /// Push every id of `text` (one token per byte or merge), collecting

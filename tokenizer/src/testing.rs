@@ -84,6 +84,41 @@ pub fn tiny_text_tokenizer(template: Option<&str>, add_bos: bool) -> crate::Text
         .expect("assemble the tiny tokenizer")
 }
 
+/// [`tiny_text_tokenizer`] with `template` and, after its own, the special
+/// tokens `specials` (a model's markers: `[TOOL_CALLS]`, `<|python_tag|>`)
+/// and the ordinary added tokens `added` (`<think>` as Qwen3 has it).
+pub fn tiny_text_tokenizer_with(
+    template: &str,
+    specials: &[&str],
+    added: &[&str],
+) -> crate::TextTokenizer {
+    let mut t = tiny_tokenizer();
+    t.add_special_tokens(
+        specials
+            .iter()
+            .map(|s| AddedToken::from(*s, true))
+            .collect::<Vec<_>>(),
+    )
+    .expect("add special tokens");
+    t.add_tokens(
+        added
+            .iter()
+            .map(|s| AddedToken::from(*s, false))
+            .collect::<Vec<_>>(),
+    )
+    .expect("add tokens");
+    let specials = crate::text::Specials {
+        bos_token: Some("<s>".into()),
+        bos_id: Some(TINY_BOS),
+        eos_token: Some("</s>".into()),
+        eos_ids: vec![TINY_EOS],
+        add_bos: false,
+        add_eos: None,
+    };
+    crate::TextTokenizer::assemble(t, specials, Some(template.to_owned()))
+        .expect("assemble the tiny tokenizer")
+}
+
 /// Write the tiny tokenizer's files of a Hugging Face directory:
 /// `tokenizer.json` and `tokenizer_config.json` (BOS `<s>` in the object
 /// form, EOS `</s>`, no BOS added, [`TINY_HF_TEMPLATE`]).

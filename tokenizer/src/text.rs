@@ -60,6 +60,33 @@ pub struct ChatMessage {
     /// A `tool` message: the function's name, when the client gave it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant message's reasoning, as a reasoning model's answer
+    /// carried it back (templates such as Qwen3's read it; the others
+    /// ignore it). Template text: refused if it holds special-token text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+}
+
+/// How a conversation is rendered besides its messages and tools:
+/// `apply_chat_template`'s keyword arguments that kvmesh passes on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChatOptions {
+    /// Append the assistant's generation prompt.
+    pub add_generation_prompt: bool,
+    /// `enable_thinking` for templates that read it (Qwen3's: `false`
+    /// writes an empty, closed `<think>` block into the generation
+    /// prompt); `None` leaves it undefined, the template's default.
+    pub enable_thinking: Option<bool>,
+}
+
+impl ChatOptions {
+    /// With the generation prompt or not, nothing else set.
+    pub fn prompt(add_generation_prompt: bool) -> Self {
+        Self {
+            add_generation_prompt,
+            enable_thinking: None,
+        }
+    }
 }
 
 impl ChatMessage {
@@ -71,6 +98,7 @@ impl ChatMessage {
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
+            reasoning_content: None,
         }
     }
 }
@@ -385,7 +413,7 @@ impl TextTokenizer {
             template,
             &messages,
             tools,
-            add_generation_prompt,
+            ChatOptions::prompt(add_generation_prompt),
             self.bos_token(),
             self.eos_token(),
         )
@@ -441,13 +469,25 @@ impl TextTokenizer {
         tools: &[Value],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
+        self.encode_chat_opts(messages, tools, ChatOptions::prompt(add_generation_prompt))
+    }
+
+    /// [`TextTokenizer::encode_chat_tools`] with the template's other
+    /// arguments ([`ChatOptions`]). The same guarantee: content never
+    /// becomes control tokens.
+    pub fn encode_chat_opts(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Value],
+        opts: ChatOptions,
+    ) -> Result<Vec<u32>> {
         let template = self.template()?;
         let (messages, tools) = with_tools(template, messages, tools);
         self.chat.encode(
             template,
             &messages,
             tools,
-            add_generation_prompt,
+            opts,
             self.bos_token(),
             self.eos_token(),
         )

@@ -4,7 +4,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use super::{CpuKernels, DiscoveryKind, MeshConfig};
+use kvmesh_kernels::cpu::CpuKernels;
+
+use super::{DiscoveryKind, MeshConfig};
 
 const BASE: &str = "mesh: {insecure_no_mesh_auth: true}\n\
                     router: {http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\"}\n";
@@ -283,4 +285,41 @@ fn device_weights_default_to_f32_and_a_node_may_set_its_own() {
         msg.contains("device_weights = \"fp8\"") && msg.contains("expected f32, f16 or bf16"),
         "{msg}"
     );
+}
+
+#[test]
+fn the_router_parsers_default_to_auto_and_unknown_names_are_refused() {
+    let cfg = parse(&format!("{BASE}{NODES}")).expect("valid");
+    let (tool, reasoning) = cfg.router.parsers(&cfg.file).expect("defaults");
+    assert_eq!(
+        (tool.to_string(), reasoning.to_string()),
+        ("auto".into(), "auto".into())
+    );
+    let router = "router: {http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\", \
+                  tool_call_parser: mistral, reasoning_parser: none}\n";
+    let text = format!("mesh: {{insecure_no_mesh_auth: true}}\n{router}{NODES}");
+    let cfg = parse(&text).expect("valid");
+    let (tool, reasoning) = cfg.router.parsers(&cfg.file).expect("named");
+    assert_eq!(
+        (tool.to_string(), reasoning.to_string()),
+        ("mistral".into(), "none".into())
+    );
+    for (field, value, want) in [
+        (
+            "tool_call_parser",
+            "pythonic",
+            "router.tool_call_parser = \"pythonic\": expected one of auto, hermes, llama3_json, mistral",
+        ),
+        (
+            "reasoning_parser",
+            "granite",
+            "router.reasoning_parser = \"granite\": expected one of auto, none, qwen3, deepseek_r1",
+        ),
+    ] {
+        let router = format!(
+            "router: {{http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\", {field}: {value}}}\n"
+        );
+        let e = refused(&format!("mesh: {{insecure_no_mesh_auth: true}}\n{router}{NODES}"));
+        assert!(e.contains(want), "{want:?} not in {e}");
+    }
 }

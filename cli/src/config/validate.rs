@@ -87,6 +87,7 @@ impl MeshConfig {
         }
         host_port(file, "router.http", &self.router.http)?;
         host_port(file, "router.grpc", &self.router.grpc)?;
+        self.router.parsers(file)?;
         if self.router.max_running == 0 {
             bail!(refuse(
                 file,

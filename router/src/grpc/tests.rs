@@ -428,3 +428,68 @@ async fn tokenize_encodes_as_generation_does_and_detokenize_reverses_it() {
     assert_eq!(bare, t.encode_chat_with(&msgs, false).expect("encode_chat"));
     assert!(bare.len() < ids.len());
 }
+
+#[tokio::test]
+async fn a_chat_streams_its_reasoning_apart_from_its_text() {
+    let mesh = FakeMesh::new(Some(256));
+    let a = api(
+        &mesh,
+        RouterConfig {
+            reasoning_parser: "deepseek_r1".parse().expect("known"),
+            ..RouterConfig::default()
+        },
+    );
+    let chat = |enable_thinking| {
+        let mut req = generate("", 8);
+        let r = req.get_mut();
+        r.input = Some(generate_request::Input::Chat(Chat {
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+                ..Default::default()
+            }],
+        }));
+        r.enable_thinking = enable_thinking;
+        req
+    };
+    mesh.play(vec![
+        Event::Text {
+            text: "so</th".into(),
+            logprobs: Vec::new(),
+        },
+        Event::Text {
+            text: "ink> hello".into(),
+            logprobs: Vec::new(),
+        },
+        Event::Done {
+            finish: Finish::Stop,
+            completion_tokens: 4,
+            cached_tokens: 0,
+        },
+    ]);
+    let msgs = messages(&a, chat(None)).await;
+    let reasoning: String = msgs.iter().map(|m| m.reasoning_text.as_str()).collect();
+    let text: String = msgs.iter().map(|m| m.text.as_str()).collect();
+    assert_eq!((reasoning.as_str(), text.as_str()), ("so", "hello"));
+    // enable_thinking false: no reasoning read; on a prompt: refused.
+    mesh.play(vec![
+        Event::Text {
+            text: "so</think> hello".into(),
+            logprobs: Vec::new(),
+        },
+        Event::Done {
+            finish: Finish::Stop,
+            completion_tokens: 4,
+            cached_tokens: 0,
+        },
+    ]);
+    let msgs = messages(&a, chat(Some(false))).await;
+    let text: String = msgs.iter().map(|m| m.text.as_str()).collect();
+    assert_eq!(text, "so</think> hello");
+    assert!(msgs.iter().all(|m| m.reasoning_text.is_empty()));
+    let mut prompt = generate("hi", 4);
+    prompt.get_mut().enable_thinking = Some(true);
+    let s = refused(&a, prompt).await;
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    assert!(s.message().contains("enable_thinking"), "{s:?}");
+}

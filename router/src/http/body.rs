@@ -50,6 +50,7 @@ pub(super) const CHAT_FIELDS: &[&str] = &[
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "chat_template_kwargs",
 ];
 
 /// Characters a `user` label may have at most.
@@ -92,6 +93,43 @@ impl Body {
                 .map_err(|e| invalid(name, format!("{name}: {e}"))),
         }
     }
+}
+
+/// `chat_template_kwargs`: only `enable_thinking` (a boolean) is passed on
+/// to the template (and, `false`, turns reasoning parsing off); any other
+/// argument is refused by name rather than dropped, as a template
+/// argument the gateway does not pass would change nothing.
+pub(super) fn enable_thinking(kwargs: Option<Value>) -> Result<Option<bool>, Rejection> {
+    const PARAM: &str = "chat_template_kwargs";
+    let Some(kwargs) = kwargs else {
+        return Ok(None);
+    };
+    let Value::Object(map) = kwargs else {
+        return Err(invalid(PARAM, "chat_template_kwargs must be an object"));
+    };
+    let mut on = None;
+    for (k, v) in map {
+        match (k.as_str(), v) {
+            ("enable_thinking", Value::Bool(b)) => on = Some(b),
+            ("enable_thinking", Value::Null) => {}
+            ("enable_thinking", _) => {
+                return Err(invalid(
+                    PARAM,
+                    "chat_template_kwargs.enable_thinking must be true or false",
+                ))
+            }
+            (other, _) => {
+                return Err(invalid(
+                    PARAM,
+                    format!(
+                        "chat_template_kwargs.{}: unsupported; only enable_thinking is passed to the template",
+                        other.chars().take(64).collect::<String>()
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(on)
 }
 
 /// The refusal's `param` for an unknown field: a static name (the one

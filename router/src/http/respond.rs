@@ -15,8 +15,7 @@ use crate::choices::Choices;
 use crate::error::{DispatchError, GatewayError};
 use crate::logprobs;
 use crate::mesh::{Event, Finish};
-use crate::tools::parse::{Answer, Out, Parser};
-use crate::tools::Mode;
+use crate::tools::parse::{Answer, Out, Parser, Reading};
 use crate::Router;
 
 /// What every response of one request repeats.
@@ -33,8 +32,9 @@ pub(super) struct Meta {
     pub(super) echoes: Vec<String>,
     /// For the tokens' text in logprobs.
     pub(super) router: Router,
-    /// How each choice's text is read (tool calls out of it, or not).
-    pub(super) tool_mode: Mode,
+    /// How each choice's text is read (reasoning and tool calls out of
+    /// it, or not).
+    pub(super) reading: Reading,
 }
 
 /// The finish reason a client sees: `tool_calls` when a choice that
@@ -46,35 +46,24 @@ fn finish_reason(finish: Finish, calls: usize) -> &'static str {
     }
 }
 
-/// The chat deltas of `pieces`: content as `content`, calls as
-/// `tool_calls` (a call's first delta has its id, type and name, with the
-/// first piece of its arguments when there is one).
+/// The chat deltas of `pieces`, as OpenAI streams them: reasoning as
+/// `reasoning_content` (vLLM's), content as `content`, calls as
+/// `tool_calls`: a call's first delta has its index, id, type and name
+/// (arguments empty), the next ones pieces of its arguments.
 fn deltas(pieces: Vec<Out>) -> Vec<Value> {
-    let mut out: Vec<Value> = Vec::new();
-    for p in pieces {
-        match p {
-            Out::Content(t) => out.push(json!({"content": t})),
-            Out::Start { index, id, name } => out.push(
-                json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
-            ),
-            Out::Args { index, fragment } => {
-                // Joined to its call's opening delta when it follows it.
-                if let Some(call) = out
-                    .last_mut()
-                    .and_then(|d| d.get_mut("tool_calls"))
-                    .and_then(|c| c.get_mut(0))
-                    .filter(|c| c["index"] == index && c.get("id").is_some())
-                {
-                    if call["function"]["arguments"] == "" {
-                        call["function"]["arguments"] = fragment.into();
-                        continue;
-                    }
-                }
-                out.push(json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}));
+    pieces
+        .into_iter()
+        .map(|p| match p {
+            Out::Reasoning(t) => json!({"reasoning_content": t}),
+            Out::Content(t) => json!({"content": t}),
+            Out::Start { index, id, name } => {
+                json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]})
             }
-        }
-    }
-    out
+            Out::Args { index, fragment } => {
+                json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
+            }
+        })
+        .collect()
 }
 
 impl Meta {
@@ -184,15 +173,18 @@ pub(super) async fn whole(mut c: Choices, m: &Meta) -> Result<Value, GatewayErro
                         }
                         v
                     }
-                    Kind::Chat if m.tool_mode == Mode::Text => {
+                    Kind::Chat if m.reading.is_plain() => {
                         json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish.as_str(), "logprobs": wants.then(|| lps[i].chat())})
                     }
                     Kind::Chat => {
-                        let mut p = Parser::new(m.tool_mode.clone());
+                        let mut p = Parser::new(&m.reading);
                         let mut a = Answer::default();
                         a.absorb(p.push(&text));
                         a.absorb(p.finish());
                         let mut message = json!({"role": "assistant", "content": a.content()});
+                        if m.reading.reasoning.is_some() {
+                            message["reasoning_content"] = a.reasoning().into();
+                        }
                         if !a.calls.is_empty() {
                             message["tool_calls"] = a
                                 .calls
@@ -335,7 +327,7 @@ pub(super) fn stream(
             left: k,
             ..Tally::default()
         };
-        let mut parsers: Vec<Parser> = (0..k).map(|_| Parser::new(m.tool_mode.clone())).collect();
+        let mut parsers: Vec<Parser> = (0..k).map(|_| Parser::new(&m.reading)).collect();
         loop {
             // Leave as soon as the client is gone, not at the next event:
             // dropping the choices is what tells the mesh to abort.
@@ -360,7 +352,7 @@ pub(super) fn stream(
                             Kind::Chat => part.chat(),
                         }
                     });
-                    let mut ds = if m.tool_mode == Mode::Text {
+                    let mut ds = if m.reading.is_plain() {
                         vec![json!({"content": text})]
                     } else {
                         deltas(parsers[i].push(&text))

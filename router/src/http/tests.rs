@@ -755,4 +755,5 @@ fn the_gateway_fuzz_corpus_is_refused_by_name_or_accepted_in_range() {
     );
 }
 
+mod parsers;
 mod tools;

@@ -9,7 +9,7 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use super::body::Body;
-use super::chat_messages;
+use super::chat::chat_messages;
 use crate::error::{GatewayError, Rejection};
 use crate::tokenize::{self, Input};
 use crate::validate::invalid;

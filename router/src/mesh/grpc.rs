@@ -474,8 +474,9 @@ async fn run(
             }
         };
     }
-    let mut text =
-        TextOut::new(&r.tokenizer, &job.stop).min_tokens(job.sampling.min_tokens as usize);
+    let mut text = TextOut::new(&r.tokenizer, &job.stop)
+        .min_tokens(job.sampling.min_tokens as usize)
+        .keep(&job.keep_special);
     let mut completion = 0usize;
     let mut last = None::<Instant>;
     // Every return below drops `stream` (decode aborts the reservation or

@@ -149,6 +149,9 @@ pub struct Job {
     pub sampling: Sampling,
     /// Stop strings.
     pub stop: Vec<String>,
+    /// Special tokens the decoded text keeps (the markers the request's
+    /// parsers read); every other special token is skipped.
+    pub keep_special: Vec<u32>,
     /// Token ids that end generation besides end-of-sequence.
     pub stop_token_ids: Vec<u32>,
     /// End-of-sequence tokens do not end generation: the decode node gets
@@ -227,6 +230,7 @@ impl Admitted {
                 max_tokens: s.max_tokens,
                 sampling: s.sampling,
                 stop: s.stop,
+                keep_special: s.keep_special,
                 stop_token_ids: s.stop_token_ids,
                 ignore_eos: s.ignore_eos,
                 tenant,

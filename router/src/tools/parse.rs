@@ -1,32 +1,34 @@
-//! A choice's text to its answer: content and tool calls, streamed or
-//! whole through the one [`Parser`] (the whole answer is the streamed
-//! pieces put together, so the two cannot disagree).
+//! A choice's text to its answer: reasoning, content and tool calls,
+//! streamed or whole through the one [`Parser`] (the whole answer is the
+//! streamed pieces put together, so the two cannot disagree).
 //!
-//! `auto` reads Hermes blocks, `<tool_call>{"name": ..., "arguments":
-//! ...}</tool_call>`: text outside blocks is content; text that could be
-//! the start of `<tool_call>` is held back until it cannot (as stop
-//! strings are); a block is emitted when it closes (or, unclosed, when the
-//! text ends, as vLLM's Hermes parser also accepts), and a block that does
-//! not parse stays text. A named function's text is that call's arguments,
-//! streamed as they come; `required`'s is a JSON array parsed at the end.
+//! The text goes through the request's reasoning format first, when it has
+//! one ([`crate::reasoning`]): reasoning comes out as such, and only the
+//! rest, the content, goes on to the tools. There, by the request's
+//! [`Mode`]: `auto` reads calls in the model's format
+//! ([`super::parsers`]); a named function's text is that call's
+//! arguments, streamed as they come; `required`'s is a JSON array parsed
+//! at the end.
 
 use serde_json::Value;
 
-use super::{call_id, Mode};
-
-const OPEN: &str = "<tool_call>";
-const CLOSE: &str = "</tool_call>";
+use super::parsers::{Found, Hermes, ToolParser, ToolStream};
+use super::Mode;
+use crate::reasoning::{Part, ReasoningParser, ReasoningStream};
 
 /// A piece of the answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Out {
+    /// Text for the message's `reasoning_content`.
+    Reasoning(String),
     /// Text for the message's content.
     Content(String),
     /// A call begins: its index among the choice's calls, id and name.
     Start {
         /// 0, 1, ... in the order of the calls.
         index: usize,
-        /// `call_` and random hex.
+        /// In the tool format's form (`call_` and random hex, or
+        /// Mistral's 9 alphanumerics).
         id: String,
         /// The function.
         name: String,
@@ -40,26 +42,69 @@ pub enum Out {
     },
 }
 
+/// How a request's text is read: decided once per request (validation),
+/// the same for each of its choices.
+#[derive(Clone, Debug)]
+pub struct Reading {
+    /// What the tools make of the content.
+    pub mode: Mode,
+    /// The calls' format (for `auto`) and id form (every mode).
+    pub tool: &'static dyn ToolParser,
+    /// The reasoning format, if the request reads one.
+    pub reasoning: Option<Reasoning>,
+}
+
+/// A request's reasoning format and where its prompt left it.
+#[derive(Clone, Copy, Debug)]
+pub struct Reasoning {
+    /// The format.
+    pub parser: &'static dyn ReasoningParser,
+    /// The prompt ends inside a reasoning block
+    /// ([`crate::reasoning::prompt_opens`]).
+    pub opened: bool,
+}
+
+impl Default for Reading {
+    /// Text as it is.
+    fn default() -> Self {
+        Self {
+            mode: Mode::Text,
+            tool: &Hermes,
+            reasoning: None,
+        }
+    }
+}
+
+impl Reading {
+    /// Text as it is: nothing to parse.
+    pub fn is_plain(&self) -> bool {
+        self.mode == Mode::Text && self.reasoning.is_none()
+    }
+}
+
 /// One choice's text, read as it arrives.
 #[derive(Debug)]
 pub struct Parser {
     mode: Mode,
-    /// Text not yet emitted: a held-back prefix of `<tool_call>`, the
-    /// inside of an open block, or (`required`) everything.
+    tool: &'static dyn ToolParser,
+    reasoning: Option<Box<dyn ReasoningStream>>,
+    /// `auto`'s reader of calls.
+    calls_in: Option<Box<dyn ToolStream>>,
+    /// `required`: everything, parsed at the end.
     buf: String,
-    /// Inside a `<tool_call>` block.
-    inside: bool,
     /// Calls emitted.
     calls: usize,
 }
 
 impl Parser {
-    /// A parser for `mode`.
-    pub fn new(mode: Mode) -> Self {
+    /// A parser for one choice read as `reading` says.
+    pub fn new(reading: &Reading) -> Self {
         Self {
-            mode,
+            mode: reading.mode.clone(),
+            tool: reading.tool,
+            reasoning: reading.reasoning.map(|r| r.parser.stream(r.opened)),
+            calls_in: matches!(reading.mode, Mode::Auto { .. }).then(|| reading.tool.stream()),
             buf: String::new(),
-            inside: false,
             calls: 0,
         }
     }
@@ -72,6 +117,71 @@ impl Parser {
     /// The answer's pieces that `text`, appended, makes certain.
     pub fn push(&mut self, text: &str) -> Vec<Out> {
         let mut out = Vec::new();
+        match &mut self.reasoning {
+            None => self.content(text, &mut out),
+            Some(r) => {
+                let mut parts = Vec::new();
+                r.push(text, &mut parts);
+                self.parts(parts, &mut out);
+            }
+        }
+        out
+    }
+
+    /// The rest of the answer, once the text has ended.
+    pub fn finish(&mut self) -> Vec<Out> {
+        let mut out = Vec::new();
+        if let Some(r) = &mut self.reasoning {
+            let mut parts = Vec::new();
+            r.finish(&mut parts);
+            self.parts(parts, &mut out);
+        }
+        match self.mode.clone() {
+            Mode::Text => {}
+            Mode::Named(name) => {
+                if self.calls == 0 {
+                    out.push(self.start(name));
+                }
+            }
+            Mode::Required => {
+                let buf = std::mem::take(&mut self.buf);
+                match required(&buf) {
+                    Some(calls) => {
+                        for (name, args) in calls {
+                            let index = self.calls;
+                            out.push(self.start(name));
+                            out.push(Out::Args {
+                                index,
+                                fragment: args,
+                            });
+                        }
+                    }
+                    None if buf.is_empty() => {}
+                    None => out.push(Out::Content(buf)),
+                }
+            }
+            Mode::Auto { parallel } => {
+                let mut found = Vec::new();
+                if let Some(s) = &mut self.calls_in {
+                    s.finish(&mut found);
+                }
+                self.found(found, parallel, &mut out);
+            }
+        }
+        out
+    }
+
+    fn parts(&mut self, parts: Vec<Part>, out: &mut Vec<Out>) {
+        for p in parts {
+            match p {
+                Part::Reasoning(t) => out.push(Out::Reasoning(t)),
+                Part::Content(t) => self.content(&t, out),
+            }
+        }
+    }
+
+    /// Content text through the tools.
+    fn content(&mut self, text: &str, out: &mut Vec<Out>) {
         match self.mode.clone() {
             Mode::Text => {
                 if !text.is_empty() {
@@ -91,48 +201,32 @@ impl Parser {
             }
             Mode::Required => self.buf.push_str(text),
             Mode::Auto { parallel } => {
-                self.buf.push_str(text);
-                self.scan(parallel, &mut out);
+                let mut found = Vec::new();
+                if let Some(s) = &mut self.calls_in {
+                    s.push(text, &mut found);
+                }
+                self.found(found, parallel, out);
             }
         }
-        out
     }
 
-    /// The rest of the answer, once the text has ended.
-    pub fn finish(&mut self) -> Vec<Out> {
-        let mut out = Vec::new();
-        let buf = std::mem::take(&mut self.buf);
-        match self.mode.clone() {
-            Mode::Text => {}
-            Mode::Named(name) => {
-                if self.calls == 0 {
+    /// `auto`'s findings as pieces. Without `parallel`, calls after the
+    /// first are dropped (vLLM).
+    fn found(&mut self, found: Vec<Found>, parallel: bool, out: &mut Vec<Out>) {
+        for f in found {
+            match f {
+                Found::Text(t) => out.push(Out::Content(t)),
+                Found::Call { .. } if !parallel && self.calls > 0 => {}
+                Found::Call { name, arguments } => {
+                    let index = self.calls;
                     out.push(self.start(name));
-                }
-            }
-            Mode::Required => match required(&buf) {
-                Some(calls) => {
-                    for (name, args) in calls {
-                        let index = self.calls;
-                        out.push(self.start(name));
-                        out.push(Out::Args {
-                            index,
-                            fragment: args,
-                        });
-                    }
-                }
-                None if buf.is_empty() => {}
-                None => out.push(Out::Content(buf)),
-            },
-            Mode::Auto { parallel } => {
-                if self.inside {
-                    self.inside = false;
-                    self.block(&buf, false, parallel, &mut out);
-                } else if !buf.is_empty() {
-                    out.push(Out::Content(buf));
+                    out.push(Out::Args {
+                        index,
+                        fragment: arguments,
+                    });
                 }
             }
         }
-        out
     }
 
     fn start(&mut self, name: String) -> Out {
@@ -140,71 +234,10 @@ impl Parser {
         self.calls += 1;
         Out::Start {
             index,
-            id: call_id(),
+            id: self.tool.call_id(),
             name,
         }
     }
-
-    /// `auto`: emits what `buf` makes certain.
-    fn scan(&mut self, parallel: bool, out: &mut Vec<Out>) {
-        loop {
-            if self.inside {
-                let Some(p) = self.buf.find(CLOSE) else {
-                    return;
-                };
-                let body: String = self.buf[..p].to_owned();
-                self.buf.drain(..p + CLOSE.len());
-                self.inside = false;
-                self.block(&body, true, parallel, out);
-                continue;
-            }
-            if let Some(p) = self.buf.find(OPEN) {
-                if p > 0 {
-                    out.push(Out::Content(self.buf[..p].to_owned()));
-                }
-                self.buf.drain(..p + OPEN.len());
-                self.inside = true;
-                continue;
-            }
-            // Hold back a tail that `<tool_call>` could start with.
-            let keep = kvmesh_tokenizer::stop::partial_tail(&self.buf, OPEN);
-            let cut = self.buf.len() - keep;
-            if cut > 0 {
-                out.push(Out::Content(self.buf[..cut].to_owned()));
-                self.buf.drain(..cut);
-            }
-            return;
-        }
-    }
-
-    /// A block's body: a call, or (not a call) its text back as content.
-    /// Without `parallel`, calls after the first are dropped (vLLM).
-    fn block(&mut self, body: &str, closed: bool, parallel: bool, out: &mut Vec<Out>) {
-        match call(body) {
-            Some(_) if !parallel && self.calls > 0 => {}
-            Some((name, args)) => {
-                let index = self.calls;
-                out.push(self.start(name));
-                out.push(Out::Args {
-                    index,
-                    fragment: args,
-                });
-            }
-            None => {
-                let close = if closed { CLOSE } else { "" };
-                out.push(Out::Content(format!("{OPEN}{body}{close}")));
-            }
-        }
-    }
-}
-
-/// A Hermes block's body, `{"name": "...", "arguments": {...}}`: the name
-/// and the arguments as JSON text.
-fn call(body: &str) -> Option<(String, String)> {
-    let v: Value = serde_json::from_str(body.trim()).ok()?;
-    let name = v.get("name")?.as_str()?.to_owned();
-    let args = v.get("arguments")?;
-    Some((name, args.to_string()))
 }
 
 /// `required`'s output, `[{"name": ..., "parameters": {...}}, ...]`.
@@ -222,7 +255,9 @@ fn required(text: &str) -> Option<Vec<(String, String)>> {
 /// A whole answer, from the pieces.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Answer {
-    /// The content (outside calls).
+    /// The reasoning.
+    pub reasoning: String,
+    /// The content (outside calls and reasoning).
     pub content: String,
     /// Each call: id, name, arguments (JSON text).
     pub calls: Vec<(String, String, String)>,
@@ -233,6 +268,7 @@ impl Answer {
     pub fn absorb(&mut self, pieces: Vec<Out>) {
         for p in pieces {
             match p {
+                Out::Reasoning(t) => self.reasoning.push_str(&t),
                 Out::Content(t) => self.content.push_str(&t),
                 Out::Start { id, name, .. } => self.calls.push((id, name, String::new())),
                 Out::Args { index, fragment } => {
@@ -245,9 +281,18 @@ impl Answer {
     }
 
     /// The content as the message carries it: null when there are calls
-    /// and nothing but whitespace around them.
+    /// and nothing but whitespace around them, or reasoning and no content
+    /// (vLLM's).
     pub fn content(&self) -> Option<&str> {
-        (self.calls.is_empty() || !self.content.trim().is_empty()).then_some(&self.content)
+        let blank = self.content.trim().is_empty();
+        let none = (blank && !self.calls.is_empty())
+            || (self.content.is_empty() && !self.reasoning.is_empty());
+        (!none).then_some(&self.content)
+    }
+
+    /// The reasoning as the message carries it: null when there was none.
+    pub fn reasoning(&self) -> Option<&str> {
+        (!self.reasoning.is_empty()).then_some(&self.reasoning)
     }
 }
 

@@ -14,7 +14,7 @@ use std::path::Path;
 use minijinja::{Environment, ErrorKind, Value as JinjaValue};
 use serde_json::Value;
 
-use super::{invalid, ChatMessage};
+use super::{invalid, ChatMessage, ChatOptions};
 
 mod tojson;
 use crate::error::{Result, TokenizerError};
@@ -71,18 +71,18 @@ pub(super) fn template_from_side_files(dir: &Path) -> Result<Option<String>> {
 }
 
 /// Render `template` with transformers' variables: `messages`, `tools`
-/// (when given),
-/// `add_generation_prompt`, and `bos_token` / `eos_token` when the model
-/// names them (left undefined otherwise, as transformers does).
+/// (when given), `add_generation_prompt`, `enable_thinking` (when set),
+/// and `bos_token` / `eos_token` when the model names them (left undefined
+/// otherwise, as transformers does).
 pub(super) fn render(
     template: &str,
     messages: &[ChatMessage],
     tools: Option<&[Value]>,
-    add_generation_prompt: bool,
+    opts: ChatOptions,
     bos_token: Option<&str>,
     eos_token: Option<&str>,
 ) -> Result<String> {
-    Compiled::new(template)?.render(messages, tools, add_generation_prompt, bos_token, eos_token)
+    Compiled::new(template)?.render(messages, tools, opts, bos_token, eos_token)
 }
 
 /// A chat template compiled once, to render several conversations (the
@@ -126,7 +126,7 @@ impl<'source> Compiled<'source> {
         &self,
         messages: &[ChatMessage],
         tools: Option<&[Value]>,
-        add_generation_prompt: bool,
+        opts: ChatOptions,
         bos_token: Option<&str>,
         eos_token: Option<&str>,
     ) -> Result<String> {
@@ -144,8 +144,11 @@ impl<'source> Compiled<'source> {
         }
         ctx.insert(
             "add_generation_prompt",
-            JinjaValue::from(add_generation_prompt),
+            JinjaValue::from(opts.add_generation_prompt),
         );
+        if let Some(on) = opts.enable_thinking {
+            ctx.insert("enable_thinking", JinjaValue::from(on));
+        }
         if let Some(t) = bos_token {
             ctx.insert("bos_token", JinjaValue::from(t));
         }

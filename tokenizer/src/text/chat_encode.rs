@@ -47,7 +47,7 @@ use tokenizers::pre_tokenizers::metaspace::PrependScheme;
 use tokenizers::PreTokenizerWrapper;
 
 use super::chat::Compiled;
-use super::ChatMessage;
+use super::{ChatMessage, ChatOptions};
 use crate::error::{Result, TokenizerError};
 
 /// Opens a content placeholder (a private-use character).
@@ -110,7 +110,7 @@ impl ChatEncoder {
         template: &str,
         messages: &[ChatMessage],
         tools: Option<&[serde_json::Value]>,
-        add_generation_prompt: bool,
+        opts: ChatOptions,
         bos_token: Option<&str>,
         eos_token: Option<&str>,
     ) -> Result<Vec<u32>> {
@@ -147,10 +147,26 @@ impl ChatEncoder {
                      by the template, where it would become a control token"
                 )));
             }
+            // Reasoning a template reads back is its own text too.
+            if let Some(r) = &m.reasoning_content {
+                let bad = if r.contains([OPEN, CLOSE]) {
+                    Some("a private-use character (U+E000 or U+E001)".to_owned())
+                } else {
+                    self.added
+                        .special_in(r)
+                        .map(|token| format!("the special token {token:?}"))
+                };
+                if let Some(what) = bad {
+                    return Err(chat_error(format!(
+                        "message {i}'s reasoning_content contains {what}; the template writes \
+                         reasoning as its own text, where it would become a control token"
+                    )));
+                }
+            }
         }
 
         let compiled = Compiled::new(template)?;
-        let real = compiled.render(messages, tools, add_generation_prompt, bos_token, eos_token)?;
+        let real = compiled.render(messages, tools, opts, bos_token, eos_token)?;
         let masked: Vec<ChatMessage> = messages
             .iter()
             .enumerate()
@@ -159,8 +175,7 @@ impl ChatEncoder {
                 ..m.clone()
             })
             .collect();
-        let rendered =
-            compiled.render(&masked, tools, add_generation_prompt, bos_token, eos_token)?;
+        let rendered = compiled.render(&masked, tools, opts, bos_token, eos_token)?;
 
         // The rendering with content substituted back, and the byte ranges
         // of content in it (with the whitespace around the content).

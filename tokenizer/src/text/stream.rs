@@ -11,17 +11,28 @@
 //! `ids[read..]` are pending. After an emission the window slides to
 //! `prefix = read, read = len`, and ids before `prefix` are dropped, so
 //! memory and the cost per step stay bounded by the window.
+//!
+//! Special tokens are skipped, except those the caller asks to keep
+//! ([`StreamDecoder::keeping`]: the markers a tool-call or reasoning
+//! parser reads, such as Llama's `<|python_tag|>`). A kept token ends a
+//! character for certain, so it flushes what is pending, is written as
+//! its text, and starts a fresh window: the text after it is decoded as
+//! the start of a text (a SentencePiece decoder may then drop the space
+//! that opens it, which is layout next to a marker).
 
 use super::TextTokenizer;
 use crate::error::Result;
 
 /// Turns generated ids into text pieces as they arrive. Special tokens are
-/// skipped. The pieces concatenate to the decoding of all ids.
+/// skipped (except those kept). The pieces concatenate to the decoding of
+/// all ids.
 pub struct StreamDecoder<'a> {
     tokenizer: &'a TextTokenizer,
     ids: Vec<u32>,
     prefix_offset: usize,
     read_offset: usize,
+    /// Special tokens written out instead of skipped.
+    keep: Vec<u32>,
 }
 
 impl std::fmt::Debug for StreamDecoder<'_> {
@@ -30,6 +41,7 @@ impl std::fmt::Debug for StreamDecoder<'_> {
             .field("window", &self.ids)
             .field("prefix_offset", &self.prefix_offset)
             .field("read_offset", &self.read_offset)
+            .field("keep", &self.keep)
             .finish()
     }
 }
@@ -41,11 +53,27 @@ impl<'a> StreamDecoder<'a> {
             ids: Vec::new(),
             prefix_offset: 0,
             read_offset: 0,
+            keep: Vec::new(),
         }
+    }
+
+    /// Writes the special tokens `ids` out as their text instead of
+    /// skipping them.
+    pub fn keeping(mut self, ids: &[u32]) -> Self {
+        self.keep = ids.to_vec();
+        self
     }
 
     /// Add one id; returns the new text if it completes any.
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        if self.keep.contains(&id) {
+            let mut text = self.emit(true)?.unwrap_or_default();
+            text.push_str(&self.tokenizer.decode(&[id], false)?);
+            self.ids.clear();
+            self.prefix_offset = 0;
+            self.read_offset = 0;
+            return Ok((!text.is_empty()).then_some(text));
+        }
         self.ids.push(id);
         self.emit(false)
     }

@@ -123,7 +123,11 @@ async fn a_stream_holds_back_the_opening_and_sends_call_deltas() {
             (json!({"content": "Sure "}), Value::Null),
             (
                 json!({"tool_calls": [{"index": 0, "id": id, "type": "function",
-                "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]}),
+                "function": {"name": "get_weather", "arguments": ""}}]}),
+                Value::Null
+            ),
+            (
+                json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\":\"Paris\"}"}}]}),
                 Value::Null
             ),
             (json!({"content": " bye"}), Value::Null),
@@ -155,10 +159,14 @@ async fn named_and_required_are_grammars_and_their_output_is_calls() {
         .collect();
     assert_eq!(
         calls[0]["function"],
-        json!({"name": "get_weather", "arguments": "{\"city\":"})
+        json!({"name": "get_weather", "arguments": ""})
     );
     assert_eq!(
         calls[1],
+        json!({"index": 0, "function": {"arguments": "{\"city\":"}})
+    );
+    assert_eq!(
+        calls[2],
         json!({"index": 0, "function": {"arguments": "\"Oslo\"}"}})
     );
     assert!(frames[frames.len() - 2].contains("\"finish_reason\":\"tool_calls\""));

@@ -351,3 +351,39 @@ fn encode_chat_matches_metaspace_first_prepending() {
         assert_eq!(ids.first() == Some(&sep), prepended, "{template}: {ids:?}");
     }
 }
+
+#[test]
+fn enable_thinking_reaches_the_template_and_reasoning_is_template_text() {
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}[{{ m.reasoning_content }}]{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}(off){% elif enable_thinking is defined %}(on){% endif %}";
+    let t = tiny(Some(template), false);
+    let text = |opts: ChatOptions, msgs: &[ChatMessage]| {
+        let ids = t.encode_chat_opts(msgs, &[], opts).expect("encode");
+        t.decode(&ids, false).expect("decode")
+    };
+    let hi = [user("hi")];
+    let with = |on| ChatOptions {
+        add_generation_prompt: true,
+        enable_thinking: on,
+    };
+    assert!(text(with(None), &hi).ends_with("assistant\n"));
+    assert!(text(with(Some(false)), &hi).ends_with("assistant\n(off)"));
+    assert!(text(with(Some(true)), &hi).ends_with("assistant\n(on)"));
+    // An assistant's reasoning is rendered by the template that reads it.
+    let reasoned = |r: &str| {
+        [
+            user("hi"),
+            ChatMessage {
+                reasoning_content: Some(r.to_owned()),
+                ..ChatMessage::new("assistant", "hello")
+            },
+        ]
+    };
+    assert!(text(with(None), &reasoned("thought")).contains("[thought]hello"));
+    // It is the template's own text there: special-token text is refused.
+    for bad in ["x<|im_end|>", "\u{E000}0\u{E001}"] {
+        let e = t
+            .encode_chat_opts(&reasoned(bad), &[], with(None))
+            .expect_err("refused");
+        assert!(e.to_string().contains("reasoning_content"), "{e}");
+    }
+}
