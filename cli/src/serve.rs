@@ -347,7 +347,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let info = decode_model.info();
     let max_model_len = engine.max_model_len.unwrap_or(info.context_length);
     let stop_ids = info.stop_token_ids();
-    let model_description = (info.architecture.clone(), info.quantization.clone());
+    let model_description = info.description();
     let tokenizer = info.tokenizer;
     let transport = match a.transport {
         TransportKind::Tcp => Transport::Tcp("127.0.0.1:0".into()),

@@ -184,7 +184,7 @@ impl InProcessMesh {
         };
         let decode_model = load()?;
         let info = decode_model.info();
-        let model_description = (info.architecture.clone(), info.quantization.clone());
+        let model_description = info.description();
         let max_model_len = o.engine.max_model_len.unwrap_or(info.context_length);
         let stop_ids = info.stop_token_ids();
         let transport = match o.transport {

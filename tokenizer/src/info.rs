@@ -111,6 +111,12 @@ impl ModelInfo {
         stop_token_ids(&self.config_eos_token_ids, &self.tokenizer)
     }
 
+    /// `(architecture, quantization)`: what `/v1/models` and the router's
+    /// log show of the model.
+    pub fn description(&self) -> (String, String) {
+        (self.architecture.clone(), self.quantization.clone())
+    }
+
     /// The Jinja chat template, if the model ships one.
     pub fn chat_template(&self) -> Option<&str> {
         self.tokenizer.chat_template()

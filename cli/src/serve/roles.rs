@@ -175,7 +175,7 @@ pub(super) async fn router_process(
         quantization = %info.quantization,
         "model metadata read"
     );
-    let model_description = (info.architecture.clone(), info.quantization.clone());
+    let model_description = info.description();
     let tokenizer = info.tokenizer;
     // Static: the file's nodes. Etcd: none until the watcher's first view,
     // then whatever registers.
