@@ -276,6 +276,24 @@ fn smollm2_matches_transformers() {
     );
 }
 
+/// A real GGUF in the quantized mode: every matrix stays in its GGUF
+/// blocks, dequantized in registers to the same f32 values gguf-py gets
+/// (the kernels' ground truth), with f32 activations and an f32 KV pool.
+fn quantized_engine_for(path: &Path) -> Engine {
+    let engine = Engine::load(
+        path,
+        &EngineConfig {
+            kv_pool_tokens: Some(4096),
+            precision: kvmesh_model::Precision::Quantized,
+            kv_dtype: Some(kvmesh_kvpool::KvDtype::F32),
+            ..EngineConfig::default()
+        },
+    )
+    .expect("load quantized");
+    assert!(engine.model().is_quantized());
+    engine
+}
+
 /// The real Gemma 3 270M GGUF (Q4_K_M: Q4_K, Q5_0, Q6_K and Q8_0 tensors,
 /// a SentencePiece vocabulary of 262,144 tokens), dequantized to f32 at
 /// load (the exact mode), against transformers' own GGUF loader on the
@@ -308,20 +326,44 @@ fn gemma3_270m_gguf_quantized_matches_transformers() {
     let Some(path) = common::shipped("gemma3-270m") else {
         return;
     };
-    let engine = Engine::load(
-        &path,
-        &EngineConfig {
-            kv_pool_tokens: Some(4096),
-            precision: kvmesh_model::Precision::Quantized,
-            kv_dtype: Some(kvmesh_kvpool::KvDtype::F32),
-            ..EngineConfig::default()
-        },
-    )
-    .expect("load quantized");
-    assert!(engine.model().is_quantized());
+    let engine = quantized_engine_for(&path);
     let g = read_golden("gemma-3-270m-q4_k_m.json");
     let worst = check_greedy(&engine, &g, None);
     eprintln!("gemma3-270m quantized: worst logit error = {worst:.3} of tolerance");
+}
+
+/// The real Qwen2.5-Coder 0.5B Instruct GGUF (Q4_K_M: Q5_0, Q8_0, Q4_K and
+/// Q6_K tensors; QKV biases; a byte-level BPE vocabulary with the `qwen2`
+/// pre-tokenizer; a chat template), dequantized to f32 at load (the exact
+/// mode), against transformers' own GGUF loader on the same file:
+/// tokenization, the chat template, and greedy tokens and logits.
+#[test]
+fn qwen25_coder_gguf_matches_transformers() {
+    let Some(path) = common::shipped("qwen2.5-coder-0.5b") else {
+        return;
+    };
+    let engine = engine_for(&path);
+    assert_eq!(engine.model().config().family, "qwen2");
+    assert_eq!(
+        kvmesh_tokenizer::info::describe(&path).expect("describe"),
+        ("qwen2".to_owned(), "Q5_0, Q8_0, Q4_K, Q6_K".to_owned())
+    );
+    let g = read_golden("qwen2.5-coder-0.5b-instruct-q4_k_m.json");
+    check_tokenizer(&engine, &g);
+    let worst = check_greedy(&engine, &g, None);
+    eprintln!("qwen2.5-coder-0.5b: worst logit error = {worst:.3} of tolerance");
+}
+
+/// The same file in the quantized mode (every matrix in its GGUF blocks).
+#[test]
+fn qwen25_coder_gguf_quantized_matches_transformers() {
+    let Some(path) = common::shipped("qwen2.5-coder-0.5b") else {
+        return;
+    };
+    let engine = quantized_engine_for(&path);
+    let g = read_golden("qwen2.5-coder-0.5b-instruct-q4_k_m.json");
+    let worst = check_greedy(&engine, &g, None);
+    eprintln!("qwen2.5-coder-0.5b quantized: worst logit error = {worst:.3} of tolerance");
 }
 
 /// [`engine_for`] on CUDA device 0 (f32 weights through cuBLAS SGEMM,
