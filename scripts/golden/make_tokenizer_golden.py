@@ -23,6 +23,9 @@ Vocabularies:
 - The real Gemma 3 270M GGUF (`--gemma`, default
   `$KVMESH_HOME/gemma-3-270m-q4_k_m.gguf`), with Gemma 3's published chat
   template (the file carries none).
+- The real Qwen2.5-Coder 0.5B Instruct GGUF (`--qwen`, default
+  `$KVMESH_HOME/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf`) with its own chat
+  template, tools included.
 
 Where kvmesh deliberately follows the model's original tokenizer (and
 llama.cpp) instead of transformers' GGUF converter, the expected ids come
@@ -609,22 +612,21 @@ def chat(tok, template: str | None, names: list[str], tools: bool) -> list[dict]
     return out
 
 
-# Keys in sorted order: kvmesh receives tools as serde_json values, whose
-# objects are ordered by key (the workspace's serde_json has no
-# `preserve_order`), so a definition written in another order renders with
-# its keys sorted, unlike transformers.
+# In the order a client writes them (the OpenAI documentation's): kvmesh
+# keeps the client's key order, as transformers does, so a definition renders
+# byte for byte as it would there.
 TOOLS = [
     {
+        "type": "function",
         "function": {
-            "description": "The weather in a city",
             "name": "get_weather",
+            "description": "The weather in a city",
             "parameters": {
+                "type": "object",
                 "properties": {"city": {"type": "string"}},
                 "required": ["city"],
-                "type": "object",
             },
         },
-        "type": "function",
     }
 ]
 TOOLS_CONVERSATION = [
@@ -803,6 +805,31 @@ def golden_gemma(path: Path, out: Path) -> None:
     print(f"gemma3: {len(base)} texts ({differing} differ from transformers)", file=sys.stderr)
 
 
+def golden_qwen(path: Path, out: Path) -> None:
+    """The real Qwen2.5-Coder 0.5B Instruct GGUF with its own chat template
+    (tools included), as transformers converts it."""
+    tok = load(path.parent, path.name)
+    base, differing = cases(tok, None, TEXTS + SPECIAL_TEXTS["bpe-qwen2"], True)
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    golden = {
+        "vocab": "qwen2.5-coder-0.5b",
+        "gguf": path.name,
+        "gguf_sha256": _sha256(path),
+        "versions": versions(),
+        "follows": None,
+        "reason": None,
+        "differing_from_transformers": differing,
+        "merges_count": len(merges),
+        "merges_fnv1a64": fnv1a64(merges),
+        "chat_template": None,
+        "cases": base,
+        "chat": chat(tok, None, list(CONVERSATIONS), True),
+        "variants": [],
+    }
+    write_json(out / "golden" / "qwen2.5-coder-0.5b.json", golden)
+    print(f"qwen2.5-coder: {len(base)} texts ({differing} differ from transformers)", file=sys.stderr)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -816,14 +843,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DATA, help="output folder (default: %(default)s)")
     parser.add_argument("--gemma", type=Path, default=home / "gemma-3-270m-q4_k_m.gguf")
-    parser.add_argument("--only", choices=["small", "gemma"], help="make only one part")
+    parser.add_argument("--qwen", type=Path, default=home / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    parser.add_argument("--only", choices=["small", "gemma", "qwen"], help="make only one part")
     args = parser.parse_args()
-    if args.only != "gemma":
+    if args.only in (None, "small"):
         golden_small(args.out)
-    if args.only != "small":
-        if not args.gemma.is_file():
-            sys.exit(f"{args.gemma} is not there (pass --gemma, or --only small)")
-        golden_gemma(args.gemma, args.out)
+    for part, path, make in [("gemma", args.gemma, golden_gemma), ("qwen", args.qwen, golden_qwen)]:
+        if args.only in (None, part):
+            if not path.is_file():
+                sys.exit(f"{path} is not there (pass --{part}, or --only small)")
+            make(path, args.out)
 
 
 if __name__ == "__main__":

