@@ -6,6 +6,9 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
+/// The official OpenAI client the tests drive, pinned for reproducible runs.
+pub const OPENAI: &str = "openai==3.57.0";
+
 /// The interpreter: `$KVMESH_PYTHON` or `python3`.
 pub fn python() -> String {
     std::env::var("KVMESH_PYTHON").unwrap_or_else(|_| "python3".into())
@@ -59,4 +62,28 @@ pub fn pip_install(spec: &str) -> PathBuf {
     std::fs::write(dir.join(".installed"), spec).expect("marker");
     eprintln!("installed {spec} in {:.1} s", start.elapsed().as_secs_f64());
     dir
+}
+
+/// Runs `integration/python/NAME` with `args` and `pythonpath`; its one
+/// line of JSON on stdout (a failed run fails the test with its stderr).
+pub fn run_script(
+    name: &str,
+    args: &[&str],
+    pythonpath: impl AsRef<std::ffi::OsStr>,
+) -> serde_json::Value {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(name);
+    let out = Command::new(python())
+        .arg(&script)
+        .args(args)
+        .env("PYTHONPATH", pythonpath)
+        .output()
+        .expect("run python");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{name}: {stderr}");
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{name}: {e}: {stdout}"))
 }

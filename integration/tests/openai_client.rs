@@ -4,42 +4,14 @@
 //! first use.
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use kvmesh_integration::inproc::{InProcessMesh, Options};
-use kvmesh_integration::python::{pip_install, python};
+use kvmesh_integration::python::{pip_install, run_script, OPENAI};
 use kvmesh_integration::tiny_model_dir;
-
-/// Pinned for reproducible runs.
-const OPENAI: &str = "openai==3.57.0";
 
 /// The directory the client is installed into.
 fn client_dir() -> PathBuf {
     pip_install(OPENAI)
-}
-
-/// Runs `integration/python/NAME` with `args` and `pythonpath`; its one
-/// line of JSON on stdout (a failed run fails the test with its stderr).
-fn run_script(
-    name: &str,
-    args: &[&str],
-    pythonpath: impl AsRef<std::ffi::OsStr>,
-) -> serde_json::Value {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("python")
-        .join(name);
-    let out = Command::new(python())
-        .arg(&script)
-        .args(args)
-        .env("PYTHONPATH", pythonpath)
-        .output()
-        .expect("run python");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(out.status.success(), "{name}: {stderr}");
-    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{name}: {e}: {stdout}"))
 }
 
 fn reference(prompt: &str, chat: bool) -> String {
