@@ -5,7 +5,7 @@ Face transformers (PyTorch, CPU, float32), on the default model
 count for every engine.
 
 Usage: python3 scripts/peers.py [--threads N] [--rounds 3] [--repeats 3] [--decode-tokens 64]
-                                [--skip transformers] [--skip llama.cpp] [--skip kvmesh] [--skip multi-turn]
+                                [--skip transformers] [--skip llama.cpp] [--skip kvmesh] [--skip multi-turn] [--skip memory]
                                 [--mt-conversations 3] [--mt-turns 5] [--mt-answer-tokens 32] [--mt-seed 0]
                                 [--kvmesh target/release/kvmesh] [--gguf PATH] [--json PATH]
 
@@ -102,10 +102,14 @@ Output: a table (rows: the three measurements; columns: kvmesh, llama.cpp,
 transformers, kvmesh/llama.cpp), the multi-turn table under it, the goals
 (decode b1 >= 1.5x llama.cpp's b1; aggregate @16 >= 4x llama.cpp's b1 rate;
 prefill >= 2x llama.cpp's; multi-turn: kvmesh's TTFT at the last turn <= 0.5x
-llama.cpp's, both with their prompt caches), the core count and CPU model;
---json PATH writes the same (the multi-turn figures under "multi_turn").
---skip multi-turn leaves that measurement out; --skip kvmesh or --skip llama.cpp
-leaves that engine out of it too. A benchmark: it never fails on a number,
+llama.cpp's, both with their prompt caches; kvmesh's peak RSS <= 1.3x the file
+plus the KV), the core count and CPU model; --json PATH writes the same (the
+multi-turn figures under "multi_turn", peak memory under "memory").
+Peak memory: `kvmesh generate` and llama-cpp-python each generate 16 greedy
+tokens with a 512-token context in a process of their own; the peak RSS
+(the process's VmHWM) against the file size plus that context's f16 KV.
+--skip multi-turn / --skip memory leaves that measurement out; --skip kvmesh or
+--skip llama.cpp leaves that engine out of it too. A benchmark: it never fails on a number,
 only when an engine cannot run.
 """
 
@@ -131,7 +135,7 @@ DEFAULT_GGUF = Path(
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 PEERS = ("kvmesh", "llama.cpp", "transformers")
 # What --skip takes: a peer, or a measurement.
-SKIPPABLE = PEERS + ("multi-turn",)
+SKIPPABLE = PEERS + ("multi-turn", "memory")
 
 # The filler text of `kvmesh bench-engine` (cli/src/bench.rs `filler`): its
 # tokens, repeated to length, are every engine's prompt.
@@ -174,6 +178,23 @@ def requirements():
     return specs + [LLAMA_CPP_PYTHON]
 
 
+def llama_cpp_cflags():
+    """Extra compiler flags for llama.cpp's build on this CPU. Where the CPU
+    has AMX tiles, a native build compiles ggml's AMX matmul, which crashes
+    on these machines (a general-protection fault at `ldtilecfg` in
+    ggml_backend_amx_mul_mat, on the default model too: llama.cpp requests
+    the tile-data permission on the main thread only and its tile
+    configuration can be optimised away; a known, open llama.cpp bug). GCC
+    keeps an explicit -mno-* over what -march=native implies, so the build
+    stays native otherwise (AVX-512, VNNI, BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            has_amx = any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        has_amx = False
+    return "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if has_amx else ""
+
+
 def in_venv():
     return Path(sys.prefix).resolve() == VENV.resolve()
 
@@ -190,7 +211,8 @@ def ensure_venv():
         VENV.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     stamp = VENV / "kvmesh-peers-requirements.txt"
-    want = "\n".join(requirements()) + "\n"
+    flags = llama_cpp_cflags()
+    want = "\n".join(requirements()) + "\n" + (f"CFLAGS={flags}\n" if flags else "")
     if stamp.exists() and stamp.read_text() == want:
         log("packages already installed (stamp matches)")
         return py
@@ -200,7 +222,18 @@ def ensure_venv():
         "torch is a large download (about 5 GB installed)"
     )
     subprocess.run([str(py), "-m", "pip", "install", "--upgrade", "pip"], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", *requirements()], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", *requirements()[:-1]], check=True)
+    # Built here, never from pip's cache of an earlier build with other flags.
+    env = dict(os.environ)
+    if flags:
+        log(f"llama.cpp is built with {flags} (see llama_cpp_cflags)")
+        for var in ("CFLAGS", "CXXFLAGS"):
+            env[var] = (env.get(var, "") + " " + flags).strip()
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "--no-cache-dir", "--force-reinstall", "--no-deps", LLAMA_CPP_PYTHON],
+        check=True,
+        env=env,
+    )
     stamp.write_text(want)
     log("packages installed")
     return py
@@ -871,6 +904,7 @@ def render(report):
         ratio = f"{paired:.2f}x" if paired else "-"
         lines.append(f"{label:<30} {cell(k):>10} {cell(l):>10} {cell(t):>13} {ratio:>17}")
     lines += [""] + render_multi_turn(report.get("multi_turn")) + [""]
+    lines += render_memory(report.get("memory")) + [""]
     lines += [engine_line(name, res.get(name)) for name in PEERS]
     lines += ["", "goals:"]
     for g in report["goals"]:
@@ -938,6 +972,113 @@ def multi_turn_round(mt, chat, kvmesh, gguf, threads):
         except Exception as e:
             warn(f"kvmesh multi-turn failed: {type(e).__name__}: {e}")
             mt["errors"]["kvmesh"] = f"{type(e).__name__}: {e}"
+
+
+# --------------------------------------------------------------------------------------
+# Peak memory: each engine in a process of its own, generating with a 512-token context
+# --------------------------------------------------------------------------------------
+
+MEM_CONTEXT = 512
+MEM_TOKENS = 16
+
+LLAMA_CPP_MEM_SCRIPT = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_batch=int(sys.argv[2]),
+                      n_threads=int(sys.argv[3]), verbose=False)
+llm(sys.argv[4], max_tokens=int(sys.argv[5]), temperature=0)
+"""
+
+
+def kv_bytes(gguf, tokens):
+    """f16 K and V for `tokens` positions in every layer, from the file's
+    header (what both engines allocate for that context)."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(gguf))
+
+    def field(name):
+        f = r.fields.get(name)
+        return None if f is None else f.contents()
+
+    arch = field("general.architecture")
+    layers = int(field(f"{arch}.block_count"))
+    heads = field(f"{arch}.attention.head_count")
+    kv = field(f"{arch}.attention.head_count_kv") or heads
+    kv = max(kv) if isinstance(kv, list) else int(kv)
+    head_dim = field(f"{arch}.attention.key_length") or int(field(f"{arch}.embedding_length")) // int(heads)
+    return 2 * layers * kv * int(head_dim) * 2 * tokens
+
+
+def peak_rss_mb(cmd):
+    """Run `cmd` to its end; its peak resident set in MB: the kernel's
+    high-water mark of the process's own memory (VmHWM), read every 5 ms
+    until it exits. (getrusage's ru_maxrss would not do: Linux carries a
+    forked parent's resident set over exec into it, here this script's.)"""
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    status = Path(f"/proc/{p.pid}/status")
+    peak_kib = 0
+    while p.poll() is None:
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak_kib = max(peak_kib, int(line.split()[1]))
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.005)
+    if p.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} exited {p.returncode}")
+    return peak_kib * 1024 / 1e6
+
+
+def measure_memory(gguf, kvmesh, threads, skip):
+    """Peak RSS of a short greedy generation with a 512-token context, each
+    engine in its own process, against the file plus that context's KV."""
+    out = {"context": MEM_CONTEXT, "file_mb": round(gguf.stat().st_size / 1e6, 1),
+           "kv_mb": round(kv_bytes(gguf, MEM_CONTEXT) / 1e6, 1)}
+    prompt = FILLER[:200]
+    runs = {
+        "kvmesh": [str(kvmesh), "generate", "--model", str(gguf), "--prompt", prompt, "--max-tokens", str(MEM_TOKENS),
+                   "--temperature", "0", "--kv-pool-tokens", str(MEM_CONTEXT)]
+        + (["--cpu-kernels", CPU_KERNELS] if CPU_KERNELS else []),
+        "llama.cpp": [sys.executable, "-c", LLAMA_CPP_MEM_SCRIPT, str(gguf), str(MEM_CONTEXT), str(threads), prompt,
+                      str(MEM_TOKENS)],
+    }
+    base = out["file_mb"] + out["kv_mb"]
+    for name, cmd in runs.items():
+        if name in skip:
+            continue
+        try:
+            mb = peak_rss_mb(cmd)
+            out[name] = {"peak_rss_mb": round(mb, 1), "of_file_and_kv": round(mb / base, 3)}
+            log(f"{name}: peak RSS {mb:.1f} MB ({mb / base:.2f}x the file plus the KV)")
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def render_memory(mem):
+    if not mem:
+        return []
+    line = (f"peak RSS, a {mem['context']}-token context, {MEM_TOKENS} greedy tokens, each engine in its own process "
+            f"(file {mem['file_mb']} MB, f16 KV {mem['kv_mb']} MB):")
+    cells = []
+    for name in ("kvmesh", "llama.cpp"):
+        r = mem.get(name)
+        if r and "peak_rss_mb" in r:
+            cells.append(f"{name} {r['peak_rss_mb']} MB ({r['of_file_and_kv']:.2f}x file+KV)")
+        elif r:
+            cells.append(f"{name} failed: {r['error']}")
+    return [line, "  " + "; ".join(cells)]
+
+
+def memory_goal(mem):
+    r = (mem or {}).get("kvmesh") or {}
+    goal = "kvmesh peak RSS <= 1.3x (file + KV)"
+    if "of_file_and_kv" not in r:
+        return {"goal": goal, "status": "NOT EVALUATED", "detail": "not measured"}
+    x = r["of_file_and_kv"]
+    return {"goal": goal, "status": "MET" if x <= 1.3 else "NOT MET", "ratio": x,
+            "detail": f"{x:.2f}x ({r['peak_rss_mb']} MB against {mem['file_mb']} + {mem['kv_mb']} MB)"}
 
 
 def measure(args):
@@ -1034,8 +1175,9 @@ def measure(args):
         "rounds": args.rounds,
         "results": res,
         "multi_turn": mt_report(mt),
+        "memory": measure_memory(gguf, kvmesh_path, threads, skip) if "memory" not in skip else None,
     }
-    report["goals"] = goals(res, report["multi_turn"])
+    report["goals"] = goals(res, report["multi_turn"]) + [memory_goal(report["memory"])]
     report["load_average_at_end"] = round(os.getloadavg()[0], 2)
     # More runnable work than a quiet machine's background: another job
     # shares the cores (our own threads leave the 1-minute average by the end).

@@ -230,6 +230,8 @@ impl Engine {
             }
         };
         let model = Llama::new(config, weights)?;
+        // Fusing the projections freed their parts.
+        crate::loader::release_freed_heap();
         Ok(Self {
             model,
             cuda,

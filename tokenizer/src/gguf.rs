@@ -151,6 +151,15 @@ impl GgufHeader {
         })
     }
 
+    /// Forget the metadata entries whose key starts with `prefix` (say the
+    /// `tokenizer.ggml.` arrays once the tokenizer is built: for a
+    /// 262k-token vocabulary, tens of MB that would otherwise stay while
+    /// the tensors are read). Reading such a key afterwards finds nothing.
+    pub fn forget_metadata(&mut self, prefix: &str) {
+        self.metadata.retain(|k, _| !k.starts_with(prefix));
+        self.metadata.shrink_to_fit();
+    }
+
     /// The file this was read from.
     pub fn path(&self) -> &Path {
         &self.path

@@ -262,7 +262,7 @@ impl TextTokenizer {
             add_bos,
             add_eos,
         } = specials;
-        let chat = Arc::new(chat_encode::ChatEncoder::new(&inner)?);
+        let chat = Arc::new(chat_encode::ChatEncoder::new(&inner));
         let vocab_size = inner
             .get_vocab(true)
             .values()
@@ -484,6 +484,7 @@ impl TextTokenizer {
         let template = self.template()?;
         let (messages, tools) = with_tools(template, messages, tools);
         self.chat.encode(
+            &self.inner,
             template,
             &messages,
             tools,

@@ -94,6 +94,11 @@ impl GgufFile {
         &self.header
     }
 
+    /// Forget the metadata under `prefix` ([`GgufHeader::forget_metadata`]).
+    pub(crate) fn forget_metadata(&mut self, prefix: &str) {
+        self.header.forget_metadata(prefix);
+    }
+
     fn path_buf(&self) -> PathBuf {
         self.header.path().to_owned()
     }

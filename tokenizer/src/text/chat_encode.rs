@@ -23,15 +23,18 @@
 //!    tokens, honouring `single_word`, `lstrip` and `rstrip`); those become
 //!    their ids.
 //! 3. The text between two such tokens, template text and content
-//!    together, is one run, encoded by a copy of the tokenizer that treats
-//!    special-token text as ordinary text (`set_encode_special_tokens`).
+//!    together, is one run, encoded by the tokenizer's own normalizer,
+//!    pre-tokenizer and model behind a copy of its added vocabulary that
+//!    treats special-token text as ordinary text (`set_encode_special_tokens`):
+//!    the steps `Tokenizer::encode` takes, without a second copy of the
+//!    vocabulary and merges (for a 262k-token vocabulary, ~50 MB each).
 //!    Runs are exactly the pieces the `tokenizers` crate encodes separately
 //!    when it splits a whole string at its special tokens, so for content
 //!    without special-token text the ids equal `encode_raw` of the
 //!    rendering. Position matters to one pre-tokenizer only, Metaspace with
 //!    `prepend_scheme: first` (a `▁` only at the start of the input): runs
 //!    after the start use a copy with `never`, as the whole-string encoding
-//!    does for its later pieces.
+//!    does for its later pieces (a copy of the pre-tokenizer only).
 //!
 //! Roles are rendered by the template as its own text, so a role containing
 //! special-token text (or a placeholder character) is refused.
@@ -44,7 +47,7 @@
 use std::collections::HashMap;
 
 use tokenizers::pre_tokenizers::metaspace::PrependScheme;
-use tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedVocabulary, Model, OffsetType, PreTokenizer, PreTokenizerWrapper};
 
 use super::chat::Compiled;
 use super::{ChatMessage, ChatOptions};
@@ -55,16 +58,16 @@ const OPEN: char = '\u{E000}';
 /// Closes a content placeholder.
 const CLOSE: char = '\u{E001}';
 
-/// The tokenizers and the added-token table [`encode`](ChatEncoder::encode)
+/// The added vocabularies and pre-tokenizer [`encode`](ChatEncoder::encode)
 /// needs, built once per tokenizer.
 pub(super) struct ChatEncoder {
-    /// The tokenizer with special-token text encoded as ordinary text, and
-    /// no truncation or padding (each run is a fragment of one input).
-    plain: tokenizers::Tokenizer,
-    /// `plain` with Metaspace's `first` prepend scheme set to `never`, for
-    /// runs that do not start the input; `None` when `plain` has no such
-    /// pre-tokenizer.
-    plain_after_start: Option<tokenizers::Tokenizer>,
+    /// The tokenizer's added vocabulary with special-token text encoded as
+    /// ordinary text (its other added tokens still split the run).
+    text_added: AddedVocabulary,
+    /// The tokenizer's pre-tokenizer with Metaspace's `first` prepend
+    /// scheme set to `never`, for runs that do not start the input; `None`
+    /// when it has no such pre-tokenizer.
+    pre_after_start: Option<PreTokenizerWrapper>,
     added: AddedTokens,
 }
 
@@ -72,34 +75,20 @@ impl std::fmt::Debug for ChatEncoder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatEncoder")
             .field("added_tokens", &self.added.len)
-            .field("metaspace_first", &self.plain_after_start.is_some())
+            .field("metaspace_first", &self.pre_after_start.is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl ChatEncoder {
-    pub(super) fn new(inner: &tokenizers::Tokenizer) -> Result<Self> {
-        let mut plain = inner.clone();
-        plain.set_encode_special_tokens(true);
-        plain
-            .with_truncation(None)
-            .map_err(|e| TokenizerError::Tokenizer {
-                detail: format!("cannot turn truncation off for chat encoding: {e}"),
-            })?;
-        plain.with_padding(None);
-        let plain_after_start = plain
-            .get_pre_tokenizer()
-            .and_then(without_first_prepend)
-            .map(|pre| {
-                let mut t = plain.clone();
-                t.with_pre_tokenizer(Some(pre));
-                t
-            });
-        Ok(Self {
-            plain,
-            plain_after_start,
+    pub(super) fn new(inner: &tokenizers::Tokenizer) -> Self {
+        let mut text_added = inner.get_added_vocabulary().clone();
+        text_added.set_encode_special_tokens(true);
+        Self {
+            text_added,
+            pre_after_start: inner.get_pre_tokenizer().and_then(without_first_prepend),
             added: AddedTokens::new(inner),
-        })
+        }
     }
 
     /// `messages` rendered through `template` (with the generation prompt
@@ -107,6 +96,7 @@ impl ChatEncoder {
     /// documentation.
     pub(super) fn encode(
         &self,
+        inner: &tokenizers::Tokenizer,
         template: &str,
         messages: &[ChatMessage],
         tools: Option<&[serde_json::Value]>,
@@ -245,29 +235,47 @@ impl ChatEncoder {
             } else {
                 end
             };
-            self.encode_run(&full[prev..start], prev == 0, &mut ids)?;
+            self.encode_run(inner, &full[prev..start], prev == 0, &mut ids)?;
             ids.push(token.id);
             prev = end;
         }
-        self.encode_run(&full[prev..], prev == 0, &mut ids)?;
+        self.encode_run(inner, &full[prev..], prev == 0, &mut ids)?;
         Ok(ids)
     }
 
-    /// Append the ids of `text`, special-token text included as ordinary
-    /// text; `at_start` if it begins the input.
-    fn encode_run(&self, text: &str, at_start: bool, ids: &mut Vec<u32>) -> Result<()> {
+    /// Append the ids of `text` by `inner`, special-token text included as
+    /// ordinary text; `at_start` if it begins the input. No truncation,
+    /// padding or post-processing: each run is a fragment of one input.
+    fn encode_run(
+        &self,
+        inner: &tokenizers::Tokenizer,
+        text: &str,
+        at_start: bool,
+        ids: &mut Vec<u32>,
+    ) -> Result<()> {
         if text.is_empty() {
             return Ok(());
         }
-        let tokenizer = match &self.plain_after_start {
-            Some(t) if !at_start => t,
-            _ => &self.plain,
+        let failed = |e: tokenizers::Error| TokenizerError::Tokenizer {
+            detail: format!("cannot encode the chat: {e}"),
         };
-        let encoding = tokenizer
-            .encode(text, false)
-            .map_err(|e| TokenizerError::Tokenizer {
-                detail: format!("cannot encode the chat: {e}"),
-            })?;
+        let mut pieces = self
+            .text_added
+            .extract_and_normalize(inner.get_normalizer(), text);
+        let pre = match &self.pre_after_start {
+            Some(p) if !at_start => Some(p),
+            _ => inner.get_pre_tokenizer(),
+        };
+        if let Some(pre) = pre {
+            pre.pre_tokenize(&mut pieces).map_err(failed)?;
+        }
+        let model = inner.get_model();
+        pieces
+            .tokenize(|n| model.tokenize(n.get()))
+            .map_err(failed)?;
+        let encoding = pieces
+            .into_encoding(None, 0, OffsetType::Byte)
+            .map_err(failed)?;
         ids.extend_from_slice(encoding.get_ids());
         Ok(())
     }
