@@ -483,15 +483,7 @@ impl TextTokenizer {
     ) -> Result<Vec<u32>> {
         let template = self.template()?;
         let (messages, tools) = with_tools(template, messages, tools);
-        self.chat.encode(
-            &self.inner,
-            template,
-            &messages,
-            tools,
-            opts,
-            self.bos_token(),
-            self.eos_token(),
-        )
+        self.chat.encode(self, template, &messages, tools, opts)
     }
 
     fn template(&self) -> Result<&str> {

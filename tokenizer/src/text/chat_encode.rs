@@ -92,18 +92,18 @@ impl ChatEncoder {
     }
 
     /// `messages` rendered through `template` (with the generation prompt
-    /// if `add_generation_prompt`), as token ids; see the module
-    /// documentation.
+    /// if `add_generation_prompt`), as token ids by `tokenizer` (the one
+    /// this encoder was built from); see the module documentation.
     pub(super) fn encode(
         &self,
-        inner: &tokenizers::Tokenizer,
+        tokenizer: &super::TextTokenizer,
         template: &str,
         messages: &[ChatMessage],
         tools: Option<&[serde_json::Value]>,
         opts: ChatOptions,
-        bos_token: Option<&str>,
-        eos_token: Option<&str>,
     ) -> Result<Vec<u32>> {
+        let inner = &tokenizer.inner;
+        let (bos_token, eos_token) = (tokenizer.bos_token(), tokenizer.eos_token());
         // Tool parts a template reads are its own text: refused if they
         // hold special-token text (or a placeholder character).
         if let Some(tools) = tools {
