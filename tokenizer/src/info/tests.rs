@@ -135,6 +135,7 @@ fn smollm2_metadata_without_its_weights() {
     let Some(path) = smollm2_gguf() else { return };
     let info = ModelInfo::read(&path).expect("read");
     assert_eq!(info.context_length, 8192);
-    assert_eq!(info.stop_token_ids(), vec![2]);
+    // <|im_end|>, and <|endoftext|> (a control token that ends a turn).
+    assert_eq!(info.stop_token_ids(), vec![2, 0]);
     assert_eq!(info.tokenizer.vocab_size(), 49152);
 }

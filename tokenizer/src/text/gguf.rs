@@ -49,6 +49,18 @@ use crate::gguf::GgufHeader;
 
 /// `tokenizer.ggml.token_type` values.
 const TYPE_CONTROL: i64 = 3;
+/// Control tokens that end a turn in the chat formats of the supported
+/// families (ChatML's, Llama 3's, Phi-3's, Gemma's), besides the file's
+/// end-of-sequence, end-of-turn and end-of-message ids.
+const END_OF_TURN: &[&str] = &[
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|end|>",
+    "<end_of_turn>",
+];
 const TYPE_USER_DEFINED: i64 = 4;
 
 /// The vocabulary-wide part of a GGUF tokenizer that every model kind
@@ -240,6 +252,18 @@ impl TextTokenizer {
                         format!("not below the vocabulary size ({})", vocab.len()),
                     ));
                 }
+                if !eos_ids.contains(&id) {
+                    eos_ids.push(id);
+                }
+            }
+        }
+        // A GGUF names one end-of-sequence token; the models' generation
+        // configs (which vLLM and transformers' generate() read) also end
+        // a turn at their chat formats' end-of-turn control tokens. As
+        // llama.cpp does, those are found by their text.
+        for (i, text) in vocab.tokens.iter().enumerate() {
+            if END_OF_TURN.contains(text) && vocab.token_type(i) == TYPE_CONTROL {
+                let id = i as u32;
                 if !eos_ids.contains(&id) {
                     eos_ids.push(id);
                 }

@@ -260,7 +260,7 @@ fn smollm2_gguf_tokenizer_matches_transformers() {
     }
     assert_eq!(
         (t.bos_token(), t.eos_token(), t.eos_token_ids()),
-        (Some("<|im_start|>"), Some("<|im_end|>"), vec![2])
+        (Some("<|im_start|>"), Some("<|im_end|>"), vec![2, 0])
     );
     assert_eq!(t.token_to_id("<|endoftext|>"), Some(0));
     assert_eq!(

@@ -286,7 +286,7 @@ fn gemma3_vocabulary_equals_transformers() {
     let info = ModelInfo::read(&path).expect("model info");
     assert_eq!(
         (info.context_length, info.stop_token_ids()),
-        (32768, vec![1])
+        (32768, vec![1, 106])
     );
 }
 
@@ -309,7 +309,7 @@ fn qwen25_coder_vocabulary_and_template_equal_transformers() {
     let info = ModelInfo::read(&path).expect("model info");
     assert_eq!(
         (info.context_length, info.stop_token_ids()),
-        (32768, vec![151645])
+        (32768, vec![151645, 151643])
     );
 }
 
