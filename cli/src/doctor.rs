@@ -611,6 +611,32 @@ fn across(
     }
 }
 
+/// The model the router serves, as `/v1/models` describes it (read from
+/// its metadata, without weights): a row to read, failed only when the
+/// router cannot say.
+fn model(report: &mut Report, reply: Result<kvmesh_testkit::Reply, String>) {
+    let described = reply.ok().filter(|r| r.status == 200).and_then(|r| {
+        let j = r.json().ok()?;
+        let m = &j["data"][0];
+        Some(format!(
+            "{}: {}, weights {}, context {}",
+            m["id"].as_str()?,
+            m["architecture"].as_str()?,
+            m["quantization"].as_str()?,
+            m["max_model_len"].as_u64()?
+        ))
+    });
+    let (status, detail) = match described {
+        Some(d) => (Status::Ok, d),
+        None => (
+            Status::Fail,
+            "/v1/models does not describe the model (id, architecture, quantization, max_model_len)"
+                .into(),
+        ),
+    };
+    report.add("router", "router", "model", status, detail);
+}
+
 /// `GET path` from `addr`, waiting at most `timeout`.
 fn http_get(
     addr: &str,
@@ -658,6 +684,7 @@ fn router(report: &mut Report, addr: &str, timeout: Duration) -> bool {
                 Err(e) => (Status::Fail, e),
             };
             report.add("router", "router", "health", status, detail);
+            model(report, get("/v1/models"));
             true
         }
         Ok(r) => {

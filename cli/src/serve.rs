@@ -533,9 +533,10 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
             _ => String::new(),
         };
         println!(
-            "config ok: {}: {role_name}{}{parsers}; {members}, transport {}; CPU kernels {cpu_kernels}; device {device}{}; {}; {}; {}; {}",
+            "config ok: {}: {role_name}{}{parsers}; {}; {members}, transport {}; CPU kernels {cpu_kernels}; device {device}{}; {}; {}; {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
+            describe_model(cfg.model.as_deref()),
             cfg.transport,
             if device.is_cuda() {
                 format!(" (weights {device_weights})")
@@ -587,6 +588,31 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
         tracing::warn!(error = %e, "flushing traces");
     }
     served
+}
+
+/// The model a mesh file names, for `--check-config`: its architecture and
+/// how its weights are stored, read from its metadata without weights, or
+/// why it cannot be read on this host (checking a file for another host is
+/// not an error; starting without the model is, and says so then).
+fn describe_model(path: Option<&Path>) -> String {
+    let path = match path {
+        Some(p) => p.to_owned(),
+        None => match kvmesh_model::default_model::cached_default_model() {
+            Some(p) => p,
+            None => return "model: the default, not fetched on this host".into(),
+        },
+    };
+    match ModelInfo::read(&path) {
+        Ok(info) => {
+            let (architecture, quantization) = info.description();
+            format!(
+                "model {}: {architecture}, weights {quantization}, context {}",
+                path.display(),
+                info.context_length
+            )
+        }
+        Err(e) => format!("model {}: not readable on this host ({e})", path.display()),
+    }
 }
 
 fn only(nodes: &[crate::config::NodeSection], role: &str, file: &Path) -> Result<String> {

@@ -385,6 +385,40 @@ fn bad_mesh_files_are_refused_with_field_value_and_reason() {
     let (stdout, stderr) = texts(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains("device cuda:1 (weights bf16)"), "{stdout}");
+    // The model: described from its metadata (no weights read), or said to
+    // be absent from this host (a file checked for another host).
+    let tiny = kvmesh_integration::tiny_model_dir();
+    let f = dir.path().join("model.yaml");
+    std::fs::write(&f, format!("{good}model: {}\n", tiny.display())).expect("write");
+    let out = run_kvmesh(
+        &["router", "--config", &f.to_string_lossy(), "--check-config"],
+        &[],
+    );
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains(&format!(
+            "model {}: llama, weights safetensors ",
+            tiny.display()
+        )),
+        "{stdout}"
+    );
+    std::fs::write(&f, format!("{good}model: /models/elsewhere.gguf\n")).expect("write");
+    let out = run_kvmesh(
+        &[
+            "prefill",
+            "--config",
+            &f.to_string_lossy(),
+            "--check-config",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("model /models/elsewhere.gguf: not readable on this host"),
+        "{stdout}"
+    );
     let f = dir.path().join("cpu-weights.yaml");
     std::fs::write(&f, format!("{good}device_weights: f16\n")).expect("write");
     let out = run_kvmesh(

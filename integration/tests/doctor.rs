@@ -51,6 +51,17 @@ fn assert_mesh_agrees(v: &Value) {
     }
 }
 
+/// The detail of `check` for `node`.
+fn detail<'a>(v: &'a Value, node: &str, check: &str) -> &'a str {
+    v["checks"]
+        .as_array()
+        .expect("checks")
+        .iter()
+        .find(|c| c["node"] == node && c["check"] == check)
+        .and_then(|c| c["detail"].as_str())
+        .unwrap_or_else(|| panic!("no {check:?} for {node}: {v:#}"))
+}
+
 fn failed(v: &Value) -> Vec<String> {
     v["checks"]
         .as_array()
@@ -93,6 +104,10 @@ fn doctor_passes_a_healthy_mesh_and_names_what_is_wrong() {
     assert_eq!(status(&v, "decode-0", "KV transport reachable"), "ok");
     assert_mesh_agrees(&v);
     assert_eq!(status(&v, "router", "health"), "ok");
+    // The model as the router describes it, from its metadata.
+    assert_eq!(status(&v, "router", "model"), "ok");
+    let model = detail(&v, "router", "model");
+    assert!(model.contains(": llama, weights "), "{model}");
     let f = file.to_string_lossy();
     let table = run_kvmesh(&["doctor", "--config", &f], &[]);
     let (stdout, _) = texts(&table);
