@@ -400,6 +400,47 @@ fn tiny_llama_on_cuda_matches_transformers() {
     );
 }
 
+/// Every tiny family on CUDA device 0: those whose block the CUDA forward
+/// implements (Llama's with biases, fused tensors split at load, one window
+/// for every layer) match transformers within the CPU runtime's
+/// tolerances; the others are refused at load naming the family and what
+/// the device lacks, never run to a wrong answer.
+#[test]
+#[ignore = "needs a CUDA device: scripts/gpu/run.sh runs it"]
+fn tiny_families_on_cuda_match_transformers_or_are_refused_by_name() {
+    let Some(device) = common::cuda_or_skip() else {
+        return;
+    };
+    let runs = ["mistral", "qwen2", "phi3"];
+    for family in ["mistral", "qwen2", "phi3", "qwen3", "gemma3"] {
+        let loaded = Engine::load(
+            &common::tiny_family_dir(family),
+            &EngineConfig {
+                kv_pool_tokens: Some(4096),
+                device,
+                ..EngineConfig::default()
+            },
+        );
+        match loaded {
+            Ok(engine) => {
+                assert!(runs.contains(&family), "{family}: loaded on cuda:0");
+                let g = read_golden(&format!("tiny-{family}.json"));
+                let worst = check_greedy(&engine, &g, None);
+                println!("tiny-{family} on cuda:0: worst logit error = {worst:.3} of tolerance");
+            }
+            Err(kvmesh_model::ModelError::Device(kvmesh_cuda::CudaError::Unsupported(why))) => {
+                assert!(!runs.contains(&family), "{family}: refused: {why}");
+                assert!(
+                    why.contains(family) && why.contains("use --device cpu"),
+                    "{family}: {why}"
+                );
+                println!("tiny-{family} on cuda:0: refused at load: {why}");
+            }
+            Err(e) => panic!("{family} on cuda:0: {e}"),
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device: scripts/gpu/run.sh runs it"]
 fn smollm2_on_cuda_matches_transformers() {

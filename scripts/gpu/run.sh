@@ -20,7 +20,9 @@
 #   3. engine tests on cuda:0: batched prefill/decode equal to the CPU
 #      engine, an adopted prompt, forged tables failing only their
 #      sequence; the golden files' greedy tokens and logits (tiny model and
-#      SmolLM2) within the CPU runtime's tolerances of transformers;
+#      SmolLM2) within the CPU runtime's tolerances of transformers; every
+#      tiny family (mistral, qwen2, phi3 run and match; qwen3 and gemma3
+#      refused at load, naming the family and what the device lacks);
 #   4. `kvmesh generate --device cuda` against `--device cpu` (greedy);
 #   5. a mesh on the GPU: `kvmesh serve --device cuda` (prefill and decode
 #      engines on cuda:0, the handshake and TCP transfer between them), a
