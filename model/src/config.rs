@@ -284,6 +284,14 @@ impl ModelConfig {
                 "must be a positive number",
             ));
         }
+        if matches!(self.rope_scaling, RopeScaling::Yarn(_)) && self.rope_theta <= 1.0 {
+            // YaRN measures rotations in `ln(theta)`.
+            return Err(invalid(
+                names.rope_theta.as_str(),
+                self.rope_theta.to_string(),
+                "YaRN scaling needs a base above 1",
+            ));
+        }
         if self.sliding_window == Some(0) {
             return Err(invalid(
                 names.sliding_window.as_str(),
