@@ -479,6 +479,16 @@ impl HfConfig<'_> {
         }
     }
 
+    /// `opt_f32`, but `default` where the key is absent: an explicit
+    /// `null` is `None` (transformers' configs distinguish the two: a
+    /// missing key takes the class default, `null` turns the feature off).
+    pub(crate) fn opt_f32_or(&self, key: &str, default: Option<f32>) -> Result<Option<f32>> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(_) => self.opt_f32(key),
+        }
+    }
+
     pub(crate) fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         match self.get(key) {
             None | Some(Value::Null) => Ok(None),

@@ -35,7 +35,18 @@ fn refusal(cfg: &ModelConfig) -> String {
 }
 
 #[test]
-fn yarn_that_scales_cos_and_sin_is_refused_by_name_and_llama_scalings_run() {
+fn gemma2_and_yarn_scaling_are_refused_by_name_and_llama_scalings_run() {
+    let mut gemma2 = llama(json!({"sliding_window": 8}));
+    gemma2["model_type"] = json!("gemma2");
+    let msg = refusal(&config(gemma2));
+    assert!(
+        msg.contains("gemma2")
+            && msg.contains("attention logit soft-capping")
+            && msg.contains("soft-capped logits")
+            && msg.contains("--device cpu"),
+        "{msg}"
+    );
+
     let yarn = json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
         "original_max_position_embeddings": 64}});
     let msg = refusal(&config(llama(yarn)));
