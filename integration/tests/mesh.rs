@@ -524,18 +524,27 @@ fn api_keys_gate_every_request() {
 
 /// Every decoder family through the mesh (prefill ships its KV, decode
 /// generates): greedy text equal to `kvmesh generate`'s, on the tiny
-/// random-weight model of each family (safetensors), and on the tiny
-/// Gemma 3 and Qwen3 as quantized GGUF files. Their windows (8 to 24
-/// positions) are shorter than the long prompt, so a window layer that read
-/// a slot it should not, or a decode node attending pages prefill did not
-/// write, would change the text.
+/// random-weight model of each family (safetensors; the Llama with YaRN
+/// scaling too), and on the tiny Gemma 2, Gemma 3 and Qwen3 as quantized
+/// GGUF files. Their windows (8 to 24 positions) are shorter than the long
+/// prompt, so a window layer that read a slot it should not, or a decode
+/// node attending pages prefill did not write, would change the text.
 #[test]
 fn every_family_through_the_mesh_equals_the_reference_engine() {
     let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/data");
-    let mut models: Vec<std::path::PathBuf> = ["qwen2", "qwen3", "gemma3", "phi3", "mistral"]
-        .iter()
-        .map(|f| data.join(format!("tiny-{f}")))
-        .collect();
+    let mut models: Vec<std::path::PathBuf> = [
+        "qwen2",
+        "qwen3",
+        "gemma2",
+        "gemma3",
+        "phi3",
+        "mistral",
+        "llama-yarn",
+    ]
+    .iter()
+    .map(|f| data.join(format!("tiny-{f}")))
+    .collect();
+    models.push(data.join("gguf/tiny-gemma2-Q8_0.gguf"));
     models.push(data.join("gguf/tiny-gemma3-Q8_0.gguf"));
     models.push(data.join("gguf/tiny-qwen3-Q4_0.gguf"));
     let prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[9], PROMPTS[11]];

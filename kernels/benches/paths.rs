@@ -145,6 +145,7 @@ fn main() {
         head_dim: hd,
         scale: 0.125,
         window: None,
+        softcap: None,
     };
     for f16 in [false, true] {
         pages.f16 = f16;

@@ -9,8 +9,9 @@
 //!   table. It obtains every page through [`PagedKv::read_page`], which checks
 //!   I1 and I2 *before* any byte of the page is touched, so a stale or foreign
 //!   page table fails the sequence instead of reading another tenant's KV.
+//!   Sliding windows and logit soft-capping are part of its shape.
 //! - [`rope`]: rotary position embeddings (rotate-half and interleaved
-//!   layouts; plain, linear and Llama-3 frequency scaling).
+//!   layouts; plain, linear, Llama-3 and YaRN frequency scaling).
 //! - [`norm`] holds RMSNorm; [`activation`] SwiGLU (their AVX-512 builds
 //!   in `elementwise512`).
 //! - [`roofline`]: the machine's measured memory read bandwidth and FMA

@@ -7,8 +7,12 @@
 //!   the Q and K projection rows to suit it): dimension `2i` pairs with
 //!   `2i + 1`.
 //!
-//! Frequencies follow Hugging Face's `_compute_default_rope_parameters`,
-//! `linear` and `llama3` scalings, computed in f32 as it does.
+//! Frequencies follow transformers' `_compute_default_rope_parameters`,
+//! and its `linear`, `llama3` and `yarn` scalings, computed in the
+//! precision it uses (f32 tensors, f64 where it computes in Python floats).
+//! YaRN also scales the rotation's magnitude: cos and sin are multiplied
+//! by its attention factor, where transformers multiplies them (so q and k
+//! both carry it, and their dot product its square).
 
 /// How the rotated pairs are laid out within a head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,12 +46,59 @@ pub enum RopeScaling {
         /// Context length the model was trained with before scaling.
         original_max_position_embeddings: usize,
     },
+    /// YaRN: frequencies whose wavelength is short against the original
+    /// context kept, long ones divided by `factor`, a linear ramp between;
+    /// cos and sin multiplied by an attention factor.
+    Yarn(Yarn),
+}
+
+/// YaRN's parameters, as transformers' `_compute_yarn_parameters` reads
+/// them (their defaults resolved by whoever parses the configuration).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    /// Context extension factor (interpolated frequencies are divided by it).
+    pub factor: f64,
+    /// Context length before scaling: the ramp's bounds are measured in
+    /// rotations over it.
+    pub original_max_position_embeddings: usize,
+    /// Rotations over the original context above which a frequency is kept
+    /// (transformers' default 32).
+    pub beta_fast: f64,
+    /// Rotations below which a frequency is fully interpolated (default 1).
+    pub beta_slow: f64,
+    /// Round the ramp's bounds outward to whole dimensions (default true;
+    /// gpt-oss turns it off).
+    pub truncate: bool,
+    /// cos and sin are multiplied by this ([`yarn_attention_factor`] unless
+    /// the configuration gives it).
+    pub attention_factor: f32,
+}
+
+/// YaRN's default attention factor: `0.1 ln(factor) + 1` (1 for a factor
+/// of at most 1), or with DeepSeek's `mscale` and `mscale_all_dim` (both
+/// nonzero) the ratio of that expression with each as a multiplier of the
+/// logarithm. In f64, rounded once, as transformers computes it in Python
+/// floats and torch rounds the scalar to f32 when it multiplies cos and sin.
+pub fn yarn_attention_factor(factor: f64, mscale: Option<f64>, mscale_all_dim: Option<f64>) -> f32 {
+    let get = |m: f64| {
+        if factor <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * factor.ln() + 1.0
+        }
+    };
+    match (mscale, mscale_all_dim) {
+        (Some(m), Some(all)) if m != 0.0 && all != 0.0 => (get(m) / get(all)) as f32,
+        _ => get(1.0) as f32,
+    }
 }
 
 /// Precomputed inverse frequencies for one head size.
 #[derive(Clone, Debug)]
 pub struct Rope {
     inv_freq: Vec<f32>,
+    /// cos and sin are multiplied by this (YaRN; 1 otherwise).
+    attention_factor: f32,
     head_dim: usize,
     layout: RopeLayout,
 }
@@ -56,9 +107,10 @@ impl Rope {
     /// Frequencies for `rotary_dim == head_dim` (all Llama-family models).
     pub fn new(head_dim: usize, theta: f32, scaling: RopeScaling, layout: RopeLayout) -> Self {
         let half = head_dim / 2;
-        let mut inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
-            .collect();
+        // transformers' `base ** (arange(0, dim, 2) / dim)`, in f32.
+        let pos_freq = |i: usize| theta.powf((2 * i) as f32 / head_dim as f32);
+        let mut inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / pos_freq(i)).collect();
+        let mut attention_factor = 1.0;
         match scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor),
@@ -82,12 +134,35 @@ impl Rope {
                     }
                 }
             }
+            RopeScaling::Yarn(y) => {
+                attention_factor = y.attention_factor;
+                let ramp = yarn_ramp(head_dim, theta, &y);
+                // The scalar factor is rounded to f32 where torch
+                // multiplies the f32 tensor by it.
+                let factor = y.factor as f32;
+                for (i, (f, r)) in inv_freq.iter_mut().zip(ramp).enumerate() {
+                    let p = pos_freq(i);
+                    let extrapolation = 1.0 / p;
+                    let interpolation = 1.0 / (factor * p);
+                    // transformers' `inv_freq_extrapolation_factor`.
+                    let keep = 1.0 - r;
+                    *f = interpolation * (1.0 - keep) + extrapolation * keep;
+                }
+            }
         }
         Self {
             inv_freq,
+            attention_factor,
             head_dim,
             layout,
         }
+    }
+
+    /// What cos and sin are multiplied by (YaRN's attention factor; 1 for
+    /// every other scaling): a device kernel that does not apply it must
+    /// refuse a rope where it is not 1.
+    pub fn attention_factor(&self) -> f32 {
+        self.attention_factor
     }
 
     /// The inverse frequency of each rotated pair, scaling applied
@@ -118,8 +193,9 @@ impl Rope {
         for (t, &pos) in positions.iter().enumerate() {
             for i in 0..half {
                 let angle = pos as f32 * self.inv_freq[i];
-                cos[i] = angle.cos();
-                sin[i] = angle.sin();
+                // (Times 1 is exact: no other scaling changes here.)
+                cos[i] = angle.cos() * self.attention_factor;
+                sin[i] = angle.sin() * self.attention_factor;
             }
             for h in 0..n_heads {
                 let head = &mut x[(t * n_heads + h) * d..][..d];
@@ -135,6 +211,39 @@ impl Rope {
             }
         }
     }
+}
+
+/// YaRN's linear ramp over the `head_dim / 2` rotated pairs: 0 where a
+/// frequency is kept (it turns more than `beta_fast` times over the
+/// original context), 1 where it is interpolated (fewer than `beta_slow`
+/// times), linear between, as transformers' `find_correction_range` and
+/// `linear_ramp_factor` compute it: the bounds in f64, the ramp in f32.
+fn yarn_ramp(head_dim: usize, theta: f32, y: &Yarn) -> Vec<f32> {
+    let dim = head_dim as f64;
+    let base = f64::from(theta);
+    let original = y.original_max_position_embeddings as f64;
+    // The dimension at which a frequency turns `rotations` times over the
+    // original context.
+    let correction_dim = |rotations: f64| {
+        (dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * base.ln())
+    };
+    let (mut low, mut high) = (correction_dim(y.beta_fast), correction_dim(y.beta_slow));
+    if y.truncate {
+        low = low.floor();
+        high = high.ceil();
+    }
+    let low = low.max(0.0);
+    let mut high = high.min(dim - 1.0);
+    if low == high {
+        // transformers' guard against a zero-width ramp.
+        high += 0.001;
+    }
+    // torch rounds each Python-float operand to f32 where it meets the f32
+    // `arange`.
+    let (from, width) = (low as f32, (high - low) as f32);
+    (0..head_dim / 2)
+        .map(|i| ((i as f32 - from) / width).clamp(0.0, 1.0))
+        .collect()
 }
 
 #[cfg(test)]
@@ -198,5 +307,139 @@ mod tests {
             (plain.inv_freq[last] / 8.0 - scaled.inv_freq[last]).abs() < 1e-12,
             "lowest frequency is divided"
         );
+    }
+
+    /// YaRN's frequencies and attention factor against transformers 5.24's
+    /// `_compute_yarn_parameters` (the f32 bits it returns) for: the
+    /// golden tiny model's rope (a ramp over three pairs), gpt-oss's
+    /// untruncated ramp, DeepSeek's `mscale`/`mscale_all_dim`, and an
+    /// explicit attention factor with other betas.
+    #[test]
+    fn yarn_equals_transformers() {
+        let yarn = |factor: f64, original: usize, betas: (f64, f64), truncate: bool, af: f32| {
+            RopeScaling::Yarn(Yarn {
+                factor,
+                original_max_position_embeddings: original,
+                beta_fast: betas.0,
+                beta_slow: betas.1,
+                truncate,
+                attention_factor: af,
+            })
+        };
+        let cases: [(usize, f32, RopeScaling, f32, &[u32]); 4] = [
+            (
+                16,
+                500.0,
+                yarn(
+                    4.0,
+                    32,
+                    (32.0, 1.0),
+                    true,
+                    yarn_attention_factor(4.0, None, None),
+                ),
+                1.138_629_4,
+                &[
+                    0x3f800000, 0x3eb09666, 0x3dd88cb4, 0x3cc72a9d, 0x3c372dbf, 0x3ba8796d,
+                    0x3b1af347, 0x3a8e830d,
+                ],
+            ),
+            (
+                64,
+                150_000.0,
+                yarn(
+                    32.0,
+                    4096,
+                    (32.0, 1.0),
+                    false,
+                    yarn_attention_factor(32.0, None, None),
+                ),
+                1.346_573_6,
+                &[
+                    0x3f800000, 0x3f306535, 0x3ef316a2, 0x3ea77faa, 0x3e66d3fa, 0x3e1f0cfd,
+                    0x3ddb2f9f, 0x3d970764, 0x3d502194, 0x3d01ddd5, 0x3c9e646f, 0x3c3dec94,
+                    0x3bdea840, 0x3b7cfe14, 0x3b093803, 0x3a89f778, 0x39ef543c, 0x390799b9,
+                    0x3820adc6, 0x37dd6dfc, 0x37989328, 0x375242fa, 0x3710e12c, 0x36c7a82b,
+                    0x3689928c, 0x363d9647, 0x3602a245, 0x35b40668, 0x35781728, 0x352af200,
+                    0x34eb93eb, 0x34a252d3,
+                ],
+            ),
+            (
+                32,
+                10_000.0,
+                yarn(
+                    8.0,
+                    2048,
+                    (32.0, 1.0),
+                    true,
+                    yarn_attention_factor(8.0, Some(1.0), Some(0.5)),
+                ),
+                1.094_18,
+                &[
+                    0x3f800000, 0x3f0ff59a, 0x3ea1e89b, 0x3e361887, 0x3dcccccd, 0x3d498b0a,
+                    0x3cc24a55, 0x3c361887, 0x3ba3d70a, 0x3b0a3375, 0x3a4f3e38, 0x39691528,
+                    0x3903126f, 0x38936a16, 0x3825cb60, 0x37ba7753,
+                ],
+            ),
+            (
+                16,
+                1_000_000.0,
+                yarn(4.0, 32768, (16.0, 2.0), true, 0.9),
+                0.9,
+                &[
+                    0x3f800000, 0x3e361887, 0x3d0186e3, 0x3bb8449c, 0x3a23d70b, 0x383a7753,
+                    0x3704a2b2, 0x35bcb0c1,
+                ],
+            ),
+        ];
+        for (d, theta, scaling, af, want) in cases {
+            let rope = Rope::new(d, theta, scaling, RopeLayout::RotateHalf);
+            assert_eq!(rope.attention_factor(), af, "{scaling:?}");
+            let got: Vec<u32> = rope.inv_freq().iter().map(|f| f.to_bits()).collect();
+            // At most one unit in the last place: `powf` is the C library's
+            // here and SLEEF's in torch.
+            for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    g.abs_diff(w) <= 1,
+                    "{scaling:?} pair {i}: {g:#x}, transformers {w:#x}"
+                );
+            }
+            assert_eq!(got.len(), want.len());
+        }
+        assert_eq!(yarn_attention_factor(1.0, None, None), 1.0);
+        assert_eq!(yarn_attention_factor(0.5, Some(1.0), Some(1.0)), 1.0);
+        // A zero mscale falls back to the plain factor, as transformers'
+        // truthiness test does.
+        assert_eq!(
+            yarn_attention_factor(4.0, Some(0.0), Some(1.0)),
+            yarn_attention_factor(4.0, None, None)
+        );
+    }
+
+    /// YaRN's attention factor scales cos and sin, so a rotated vector's
+    /// length by exactly that factor's rounding, at every position
+    /// including 0 (where transformers scales too).
+    #[test]
+    fn yarn_scales_the_rotation_by_its_attention_factor() {
+        let y = Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 32,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: 1.25,
+        };
+        let rope = Rope::new(8, 500.0, RopeScaling::Yarn(y), RopeLayout::RotateHalf);
+        let x: Vec<f32> = (0..16).map(|i| (i as f32 * 0.71).cos()).collect();
+        let mut r = x.clone();
+        rope.apply(&mut r, &[0, 40], 1);
+        // Position 0: cos 1, sin 0, so every value times 1.25 exactly.
+        for (a, b) in r[..8].iter().zip(&x[..8]) {
+            assert_eq!(*a, b * 1.25);
+        }
+        for i in 0..4 {
+            let before = x[8 + i].hypot(x[8 + i + 4]);
+            let after = r[8 + i].hypot(r[8 + i + 4]);
+            assert!((after - 1.25 * before).abs() < 1e-5, "pair {i}");
+        }
     }
 }

@@ -18,6 +18,7 @@ const SHAPE: AttentionShape = AttentionShape {
     head_dim: HEAD_DIM,
     scale: 0.5,
     window: None,
+    softcap: None,
 };
 const Q_STRIDE: usize = 4 * HEAD_DIM;
 /// What `out` holds before a call; a failed call must leave it.

@@ -7,7 +7,8 @@
 //! -> down`, each added to the residual stream, then a final norm and the
 //! vocabulary projection. What differs is a handful of switches (biases on
 //! q/k/v, an RMSNorm per head on q and k, norms after attention and MLP,
-//! the MLP's activation, a scaled embedding, soft-capped logits, which
+//! the MLP's activation, a scaled embedding, soft-capped attention scores
+//! and logits, which
 //! layers attend a sliding window and with which rope base) and the tensor
 //! names. llama.cpp writes one graph builder per architecture (hundreds of
 //! near-copies); mistral.rs and candle-transformers one model file each.
@@ -97,6 +98,9 @@ pub struct Block {
     /// Softmax scale of attention (`1/sqrt(head_dim)`, or Gemma's
     /// `query_pre_attn_scalar^-0.5`).
     pub attn_scale: f32,
+    /// Attention scores (scaled) become `cap * tanh(score / cap)` before
+    /// the softmax (Gemma 2; [`kvmesh_kernels::AttentionShape::softcap`]).
+    pub attn_softcap: Option<f32>,
     /// Final logits become `cap * tanh(logits / cap)` (Gemma 2).
     pub final_softcap: Option<f32>,
 }
@@ -110,6 +114,7 @@ impl Block {
             sandwich_norms: false,
             embed_scale: None,
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            attn_softcap: None,
             final_softcap: None,
         }
     }
@@ -133,6 +138,9 @@ impl Block {
         }
         if self.attn_scale != base.attn_scale {
             out.push("a non-default attention scale");
+        }
+        if self.attn_softcap.is_some() {
+            out.push("attention logit soft-capping");
         }
         if self.final_softcap.is_some() {
             out.push("soft-capped logits");

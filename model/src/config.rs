@@ -77,6 +77,7 @@ pub struct ModelConfig {
 pub(crate) struct FieldNames {
     layer_types: String,
     attn_scale: String,
+    attn_softcap: String,
     softcap: String,
     vocab_size: String,
     hidden_size: String,
@@ -99,6 +100,7 @@ impl FieldNames {
         Self {
             layer_types: "layer_types".into(),
             attn_scale: "query_pre_attn_scalar".into(),
+            attn_softcap: "attn_logit_softcapping".into(),
             softcap: "final_logit_softcapping".into(),
             vocab_size: "vocab_size".into(),
             hidden_size: "hidden_size".into(),
@@ -122,6 +124,7 @@ impl FieldNames {
         Self {
             layer_types: key("attention.sliding_window_pattern"),
             attn_scale: key("attention.scale"),
+            attn_softcap: key("attn_logit_softcapping"),
             softcap: key("final_logit_softcapping"),
             vocab_size: key("vocab_size"),
             hidden_size: key("embedding_length"),
@@ -281,6 +284,14 @@ impl ModelConfig {
                 "must be a positive number",
             ));
         }
+        if matches!(self.rope_scaling, RopeScaling::Yarn(_)) && self.rope_theta <= 1.0 {
+            // YaRN measures rotations in `ln(theta)`.
+            return Err(invalid(
+                names.rope_theta.as_str(),
+                self.rope_theta.to_string(),
+                "YaRN scaling needs a base above 1",
+            ));
+        }
         if self.sliding_window == Some(0) {
             return Err(invalid(
                 names.sliding_window.as_str(),
@@ -305,6 +316,7 @@ impl ModelConfig {
         for (field, v) in [
             (names.rope_theta.as_str(), self.local_rope_theta),
             (names.attn_scale.as_str(), Some(self.block.attn_scale)),
+            (names.attn_softcap.as_str(), self.block.attn_softcap),
             (names.softcap.as_str(), self.block.final_softcap),
         ] {
             if v.is_some_and(|v| !(v.is_finite() && v > 0.0)) {

@@ -265,14 +265,14 @@ mod tests {
         let e = ModelError::InvalidField {
             path: "/m/config.json".into(),
             field: "rope_scaling.rope_type".into(),
-            value: "\"yarn\"".into(),
-            reason: "only linear and llama3 scaling are supported".into(),
+            value: "\"longrope\"".into(),
+            reason: "longrope RoPE scaling is not implemented".into(),
         };
         let msg = e.to_string();
         assert!(
             msg.contains("/m/config.json")
                 && msg.contains("rope_scaling.rope_type")
-                && msg.contains("yarn"),
+                && msg.contains("longrope"),
             "{msg}"
         );
         assert_eq!(e.kind(), "invalid_field");

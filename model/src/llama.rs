@@ -197,6 +197,7 @@ impl Llama {
                     head_dim: cfg.head_dim,
                     scale: cfg.block.attn_scale,
                     window: if sliding { cfg.sliding_window } else { None },
+                    softcap: cfg.block.attn_softcap,
                 },
                 rope: usize::from(sliding && ropes.len() > 1),
             });

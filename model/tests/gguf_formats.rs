@@ -42,6 +42,7 @@ fn every_legacy_format_loads_back_to_its_dequantized_values() {
         ("qwen3", "Q5_0"),
         ("qwen3", "Q5_1"),
         ("qwen2", "Q8_0"),
+        ("gemma2", "Q8_0"),
         ("gemma3", "Q8_0"),
         ("phi3", "Q8_0"),
         ("mistral", "Q8_0"),

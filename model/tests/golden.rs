@@ -203,13 +203,15 @@ fn tiny_llama_matches_transformers() {
 /// A family's tiny model (`scripts/golden/make_families.py`: each config
 /// exercises what its family changes, windows shorter than the long
 /// prompt) against transformers, as [`tiny_llama_matches_transformers`].
-fn check_family(family: &str) {
-    let engine = engine_for(&common::tiny_family_dir(family));
+/// `name` is the family, or the family and a variant (`llama-yarn`).
+fn check_family(name: &str) {
+    let engine = engine_for(&common::tiny_family_dir(name));
+    let family = name.split_once('-').map_or(name, |(family, _)| family);
     assert_eq!(engine.model().config().family, family);
-    let g = read_golden(&format!("tiny-{family}.json"));
+    let g = read_golden(&format!("tiny-{name}.json"));
     check_tokenizer(&engine, &g);
     let worst = check_greedy(&engine, &g, None);
-    eprintln!("tiny-{family}: worst logit error = {worst:.3} of tolerance");
+    eprintln!("tiny-{name}: worst logit error = {worst:.3} of tolerance");
     assert_eq!(
         engine.pool().free_pages(),
         engine.pool().capacity_pages(),
@@ -220,13 +222,43 @@ fn check_family(family: &str) {
 /// The same tiny models written as GGUF by the `gguf` package in f32
 /// (`scripts/golden/make_family_ggufs.py`: llama.cpp's names and metadata,
 /// q/k permuted for the `llama` architecture, Gemma's norms as `1 + w`,
+/// Gemma 2's caps and YaRN's keys as llama.cpp's converter writes them,
 /// Phi-3's tensors fused, the vocabulary as GGUF BPE): the same tokens,
 /// chat templates, greedy tokens and logits as the safetensors against
-/// transformers.
+/// transformers, and the same configuration as read from `config.json`
+/// (but for the architecture's name and the defaults GGUF cannot say).
 #[test]
 fn tiny_families_from_gguf_match_transformers() {
-    for family in ["qwen2", "qwen3", "gemma3", "phi3", "mistral"] {
+    for family in [
+        "qwen2",
+        "qwen3",
+        "gemma2",
+        "gemma3",
+        "phi3",
+        "mistral",
+        "llama-yarn",
+    ] {
         let engine = engine_for(&common::tiny_family_gguf(family, "F32"));
+        let from_gguf = engine.model().config();
+        let hf = kvmesh_model::config::ModelConfig::from_hf_config(
+            &common::tiny_family_dir(family).join("config.json"),
+        )
+        .expect("config.json");
+        assert_eq!(from_gguf.block, hf.block, "{family}: switches");
+        assert_eq!(
+            (
+                from_gguf.rope_theta,
+                from_gguf.rope_scaling,
+                from_gguf.local_rope_theta
+            ),
+            (hf.rope_theta, hf.rope_scaling, hf.local_rope_theta),
+            "{family}: rope"
+        );
+        assert_eq!(
+            (&from_gguf.layer_types, from_gguf.sliding_window),
+            (&hf.layer_types, hf.sliding_window),
+            "{family}: windows"
+        );
         let g = read_golden(&format!("tiny-{family}.json"));
         check_tokenizer(&engine, &g);
         let worst = check_greedy(&engine, &g, None);
@@ -247,6 +279,18 @@ fn tiny_qwen3_matches_transformers() {
 #[test]
 fn tiny_gemma3_matches_transformers() {
     check_family("gemma3");
+}
+
+#[test]
+fn tiny_gemma2_matches_transformers() {
+    check_family("gemma2");
+}
+
+/// YaRN's frequencies and its scaling of cos and sin, over a prompt that
+/// runs past the original context (64 positions) to 144.
+#[test]
+fn tiny_llama_yarn_matches_transformers() {
+    check_family("llama-yarn");
 }
 
 #[test]

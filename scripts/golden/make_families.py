@@ -17,10 +17,13 @@ Outputs (committed; CI does not run this script):
 Each config exercises what its family changes: Qwen2's q/k/v biases and a
 window on its last layers only, Qwen3's q/k norms, Gemma 3's sandwich norms,
 GeGLU, scaled embeddings, q/k norms, non-default attention scale and a
-window of 8 positions on its local layers with their own rope base, Phi-3's
-fused tensors and a window, Mistral's window on every layer. The windows are
-shorter than the long greedy prompt, so a layer that read outside its
-window would change the logits.
+window of 8 positions on its local layers with their own rope base, Gemma
+2's attention and final logit soft-capping (caps small enough to matter)
+with a window of 8 on every other layer, Phi-3's fused tensors and a
+window, Mistral's window on every layer, and a Llama with YaRN rope scaling
+(`llama-yarn`: an original context shorter than the long prompt). The
+windows are shorter than the long greedy prompt, so a layer that read
+outside its window would change the logits.
 
     scripts/golden/run_families.sh           (venv as run.sh makes it)
 """
@@ -83,6 +86,43 @@ FAMILIES = {
     ),
     "phi3": ("phi3", {"sliding_window": 24, "rope_theta": 10_000.0}, 24),
     "mistral": ("mistral", {"sliding_window": 16, "rope_theta": 10_000.0}, 25),
+    "gemma2": (
+        "gemma2",
+        {
+            "num_hidden_layers": 3,
+            "intermediate_size": 96,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "rope_theta": 10_000.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,
+            # Small enough that both caps bend this model's scores and
+            # logits by whole units (the defaults, 50 and 30, barely would).
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 15.0,
+        },
+        26,
+    ),
+    # The tiny Llama with YaRN instead of Llama 3 scaling: factor 4 over an
+    # original context of 64, which the long prompt (112 tokens, 144 with
+    # the new ones) passes; head size 16 puts pair 0 above beta_fast
+    # (kept), pairs 1 and 2 on the ramp, pairs 3-7 below beta_slow
+    # (interpolated); cos and sin scaled by 0.1 ln 4 + 1.
+    "llama-yarn": (
+        "llama",
+        {
+            "intermediate_size": 96,
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+        27,
+    ),
 }
 
 # Init std per parameter kind (see make_golden.TINY_INIT_STD).

@@ -7,8 +7,12 @@ gate/up kept fused, a tied embedding without `output.weight`, the tiny
 Llama's byte-level BPE vocabulary (`tokenizer.ggml.pre` = smollm).
 
 Written per family: F32 (the same weights as the safetensors: greedy must
-equal transformers' golden data) and Q8_0; for qwen3 also F16, BF16, Q4_0,
-Q4_1, Q5_0 and Q5_1. (The tiny models are 64 wide: K-quants need 256-wide
+equal transformers' golden data) and Q8_0 (llama-yarn: F32 only); for qwen3
+also F16, BF16, Q4_0, Q4_1, Q5_0 and Q5_1. Rope scaling is written as the
+converter writes it (YaRN: `rope.scaling.type`, `.factor`,
+`.original_context_length`, and the `yarn_*` keys the config has), Gemma 2's
+caps as `attn_logit_softcapping` and `final_logit_softcapping`, without a
+window pattern (llama.cpp fixes Gemma 2's at every other layer). (The tiny models are 64 wide: K-quants need 256-wide
 rows, so they are tested on the real Gemma 3 GGUF and in the kernels.)
 Matrices are quantized, vectors stay F32, as llama.cpp does.
 
@@ -17,6 +21,7 @@ tiny-qwen3-IQ4_NL.gguf: Q8_0 with one tensor in IQ4_NL, a type kvmesh does
 not run (the loader must refuse it, naming the tensor and the type).
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -38,9 +43,20 @@ PER_FAMILY = {
     "gemma3": ["F32", "Q8_0"],
     "phi3": ["F32", "Q8_0"],
     "mistral": ["F32", "Q8_0"],
+    "gemma2": ["F32", "Q8_0"],
+    "llama-yarn": ["F32"],
 }
 # family -> GGUF architecture
-ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3", "mistral": "llama"}
+ARCH = {
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+    "phi3": "phi3",
+    "mistral": "llama",
+    "gemma2": "gemma2",
+    "llama-yarn": "llama",
+}
+GEMMA = ("gemma2", "gemma3")
 
 LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -62,7 +78,7 @@ def layer_name(family, rest):
     """HF `self_attn.q_proj.weight` -> GGUF `attn_q.weight` for this family."""
     base, _, kind = rest.rpartition(".")
     if base == "post_attention_layernorm":
-        base_out = "post_attention_norm" if family == "gemma3" else "ffn_norm"
+        base_out = "post_attention_norm" if family in GEMMA else "ffn_norm"
     elif base == "pre_feedforward_layernorm":
         base_out = "ffn_norm"
     elif base == "post_feedforward_layernorm":
@@ -129,8 +145,24 @@ def convert(family, type_name, odd_tensor=None):
     layer_types = cfg.get("layer_types")
     if cfg.get("sliding_window") and (family != "qwen2" or cfg.get("use_sliding_window")):
         w.add_sliding_window(cfg["sliding_window"])
-        if layer_types and len(set(layer_types)) > 1:
+        if layer_types and len(set(layer_types)) > 1 and family != "gemma2":
             w.add_sliding_window_pattern([t == "sliding_attention" for t in layer_types])
+    if rope.get("rope_type") == "yarn":
+        # As llama.cpp's converter: the optional keys only where the config
+        # has them.
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    if family == "gemma2":
+        w.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
+        w.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
+        w.add_float32("gemma2.attention.scale", float(np.float32(cfg["query_pre_attn_scalar"] ** -0.5)))
     if family == "gemma3":
         local = (rope.get("sliding_attention") or {}).get("rope_theta")
         assert local is not None
@@ -160,7 +192,7 @@ def convert(family, type_name, odd_tensor=None):
                 t = permute(t, n_head)
             elif arch == "llama" and rest.startswith("self_attn.k_proj"):
                 t = permute(t, n_kv)
-        if family == "gemma3" and name.endswith("norm.weight"):
+        if family in GEMMA and name.endswith("norm.weight"):
             t = t + 1.0
         if gname == odd_tensor:
             # A type kvmesh does not run (IQ4_NL: 18 bytes per 32 values),
@@ -181,10 +213,14 @@ def convert(family, type_name, odd_tensor=None):
 
 
 def main():
-    for family, types in PER_FAMILY.items():
-        for t in types:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=sorted(PER_FAMILY), action="append", help="these families only")
+    args = ap.parse_args()
+    for family in args.only or PER_FAMILY:
+        for t in PER_FAMILY[family]:
             convert(family, t)
-    convert("qwen3", "Q8_0", odd_tensor="blk.1.attn_v.weight")
+    if not args.only or "qwen3" in args.only:
+        convert("qwen3", "Q8_0", odd_tensor="blk.1.attn_v.weight")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ fn shape(window: Option<usize>) -> AttentionShape {
         head_dim: HD,
         scale: 1.0 / (HD as f32).sqrt(),
         window,
+        softcap: None,
     }
 }
 

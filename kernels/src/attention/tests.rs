@@ -128,6 +128,10 @@ fn dense(shape: &AttentionShape, q: &[f32], pos: &[usize], k: &[f32], v: &[f32])
                         .sum::<f64>()
                         * shape.scale as f64
                 })
+                .map(|s| match shape.softcap {
+                    Some(cap) => cap as f64 * (s / cap as f64).tanh(),
+                    None => s,
+                })
                 .collect();
             let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
@@ -206,6 +210,7 @@ fn setup(
         head_dim: d,
         scale: 1.0 / (d as f32).sqrt(),
         window,
+        softcap: None,
     };
     let n_pages = ctx.div_ceil(ps);
     let table = shuffled_table(n_pages, n_pages + spare);
@@ -225,25 +230,64 @@ fn matches_dense_reference_for_prefill_and_decode_shapes() {
         (9, 3, 64, 16, 83, Some(21)),
         (4, 1, 128, 16, 50, None),
     ] {
-        let (shape, table, store, k, v) = setup((nh, nkv, d, ps, ctx, window), 5, 1);
-        // Prefill: every position; decode: the last one only.
-        for positions in [(0..ctx).collect::<Vec<_>>(), vec![ctx - 1]] {
-            let q = noise(3, positions.len() * nh * d);
-            let mut out = vec![0.0; q.len()];
-            paged_attention(&store, &table, 0, &shape, &q, &positions, &mut out)
-                .expect("valid read");
-            let want = dense(&shape, &q, &positions, &k, &v);
-            let err = out
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
-            assert!(
-                err < 1e-5,
-                "max abs error {err} for shape {nh}/{nkv}/{d} page {ps} ctx {ctx}"
-            );
+        let (mut shape, table, store, k, v) = setup((nh, nkv, d, ps, ctx, window), 5, 1);
+        for (path, softcap) in crate::cpu::available_paths()
+            .into_iter()
+            .flat_map(|p| SOFTCAPS.map(|c| (p, c)))
+        {
+            shape.softcap = softcap;
+            // Prefill: every position; decode: the last one only.
+            for positions in [(0..ctx).collect::<Vec<_>>(), vec![ctx - 1]] {
+                let q = noise(3, positions.len() * nh * d);
+                let mut out = vec![0.0; q.len()];
+                paged_attention_with(path, &store, &table, 0, &shape, &q, &positions, &mut out)
+                    .expect("valid read");
+                let want = dense(&shape, &q, &positions, &k, &v);
+                let err = out
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    err < 1e-5,
+                    "{path}: max abs error {err} for shape {nh}/{nkv}/{d} page {ps} ctx {ctx} cap {softcap:?}"
+                );
+            }
         }
     }
+}
+
+/// Soft-capping with a cap small enough to saturate some of the tests'
+/// scores (about +-1 before the cap), and none.
+const SOFTCAPS: [Option<f32>; 2] = [None, Some(0.6)];
+
+/// The cap changes the result where scores reach it (so a path that
+/// ignored it would fail the dense comparison above), and a cap far above
+/// every score changes it by rounding only.
+#[test]
+fn softcap_changes_attention_where_scores_reach_it() {
+    let (mut shape, table, store, _, _) = setup((9, 3, 64, 16, 70, Some(21)), 5, 1);
+    let positions: Vec<usize> = (0..70).collect();
+    let q = noise(3, positions.len() * 9 * 64);
+    let mut run = |cap: Option<f32>| {
+        shape.softcap = cap;
+        let mut out = vec![0.0; q.len()];
+        paged_attention(&store, &table, 0, &shape, &q, &positions, &mut out).expect("valid read");
+        out
+    };
+    let diff = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    };
+    let plain = run(None);
+    assert!(diff(&plain, &run(Some(0.6))) > 1e-3);
+    assert!(diff(&plain, &run(Some(1e4))) < 1e-6);
+    assert_eq!(softcap(3.0, None), 3.0);
+    assert_eq!(softcap(0.0, Some(50.0)), 0.0);
+    assert!((softcap(1e9, Some(50.0)) - 50.0).abs() < 1e-4);
+    assert!((softcap(-1e9, Some(50.0)) + 50.0).abs() < 1e-4);
 }
 
 #[test]
@@ -259,6 +303,7 @@ fn violation_reads_nothing_and_leaves_output_untouched() {
         head_dim: 8,
         scale: 0.3,
         window: None,
+        softcap: None,
     };
     let table = shuffled_table(3, 6);
     let k = noise(5, 12 * 8);
@@ -298,6 +343,7 @@ fn sliding_window_skips_pages_outside_every_window() {
         head_dim: 4,
         scale: 0.5,
         window: Some(4),
+        softcap: None,
     };
     let table = shuffled_table(4, 4);
     let k = noise(8, 16 * 4);
@@ -313,8 +359,8 @@ fn sliding_window_skips_pages_outside_every_window() {
 }
 
 /// A query's output is the same to the bit alone (a decode step) as in a
-/// block of any prompt chunk, windowed or not: what keeps the mesh equal to
-/// the reference engine.
+/// block of any prompt chunk, windowed or not, soft-capped or not: what
+/// keeps the mesh equal to the reference engine.
 #[test]
 fn a_query_computes_the_same_bits_alone_and_in_any_block() {
     for (nh, nkv, d, ps, ctx, window) in [
@@ -323,7 +369,8 @@ fn a_query_computes_the_same_bits_alone_and_in_any_block() {
         (6, 2, 32, 8, 41, Some(40)),
         (4, 4, 16, 4, 23, None),
     ] {
-        let (shape, table, store, _, _) = setup((nh, nkv, d, ps, ctx, window), 3, 4);
+        let (mut shape, table, store, _, _) = setup((nh, nkv, d, ps, ctx, window), 3, 4);
+        shape.softcap = if window.is_some() { Some(0.6) } else { None };
         let q = noise(6, ctx * nh * d);
         let run = |from: usize, to: usize| {
             let positions: Vec<usize> = (from..to).collect();
@@ -420,7 +467,8 @@ fn f16_conversion_rounds_to_nearest_and_saturates() {
 
 /// The AVX-512 build computes the AVX2 build's bits: tiled head sizes
 /// (multiples of 32) and the generic block's (16, 8, 40), f32 and f16
-/// pools, windows, prefill chunks and single decode queries; and within
+/// pools, windows, soft-capped or not, prefill chunks and single decode
+/// queries; and within
 /// the AVX-512 path a query's bits do not depend on its block.
 #[test]
 fn avx512_attention_equals_avx2_to_the_bit() {
@@ -438,9 +486,13 @@ fn avx512_attention_equals_avx2_to_the_bit() {
         (8, 8, 8, 1, 5, None),
         (5, 5, 40, 4, 19, Some(7)),
     ] {
-        let (shape, table, store, _, _) = setup((nh, nkv, d, ps, ctx, window), 7, 3);
+        let (mut shape, table, store, _, _) = setup((nh, nkv, d, ps, ctx, window), 7, 3);
         let (f16, f32) = store.into_f16_pair();
-        for pages in [&f16, &f32] {
+        for (pages, softcap) in [&f16, &f32]
+            .into_iter()
+            .flat_map(|p| SOFTCAPS.map(|c| (p, c)))
+        {
+            shape.softcap = softcap;
             let q = noise(12, ctx * nh * d);
             let run = |path: Path, from: usize, to: usize| {
                 let positions: Vec<usize> = (from..to).collect();
@@ -469,7 +521,7 @@ fn avx512_attention_equals_avx2_to_the_bit() {
             assert_eq!(
                 differ(&whole, &run(Path::Avx2, 0, ctx)),
                 None,
-                "({nh}/{nkv}/{d}, window {window:?}) prefill"
+                "({nh}/{nkv}/{d}, window {window:?}, cap {softcap:?}) prefill"
             );
             for (from, to) in [(0, 1), (ctx - 1, ctx), (3, ctx / 2 + 3), (ctx / 3, ctx)] {
                 let part = run(Path::Avx512, from, to);

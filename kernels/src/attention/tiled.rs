@@ -4,7 +4,8 @@
 //! # Arithmetic (independent of the block, to the bit)
 //! - Score of query `i` at position `p`: eight lanes, lane `l` accumulating
 //!   `q[l + 8s] * k[l + 8s]` over `s` in order with fused multiply-adds, then
-//!   `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, times the scale.
+//!   `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, times the scale,
+//!   then soft-capped where the shape says (`super::softcap`, scalar).
 //! - Softmax per query: `e = exp(s - max)` (one vector polynomial), the sum
 //!   over eight lanes in position order then reduced as above; weights
 //!   `e * (1 / sum)`.
@@ -309,6 +310,10 @@ pub(super) unsafe fn attend_typed<E: Elem, T: Tiles>(
             }
         }
         for w in w.iter_mut() {
+            if shape.softcap.is_some() {
+                w.iter_mut()
+                    .for_each(|s| *s = super::softcap(*s, shape.softcap));
+            }
             softmax(w);
         }
     }

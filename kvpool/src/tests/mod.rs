@@ -36,6 +36,7 @@ pub(crate) const SHAPE: AttentionShape = AttentionShape {
     head_dim: 2,
     scale: 0.7,
     window: None,
+    softcap: None,
 };
 
 /// `n` tokens of distinct, non-zero, finite values derived from `seed`.

@@ -1,17 +1,25 @@
 //! Gemma 2: GeGLU with tanh GELU, RMSNorm as `x * (1 + w)` (the GGUF files
 //! store `1 + w`), norms before and after attention and the MLP,
 //! embeddings times `sqrt(hidden)`, attention scaled by
-//! `query_pre_attn_scalar^-0.5`, sliding-window and global layers
-//! alternating, soft-capped final logits. Its attention logit soft-capping
-//! is not implemented in the paged attention kernels yet: a config that
-//! asks for it (every released Gemma 2) is refused at load, never run
-//! without it.
+//! `query_pre_attn_scalar^-0.5` and its scores soft-capped
+//! (`attn_logit_softcapping`), sliding-window and global layers
+//! alternating (layer 0 sliding), soft-capped final logits, one rope base.
+//!
+//! Where a file leaves a key out, the defaults of the reference that reads
+//! that format apply: transformers' `Gemma2Config` for `config.json` (an
+//! explicit `null` turns a cap off there), llama.cpp's for GGUF.
 
 use super::{Activation, Family, LayerType, Part};
 use crate::config::hf::HfConfig;
 use crate::config::ModelConfig;
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 use crate::loader::gguf::GgufFile;
+
+/// Attention logit cap, final logit cap and window when the file has none
+/// (transformers' `Gemma2Config` and llama.cpp agree on these).
+const DEFAULT_ATTN_SOFTCAP: f32 = 50.0;
+const DEFAULT_FINAL_SOFTCAP: f32 = 30.0;
+const DEFAULT_WINDOW: usize = 4096;
 
 pub(crate) const FAMILY: Family = Family {
     name: "gemma2",
@@ -22,12 +30,12 @@ pub(crate) const FAMILY: Family = Family {
     fused: false,
     hf: |hf, cfg| {
         gemma_block(hf, cfg)?;
-        if let Some(cap) = hf.opt_f32("attn_logit_softcapping")? {
-            return Err(hf.invalid(
-                "attn_logit_softcapping",
-                cap.to_string(),
-                "attention logit soft-capping is not implemented".into(),
-            ));
+        cfg.block.attn_softcap =
+            hf.opt_f32_or("attn_logit_softcapping", Some(DEFAULT_ATTN_SOFTCAP))?;
+        cfg.block.final_softcap =
+            hf.opt_f32_or("final_logit_softcapping", Some(DEFAULT_FINAL_SOFTCAP))?;
+        if hf.get("sliding_window").is_none() {
+            cfg.sliding_window = Some(DEFAULT_WINDOW);
         }
         if cfg.layer_types.is_empty() {
             cfg.layer_types = window_pattern(cfg.n_layers, 2);
@@ -35,20 +43,18 @@ pub(crate) const FAMILY: Family = Family {
         Ok(())
     },
     gguf: |g, cfg| {
-        if let Some(cap) = g.opt_f32("gemma2.attn_logit_softcapping")? {
-            return Err(ModelError::InvalidField {
-                path: g.path().to_owned(),
-                field: "gemma2.attn_logit_softcapping".into(),
-                value: cap.to_string(),
-                reason: "attention logit soft-capping is not implemented".into(),
-            });
-        }
         gemma_gguf_scale(g, cfg)?;
-        cfg.block.final_softcap = g.opt_f32("gemma2.final_logit_softcapping")?;
-        if cfg.sliding_window.is_some() {
-            cfg.layer_types = super::gguf_window_pattern(g, "gemma2", cfg.n_layers)?
-                .unwrap_or_else(|| window_pattern(cfg.n_layers, 2));
-        }
+        cfg.block.attn_softcap = Some(
+            g.opt_f32("gemma2.attn_logit_softcapping")?
+                .unwrap_or(DEFAULT_ATTN_SOFTCAP),
+        );
+        cfg.block.final_softcap = Some(
+            g.opt_f32("gemma2.final_logit_softcapping")?
+                .unwrap_or(DEFAULT_FINAL_SOFTCAP),
+        );
+        cfg.sliding_window.get_or_insert(DEFAULT_WINDOW);
+        cfg.layer_types = super::gguf_window_pattern(g, "gemma2", cfg.n_layers)?
+            .unwrap_or_else(|| window_pattern(cfg.n_layers, 2));
         Ok(())
     },
     hf_name: gemma_hf_name,
@@ -67,16 +73,25 @@ pub(crate) fn window_pattern(n_layers: usize, pattern: usize) -> Vec<LayerType> 
         .collect()
 }
 
+/// `query_pre_attn_scalar` when a Gemma 2 or 3 `config.json` has none.
+const DEFAULT_QUERY_PRE_ATTN_SCALAR: f64 = 256.0;
+
 /// The switches Gemma 2 and 3 share, from a `config.json`.
 pub(crate) fn gemma_block(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {
     hf.require_activation(Activation::GeluTanh)?;
     hf.refuse_true("attention_bias", "an attention bias")?;
+    hf.refuse_true(
+        "use_bidirectional_attention",
+        "bidirectional attention (embedding Gemma)",
+    )?;
     cfg.block.activation = Activation::GeluTanh;
     cfg.block.sandwich_norms = true;
     cfg.block.embed_scale = Some(embed_scale(cfg.hidden_size));
+    // transformers' Gemma 2 and 3 configs default the scalar to 256 (their
+    // default head size), whatever the head size.
     let scalar = hf
         .opt_f32("query_pre_attn_scalar")?
-        .map_or(cfg.head_dim as f64, f64::from);
+        .map_or(DEFAULT_QUERY_PRE_ATTN_SCALAR, f64::from);
     cfg.block.attn_scale = scalar.powf(-0.5) as f32;
     cfg.block.final_softcap = hf.opt_f32("final_logit_softcapping")?;
     Ok(())

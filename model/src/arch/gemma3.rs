@@ -49,10 +49,6 @@ pub(crate) const FAMILY: Family = Family {
 fn gemma3_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {
     gemma_block(hf, cfg)?;
     cfg.block.qk_norm = true;
-    hf.refuse_true(
-        "use_bidirectional_attention",
-        "bidirectional attention (embedding Gemma)",
-    )?;
     if cfg.layer_types.is_empty() {
         let pattern = hf.opt_usize("sliding_window_pattern")?.unwrap_or(PATTERN);
         cfg.layer_types = window_pattern(cfg.n_layers, pattern);

@@ -13,20 +13,9 @@ pub(crate) const FAMILY: Family = Family {
     hf_norm_offset: 0.0,
     fused: true,
     hf: |hf, cfg| {
+        // (A partial rotary factor is refused for every family where the
+        // rope is read.)
         plain_llama_block(hf)?;
-        let factor = match hf.get("rope_parameters") {
-            Some(serde_json::Value::Object(p)) => {
-                p.get("partial_rotary_factor").and_then(|v| v.as_f64())
-            }
-            _ => None,
-        };
-        if let Some(f) = factor.filter(|&f| f != 1.0) {
-            return Err(hf.invalid(
-                "rope_parameters.partial_rotary_factor",
-                f.to_string(),
-                "partial rotary embeddings are not implemented".into(),
-            ));
-        }
         if cfg.layer_types.is_empty() && cfg.sliding_window.is_some() {
             cfg.layer_types = vec![LayerType::Sliding; cfg.n_layers];
         }

@@ -96,23 +96,71 @@ fn gemma3_derives_its_switches_windows_and_local_rope() {
 }
 
 #[test]
+fn gemma2_reads_its_caps_windows_and_scale_with_transformers_defaults() {
+    let c = parse(base(
+        "gemma2",
+        json!({"sliding_window": 64, "query_pre_attn_scalar": 24,
+               "attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0}),
+    ))
+    .expect("gemma2");
+    assert_eq!(c.family, "gemma2");
+    assert_eq!(c.block.attn_softcap, Some(20.0));
+    assert_eq!(c.block.final_softcap, Some(15.0));
+    assert_eq!(c.block.attn_scale, (24f64).powf(-0.5) as f32);
+    assert_eq!(c.block.activation, Activation::GeluTanh);
+    assert!(c.block.sandwich_norms && !c.block.qk_norm);
+    assert_eq!(c.block.embed_scale, Some(8.0));
+    assert_eq!(c.sliding_window, Some(64));
+    // Layer 0 slides, layer 1 attends everything, and so on.
+    for (i, t) in c.layer_types.iter().enumerate() {
+        let want = if i % 2 == 0 {
+            LayerType::Sliding
+        } else {
+            LayerType::Full
+        };
+        assert_eq!(*t, want, "layer {i}");
+    }
+    assert_eq!(c.local_rope_theta, None, "one rope base");
+    assert!(c
+        .block
+        .non_llama_switches(c.head_dim)
+        .contains(&"attention logit soft-capping"));
+
+    // Absent keys take Gemma2Config's defaults; null turns a cap off.
+    let d = parse(base("gemma2", json!({}))).expect("gemma2 defaults");
+    assert_eq!(d.block.attn_softcap, Some(50.0));
+    assert_eq!(d.block.final_softcap, Some(30.0));
+    assert_eq!(d.sliding_window, Some(4096));
+    assert_eq!(d.block.attn_scale, 256f32.powf(-0.5));
+    let off = parse(base(
+        "gemma2",
+        json!({"attn_logit_softcapping": null, "final_logit_softcapping": null}),
+    ))
+    .expect("gemma2 without caps");
+    assert_eq!(
+        (off.block.attn_softcap, off.block.final_softcap),
+        (None, None)
+    );
+    // transformers 5's explicit layer types win over the alternation.
+    let lt = parse(base(
+        "gemma2",
+        json!({"sliding_window": 8, "layer_types": vec!["full_attention"; 12]}),
+    ))
+    .expect("gemma2 layer types");
+    assert!(lt.layer_types.iter().all(|t| *t == LayerType::Full));
+    assert_eq!(lt.sliding_window, None);
+}
+
+#[test]
 fn what_a_family_cannot_run_is_refused_by_name() {
-    // Gemma 2's attention soft-capping is not in the attention kernels.
+    // A cap that is not a positive number.
     assert_eq!(
         invalid_field(parse(base(
             "gemma2",
-            json!({"sliding_window": 64, "attn_logit_softcapping": 50.0})
+            json!({"attn_logit_softcapping": -1.0})
         ))),
         "attn_logit_softcapping"
     );
-    let g2 = parse(base(
-        "gemma2",
-        json!({"sliding_window": 64, "final_logit_softcapping": 30.0}),
-    ))
-    .expect("gemma2 without attention soft-capping");
-    assert_eq!(g2.block.final_softcap, Some(30.0));
-    assert_eq!(g2.layer_types[0], LayerType::Sliding);
-    assert_eq!(g2.layer_types[1], LayerType::Full);
     // Qwen3's attention_bias biases o_proj too.
     assert_eq!(
         invalid_field(parse(base("qwen3", json!({"attention_bias": true})))),

@@ -1,7 +1,7 @@
 //! [`ModelConfig`] from GGUF metadata: the keys every family shares
 //! (`{arch}.embedding_length` and so on), then the family's hook.
 
-use kvmesh_kernels::rope::RopeScaling;
+use kvmesh_kernels::rope::{yarn_attention_factor, RopeScaling, Yarn};
 
 use super::{FieldNames, ModelConfig};
 use crate::arch::{Block, Family, LayerType};
@@ -119,8 +119,8 @@ impl ModelConfig {
     }
 }
 
-/// `{arch}.rope.scaling.type` none/linear, or a `rope_freqs.weight` tensor
-/// that matches a Llama 3 scaling.
+/// `{arch}.rope.scaling.type` none, linear or yarn, or a
+/// `rope_freqs.weight` tensor that matches a Llama 3 scaling.
 fn rope_scaling(g: &mut GgufFile, arch: &str, head_dim: usize, theta: f32) -> Result<RopeScaling> {
     let key = |k: &str| format!("{arch}.{k}");
     let scaling = match g.opt_str(&key("rope.scaling.type"))? {
@@ -132,11 +132,12 @@ fn rope_scaling(g: &mut GgufFile, arch: &str, head_dim: usize, theta: f32) -> Re
             }
             None => return Err(g.missing_field(&key("rope.scaling.factor")).into()),
         },
+        Some("yarn") => RopeScaling::Yarn(yarn(g, arch)?),
         Some(other) => {
             return Err(g.invalid_field(
                 &key("rope.scaling.type"),
                 format!("{other:?}"),
-                "supported RoPE scalings are none and linear (Llama 3 scaling comes as rope_freqs.weight)",
+                format!("{other} RoPE scaling is not implemented (supported: none, linear, yarn; Llama 3 scaling comes as rope_freqs.weight)"),
             ).into())
         }
     };
@@ -147,7 +148,10 @@ fn rope_scaling(g: &mut GgufFile, arch: &str, head_dim: usize, theta: f32) -> Re
         return Err(g
             .invalid_field(
                 &key("rope.scaling.type"),
-                "\"linear\"",
+                format!(
+                    "{:?}",
+                    g.opt_str(&key("rope.scaling.type"))?.unwrap_or_default()
+                ),
                 "cannot be combined with a rope_freqs.weight tensor",
             )
             .into());
@@ -170,6 +174,69 @@ fn rope_scaling(g: &mut GgufFile, arch: &str, head_dim: usize, theta: f32) -> Re
             architecture: format!("{arch} with per-pair RoPE divisors ({ROPE_FREQS_TENSOR}) that match no Llama 3 scaling"),
         }),
     }
+}
+
+/// YaRN from the keys llama.cpp's converter writes: `factor` (required),
+/// `original_context_length` (else the context length, as llama.cpp
+/// defaults it), `yarn_beta_fast` and `yarn_beta_slow` (32 and 1).
+///
+/// The magnitude cos and sin are multiplied by: `yarn_attn_factor` where
+/// present (the converter copies transformers' `attention_factor` there),
+/// else what llama.cpp computes, `0.1 ln(factor) + 1` (with a
+/// `yarn_log_multiplier`, DeepSeek's `mscale_all_dim`, the ratio
+/// transformers takes for `mscale` 1 and that); times `attn_factor`, which
+/// llama.cpp multiplies in. `yarn_ext_factor` other than 1 (negative:
+/// unset) changes YaRN's ramp in a way transformers has no parameter for:
+/// refused by name.
+fn yarn(g: &GgufFile, arch: &str) -> Result<Yarn> {
+    let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+    let positive = |k: &str| -> Result<Option<f32>> {
+        match g.opt_f32(&key(k))? {
+            Some(x) if !(x.is_finite() && x > 0.0) => Err(g
+                .invalid_field(&key(k), x.to_string(), "must be positive")
+                .into()),
+            x => Ok(x),
+        }
+    };
+    let factor = f64::from(positive("factor")?.ok_or_else(|| g.missing_field(&key("factor")))?);
+    let original = match g.opt_usize(&key("original_context_length"))? {
+        Some(0) => {
+            return Err(g
+                .invalid_field(&key("original_context_length"), "0", "must be positive")
+                .into())
+        }
+        Some(n) => n,
+        None => kvmesh_tokenizer::info::gguf_context_length(g, arch)?,
+    };
+    if let Some(ext) = g
+        .opt_f32(&key("yarn_ext_factor"))?
+        .filter(|&e| e >= 0.0 && e != 1.0)
+    {
+        return Err(g
+            .invalid_field(
+                &key("yarn_ext_factor"),
+                ext.to_string(),
+                "a YaRN ramp mixed by other than 1 is not implemented",
+            )
+            .into());
+    }
+    let log_mul = g
+        .opt_f32(&key("yarn_log_multiplier"))?
+        .filter(|&m| m != 0.0)
+        .map(f64::from);
+    let magnitude = match positive("yarn_attn_factor")? {
+        Some(a) => a,
+        None => yarn_attention_factor(factor, log_mul.map(|_| 1.0), log_mul),
+    };
+    Ok(Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast: f64::from(positive("yarn_beta_fast")?.unwrap_or(32.0)),
+        beta_slow: f64::from(positive("yarn_beta_slow")?.unwrap_or(1.0)),
+        // ggml rounds the ramp's bounds outward, always.
+        truncate: true,
+        attention_factor: magnitude * positive("attn_factor")?.unwrap_or(1.0),
+    })
 }
 
 /// Context length before scaling of every Llama 3.x release.

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use kvmesh_kernels::rope::RopeScaling;
+use kvmesh_kernels::rope::{yarn_attention_factor, RopeScaling, Yarn};
 use serde_json::{Map, Value};
 
 use super::{FieldNames, ModelConfig};
@@ -146,13 +146,16 @@ impl HfConfig<'_> {
 
     /// The rope base and scaling of layers of `layer_type`: transformers
     /// 5's `rope_parameters` (flat, or one entry per layer type), else the
-    /// older `rope_theta` and `rope_scaling` keys.
+    /// older `rope_theta` and `rope_scaling` keys. A partial rotary
+    /// embedding (`partial_rotary_factor` below 1, in the rope parameters
+    /// or, where they have none, at the top level) is refused.
     pub(crate) fn rope(&self, layer_type: &str) -> Result<(f32, RopeScaling)> {
         if let Some(Value::Object(params)) = self.get("rope_parameters") {
             let (obj, prefix) = match params.get(layer_type) {
                 Some(Value::Object(inner)) => (inner, format!("rope_parameters.{layer_type}")),
                 _ => (params, "rope_parameters".to_owned()),
             };
+            self.refuse_partial_rotary(obj, &prefix)?;
             let theta_key = format!("{prefix}.rope_theta");
             let theta = match obj.get("rope_theta") {
                 None | Some(Value::Null) => self.opt_f32("rope_theta")?.unwrap_or(10_000.0),
@@ -160,12 +163,30 @@ impl HfConfig<'_> {
                     self.invalid(&theta_key, json_text(v), "expected a number".into())
                 })?,
             };
-            return Ok((theta, self.rope_scaling(obj, &prefix)?));
+            let keys = RopeKeys {
+                prefix: &prefix,
+                flat: std::ptr::eq(obj, params),
+                outer: params,
+                outer_name: "rope_parameters",
+            };
+            return Ok((theta, self.rope_scaling(obj, &keys)?));
         }
         let theta = self.opt_f32("rope_theta")?.unwrap_or(10_000.0);
         let scaling = match self.get("rope_scaling") {
-            None | Some(Value::Null) => RopeScaling::None,
-            Some(Value::Object(obj)) => self.rope_scaling(obj, "rope_scaling")?,
+            None | Some(Value::Null) => {
+                self.refuse_partial_rotary(&Map::new(), "rope_scaling")?;
+                RopeScaling::None
+            }
+            Some(Value::Object(obj)) => {
+                self.refuse_partial_rotary(obj, "rope_scaling")?;
+                let keys = RopeKeys {
+                    prefix: "rope_scaling",
+                    flat: true,
+                    outer: obj,
+                    outer_name: "rope_scaling",
+                };
+                self.rope_scaling(obj, &keys)?
+            }
             Some(other) => {
                 return Err(self.invalid(
                     "rope_scaling",
@@ -175,6 +196,29 @@ impl HfConfig<'_> {
             }
         };
         Ok((theta, scaling))
+    }
+
+    /// Refuse `partial_rotary_factor` other than 1: in the rope parameters
+    /// `obj` (named `prefix`), else at the top level (transformers copies
+    /// the top-level key into rope parameters that lack it).
+    fn refuse_partial_rotary(&self, obj: &Map<String, Value>, prefix: &str) -> Result<()> {
+        let (field, value) = match obj.get("partial_rotary_factor") {
+            None | Some(Value::Null) => match self.get("partial_rotary_factor") {
+                None | Some(Value::Null) => return Ok(()),
+                Some(v) => ("partial_rotary_factor".to_owned(), v),
+            },
+            Some(v) => (format!("{prefix}.partial_rotary_factor"), v),
+        };
+        match value.as_f64() {
+            Some(1.0) => Ok(()),
+            Some(_) => Err(self.invalid(
+                &field,
+                json_text(value),
+                "partial rotary embeddings are not implemented (every head dimension is rotated)"
+                    .into(),
+            )),
+            None => Err(self.invalid(&field, json_text(value), "expected a number".into())),
+        }
     }
 
     /// Refuse a `hidden_act` (or Gemma's `hidden_activation`) other than
@@ -203,7 +247,8 @@ impl HfConfig<'_> {
         Ok(())
     }
 
-    fn rope_scaling(&self, obj: &Map<String, Value>, prefix: &str) -> Result<RopeScaling> {
+    fn rope_scaling(&self, obj: &Map<String, Value>, keys: &RopeKeys<'_>) -> Result<RopeScaling> {
+        let prefix = keys.prefix;
         let (type_key, kind) = match (obj.get("rope_type"), obj.get("type")) {
             (Some(Value::String(s)), _) => (format!("{prefix}.rope_type"), s.as_str()),
             (None, Some(Value::String(s))) => (format!("{prefix}.type"), s.as_str()),
@@ -270,12 +315,118 @@ impl HfConfig<'_> {
                     original_max_position_embeddings,
                 })
             }
+            "yarn" => self.yarn(obj, keys).map(RopeScaling::Yarn),
             other => Err(self.invalid(
                 &type_key,
                 format!("{other:?}"),
-                "supported RoPE scalings are default, linear and llama3".into(),
+                format!(
+                    "{other} RoPE scaling is not implemented (supported: default, linear, llama3, yarn)"
+                ),
             )),
         }
+    }
+
+    /// YaRN's parameters with transformers' defaults
+    /// (`_compute_yarn_parameters` after `standardize_rope_params`):
+    /// - `original_max_position_embeddings`: a top-level key of that name
+    ///   wins for flat rope parameters (Phi-3 style), then the rope
+    ///   parameters' own, then `max_position_embeddings`;
+    /// - `factor` (required; `null` is `max_position_embeddings /
+    ///   original`);
+    /// - `beta_fast` 32 and `beta_slow` 1 where absent, null or 0;
+    /// - `attention_factor`, else [`yarn_attention_factor`] of `factor`
+    ///   with `mscale` and `mscale_all_dim`;
+    /// - `truncate` (true) from the outer rope parameters, as transformers
+    ///   reads it (so per-layer-type parameters always truncate).
+    fn yarn(&self, obj: &Map<String, Value>, keys: &RopeKeys<'_>) -> Result<Yarn> {
+        let field = |key: &str| format!("{}.{key}", keys.prefix);
+        // A positive finite number; `None` where absent or null.
+        let positive = |key: &str| -> Result<Option<f64>> {
+            match obj.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => match v.as_f64() {
+                    Some(x) if x.is_finite() && x > 0.0 => Ok(Some(x)),
+                    _ => Err(self.invalid(
+                        &field(key),
+                        json_text(v),
+                        "expected a positive number".into(),
+                    )),
+                },
+            }
+        };
+        // transformers' `get(key) or default`: 0 takes the default too.
+        let beta = |key: &str, default: f64| -> Result<f64> {
+            if obj.get(key).and_then(Value::as_f64) == Some(0.0) {
+                return Ok(default);
+            }
+            Ok(positive(key)?.unwrap_or(default))
+        };
+        let context = kvmesh_tokenizer::info::hf_context_length(self.path, self.obj)?;
+        let original = self.yarn_original(obj, keys)?.unwrap_or(context);
+        let factor = match positive("factor")? {
+            Some(f) => f,
+            // `null`: the ratio of the context lengths, as transformers
+            // does for DeepSeek-style configs.
+            None if obj.contains_key("factor") => context as f64 / original.max(1) as f64,
+            None => return Err(self.missing(&field("factor"))),
+        };
+        let attention_factor = match positive("attention_factor")? {
+            Some(a) => a as f32,
+            None => yarn_attention_factor(factor, positive("mscale")?, positive("mscale_all_dim")?),
+        };
+        let truncate = match keys.outer.get("truncate") {
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => {
+                return Err(self.invalid(
+                    &format!("{}.truncate", keys.outer_name),
+                    json_text(v),
+                    "expected true or false".into(),
+                ))
+            }
+        };
+        Ok(Yarn {
+            factor,
+            original_max_position_embeddings: original,
+            beta_fast: beta("beta_fast", 32.0)?,
+            beta_slow: beta("beta_slow", 1.0)?,
+            truncate,
+            attention_factor,
+        })
+    }
+
+    /// YaRN's original context length as transformers'
+    /// `standardize_rope_params` settles it: a top-level
+    /// `original_max_position_embeddings` wins for flat rope parameters
+    /// (Phi-3 style configs keep it there), then the rope parameters' own;
+    /// `None`: neither (`max_position_embeddings` applies).
+    fn yarn_original(
+        &self,
+        obj: &Map<String, Value>,
+        keys: &RopeKeys<'_>,
+    ) -> Result<Option<usize>> {
+        const KEY: &str = "original_max_position_embeddings";
+        let top = if keys.flat {
+            self.opt_usize(KEY)?
+        } else {
+            None
+        };
+        let (field, n) = match (top, obj.get(KEY)) {
+            (Some(n), _) => (KEY.to_owned(), n),
+            (None, None | Some(Value::Null)) => return Ok(None),
+            (None, Some(v)) => {
+                let field = format!("{}.{KEY}", keys.prefix);
+                let n = v.as_u64().and_then(|n| usize::try_from(n).ok());
+                let n = n.ok_or_else(|| {
+                    self.invalid(&field, json_text(v), "expected a positive integer".into())
+                })?;
+                (field, n)
+            }
+        };
+        if n == 0 {
+            return Err(self.invalid(&field, "0".into(), "must be positive".into()));
+        }
+        Ok(Some(n))
     }
 
     fn opt_token_id(&self, key: &str) -> Result<Option<u32>> {
@@ -328,6 +479,16 @@ impl HfConfig<'_> {
         }
     }
 
+    /// `opt_f32`, but `default` where the key is absent: an explicit
+    /// `null` is `None` (transformers' configs distinguish the two: a
+    /// missing key takes the class default, `null` turns the feature off).
+    pub(crate) fn opt_f32_or(&self, key: &str, default: Option<f32>) -> Result<Option<f32>> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(_) => self.opt_f32(key),
+        }
+    }
+
     pub(crate) fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         match self.get(key) {
             None | Some(Value::Null) => Ok(None),
@@ -359,6 +520,19 @@ impl HfConfig<'_> {
             reason,
         }
     }
+}
+
+/// Where one set of rope parameters sits in a `config.json`.
+struct RopeKeys<'a> {
+    /// Their path, for messages (`rope_parameters.full_attention`).
+    prefix: &'a str,
+    /// They are the whole `rope_parameters` (or `rope_scaling`), not one
+    /// layer type's entry.
+    flat: bool,
+    /// The whole `rope_parameters` (or `rope_scaling`) object, and its
+    /// name.
+    outer: &'a Map<String, Value>,
+    outer_name: &'a str,
 }
 
 /// A JSON value as it would appear in the file, shortened for messages.

@@ -169,16 +169,16 @@ fn rope_scaling_variants() {
             original_max_position_embeddings: 8192
         }
     );
-    assert_invalid(
-        parse_rs(json!({"rope_type": "yarn", "factor": 4.0})),
-        "rope_scaling.rope_type",
-        "yarn",
-    );
-    assert_invalid(
-        parse_rs(json!({"type": "dynamic", "factor": 4.0})),
-        "rope_scaling.type",
-        "dynamic",
-    );
+    // Every variant still not implemented is refused, naming it.
+    for kind in ["dynamic", "longrope", "su", "mrope"] {
+        let err = parse_rs(json!({"type": kind, "factor": 4.0})).expect_err(kind);
+        assert!(
+            err.to_string()
+                .contains(&format!("{kind} RoPE scaling is not implemented")),
+            "{err}"
+        );
+        assert_invalid(Err(err), "rope_scaling.type", kind);
+    }
     assert_invalid(
         parse_rs(json!({"type": "linear", "factor": -1})),
         "rope_scaling.factor",
@@ -193,6 +193,153 @@ fn rope_scaling_variants() {
         parse_rs(json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})),
         Err(ModelError::MissingField { ref field, .. }) if field == "rope_scaling.original_max_position_embeddings"
     ));
+}
+
+/// YaRN read as transformers 5 reads it: from `rope_scaling` and from
+/// `rope_parameters`, with its defaults (betas 32 and 1, truncation, the
+/// attention factor from `factor` or from `mscale`/`mscale_all_dim`, the
+/// original context from a top-level key, the parameters', or
+/// `max_position_embeddings`), and what it cannot be refused by name.
+#[test]
+fn yarn_scaling_as_transformers_reads_it() {
+    use kvmesh_kernels::rope::{yarn_attention_factor, Yarn};
+    let yarn = |c: Result<ModelConfig>| match c.expect("yarn parses").rope_scaling {
+        RopeScaling::Yarn(y) => y,
+        other => panic!("expected YaRN, got {other:?}"),
+    };
+    let base = Yarn {
+        factor: 4.0,
+        original_max_position_embeddings: 2048,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: yarn_attention_factor(4.0, None, None),
+    };
+    // The classic key and transformers 5's give the same.
+    let classic = with(
+        smollm2(),
+        "rope_scaling",
+        json!({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}),
+    );
+    assert_eq!(yarn(parse(classic.clone())), base);
+    let params = with(
+        without(smollm2(), "rope_scaling"),
+        "rope_parameters",
+        json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
+               "rope_theta": 100000}),
+    );
+    assert_eq!(yarn(parse(params.clone())), base);
+    assert!((base.attention_factor - (0.1 * 4f32.ln() + 1.0)).abs() < 1e-7);
+
+    // Every knob.
+    let all = with(
+        smollm2(),
+        "rope_scaling",
+        json!({"rope_type": "yarn", "factor": 8, "original_max_position_embeddings": 1024,
+               "beta_fast": 16, "beta_slow": 2.5, "truncate": false, "attention_factor": 0.75}),
+    );
+    assert_eq!(
+        yarn(parse(all)),
+        Yarn {
+            factor: 8.0,
+            original_max_position_embeddings: 1024,
+            beta_fast: 16.0,
+            beta_slow: 2.5,
+            truncate: false,
+            attention_factor: 0.75,
+        }
+    );
+    let deepseek = with(
+        smollm2(),
+        "rope_scaling",
+        json!({"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+               "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 0}),
+    );
+    let y = yarn(parse(deepseek));
+    assert_eq!(
+        y.attention_factor,
+        yarn_attention_factor(40.0, Some(1.0), Some(0.707))
+    );
+    assert_eq!(
+        y.beta_fast, 32.0,
+        "0 takes the default, as transformers' `or`"
+    );
+
+    // The original context: a top-level key wins, else max_position_embeddings.
+    let top = with(
+        classic.clone(),
+        "original_max_position_embeddings",
+        json!(512),
+    );
+    assert_eq!(yarn(parse(top)).original_max_position_embeddings, 512);
+    let none = with(
+        smollm2(),
+        "rope_scaling",
+        json!({"type": "yarn", "factor": 2.0}),
+    );
+    assert_eq!(yarn(parse(none)).original_max_position_embeddings, 8192);
+    // factor null: the ratio of the two context lengths.
+    let ratio = with(
+        smollm2(),
+        "rope_scaling",
+        json!({"type": "yarn", "factor": null, "original_max_position_embeddings": 1024}),
+    );
+    assert_eq!(yarn(parse(ratio)).factor, 8.0);
+    // Per-layer-type parameters: truncation is read from the outer object
+    // (so it stays on), the top-level original context is not consulted.
+    let nested = with(
+        without(
+            with(smollm2(), "original_max_position_embeddings", json!(512)),
+            "rope_scaling",
+        ),
+        "rope_parameters",
+        json!({"full_attention": {"rope_type": "yarn", "factor": 4.0, "truncate": false,
+               "original_max_position_embeddings": 2048}}),
+    );
+    assert_eq!(yarn(parse(nested)), base);
+
+    // Refusals name the key.
+    let bad = |extra: Value| {
+        let mut rs =
+            json!({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048});
+        if let (Value::Object(o), Value::Object(e)) = (&mut rs, extra) {
+            o.extend(e);
+        }
+        parse(with(smollm2(), "rope_scaling", rs))
+    };
+    assert_invalid(bad(json!({"factor": -2})), "rope_scaling.factor", "-2");
+    assert_invalid(
+        bad(json!({"beta_fast": "fast"})),
+        "rope_scaling.beta_fast",
+        "fast",
+    );
+    assert_invalid(
+        bad(json!({"attention_factor": 0})),
+        "rope_scaling.attention_factor",
+        "0",
+    );
+    assert_invalid(bad(json!({"truncate": 1})), "rope_scaling.truncate", "1");
+    assert_invalid(
+        bad(json!({"original_max_position_embeddings": 0})),
+        "rope_scaling.original_max_position_embeddings",
+        "0",
+    );
+    assert!(matches!(
+        parse(with(smollm2(), "rope_scaling", json!({"type": "yarn"}))),
+        Err(ModelError::MissingField { ref field, .. }) if field == "rope_scaling.factor"
+    ));
+    // Partial rotary embeddings, with any scaling or none, in either place.
+    assert_invalid(
+        bad(json!({"partial_rotary_factor": 0.5})),
+        "rope_scaling.partial_rotary_factor",
+        "0.5",
+    );
+    assert_invalid(
+        parse(with(smollm2(), "partial_rotary_factor", json!(0.25))),
+        "partial_rotary_factor",
+        "0.25",
+    );
+    assert!(parse(with(smollm2(), "partial_rotary_factor", json!(1.0))).is_ok());
 }
 
 #[test]

@@ -535,3 +535,112 @@ fn a_loaded_model_can_be_shared_across_threads() {
     fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<LoadedModel>();
 }
+
+/// YaRN from GGUF as llama.cpp's converter writes it: the required factor,
+/// the original context (else the context length), the betas, and the
+/// magnitude from `yarn_attn_factor`, else llama.cpp's default (with
+/// `yarn_log_multiplier` as `mscale_all_dim`), times `attn_factor`;
+/// what has no transformers counterpart is refused by name.
+#[test]
+fn gguf_yarn_keys_read_as_llama_cpp_writes_them() {
+    use kvmesh_kernels::rope::{yarn_attention_factor, RopeScaling, Yarn};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("m.gguf");
+    let with = |keys: &[(&str, GgufValue)]| {
+        write_gguf_model(&path, true, GgmlDType::F32, |md, _| {
+            md.push((
+                "llama.rope.scaling.type".into(),
+                GgufValue::String("yarn".into()),
+            ));
+            for (k, v) in keys {
+                md.retain(|(name, _)| name != k);
+                md.push(((*k).to_owned(), v.clone()));
+            }
+        });
+        load(&path).map(|m| m.config)
+    };
+    let yarn = |keys: &[(&str, GgufValue)]| match with(keys).expect("yarn loads").rope_scaling {
+        RopeScaling::Yarn(y) => y,
+        other => panic!("expected YaRN, got {other:?}"),
+    };
+    // The tiny metadata's `llama.context_length`.
+    let context = 128;
+    let factor = ("llama.rope.scaling.factor", GgufValue::F32(8.0));
+    assert_eq!(
+        yarn(std::slice::from_ref(&factor)),
+        Yarn {
+            factor: 8.0,
+            original_max_position_embeddings: context,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: yarn_attention_factor(8.0, None, None),
+        }
+    );
+    let all = yarn(&[
+        factor.clone(),
+        (
+            "llama.rope.scaling.original_context_length",
+            GgufValue::U32(16),
+        ),
+        ("llama.rope.scaling.yarn_beta_fast", GgufValue::F32(16.0)),
+        ("llama.rope.scaling.yarn_beta_slow", GgufValue::F32(2.0)),
+        ("llama.rope.scaling.yarn_attn_factor", GgufValue::F32(0.75)),
+        ("llama.rope.scaling.attn_factor", GgufValue::F32(2.0)),
+        ("llama.rope.scaling.yarn_ext_factor", GgufValue::F32(1.0)),
+    ]);
+    assert_eq!(
+        (
+            all.original_max_position_embeddings,
+            all.beta_fast,
+            all.beta_slow
+        ),
+        (16, 16.0, 2.0)
+    );
+    assert_eq!(all.attention_factor, 1.5);
+    let log_mul = yarn(&[
+        factor.clone(),
+        (
+            "llama.rope.scaling.yarn_log_multiplier",
+            GgufValue::F32(0.5),
+        ),
+        ("llama.rope.scaling.yarn_ext_factor", GgufValue::F32(-1.0)),
+    ]);
+    assert_eq!(
+        log_mul.attention_factor,
+        yarn_attention_factor(8.0, Some(1.0), Some(0.5))
+    );
+
+    let invalid = |keys: &[(&str, GgufValue)]| match with(keys) {
+        Err(ModelError::InvalidField { field, .. }) => field,
+        other => panic!("expected InvalidField, got {other:?}"),
+    };
+    assert_eq!(
+        invalid(&[
+            factor.clone(),
+            ("llama.rope.scaling.yarn_ext_factor", GgufValue::F32(0.5))
+        ]),
+        "llama.rope.scaling.yarn_ext_factor"
+    );
+    assert_eq!(
+        invalid(&[("llama.rope.scaling.factor", GgufValue::F32(-4.0))]),
+        "llama.rope.scaling.factor"
+    );
+    assert!(matches!(
+        with(&[]),
+        Err(ModelError::MissingField { ref field, .. }) if field == "llama.rope.scaling.factor"
+    ));
+    let refused = with(&[
+        factor,
+        (
+            "llama.rope.scaling.type",
+            GgufValue::String("longrope".into()),
+        ),
+    ])
+    .expect_err("longrope");
+    assert!(
+        matches!(refused, ModelError::InvalidField { ref field, ref value, .. }
+            if field == "llama.rope.scaling.type" && value.contains("longrope")),
+        "{refused}"
+    );
+}
