@@ -782,12 +782,17 @@ SPECIAL_TEXTS = {
 }
 
 
-def golden_gemma(path: Path, out: Path) -> None:
+def golden_real(
+    path: Path, out: Path, vocab: str, name: str, specials: list[str], template: str | None, tools: bool
+) -> None:
+    """A real GGUF as transformers converts it (golden/NAME.json): its
+    texts, merges and conversations, through `template` (None: the file's
+    own)."""
     tok = load(path.parent, path.name)
-    base, differing = cases(tok, None, TEXTS + SPECIAL_TEXTS["gemma3"], True)
+    base, differing = cases(tok, None, TEXTS + specials, True)
     merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
     golden = {
-        "vocab": "gemma3",
+        "vocab": vocab,
         "gguf": path.name,
         "gguf_sha256": _sha256(path),
         "versions": versions(),
@@ -796,38 +801,25 @@ def golden_gemma(path: Path, out: Path) -> None:
         "differing_from_transformers": differing,
         "merges_count": len(merges),
         "merges_fnv1a64": fnv1a64(merges),
-        "chat_template": GEMMA3_TEMPLATE,
+        "chat_template": template,
         "cases": base,
-        "chat": chat(tok, GEMMA3_TEMPLATE, list(CONVERSATIONS), False),
+        "chat": chat(tok, template, list(CONVERSATIONS), tools),
         "variants": [],
     }
-    write_json(out / "golden" / "gemma3-270m.json", golden)
-    print(f"gemma3: {len(base)} texts ({differing} differ from transformers)", file=sys.stderr)
+    write_json(out / "golden" / f"{name}.json", golden)
+    print(f"{vocab}: {len(base)} texts ({differing} differ from transformers)", file=sys.stderr)
+
+
+def golden_gemma(path: Path, out: Path) -> None:
+    """The real Gemma 3 270M GGUF with Gemma 3's published template (the
+    file has none)."""
+    golden_real(path, out, "gemma3", "gemma3-270m", SPECIAL_TEXTS["gemma3"], GEMMA3_TEMPLATE, False)
 
 
 def golden_qwen(path: Path, out: Path) -> None:
     """The real Qwen2.5-Coder 0.5B Instruct GGUF with its own chat template
-    (tools included), as transformers converts it."""
-    tok = load(path.parent, path.name)
-    base, differing = cases(tok, None, TEXTS + SPECIAL_TEXTS["bpe-qwen2"], True)
-    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
-    golden = {
-        "vocab": "qwen2.5-coder-0.5b",
-        "gguf": path.name,
-        "gguf_sha256": _sha256(path),
-        "versions": versions(),
-        "follows": None,
-        "reason": None,
-        "differing_from_transformers": differing,
-        "merges_count": len(merges),
-        "merges_fnv1a64": fnv1a64(merges),
-        "chat_template": None,
-        "cases": base,
-        "chat": chat(tok, None, list(CONVERSATIONS), True),
-        "variants": [],
-    }
-    write_json(out / "golden" / "qwen2.5-coder-0.5b.json", golden)
-    print(f"qwen2.5-coder: {len(base)} texts ({differing} differ from transformers)", file=sys.stderr)
+    (tools included)."""
+    golden_real(path, out, "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b", SPECIAL_TEXTS["bpe-qwen2"], None, True)
 
 
 def _sha256(path: Path) -> str:
