@@ -263,7 +263,9 @@ fn gguf_loads_and_unpermutes_q_and_k() {
         assert!(all_f32_contiguous(&m.weights));
         // Exactly the dequantized originals, in HF row order.
         assert_weights_equal(&m.weights, &expected, 0.0);
-        assert_eq!(m.tokenizer.eos_token_ids(), vec![TINY_EOS]);
+        // The file's eos, and the ChatML end-of-turn control token.
+        let im_end = m.tokenizer.token_to_id("<|im_end|>").expect("<|im_end|>");
+        assert_eq!(m.tokenizer.eos_token_ids(), vec![TINY_EOS, im_end]);
         assert_eq!(m.config.eos_token_ids, vec![TINY_EOS]);
 
         // Quantized: every block format stays blocks (un-permuted by whole
