@@ -75,6 +75,10 @@ pub(crate) fn window_pattern(n_layers: usize, pattern: usize) -> Vec<LayerType> 
 
 /// `query_pre_attn_scalar` when a Gemma 2 or 3 `config.json` has none.
 const DEFAULT_QUERY_PRE_ATTN_SCALAR: f64 = 256.0;
+/// `head_dim` when a Gemma 2 or 3 `config.json` has none (transformers'
+/// configs default it to 256 whatever the hidden size and head count; the
+/// weights' shapes are checked against it at load).
+const DEFAULT_HEAD_DIM: usize = 256;
 
 /// The switches Gemma 2 and 3 share, from a `config.json`.
 pub(crate) fn gemma_block(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {
@@ -84,6 +88,9 @@ pub(crate) fn gemma_block(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()
         "use_bidirectional_attention",
         "bidirectional attention (embedding Gemma)",
     )?;
+    if hf.opt_usize("head_dim")?.is_none() {
+        cfg.head_dim = DEFAULT_HEAD_DIM;
+    }
     cfg.block.activation = Activation::GeluTanh;
     cfg.block.sandwich_norms = true;
     cfg.block.embed_scale = Some(embed_scale(cfg.hidden_size));

@@ -132,6 +132,15 @@ fn gemma2_reads_its_caps_windows_and_scale_with_transformers_defaults() {
     assert_eq!(d.block.final_softcap, Some(30.0));
     assert_eq!(d.sliding_window, Some(4096));
     assert_eq!(d.block.attn_scale, 256f32.powf(-0.5));
+    assert_eq!(d.head_dim, 16, "the config's head size");
+    // Without head_dim, transformers' default (256), not hidden / heads.
+    let mut no_head_dim = base("gemma2", json!({}));
+    no_head_dim
+        .as_object_mut()
+        .expect("object")
+        .remove("head_dim");
+    let h = parse(no_head_dim).expect("gemma2 without head_dim");
+    assert_eq!((h.head_dim, h.q_dim()), (256, 4 * 256));
     let off = parse(base(
         "gemma2",
         json!({"attn_logit_softcapping": null, "final_logit_softcapping": null}),
