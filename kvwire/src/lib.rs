@@ -146,8 +146,9 @@
 //! connection. Who may open a connection to a pool at all is the
 //! per-connection mesh authentication above (Challenge, Hello, Welcome):
 //! only a peer that holds the mesh secret gets past Hello. Messages after
-//! the handshake carry no MAC (integrity against an attacker on the path
-//! waits for mutual TLS). The checksum only detects corruption.
+//! the handshake carry no MAC: integrity against an attacker on the path
+//! is mutual TLS's, which wraps every TCP KV connection when the mesh file
+//! names certificates (`mesh.tls`). The checksum only detects corruption.
 //!
 //! # Checksum
 //!
