@@ -524,26 +524,37 @@ fn api_keys_gate_every_request() {
 
 /// Every decoder family through the mesh (prefill ships its KV, decode
 /// generates): greedy text equal to `kvmesh generate`'s, on the tiny
-/// random-weight model of each family (safetensors; the Llama with YaRN
-/// scaling too), and on the tiny Gemma 2, Gemma 3 and Qwen3 as quantized
+/// random-weight model of each family (every `tiny-*` directory, in
+/// safetensors; the Llama with YaRN scaling too), and on the tiny Gemma 2, Gemma 3 and Qwen3 as quantized
 /// GGUF files. Their windows (8 to 24 positions) are shorter than the long
 /// prompt, so a window layer that read a slot it should not, or a decode
 /// node attending pages prefill did not write, would change the text.
 #[test]
 fn every_family_through_the_mesh_equals_the_reference_engine() {
     let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/data");
-    let mut models: Vec<std::path::PathBuf> = [
-        "qwen2",
-        "qwen3",
-        "gemma2",
-        "gemma3",
-        "phi3",
-        "mistral",
-        "llama-yarn",
-    ]
-    .iter()
-    .map(|f| data.join(format!("tiny-{f}")))
-    .collect();
+    // Every tiny model directory: a family added with its tiny model is
+    // run here without a change to this test.
+    let mut models: Vec<std::path::PathBuf> = std::fs::read_dir(&data)
+        .expect("model/tests/data")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.is_dir()
+                && p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("tiny-"))
+        })
+        .collect();
+    models.sort();
+    for family in [
+        "gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3",
+    ] {
+        assert!(
+            models.iter().any(|m| m.ends_with(format!("tiny-{family}"))),
+            "no tiny-{family} in {}",
+            data.display()
+        );
+    }
     models.push(data.join("gguf/tiny-gemma2-Q8_0.gguf"));
     models.push(data.join("gguf/tiny-gemma3-Q8_0.gguf"));
     models.push(data.join("gguf/tiny-qwen3-Q4_0.gguf"));
