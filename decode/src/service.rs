@@ -1,16 +1,15 @@
 //! The decode node and its gRPC service.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvmesh_faults::{Action, FaultPlan, Point};
-use kvmesh_kvpool::{KvPool, Namespace};
-use kvmesh_kvwire::{AbortReason, ReservationId, WriterId};
-use kvmesh_kvxfer::handshake::{ReservationTable, ReserveError, ReserveRequest, TableConfig};
+use kvmesh_faults::{Action, Point};
+use kvmesh_kvpool::KvPool;
+use kvmesh_kvwire::AbortReason;
+use kvmesh_kvxfer::handshake::{ReservationTable, ReserveRequest, TableConfig};
 use kvmesh_kvxfer::transport::server::KvServer;
 use kvmesh_kvxfer::transport::shm::ShmLanding;
 use kvmesh_kvxfer::transport::tcp::TcpLanding;
@@ -19,14 +18,13 @@ use kvmesh_meshauth::grpc::Authenticated;
 use kvmesh_meshauth::tls::MeshTls;
 use kvmesh_meshauth::{CallVerifier, MeshSecret};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
-use kvmesh_model::sampling::{Sampler, SamplingParams};
-use kvmesh_model::structured::{StructuredError, Vocabulary};
+use kvmesh_model::sampling::Sampler;
 use kvmesh_model::LoadedModel;
 use kvmesh_prefix::CacheKeys;
 use kvmesh_proto::internal::v1::decode_server::{Decode, DecodeServer};
 use kvmesh_proto::internal::v1::{
     decode_event, AbortRequest, AbortResponse, DecodeEvent, GenerateRequest, Granted, LoadReport,
-    LoadRequest, NodeRole, RefuseKind, Refused,
+    LoadRequest, NodeRole, RefuseKind,
 };
 use thiserror::Error;
 use tokio::sync::{mpsc, watch};
@@ -34,9 +32,12 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+mod request;
+
 use crate::batcher::{self, Job, Open, Work};
 use crate::metrics::StepMetrics;
 use kvmesh_proto::serve::cut_set;
+use request::{abandon, by_kind, check, refuse_kind, refused, request_faults, reservation_id};
 
 /// How prefill writers reach this node's pool.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -374,109 +375,6 @@ impl DecodeNode {
     }
 }
 
-/// The faults a request carries in its metadata (testing builds; none
-/// otherwise).
-fn request_faults<T>(req: &Request<T>) -> Result<FaultPlan, Status> {
-    FaultPlan::from_header(
-        req.metadata()
-            .get(kvmesh_faults::HEADER)
-            .and_then(|v| v.to_str().ok()),
-    )
-    .map_err(|e| Status::invalid_argument(e.to_string()))
-}
-
-/// Counters by kind as a load report's map.
-fn by_kind(counts: &[(&'static str, u64)]) -> HashMap<String, u64> {
-    counts.iter().map(|(k, n)| ((*k).to_owned(), *n)).collect()
-}
-
-fn reservation_id(bytes: &[u8]) -> Result<ReservationId, Status> {
-    <[u8; 16]>::try_from(bytes)
-        .ok()
-        .and_then(ReservationId::from_bytes)
-        .ok_or_else(|| Status::invalid_argument("reservation_id: 16 bytes, not all zero"))
-}
-
-/// The one mapping from reserve refusals to their typed kind on the wire.
-fn refuse_kind(e: &ReserveError) -> RefuseKind {
-    match e {
-        ReserveError::EmptyPrompt => RefuseKind::EmptyPrompt,
-        ReserveError::TooLong { .. } => RefuseKind::TooLong,
-        ReserveError::OverCapacity { .. } => RefuseKind::OverCapacity,
-        ReserveError::Exhausted { .. } => RefuseKind::Exhausted,
-        ReserveError::WriterNotConnected { .. } => RefuseKind::WriterNotConnected,
-        ReserveError::Transport(_) | ReserveError::Mint(_) | ReserveError::Pool(_) => {
-            RefuseKind::Internal
-        }
-    }
-}
-
-fn refused(kind: RefuseKind, message: String) -> DecodeEvent {
-    DecodeEvent {
-        event: Some(decode_event::Event::Refused(Refused {
-            kind: kind.into(),
-            message,
-        })),
-    }
-}
-
-/// A Generate request, checked: what the reservation and the sampler need.
-struct Checked {
-    writer: WriterId,
-    max_new: usize,
-    params: SamplingParams,
-    /// The prefix-cache namespace, when the router sent one.
-    ns: Option<Namespace>,
-}
-
-/// `r` checked; a grammar is compiled over `vocabulary` (the engine's).
-fn check<'v>(
-    r: &GenerateRequest,
-    vocabulary: impl FnOnce() -> Result<&'v Vocabulary, StructuredError>,
-) -> Result<Checked, String> {
-    let writer = <[u8; 16]>::try_from(r.writer_id.as_slice())
-        .ok()
-        .and_then(WriterId::from_bytes)
-        .ok_or("writer_id: 16 bytes, not all zero")?;
-    let params =
-        kvmesh_proto::sampling::params(&r.sampling.clone().unwrap_or_default(), vocabulary)?;
-    let ns = match r.cache_namespace.as_slice() {
-        [] => None,
-        b => Some(Namespace::from_slice(b).ok_or("cache_namespace: 32 bytes or none")?),
-    };
-    Ok(Checked {
-        writer,
-        max_new: r.max_new_tokens as usize,
-        params,
-        ns,
-    })
-}
-
-/// The router went away (it dropped the stream) before the transfer was
-/// verified: the caller then drops `wait`, whose `Pending` aborts through
-/// the confirmation path. `abort` faults (testing builds) lose, delay or
-/// repeat that abort, as a lost or late cancellation would.
-async fn abandon<F: std::future::Future>(
-    table: &ReservationTable,
-    id: ReservationId,
-    wait: std::pin::Pin<&mut F>,
-    faults: &FaultPlan,
-) {
-    match faults.at(Point::Abort) {
-        Some(Action::Drop) => {
-            // The abort is lost: the lease ends the reservation.
-            let _ = wait.await;
-        }
-        Some(Action::Delay(d)) => tokio::time::sleep(d).await,
-        Some(Action::Duplicate) => {
-            // This one, then the handle's own when the caller drops it.
-            let state = table.abort(id, AbortReason::CLIENT_GONE);
-            tracing::debug!(reservation = %id, ?state, "first of a duplicated abort");
-        }
-        _ => {}
-    }
-}
-
 #[tonic::async_trait]
 impl Decode for DecodeNode {
     type GenerateStream = ReceiverStream<Result<DecodeEvent, Status>>;
@@ -702,108 +600,4 @@ impl Decode for DecodeNode {
 }
 
 #[cfg(test)]
-mod tests {
-    use kvmesh_proto::internal::v1::Sampling;
-
-    use super::*;
-
-    fn generate(writer_id: Vec<u8>, sampling: Option<Sampling>) -> GenerateRequest {
-        GenerateRequest {
-            prompt_ids: vec![1, 2, 3],
-            max_new_tokens: 4,
-            writer_id,
-            tenant: "t".into(),
-            sampling,
-            stop_token_ids: vec![2],
-            cache_namespace: Vec::new(),
-        }
-    }
-
-    /// The check of a request without a grammar builds no vocabulary.
-    fn no_grammar<'v>() -> Result<&'v Vocabulary, StructuredError> {
-        Err(StructuredError::Unavailable(
-            "not built in this test".into(),
-        ))
-    }
-
-    fn writer() -> Vec<u8> {
-        WriterId::mint().expect("rng").to_bytes().to_vec()
-    }
-
-    #[test]
-    fn a_generate_request_is_checked_before_anything_is_reserved() {
-        let c = check(&generate(writer(), None), no_grammar).expect("valid");
-        assert_eq!(c.max_new, 4);
-        // Unset top_p is the whole distribution, not zero mass.
-        assert_eq!(c.params.top_p, 1.0);
-        for bad in [vec![], vec![7; 15], vec![0; 16]] {
-            let e = check(&generate(bad.clone(), None), no_grammar)
-                .err()
-                .expect("refused");
-            assert!(e.contains("writer_id"), "{bad:?}: {e}");
-        }
-        let hot = Sampling {
-            temperature: -1.0,
-            top_p: 1.0,
-            seed: 1,
-            ..Sampling::default()
-        };
-        assert!(check(&generate(writer(), Some(hot)), no_grammar).is_err());
-        let biased = Sampling {
-            logit_bias: [(3, 250.0)].into_iter().collect(),
-            ..Sampling::default()
-        };
-        let e = check(&generate(writer(), Some(biased)), no_grammar)
-            .err()
-            .expect("refused");
-        assert!(e.contains("logit_bias"), "{e}");
-    }
-
-    #[test]
-    fn every_reserve_refusal_has_its_typed_kind() {
-        let writer = WriterId::mint().expect("rng");
-        let cases = [
-            (ReserveError::EmptyPrompt, RefuseKind::EmptyPrompt),
-            (
-                ReserveError::TooLong {
-                    prompt_tokens: 3,
-                    max_new_tokens: 9,
-                    requested: 12,
-                    max_seq_tokens: 8,
-                },
-                RefuseKind::TooLong,
-            ),
-            (
-                ReserveError::OverCapacity {
-                    requested: 99,
-                    capacity: 64,
-                },
-                RefuseKind::OverCapacity,
-            ),
-            (
-                ReserveError::Exhausted {
-                    needed_pages: 2,
-                    free_pages: 1,
-                },
-                RefuseKind::Exhausted,
-            ),
-            (
-                ReserveError::WriterNotConnected { writer },
-                RefuseKind::WriterNotConnected,
-            ),
-            (
-                ReserveError::Transport("no lane".into()),
-                RefuseKind::Internal,
-            ),
-        ];
-        for (e, want) in cases {
-            assert_eq!(refuse_kind(&e), want, "{e}");
-            let ev = refused(refuse_kind(&e), e.to_string());
-            let Some(decode_event::Event::Refused(r)) = ev.event else {
-                panic!("not a refusal: {ev:?}")
-            };
-            assert_eq!(r.kind(), want);
-            assert_eq!(r.message, e.to_string());
-        }
-    }
-}
+mod tests;
