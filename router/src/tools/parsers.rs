@@ -135,6 +135,13 @@ fn text(out: &mut Vec<Found>, text: impl Into<String>) {
     }
 }
 
+/// Pushes all of `buf` as content but a tail that could begin `tag`, which
+/// stays in `buf` for the next piece.
+fn release_text(buf: &mut String, tag: &str, out: &mut Vec<Found>) {
+    let cut = buf.len() - held_tail(buf, &[tag]);
+    text(out, buf.drain(..cut).collect::<String>());
+}
+
 /// The longest tail of `buf` that could begin any of `tags` (bytes).
 fn held_tail(buf: &str, tags: &[&str]) -> usize {
     tags.iter()

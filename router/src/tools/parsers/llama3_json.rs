@@ -9,7 +9,7 @@
 //! reaches the content.
 
 use super::json::{Scan, Step};
-use super::{call_of, held_tail, text, Found, ToolParser, ToolStream, MAX_GAP};
+use super::{call_of, release_text, text, Found, ToolParser, ToolStream, MAX_GAP};
 
 const TAG: &str = "<|python_tag|>";
 
@@ -165,8 +165,7 @@ impl ToolStream for Stream {
             self.step(c, out);
         }
         if let State::Text = self.state {
-            let cut = self.buf.len() - held_tail(&self.buf, &[TAG]);
-            text(out, self.buf.drain(..cut).collect::<String>());
+            release_text(&mut self.buf, TAG, out);
         }
     }
 

@@ -9,7 +9,7 @@
 //! refuse any other id when the call comes back in the conversation.
 
 use super::json::{Scan, Step};
-use super::{call_of, held_tail, text, Found, ToolParser, ToolStream, MAX_GAP};
+use super::{call_of, release_text, text, Found, ToolParser, ToolStream, MAX_GAP};
 
 const TAG: &str = "[TOOL_CALLS]";
 const ARGS: &str = "[ARGS]";
@@ -218,8 +218,7 @@ impl ToolStream for Stream {
             self.step(c, out);
         }
         if let State::Text = self.state {
-            let cut = self.buf.len() - held_tail(&self.buf, &[TAG]);
-            text(out, self.buf.drain(..cut).collect::<String>());
+            release_text(&mut self.buf, TAG, out);
         }
     }
 
