@@ -148,6 +148,8 @@ SHORT_PROMPT_TOKENS = 32
 BATCH = 16
 # --cpu-kernels, passed to kvmesh as KVMESH_CPU_KERNELS (None: its default).
 CPU_KERNELS = None
+# --activations, passed to kvmesh as KVMESH_ACTIVATIONS (None: its default).
+ACTIVATIONS = None
 # A 1-minute load average above this before the run (or above the run's
 # own threads after it) means other work shared the cores.
 BUSY_LOAD = 0.5
@@ -308,6 +310,8 @@ def run_kvmesh(kvmesh, gguf, threads, repeats, decode_tokens):
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), KVMESH_LOG="warn")
     if CPU_KERNELS:
         env["KVMESH_CPU_KERNELS"] = CPU_KERNELS
+    if ACTIVATIONS:
+        env["KVMESH_ACTIVATIONS"] = ACTIVATIONS
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"kvmesh bench-engine failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
@@ -318,7 +322,8 @@ def run_kvmesh(kvmesh, gguf, threads, repeats, decode_tokens):
         "prefill": v["prefill_tokens_per_s"],
         "decode_b1": decode.get(1),
         f"decode_b{BATCH}": decode.get(BATCH),
-        "info": {"mode": v.get("mode"), "cpu_kernels": v.get("cpu_kernels"), "kv_dtype": v.get("kv_dtype"),
+        "info": {"mode": v.get("mode"), "cpu_kernels": v.get("cpu_kernels"),
+                 "activations": v.get("activations"), "kv_dtype": v.get("kv_dtype"),
                  "threads": v.get("threads"), "binary": str(kvmesh),
                  # The machine's ceilings measured by bench-engine in the same run: batch-1
                  # weight streaming against the read bandwidth, prefill against the FMA peak.
@@ -1039,7 +1044,8 @@ def measure_memory(gguf, kvmesh, threads, skip):
     runs = {
         "kvmesh": [str(kvmesh), "generate", "--model", str(gguf), "--prompt", prompt, "--max-tokens", str(MEM_TOKENS),
                    "--temperature", "0", "--kv-pool-tokens", str(MEM_CONTEXT)]
-        + (["--cpu-kernels", CPU_KERNELS] if CPU_KERNELS else []),
+        + (["--cpu-kernels", CPU_KERNELS] if CPU_KERNELS else [])
+        + (["--activations", ACTIVATIONS] if ACTIVATIONS else []),
         "llama.cpp": [sys.executable, "-c", LLAMA_CPP_MEM_SCRIPT, str(gguf), str(MEM_CONTEXT), str(threads), prompt,
                       str(MEM_TOKENS)],
     }
@@ -1208,9 +1214,12 @@ def main():
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
     ap.add_argument("--cpu-kernels", default=None, choices=["auto", "avx512", "avx2", "portable"],
                     help="kvmesh's CPU kernel path (default: its own choice, auto); the report names the one that ran")
+    ap.add_argument("--activations", default=None, choices=["f32", "int8"],
+                    help="kvmesh's activation class for the quantized matmuls (default: its own); the report names it")
     args = ap.parse_args()
-    global CPU_KERNELS
+    global CPU_KERNELS, ACTIVATIONS
     CPU_KERNELS = args.cpu_kernels
+    ACTIVATIONS = args.activations
     if args.repeats < 1 or args.decode_tokens < 1 or args.rounds < 1:
         sys.exit("--repeats, --decode-tokens and --rounds must be at least 1")
     if args.mt_conversations < 1 or args.mt_turns < 1 or args.mt_answer_tokens < 1:

@@ -173,7 +173,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .map(|(b, r)| format!("{{\"batch\":{b},\"tokens_per_s\":{r:.1}}}"))
             .collect();
         println!(
-            "{{{device_json}\"threads\":{threads},\"mode\":\"{mode}\",\"cpu_kernels\":\"{path}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},{}\"decode\":[{}],\"roofline\":{{\"weight_bytes\":{},\"decode_b1_weight_gbps\":{},\"read_gbps\":{read_gbps:.2},\"prefill_matmul_gflops\":{prefill_gflops:.2},\"fma_peak_gflops\":{fma_gflops:.2}}}}}",
+            "{{{device_json}\"threads\":{threads},\"mode\":\"{mode}\",\"cpu_kernels\":\"{path}\",\"activations\":\"{}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},{}\"decode\":[{}],\"roofline\":{{\"weight_bytes\":{},\"decode_b1_weight_gbps\":{},\"read_gbps\":{read_gbps:.2},\"prefill_matmul_gflops\":{prefill_gflops:.2},\"fma_peak_gflops\":{fma_gflops:.2}}}}}",
+            kvmesh_kernels::cpu::activations(),
             args.prompt_tokens,
             scored.map_or_else(String::new, |r| format!("\"scored_prefill_tokens_per_s\":{r:.1},")),
             decode_json.join(","),

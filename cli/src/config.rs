@@ -9,6 +9,8 @@
 //! kv_cache_dtype: auto         # f16 or f32; auto: f16 with quantized weights, f32 exact
 //! cpu_kernels: auto            # or avx512, avx2, portable (a node may set its own;
 //!                              #   --cpu-kernels overrides both)
+//! activations: f32             # or int8: the quantized matmuls' numerics class,
+//!                              #   one per mesh (--activations overrides it)
 //! device: cpu                  # or cuda, cuda:N: where prefill and decode nodes
 //!                              #   compute (a node may set its own; --device
 //!                              #   overrides both)
@@ -123,6 +125,11 @@ pub struct MeshConfig {
     /// ones.
     #[serde(default = "default_cpu_kernels")]
     pub cpu_kernels: String,
+    /// The quantized matmuls' activation class for every node (`f32` or
+    /// `int8`): one per mesh, since it is part of the numerics the router
+    /// pairs nodes by.
+    #[serde(default = "default_activations")]
+    pub activations: String,
     /// Where prefill and decode nodes compute: `cpu`, `cuda` or `cuda:N`
     /// (a node's own `device` over this; `--device` over both).
     #[serde(default = "default_device")]
@@ -346,6 +353,9 @@ fn host_port(file: &Path, field: &str, v: &str) -> Result<()> {
 
 fn default_cpu_kernels() -> String {
     "auto".into()
+}
+fn default_activations() -> String {
+    kvmesh_kernels::cpu::Activations::default().name().into()
 }
 fn default_device() -> String {
     "cpu".into()

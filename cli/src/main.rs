@@ -39,7 +39,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use kvmesh_kernels::cpu::CpuKernels;
+use kvmesh_kernels::cpu::{Activations, CpuKernels};
 use kvmesh_kvpool::{KvDtype, ScrubMode};
 use kvmesh_model::default_model;
 use kvmesh_model::engine::{Engine, EngineConfig, Generation, Prompt};
@@ -59,6 +59,9 @@ struct Cli {
     /// CPU kernels: auto (the widest this CPU runs), avx512, avx2 or portable [default: a node's cpu_kernels in the mesh file, else auto]. avx512 and avx2 compute the same bits; the router pairs a portable node only with portable ones.
     #[arg(long, global = true, env = "KVMESH_CPU_KERNELS")]
     cpu_kernels: Option<CpuKernels>,
+    /// Activations of the quantized matmuls: f32 (weights dequantized, f32 multiply-adds) or int8 (quantized per 32 values, integer dot products; its own numerics class) [default: the mesh file's activations, else f32]. Every node of a mesh must use the same.
+    #[arg(long, global = true, env = "KVMESH_ACTIVATIONS")]
+    activations: Option<Activations>,
     /// Where the model computes: cpu, cuda or cuda:N [default: a node's device in the mesh file, else the mesh's, else cpu]. CUDA is loaded at run time: asking for it where the driver, the device or NVRTC is missing fails at start, naming what is missing.
     #[arg(long, global = true, env = "KVMESH_DEVICE")]
     device: Option<kvmesh_cuda::DeviceSpec>,
@@ -72,13 +75,18 @@ pub fn device_flag() -> Option<kvmesh_cuda::DeviceSpec> {
     DEVICE.get().copied().flatten()
 }
 
-/// Fix the process's CPU kernel path (once, before any kernel runs) and
-/// log it.
-pub fn select_cpu_kernels(choice: CpuKernels) -> Result<kvmesh_kernels::cpu::Path> {
+/// Fix the process's CPU kernel path and activation class (once, before
+/// any kernel runs) and log them.
+pub fn select_cpu_kernels(
+    choice: CpuKernels,
+    activations: Activations,
+) -> Result<kvmesh_kernels::cpu::Path> {
     let path = kvmesh_kernels::cpu::select(choice)?;
+    kvmesh_kernels::cpu::select_activations(activations)?;
     tracing::info!(
         cpu_kernels = path.name(),
-        numerics = path.numerics(),
+        %activations,
+        numerics = kvmesh_kernels::cpu::numerics(),
         asked = %choice,
         "CPU kernels"
     );
@@ -483,14 +491,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let cpu = cli.cpu_kernels;
+    let (cpu, acts) = (cli.cpu_kernels, cli.activations);
     let _ = DEVICE.set(cli.device);
     // The roles take theirs from the mesh file too (`serve::run_role`).
     if !matches!(
         cli.command,
         Command::Router(_) | Command::Prefill(_) | Command::Decode(_)
     ) {
-        if let Err(e) = select_cpu_kernels(cpu.unwrap_or_default()) {
+        if let Err(e) = select_cpu_kernels(cpu.unwrap_or_default(), acts.unwrap_or_default()) {
             eprintln!("kvmesh: error: {}", error_chain(&e));
             return ExitCode::FAILURE;
         }
@@ -498,9 +506,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(a) => generate(a),
         Command::Serve(a) => serve::run(*a),
-        Command::Router(a) => serve::run_role(serve::RoleKind::Router, a, cpu),
-        Command::Prefill(a) => serve::run_role(serve::RoleKind::Prefill, a, cpu),
-        Command::Decode(a) => serve::run_role(serve::RoleKind::Decode, a, cpu),
+        Command::Router(a) => serve::run_role(serve::RoleKind::Router, a, cpu, acts),
+        Command::Prefill(a) => serve::run_role(serve::RoleKind::Prefill, a, cpu, acts),
+        Command::Decode(a) => serve::run_role(serve::RoleKind::Decode, a, cpu, acts),
         Command::BenchEngine(a) => bench::run(a),
         Command::BenchRouter(a) => bench_router::run(*a),
         Command::Bench(a) => loadgen::run(*a),

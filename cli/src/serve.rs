@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use kvmesh_decode::{DecodeConfig, DecodeNode, Drained, Transport};
-use kvmesh_kernels::cpu::CpuKernels;
+use kvmesh_kernels::cpu::{Activations, CpuKernels};
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::default_model;
 use kvmesh_model::Precision;
@@ -458,7 +458,12 @@ async fn serve(a: ServeArgs) -> Result<()> {
 }
 
 /// `kvmesh router|prefill|decode --config mesh.yaml`.
-pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) -> Result<()> {
+pub fn run_role(
+    role: RoleKind,
+    a: RoleArgs,
+    cpu_kernels: Option<CpuKernels>,
+    activations: Option<Activations>,
+) -> Result<()> {
     let mut cfg = MeshConfig::load(&a.config)?;
     if let Some(on) = a.prefix_cache {
         cfg.prefix_cache = on.0;
@@ -504,6 +509,10 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
         Some(c) => c,
         None => cfg.cpu_kernels_for(role_name, name.as_deref())?,
     };
+    let activations = match activations {
+        Some(a) => a,
+        None => cfg.activations()?,
+    };
     // The router runs no model: its device is the CPU's.
     let (device, device_weights) = match role {
         RoleKind::Router => (
@@ -533,7 +542,7 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
             _ => String::new(),
         };
         println!(
-            "config ok: {}: {role_name}{}{parsers}; {}; {members}, transport {}; CPU kernels {cpu_kernels}; device {device}{}; {}; {}; {}; {}",
+            "config ok: {}: {role_name}{}{parsers}; {}; {members}, transport {}; CPU kernels {cpu_kernels}, activations {activations}; device {device}{}; {}; {}; {}; {}",
             a.config.display(),
             name.as_deref().map(|n| format!(" {n}")).unwrap_or_default(),
             describe_model(cfg.model.as_deref()),
@@ -567,7 +576,7 @@ pub fn run_role(role: RoleKind, a: RoleArgs, cpu_kernels: Option<CpuKernels>) ->
     // The router runs no model kernels: a mesh's avx512 must not stop a
     // router on an older host.
     if !matches!(role, RoleKind::Router) {
-        crate::select_cpu_kernels(cpu_kernels)?;
+        crate::select_cpu_kernels(cpu_kernels, activations)?;
     }
     let secret = auth.secret();
     let fault_injection = a.testing.apply()?;

@@ -24,7 +24,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use kvmesh_kernels::cpu::{self, Path};
-use kvmesh_kernels::quant::{matmul_with, QFormat, QMatrix};
+use kvmesh_kernels::quant::{matmul_int8_with, matmul_with, Dot, QFormat, QMatrix};
 
 /// Where a block of `format` keeps its f16 scales (byte offsets).
 fn scale_offsets(format: QFormat) -> &'static [usize] {
@@ -94,6 +94,77 @@ fn main() {
     if table.is_empty() || table == "paths" {
         paths();
     }
+    if table.is_empty() || table == "int8" {
+        int8();
+    }
+}
+
+/// The two numerics classes side by side on the best path: every quantized
+/// format, f32 activations against 8-bit ones (the best integer dot
+/// product), ms per call and the f32 class's time over the int8 one's
+/// (above 1: int8 faster); `copy` as in `formats`.
+fn int8() {
+    let path = Path::detect();
+    let dot = Dot::of(path);
+    println!(
+        "f32 against int8 activations, {} path, {} dot products, {} threads; ms per call (median)",
+        path.name(),
+        dot.name(),
+        rayon::current_num_threads()
+    );
+    println!(
+        "{:<6} {:<13} {:>8} {:>8} {:>8} {:>6} {:>8} {:>8} {:>6} {:>8} {:>8} {:>6} {:>9}",
+        "format",
+        "shape",
+        "copy ms",
+        "x1 f32",
+        "x1 int8",
+        "ratio",
+        "x16 f32",
+        "x16 int8",
+        "ratio",
+        "x512 f32",
+        "x512 i8",
+        "ratio",
+        "i8 GMAC/s"
+    );
+    let budget = Duration::from_millis(300);
+    for (rows, cols) in [(576, 1536), (2048, 8192)] {
+        for format in QFormat::ALL
+            .into_iter()
+            .filter(|f| !matches!(f, QFormat::F16 | QFormat::BF16))
+        {
+            let shape = format!("[{rows}x{cols}]");
+            if !wanted(&format!("{} {shape}", format.name())) {
+                continue;
+            }
+            let w = matrix(format, rows, cols, 7);
+            let src = vec![1u8; w.byte_len()];
+            let mut dst = vec![0u8; w.byte_len()];
+            let copy = time(budget, || dst.copy_from_slice(black_box(&src)));
+            black_box(&dst);
+            print!("{:<6} {:<13} {:>8.3}", format.name(), shape, copy * 1e3);
+            let mut last = 0.0;
+            for t in [1usize, 16, 512] {
+                if !rows_wanted(t) {
+                    print!(" {:>8} {:>8} {:>6}", "-", "-", "-");
+                    continue;
+                }
+                let x: Vec<f32> = (0..t * cols)
+                    .map(|i| ((i % 97) as f32 - 48.0) / 31.0)
+                    .collect();
+                let mut out = vec![0.0f32; t * rows];
+                let f = time(budget, || matmul_with(path, &w, &x, t, black_box(&mut out)));
+                let q = time(budget, || {
+                    matmul_int8_with(dot, &w, &x, t, black_box(&mut out))
+                });
+                print!(" {:>8.3} {:>8.3} {:>6.2}", f * 1e3, q * 1e3, f / q);
+                last = (t * rows * cols) as f64 / q / 1e9;
+            }
+            println!(" {:>9.1}", last);
+        }
+    }
+    println!();
 }
 
 fn wanted(name: &str) -> bool {

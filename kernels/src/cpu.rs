@@ -169,6 +169,19 @@ pub enum CpuKernelsError {
         /// The best path this CPU has.
         fallback: Path,
     },
+    /// Not one of the activation classes.
+    #[error("unknown activation class {0:?}: expected f32 or int8")]
+    UnknownActivations(String),
+    /// Another activation class was already selected (or used).
+    #[error(
+        "activation class {current} already in use in this process; cannot switch to {requested}"
+    )]
+    ActivationsSelected {
+        /// The class in use.
+        current: Activations,
+        /// The class asked for.
+        requested: Activations,
+    },
     /// Another path was already selected (or used) in this process.
     #[error(
         "CPU kernel path {current} already in use in this process; cannot switch to {requested}"
@@ -179,6 +192,85 @@ pub enum CpuKernelsError {
         /// The path asked for.
         requested: Path,
     },
+}
+
+/// The numerics class of the quantized matmuls (`--activations`): f32
+/// activations against dequantized weights, or activations quantized to
+/// 8 bits per 32 values and multiplied in integers (`quant`'s `i8`
+/// module). A property of the process, as the path is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Activations {
+    /// f32 activations (the weights' quantization is the only error
+    /// against exact f32 weights).
+    #[default]
+    F32,
+    /// 8-bit activations, integer dot products.
+    Int8,
+}
+
+impl Activations {
+    /// Every choice.
+    pub const ALL: [Activations; 2] = [Self::F32, Self::Int8];
+
+    /// The spelling [`std::str::FromStr`] accepts.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Int8 => "int8",
+        }
+    }
+}
+
+impl std::fmt::Display for Activations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Activations {
+    type Err = CpuKernelsError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|c| c.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| CpuKernelsError::UnknownActivations(s.to_owned()))
+    }
+}
+
+/// The class every quantized matmul of this process computes in.
+static ACTIVATIONS: OnceLock<Activations> = OnceLock::new();
+
+/// Make `choice` this process's activation class: the same choice again
+/// is a no-op, a different one an error (first use wins, as for
+/// [`select`]).
+pub fn select_activations(choice: Activations) -> Result<Activations, CpuKernelsError> {
+    let current = *ACTIVATIONS.get_or_init(|| choice);
+    if current == choice {
+        Ok(current)
+    } else {
+        Err(CpuKernelsError::ActivationsSelected {
+            current,
+            requested: choice,
+        })
+    }
+}
+
+/// The selected activation class, or the default if none was.
+#[inline]
+pub fn activations() -> Activations {
+    *ACTIVATIONS.get_or_init(Activations::default)
+}
+
+/// This process's numerics class, what nodes of one mesh must share (see
+/// [`Path::numerics`]): the path's, with `-i8` for 8-bit activations
+/// (every x86 path and integer dot product gives the same bits there too).
+pub fn numerics() -> &'static str {
+    match (path().numerics(), activations()) {
+        (n, Activations::F32) => n,
+        ("portable", Activations::Int8) => "portable-i8",
+        (_, Activations::Int8) => "x86-i8",
+    }
 }
 
 /// The best path this CPU runs.
@@ -276,6 +368,29 @@ mod tests {
         for p in [Path::Portable, Path::Avx2, Path::Avx512] {
             assert_eq!(p.to_string(), p.name());
         }
+    }
+
+    #[test]
+    fn activation_classes_parse_and_name_their_numerics() {
+        for a in Activations::ALL {
+            assert_eq!(a.to_string().parse::<Activations>(), Ok(a));
+        }
+        assert_eq!(" INT8 ".parse::<Activations>(), Ok(Activations::Int8));
+        assert_eq!(
+            "int4".parse::<Activations>().expect_err("no such class").to_string(),
+            "unknown activation class \"int4\": expected f32 or int8"
+        );
+        // This test binary never selects a class: the default, whose
+        // numerics are the path's.
+        assert_eq!(activations(), Activations::F32);
+        assert_eq!(numerics(), path().numerics());
+        assert_eq!(
+            select_activations(Activations::Int8),
+            Err(CpuKernelsError::ActivationsSelected {
+                current: Activations::F32,
+                requested: Activations::Int8
+            })
+        );
     }
 
     #[test]

@@ -301,7 +301,7 @@ impl Engine {
             Some(c) => (c.device_label(), "cuda"),
             None => {
                 let p = kvmesh_kernels::cpu::path();
-                (p.name(), p.numerics())
+                (p.name(), kvmesh_kernels::cpu::numerics())
             }
         }
     }

@@ -5,10 +5,10 @@
 //! - tokenization and chat-template rendering must match exactly;
 //! - free-running greedy decoding must produce the reference tokens up to
 //!   the first step whose reference top-2 logit gap is below
-//!   [`GAP_TIE`] (below that, summation-order noise may legitimately flip
+//!   `gap_tie` (below that, summation-order noise may legitimately flip
 //!   the argmax);
 //! - teacher-forced on the reference tokens, every step's top logits must be
-//!   within [`logit_tolerance`] of the reference;
+//!   within the f32 classes' tolerance ([`F32`]) of the reference;
 //! - all of that again with the prefix cache on, pages of 4 tokens, every
 //!   prompt sent twice: the second time its full pages come from the cache
 //!   (issue 16: greedy output with the cache equals output without it).
@@ -24,155 +24,16 @@ mod common;
 
 use std::path::Path;
 
+use common::golden::{check_tokenizer, read_golden, Golden, F32};
 use kvmesh_kvpool::Namespace;
 use kvmesh_meshauth::MeshSecret;
-use kvmesh_model::engine::{Engine, EngineConfig, Sequence};
-use kvmesh_model::sampling::argmax;
-use kvmesh_model::ChatMessage;
+use kvmesh_model::engine::{Engine, EngineConfig};
 use kvmesh_prefix::CacheKeys;
-use serde::Deserialize;
 
-/// Reference gaps below this are ties for the purpose of greedy equality.
-const GAP_TIE: f32 = 0.01;
-
-/// Allowed |ours - reference| for a logit of magnitude `x`.
-fn logit_tolerance(x: f32) -> f32 {
-    2e-3 + 2e-4 * x.abs()
-}
-
-#[derive(Deserialize)]
-struct Golden {
-    model: String,
-    tokenize: Vec<TokenizeCase>,
-    chat: Vec<ChatCase>,
-    greedy: Vec<GreedyCase>,
-}
-
-#[derive(Deserialize)]
-struct TokenizeCase {
-    text: String,
-    ids: Vec<u32>,
-}
-
-#[derive(Deserialize)]
-struct ChatCase {
-    messages: Vec<ChatMessage>,
-    add_generation_prompt: bool,
-    rendered: String,
-    ids: Vec<u32>,
-}
-
-#[derive(Deserialize)]
-struct GreedyCase {
-    prompt: String,
-    prompt_ids: Vec<u32>,
-    tokens: Vec<u32>,
-    steps: Vec<Step>,
-}
-
-#[derive(Deserialize)]
-struct Step {
-    top: Vec<(u32, f32)>,
-    gap: f32,
-}
-
-fn read_golden(name: &str) -> Golden {
-    let path = common::golden_path(name);
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_json::from_str(&text)
-        .unwrap_or_else(|e| panic!("bad golden file {}: {e}", path.display()))
-}
-
-fn check_tokenizer(engine: &Engine, g: &Golden) {
-    let tok = engine.tokenizer();
-    for case in &g.tokenize {
-        assert_eq!(
-            tok.encode(&case.text).expect("encode"),
-            case.ids,
-            "{}: token ids of {:?}",
-            g.model,
-            case.text
-        );
-    }
-    for case in &g.chat {
-        let rendered = tok
-            .apply_chat_template(&case.messages, case.add_generation_prompt)
-            .expect("template");
-        assert_eq!(
-            rendered, case.rendered,
-            "{}: chat template rendering",
-            g.model
-        );
-        assert_eq!(
-            tok.encode(&rendered).expect("encode"),
-            case.ids,
-            "{}: chat token ids",
-            g.model
-        );
-    }
-}
-
-/// Greedy tokens and logits against the reference; returns the worst logit
-/// error seen, as a fraction of its tolerance.
-/// `ns`: admitted in that prefix-cache namespace (the cache's pages are
-/// looked up and kept), or `None`: plainly.
+/// [`common::golden::check_greedy`] in the f32 class (its tolerance is
+/// that module's [`F32`]).
 fn check_greedy(engine: &Engine, g: &Golden, ns: Option<Namespace>) -> f32 {
-    let mut worst = 0.0f32;
-    for case in &g.greedy {
-        assert_eq!(
-            engine.tokenizer().encode(&case.prompt).expect("encode"),
-            case.prompt_ids,
-            "{}: prompt ids",
-            g.model
-        );
-        let n = case.tokens.len();
-
-        // Teacher-forced on the reference tokens, comparing logits every
-        // step. Until the first near-tie the fed tokens are exactly what our
-        // own greedy choice would have fed, so this is also the free-running
-        // greedy check, at half the cost.
-        let mut seq = match ns {
-            Some(ns) => engine.admit_in(ns, case.prompt_ids.clone(), n),
-            None => engine.admit(case.prompt_ids.clone(), n),
-        }
-        .expect("admit");
-        let mut logits = engine.prefill(&mut seq).expect("prefill");
-        let mut free_running = true;
-        for (i, step) in case.steps.iter().enumerate() {
-            free_running &= step.gap >= GAP_TIE;
-            if free_running {
-                let ours = argmax(&logits);
-                assert_eq!(
-                    ours, case.tokens[i],
-                    "{}: greedy token {i} of {:?} (reference gap {})",
-                    g.model, case.prompt, step.gap
-                );
-            }
-            for &(id, want) in &step.top {
-                let got = logits[id as usize];
-                let err = (got - want).abs();
-                worst = worst.max(err / logit_tolerance(want));
-                assert!(
-                    err <= logit_tolerance(want),
-                    "{}: step {i} of {:?}: logit of token {id} is {got}, reference {want}",
-                    g.model,
-                    case.prompt
-                );
-            }
-            if i + 1 < n {
-                logits = decode_one(engine, &mut seq, case.tokens[i]);
-            }
-        }
-    }
-    worst
-}
-
-fn decode_one(engine: &Engine, seq: &mut Sequence, token: u32) -> Vec<f32> {
-    let mut r = engine
-        .decode_step(&mut [seq], &[token])
-        .expect("decode step");
-    r.pop().expect("one result").expect("decode")
+    common::golden::check_greedy(engine, g, ns, &F32)
 }
 
 fn engine_for(path: &Path) -> Engine {

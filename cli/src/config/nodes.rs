@@ -111,6 +111,11 @@ impl MeshConfig {
         self.node_setting(role, name, |n| n.cpu_kernels.as_deref(), &self.cpu_kernels)
     }
 
+    /// The mesh's activation class. Checked by validation.
+    pub fn activations(&self) -> Result<kvmesh_kernels::cpu::Activations> {
+        Ok(self.activations.parse()?)
+    }
+
     /// The device the node named `name` computes on (its own `device`,
     /// else the mesh's). Checked by validation.
     pub fn device_for(&self, role: &str, name: Option<&str>) -> Result<DeviceSpec> {

@@ -323,3 +323,23 @@ fn the_router_parsers_default_to_auto_and_unknown_names_are_refused() {
         assert!(e.contains(want), "{want:?} not in {e}");
     }
 }
+
+#[test]
+fn activations_are_one_per_mesh_and_checked() {
+    use kvmesh_kernels::cpu::Activations;
+    let cfg = parse(&format!("{BASE}{NODES}")).expect("valid");
+    assert_eq!(cfg.activations().expect("valid"), Activations::default());
+    let cfg = parse(&format!("{BASE}{NODES}activations: int8\n")).expect("valid");
+    assert_eq!(cfg.activations().expect("valid"), Activations::Int8);
+    let e = refused(&format!("{BASE}{NODES}activations: int4\n"));
+    assert!(
+        e.contains("activations = \"int4\": unknown activation class \"int4\": expected f32 or int8"),
+        "{e}"
+    );
+    // Not a node setting: the class is the mesh's numerics.
+    let e = refused(&format!(
+        "{BASE}prefill: [{{name: p, grpc: \"127.0.0.1:3\", activations: int8}}]\n\
+         decode: [{{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}}]\n"
+    ));
+    assert!(e.contains("activations"), "{e}");
+}

@@ -24,6 +24,14 @@ impl MeshConfig {
                 &e.to_string()
             ));
         }
+        if let Err(e) = self.activations.parse::<kvmesh_kernels::cpu::Activations>() {
+            bail!(refuse(
+                file,
+                "activations",
+                &self.activations,
+                &e.to_string()
+            ));
+        }
         if let Err(e) = self.device.parse::<DeviceSpec>() {
             bail!(refuse(file, "device", &self.device, &e.to_string()));
         }

@@ -100,6 +100,9 @@
 //! benchmarks).
 
 mod gemm;
+mod i8;
+#[cfg(target_arch = "x86_64")]
+mod i8_x86;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -112,7 +115,8 @@ mod x86_blocks;
 
 use thiserror::Error;
 
-pub use crate::cpu::Path;
+pub use crate::cpu::{Activations, Path};
+pub use i8::Dot;
 
 /// Widest inner dimension the kernels take: 32,768 columns, beyond any
 /// Llama-family hidden or intermediate size (rows of blocks this long keep
@@ -576,15 +580,34 @@ pub use crate::cpu::Path as Kernel;
 /// # Panics
 /// If the slice lengths disagree with the shapes (a caller bug).
 pub fn matmul(w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
-    matmul_with(crate::cpu::path(), w, x, rows, out);
+    let path = crate::cpu::path();
+    match crate::cpu::activations() {
+        Activations::F32 => gemm::matmul(path, w, x, rows, out),
+        Activations::Int8 => i8::matmul(path, w, x, rows, out),
+    }
 }
 
-/// [`matmul`] with a chosen path (tests and benchmarks compare them).
+/// [`matmul`] in the f32 class with a chosen path (tests and benchmarks
+/// compare them).
 ///
 /// # Panics
 /// If this CPU lacks `kernel` ([`Path::available`]).
 pub fn matmul_with(kernel: Path, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
     gemm::matmul(kernel, w, x, rows, out);
+}
+
+/// [`matmul`] in the 8-bit-activation class with a chosen integer dot
+/// product (tests and benchmarks compare them; F16 and BF16 take the f32
+/// class's kernels on this process's path).
+///
+/// # Panics
+/// If this CPU lacks `dot` ([`Dot::available`]).
+pub fn matmul_int8_with(dot: Dot, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+    if w.format.is_quantized() {
+        i8::matmul_dot(dot, w, x, rows, out);
+    } else {
+        gemm::matmul(crate::cpu::path(), w, x, rows, out);
+    }
 }
 
 #[cfg(test)]

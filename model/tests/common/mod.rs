@@ -1,6 +1,8 @@
 //! Helpers shared by the model crate's integration tests.
 #![allow(dead_code)]
 
+pub mod golden;
+
 use std::path::PathBuf;
 
 use kvmesh_model::default_model;

@@ -440,3 +440,4 @@ fn stack_and_permute_move_whole_rows() {
 }
 
 mod formats;
+mod int8;

@@ -1,0 +1,481 @@
+//! The 8-bit-activation numerics class: activations quantized to int8 per
+//! 32 values, multiplied with the weights' integer quants in integers, the
+//! integer sums scaled in f32.
+//!
+//! # Arithmetic (every path, to the bit)
+//! **Activations.** Row `t` of `x` is cut into groups of 32 values. A
+//! group's scale is `d = amax / 127` (`amax` its largest magnitude) and its
+//! quants `q_i = round_even(x_i * (127 / amax))`, in `[-127, 127]`; an
+//! all-zero group has `d = 0`, `q = 0`. Per sub-block of 16 or 32 values
+//! (the weight format's [`QFormat::sub_block`]) `B = sum q_i` (an integer)
+//! and `XB = d * B` (one f32 rounding). This is done once per call, by one
+//! function on every path ([`Acts::quantize`]).
+//!
+//! **Weights.** A weight is `w = q * s + o` with GGUF's signed integer quant
+//! `q` and the sub-block's scale `s` and offset `o` exactly as
+//! [`super::scalar::head`] and [`super::scalar::quants`] define them (`o`
+//! only in the formats with an offset).
+//!
+//! **Dot product.** Output `(t, r)` keeps eight f32 lanes, zero at first.
+//! Sub-block `k` of the row (in order) goes to lane `k % 8`:
+//! `P_k = sum q_i x_i` over its 16 or 32 values, an exact integer, then
+//! `lane = fma(float(P_k), s_k * d, lane)` and, with an offset,
+//! `lane = fma(o_k, XB_k, lane)`. The lanes are summed as the f32 class
+//! sums its lanes (`((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`).
+//! Nothing depends on the batch, a row's place in it, the thread or the
+//! path; an integer sum has one value whatever order a path adds in.
+//!
+//! # No overflow, no saturation
+//! `|x_i| <= 127`. The largest `|q|` is 128 (Q8_0), so a sub-block's
+//! `|P_k| <= 32 * 128 * 127 < 2^19`: exact in i32 and in f32. The x86 paths
+//! multiply unsigned by signed bytes (`vpmaddubsw`, which saturates pairs to
+//! i16, or VNNI's `vpdpbusd`, which does not): they take the quants plus a
+//! bias making them unsigned (Q4_0 +8, Q5_0 +16, Q3_K +4, Q6_K +32; at most
+//! 63, so a pair is at most `2 * 63 * 127 < 2^15`) and subtract `bias * B`
+//! after the integer sum, or for Q8_0 `|q|` against `x` with `q`'s sign
+//! (a pair at most `2 * 128 * 127 = 32512 < 2^15`).
+//!
+//! F16 and BF16 weights are not quantized formats: in this class they run
+//! the f32 class's kernels.
+//!
+//! # Cost
+//! Quantizing the activations reads each once (rows x cols, beside rows x
+//! cols x n multiply-adds). A weight row's blocks are unpacked once per
+//! call and block of activation rows into an L1-resident buffer of bytes
+//! and scales (1 byte a weight, against 4 in the f32 class's panel); each
+//! activation row then takes 32 values per integer dot product.
+
+use rayon::prelude::*;
+
+use super::{scalar, QFormat, QMatrix, GROUP};
+use crate::cpu::Path;
+
+/// Lanes of a dot product (sub-block `k` goes to lane `k % LANES`).
+pub(super) const LANES: usize = 8;
+
+/// How the x86 paths feed a format's quants to an unsigned-by-signed
+/// byte product: `Some(bias)` adds `bias` (quants then in `0..=63`),
+/// `None` (Q8_0) takes magnitudes and moves the sign to the activation.
+pub(super) const fn bias(f: QFormat) -> Option<u8> {
+    match f {
+        QFormat::Q4_0 => Some(8),
+        QFormat::Q5_0 => Some(16),
+        QFormat::Q3_K => Some(4),
+        QFormat::Q6_K => Some(32),
+        QFormat::Q8_0 => None,
+        _ => Some(0),
+    }
+}
+
+/// `n` rounded up to whole lanes.
+pub(super) const fn padded(n: usize) -> usize {
+    n.div_ceil(LANES) * LANES
+}
+
+/// Activation rows quantized as the module says, each row's arrays padded
+/// with zeros to whole lanes of sub-blocks (so a path may take eight
+/// sub-blocks at a time: zeros leave a lane as it was).
+#[derive(Default)]
+pub(super) struct Acts {
+    cols: usize,
+    /// Quants, `stride8` per row (zeros past `cols`).
+    pub q: Vec<i8>,
+    /// Per group of 32, `n32` per row: scale, quant sum, scale times sum.
+    pub d32: Vec<f32>,
+    pub b32: Vec<i32>,
+    pub xb32: Vec<f32>,
+    /// The same per 16 values (`d16` repeats the group's scale).
+    pub d16: Vec<f32>,
+    pub b16: Vec<i32>,
+    pub xb16: Vec<f32>,
+}
+
+impl Acts {
+    /// Groups of 32 per row, padded.
+    pub fn n32(&self) -> usize {
+        padded(self.cols / GROUP)
+    }
+
+    /// Sub-blocks of 16 per row, padded.
+    pub fn n16(&self) -> usize {
+        padded(self.cols / 16)
+    }
+
+    /// Quant bytes per row.
+    pub fn stride8(&self) -> usize {
+        self.n32() * GROUP
+    }
+
+    /// Quantize `rows` rows of `cols` values (a multiple of 32), reusing
+    /// the buffers.
+    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
+        assert!(cols.is_multiple_of(GROUP) && x.len() == rows * cols);
+        self.cols = cols;
+        let (n32, n16, s8) = (self.n32(), self.n16(), self.stride8());
+        for v in [&mut self.d32, &mut self.xb32] {
+            v.clear();
+            v.resize(rows * n32, 0.0);
+        }
+        for v in [&mut self.d16, &mut self.xb16] {
+            v.clear();
+            v.resize(rows * n16, 0.0);
+        }
+        self.b32.clear();
+        self.b32.resize(rows * n32, 0);
+        self.b16.clear();
+        self.b16.resize(rows * n16, 0);
+        self.q.clear();
+        self.q.resize(rows * s8, 0);
+        let views = self
+            .q
+            .chunks_mut(s8)
+            .zip(self.d32.chunks_mut(n32))
+            .zip(self.b32.chunks_mut(n32))
+            .zip(self.xb32.chunks_mut(n32))
+            .zip(self.d16.chunks_mut(n16))
+            .zip(self.b16.chunks_mut(n16))
+            .zip(self.xb16.chunks_mut(n16))
+            .zip(x.chunks_exact(cols))
+            .map(
+                |(((((((q, d32), b32), xb32), d16), b16), xb16), x)| RowView {
+                    x,
+                    q,
+                    d32,
+                    b32,
+                    xb32,
+                    d16,
+                    b16,
+                    xb16,
+                },
+            );
+        if rows * cols >= 1 << 16 {
+            views.par_bridge().for_each(RowView::quantize);
+        } else {
+            views.for_each(RowView::quantize);
+        }
+    }
+}
+
+/// One row's input and its parts of [`Acts`].
+struct RowView<'a> {
+    x: &'a [f32],
+    q: &'a mut [i8],
+    d32: &'a mut [f32],
+    b32: &'a mut [i32],
+    xb32: &'a mut [f32],
+    d16: &'a mut [f32],
+    b16: &'a mut [i32],
+    xb16: &'a mut [f32],
+}
+
+impl RowView<'_> {
+    fn quantize(self) {
+        for (g, xs) in self.x.chunks_exact(GROUP).enumerate() {
+            let qs: &mut [i8; GROUP] = (&mut self.q[g * GROUP..(g + 1) * GROUP])
+                .try_into()
+                .expect("one group");
+            let d = quantize_group(xs.try_into().expect("one group"), qs);
+            let half =
+                |h: usize| -> i32 { qs[16 * h..16 * (h + 1)].iter().map(|&v| i32::from(v)).sum() };
+            let (lo, hi) = (half(0), half(1));
+            self.d32[g] = d;
+            self.b32[g] = lo + hi;
+            self.xb32[g] = d * (lo + hi) as f32;
+            for (h, b) in [lo, hi].into_iter().enumerate() {
+                self.d16[2 * g + h] = d;
+                self.b16[2 * g + h] = b;
+                self.xb16[2 * g + h] = d * b as f32;
+            }
+        }
+    }
+}
+
+/// One group's quants into `q`; returns its scale. Written so that it
+/// vectorizes without target features: rounding to nearest even by adding
+/// and subtracting 1.5 * 2^23 (exact for `|v| < 2^22`; here `|v| <= 127`).
+#[inline]
+fn quantize_group(x: &[f32; GROUP], q: &mut [i8; GROUP]) -> f32 {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 || !amax.is_finite() {
+        // Zeros, or a non-finite activation: the f32 class would carry a
+        // NaN on; here the group contributes nothing but its NaN scale.
+        q.fill(0);
+        return if amax == 0.0 { 0.0 } else { f32::NAN };
+    }
+    let id = 127.0 / amax;
+    const ROUND: f32 = 12_582_912.0;
+    for (q, &v) in q.iter_mut().zip(x) {
+        let r = (v * id + ROUND) - ROUND;
+        *q = r as i8;
+    }
+    amax / 127.0
+}
+
+/// One weight row unpacked for the dot products: quant bytes (biased to
+/// unsigned, or Q8_0's signed bytes) and per-sub-block scales and offsets,
+/// each padded with zeros to whole lanes of sub-blocks.
+#[derive(Default)]
+pub(super) struct Row {
+    pub u: Vec<u8>,
+    pub s: Vec<f32>,
+    pub o: Vec<f32>,
+}
+
+impl Row {
+    /// Sized for rows of `cols` values of `format` (zeros).
+    pub fn shape(&mut self, format: QFormat, cols: usize) {
+        let subs = padded(cols / format.sub_block());
+        let bytes = padded(cols / GROUP) * GROUP;
+        self.u.clear();
+        self.u.resize(bytes, 0);
+        self.s.clear();
+        self.s.resize(subs, 0.0);
+        self.o.clear();
+        self.o.resize(subs, 0.0);
+    }
+
+    /// The portable unpacking of one row of blocks.
+    fn unpack(&mut self, format: QFormat, blocks: &[u8]) {
+        let (bb, bv, sub) = (
+            format.block_bytes(),
+            format.block_values(),
+            format.sub_block(),
+        );
+        let bias = bias(format).map_or(0, i32::from);
+        for (b, blk) in blocks.chunks_exact(bb).enumerate() {
+            let h = scalar::head(format, blk);
+            let subs = bv / sub;
+            self.s[b * subs..(b + 1) * subs].copy_from_slice(&h.s[..subs]);
+            self.o[b * subs..(b + 1) * subs].copy_from_slice(&h.o[..subs]);
+            for g in 0..bv / GROUP {
+                let at = b * bv + g * GROUP;
+                for (u, q) in self.u[at..at + GROUP]
+                    .iter_mut()
+                    .zip(scalar::quants(format, blk, g))
+                {
+                    *u = (i32::from(q) + bias) as u8;
+                }
+            }
+        }
+    }
+}
+
+/// One output on the portable path: the module's arithmetic, plainly.
+fn dot(format: QFormat, w: &Row, a: &Acts, t: usize) -> f32 {
+    let sub = format.sub_block();
+    let n = a.cols / sub;
+    let signed = bias(format).is_none();
+    let bias = bias(format).map_or(0, i32::from);
+    let xq = &a.q[t * a.stride8()..];
+    let (d, xb) = if sub == 16 {
+        (&a.d16[t * a.n16()..], &a.xb16[t * a.n16()..])
+    } else {
+        (&a.d32[t * a.n32()..], &a.xb32[t * a.n32()..])
+    };
+    let mut l = [0.0f32; LANES];
+    for k in 0..n {
+        let p: i32 = (k * sub..(k + 1) * sub)
+            .map(|i| {
+                let q = if signed {
+                    i32::from(w.u[i] as i8)
+                } else {
+                    i32::from(w.u[i]) - bias
+                };
+                q * i32::from(xq[i])
+            })
+            .sum();
+        let lane = &mut l[k % LANES];
+        *lane = (p as f32).mul_add(w.s[k] * d[k], *lane);
+        if format.has_offset() {
+            *lane = w.o[k].mul_add(xb[k], *lane);
+        }
+    }
+    super::gemm::reduce(l)
+}
+
+thread_local! {
+    /// The calling thread's quantized activations, reused across calls.
+    static ACTS: std::cell::RefCell<Acts> = std::cell::RefCell::default();
+    /// Each thread's unpacked weight row.
+    static ROW: std::cell::RefCell<Row> = std::cell::RefCell::default();
+}
+
+/// Activation rows per task: their quants (at most 64 x 32 KiB) stay in L2
+/// while a panel's rows pass over them.
+const ROW_BLOCK: usize = 64;
+
+/// Weight rows per task.
+const PANEL: usize = 16;
+
+/// Write-only view of the output shared by the tasks.
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint elements (see `matmul`); the pointer outlives
+// the parallel section, which ends before `out` is used again.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// Which integer dot product a path multiplies with: each computes the
+/// same integers, so the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dot {
+    /// Plain Rust (the reference).
+    Portable,
+    /// AVX2 `vpmaddubsw` + `vpmaddwd`.
+    Avx2,
+    /// AVX-VNNI `vpdpbusd` (VEX, 256-bit).
+    AvxVnni,
+    /// AVX-512 VNNI `vpdpbusd` (256-bit, AVX-512 VL).
+    Avx512Vnni,
+}
+
+impl Dot {
+    /// The fastest this CPU has under `path`: the AVX-512 path takes
+    /// AVX-512 VNNI, else AVX-VNNI, else AVX2; the AVX2 path AVX-VNNI if
+    /// present, else AVX2.
+    pub fn of(path: Path) -> Dot {
+        let order: &[Dot] = match path {
+            Path::Portable => &[],
+            Path::Avx2 => &[Dot::AvxVnni, Dot::Avx2],
+            Path::Avx512 => &[Dot::Avx512Vnni, Dot::AvxVnni, Dot::Avx2],
+        };
+        order
+            .iter()
+            .copied()
+            .find(|d| d.available())
+            .unwrap_or(Dot::Portable)
+    }
+
+    /// Whether this CPU has it.
+    pub fn available(self) -> bool {
+        match self {
+            Dot::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Dot::Avx2 => Path::Avx2.available(),
+            #[cfg(target_arch = "x86_64")]
+            Dot::AvxVnni => Path::Avx2.available() && is_x86_feature_detected!("avxvnni"),
+            #[cfg(target_arch = "x86_64")]
+            Dot::Avx512Vnni => {
+                Path::Avx2.available()
+                    && is_x86_feature_detected!("avx512vnni")
+                    && is_x86_feature_detected!("avx512vl")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// Name for benchmark output.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Dot::Portable => "portable",
+            Dot::Avx2 => "avx2",
+            Dot::AvxVnni => "avx-vnni",
+            Dot::Avx512Vnni => "avx512-vnni",
+        }
+    }
+}
+
+/// `out[t, r] = sum_k x[t, k] * w[r, k]` in this class (F16 and BF16 in the
+/// f32 class's kernels on `path`). Shapes as [`super::matmul`].
+pub(super) fn matmul(path: Path, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+    if !w.format.is_quantized() {
+        return super::gemm::matmul(path, w, x, rows, out);
+    }
+    matmul_dot(Dot::of(path), w, x, rows, out);
+}
+
+/// [`matmul`] with a chosen integer dot product (quantized formats only).
+pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+    assert!(w.format.is_quantized(), "{} is not quantized", w.format);
+    assert!(
+        kernel.available(),
+        "{} dot products on a CPU without them",
+        kernel.name()
+    );
+    let (n, k) = (w.rows, w.cols);
+    assert_eq!(x.len(), rows * k, "activation shape");
+    assert_eq!(out.len(), rows * n, "output shape");
+    if rows == 0 || n == 0 {
+        return;
+    }
+    // Taken out of the thread's slot, not borrowed across the parallel
+    // section: a thread waiting in it may run another call's task (rayon
+    // steals work), which then finds the slot empty and allocates.
+    let mut acts = ACTS.take();
+    acts.quantize(x, rows, k);
+    {
+        let acts = &acts;
+        let rb = w.row_bytes();
+        let ptr = OutPtr(out.as_mut_ptr());
+        let panels = n.div_ceil(PANEL);
+        let task = |i: usize| {
+            let ptr = &ptr;
+            let (t0, r0) = ((i / panels) * ROW_BLOCK, (i % panels) * PANEL);
+            let (nt, nr) = (ROW_BLOCK.min(rows - t0), PANEL.min(n - r0));
+            ROW.with_borrow_mut(|row| {
+                row.shape(w.format, k);
+                for r in r0..r0 + nr {
+                    let blocks = &w.data[r * rb..(r + 1) * rb];
+                    for (t, v) in kernel.row_dots(w.format, row, blocks, acts, t0, nt) {
+                        // SAFETY: (t, r) is inside `out` and this task's
+                        // alone (tasks are disjoint blocks of rows and
+                        // columns).
+                        unsafe { *ptr.0.add(t * n + r) = v };
+                    }
+                }
+            });
+        };
+        let tasks = rows.div_ceil(ROW_BLOCK) * panels;
+        if n * k * rows < 1 << 15 {
+            (0..tasks).for_each(task);
+        } else {
+            (0..tasks).into_par_iter().for_each(task);
+        }
+    }
+    ACTS.set(acts);
+}
+
+impl Dot {
+    /// Unpack one weight row into `row` and take its dot product with
+    /// activation rows `t0 .. t0 + nt`: `(t, value)` for each.
+    fn row_dots<'a>(
+        self,
+        format: QFormat,
+        row: &'a mut Row,
+        blocks: &[u8],
+        acts: &'a Acts,
+        t0: usize,
+        nt: usize,
+    ) -> impl Iterator<Item = (usize, f32)> + 'a {
+        #[cfg(target_arch = "x86_64")]
+        if self != Dot::Portable {
+            // SAFETY: `matmul_dot` asserted the features.
+            unsafe { super::i8_x86::unpack(self, format, row, blocks) };
+            let row = &*row;
+            return Either::Left((t0..t0 + nt).map(move |t| {
+                // SAFETY: as above; `row` and `acts` are shaped for `format`.
+                (t, unsafe { super::i8_x86::dot(self, format, row, acts, t) })
+            }));
+        }
+        row.unpack(format, blocks);
+        let row = &*row;
+        Either::Right((t0..t0 + nt).map(move |t| (t, dot(format, row, acts, t))))
+    }
+}
+
+/// One of two iterators.
+enum Either<A, B> {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Left(A),
+    Right(B),
+}
+
+impl<A: Iterator, B: Iterator<Item = A::Item>> Iterator for Either<A, B> {
+    type Item = A::Item;
+    fn next(&mut self) -> Option<A::Item> {
+        match self {
+            Either::Left(a) => a.next(),
+            Either::Right(b) => b.next(),
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! x86 builds of [`super::i8`]: the weight rows unpacked with the f32
+//! class's block decoding ([`super::x86_blocks`]: the same integer quants,
+//! the same scales to the bit), and the dot products with AVX2
+//! `vpmaddubsw`/`vpmaddwd`, AVX-VNNI or AVX-512 VNNI `vpdpbusd`. Every
+//! integer sum is exact (see [`super::i8`] for the bounds), so the three
+//! give the portable path's bits.
+//!
+//! A group's 32 byte products come as eight i32 lanes (lane `j`: values
+//! `4j .. 4j + 4`). Eight sub-blocks' lanes are summed into one vector of
+//! eight sums by unpacks and adds (no horizontal adds), which then is
+//! scaled and added to the eight f32 lanes of the output at once.
+
+use std::arch::x86_64::*;
+
+use super::i8::{bias, Acts, Dot, Row};
+use super::scalar::Head;
+use super::x86_blocks::{head, quants};
+use super::{with_format, QFormat, GROUP};
+use crate::simd::hsum;
+
+/// Unpack a row of blocks of `format` into `row` (shaped for it).
+///
+/// # Safety
+/// `dot`'s features ([`Dot::available`]), not the portable one.
+pub(super) unsafe fn unpack(dot: Dot, format: QFormat, row: &mut Row, blocks: &[u8]) {
+    debug_assert!(dot != Dot::Portable && dot.available());
+    // SAFETY: every x86 dot product has AVX2/FMA/F16C.
+    with_format!(format, F => unsafe { unpack_f::<F>(row, blocks) })
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_f<const F: u8>(row: &mut Row, blocks: &[u8]) {
+    let f = const { QFormat::of_code(F) };
+    let (bb, bv, subs) = (
+        f.block_bytes(),
+        f.block_values(),
+        f.block_values() / f.sub_block(),
+    );
+    let add = _mm256_set1_epi8(bias(f).unwrap_or(0) as i8);
+    assert!(blocks.len().is_multiple_of(bb));
+    let n = blocks.len() / bb;
+    assert!(row.u.len() >= n * bv && row.s.len() >= n * subs && row.o.len() >= n * subs);
+    let mut h = Head::ZERO;
+    for b in 0..n {
+        // SAFETY: block `b` is inside `blocks`; the row's arrays hold its
+        // values and sub-blocks (asserted).
+        unsafe {
+            let p = blocks.as_ptr().add(b * bb);
+            head::<F>(p, &mut h);
+            std::ptr::copy_nonoverlapping(h.s.as_ptr(), row.s.as_mut_ptr().add(b * subs), subs);
+            if f.has_offset() {
+                std::ptr::copy_nonoverlapping(h.o.as_ptr(), row.o.as_mut_ptr().add(b * subs), subs);
+            }
+            for g in 0..bv / GROUP {
+                let q = _mm256_add_epi8(quants::<F>(p, g), add);
+                _mm256_storeu_si256(row.u.as_mut_ptr().add(b * bv + g * GROUP).cast(), q);
+            }
+        }
+    }
+}
+
+/// The dot product of the unpacked `row` with activation row `t`.
+///
+/// # Safety
+/// `dot`'s features; `row` unpacked from `format` for `acts`' width.
+pub(super) unsafe fn dot(dot: Dot, format: QFormat, row: &Row, acts: &Acts, t: usize) -> f32 {
+    // SAFETY (all): by the caller.
+    with_format!(format, F => unsafe {
+        match dot {
+            Dot::Avx512Vnni => dot_vnni512::<F>(row, acts, t),
+            Dot::AvxVnni => dot_avxvnni::<F>(row, acts, t),
+            _ => dot_avx2::<F>(row, acts, t),
+        }
+    })
+}
+
+/// A group's byte products: unsigned weight bytes by signed activations,
+/// eight i32 lanes of four products each.
+trait Bytes {
+    /// # Safety
+    /// The implementation's features.
+    unsafe fn dp(u: __m256i, x: __m256i) -> __m256i;
+}
+
+struct Avx2;
+impl Bytes for Avx2 {
+    #[inline(always)]
+    unsafe fn dp(u: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: AVX2 (the caller). No pair saturates (module bounds).
+        unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)) }
+    }
+}
+
+struct AvxVnni;
+impl Bytes for AvxVnni {
+    #[inline(always)]
+    unsafe fn dp(u: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: AVX-VNNI (the caller).
+        unsafe { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x) }
+    }
+}
+
+struct Avx512Vnni;
+impl Bytes for Avx512Vnni {
+    #[inline(always)]
+    unsafe fn dp(u: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: AVX-512 VNNI + VL (the caller).
+        unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x) }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_avx2<const F: u8>(row: &Row, acts: &Acts, t: usize) -> f32 {
+    // SAFETY: by the caller.
+    unsafe { body::<Avx2, F>(row, acts, t) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn dot_avxvnni<const F: u8>(row: &Row, acts: &Acts, t: usize) -> f32 {
+    // SAFETY: by the caller.
+    unsafe { body::<AvxVnni, F>(row, acts, t) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn dot_vnni512<const F: u8>(row: &Row, acts: &Acts, t: usize) -> f32 {
+    // SAFETY: by the caller.
+    unsafe { body::<Avx512Vnni, F>(row, acts, t) }
+}
+
+/// Group `g`'s exact products (lanes of four), as [`Bytes::dp`] or, for
+/// Q8_0's signed bytes, magnitudes against sign-moved activations.
+#[inline(always)]
+unsafe fn group<B: Bytes, const F: u8>(u: *const u8, x: *const i8, g: usize) -> __m256i {
+    // SAFETY: the caller's rows hold group `g` (padded to whole lanes).
+    unsafe {
+        let w = _mm256_loadu_si256(u.add(g * GROUP).cast());
+        let a = _mm256_loadu_si256(x.add(g * GROUP).cast());
+        if const { bias(QFormat::of_code(F)).is_none() } {
+            B::dp(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w))
+        } else {
+            B::dp(w, a)
+        }
+    }
+}
+
+/// Four groups' lanes summed per half: `[s0 s1 s2 s3 | s0' s1' s2' s3']`,
+/// `s_i` the sum of `p[i]`'s lanes 0-3 (values 0-15), `s_i'` of lanes 4-7.
+#[inline(always)]
+unsafe fn sum4(p: [__m256i; 4]) -> __m256i {
+    // SAFETY: AVX2 (every caller).
+    unsafe {
+        let t0 = _mm256_add_epi32(
+            _mm256_unpacklo_epi32(p[0], p[1]),
+            _mm256_unpackhi_epi32(p[0], p[1]),
+        );
+        let t1 = _mm256_add_epi32(
+            _mm256_unpacklo_epi32(p[2], p[3]),
+            _mm256_unpackhi_epi32(p[2], p[3]),
+        );
+        _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1))
+    }
+}
+
+/// The module's dot product for format `F` with products `B`.
+#[inline(always)]
+unsafe fn body<B: Bytes, const F: u8>(row: &Row, a: &Acts, t: usize) -> f32 {
+    let f = const { QFormat::of_code(F) };
+    let shift = const {
+        match bias(QFormat::of_code(F)) {
+            Some(b) if b > 0 => b.trailing_zeros() as i32,
+            _ => -1,
+        }
+    };
+    let sub16 = const { QFormat::of_code(F).sub_block() == 16 };
+    // SAFETY (all): `row` and `a` are padded to whole lanes of sub-blocks
+    // (`Row::shape`, `Acts::quantize`), which the loops take; AVX2/FMA.
+    unsafe {
+        let x = a.q.as_ptr().add(t * a.stride8());
+        let u = row.u.as_ptr();
+        let (n, d, b, xb) = if sub16 {
+            let n = a.n16();
+            (
+                n,
+                a.d16.as_ptr().add(t * n),
+                a.b16.as_ptr().add(t * n),
+                a.xb16.as_ptr().add(t * n),
+            )
+        } else {
+            let n = a.n32();
+            (
+                n,
+                a.d32.as_ptr().add(t * n),
+                a.b32.as_ptr().add(t * n),
+                a.xb32.as_ptr().add(t * n),
+            )
+        };
+        let (s, o) = (row.s.as_ptr(), row.o.as_ptr());
+        let mut l = _mm256_setzero_ps();
+        for m in 0..n / 8 {
+            let mut p = if sub16 {
+                let g = 4 * m;
+                let r = sum4([
+                    group::<B, F>(u, x, g),
+                    group::<B, F>(u, x, g + 1),
+                    group::<B, F>(u, x, g + 2),
+                    group::<B, F>(u, x, g + 3),
+                ]);
+                // Sub-blocks in order: 2g, 2g + 1, 2g + 2, ...
+                _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+            } else {
+                let g = 8 * m;
+                let r0 = sum4([
+                    group::<B, F>(u, x, g),
+                    group::<B, F>(u, x, g + 1),
+                    group::<B, F>(u, x, g + 2),
+                    group::<B, F>(u, x, g + 3),
+                ]);
+                let r1 = sum4([
+                    group::<B, F>(u, x, g + 4),
+                    group::<B, F>(u, x, g + 5),
+                    group::<B, F>(u, x, g + 6),
+                    group::<B, F>(u, x, g + 7),
+                ]);
+                _mm256_add_epi32(
+                    _mm256_permute2x128_si256::<0x20>(r0, r1),
+                    _mm256_permute2x128_si256::<0x31>(r0, r1),
+                )
+            };
+            if shift >= 0 {
+                let bs = _mm256_loadu_si256(b.add(8 * m).cast());
+                p = _mm256_sub_epi32(p, _mm256_sll_epi32(bs, _mm_cvtsi32_si128(shift)));
+            }
+            let scale = _mm256_mul_ps(_mm256_loadu_ps(s.add(8 * m)), _mm256_loadu_ps(d.add(8 * m)));
+            l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, l);
+            if f.has_offset() {
+                l = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(o.add(8 * m)),
+                    _mm256_loadu_ps(xb.add(8 * m)),
+                    l,
+                );
+            }
+        }
+        hsum(l)
+    }
+}

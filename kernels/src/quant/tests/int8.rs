@@ -1,0 +1,178 @@
+//! The 8-bit-activation class: every integer dot product gives the
+//! portable path's bits, in any batch; the activations' quantization is
+//! as specified; the result is the f32 class's within the activations'
+//! rounding.
+
+use super::*;
+use crate::quant::i8::{Acts, Dot};
+
+const DOTS: [Dot; 4] = [Dot::Portable, Dot::Avx2, Dot::AvxVnni, Dot::Avx512Vnni];
+
+fn quantized() -> impl Iterator<Item = QFormat> {
+    QFormat::ALL.into_iter().filter(|f| f.is_quantized())
+}
+
+fn int8(dot: Dot, w: &QMatrix, x: &[f32], t: usize) -> Vec<f32> {
+    let mut out = vec![f32::NAN; t * w.rows()];
+    matmul_int8_with(dot, w, x, t, &mut out);
+    assert!(
+        out.iter().all(|v| v.is_finite()),
+        "{} wrote every output",
+        dot.name()
+    );
+    out
+}
+
+/// Each dot product this CPU has equals the portable one to the bit, for
+/// every quantized format, widths with and without a partial lane of
+/// sub-blocks, and batches from one row to past a task's row block.
+#[test]
+fn every_integer_dot_product_equals_the_portable_one_to_the_bit() {
+    let mut rng = Rng(39);
+    let mut ran = Vec::new();
+    for dot in DOTS.into_iter().skip(1) {
+        if !dot.available() {
+            eprintln!("not run: no {} on this CPU", dot.name());
+            continue;
+        }
+        ran.push(dot);
+        for format in quantized() {
+            for (n, k) in shapes(format) {
+                let w = random_matrix(&mut rng, format, n, k);
+                for t in [1, 2, 5, 65] {
+                    let x = random_acts(&mut rng, t, k);
+                    assert_eq!(
+                        bits(&int8(Dot::Portable, &w, &x, t)),
+                        bits(&int8(dot, &w, &x, t)),
+                        "{} {format} [{n}x{k}], {t} rows",
+                        dot.name()
+                    );
+                }
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if Path::Avx2.available() {
+        assert!(ran.contains(&Dot::Avx2), "AVX2 was compared");
+    }
+}
+
+/// Quants in [-127, 127] that reproduce each value within half a step, a
+/// scale of amax / 127, the sums of the quants, and zeros for a zero group.
+#[test]
+fn activations_quantize_per_group_of_32() {
+    let mut rng = Rng(7);
+    let (rows, cols) = (3, 96);
+    let mut x = random_acts(&mut rng, rows, cols);
+    x[32..64].fill(0.0); // row 0, group 1: all zero
+    x[cols] = 1000.0; // row 1, group 0: one outlier
+    let mut a = Acts::default();
+    a.quantize(&x, rows, cols);
+    for t in 0..rows {
+        for g in 0..cols / 32 {
+            let xs = &x[t * cols + 32 * g..t * cols + 32 * (g + 1)];
+            let qs = &a.q[t * a.stride8() + 32 * g..t * a.stride8() + 32 * (g + 1)];
+            let d = a.d32[t * a.n32() + g];
+            let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            assert_eq!(d, amax / 127.0, "row {t} group {g}");
+            for (&v, &q) in xs.iter().zip(qs) {
+                assert!((-127..=127).contains(&q));
+                assert!(
+                    (f32::from(q) * d - v).abs() <= d * 0.5001,
+                    "{v} -> {q} * {d}"
+                );
+            }
+            let sum: i32 = qs.iter().map(|&q| i32::from(q)).sum();
+            assert_eq!(a.b32[t * a.n32() + g], sum);
+            assert_eq!(a.xb32[t * a.n32() + g], d * sum as f32);
+            let lo: i32 = qs[..16].iter().map(|&q| i32::from(q)).sum();
+            assert_eq!(a.b16[t * a.n16() + 2 * g], lo);
+            assert_eq!(a.b16[t * a.n16() + 2 * g + 1], sum - lo);
+            assert_eq!(a.d16[t * a.n16() + 2 * g + 1], d);
+        }
+    }
+    assert_eq!(a.d32[1], 0.0);
+    assert!(a.q[32..64].iter().all(|&q| q == 0));
+    assert_eq!(a.q[a.stride8()], 127, "the outlier is the scale");
+    // Padding past the last group (3 groups padded to 8) stays zero.
+    assert!(a.d32[3..8].iter().all(|&d| d == 0.0));
+}
+
+/// Against the f32 class: the difference is the activations' rounding,
+/// at most half a step per value times the weight's magnitude (plus f32
+/// rounding), and it is not zero (the class really differs).
+#[test]
+fn the_result_is_the_f32_class_within_the_activations_rounding() {
+    let mut rng = Rng(11);
+    for format in quantized() {
+        let (n, k) = (24, 4 * format.block_values());
+        let w = random_matrix(&mut rng, format, n, k);
+        let wd = dense(&w);
+        let t = 3;
+        let x = random_acts(&mut rng, t, k);
+        let mut f = vec![0.0; t * n];
+        matmul_with(Path::Portable, &w, &x, t, &mut f);
+        let q = int8(Dot::Portable, &w, &x, t);
+        let mut differs = false;
+        for ti in 0..t {
+            let xr = &x[ti * k..(ti + 1) * k];
+            for r in 0..n {
+                let wr = &wd[r * k..(r + 1) * k];
+                let mut bound = 0.0f32;
+                let mut mag = 0.0f32;
+                for (g, (xs, ws)) in xr.chunks(32).zip(wr.chunks(32)).enumerate() {
+                    let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    let _ = g;
+                    bound += ws.iter().map(|v| v.abs()).sum::<f32>() * amax / 127.0 * 0.5;
+                    mag += ws.iter().zip(xs).map(|(a, b)| (a * b).abs()).sum::<f32>();
+                }
+                let (a, b) = (f[ti * n + r], q[ti * n + r]);
+                differs |= a != b;
+                assert!(
+                    (a - b).abs() <= bound * 1.001 + mag * 1e-5,
+                    "{format} row {r}: f32 {a} int8 {b}, bound {bound}"
+                );
+            }
+        }
+        assert!(
+            differs,
+            "{format}: the int8 class computed the f32 class's bits"
+        );
+    }
+}
+
+/// A row's result is the same bits alone and in any batch, at any place.
+#[test]
+fn int8_results_do_not_depend_on_the_batch() {
+    let mut rng = Rng(3);
+    let dot = Dot::of(crate::cpu::detect());
+    for format in [QFormat::Q4_K, QFormat::Q6_K, QFormat::Q8_0, QFormat::Q4_1] {
+        let (n, k) = (40, 512);
+        let w = random_matrix(&mut rng, format, n, k);
+        let x = random_acts(&mut rng, 70, k);
+        let all = int8(dot, &w, &x, 70);
+        for t in [0, 1, 63, 64, 69] {
+            let one = int8(dot, &w, &x[t * k..(t + 1) * k], 1);
+            assert_eq!(
+                bits(&one),
+                bits(&all[t * n..(t + 1) * n]),
+                "{format} row {t}"
+            );
+        }
+    }
+}
+
+/// A zero activation row gives zeros; F16 weights in this class are the
+/// f32 class's.
+#[test]
+fn zero_rows_and_half_precision_weights() {
+    let mut rng = Rng(5);
+    let w = random_matrix(&mut rng, QFormat::Q4_K, 8, 256);
+    let out = int8(Dot::Portable, &w, &vec![0.0; 256], 1);
+    assert!(out.iter().all(|&v| v == 0.0 && v.is_sign_positive()));
+    let h = random_matrix(&mut rng, QFormat::F16, 8, 64);
+    let x = random_acts(&mut rng, 2, 64);
+    let mut f = vec![0.0; 16];
+    matmul_with(crate::cpu::path(), &h, &x, 2, &mut f);
+    assert_eq!(bits(&int8(Dot::Portable, &h, &x, 2)), bits(&f));
+}
