@@ -129,13 +129,16 @@ fn int8() {
         "i8 GMAC/s"
     );
     let budget = Duration::from_millis(300);
-    for (rows, cols) in [(576, 1536), (2048, 8192)] {
+    for (rows, cols) in [(576, 1536), (3072, 576), (49152, 576), (2048, 8192)] {
         for format in QFormat::ALL
             .into_iter()
             .filter(|f| !matches!(f, QFormat::F16 | QFormat::BF16))
         {
             let shape = format!("[{rows}x{cols}]");
             if !wanted(&format!("{} {shape}", format.name())) {
+                continue;
+            }
+            if cols % format.block_values() != 0 {
                 continue;
             }
             let w = matrix(format, rows, cols, 7);

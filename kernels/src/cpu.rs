@@ -377,7 +377,10 @@ mod tests {
         }
         assert_eq!(" INT8 ".parse::<Activations>(), Ok(Activations::Int8));
         assert_eq!(
-            "int4".parse::<Activations>().expect_err("no such class").to_string(),
+            "int4"
+                .parse::<Activations>()
+                .expect_err("no such class")
+                .to_string(),
             "unknown activation class \"int4\": expected f32 or int8"
         );
         // This test binary never selects a class: the default, whose

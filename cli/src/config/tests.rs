@@ -333,7 +333,9 @@ fn activations_are_one_per_mesh_and_checked() {
     assert_eq!(cfg.activations().expect("valid"), Activations::Int8);
     let e = refused(&format!("{BASE}{NODES}activations: int4\n"));
     assert!(
-        e.contains("activations = \"int4\": unknown activation class \"int4\": expected f32 or int8"),
+        e.contains(
+            "activations = \"int4\": unknown activation class \"int4\": expected f32 or int8"
+        ),
         "{e}"
     );
     // Not a node setting: the class is the mesh's numerics.

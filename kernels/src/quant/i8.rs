@@ -91,6 +91,11 @@ pub(super) struct Acts {
 }
 
 impl Acts {
+    /// Values per row.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
     /// Groups of 32 per row, padded.
     pub fn n32(&self) -> usize {
         padded(self.cols / GROUP)
@@ -298,13 +303,22 @@ thread_local! {
     static ACTS: std::cell::RefCell<Acts> = std::cell::RefCell::default();
     /// Each thread's unpacked weight row.
     static ROW: std::cell::RefCell<Row> = std::cell::RefCell::default();
+    /// Each thread's unpacked rows and panel for the AVX-512 VNNI kernel.
+    #[cfg(target_arch = "x86_64")]
+    static PANEL_ROWS: std::cell::RefCell<(Vec<Row>, super::i8_x86_512::Panel)> =
+        std::cell::RefCell::default();
 }
+
+/// Activation rows from which a task fills an interleaved panel (AVX-512
+/// VNNI): below, unpacking one weight row at a time costs less.
+#[cfg(target_arch = "x86_64")]
+const PANEL_FROM: usize = 3;
 
 /// Activation rows per task: their quants (at most 64 x 32 KiB) stay in L2
 /// while a panel's rows pass over them.
 const ROW_BLOCK: usize = 64;
 
-/// Weight rows per task.
+/// Weight rows per task (the AVX-512 VNNI panel's sixteen).
 const PANEL: usize = 16;
 
 /// Write-only view of the output shared by the tasks.
@@ -355,7 +369,7 @@ impl Dot {
             Dot::AvxVnni => Path::Avx2.available() && is_x86_feature_detected!("avxvnni"),
             #[cfg(target_arch = "x86_64")]
             Dot::Avx512Vnni => {
-                Path::Avx2.available()
+                Path::Avx512.available()
                     && is_x86_feature_detected!("avx512vnni")
                     && is_x86_feature_detected!("avx512vl")
             }
@@ -412,6 +426,31 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
             let ptr = &ptr;
             let (t0, r0) = ((i / panels) * ROW_BLOCK, (i % panels) * PANEL);
             let (nt, nr) = (ROW_BLOCK.min(rows - t0), PANEL.min(n - r0));
+            #[cfg(target_arch = "x86_64")]
+            if kernel == Dot::Avx512Vnni && nt >= PANEL_FROM {
+                PANEL_ROWS.with_borrow_mut(|(rows, panel)| {
+                    rows.resize_with(nr, Row::default);
+                    for (j, row) in rows.iter_mut().enumerate() {
+                        row.shape(w.format, k);
+                        let r = r0 + j;
+                        // SAFETY: `matmul_dot` asserted the features.
+                        unsafe {
+                            super::i8_x86::unpack(
+                                kernel,
+                                w.format,
+                                row,
+                                &w.data[r * rb..(r + 1) * rb],
+                            )
+                        };
+                    }
+                    // SAFETY: as above.
+                    unsafe { panel.fill(w.format, &rows[..nr]) };
+                    // SAFETY: as above; the task owns rows t0 .. t0 + nt
+                    // of columns r0 .. r0 + nr of `out`.
+                    unsafe { panel.run(w.format, acts, t0, nt, nr, ptr.0.add(r0), n) };
+                });
+                return;
+            }
             ROW.with_borrow_mut(|row| {
                 row.shape(w.format, k);
                 for r in r0..r0 + nr {

@@ -18,6 +18,11 @@ use super::x86_blocks::{head, quants};
 use super::{with_format, QFormat, GROUP};
 use crate::simd::hsum;
 
+/// Bytes ahead of the block being unpacked that are prefetched: weights
+/// stream from memory (or L3) at batch 1, and one sequential stream per
+/// core is not enough to keep the loads in flight.
+const PREFETCH: usize = 2048;
+
 /// Unpack a row of blocks of `format` into `row` (shaped for it).
 ///
 /// # Safety
@@ -46,6 +51,10 @@ unsafe fn unpack_f<const F: u8>(row: &mut Row, blocks: &[u8]) {
         // values and sub-blocks (asserted).
         unsafe {
             let p = blocks.as_ptr().add(b * bb);
+            // The bytes a few blocks on (the next rows' once this one
+            // ends: a task's rows are consecutive in memory). A hint only:
+            // it may point past the matrix and never faults.
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH).cast());
             head::<F>(p, &mut h);
             std::ptr::copy_nonoverlapping(h.s.as_ptr(), row.s.as_mut_ptr().add(b * subs), subs);
             if f.has_offset() {
@@ -195,32 +204,27 @@ unsafe fn body<B: Bytes, const F: u8>(row: &Row, a: &Acts, t: usize) -> f32 {
             )
         };
         let (s, o) = (row.s.as_ptr(), row.o.as_ptr());
+        // Groups past the row's end are zeros: not read (a 576-wide row is
+        // 18 groups, padded to 24).
+        let real = a.cols() / GROUP;
+        let group = |g: usize| {
+            if g < real {
+                group::<B, F>(u, x, g)
+            } else {
+                _mm256_setzero_si256()
+            }
+        };
         let mut l = _mm256_setzero_ps();
         for m in 0..n / 8 {
             let mut p = if sub16 {
                 let g = 4 * m;
-                let r = sum4([
-                    group::<B, F>(u, x, g),
-                    group::<B, F>(u, x, g + 1),
-                    group::<B, F>(u, x, g + 2),
-                    group::<B, F>(u, x, g + 3),
-                ]);
+                let r = sum4([group(g), group(g + 1), group(g + 2), group(g + 3)]);
                 // Sub-blocks in order: 2g, 2g + 1, 2g + 2, ...
                 _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
             } else {
                 let g = 8 * m;
-                let r0 = sum4([
-                    group::<B, F>(u, x, g),
-                    group::<B, F>(u, x, g + 1),
-                    group::<B, F>(u, x, g + 2),
-                    group::<B, F>(u, x, g + 3),
-                ]);
-                let r1 = sum4([
-                    group::<B, F>(u, x, g + 4),
-                    group::<B, F>(u, x, g + 5),
-                    group::<B, F>(u, x, g + 6),
-                    group::<B, F>(u, x, g + 7),
-                ]);
+                let r0 = sum4([group(g), group(g + 1), group(g + 2), group(g + 3)]);
+                let r1 = sum4([group(g + 4), group(g + 5), group(g + 6), group(g + 7)]);
                 _mm256_add_epi32(
                     _mm256_permute2x128_si256::<0x20>(r0, r1),
                     _mm256_permute2x128_si256::<0x31>(r0, r1),

@@ -103,6 +103,8 @@ mod gemm;
 mod i8;
 #[cfg(target_arch = "x86_64")]
 mod i8_x86;
+#[cfg(target_arch = "x86_64")]
+mod i8_x86_512;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
