@@ -244,6 +244,31 @@ fn has_avx2() -> bool {
     })
 }
 
+/// Posts `body` until the router refuses it as `mixed_cpu_kernels` (until
+/// both load reports are in it may say "no healthy node"; then it must say
+/// why it pairs nothing); never served.
+fn refused_as_mixed(addr: &str, body: &Value) -> http::Response {
+    let t0 = Instant::now();
+    loop {
+        let r = http::post(addr, "/v1/completions", body);
+        if r.status == 503 && r.json()["error"]["code"] == "mixed_cpu_kernels" {
+            return r;
+        }
+        assert_ne!(
+            r.status, 200,
+            "nodes of different numerics paired: {}",
+            r.body
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "never refused: {} {}",
+            r.status,
+            r.body
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[test]
 fn a_mesh_mixing_cpu_kernel_numerics_is_refused_and_named_while_avx2_and_avx512_pair() {
     if !has_avx2() {
@@ -268,27 +293,7 @@ fn a_mesh_mixing_cpu_kernel_numerics_is_refused_and_named_while_avx2_and_avx512_
     wait_healthy(&addr);
     let prompt = "The capital of France is";
     let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
-    let t0 = Instant::now();
-    let refused = loop {
-        let r = http::post(&addr, "/v1/completions", &body);
-        // Until both load reports are in, the router may say "no healthy
-        // node"; then it must say why it pairs nothing.
-        if r.status == 503 && r.json()["error"]["code"] == "mixed_cpu_kernels" {
-            break r;
-        }
-        assert_ne!(
-            r.status, 200,
-            "a portable prefill paired with an x86 decode: {}",
-            r.body
-        );
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "never refused: {} {}",
-            r.status,
-            r.body
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let refused = refused_as_mixed(&addr, &body);
     // The client learns neither node names nor paths; the router's log does.
     assert!(!refused.body.contains("prefill-0"), "{}", refused.body);
     let line = router
@@ -320,6 +325,35 @@ fn a_mesh_mixing_cpu_kernel_numerics_is_refused_and_named_while_avx2_and_avx512_
         failed(&v),
         vec!["mesh CPU kernel numerics".to_owned()],
         "only the numerics differ: {v:#}"
+    );
+
+    // The same path in the 8-bit-activation class: other numerics, so
+    // refused alike, and named.
+    drop(prefill);
+    let prefill = start_with(
+        "prefill",
+        &file,
+        Some("prefill-0"),
+        "ready",
+        &["--activations", "int8"],
+    )
+    .0;
+    // Until the new node's load report is in, the router may still refuse
+    // on the portable one's: ask until it names the int8 class.
+    let t0 = Instant::now();
+    let line = loop {
+        refused_as_mixed(&addr, &body);
+        if let Some(line) = router.log_line("x86-i8", Duration::from_millis(300)) {
+            break line;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the router never named the int8 class"
+        );
+    };
+    assert!(
+        line.contains("refusing to pair") && line.contains("x86-fma"),
+        "{line}"
     );
 
     // Prefill on avx2 instead: avx2 and avx512 compute the same bits, so

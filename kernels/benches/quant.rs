@@ -1,4 +1,4 @@
-//! Quantized matmul throughput (f32 activations), two tables:
+//! Quantized matmul throughput, three tables:
 //!
 //! - `formats`: every GGUF format on this CPU's best path, at 1, 16 and 512
 //!   activation rows, on a [576 x 1536] matrix (SmolLM2-135M's down
@@ -13,7 +13,10 @@
 //!   above 1 when AVX-512 is faster; `p/copy`: the path's time over the
 //!   copy's). GB/s and GMAC/s are the fastest path's.
 //!
-//! `cargo bench -p kvmesh-kernels --bench quant` runs both;
+//! - `int8`: the f32 class against the 8-bit-activation class, every
+//!   quantized format at 1, 16 and 512 rows (see `fn int8`).
+//!
+//! `cargo bench -p kvmesh-kernels --bench quant` runs them all;
 //! `QUANT_BENCH_TABLE=formats` (or `paths`) one of them, `QUANT_BENCH` (a
 //! substring of a shape's or format's name) only some rows, and
 //! `QUANT_BENCH_ROWS=1,16` only those batch sizes in `formats`, and
@@ -102,10 +105,24 @@ fn main() {
 /// The two numerics classes side by side on the best path: every quantized
 /// format, f32 activations against 8-bit ones (the best integer dot
 /// product), ms per call and the f32 class's time over the int8 one's
-/// (above 1: int8 faster); `copy` as in `formats`.
+/// (above 1: int8 faster); `copy` as in `formats`. `QUANT_BENCH_TABLE=int8`
+/// runs it alone.
 fn int8() {
-    let path = Path::detect();
-    let dot = Dot::of(path);
+    // `QUANT_BENCH_PATH=avx2` (the f32 class's path) and
+    // `QUANT_BENCH_DOT=avx2` (or avx-vnni, avx512-vnni, portable): others
+    // than the best.
+    let path = std::env::var("QUANT_BENCH_PATH").map_or(Path::detect(), |p| {
+        *cpu::available_paths()
+            .iter()
+            .find(|a| a.name() == p)
+            .expect("a path this CPU runs: avx512, avx2 or portable")
+    });
+    let dot = std::env::var("QUANT_BENCH_DOT").map_or(Dot::of(path), |d| {
+        [Dot::Avx512Vnni, Dot::AvxVnni, Dot::Avx2, Dot::Portable]
+            .into_iter()
+            .find(|x| x.name() == d && x.available())
+            .expect("a dot product this CPU has: avx512-vnni, avx-vnni, avx2 or portable")
+    });
     println!(
         "f32 against int8 activations, {} path, {} dot products, {} threads; ms per call (median)",
         path.name(),

@@ -10,7 +10,7 @@
 //! in.
 //!
 //! Soft-capping ([`AttentionShape::softcap`]) is one scalar step on every
-//! path ([`softcap`]: the C library's `tanhf`, as transformers divides,
+//! path (`softcap`: the C library's `tanhf`, as transformers divides,
 //! takes the tanh and multiplies), applied to each path's scaled scores,
 //! so it keeps the paths' agreement as it is: AVX2 and AVX-512 to the bit.
 //!

@@ -20,10 +20,13 @@
 //!   kind label (the guard alarm and every refusal counter above this
 //!   crate).
 //! - [`cpu`]: the crate-wide kernel path ([`cpu::Path`]: AVX-512, AVX2 or
-//!   portable), detected or forced once per process ([`cpu::select`]) and
-//!   read by every kernel ([`cpu::path`]).
-//! - [`quant`]: matrix multiplication over GGUF Q4_1 / Q8_0 blocks used as
-//!   stored, with f32 activations; AVX-512 or AVX2 chosen at run time, a
+//!   portable) and activation class ([`cpu::Activations`]), detected or
+//!   forced once per process ([`cpu::select`], [`cpu::select_activations`])
+//!   and read by every kernel; [`cpu::numerics`] names the pair.
+//! - [`quant`]: matrix multiplication over GGUF blocks (F16, BF16, the
+//!   legacy and the K-quant formats) used as stored, with f32 activations
+//!   or, as a second numerics class ([`cpu::Activations`]), 8-bit ones and
+//!   integer dot products; AVX-512, AVX2 (and VNNI) chosen at run time, a
 //!   portable reference they equal to the bit, every core through rayon.
 //!
 //! Dense f32 matmuls (the exact mode) go through candle-core in

@@ -78,7 +78,7 @@ pub enum Rejection {
     /// x86 kernel paths): pairing them would decode over KV that decode
     /// would not have computed itself.
     #[error(
-        "no healthy {role} node computes with the same CPU kernels as the other role's nodes; the mesh's operator must give every node the same cpu_kernels"
+        "no healthy {role} node computes with the same CPU kernels as the other role's nodes; the mesh's operator must give every node the same cpu_kernels and activations"
     )]
     MixedCpuKernels {
         /// The role that had no matching node.

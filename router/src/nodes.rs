@@ -572,7 +572,7 @@ impl Nodes {
                             wanted = %wanted,
                             found = %found,
                             "refusing to pair nodes whose CPU kernels compute different bits: \
-                             give every node of the mesh the same cpu_kernels \
+                             give every node of the mesh the same cpu_kernels and activations \
                              (avx2 and avx512 compute alike)"
                         );
                         Rejection::MixedCpuKernels {

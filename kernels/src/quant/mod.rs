@@ -26,17 +26,23 @@
 //! `i + 16` in the high one (the fifth bit is bit `i` of `qh`); the
 //! K-quants' bit layouts are spelled out in `scalar.rs` (`quants`).
 //!
-//! Activations stay f32. A call dequantizes each weight once, in
-//! registers or into a small panel buffer, and multiplies in f32 with fused
-//! multiply-adds (see `gemm.rs` for the order of operations). So the
-//! product differs from the `--exact` f32 weights only by the weights'
-//! quantization, and not by the activations' as llama.cpp's 8-bit-activation
-//! kernels do.
+//! Two numerics classes, one per process ([`crate::cpu::activations`]):
+//! - **f32 activations** (`gemm.rs`): a call dequantizes each weight once,
+//!   in registers or into a small panel buffer, and multiplies in f32 with
+//!   fused multiply-adds. The product differs from the `--exact` f32
+//!   weights only by the weights' quantization.
+//! - **8-bit activations** (`i8.rs`, `--activations int8`): the
+//!   activations are quantized per 32 values, multiplied with the weights'
+//!   integer quants in exact integer sums (AVX2 `vpmaddubsw`, AVX-VNNI or
+//!   AVX-512 VNNI `vpdpbusd`), scaled in f32: as llama.cpp's kernels do,
+//!   the activations' rounding is added to the weights'. F16 and BF16
+//!   weights take the f32 class's kernels in both.
 //!
 //! # Determinism
-//! Every output element is computed by the same sequence of floating-point
-//! operations whatever the batch size, the position of its row in the batch,
-//! the register tile, the thread, or the path (AVX-512, AVX2 or portable): a
+//! In either class, every output element is computed by the same sequence
+//! of operations whatever the batch size, the position of its row in the
+//! batch, the register tile, the thread, or the path (AVX-512, AVX2 or
+//! portable; in the int8 class also the integer dot product): a
 //! sequence decodes to the same tokens alone or batched, prompt chunked or
 //! whole, and a disaggregated run equals the reference engine token for
 //! token.
@@ -89,7 +95,9 @@
 //! 1.66-1.76 ms (before 1.68-1.75), Q4_1 576x1536 0.053 ms (0.053); on
 //! the AVX2 path 1.59-1.62 (1.63-1.68) and 0.064 (0.073).
 //!
-//! Output rows are split across the rayon pool (every core).
+//! Output rows are split across the rayon pool (every core). The int8
+//! class's costs are in `i8.rs`, measured against this class by the same
+//! bench (`QUANT_BENCH_TABLE=int8`).
 //!
 //! # Paths
 //! [`crate::cpu::path`] (the process's path, chosen once) picks AVX-512

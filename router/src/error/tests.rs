@@ -394,7 +394,7 @@ fn client_messages_are_fixed_per_kind() {
                 found: "decode-0 runs avx512 (x86-fma)".into(),
             }
             .into(),
-            "no healthy decode node computes with the same CPU kernels as the other role's nodes; the mesh's operator must give every node the same cpu_kernels",
+            "no healthy decode node computes with the same CPU kernels as the other role's nodes; the mesh's operator must give every node the same cpu_kernels and activations",
         ),
         (
             GatewayError::FaultSpec(kvmesh_faults::FaultSpecError {
