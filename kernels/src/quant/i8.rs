@@ -307,10 +307,15 @@ thread_local! {
     #[cfg(target_arch = "x86_64")]
     static PANEL_ROWS: std::cell::RefCell<(Vec<Row>, super::i8_x86_512::Panel)> =
         std::cell::RefCell::default();
+    /// The same for the AVX2 and AVX-VNNI kernel.
+    #[cfg(target_arch = "x86_64")]
+    static PANEL_ROWS_256: std::cell::RefCell<(Vec<Row>, super::i8_x86_256::Panel)> =
+        std::cell::RefCell::default();
 }
 
-/// Activation rows from which a task fills an interleaved panel (AVX-512
-/// VNNI): below, unpacking one weight row at a time costs less.
+/// Activation rows from which a task fills an interleaved panel (every
+/// x86 dot product; AVX2 not for Q8_0): below, unpacking one weight row at
+/// a time costs less.
 #[cfg(target_arch = "x86_64")]
 const PANEL_FROM: usize = 3;
 
@@ -448,6 +453,36 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
                     // SAFETY: as above; the task owns rows t0 .. t0 + nt
                     // of columns r0 .. r0 + nr of `out`.
                     unsafe { panel.run(w.format, acts, t0, nt, nr, ptr.0.add(r0), n) };
+                });
+                return;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if nt >= PANEL_FROM && super::i8_x86_256::takes(kernel, w.format) {
+                use super::i8_x86_256::NR;
+                PANEL_ROWS_256.with_borrow_mut(|(rows, panel)| {
+                    rows.resize_with(NR, Row::default);
+                    for p0 in (0..nr).step_by(NR) {
+                        let live = NR.min(nr - p0);
+                        for (j, row) in rows[..live].iter_mut().enumerate() {
+                            row.shape(w.format, k);
+                            let r = r0 + p0 + j;
+                            // SAFETY: `matmul_dot` asserted the features.
+                            unsafe {
+                                super::i8_x86::unpack(
+                                    kernel,
+                                    w.format,
+                                    row,
+                                    &w.data[r * rb..(r + 1) * rb],
+                                )
+                            };
+                        }
+                        // SAFETY: as above; the task owns rows t0 .. t0 + nt
+                        // of columns r0 + p0 .. r0 + p0 + live of `out`.
+                        unsafe {
+                            panel.fill(w.format, &rows[..live]);
+                            panel.run(kernel, w.format, acts, t0, nt, live, ptr.0.add(r0 + p0), n);
+                        }
+                    }
                 });
                 return;
             }

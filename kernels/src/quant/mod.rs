@@ -112,6 +112,8 @@ mod i8;
 #[cfg(target_arch = "x86_64")]
 mod i8_x86;
 #[cfg(target_arch = "x86_64")]
+mod i8_x86_256;
+#[cfg(target_arch = "x86_64")]
 mod i8_x86_512;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
