@@ -21,7 +21,7 @@ use crate::simd::hsum;
 /// Bytes ahead of the block being unpacked that are prefetched: weights
 /// stream from memory (or L3) at batch 1, and one sequential stream per
 /// core is not enough to keep the loads in flight.
-const PREFETCH: usize = 2048;
+const PREFETCH: usize = 8192;
 
 /// Unpack a row of blocks of `format` into `row` (shaped for it).
 ///
