@@ -6,6 +6,7 @@ use std::fmt;
 
 use super::codec::{fit, seal, Put, Reader};
 use super::error::WireError;
+use super::first::{FirstToken, FIRST_TOKEN_REPORT_MIN_LEN};
 use super::geometry::{Geometry, GEOMETRY_LEN};
 use super::ids::{Capability, ReservationId, WriterId, CAPABILITY_LEN};
 use super::{MessageType, HEADER_LEN, TRAILER_LEN};
@@ -18,7 +19,12 @@ pub const TRANSFER_DONE_FIXED_LEN: usize = 16 + CAPABILITY_LEN + 8 + 4 + 4;
 /// checksums as granted pages, `tokens_written` equal to the grant's
 /// `prompt_tokens`, and each checksum equal to
 /// [`super::page_checksum`] of the page as it landed.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// It also carries the first token and prefill's report on it
+/// ([`FirstToken`]): the decode node hands that to the router on its token
+/// stream once the transfer is verified, so whatever the router needs about
+/// the first token travels with it.
+#[derive(Clone, Debug, PartialEq)]
 pub struct TransferDone {
     /// The reservation written.
     pub reservation: ReservationId,
@@ -26,8 +32,9 @@ pub struct TransferDone {
     pub capability: Capability,
     /// Prompt tokens written: positions `0..tokens_written`.
     pub tokens_written: u64,
-    /// The first token prefill sampled from the last prompt position.
-    pub first_token: u32,
+    /// The first token prefill sampled from the last prompt position, and
+    /// its report (before the checksums on the wire).
+    pub first: FirstToken,
     /// [`super::page_checksum`] of each written page, in the grant's page
     /// order; its length is the number of pages written.
     pub page_checksums: Vec<u64>,
@@ -45,26 +52,32 @@ impl TransferDone {
     }
 
     fn body_len(&self) -> usize {
-        TRANSFER_DONE_FIXED_LEN + self.page_checksums.len().saturating_mul(8)
+        TRANSFER_DONE_FIXED_LEN
+            .saturating_add(self.page_checksums.len().saturating_mul(8))
+            .saturating_add(self.first.report_len())
     }
 
     /// Appends the encoded message to `out`; returns the bytes appended.
     pub fn encode(&self, out: &mut Vec<u8>) -> Result<usize, WireError> {
         let n: u32 = fit(self.page_checksums.len(), "pages_written")?;
+        self.first.check()?;
         seal(MessageType::TransferDone, self.body_len(), out, |o| {
             o.put_id(&self.reservation);
             o.put_capability(&self.capability);
             o.put_u64(self.tokens_written);
-            o.put_u32(self.first_token);
+            o.put_u32(self.first.id);
             o.put_u32(n);
+            self.first.put_report(o);
             for &c in &self.page_checksums {
                 o.put_u64(c);
             }
         })
     }
 
-    /// Decodes the body; the checksum list is allocated only after its
-    /// declared length is checked against the bytes present.
+    /// Decodes the body. The checksum list ends it, so its declared
+    /// length must match the bytes left exactly; it is bounded before the
+    /// report's lists are read and checked exactly after, so nothing is
+    /// allocated for a body that cannot hold what it declares.
     pub(crate) fn decode_body(body: &[u8]) -> Result<Self, WireError> {
         let mut r = Reader::new(body);
         let reservation = r.id("reservation")?;
@@ -72,12 +85,18 @@ impl TransferDone {
         let tokens_written = r.u64("tokens_written")?;
         let first_token = r.u32("first_token")?;
         let n = r.u32("pages_written")? as usize;
-        if n.checked_mul(8) != Some(r.remaining()) {
-            return Err(WireError::LengthMismatch {
-                field: "pages_written",
-                declared: n as u64,
-                actual: (r.remaining() / 8) as u64,
-            });
+        let sums = n.checked_mul(8);
+        let mismatch = |remaining: usize| WireError::LengthMismatch {
+            field: "pages_written",
+            declared: n as u64,
+            actual: (remaining / 8) as u64,
+        };
+        if sums.is_none_or(|b| b > r.remaining().saturating_sub(FIRST_TOKEN_REPORT_MIN_LEN)) {
+            return Err(mismatch(r.remaining()));
+        }
+        let first = FirstToken::read_report(first_token, &mut r)?;
+        if sums != Some(r.remaining()) {
+            return Err(mismatch(r.remaining()));
         }
         let mut page_checksums = Vec::with_capacity(n);
         for _ in 0..n {
@@ -88,7 +107,7 @@ impl TransferDone {
             reservation,
             capability,
             tokens_written,
-            first_token,
+            first,
             page_checksums,
         })
     }

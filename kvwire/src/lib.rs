@@ -24,7 +24,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `KVMW` (`4b 56 4d 57`) |
-//! | 4 | 2 | version u16, [`VERSION`] = 3 |
+//! | 4 | 2 | version u16, [`VERSION`] = 4 |
 //! | 6 | 2 | message type tag u16 ([`MessageType`]) |
 //! | 8 | 4 | body length u32 (bytes between header and trailer) |
 //! | 12 | body length | body, per type below |
@@ -76,7 +76,8 @@
 //! | 98 | 12 n | pages: page id u32, generation u64; page 0 at position `cached` |
 //! | 98 + 12 n | e | endpoint, UTF-8, non-empty |
 //!
-//! **TransferDone** (tag 3), 64 bytes + 8 per page:
+//! **TransferDone** (tag 3), 73 bytes + 8 per page + the first token's
+//! logprobs and the prompt's scores when asked:
 //!
 //! | offset | size | field |
 //! |---|---|---|
@@ -85,7 +86,8 @@
 //! | 48 | 8 | tokens written u64 |
 //! | 56 | 4 | first sampled token id u32 |
 //! | 60 | 4 | pages written n u32 |
-//! | 64 | 8 n | [`page_checksum`] of each page, grant order, u64 |
+//! | 64 | r = 9 + ... | the first token's report ([`first`]: prefill's cached tokens, the token's logprobs, the prompt's scores) |
+//! | 64 + r | 8 n | [`page_checksum`] of each page, grant order, u64 |
 //!
 //! **Abort** (tag 4), 18 bytes: reservation id (16), reason code u16
 //! ([`AbortReason`]; unknown codes still abort).
@@ -130,8 +132,8 @@
 //! codes are additions too; unknown dtypes are refused, unknown abort
 //! reasons are honoured. History: version 2 added the proofs to Hello and
 //! Welcome (and the Challenge before them); version 3 added the Grant's
-//! `cached_tokens` (the decode node's prefix-cache hit); older peers are
-//! refused.
+//! `cached_tokens` (the decode node's prefix-cache hit); version 4 added
+//! the first token's report to TransferDone; older peers are refused.
 //!
 //! # What is authenticated
 //!
@@ -162,6 +164,7 @@
 //! # Files
 //! - `codec`: field readers and writers, the envelope.
 //! - [`ids`]: ids and the capability (I8).
+//! - [`first`]: the first token's report inside TransferDone.
 //! - [`geometry`]: the page shape on the wire.
 //! - [`frame`]: [`KvFrame`]. [`grant`]: [`Grant`] and the frame check.
 //!   [`control`]: the other control messages.
@@ -175,6 +178,7 @@ mod codec;
 pub mod checksum;
 pub mod control;
 pub mod error;
+pub mod first;
 pub mod frame;
 pub mod geometry;
 pub mod grant;
@@ -189,6 +193,7 @@ pub use control::{
     NONCE_LEN, PROOF_LEN,
 };
 pub use error::{FrameReject, RejectCounters, WireError, REJECT_KINDS};
+pub use first::{FirstToken, PromptScore, TokenLogprobs};
 pub use frame::{encode_values, f16s_from_le, f32s_from_le, f32s_to_le, KvFrame, LayerKv};
 pub use geometry::{Dtype, Geometry};
 pub use grant::Grant;
@@ -198,8 +203,9 @@ pub use ids::{Capability, MintError, RequestId, ReservationId, TransferId, Write
 pub const MAGIC: [u8; 4] = *b"KVMW";
 /// The one version this build speaks. Version 2: Hello and Welcome carry
 /// the mesh-authentication proofs, after a Challenge (tag 9); version 3:
-/// the Grant's `cached_tokens`.
-pub const VERSION: u16 = 3;
+/// the Grant's `cached_tokens`; version 4: TransferDone's first-token
+/// report ([`FirstToken`]).
+pub const VERSION: u16 = 4;
 /// Bytes of the header: magic, version, type, body length.
 pub const HEADER_LEN: usize = 12;
 /// Bytes of the trailer: the checksum.
@@ -290,7 +296,7 @@ impl Default for DecodeLimits {
 }
 
 /// A decoded message. Frames borrow their payload from the input.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Message<'a> {
     /// KV data.
     KvFrame(KvFrame<'a>),

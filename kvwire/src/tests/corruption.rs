@@ -90,9 +90,10 @@ fn header_errors_are_typed() {
     let mut m = msg.clone();
     m[..4].copy_from_slice(b"HTTP");
     assert_eq!(err(&m), WireError::BadMagic { got: *b"HTTP" });
-    // Versions 1 (before mesh authentication) and 2 (before the Grant's
-    // cached head) are refused like any other.
-    for v in [0u16, 1, 2, 4, u16::MAX] {
+    // Versions 1 (before mesh authentication), 2 (before the Grant's
+    // cached head) and 3 (before TransferDone's first-token report) are
+    // refused like any other.
+    for v in [0u16, 1, 2, 3, 5, u16::MAX] {
         let mut m = msg.clone();
         m[4..6].copy_from_slice(&v.to_le_bytes());
         reseal(&mut m);
@@ -168,6 +169,7 @@ pub(super) fn absurd_bodies() -> Vec<(&'static str, Vec<u8>)> {
             patch(&s[1].1, 96, &u16::MAX.to_le_bytes()),
         ),
         ("transfer_done pages_written", patch(&s[2].1, 60, &max)),
+        ("transfer_done first.top", patch(&s[2].1, 73, &[u8::MAX])),
     ]
 }
 
@@ -194,6 +196,7 @@ fn invalid_fields_are_named() {
         (patch(g, 98 + 3 * 12, b"\xff"), "endpoint"),
         (patch(g, 68, &3u64.to_le_bytes()), "cached_tokens"), // not whole pages
         (patch(g, 68, &12u64.to_le_bytes()), "cached_tokens"), // the whole prompt
+        (patch(d, 68, &[2]), "first.logprobs"),               // neither absent nor present
         // The connection's opening: zero nonces were never minted, the
         // Welcome's fields after its proof are checked as before.
         (patch(&s[6].1, 0, &[0; 16]), "writer"),
@@ -216,6 +219,12 @@ fn invalid_fields_are_named() {
         // 10 prompt tokens need 3 pages of 4; 13 would need 4.
         (patch(g, 60, &13u64.to_le_bytes()), "pages"),
         (patch(d, 60, &2u32.to_le_bytes()), "pages_written"),
+        // The report's lists (checked before they are allocated; the
+        // logprobs' list before them is, so these are not absurd_bodies).
+        (patch(d, 90, &u32::MAX.to_le_bytes()), "prompt_scores"),
+        (patch(d, 102, &[u8::MAX]), "prompt_scores.top"),
+        // One score fewer: the checksums' count no longer matches.
+        (patch(d, 90, &0u32.to_le_bytes()), "pages_written"),
     ];
     for (msg, field) in mismatches {
         match err(&msg) {

@@ -165,9 +165,9 @@ fn each_refusal_is_typed_and_counted() {
         }
     }
     counters.record_wire(&decode_message(b"nope, not a message").expect_err("garbage"));
-    assert_eq!(counters.total(), cases.len() as u64 + 4 + 1);
+    assert_eq!(counters.total(), cases.len() as u64 + 5 + 1);
     assert_eq!(counters.get("page_out_of_grant"), 2);
-    assert_eq!(counters.get("length_mismatch"), 4);
+    assert_eq!(counters.get("length_mismatch"), 5);
     assert_eq!(counters.get("bad_magic"), 1);
     assert_eq!(counters.get("no_such_kind"), 0);
     let by_kind = counters.by_kind();

@@ -93,6 +93,30 @@ pub(super) fn grant() -> Grant {
     }
 }
 
+/// A first token with logprobs (two alternatives) and one prompt score
+/// (one alternative): its report is [`FIRST_REPORT_LEN`] bytes, at body
+/// offset 64 of a TransferDone (prefill's cached count, then the logprobs'
+/// flag at 68, top count at 73, the prompt scores' count at 90, the score's
+/// top count at 102).
+pub(super) fn first_token() -> FirstToken {
+    FirstToken {
+        id: 1234,
+        logprobs: Some(TokenLogprobs {
+            logprob: -0.5,
+            top: vec![(1234, -0.5), (7, -1.5)],
+        }),
+        cached_tokens: 16,
+        prompt_scores: vec![PromptScore {
+            logprob: -2.0,
+            rank: 3,
+            top: vec![(5, -0.25)],
+        }],
+    }
+}
+
+/// See [`first_token`]: 4 + (1 + 4 + 1 + 2 * 8) + 4 + (4 + 4 + 1 + 8).
+pub(super) const FIRST_REPORT_LEN: usize = 47;
+
 /// One small encoded message of every type.
 pub(super) fn samples() -> Vec<(MessageType, Vec<u8>)> {
     let payload = bytes(FRAME_PAYLOAD, 1);
@@ -103,7 +127,7 @@ pub(super) fn samples() -> Vec<(MessageType, Vec<u8>)> {
             reservation: rid(7),
             capability: cap(9),
             tokens_written: 10,
-            first_token: 1234,
+            first: first_token(),
             page_checksums: vec![1, 2, 3],
         }),
         Message::Abort(Abort {
@@ -168,6 +192,7 @@ fn layout_sizes_match_the_doc_tables() {
     assert_eq!(frame::FRAME_FIXED_LEN, 92);
     assert_eq!(grant::GRANT_FIXED_LEN, 98);
     assert_eq!(control::TRANSFER_DONE_FIXED_LEN, 64);
+    assert_eq!(first::FIRST_TOKEN_REPORT_MIN_LEN, 9);
     assert_eq!(
         (
             control::ABORT_LEN,
@@ -193,7 +218,7 @@ fn layout_sizes_match_the_doc_tables() {
         [
             20 + 92 + FRAME_PAYLOAD,
             20 + 98 + 3 * 12 + endpoint,
-            20 + 64 + 3 * 8,
+            20 + 64 + FIRST_REPORT_LEN + 3 * 8,
             20 + 18,
             20 + 24,
             20 + 16,
@@ -204,7 +229,7 @@ fn layout_sizes_match_the_doc_tables() {
     );
     for (ty, m) in &s {
         assert_eq!(m[..4], *b"KVMW");
-        assert_eq!(u16::from_le_bytes([m[4], m[5]]), 3);
+        assert_eq!(u16::from_le_bytes([m[4], m[5]]), 4);
         assert_eq!(u16::from_le_bytes([m[6], m[7]]), ty.tag());
         assert_eq!(MessageType::from_tag(ty.tag()), Ok(*ty));
     }

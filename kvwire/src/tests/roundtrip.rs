@@ -155,6 +155,31 @@ fn arb_grant() -> impl Strategy<Value = Grant> {
         )
 }
 
+/// Alternatives: ids and logprobs. Logprobs are drawn from the numbers
+/// that compare equal to themselves (any bits round-trip, but NaN would
+/// fail the equality the property checks).
+fn arb_top() -> impl Strategy<Value = Vec<(u32, f32)>> {
+    vec((any::<u32>(), -1e30f32..=0.0), 0..=20)
+}
+
+fn arb_first() -> impl Strategy<Value = FirstToken> {
+    (
+        any::<u32>(),
+        proptest::option::of((-1e30f32..=0.0, arb_top())),
+        any::<u32>(),
+        vec((-1e30f32..=0.0, any::<u32>(), arb_top()), 0..40),
+    )
+        .prop_map(|(id, logprobs, cached_tokens, scores)| FirstToken {
+            id,
+            logprobs: logprobs.map(|(logprob, top)| TokenLogprobs { logprob, top }),
+            cached_tokens,
+            prompt_scores: scores
+                .into_iter()
+                .map(|(logprob, rank, top)| PromptScore { logprob, rank, top })
+                .collect(),
+        })
+}
+
 fn arb_control() -> impl Strategy<Value = Message<'static>> {
     prop_oneof![
         arb_grant().prop_map(Message::Grant),
@@ -162,16 +187,16 @@ fn arb_control() -> impl Strategy<Value = Message<'static>> {
             arb_rid(),
             arb_cap(),
             any::<u64>(),
-            any::<u32>(),
+            arb_first(),
             vec(any::<u64>(), 0..300)
         )
             .prop_map(
-                |(reservation, capability, tokens_written, first_token, page_checksums)| {
+                |(reservation, capability, tokens_written, first, page_checksums)| {
                     Message::TransferDone(TransferDone {
                         reservation,
                         capability,
                         tokens_written,
-                        first_token,
+                        first,
                         page_checksums,
                     })
                 }

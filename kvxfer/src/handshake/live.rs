@@ -6,7 +6,7 @@ use std::sync::Weak;
 use tokio::sync::oneshot;
 
 use kvmesh_kvpool::Reservation;
-use kvmesh_kvwire::{AbortReason, ReservationId};
+use kvmesh_kvwire::{AbortReason, FirstToken, ReservationId};
 
 use super::error::{Ended, Outcome};
 use super::table::Inner;
@@ -22,7 +22,7 @@ use super::table::Inner;
 pub struct LiveSequence {
     pub(super) id: ReservationId,
     pub(super) prompt_tokens: usize,
-    pub(super) first_token: u32,
+    pub(super) first: FirstToken,
     pub(super) reservation: Reservation,
 }
 
@@ -39,7 +39,12 @@ impl LiveSequence {
 
     /// The first generated token, sampled by prefill.
     pub fn first_token(&self) -> u32 {
-        self.first_token
+        self.first.id
+    }
+
+    /// The first token with prefill's report on it (for the router).
+    pub fn first(&self) -> &FirstToken {
+        &self.first
     }
 
     /// The pages: prompt pages verified and readable, then the decode
@@ -56,6 +61,12 @@ impl LiveSequence {
     /// The reservation itself, for an engine that owns sequences.
     pub fn into_reservation(self) -> Reservation {
         self.reservation
+    }
+
+    /// The first token's report and the reservation, for a decode service
+    /// that streams the one and runs the other.
+    pub fn into_parts(self) -> (FirstToken, Reservation) {
+        (self.first, self.reservation)
     }
 }
 

@@ -718,7 +718,9 @@ impl Inner {
                 let live = LiveSequence {
                     id,
                     prompt_tokens: e.grant.prompt_tokens as usize,
-                    first_token: done.first_token,
+                    // A copy: the message is the connection's reader's
+                    // (the prompt's scores, when asked, are the bulk).
+                    first: done.first.clone(),
                     reservation: res,
                 };
                 if let Some(tx) = e.waiter.take() {

@@ -27,8 +27,8 @@ use tokio::task::JoinHandle;
 use crate::shm::ShmRegion;
 use kvmesh_faults::{Action, FaultPlan, Point};
 use kvmesh_kvwire::{
-    decode, encode_values, AbortConfirmed, Checksummer, DataPath, DecodeLimits, Dtype, Geometry,
-    Grant, Message, ReservationId, TransferDone, WriterId,
+    decode, encode_values, AbortConfirmed, Checksummer, DataPath, DecodeLimits, Dtype, FirstToken,
+    Geometry, Grant, Message, ReservationId, TransferDone, WireError, WriterId,
 };
 use kvmesh_meshauth::MeshSecret;
 
@@ -646,9 +646,13 @@ impl GrantWriter {
     }
 
     /// Drains and sends transfer-done with the per-page checksums and the
-    /// first sampled token. Refused before every layer is written, or if
-    /// the grant was aborted or revoked meanwhile.
-    pub async fn finish(self, first_token: u32) -> Result<(), WriterError> {
+    /// first sampled token with its report. Refused before every layer is
+    /// written, if the grant was aborted or revoked meanwhile, or if the
+    /// message would be larger than a decode node accepts (prompt scores
+    /// of a very long prompt): the decode node would refuse it, so it is
+    /// never sent.
+    pub async fn finish(self, first: impl Into<FirstToken>) -> Result<(), WriterError> {
+        let first = first.into();
         let n_layers = self.grant.geometry.n_layers;
         if self.next_layer != n_layers {
             return Err(WriterError::Incomplete {
@@ -675,11 +679,19 @@ impl GrantWriter {
             reservation: self.grant.reservation,
             capability: self.grant.capability.clone(),
             tokens_written: self.grant.prompt_tokens,
-            first_token,
+            first,
             page_checksums,
         };
         let mut bytes = Vec::new();
         done.encode(&mut bytes).map_err(TransportError::from)?;
+        let max = DecodeLimits::default().max_message_bytes;
+        if bytes.len() > max {
+            return Err(TransportError::from(WireError::TooLarge {
+                len: bytes.len() as u64,
+                max: max as u64,
+            })
+            .into());
+        }
         let times = match fault {
             Some(Action::Drop) => 0,
             Some(Action::Duplicate) => 2,

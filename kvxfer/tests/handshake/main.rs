@@ -12,7 +12,8 @@ use std::time::Duration;
 use common::*;
 use kvmesh_kvpool::KvDtype;
 use kvmesh_kvwire::{
-    decode_message, AbortConfirmed, AbortReason, Capability, Dtype, Message, TransferDone, WriterId,
+    decode_message, AbortConfirmed, AbortReason, Capability, Dtype, FirstToken, Message,
+    PromptScore, TokenLogprobs, TransferDone, WriterId,
 };
 use kvmesh_kvxfer::handshake::{Outcome, ReserveError, RevokeCause, TableConfig, VerifyError};
 use kvmesh_kvxfer::transport::client::WriterError;
@@ -60,9 +61,27 @@ async fn transfer_verifies_and_goes_live(kind: Kind) {
     assert_eq!(node.free(), N_PAGES - 4);
     let mut w = client.begin(grant).expect("begin");
     write_layers(&mut w, 0..N_LAYERS as u16, 1.0).await;
-    w.finish(77).await.expect("finish");
+    // The first token's report crosses with the transfer, whatever path
+    // the pages took: what the router will be told is what prefill sent.
+    let first = FirstToken {
+        id: 77,
+        logprobs: Some(TokenLogprobs {
+            logprob: -0.25,
+            top: vec![(77, -0.25), (3, -2.0)],
+        }),
+        cached_tokens: 4,
+        prompt_scores: (1..10)
+            .map(|i| PromptScore {
+                logprob: -(i as f32),
+                rank: i,
+                top: vec![(i, -0.5)],
+            })
+            .collect(),
+    };
+    w.finish(first.clone()).await.expect("finish");
     let live = pending.wait().await.expect("live");
     assert_eq!((live.prompt_tokens(), live.first_token()), (10, 77));
+    assert_eq!(live.first(), &first);
     assert_prompt(live.reservation(), 10, 1.0);
     assert_eq!(node.table.stats().ended("completed"), 1);
     drop(live);
@@ -228,7 +247,7 @@ async fn abort_after_transfer_done_before_verification() {
         reservation: grant.reservation,
         capability: grant.capability.clone(),
         tokens_written: 6,
-        first_token: 5,
+        first: 5.into(),
         page_checksums: checksums_for(&grant, 3.0),
     };
     raw.send(&Message::TransferDone(done)).await;
@@ -298,7 +317,7 @@ async fn duplicate_and_late_frames_after_release_tcp() {
         reservation: a.reservation,
         capability: a.capability.clone(),
         tokens_written: 8,
-        first_token: 9,
+        first: 9.into(),
         page_checksums: checksums_for(&a, 5.0),
     }))
     .await;
@@ -330,7 +349,7 @@ async fn duplicate_and_late_frames_after_release_tcp() {
         reservation: b.reservation,
         capability: b.capability.clone(),
         tokens_written: 8,
-        first_token: 9,
+        first: 9.into(),
         page_checksums: checksums_for(&b, 6.0),
     }))
     .await;
@@ -572,7 +591,7 @@ async fn short_or_incomplete_transfers_are_refused() {
         reservation: g.reservation,
         capability: g.capability.clone(),
         tokens_written: 4,
-        first_token: 1,
+        first: 1.into(),
         page_checksums: checksums_for(&g, 1.0)[..1].to_vec(),
     }))
     .await;
@@ -601,7 +620,7 @@ async fn short_or_incomplete_transfers_are_refused() {
         reservation: g.reservation,
         capability: g.capability.clone(),
         tokens_written: 10,
-        first_token: 1,
+        first: 1.into(),
         page_checksums: checksums_for(&g, 2.0),
     }))
     .await;
@@ -662,7 +681,7 @@ async fn forged_frames_are_refused_and_counted() {
             reservation: g.reservation,
             capability: g.capability.clone(),
             tokens_written: 4,
-            first_token: 0,
+            first: 0.into(),
             page_checksums: checksums_for(&g, 66.0),
         }))
         .await;
@@ -680,7 +699,7 @@ async fn forged_frames_are_refused_and_counted() {
         reservation: g.reservation,
         capability: g.capability.clone(),
         tokens_written: 4,
-        first_token: 0,
+        first: 0.into(),
         page_checksums: checksums_for(&g, 10.0),
     }))
     .await;

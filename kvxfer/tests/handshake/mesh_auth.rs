@@ -107,7 +107,7 @@ async fn anything_before_a_valid_hello_is_refused_and_counted() {
         reservation: g.reservation,
         capability: g.capability.clone(),
         tokens_written: 4,
-        first_token: 0,
+        first: 0.into(),
         page_checksums: checksums_for(&g, 99.0),
     }))
     .await;
@@ -180,7 +180,7 @@ async fn anything_before_a_valid_hello_is_refused_and_counted() {
             reservation: g.reservation,
             capability: g.capability.clone(),
             tokens_written: 4,
-            first_token: 0,
+            first: 0.into(),
             page_checksums: checksums_for(&g, 10.0),
         }))
         .await;
