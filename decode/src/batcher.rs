@@ -11,9 +11,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvmesh_faults::{Action, FaultPlan, Point};
+use kvmesh_kvwire::FirstToken;
 use kvmesh_model::engine::{Engine, FinishReason as Why, Sequence, Stopping};
 use kvmesh_model::sampling::{Logprobs, Sampled, Sampler};
-use kvmesh_proto::internal::v1::{decode_event, DecodeEvent, FinishReason, Finished, Token};
+use kvmesh_proto::internal::v1::{
+    decode_event, DecodeEvent, FinishReason, Finished, Prefilled, PromptLogprob, Token,
+};
 use tokio::sync::{mpsc, watch};
 use tonic::Status;
 
@@ -55,7 +58,8 @@ impl Drop for Open {
 /// A verified sequence ready to decode.
 pub(crate) struct Job {
     pub seq: Sequence,
-    pub first_token: u32,
+    /// Prefill's token, with its logprobs when asked: emitted first.
+    pub first: Sampled,
     pub max_new_tokens: usize,
     pub sampler: Sampler,
     pub stop_ids: Vec<u32>,
@@ -130,6 +134,40 @@ fn token(id: u32, logprobs: Option<Logprobs>) -> Result<DecodeEvent, Status> {
     })
 }
 
+/// Splits what prefill sent with the transfer: the first token, which the
+/// batcher emits like any other (its logprobs included), and the
+/// `prefilled` event (prefill's cached count, the prompt's scores), which
+/// goes first.
+pub(crate) fn prefilled(first: FirstToken) -> (Sampled, Result<DecodeEvent, Status>) {
+    let sampled = Sampled {
+        token: first.id,
+        logprobs: first.logprobs.map(|l| Logprobs {
+            logprob: l.logprob,
+            top: l.top,
+        }),
+    };
+    let prompt_logprobs = first
+        .prompt_scores
+        .into_iter()
+        .map(|p| {
+            let (top_ids, top_logprobs) = p.top.into_iter().unzip();
+            PromptLogprob {
+                logprob: p.logprob,
+                rank: p.rank,
+                top_ids,
+                top_logprobs,
+            }
+        })
+        .collect();
+    let event = DecodeEvent {
+        event: Some(decode_event::Event::Prefilled(Prefilled {
+            cached_tokens: first.cached_tokens,
+            prompt_logprobs,
+        })),
+    };
+    (sampled, Ok(event))
+}
+
 fn finished(reason: FinishReason) -> Result<DecodeEvent, Status> {
     Ok(DecodeEvent {
         event: Some(decode_event::Event::Finished(Finished {
@@ -146,8 +184,8 @@ enum Next {
 
 /// Applies the stop and budget rule to `tok` ([`Stopping`], the reference
 /// engine's, so greedy output through the mesh equals `kvmesh
-/// generate`'s) and sends what it says. The first token (prefill's) has
-/// no logprobs here: the router has them from prefill's reply.
+/// generate`'s) and sends what it says. The first token is prefill's, with
+/// the logprobs it sent with the transfer.
 fn emit(r: &mut Running, s: Sampled) -> Next {
     let tok = s.token;
     let verdict = r.stopping.after(tok);
@@ -284,11 +322,7 @@ fn admit(running: &mut Vec<Running>, j: Job) {
         r.release();
         return;
     }
-    let first = Sampled {
-        token: j.first_token,
-        logprobs: None,
-    };
-    match emit(&mut r, first) {
+    match emit(&mut r, j.first) {
         Next::Continue => running.push(r),
         Next::Done => r.release(),
     }

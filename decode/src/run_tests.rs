@@ -4,12 +4,15 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvmesh_kvwire::WriterId;
+use kvmesh_kvwire::{decode_message, FirstToken, Message, PromptScore, TokenLogprobs, WriterId};
+use kvmesh_kvxfer::transport::client::KvClient;
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::engine::EngineConfig;
 use kvmesh_model::Precision;
 use kvmesh_proto::internal::v1::decode_server::Decode;
-use kvmesh_proto::internal::v1::{decode_event, GenerateRequest, LoadRequest, RefuseKind};
+use kvmesh_proto::internal::v1::{
+    decode_event, GenerateRequest, LoadRequest, RefuseKind, Sampling,
+};
 
 use crate::{run, DecodeConfig, DecodeNode, Transport};
 
@@ -42,7 +45,6 @@ async fn first_event(n: &DecodeNode, writer: WriterId) -> decode_event::Event {
         prompt_ids: vec![1, 2, 3],
         max_new_tokens: 4,
         writer_id: writer.to_bytes().to_vec(),
-        tenant: "t".into(),
         sampling: None,
         stop_token_ids: vec![],
         cache_namespace: Vec::new(),
@@ -104,4 +106,119 @@ async fn a_drained_node_refuses_as_draining_reports_it_and_has_every_page_back()
     assert!(report.get_ref().draining);
     // The batcher thread was joined: stopping again has nothing to join.
     n.join_batcher().await.expect("already joined");
+}
+
+/// What prefill sends with the transfer reaches the router on this one
+/// stream, in the protocol's order: the grant, prefill's report
+/// (`prefilled`: its cached count and the prompt's scores, as sent), the
+/// first token with its logprobs, decode's tokens with theirs, the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefills_report_comes_first_and_the_first_token_carries_its_logprobs() {
+    let n = node().await;
+    let writer = WriterId::mint().expect("rng");
+    let client = KvClient::connect(n.kv_endpoint(), writer, MeshSecret::insecure())
+        .await
+        .expect("KV connection");
+    let req = GenerateRequest {
+        prompt_ids: vec![1, 2, 3],
+        max_new_tokens: 3,
+        writer_id: writer.to_bytes().to_vec(),
+        sampling: Some(Sampling {
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 1,
+            logprobs: Some(1),
+            ..Sampling::default()
+        }),
+        stop_token_ids: vec![],
+        cache_namespace: Vec::new(),
+    };
+    let mut rx = n
+        .generate(tonic::Request::new(req))
+        .await
+        .expect("a stream")
+        .into_inner()
+        .into_inner();
+    async fn next(
+        rx: &mut tokio::sync::mpsc::Receiver<
+            Result<kvmesh_proto::internal::v1::DecodeEvent, tonic::Status>,
+        >,
+    ) -> decode_event::Event {
+        rx.recv()
+            .await
+            .expect("an event")
+            .expect("not an error")
+            .event
+            .expect("set")
+    }
+    let decode_event::Event::Granted(g) = next(&mut rx).await else {
+        panic!("no grant")
+    };
+    let Message::Grant(grant) = decode_message(&g.grant).expect("grant").0 else {
+        panic!("not a grant")
+    };
+    let geometry = grant.geometry;
+    let kv = 3 * usize::from(geometry.n_kv_heads) * usize::from(geometry.head_dim);
+    let mut w = client.begin(grant).expect("begin");
+    for layer in 0..geometry.n_layers {
+        let values = vec![0.5f32; kv];
+        w.write_layer(layer, &values, &values)
+            .await
+            .expect("write layer");
+    }
+    let first = FirstToken {
+        id: 5,
+        logprobs: Some(TokenLogprobs {
+            logprob: -0.75,
+            top: vec![(5, -0.75)],
+        }),
+        // Relayed as prefill said it: decode does not interpret it.
+        cached_tokens: 2,
+        prompt_scores: vec![
+            PromptScore {
+                logprob: -1.0,
+                rank: 2,
+                top: vec![(9, -0.5)],
+            },
+            PromptScore {
+                logprob: -3.0,
+                rank: 7,
+                top: vec![(4, -0.25)],
+            },
+        ],
+    };
+    w.finish(first).await.expect("transfer-done");
+    let decode_event::Event::Prefilled(p) = next(&mut rx).await else {
+        panic!("prefill's report is not first")
+    };
+    assert_eq!(p.cached_tokens, 2);
+    let scores: Vec<_> = p
+        .prompt_logprobs
+        .iter()
+        .map(|s| (s.logprob, s.rank, s.top_ids.clone(), s.top_logprobs.clone()))
+        .collect();
+    assert_eq!(
+        scores,
+        [
+            (-1.0, 2, vec![9], vec![-0.5]),
+            (-3.0, 7, vec![4], vec![-0.25])
+        ]
+    );
+    let decode_event::Event::Token(t) = next(&mut rx).await else {
+        panic!("no first token")
+    };
+    let lp = t.logprobs.expect("the first token's logprobs");
+    assert_eq!((t.id, lp.logprob, lp.top_ids), (5, -0.75, vec![5]));
+    let mut tokens = 1;
+    loop {
+        match next(&mut rx).await {
+            decode_event::Event::Token(t) => {
+                assert!(t.logprobs.is_some(), "decode's tokens have theirs");
+                tokens += 1;
+            }
+            decode_event::Event::Finished(_) => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!((1..=3).contains(&tokens), "{tokens}");
 }

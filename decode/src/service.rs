@@ -394,9 +394,10 @@ impl Decode for DecodeNode {
         );
         kvmesh_telemetry::propagate::continue_grpc(&span, req.metadata());
         let r = req.into_inner();
-        // Room for the grant, every token and the end, so neither this task
-        // nor the batcher ever blocks on a slow reader.
-        let (tx, rx) = mpsc::channel((r.max_new_tokens as usize).saturating_add(3).min(1 << 16));
+        // Room for the grant, prefill's report, every token and the end (and
+        // one spare), so neither this task nor the batcher ever blocks on a
+        // slow reader.
+        let (tx, rx) = mpsc::channel((r.max_new_tokens as usize).saturating_add(4).min(1 << 16));
         let stream = Response::new(ReceiverStream::new(rx));
         if self.inner.draining.load(Ordering::Acquire) {
             kvmesh_telemetry::fail(&span, RefuseKind::Draining.as_str_name());
@@ -457,7 +458,7 @@ impl Decode for DecodeNode {
         }
         let id = grant.reservation;
         let open = Open::new(&self.inner.open);
-        tracing::debug!(reservation = %id, tenant = %r.tenant, prompt_tokens = r.prompt_ids.len(), max_new = c.max_new, "granted");
+        tracing::debug!(reservation = %id, prompt_tokens = r.prompt_ids.len(), max_new = c.max_new, "granted");
         if !faults.is_empty() {
             self.inner.table.set_faults(id, faults.clone());
         }
@@ -474,7 +475,6 @@ impl Decode for DecodeNode {
                 event: Some(decode_event::Event::Granted(Granted {
                     grant: bytes,
                     reservation_id: id.to_bytes().to_vec(),
-                    cached_tokens: u32::try_from(grant.cached_tokens).unwrap_or(u32::MAX),
                 })),
             };
             let _ = tx.try_send(Ok(granted));
@@ -515,12 +515,17 @@ impl Decode for DecodeNode {
                         return;
                     }
                 };
-                let first = live.first_token();
+                let (first, kv) = live.into_parts();
+                let (first, report) = batcher::prefilled(first);
+                // Prefill's report before any token: the router emits
+                // nothing before it. A router that is gone ends it here.
+                if tx.send(report).await.is_err() {
+                    return;
+                }
                 let mut sampler = Sampler::new(c.params, &prompt, &stop_ids);
                 // Prefill drew the first token with the same seed and history.
-                sampler.resume(first);
+                sampler.resume(first.token);
                 let engine = &node.inner.engine;
-                let kv = live.into_reservation();
                 let adopt =
                     kvmesh_telemetry::span!(parent: &span, "decode.adopt", reservation.id = %id);
                 let adopted = adopt.in_scope(|| match c.ns {
@@ -552,7 +557,7 @@ impl Decode for DecodeNode {
                         outcome = tracing::field::Empty
                     ),
                     seq,
-                    first_token: first,
+                    first,
                     max_new_tokens: c.max_new,
                     sampler,
                     stop_ids,

@@ -478,7 +478,6 @@ async fn internal_services_stop_and_abort_across_processes() {
             prompt_ids: vec![1, 2, 3, 4, 5],
             max_new_tokens: 4,
             writer_id,
-            tenant: "test".into(),
             sampling: None,
             stop_token_ids: Vec::new(),
             cache_namespace: Vec::new(),

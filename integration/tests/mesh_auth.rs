@@ -113,7 +113,6 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
         prompt_ids: vec![1, 2, 3, 4, 5],
         max_new_tokens: 4,
         writer_id: writer_id.clone(),
-        tenant: "intruder".into(),
         sampling: None,
         stop_token_ids: Vec::new(),
         cache_namespace: Vec::new(),

@@ -173,12 +173,7 @@ fn run_batch(
                 let end = match logits {
                     Ok(mut l) => {
                         let s = sampler.sample(&mut l);
-                        Feed::First(Prefilled {
-                            first_token: s.token,
-                            first_logprobs: s.logprobs,
-                            cached_tokens: cached,
-                            prompt_logprobs: seq.take_prompt_logprobs(),
-                        })
+                        Feed::First(first_token(s, cached, seq.take_prompt_logprobs()))
                     }
                     Err(e) => Feed::Failed(e.into()),
                 };
@@ -199,25 +194,46 @@ fn run_batch(
     }
 }
 
+/// The first token as transfer-done carries it to the decode node, which
+/// hands it and the report to the router on its token stream.
+fn first_token(s: Sampled, cached: u32, prompt: Vec<PromptLogprob>) -> FirstToken {
+    FirstToken {
+        id: s.token,
+        logprobs: s.logprobs.map(|l| TokenLogprobs {
+            logprob: l.logprob,
+            top: l.top,
+        }),
+        cached_tokens: cached,
+        prompt_scores: prompt
+            .into_iter()
+            .map(|p| PromptScore {
+                logprob: p.logprob,
+                rank: p.rank,
+                top: p.top,
+            })
+            .collect(),
+    }
+}
+
 /// What the compute thread hands a request's shipping task.
 enum Feed {
     /// One layer's prompt K and V, position-major.
     Layer(u16, Vec<f32>, Vec<f32>),
     /// The first token: every layer was sent; finish the transfer.
-    First(Prefilled),
+    First(FirstToken),
     /// The request failed; drop the writer.
     Failed(PrefillError),
 }
 
 /// A request's shipping task: writes layers in order through the grant's
 /// writer (checking for an abort before each), handing each layer's
-/// buffers back to `spare`, then transfer-done with the first token;
-/// answers the request. Dropping the writer on any failure lets
+/// buffers back to `spare`, then transfer-done with the first token and
+/// its report; answers the request with prefill's cached token count. Dropping the writer on any failure lets
 /// the decode node's abort (or lease) end the reservation.
 async fn ship(
     mut writer: GrantWriter,
     mut feed: mpsc::Receiver<Feed>,
-    done: oneshot::Sender<Result<Prefilled, PrefillError>>,
+    done: oneshot::Sender<Result<u32, PrefillError>>,
     stopped: Stopped,
     spare: std::sync::mpsc::Sender<(Vec<f32>, Vec<f32>)>,
     metrics: Arc<PrefillMetrics>,
@@ -272,12 +288,13 @@ async fn ship(
             }
         };
         let finish = kvmesh_telemetry::span!("kv.transfer_done");
+        let cached = first.cached_tokens;
         writer
-            .finish(first.first_token)
+            .finish(first)
             .instrument(finish.clone())
             .await
             .inspect_err(|e| kvmesh_telemetry::fail(&finish, e.kind()))?;
-        Ok(first)
+        Ok(cached)
     }
     .await;
     let outcome = match &r {

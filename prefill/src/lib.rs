@@ -19,7 +19,10 @@
 //! request's shipping task as soon as the layer is computed, which writes
 //! them through the grant's writer (checking before each whether the decode
 //! node aborted) while later layers compute; transfer-done, with the first
-//! sampled token, goes last, so the decode node still verifies the whole (I4).
+//! sampled token and its report (its logprobs, the prompt's scores when
+//! asked, the tokens taken from this node's prefix cache: what the router
+//! reports, which the decode node relays on its token stream), goes last,
+//! so the decode node still verifies the whole (I4).
 //! Any failure drops the writer: the decode node's abort (or lease) then
 //! ends the reservation through the confirmation path.
 //!
@@ -44,14 +47,16 @@ use std::time::Duration;
 
 use kvmesh_faults::FaultPlan;
 use kvmesh_kvpool::Namespace;
-use kvmesh_kvwire::{decode_message, Grant, Message, ReservationId, WriterId};
+use kvmesh_kvwire::{
+    decode_message, FirstToken, Grant, Message, PromptScore, ReservationId, TokenLogprobs, WriterId,
+};
 use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient, WriterError};
 use kvmesh_kvxfer::transport::KvAuth;
 use kvmesh_meshauth::grpc::Authenticated;
 use kvmesh_meshauth::tls::MeshTls;
 use kvmesh_meshauth::{CallVerifier, MeshSecret};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
-use kvmesh_model::sampling::{Logprobs, PromptLogprob, Sampler, MAX_TOP_LOGPROBS};
+use kvmesh_model::sampling::{PromptLogprob, Sampled, Sampler, MAX_TOP_LOGPROBS};
 use kvmesh_model::LoadedModel;
 use kvmesh_proto::internal::v1::prefill_server::{Prefill, PrefillServer};
 use kvmesh_proto::internal::v1::{
@@ -178,24 +183,12 @@ struct Job {
     ns: Option<Namespace>,
     /// Score the prompt with this many alternatives per position.
     prompt_logprobs: Option<usize>,
-    done: oneshot::Sender<Result<Prefilled, PrefillError>>,
+    /// Answered with prefill's cached token count once transfer-done is
+    /// sent (or with why not).
+    done: oneshot::Sender<Result<u32, PrefillError>>,
     /// The request's span here (`prefill.request`): parent of its compute
     /// and transfer spans.
     span: tracing::Span,
-}
-
-/// What a finished prefill answers.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Prefilled {
-    /// The first generated token.
-    pub first_token: u32,
-    /// Its logprobs, when the request's sampling asked for them.
-    pub first_logprobs: Option<Logprobs>,
-    /// Leading prompt tokens that came from this node's prefix cache (not
-    /// computed).
-    pub cached_tokens: u32,
-    /// When asked: entry `i` scores prompt token `i + 1`.
-    pub prompt_logprobs: Vec<PromptLogprob>,
 }
 
 /// A running prefill node.
@@ -417,11 +410,10 @@ impl PrefillNode {
         self.inner.engine.pool()
     }
 
-    async fn prefill(
-        &self,
-        r: PrefillRequest,
-        faults: FaultPlan,
-    ) -> Result<Prefilled, PrefillError> {
+    /// Prefills `r` into its grant; once transfer-done (with the first
+    /// token and its report) is sent, answers the prompt tokens taken from
+    /// this node's prefix cache (for its span).
+    async fn prefill(&self, r: PrefillRequest, faults: FaultPlan) -> Result<u32, PrefillError> {
         if self.inner.draining.load(Ordering::Acquire) {
             return Err(PrefillError::ShuttingDown);
         }
@@ -545,21 +537,14 @@ impl Prefill for PrefillNode {
             prompt_tokens = req.get_ref().prompt_ids.len() as u64
         );
         kvmesh_telemetry::propagate::continue_grpc(&span, req.metadata());
-        let p = PrefillNode::prefill(self, req.into_inner(), faults)
+        let cached = PrefillNode::prefill(self, req.into_inner(), faults)
             .instrument(span.clone())
             .await
             .inspect_err(|e| kvmesh_telemetry::fail(&span, e.kind()))?;
-        kvmesh_telemetry::record(&span, "cached_tokens", i64::from(p.cached_tokens));
-        Ok(Response::new(PrefillResponse {
-            first_token: p.first_token,
-            cached_tokens: p.cached_tokens,
-            first_logprobs: p.first_logprobs.map(kvmesh_proto::sampling::logprobs),
-            prompt_logprobs: p
-                .prompt_logprobs
-                .into_iter()
-                .map(kvmesh_proto::sampling::prompt_logprob)
-                .collect(),
-        }))
+        kvmesh_telemetry::record(&span, "cached_tokens", i64::from(cached));
+        // The first token and its report went to the decode node with the
+        // transfer; the router reads them on its token stream.
+        Ok(Response::new(PrefillResponse {}))
     }
 
     async fn abort(&self, req: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {

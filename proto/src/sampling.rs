@@ -7,7 +7,7 @@
 use kvmesh_model::sampling::{Logprobs as ModelLogprobs, SamplingParams};
 use kvmesh_model::structured::{StructuredError, Vocabulary};
 
-use crate::internal::v1::{Logprobs, PromptLogprob, Sampling};
+use crate::internal::v1::{Logprobs, Sampling};
 
 /// `s` as sampler settings (zero values meaning the defaults), or what is
 /// out of range. A grammar is compiled over `vocabulary` (asked for only
@@ -52,17 +52,6 @@ pub fn logprobs(l: ModelLogprobs) -> Logprobs {
     let (top_ids, top_logprobs) = l.top.into_iter().unzip();
     Logprobs {
         logprob: l.logprob,
-        top_ids,
-        top_logprobs,
-    }
-}
-
-/// A prompt position's score as the message carries it.
-pub fn prompt_logprob(l: kvmesh_model::sampling::PromptLogprob) -> PromptLogprob {
-    let (top_ids, top_logprobs) = l.top.into_iter().unzip();
-    PromptLogprob {
-        logprob: l.logprob,
-        rank: l.rank,
         top_ids,
         top_logprobs,
     }

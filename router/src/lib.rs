@@ -32,7 +32,9 @@
 //!   through, its events, and [`mesh::Generation`] (each request's outcome
 //!   counted once); `mesh::grpc` is the real one (the prefill and decode
 //!   nodes, the handshake, token ids to text through
-//!   `kvmesh_tokenizer::TextOut`); unit tests use a scripted fake.
+//!   `kvmesh_tokenizer::TextOut`), one request as phases (admit, reserve,
+//!   prefill, relay, finish) reading one decode stream; unit tests use a
+//!   scripted fake.
 //! - [`tools`]: tools (`tools`, `tool_choice`), their calls read out of
 //!   the text by the served model's format ([`tools::parsers`]: hermes,
 //!   llama3_json, mistral), and [`tools::parse`], the one reader of a

@@ -11,7 +11,6 @@ fn generate(writer_id: Vec<u8>, sampling: Option<Sampling>) -> GenerateRequest {
         prompt_ids: vec![1, 2, 3],
         max_new_tokens: 4,
         writer_id,
-        tenant: "t".into(),
         sampling,
         stop_token_ids: vec![2],
         cache_namespace: Vec::new(),
