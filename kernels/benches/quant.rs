@@ -111,12 +111,7 @@ fn int8() {
     // `QUANT_BENCH_PATH=avx2` (the f32 class's path) and
     // `QUANT_BENCH_DOT=avx2` (or avx-vnni, avx512-vnni, portable): others
     // than the best.
-    let path = std::env::var("QUANT_BENCH_PATH").map_or(Path::detect(), |p| {
-        *cpu::available_paths()
-            .iter()
-            .find(|a| a.name() == p)
-            .expect("a path this CPU runs: avx512, avx2 or portable")
-    });
+    let path = bench_path();
     let dot = std::env::var("QUANT_BENCH_DOT").map_or(Dot::of(path), |d| {
         [Dot::Avx512Vnni, Dot::AvxVnni, Dot::Avx2, Dot::Portable]
             .into_iter()
@@ -159,10 +154,7 @@ fn int8() {
                 continue;
             }
             let w = matrix(format, rows, cols, 7);
-            let src = vec![1u8; w.byte_len()];
-            let mut dst = vec![0u8; w.byte_len()];
-            let copy = time(budget, || dst.copy_from_slice(black_box(&src)));
-            black_box(&dst);
+            let copy = copy_time(w.byte_len(), budget);
             print!("{:<6} {:<13} {:>8.3}", format.name(), shape, copy * 1e3);
             let mut last = 0.0;
             for t in [1usize, 16, 512] {
@@ -187,6 +179,26 @@ fn int8() {
     println!();
 }
 
+/// Seconds to copy `bytes` once (median): the bandwidth baseline a pass
+/// over the weights is compared with.
+fn copy_time(bytes: usize, budget: Duration) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let copy = time(budget, || dst.copy_from_slice(black_box(&src)));
+    black_box(&dst);
+    copy
+}
+
+/// `QUANT_BENCH_PATH=avx2` (or `portable`): another path than the best.
+fn bench_path() -> Path {
+    std::env::var("QUANT_BENCH_PATH").map_or(Path::detect(), |p| {
+        *cpu::available_paths()
+            .iter()
+            .find(|a| a.name() == p)
+            .expect("a path this CPU runs: avx512, avx2 or portable")
+    })
+}
+
 fn wanted(name: &str) -> bool {
     std::env::var("QUANT_BENCH").map_or(true, |f| name.contains(f.as_str()))
 }
@@ -199,13 +211,7 @@ fn rows_wanted(t: usize) -> bool {
 
 /// Every format on the best path (see the module docs).
 fn formats() {
-    // `QUANT_BENCH_PATH=avx2` (or `portable`): another path than the best.
-    let path = std::env::var("QUANT_BENCH_PATH").map_or(Path::detect(), |p| {
-        *cpu::available_paths()
-            .iter()
-            .find(|a| a.name() == p)
-            .expect("a path this CPU runs: avx512, avx2 or portable")
-    });
+    let path = bench_path();
     println!(
         "every format, {} path, {} threads (rayon); ms per call (median), GB/s of weight bytes",
         path.name(),
@@ -235,10 +241,7 @@ fn formats() {
             }
             let w = matrix(format, rows, cols, 7);
             let bytes = w.byte_len() as f64;
-            let src = vec![1u8; w.byte_len()];
-            let mut dst = vec![0u8; w.byte_len()];
-            let copy = time(budget, || dst.copy_from_slice(black_box(&src)));
-            black_box(&dst);
+            let copy = copy_time(w.byte_len(), budget);
             let ms: Vec<f64> = [1usize, 16, 512]
                 .iter()
                 .map(|&t| {
@@ -305,10 +308,7 @@ fn paths() {
         }
         let w = matrix(format, rows, cols, 7);
         // Baseline: copy the weight bytes once (what a pass must read).
-        let src = vec![1u8; w.byte_len()];
-        let mut dst = vec![0u8; w.byte_len()];
-        let copy = time(budget, || dst.copy_from_slice(black_box(&src)));
-        black_box(&dst);
+        let copy = copy_time(w.byte_len(), budget);
         for t in [1usize, 2, 16, 64, 512] {
             if format == QFormat::Q8_0 && t > 64 {
                 continue;

@@ -24,7 +24,7 @@ mod common;
 
 use std::path::Path;
 
-use common::golden::{check_tokenizer, read_golden, Golden, F32};
+use common::golden::{check_tokenizer, quantized_engine_for, read_golden, Golden, F32};
 use kvmesh_kvpool::Namespace;
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::engine::{Engine, EngineConfig};
@@ -179,24 +179,6 @@ fn smollm2_matches_transformers() {
         engine.pool().capacity_pages(),
         "pages leaked"
     );
-}
-
-/// A real GGUF in the quantized mode: every matrix stays in its GGUF
-/// blocks, dequantized in registers to the same f32 values gguf-py gets
-/// (the kernels' ground truth), with f32 activations and an f32 KV pool.
-fn quantized_engine_for(path: &Path) -> Engine {
-    let engine = Engine::load(
-        path,
-        &EngineConfig {
-            kv_pool_tokens: Some(4096),
-            precision: kvmesh_model::Precision::Quantized,
-            kv_dtype: Some(kvmesh_kvpool::KvDtype::F32),
-            ..EngineConfig::default()
-        },
-    )
-    .expect("load quantized");
-    assert!(engine.model().is_quantized());
-    engine
 }
 
 /// The real Gemma 3 270M GGUF (Q4_K_M: Q4_K, Q5_0, Q6_K and Q8_0 tensors,

@@ -12,9 +12,9 @@
 
 mod common;
 
-use common::golden::{check_greedy, read_golden, Tolerance};
+use common::golden::{check_greedy, quantized_engine_for, read_golden, Tolerance};
 use kvmesh_kernels::cpu::{self, Activations};
-use kvmesh_model::engine::{Engine, EngineConfig};
+use kvmesh_model::engine::Engine;
 
 /// The 8-bit-activation class's tolerance (see the module docs).
 const INT8: Tolerance = Tolerance {
@@ -33,17 +33,7 @@ fn int8_engine(name: &str) -> Option<Engine> {
     } else {
         common::shipped(name)?
     };
-    let engine = Engine::load(
-        &path,
-        &EngineConfig {
-            kv_pool_tokens: Some(4096),
-            precision: kvmesh_model::Precision::Quantized,
-            kv_dtype: Some(kvmesh_kvpool::KvDtype::F32),
-            ..EngineConfig::default()
-        },
-    )
-    .expect("load quantized");
-    assert!(engine.model().is_quantized());
+    let engine = quantized_engine_for(&path);
     assert!(cpu::numerics().ends_with("-i8"), "{}", cpu::numerics());
     Some(engine)
 }

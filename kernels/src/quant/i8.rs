@@ -435,20 +435,8 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
             if kernel == Dot::Avx512Vnni && nt >= PANEL_FROM {
                 PANEL_ROWS.with_borrow_mut(|(rows, panel)| {
                     rows.resize_with(nr, Row::default);
-                    for (j, row) in rows.iter_mut().enumerate() {
-                        row.shape(w.format, k);
-                        let r = r0 + j;
-                        // SAFETY: `matmul_dot` asserted the features.
-                        unsafe {
-                            super::i8_x86::unpack(
-                                kernel,
-                                w.format,
-                                row,
-                                &w.data[r * rb..(r + 1) * rb],
-                            )
-                        };
-                    }
-                    // SAFETY: as above.
+                    unpack_rows(kernel, w, r0, rows);
+                    // SAFETY: `matmul_dot` asserted the features.
                     unsafe { panel.fill(w.format, &rows[..nr]) };
                     // SAFETY: as above; the task owns rows t0 .. t0 + nt
                     // of columns r0 .. r0 + nr of `out`.
@@ -463,20 +451,9 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
                     rows.resize_with(NR, Row::default);
                     for p0 in (0..nr).step_by(NR) {
                         let live = NR.min(nr - p0);
-                        for (j, row) in rows[..live].iter_mut().enumerate() {
-                            row.shape(w.format, k);
-                            let r = r0 + p0 + j;
-                            // SAFETY: `matmul_dot` asserted the features.
-                            unsafe {
-                                super::i8_x86::unpack(
-                                    kernel,
-                                    w.format,
-                                    row,
-                                    &w.data[r * rb..(r + 1) * rb],
-                                )
-                            };
-                        }
-                        // SAFETY: as above; the task owns rows t0 .. t0 + nt
+                        unpack_rows(kernel, w, r0 + p0, &mut rows[..live]);
+                        // SAFETY: `matmul_dot` asserted the features; the
+                        // task owns rows t0 .. t0 + nt
                         // of columns r0 + p0 .. r0 + p0 + live of `out`.
                         unsafe {
                             panel.fill(w.format, &rows[..live]);
@@ -507,6 +484,35 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
         }
     }
     ACTS.set(acts);
+}
+
+/// Weight rows `r0 ..` of `w` unpacked into `rows` (one each), for a
+/// panel.
+#[cfg(target_arch = "x86_64")]
+fn unpack_rows(kernel: Dot, w: &QMatrix, r0: usize, rows: &mut [Row]) {
+    let rb = w.row_bytes();
+    for (j, row) in rows.iter_mut().enumerate() {
+        row.shape(w.format, w.cols);
+        let r = r0 + j;
+        // SAFETY: the callers run only a dot product `matmul_dot` checked.
+        unsafe { super::i8_x86::unpack(kernel, w.format, row, &w.data[r * rb..(r + 1) * rb]) };
+    }
+}
+
+/// A panel's scales and offsets, `[sub-block][lane]` for `lanes` lanes,
+/// from its unpacked rows (lanes past them zero).
+pub(super) fn scales_by_lane(rows: &[Row], lanes: usize, s: &mut Vec<f32>, o: &mut Vec<f32>) {
+    let subs = rows.first().map_or(0, |r| r.s.len());
+    for v in [&mut *s, &mut *o] {
+        v.clear();
+        v.resize(subs * lanes, 0.0);
+    }
+    for (c, row) in rows.iter().enumerate() {
+        for k in 0..subs {
+            s[k * lanes + c] = row.s[k];
+            o[k * lanes + c] = row.o[k];
+        }
+    }
 }
 
 impl Dot {

@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::i8::{bias, Acts, Dot, Row};
+use super::i8::{bias, scales_by_lane, Acts, Dot, Row};
 use super::{QFormat, GROUP};
 
 /// Weight rows per panel (one per lane).
@@ -48,10 +48,6 @@ impl Panel {
             .all(|r| r.u.len() == groups * GROUP && r.s.len() == subs));
         self.subs = subs;
         self.u.resize(groups * GROUP * NR, 0);
-        self.s.clear();
-        self.s.resize(subs * NR, 0.0);
-        self.o.clear();
-        self.o.resize(subs * NR, 0.0);
         let flip = _mm256_set1_epi8(if bias(format).is_none() { -128 } else { 0 });
         let zero = [0u8; GROUP];
         for g in 0..groups {
@@ -100,12 +96,7 @@ impl Panel {
                 }
             }
         }
-        for (c, row) in rows.iter().enumerate() {
-            for k in 0..subs {
-                self.s[k * NR + c] = row.s[k];
-                self.o[k * NR + c] = row.o[k];
-            }
-        }
+        scales_by_lane(rows, NR, &mut self.s, &mut self.o);
     }
 
     /// Every activation row `t0 .. t0 + nt` against the panel:

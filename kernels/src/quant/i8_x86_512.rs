@@ -18,7 +18,7 @@
 
 use std::arch::x86_64::*;
 
-use super::i8::{bias, Acts, Row};
+use super::i8::{bias, scales_by_lane, Acts, Row};
 use super::{QFormat, GROUP};
 
 /// Weight rows per panel (one per lane of a 512-bit register).
@@ -56,10 +56,6 @@ impl Panel {
             .all(|r| r.u.len() == groups * GROUP && r.s.len() == subs));
         (self.groups, self.subs) = (groups, subs);
         self.u.resize(groups * GROUP * NR, 0);
-        self.s.clear();
-        self.s.resize(subs * NR, 0.0);
-        self.o.clear();
-        self.o.resize(subs * NR, 0.0);
         // Q8_0's signed bytes become unsigned: vpdpbusd never saturates.
         let flip = _mm512_set1_epi8(if bias(format).is_none() { -128 } else { 0 });
         let zero = [0u8; GROUP];
@@ -118,12 +114,7 @@ impl Panel {
                 }
             }
         }
-        for (c, row) in rows.iter().enumerate() {
-            for k in 0..subs {
-                self.s[k * NR + c] = row.s[k];
-                self.o[k * NR + c] = row.o[k];
-            }
-        }
+        scales_by_lane(rows, NR, &mut self.s, &mut self.o);
     }
 
     /// Every activation row `t0 .. t0 + nt` against the panel:

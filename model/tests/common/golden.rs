@@ -166,3 +166,22 @@ pub fn decode_one(engine: &Engine, seq: &mut Sequence, token: u32) -> Vec<f32> {
         .expect("decode step");
     r.pop().expect("one result").expect("decode")
 }
+
+/// A real GGUF in the quantized mode: every matrix stays in its GGUF
+/// blocks, dequantized in registers to the same f32 values gguf-py gets
+/// (the kernels' ground truth), with the process's activation class
+/// (f32 unless the test binary selected int8) and an f32 KV pool.
+pub fn quantized_engine_for(path: &std::path::Path) -> Engine {
+    let engine = Engine::load(
+        path,
+        &kvmesh_model::engine::EngineConfig {
+            kv_pool_tokens: Some(4096),
+            precision: kvmesh_model::Precision::Quantized,
+            kv_dtype: Some(kvmesh_kvpool::KvDtype::F32),
+            ..kvmesh_model::engine::EngineConfig::default()
+        },
+    )
+    .expect("load quantized");
+    assert!(engine.model().is_quantized());
+    engine
+}
