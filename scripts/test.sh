@@ -12,7 +12,8 @@
 #    families (Gemma 3 270M), so their tests run instead of being skipped
 #    (set KVMESH_SKIP_MODEL_FETCH=1 to skip them on a machine without
 #    network),
-# 5. runs every test of every crate.
+# 5. runs every test of every crate,
+# 6. checks formatting, clippy's lints and rustdoc's warnings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -70,3 +71,21 @@ fi
 
 echo "==> kvmesh tests: running cargo test --workspace"
 cargo test --workspace
+
+# The code's habits, checked after the tests so a failure in them does
+# not hide a test result: formatting, clippy's warnings and rustdoc's
+# (broken or private links, stray HTML) are errors.
+echo "==> kvmesh tests: cargo fmt --check, clippy -D warnings, cargo doc -D warnings"
+# (rustup's default profile has rustfmt and clippy; a toolchain without
+# them is told so, not failed.)
+if cargo fmt --version >/dev/null 2>&1; then
+  cargo fmt --all --check
+else
+  echo "==> kvmesh tests: note: rustfmt is not installed; formatting not checked"
+fi
+if cargo clippy --version >/dev/null 2>&1; then
+  cargo clippy --workspace --all-targets -- -D warnings
+else
+  echo "==> kvmesh tests: note: clippy is not installed; lints not checked"
+fi
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps

@@ -129,6 +129,9 @@ pub struct ServeArgs {
 
 /// How the router reads answers: tool calls and reasoning (vLLM's
 /// `--tool-call-parser` and `--reasoning-parser`).
+// The fields' docs are `--help` text, which names tags and tokens as users
+// see them (`<think>`, `[TOOL_CALLS]`), not rustdoc markup.
+#[allow(rustdoc::invalid_html_tags, rustdoc::broken_intra_doc_links)]
 #[derive(Args, Debug, Clone, Default)]
 pub struct ParserArgs {
     /// How tool_choice auto reads calls out of the text: auto (from the chat template: <tool_call> hermes, <|python_tag|> or Llama's "parameters" instruction llama3_json, [TOOL_CALLS] mistral, else hermes), hermes, llama3_json or mistral [default: auto; kvmesh router: the mesh file's tool_call_parser, else auto].

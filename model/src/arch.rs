@@ -14,7 +14,7 @@
 //! near-copies); mistral.rs and candle-transformers one model file each.
 //! Both make a fix to the shared part (the checked paged attention, the
 //! batched projections, the CUDA twin) a change to every copy. Here a
-//! family is data ([`Family`]): how its configuration is read (Hugging Face
+//! family is data (`Family`): how its configuration is read (Hugging Face
 //! `config.json` and GGUF metadata), which tensors it has and under what
 //! names, and the [`Block`] switches; the one forward pass
 //! ([`crate::llama::Llama`], and the CUDA backend, which refuses switches it
@@ -24,7 +24,7 @@
 //!
 //! # Adding a family
 //! One file in this module: a `pub(crate) const FAMILY: Family` with its
-//! names and its two configuration hooks, listed in [`FAMILIES`]; its
+//! names and its two configuration hooks, listed in `FAMILIES`; its
 //! golden test beside the others (`model/tests/golden.rs`).
 
 mod gemma2;

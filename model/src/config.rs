@@ -164,7 +164,7 @@ pub(crate) fn check_layer_count(path: &Path, field: &str, n_layers: usize) -> Re
 impl ModelConfig {
     /// Parse and validate a Hugging Face `config.json`.
     ///
-    /// Accepts the `model_type`s of [`crate::arch::FAMILIES`]. Defaults follow
+    /// Accepts the `model_type`s of `arch::FAMILIES`. Defaults follow
     /// transformers' config classes where a checkpoint may omit a field
     /// (`num_key_value_heads`, `head_dim`, `rope_theta`, `rms_norm_eps`,
     /// `max_position_embeddings`, `tie_word_embeddings`); the sizes that

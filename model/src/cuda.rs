@@ -11,7 +11,7 @@
 //! watermarks through the host pool's page events, and the `kv_write` and
 //! paged-attention kernels check them (I1, I2) before any write or read.
 //! After each pass, every K/V row the device wrote is also written into the
-//! host pool through [`Reservation::write`], so the host pool holds the
+//! host pool through `Reservation::write`, so the host pool holds the
 //! same values under the same watermarks: a prefill node ships from it
 //! (`Engine::prompt_kv`, the transports, unchanged), a decode node's
 //! adoption and the prefix cache read it, and the host's own checks keep

@@ -10,7 +10,7 @@
 //!   the stream's `error_code`) and a safe [`GatewayError::message`]: never
 //!   a node's name or address, never a node's gRPC status or its words.
 //!   Those reach the logs only, once per failure, when it is mapped
-//!   ([`GatewayError::log`]).
+//!   (`GatewayError::log`).
 //! - A [`Rejection`] is a refusal before anything was dispatched (I3), a
 //!   value of its own type; a [`DispatchError`] is a failure after
 //!   dispatch began. Each kind is also its metric label

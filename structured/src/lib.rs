@@ -11,7 +11,7 @@
 //!   nodes.
 //! - [`Vocabulary`]: the model's tokens as bytes (llguidance's token trie)
 //!   and the grammar compiler over them; one per process, built from the
-//!   model's [`TextTokenizer`] and its end-of-sequence ids.
+//!   model's `TextTokenizer` and its end-of-sequence ids.
 //!   [`Vocabulary::compile`] turns a wire grammar into a [`Grammar`] or
 //!   refuses it with the library's message ([`StructuredError::Refused`]).
 //! - [`Matcher`]: one sequence's place in its grammar: the mask of the

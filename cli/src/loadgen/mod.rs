@@ -26,7 +26,7 @@
 //!
 //! Layout: [`dist`] (length distributions, arrival gaps), [`workload`]
 //! (requests and arrival times from the seed), [`gateway`] (the mesh:
-//! HTTP/SSE client and its closed and open loops), [`reference`] (the
+//! HTTP/SSE client and its closed and open loops), `reference` (the
 //! scheduler as a target), [`stats`] (per-request samples, percentiles,
 //! table and JSON).
 

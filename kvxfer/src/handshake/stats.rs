@@ -1,6 +1,6 @@
 //! The reservation table's counters: ends by outcome, refusals by kind.
 
-/// Labels of [`TableStats::ended_by`]: every [`Outcome::kind`].
+/// Labels of [`TableStats::ended_by`]: every `Outcome::kind`.
 pub const OUTCOME_KINDS: [&str; 8] = [
     "completed",
     "aborted",
@@ -12,7 +12,7 @@ pub const OUTCOME_KINDS: [&str; 8] = [
     "shutdown",
 ];
 
-/// Labels of [`TableStats::control_rejects`]: every [`HandshakeError::kind`]
+/// Labels of [`TableStats::control_rejects`]: every `HandshakeError::kind`
 /// that is not a frame reject.
 pub const CONTROL_REJECT_KINDS: [&str; 9] = [
     "unknown_reservation",

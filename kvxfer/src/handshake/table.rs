@@ -344,7 +344,7 @@ impl ReservationTable {
     }
 
     /// Attaches a request's injected faults to reservation `id` (testing
-    /// builds act on them; see [`crate::fault`]). Unknown ids are ignored.
+    /// builds act on them; see `crate::fault`). Unknown ids are ignored.
     pub fn set_faults(&self, id: ReservationId, faults: kvmesh_faults::FaultPlan) {
         if let Ok(entry) = self.inner.entry(id) {
             lock(&entry).faults = faults;

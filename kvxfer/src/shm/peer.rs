@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 
 /// Another process, watched for exit through a pidfd (Linux). The decode
 /// node uses it to learn that a writer's one-sided write path is gone, so
-/// that [`ShmRegion::lane_force_reset`] is safe. The pid must come from a
+/// that `ShmRegion::lane_force_reset` is safe. The pid must come from a
 /// trusted source (an authenticated peer, `SO_PEERCRED`) while the process
 /// is known alive; a pid already reused names the wrong process.
 #[derive(Debug)]

@@ -482,7 +482,7 @@ struct HeldWrite {
 
 impl GrantWriter {
     /// Injects `faults` into this grant's writes, transfer-done and abort
-    /// confirmation (testing builds; see [`crate::fault`]).
+    /// confirmation (testing builds; see `crate::fault`).
     pub fn set_faults(&mut self, faults: FaultPlan) {
         if faults.is_empty() {
             return;
