@@ -466,8 +466,9 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
             ROW.with_borrow_mut(|row| {
                 row.shape(w.format, k);
                 for r in r0..r0 + nr {
-                    let blocks = &w.data[r * rb..(r + 1) * rb];
-                    for (t, v) in kernel.row_dots(w.format, row, blocks, acts, t0, nt) {
+                    kernel.unpack(w.format, row, &w.data[r * rb..(r + 1) * rb]);
+                    for t in t0..t0 + nt {
+                        let v = kernel.dot(w.format, row, acts, t);
                         // SAFETY: (t, r) is inside `out` and this task's
                         // alone (tasks are disjoint blocks of rows and
                         // columns).
@@ -494,8 +495,7 @@ fn unpack_rows(kernel: Dot, w: &QMatrix, r0: usize, rows: &mut [Row]) {
     for (j, row) in rows.iter_mut().enumerate() {
         row.shape(w.format, w.cols);
         let r = r0 + j;
-        // SAFETY: the callers run only a dot product `matmul_dot` checked.
-        unsafe { super::i8_x86::unpack(kernel, w.format, row, &w.data[r * rb..(r + 1) * rb]) };
+        kernel.unpack(w.format, row, &w.data[r * rb..(r + 1) * rb]);
     }
 }
 
@@ -516,46 +516,25 @@ pub(super) fn scales_by_lane(rows: &[Row], lanes: usize, s: &mut Vec<f32>, o: &m
 }
 
 impl Dot {
-    /// Unpack one weight row into `row` and take its dot product with
-    /// activation rows `t0 .. t0 + nt`: `(t, value)` for each.
-    fn row_dots<'a>(
-        self,
-        format: QFormat,
-        row: &'a mut Row,
-        blocks: &[u8],
-        acts: &'a Acts,
-        t0: usize,
-        nt: usize,
-    ) -> impl Iterator<Item = (usize, f32)> + 'a {
+    /// Unpack one weight row's blocks into `row` (shaped for `format`).
+    fn unpack(self, format: QFormat, row: &mut Row, blocks: &[u8]) {
         #[cfg(target_arch = "x86_64")]
         if self != Dot::Portable {
-            // SAFETY: `matmul_dot` asserted the features.
-            unsafe { super::i8_x86::unpack(self, format, row, blocks) };
-            let row = &*row;
-            return Either::Left((t0..t0 + nt).map(move |t| {
-                // SAFETY: as above; `row` and `acts` are shaped for `format`.
-                (t, unsafe { super::i8_x86::dot(self, format, row, acts, t) })
-            }));
+            assert!(self.available(), "{} on a CPU without it", self.name());
+            // SAFETY: the CPU has the features (asserted).
+            return unsafe { super::i8_x86::unpack(self, format, row, blocks) };
         }
         row.unpack(format, blocks);
-        let row = &*row;
-        Either::Right((t0..t0 + nt).map(move |t| (t, dot(format, row, acts, t))))
     }
-}
 
-/// One of two iterators.
-enum Either<A, B> {
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    Left(A),
-    Right(B),
-}
-
-impl<A: Iterator, B: Iterator<Item = A::Item>> Iterator for Either<A, B> {
-    type Item = A::Item;
-    fn next(&mut self) -> Option<A::Item> {
-        match self {
-            Either::Left(a) => a.next(),
-            Either::Right(b) => b.next(),
+    /// The unpacked `row`'s dot product with activation row `t`.
+    fn dot(self, format: QFormat, row: &Row, acts: &Acts, t: usize) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if self != Dot::Portable {
+            // SAFETY: `matmul_dot`, the only caller, asserted the
+            // features; `row` and `acts` are shaped for `format`.
+            return unsafe { super::i8_x86::dot(self, format, row, acts, t) };
         }
+        dot(format, row, acts, t)
     }
 }
