@@ -525,8 +525,9 @@ fn api_keys_gate_every_request() {
 /// Every decoder family through the mesh (prefill ships its KV, decode
 /// generates): greedy text equal to `kvmesh generate`'s, on the tiny
 /// random-weight model of each family (every `tiny-*` directory, in
-/// safetensors; the Llama with YaRN scaling too), and on the tiny Gemma 2, Gemma 3 and Qwen3 as quantized
-/// GGUF files. Their windows (8 to 24 positions) are shorter than the long
+/// safetensors; the Llama with YaRN scaling and the three mixtures of
+/// experts too), and on the tiny Gemma 2, Gemma 3, Qwen3 and the mixtures
+/// as quantized GGUF files (the mixtures' experts kept in their blocks). Their windows (8 to 24 positions) are shorter than the long
 /// prompt, so a window layer that read a slot it should not, or a decode
 /// node attending pages prefill did not write, would change the text.
 #[test]
@@ -547,7 +548,16 @@ fn every_family_through_the_mesh_equals_the_reference_engine() {
         .collect();
     models.sort();
     for family in [
-        "gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3",
+        "gemma2",
+        "gemma3",
+        "llama",
+        "mistral",
+        "phi3",
+        "qwen2",
+        "qwen3",
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
     ] {
         assert!(
             models.iter().any(|m| m.ends_with(format!("tiny-{family}"))),
@@ -558,6 +568,9 @@ fn every_family_through_the_mesh_equals_the_reference_engine() {
     models.push(data.join("gguf/tiny-gemma2-Q8_0.gguf"));
     models.push(data.join("gguf/tiny-gemma3-Q8_0.gguf"));
     models.push(data.join("gguf/tiny-qwen3-Q4_0.gguf"));
+    models.push(data.join("gguf/tiny-mixtral-Q4_0.gguf"));
+    models.push(data.join("gguf/tiny-qwen2_moe-Q8_0.gguf"));
+    models.push(data.join("gguf/tiny-qwen3_moe-Q4_0.gguf"));
     let prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[9], PROMPTS[11]];
     for model in &models {
         let mesh = start(model, Options::default());

@@ -20,7 +20,8 @@
 //! ([`crate::llama::Llama`], and the CUDA backend, which refuses switches it
 //! does not implement) reads the switches. A family whose difference is not
 //! a switch (mixture-of-experts MLPs, latent attention) adds a component
-//! behind a new switch, not a copy of the pass.
+//! behind a new switch, not a copy of the pass: a mixture of experts is
+//! [`moe::Moe`] in the configuration, and takes the MLP's slot.
 //!
 //! # Adding a family
 //! One file in this module: a `pub(crate) const FAMILY: Family` with its
@@ -30,9 +31,11 @@
 mod gemma2;
 mod gemma3;
 mod llama;
+pub mod moe;
 mod phi3;
 mod qwen2;
 mod qwen3;
+mod qwen_moe;
 
 use crate::config::hf::HfConfig;
 use crate::config::ModelConfig;
@@ -48,6 +51,9 @@ pub(crate) const FAMILIES: &[&Family] = &[
     &gemma2::FAMILY,
     &gemma3::FAMILY,
     &phi3::FAMILY,
+    &llama::MIXTRAL,
+    &qwen_moe::QWEN2_MOE,
+    &qwen_moe::QWEN3_MOE,
 ];
 
 /// The MLP's activation on the gate (the up projection multiplies it).
@@ -172,6 +178,27 @@ pub(crate) enum Part {
     GateUp,
     Down,
     PostMlpNorm,
+    /// A sparse layer's router, `[experts, hidden]`.
+    Router,
+    /// Every expert's gate, up and down projections: one tensor per expert
+    /// in Hugging Face checkpoints (names with `{j}`), one
+    /// `[experts, rows, cols]` tensor per role in GGUF.
+    ExpertGate,
+    ExpertUp,
+    ExpertDown,
+    /// The shared expert's projections (Qwen2-MoE).
+    SharedGate,
+    SharedUp,
+    SharedDown,
+    /// The shared expert's sigmoid gate, `[1, hidden]`.
+    SharedRouter,
+}
+
+impl Part {
+    /// One tensor per expert in a Hugging Face checkpoint.
+    pub(crate) fn per_expert(self) -> bool {
+        matches!(self, Self::ExpertGate | Self::ExpertUp | Self::ExpertDown)
+    }
 }
 
 /// One decoder family: its names, how its configuration is read, and its
@@ -183,6 +210,9 @@ pub(crate) struct Family {
     /// `(model_type, architectures[0])` pairs of its `config.json`.
     pub hf_types: &'static [(&'static str, &'static str)],
     /// Its `general.architecture` in GGUF (also the metadata key prefix).
+    /// Families that share one are read by the first listed in
+    /// `FAMILIES` (Mixtral's files say `llama`: the Llama family reads
+    /// their experts).
     pub gguf_arch: &'static str,
     /// llama.cpp's converter permuted q/k rows for interleaved rope (only
     /// the `llama` architecture: every other family runs rotate-half).
@@ -236,7 +266,12 @@ impl Family {
             .iter()
             .flat_map(|f| f.hf_types.iter().map(|(mt, _)| *mt))
             .collect();
-        let archs: Vec<&str> = FAMILIES.iter().map(|f| f.gguf_arch).collect();
+        let mut archs: Vec<&str> = Vec::new();
+        for f in FAMILIES {
+            if !archs.contains(&f.gguf_arch) {
+                archs.push(f.gguf_arch);
+            }
+        }
         format!(
             "Hugging Face model types {}; GGUF architectures {}",
             types.join(", "),
@@ -244,13 +279,31 @@ impl Family {
         )
     }
 
-    /// The tensor roles of one layer of `cfg`.
-    pub(crate) fn layer_parts(&self, cfg: &ModelConfig) -> Vec<Part> {
-        let mut parts = vec![Part::AttnNorm, Part::MlpNorm, Part::O, Part::Down];
+    /// The tensor roles of layer `layer` of `cfg`.
+    pub(crate) fn layer_parts(&self, cfg: &ModelConfig, layer: usize) -> Vec<Part> {
+        let mut parts = vec![Part::AttnNorm, Part::MlpNorm, Part::O];
         if self.fused {
-            parts.extend([Part::Qkv, Part::GateUp]);
+            parts.push(Part::Qkv);
         } else {
-            parts.extend([Part::Q, Part::K, Part::V, Part::Gate, Part::Up]);
+            parts.extend([Part::Q, Part::K, Part::V]);
+        }
+        match cfg.moe.as_ref().filter(|m| m.is_sparse(layer)) {
+            Some(moe) => {
+                parts.extend([
+                    Part::Router,
+                    Part::ExpertGate,
+                    Part::ExpertUp,
+                    Part::ExpertDown,
+                ]);
+                if moe.shared_ff.is_some() {
+                    parts.extend([Part::SharedGate, Part::SharedUp, Part::SharedDown]);
+                }
+                if moe.shared_gate {
+                    parts.push(Part::SharedRouter);
+                }
+            }
+            None if self.fused => parts.extend([Part::GateUp, Part::Down]),
+            None => parts.extend([Part::Gate, Part::Up, Part::Down]),
         }
         if cfg.attention_bias {
             parts.extend([Part::QBias, Part::KBias, Part::VBias]);
@@ -326,6 +379,14 @@ pub(crate) fn llama_hf_name(part: Part) -> &'static str {
         Part::GateUp => "mlp.gate_up_proj.weight",
         Part::Down => "mlp.down_proj.weight",
         Part::PostMlpNorm => "post_feedforward_layernorm.weight",
+        Part::Router => "mlp.gate.weight",
+        Part::ExpertGate => "mlp.experts.{j}.gate_proj.weight",
+        Part::ExpertUp => "mlp.experts.{j}.up_proj.weight",
+        Part::ExpertDown => "mlp.experts.{j}.down_proj.weight",
+        Part::SharedGate => "mlp.shared_expert.gate_proj.weight",
+        Part::SharedUp => "mlp.shared_expert.up_proj.weight",
+        Part::SharedDown => "mlp.shared_expert.down_proj.weight",
+        Part::SharedRouter => "mlp.shared_expert_gate.weight",
     }
 }
 
@@ -351,6 +412,14 @@ pub(crate) fn gguf_name(part: Part) -> &'static str {
         Part::Up | Part::GateUp => "ffn_up.weight",
         Part::Down => "ffn_down.weight",
         Part::PostMlpNorm => "post_ffw_norm.weight",
+        Part::Router => "ffn_gate_inp.weight",
+        Part::ExpertGate => "ffn_gate_exps.weight",
+        Part::ExpertUp => "ffn_up_exps.weight",
+        Part::ExpertDown => "ffn_down_exps.weight",
+        Part::SharedGate => "ffn_gate_shexp.weight",
+        Part::SharedUp => "ffn_up_shexp.weight",
+        Part::SharedDown => "ffn_down_shexp.weight",
+        Part::SharedRouter => "ffn_gate_inp_shexp.weight",
     }
 }
 

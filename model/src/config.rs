@@ -15,6 +15,7 @@ use std::path::Path;
 use kvmesh_kernels::rope::RopeScaling;
 use serde_json::Value;
 
+use crate::arch::moe::Moe;
 use crate::arch::{Block, LayerType};
 use crate::error::{ModelError, Result};
 
@@ -71,6 +72,9 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// Tokens that end generation.
     pub eos_token_ids: Vec<u32>,
+    /// The mixture of experts in the MLP slot of its sparse layers, where
+    /// the family has one ([`crate::arch::moe`]).
+    pub moe: Option<Moe>,
 }
 
 /// The field names that validation errors cite, per source format.
@@ -326,6 +330,9 @@ impl ModelConfig {
                     "must be a positive number",
                 ));
             }
+        }
+        if let Some(moe) = &self.moe {
+            moe.validate(path, self.n_layers)?;
         }
         if let Some(bos) = self
             .bos_token_id

@@ -105,7 +105,7 @@ impl std::fmt::Debug for CudaLlama {
 /// The CUDA forward pass is the Llama block with q/k/v biases and one
 /// window for every layer: a model with any other [`crate::arch::Block`]
 /// switch (Gemma 2's attention soft-capping among them), with sliding and
-/// full layers mixed, or with a YaRN rope that scales cos and sin, is
+/// full layers mixed, with experts, or with a YaRN rope that scales cos and sin, is
 /// refused at load with what is missing named, never run without it.
 fn refuse_unimplemented(cfg: &ModelConfig) -> Result<()> {
     let mut missing = cfg.block.non_llama_switches(cfg.head_dim);
@@ -117,6 +117,9 @@ fn refuse_unimplemented(cfg: &ModelConfig) -> Result<()> {
     // magnitude for cos and sin.
     if matches!(cfg.rope_scaling, RopeScaling::Yarn(y) if y.attention_factor != 1.0) {
         missing.push("YaRN's attention factor on cos and sin");
+    }
+    if cfg.moe.is_some() {
+        missing.push("mixture-of-experts MLPs");
     }
     if missing.is_empty() {
         return Ok(());
@@ -162,6 +165,10 @@ impl CudaLlama {
         let embed = upload_stacked(&gpu, &[&w.embed], dense)?;
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
+            // refuse_unimplemented turned every mixture away before this.
+            let mlp = l.ffn.dense().ok_or_else(|| ModelError::Compute {
+                detail: "a mixture-of-experts layer reached the CUDA upload".into(),
+            })?;
             let opt = |b: &Option<Vec<f32>>| b.as_deref().map(|b| upload_vec(&gpu, b)).transpose();
             layers.push(DevLayer {
                 attn_norm: upload_vec(&gpu, &l.attn_norm)?,
@@ -173,8 +180,8 @@ impl CudaLlama {
                 bv: opt(&l.bv)?,
                 wo: upload_stacked(&gpu, &[&l.wo], dense)?,
                 mlp_norm: upload_vec(&gpu, &l.mlp_norm)?,
-                gate_up: upload_stacked(&gpu, &[&l.w_gate, &l.w_up], dense)?,
-                down: upload_stacked(&gpu, &[&l.w_down], dense)?,
+                gate_up: upload_stacked(&gpu, &[&mlp.gate, &mlp.up], dense)?,
+                down: upload_stacked(&gpu, &[&mlp.down], dense)?,
             });
         }
         let rope = Rope::new(

@@ -34,6 +34,7 @@ pub mod error;
 mod linear;
 pub mod llama;
 pub mod loader;
+mod moe;
 pub mod sampling;
 pub mod scheduler;
 pub mod weights;

@@ -34,8 +34,9 @@ use crate::arch::{Activation, LayerType};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::linear::Projection;
+use crate::moe::{MlpRt, MoeRt, MoeScratch};
 use crate::sampling::{prompt_logprob, PromptLogprob};
-use crate::weights::{Matrix, Weights};
+use crate::weights::{Ffn, Matrix, Weights};
 
 /// Which logits a chunk wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,12 +108,37 @@ struct LayerRt {
     wo: Projection,
     post_attn_norm: Option<Vec<f32>>,
     mlp_norm: Vec<f32>,
-    gate_up: Projection,
-    down: Projection,
+    ffn: FfnRt,
     post_mlp_norm: Option<Vec<f32>>,
     /// This layer's attention (its window) and rope (index into `ropes`).
     shape: AttentionShape,
     rope: usize,
+}
+
+/// The MLP slot as the pass runs it.
+#[derive(Debug)]
+enum FfnRt {
+    Dense(MlpRt),
+    Moe(Box<MoeRt>),
+}
+
+impl FfnRt {
+    fn is_quantized(&self) -> bool {
+        match self {
+            Self::Dense(m) => m.projections().iter().any(|p| p.is_quantized()),
+            Self::Moe(m) => m.is_quantized(),
+        }
+    }
+
+    /// `(bytes, multiply-adds)` of weights one token reads.
+    fn active_per_token(&self) -> (usize, usize) {
+        match self {
+            Self::Dense(m) => m.projections().iter().fold((0, 0), |(b, p), pr| {
+                (b + pr.weight_bytes(), p + pr.params())
+            }),
+            Self::Moe(m) => m.active_per_token(),
+        }
+    }
 }
 
 /// A loaded Llama-family model ready to run.
@@ -177,11 +203,19 @@ impl Llama {
         let mut layers = Vec::with_capacity(w.layers.len());
         for (l, kind) in w.layers.into_iter().zip(&cfg.layer_types) {
             let sliding = *kind == LayerType::Sliding;
+            let ffn = match (&l.ffn, &cfg.moe) {
+                (Ffn::Dense(m), _) => FfnRt::Dense(MlpRt::new(m)?),
+                (Ffn::Moe(m), Some(moe)) => FfnRt::Moe(Box::new(MoeRt::new(m, moe)?)),
+                (Ffn::Moe(_), None) => {
+                    return Err(ModelError::Compute {
+                        detail: "expert weights for a configuration without experts".into(),
+                    })
+                }
+            };
             layers.push(LayerRt {
                 qkv: Projection::new(&[&l.wq, &l.wk, &l.wv])?,
                 wo: Projection::new(&[&l.wo])?,
-                gate_up: Projection::new(&[&l.w_gate, &l.w_up])?,
-                down: Projection::new(&[&l.w_down])?,
+                ffn,
                 attn_norm: l.attn_norm,
                 mlp_norm: l.mlp_norm,
                 bq: l.bq,
@@ -206,7 +240,7 @@ impl Llama {
         let quantized = lm_head.is_quantized()
             || layers
                 .iter()
-                .any(|l| l.qkv.is_quantized() || l.gate_up.is_quantized());
+                .any(|l| l.qkv.is_quantized() || l.ffn.is_quantized());
         Ok(Self {
             cfg,
             embed: w.embed,
@@ -219,26 +253,30 @@ impl Llama {
         })
     }
 
-    /// The projections every token passes through: each layer's four,
-    /// then the vocabulary's.
-    fn projections(&self) -> impl Iterator<Item = &Projection> {
+    /// `(bytes, multiply-adds)` of the weights one token passes through:
+    /// each layer's attention projections and MLP slot (a mixture's router,
+    /// shared expert and `top_k` experts), then the vocabulary's.
+    fn active_per_token(&self) -> (usize, usize) {
+        let one = |p: &Projection| (p.weight_bytes(), p.params());
+        let add = |(a, b): (usize, usize), (c, d): (usize, usize)| (a + c, b + d);
         self.layers
             .iter()
-            .flat_map(|l| [&l.qkv, &l.wo, &l.gate_up, &l.down])
-            .chain(std::iter::once(&self.lm_head))
+            .map(|l| add(add(one(&l.qkv), one(&l.wo)), l.ffn.active_per_token()))
+            .fold(one(&self.lm_head), add)
     }
 
-    /// Bytes of weights a forward pass reads (every projection once; the
-    /// embedding lookup and the norms are left out): what a batch-1 decode
-    /// step streams from memory.
+    /// Bytes of weights a token's forward pass reads (the embedding lookup
+    /// and the norms are left out): what a batch-1 decode step streams
+    /// from memory. For a mixture, the chosen experts' (`top_k` of average
+    /// size) only.
     pub fn weight_bytes(&self) -> usize {
-        self.projections().map(Projection::weight_bytes).sum()
+        self.active_per_token().0
     }
 
     /// Multiply-adds per token through the projections (attention's are
     /// left out): twice this is a token's floating-point operations.
     pub fn matmul_params(&self) -> usize {
-        self.projections().map(Projection::params).sum()
+        self.active_per_token().1
     }
 
     /// Whether any matrix runs through the quantized kernels.
@@ -398,6 +436,7 @@ impl Llama {
             gate,
             down,
             stacked,
+            moe: moe_scratch,
             ..
         } = ws;
         x.clear();
@@ -488,11 +527,11 @@ impl Llama {
             add_residual(x, o, lw.post_attn_norm.as_deref(), cfg.rms_norm_eps, xn);
 
             rms_norm(x, &lw.mlp_norm, cfg.rms_norm_eps, xn);
-            // `act(gate) * up` straight from the stacked projection's rows.
-            lw.gate_up.apply_stacked(xn, rows, stacked)?;
-            gate.resize(rows * cfg.intermediate_size, 0.0);
-            gated_rows(cfg.block.activation, stacked, cfg.intermediate_size, gate);
-            lw.down.apply_into(gate, rows, &mut [&mut *down], stacked)?;
+            let act = cfg.block.activation;
+            match &lw.ffn {
+                FfnRt::Dense(mlp) => mlp.apply(act, xn, rows, down, stacked, gate)?,
+                FfnRt::Moe(moe) => moe.apply(act, xn, rows, hidden, down, stacked, moe_scratch)?,
+            }
             add_residual(x, down, lw.post_mlp_norm.as_deref(), cfg.rms_norm_eps, xn);
         }
 
@@ -639,7 +678,7 @@ const SWIGLU_PARALLEL: usize = 1 << 14;
 /// independent, so the bits do not change). Serial, a batch's SwiGLU left
 /// the other cores idle long enough to fall asleep (16 sequences: tens of
 /// microseconds per layer; a 512-token prompt chunk: a millisecond or more).
-fn gated_rows(act: Activation, gate_up: &[f32], width: usize, out: &mut [f32]) {
+pub(crate) fn gated_rows(act: Activation, gate_up: &[f32], width: usize, out: &mut [f32]) {
     let f = match act {
         Activation::Silu => swiglu,
         Activation::GeluTanh => geglu_tanh,
@@ -725,6 +764,7 @@ struct Workspace {
     down: Vec<f32>,
     stacked: Vec<f32>,
     logits: Vec<f32>,
+    moe: MoeScratch,
 }
 
 impl Workspace {
@@ -744,7 +784,8 @@ impl Workspace {
         ]
         .iter()
         .map(|b| b.capacity())
-        .sum()
+        .sum::<usize>()
+            + self.moe.floats()
     }
 }
 

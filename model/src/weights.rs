@@ -160,15 +160,80 @@ pub struct LayerWeights {
     pub mlp_norm: Vec<f32>,
     /// RMSNorm weight on the MLP output (Gemma), `[hidden]`.
     pub post_mlp_norm: Option<Vec<f32>>,
-    /// MLP gate projection, `[intermediate, hidden]`.
-    pub w_gate: Matrix,
-    /// MLP up projection, `[intermediate, hidden]`.
-    pub w_up: Matrix,
-    /// MLP down projection, `[hidden, intermediate]`.
-    pub w_down: Matrix,
+    /// The MLP slot: one gated MLP, or a mixture of experts.
+    pub ffn: Ffn,
+}
+
+/// A gated MLP: `down(act(gate x) * up x)`.
+#[derive(Clone, Debug)]
+pub struct Mlp {
+    /// Gate projection, `[ff, hidden]`.
+    pub gate: Matrix,
+    /// Up projection, `[ff, hidden]`.
+    pub up: Matrix,
+    /// Down projection, `[hidden, ff]`.
+    pub down: Matrix,
+}
+
+impl Mlp {
+    /// The three matrices, gate, up, down.
+    pub fn matrices(&self) -> [&Matrix; 3] {
+        [&self.gate, &self.up, &self.down]
+    }
+}
+
+/// A sparse layer's mixture of experts ([`crate::arch::moe::Moe`]).
+#[derive(Clone, Debug)]
+pub struct MoeWeights {
+    /// Router, `[experts, hidden]`.
+    pub router: Matrix,
+    /// The routed experts, each `[expert_ff, hidden]` (down transposed).
+    pub experts: Vec<Mlp>,
+    /// The expert every token passes through (Qwen2-MoE).
+    pub shared: Option<Mlp>,
+    /// The shared expert's sigmoid gate, `[hidden]`.
+    pub shared_gate: Option<Vec<f32>>,
+}
+
+/// What fills a layer's MLP slot.
+#[derive(Clone, Debug)]
+pub enum Ffn {
+    /// One gated MLP of `intermediate_size`.
+    Dense(Mlp),
+    /// A router over experts.
+    Moe(MoeWeights),
+}
+
+impl Ffn {
+    /// Every matrix: the dense MLP's, or the router's, each expert's and
+    /// the shared expert's.
+    pub fn matrices(&self) -> Vec<&Matrix> {
+        match self {
+            Self::Dense(m) => m.matrices().to_vec(),
+            Self::Moe(moe) => std::iter::once(&moe.router)
+                .chain(moe.experts.iter().flat_map(Mlp::matrices))
+                .chain(moe.shared.iter().flat_map(Mlp::matrices))
+                .collect(),
+        }
+    }
+
+    /// The dense MLP, for a layer that has one.
+    pub fn dense(&self) -> Option<&Mlp> {
+        match self {
+            Self::Dense(m) => Some(m),
+            Self::Moe(_) => None,
+        }
+    }
 }
 
 impl LayerWeights {
+    /// Every matrix of the layer: attention's four, then the MLP slot's.
+    pub fn matrices(&self) -> Vec<&Matrix> {
+        let mut out = vec![&self.wq, &self.wk, &self.wv, &self.wo];
+        out.extend(self.ffn.matrices());
+        out
+    }
+
     /// Every vector the layer has (norms, then the biases and norms its
     /// family adds).
     pub fn vectors(&self) -> impl Iterator<Item = &Vec<f32>> {
@@ -181,6 +246,10 @@ impl LayerWeights {
                 &self.k_norm,
                 &self.post_attn_norm,
                 &self.post_mlp_norm,
+                match &self.ffn {
+                    Ffn::Moe(m) => &m.shared_gate,
+                    Ffn::Dense(_) => &None,
+                },
             ]
             .into_iter()
             .flatten(),
@@ -259,9 +328,31 @@ impl Weights {
         );
         let bias = |n: usize| config.attention_bias.then(|| vec![0.01; n]);
         let embed = matrix(config.vocab_size, h, 1)?;
+        let mlp = |ff: usize, salt: u64| -> Result<Mlp> {
+            Ok(Mlp {
+                gate: matrix(ff, h, salt)?,
+                up: matrix(ff, h, salt + 1)?,
+                down: matrix(h, ff, salt + 2)?,
+            })
+        };
         let mut layers = Vec::with_capacity(config.n_layers);
         for l in 0..config.n_layers as u64 {
             let salt = 16 * (l + 1);
+            let ffn = match config.moe.as_ref().filter(|m| m.is_sparse(l as usize)) {
+                None => Ffn::Dense(mlp(inter, salt + 5)?),
+                Some(moe) => {
+                    // Experts salted apart from every layer's other matrices.
+                    let base = (1 << 32) + (l << 16);
+                    Ffn::Moe(MoeWeights {
+                        router: matrix(moe.n_experts, h, base)?,
+                        experts: (0..moe.n_experts as u64)
+                            .map(|j| mlp(moe.expert_ff, base + 4 * (j + 1)))
+                            .collect::<Result<_>>()?,
+                        shared: moe.shared_ff.map(|ff| mlp(ff, base + 1)).transpose()?,
+                        shared_gate: moe.shared_gate.then(|| vec![0.01; h]),
+                    })
+                }
+            };
             layers.push(LayerWeights {
                 attn_norm: vec![1.0; h],
                 wq: matrix(q, h, salt + 1)?,
@@ -276,9 +367,7 @@ impl Weights {
                 post_attn_norm: config.block.sandwich_norms.then(|| vec![1.0; h]),
                 mlp_norm: vec![1.0; h],
                 post_mlp_norm: config.block.sandwich_norms.then(|| vec![1.0; h]),
-                w_gate: matrix(inter, h, salt + 5)?,
-                w_up: matrix(inter, h, salt + 6)?,
-                w_down: matrix(h, inter, salt + 7)?,
+                ffn,
             });
         }
         let lm_head = if config.tie_word_embeddings {
@@ -325,7 +414,7 @@ impl Weights {
         };
         matrix(&mut h, &self.embed);
         for l in &self.layers {
-            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+            for m in l.matrices() {
                 matrix(&mut h, m);
             }
             for v in l.vectors() {
@@ -340,7 +429,8 @@ impl Weights {
             .collect()
     }
 
-    /// Bytes the matrices occupy (what a decode step reads).
+    /// Bytes the matrices occupy (what a dense model's decode step reads;
+    /// a mixture's reads only the experts its tokens chose).
     pub fn matrix_bytes(&self) -> usize {
         let bytes = |m: &Matrix| match m {
             Matrix::Dense(t) => t.elem_count() * 4,
@@ -349,7 +439,7 @@ impl Weights {
         let tied = self.lm_head.same_storage(&self.embed);
         self.layers
             .iter()
-            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .flat_map(LayerWeights::matrices)
             .map(bytes)
             .sum::<usize>()
             + bytes(&self.embed)
@@ -359,10 +449,7 @@ impl Weights {
     /// Parameters held, counting a tied LM head once.
     pub fn parameter_count(&self) -> usize {
         let layer = |l: &LayerWeights| {
-            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                .iter()
-                .map(|t| t.elem_count())
-                .sum::<usize>()
+            l.matrices().iter().map(|t| t.elem_count()).sum::<usize>()
                 + l.vectors().map(Vec::len).sum::<usize>()
         };
         let tied = self.lm_head.same_storage(&self.embed);
@@ -457,15 +544,46 @@ impl Layout {
             Self::Gguf => format!("blk.{i}.{}", gguf_name(part)),
         }
     }
+
+    /// Layer `i`'s tensors of `part` with their shapes: one, or for an
+    /// expert role in a Hugging Face checkpoint one per expert (GGUF
+    /// stacks them into one `[experts, rows, cols]` tensor).
+    fn layer_tensors(
+        self,
+        family: &Family,
+        config: &ModelConfig,
+        i: usize,
+        part: Part,
+    ) -> Vec<(String, Vec<usize>)> {
+        let name = self.layer(family, i, part);
+        let shape = part_shape(config, part);
+        let n_experts = config.moe.as_ref().map_or(0, |m| m.n_experts);
+        match self {
+            Self::Hf if part.per_expert() => (0..n_experts)
+                .map(|j| (name.replace("{j}", &j.to_string()), shape.clone()))
+                .collect(),
+            Self::Gguf if part.per_expert() => {
+                vec![(name, [vec![n_experts], shape].concat())]
+            }
+            _ => vec![(name, shape)],
+        }
+    }
 }
 
-/// Shape of each layer part implied by the configuration.
+/// Shape of each layer part implied by the configuration (one expert's,
+/// for the expert roles).
 fn part_shape(config: &ModelConfig, part: Part) -> Vec<usize> {
     let (h, q, kv, ff) = (
         config.hidden_size,
         config.q_dim(),
         config.kv_dim(),
         config.intermediate_size,
+    );
+    let moe = config.moe.as_ref();
+    let (n_experts, expert_ff, shared_ff) = (
+        moe.map_or(0, |m| m.n_experts),
+        moe.map_or(0, |m| m.expert_ff),
+        moe.and_then(|m| m.shared_ff).unwrap_or(0),
     );
     match part {
         Part::AttnNorm | Part::MlpNorm | Part::PostAttnNorm | Part::PostMlpNorm => vec![h],
@@ -479,6 +597,12 @@ fn part_shape(config: &ModelConfig, part: Part) -> Vec<usize> {
         Part::Gate | Part::Up => vec![ff, h],
         Part::GateUp => vec![2 * ff, h],
         Part::Down => vec![h, ff],
+        Part::Router => vec![n_experts, h],
+        Part::ExpertGate | Part::ExpertUp => vec![expert_ff, h],
+        Part::ExpertDown => vec![h, expert_ff],
+        Part::SharedGate | Part::SharedUp => vec![shared_ff, h],
+        Part::SharedDown => vec![h, shared_ff],
+        Part::SharedRouter => vec![1, h],
     }
 }
 
@@ -503,8 +627,8 @@ pub(crate) fn plan(config: &ModelConfig, layout: Layout) -> Vec<(String, Vec<usi
         return out;
     };
     for i in 0..config.n_layers {
-        for part in family.layer_parts(config) {
-            out.push((layout.layer(family, i, part), part_shape(config, part)));
+        for part in family.layer_parts(config, i) {
+            out.extend(layout.layer_tensors(family, config, i, part));
         }
     }
     out
@@ -598,35 +722,48 @@ fn assemble(
         let mlp_norm = norm(Part::MlpNorm)?;
         let mut matrix =
             |part: Part| src.take_matrix(&name(part), &part_shape(config, part), precision);
-        let (wq, wk, wv, w_gate, w_up) = if family.fused {
-            let (q, kv, ff) = (config.q_dim(), config.kv_dim(), config.intermediate_size);
+        let (wq, wk, wv) = if family.fused {
+            let (q, kv) = (config.q_dim(), config.kv_dim());
             let qkv = matrix(Part::Qkv)?;
-            let gate_up = matrix(Part::GateUp)?;
-            let split = |m: &Matrix, part: Part, r: std::ops::Range<usize>| {
-                matrix_rows(m, r).map_err(|e| malformed(part, format!("splitting: {e}")))
+            let split = |r: std::ops::Range<usize>| {
+                matrix_rows(&qkv, r).map_err(|e| malformed(Part::Qkv, format!("splitting: {e}")))
             };
-            (
-                split(&qkv, Part::Qkv, 0..q)?,
-                split(&qkv, Part::Qkv, q..q + kv)?,
-                split(&qkv, Part::Qkv, q + kv..q + 2 * kv)?,
-                split(&gate_up, Part::GateUp, 0..ff)?,
-                split(&gate_up, Part::GateUp, ff..2 * ff)?,
-            )
+            (split(0..q)?, split(q..q + kv)?, split(q + kv..q + 2 * kv)?)
         } else {
             (
                 qk_matrix(matrix(Part::Q)?, Part::Q, config.n_heads)?,
                 qk_matrix(matrix(Part::K)?, Part::K, config.n_kv_heads)?,
                 matrix(Part::V)?,
-                matrix(Part::Gate)?,
-                matrix(Part::Up)?,
             )
+        };
+        let wo = matrix(Part::O)?;
+        let ffn = match config.moe.as_ref().filter(|m| m.is_sparse(i)) {
+            Some(moe) => Ffn::Moe(moe_weights(src, config, layout, precision, i, moe)?),
+            None if family.fused => {
+                let ff = config.intermediate_size;
+                let gate_up = matrix(Part::GateUp)?;
+                let split = |r: std::ops::Range<usize>| {
+                    matrix_rows(&gate_up, r)
+                        .map_err(|e| malformed(Part::GateUp, format!("splitting: {e}")))
+                };
+                Ffn::Dense(Mlp {
+                    gate: split(0..ff)?,
+                    up: split(ff..2 * ff)?,
+                    down: matrix(Part::Down)?,
+                })
+            }
+            None => Ffn::Dense(Mlp {
+                gate: matrix(Part::Gate)?,
+                up: matrix(Part::Up)?,
+                down: matrix(Part::Down)?,
+            }),
         };
         layers.push(LayerWeights {
             attn_norm,
             wq,
             wk,
             wv,
-            wo: matrix(Part::O)?,
+            wo,
             bq,
             bk,
             bv,
@@ -635,9 +772,7 @@ fn assemble(
             post_attn_norm,
             mlp_norm,
             post_mlp_norm,
-            w_gate,
-            w_up,
-            w_down: matrix(Part::Down)?,
+            ffn,
         });
     }
     let mut final_norm = to_vec1(
@@ -658,6 +793,90 @@ fn assemble(
         layers,
         final_norm,
         lm_head,
+    })
+}
+
+/// Layer `i`'s router, experts and shared expert. A Hugging Face
+/// checkpoint names each expert's matrices; GGUF stacks each role into one
+/// `[experts, rows, cols]` tensor, split here into the experts' row ranges
+/// (whole rows of blocks, so quantized experts stay quantized).
+fn moe_weights(
+    src: &mut dyn TensorSource,
+    config: &ModelConfig,
+    layout: Layout,
+    precision: Precision,
+    i: usize,
+    moe: &crate::arch::moe::Moe,
+) -> Result<MoeWeights> {
+    let family = family_of(config)?;
+    let path = src.source_path().to_owned();
+    let one = |src: &mut dyn TensorSource, part: Part| -> Result<Matrix> {
+        let (name, shape) = layout.layer_tensors(family, config, i, part).remove(0);
+        src.take_matrix(&name, &shape, precision)
+    };
+    let experts_of = |src: &mut dyn TensorSource, part: Part| -> Result<Vec<Matrix>> {
+        let tensors = layout.layer_tensors(family, config, i, part);
+        if layout == Layout::Hf {
+            return tensors
+                .iter()
+                .map(|(name, shape)| src.take_matrix(name, shape, precision))
+                .collect();
+        }
+        let (name, shape) = &tensors[0];
+        let rows = shape[1];
+        let stacked = match src.take_matrix(name, shape, precision)? {
+            Matrix::Dense(t) => t
+                .reshape((moe.n_experts * rows, shape[2]))
+                .map(Matrix::Dense)
+                .map_err(|e| ModelError::malformed(&path, format!("tensor `{name}`: {e}")))?,
+            q => q,
+        };
+        (0..moe.n_experts)
+            .map(|j| {
+                matrix_rows(&stacked, j * rows..(j + 1) * rows).map_err(|e| {
+                    ModelError::malformed(&path, format!("tensor `{name}`: splitting: {e}"))
+                })
+            })
+            .collect()
+    };
+    let router = one(src, Part::Router)?;
+    let gates = experts_of(src, Part::ExpertGate)?;
+    let ups = experts_of(src, Part::ExpertUp)?;
+    let downs = experts_of(src, Part::ExpertDown)?;
+    let experts = gates
+        .into_iter()
+        .zip(ups)
+        .zip(downs)
+        .map(|((gate, up), down)| Mlp { gate, up, down })
+        .collect();
+    let shared = match moe.shared_ff {
+        Some(_) => Some(Mlp {
+            gate: one(src, Part::SharedGate)?,
+            up: one(src, Part::SharedUp)?,
+            down: one(src, Part::SharedDown)?,
+        }),
+        None => None,
+    };
+    let shared_gate = if moe.shared_gate {
+        let name = layout.layer(family, i, Part::SharedRouter);
+        let h = config.hidden_size;
+        // `[1, hidden]` as transformers saves it; llama.cpp reads it as a
+        // vector, and a GGUF may store it as one.
+        let t = match src.take(&name, &[1, h]) {
+            Err(ModelError::ShapeMismatch { .. }) if layout == Layout::Gguf => {
+                src.take(&name, &[h])?
+            }
+            r => r?,
+        };
+        Some(to_vec1(&path, &name, &t)?)
+    } else {
+        None
+    };
+    Ok(MoeWeights {
+        router,
+        experts,
+        shared,
+        shared_gate,
     })
 }
 

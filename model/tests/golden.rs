@@ -98,6 +98,9 @@ fn tiny_families_from_gguf_match_transformers() {
         "phi3",
         "mistral",
         "llama-yarn",
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
     ] {
         let engine = engine_for(&common::tiny_family_gguf(family, "F32"));
         let from_gguf = engine.model().config();
@@ -106,6 +109,7 @@ fn tiny_families_from_gguf_match_transformers() {
         )
         .expect("config.json");
         assert_eq!(from_gguf.block, hf.block, "{family}: switches");
+        assert_eq!(from_gguf.moe, hf.moe, "{family}: experts");
         assert_eq!(
             (
                 from_gguf.rope_theta,
@@ -124,6 +128,45 @@ fn tiny_families_from_gguf_match_transformers() {
         check_tokenizer(&engine, &g);
         let worst = check_greedy(&engine, &g, None);
         eprintln!("tiny-{family} from GGUF: worst logit error = {worst:.3} of tolerance");
+    }
+}
+
+#[test]
+fn tiny_mixtral_matches_transformers() {
+    check_family("mixtral");
+}
+
+#[test]
+fn tiny_qwen2_moe_matches_transformers() {
+    check_family("qwen2_moe");
+}
+
+#[test]
+fn tiny_qwen3_moe_matches_transformers() {
+    check_family("qwen3_moe");
+}
+
+/// The tiny mixtures written in Q8_0 and Q4_0, run in the quantized mode
+/// (experts kept in their blocks), against transformers on the same
+/// file's dequantized weights (`tiny-<family>-<type>.json`): a quantized
+/// router or expert moves the routing itself, so the f32 model's golden
+/// data cannot stand in. Experts must stay quantized.
+#[test]
+fn tiny_mixtures_quantized_match_transformers_on_their_weights() {
+    for family in ["mixtral", "qwen2_moe", "qwen3_moe"] {
+        for ty in ["Q8_0", "Q4_0"] {
+            let engine = quantized_engine_for(&common::tiny_family_gguf(family, ty));
+            assert!(engine.model().config().moe.is_some(), "{family} {ty}");
+            let g = read_golden(&format!("tiny-{family}-{ty}.json"));
+            check_tokenizer(&engine, &g);
+            let worst = check_greedy(&engine, &g, None);
+            eprintln!("tiny-{family} {ty} quantized: worst logit error = {worst:.3} of tolerance");
+            assert_eq!(
+                engine.pool().free_pages(),
+                engine.pool().capacity_pages(),
+                "pages leaked"
+            );
+        }
     }
 }
 

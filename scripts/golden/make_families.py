@@ -21,7 +21,10 @@ window of 8 positions on its local layers with their own rope base, Gemma
 2's attention and final logit soft-capping (caps small enough to matter)
 with a window of 8 on every other layer, Phi-3's fused tensors and a
 window, Mistral's window on every layer, and a Llama with YaRN rope scaling
-(`llama-yarn`: an original context shorter than the long prompt). The
+(`llama-yarn`: an original context shorter than the long prompt), and
+three mixtures of experts: Mixtral (top-2 of 4, renormalised), Qwen2-MoE
+(a gated shared expert, weights not renormalised, q/k/v biases, a dense
+MLP on one layer) and Qwen3-MoE (top-2 of 8, q/k norms). The
 windows are shorter than the long greedy prompt, so a layer that read
 outside its window would change the logits.
 
@@ -122,6 +125,41 @@ FAMILIES = {
             },
         },
         27,
+    ),
+    # Mixtures of experts (issue 38): 4 experts, top-2, renormalised.
+    "mixtral": (
+        "mixtral",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64, "rope_theta": 1_000_000.0},
+        28,
+    ),
+    # A shared expert behind its sigmoid gate, top-2 of 4 not renormalised,
+    # q/k/v biases, and a dense MLP on layer 1 (`mlp_only_layers`).
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 96,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": False,
+            "qkv_bias": True,
+            "rope_theta": 1_000_000.0,
+        },
+        29,
+    ),
+    # Top-2 of 8 renormalised, q/k norms, tied embeddings.
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "rope_theta": 1_000_000.0,
+            "tie_word_embeddings": True,
+        },
+        30,
     ),
 }
 

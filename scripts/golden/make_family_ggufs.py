@@ -14,7 +14,12 @@ converter writes it (YaRN: `rope.scaling.type`, `.factor`,
 caps as `attn_logit_softcapping` and `final_logit_softcapping`, without a
 window pattern (llama.cpp fixes Gemma 2's at every other layer). (The tiny models are 64 wide: K-quants need 256-wide
 rows, so they are tested on the real Gemma 3 GGUF and in the kernels.)
-Matrices are quantized, vectors stay F32, as llama.cpp does.
+Matrices are quantized, vectors stay F32, as llama.cpp does. Mixtures of
+experts (mixtral as the `llama` architecture, `qwen2moe`, `qwen3moe`) get
+llama.cpp's `expert_*` keys and their experts stacked into one
+`ffn_{gate,up,down}_exps` tensor per role; the router stays F32. Their
+quantized files get golden data of their own (`tiny-<family>-<type>.json`,
+transformers on the dequantized weights): routing follows the weights.
 
 Outputs (committed): model/tests/data/gguf/tiny-<family>-<type>.gguf, and
 tiny-qwen3-IQ4_NL.gguf: Q8_0 with one tensor in IQ4_NL, a type kvmesh does
@@ -45,7 +50,14 @@ PER_FAMILY = {
     "mistral": ["F32", "Q8_0"],
     "gemma2": ["F32", "Q8_0"],
     "llama-yarn": ["F32"],
+    "mixtral": ["F32", "Q8_0", "Q4_0"],
+    "qwen2_moe": ["F32", "Q8_0", "Q4_0"],
+    "qwen3_moe": ["F32", "Q8_0", "Q4_0"],
 }
+# Quantized files whose golden data transformers computes on the file's own
+# dequantized weights (`tiny-<family>-<type>.json`): a mixture's routing
+# follows the weights, so the f32 reference cannot stand in for them.
+DEQUANTIZED_GOLDEN = [(f, t) for f in ("mixtral", "qwen2_moe", "qwen3_moe") for t in ("Q8_0", "Q4_0")]
 # family -> GGUF architecture
 ARCH = {
     "qwen2": "qwen2",
@@ -55,6 +67,19 @@ ARCH = {
     "mistral": "llama",
     "gemma2": "gemma2",
     "llama-yarn": "llama",
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+}
+# An expert's Hugging Face projection -> its GGUF stacked tensor (llama.cpp
+# stores one [experts, rows, cols] tensor per role).
+EXPERT_NAMES = {
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
 }
 GEMMA = ("gemma2", "gemma3")
 
@@ -71,6 +96,12 @@ LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -170,11 +201,18 @@ def convert(family, type_name, odd_tensor=None):
         # llama.cpp derives the scale from the model size; the tiny model's
         # query_pre_attn_scalar is not its head size, so it is written.
         w.add_float32("gemma3.attention.scale", float(np.float32(cfg["query_pre_attn_scalar"] ** -0.5)))
+    if "num_local_experts" in cfg or "num_experts" in cfg:
+        w.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     vocab = tokenizer_metadata(w, src)
     w.add_vocab_size(vocab)
 
     qtype = TYPES[type_name]
-    tensors = safetensors.numpy.load_file(str(src / "model.safetensors"))
+    tensors = stack_experts(safetensors.numpy.load_file(str(src / "model.safetensors")))
     for name in sorted(tensors):
         t = tensors[name].astype(np.float32)
         if name == "model.embed_tokens.weight":
@@ -187,7 +225,7 @@ def convert(family, type_name, odd_tensor=None):
             prefix = "model.layers."
             assert name.startswith(prefix), name
             i, rest = name[len(prefix):].split(".", 1)
-            gname = f"blk.{i}.{layer_name(family, rest)}"
+            gname = f"blk.{i}.{rest}" if rest.startswith("ffn_") else f"blk.{i}.{layer_name(family, rest)}"
             if arch == "llama" and rest.startswith("self_attn.q_proj"):
                 t = permute(t, n_head)
             elif arch == "llama" and rest.startswith("self_attn.k_proj"):
@@ -200,7 +238,7 @@ def convert(family, type_name, odd_tensor=None):
             rows, cols = t.shape
             raw = np.random.default_rng(7).integers(0, 256, size=(rows, cols // 32 * 18), dtype=np.uint8)
             w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=Q.IQ4_NL)
-        elif t.ndim == 2 and qtype != Q.F32:
+        elif t.ndim >= 2 and qtype != Q.F32 and not quantize_kept_f32(gname):
             data = gguf.quants.quantize(t, qtype)
             w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
         else:
@@ -212,6 +250,71 @@ def convert(family, type_name, odd_tensor=None):
     mg.log(f"wrote {out.relative_to(mg.REPO_ROOT)} ({out.stat().st_size} bytes)")
 
 
+def stack_experts(tensors):
+    """Each layer's per-expert projections (`...experts.{j}.w1.weight`)
+    stacked into llama.cpp's one tensor per role, `[experts, rows, cols]`,
+    under its GGUF name after `model.layers.{i}.`."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if "experts" in parts:
+            at = parts.index("experts")
+            layer, j, proj = parts[2], int(parts[at + 1]), parts[at + 2]
+            experts.setdefault((layer, EXPERT_NAMES[proj]), {})[j] = t
+        else:
+            out[name] = t
+    for (layer, gname), by_j in experts.items():
+        assert sorted(by_j) == list(range(len(by_j))), (layer, gname)
+        out[f"model.layers.{layer}.{gname}.weight"] = np.stack([by_j[j] for j in range(len(by_j))])
+    return out
+
+
+def quantize_kept_f32(gname):
+    """llama.cpp's quantizer keeps the expert router (`ffn_gate_inp`) in
+    f32, and the shared expert's one-row gate is a vector to it."""
+    return ".ffn_gate_inp" in gname
+
+
+def dequantized_golden(family, type_name):
+    """transformers on the quantized file's own weights: every tensor the
+    converter quantizes, quantized and dequantized by gguf-py, saved as a
+    safetensors model beside the f32 one's config and tokenizer, loaded
+    back, and run through the golden computation."""
+    import shutil
+    import tempfile
+
+    import make_families as mf
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    src = DATA / f"tiny-{family}"
+    qtype = TYPES[type_name]
+    tensors = safetensors.numpy.load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight"))
+        if t.ndim >= 2 and not router:
+            q = gguf.quants.quantize(t.astype(np.float32), qtype)
+            t = gguf.quants.dequantize(q, qtype).reshape(t.shape).astype(np.float32)
+        out[name] = np.ascontiguousarray(t)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for p in src.iterdir():
+            if p.name != "model.safetensors":
+                shutil.copy(p, tmp / p.name)
+        safetensors.numpy.save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        model = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32, attn_implementation=mg.ATTN_IMPL).eval()
+        tok = PreTrainedTokenizerFast.from_pretrained(str(tmp))
+        name = f"tiny-{family}-{type_name}"
+        source = (
+            f"Generated by scripts/golden/make_family_ggufs.py: model/tests/data/tiny-{family} with every tensor "
+            f"the converter quantizes quantized to {type_name} and dequantized by gguf-py, run by transformers "
+            f"{mf.transformers.__version__} {type(model).__name__}"
+        )
+        g = mg.build_golden(name, source, tok, model, mg.LONG_TEXT_TINY, smollm=False, extra={"family": family, "gguf_type": type_name})
+    mg.write_json(DATA / "golden" / f"{name}.json", g)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=sorted(PER_FAMILY), action="append", help="these families only")
@@ -221,6 +324,9 @@ def main():
             convert(family, t)
     if not args.only or "qwen3" in args.only:
         convert("qwen3", "Q8_0", odd_tensor="blk.1.attn_v.weight")
+    for family, t in DEQUANTIZED_GOLDEN:
+        if not args.only or family in args.only:
+            dequantized_golden(family, t)
 
 
 if __name__ == "__main__":

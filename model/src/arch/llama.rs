@@ -1,7 +1,8 @@
-//! Llama (2, 3.x) and Mistral: the base block ([`Block::llama`]); Mistral
-//! attends a sliding window on every layer when its config gives one.
+//! Llama (2, 3.x), Mistral and Mixtral: the base block ([`Block::llama`]);
+//! Mistral attends a sliding window on every layer when its config gives
+//! one; Mixtral is Mistral with experts ([`super::moe`]).
 
-use super::{Activation, Family, LayerType};
+use super::{Activation, Family, LayerType, Part};
 use crate::config::hf::HfConfig;
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -16,7 +17,7 @@ pub(crate) const LLAMA: Family = Family {
     hf_norm_offset: 0.0,
     fused: false,
     hf: llama_hf,
-    gguf: every_layer_window,
+    gguf: llama_gguf,
     hf_name: |_| None,
 };
 
@@ -65,4 +66,44 @@ pub(crate) fn every_layer_window(g: &GgufFile, cfg: &mut ModelConfig) -> Result<
             .unwrap_or_else(|| vec![LayerType::Sliding; cfg.n_layers]);
     }
     Ok(())
+}
+
+/// Mixtral: the Mistral block with a mixture of experts in every layer's
+/// MLP slot (top-k renormalised). Its GGUF files say `llama`: the Llama
+/// family reads their `llama.expert_*` keys.
+pub(crate) const MIXTRAL: Family = Family {
+    name: "mixtral",
+    hf_types: &[("mixtral", "MixtralForCausalLM")],
+    gguf_arch: "llama",
+    gguf_qk_permuted: true,
+    hf_norm_offset: 0.0,
+    fused: false,
+    hf: |hf, cfg| {
+        mistral_hf(hf, cfg)?;
+        super::moe::from_hf(
+            hf,
+            cfg,
+            &super::moe::HfKeys {
+                experts: &["num_local_experts"],
+                expert_ff: None,
+                shared_ff: None,
+                norm_default: true,
+            },
+        )
+    },
+    gguf: llama_gguf,
+    hf_name: |part| match part {
+        Part::Router => Some("block_sparse_moe.gate.weight"),
+        Part::ExpertGate => Some("block_sparse_moe.experts.{j}.w1.weight"),
+        Part::ExpertUp => Some("block_sparse_moe.experts.{j}.w3.weight"),
+        Part::ExpertDown => Some("block_sparse_moe.experts.{j}.w2.weight"),
+        _ => None,
+    },
+};
+
+/// GGUF `llama` (Llama, Mistral, and Mixtral's experts, renormalised as
+/// llama.cpp does for the architecture).
+fn llama_gguf(g: &GgufFile, cfg: &mut ModelConfig) -> Result<()> {
+    every_layer_window(g, cfg)?;
+    super::moe::from_gguf(g, cfg, true)
 }

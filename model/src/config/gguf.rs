@@ -25,13 +25,6 @@ impl ModelConfig {
             architecture: arch.clone(),
         })?;
         let key = |k: &str| format!("{arch}.{k}");
-        if let Some(experts) = g.opt_u64(&key("expert_count"))?.filter(|&n| n > 0) {
-            return Err(ModelError::UnsupportedArchitecture {
-                path: g.path().to_owned(),
-                architecture: format!("{arch} with {experts} experts (mixture of experts)"),
-            });
-        }
-
         let n_heads = g.req_usize(&key("attention.head_count"))?;
         let hidden_size = g.req_usize(&key("embedding_length"))?;
         let head_dim = match g.opt_usize(&key("attention.key_length"))? {
@@ -109,8 +102,10 @@ impl ModelConfig {
             sliding_window: g.opt_usize(&key("attention.sliding_window"))?,
             bos_token_id: g.opt_u32("tokenizer.ggml.bos_token_id")?,
             eos_token_ids: kvmesh_tokenizer::info::gguf_eos_token_ids(g)?,
+            moe: None,
         };
         (family.gguf)(g, &mut config)?;
+        crate::arch::moe::refuse_unread_experts(g, &config)?;
         if !config.layer_types.contains(&LayerType::Sliding) {
             config.sliding_window = None;
         }

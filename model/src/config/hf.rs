@@ -63,6 +63,7 @@ impl HfConfig<'_> {
             sliding_window: self.opt_usize("sliding_window")?,
             bos_token_id: self.opt_token_id("bos_token_id")?,
             eos_token_ids: kvmesh_tokenizer::info::hf_eos_token_ids(self.path, self.obj)?,
+            moe: None,
         };
         (family.hf)(self, &mut config)?;
         if config.layer_types.is_empty() {

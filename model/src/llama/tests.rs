@@ -32,6 +32,25 @@ fn prompt(n: usize, seed: u32) -> Vec<u32> {
 fn quantized_decode_is_the_same_alone_or_batched() {
     let (_dir, e) = tiny_engine(Precision::Quantized);
     assert!(e.model().is_quantized(), "{}", e.model().mode());
+    same_alone_or_batched(&e);
+}
+
+/// A mixture groups a batch's rows by expert: still every row's logits
+/// are those it gets alone, to the bit (the tiny Qwen2-MoE in Q8_0: a
+/// shared expert, a dense layer, experts kept in their blocks).
+#[test]
+fn quantized_mixture_is_the_same_alone_or_batched() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/gguf/tiny-qwen2_moe-Q8_0.gguf");
+    let loaded = load_with(&path, Precision::Quantized).expect("load");
+    let e = Engine::from_loaded(loaded, &EngineConfig::default()).expect("engine");
+    assert!(e.model().config().moe.is_some() && e.model().is_quantized());
+    same_alone_or_batched(&e);
+}
+
+/// Four prompts, each prefilled and decoded 6 greedy steps alone, then
+/// all four as one batch: every step's logits equal, bit for bit.
+fn same_alone_or_batched(e: &Engine) {
     let prompts = [prompt(5, 1), prompt(17, 2), prompt(9, 3), prompt(30, 4)];
     // Alone: each sequence by itself, 6 greedy steps, every step's logits.
     let mut alone = Vec::new();

@@ -197,7 +197,8 @@ impl GgufFile {
 
     /// Read matrix `name` as its GGUF blocks, unconverted, when it is stored
     /// in a block format ([`QFormat`]: F16, BF16, Q4_0..Q8_0, Q2_K..Q6_K);
-    /// `None` for F32 (and for a tensor that is not a matrix). Any other
+    /// `None` for F32 (and for a tensor that is not a matrix or a stack of
+    /// them). Any other
     /// type is refused, naming the tensor and its type, rather than widened
     /// to f32. Shape checked as in [`Self::tensor_f32`]; the byte range is
     /// checked against the file's length before reading.
@@ -209,8 +210,16 @@ impl GgufFile {
         let info = self.info(name, expected)?;
         let code = info.ggml_type;
         let offset = info.offset;
-        let &[rows, cols] = expected else {
-            return Ok(None);
+        // A stack of matrices (`[experts, rows, cols]`) is read as one
+        // matrix of all their rows.
+        let (rows, cols) = match expected {
+            [lead @ .., rows, cols] if lead.len() <= 1 => (
+                lead.iter()
+                    .try_fold(*rows, |acc, &d| acc.checked_mul(d))
+                    .ok_or_else(|| self.bad(name, "size overflows".into()))?,
+                *cols,
+            ),
+            _ => return Ok(None),
         };
         let format = match QFormat::from_ggml_type(code) {
             Some(f) => f,

@@ -36,9 +36,9 @@ fn loaded<'a>(w: &'a Weights, name: &str) -> Tensor {
                 "self_attn.q_proj.bias" => opt(&l.bq),
                 "self_attn.k_proj.bias" => opt(&l.bk),
                 "self_attn.v_proj.bias" => opt(&l.bv),
-                "mlp.gate_proj.weight" => dense(&l.w_gate),
-                "mlp.up_proj.weight" => dense(&l.w_up),
-                "mlp.down_proj.weight" => dense(&l.w_down),
+                "mlp.gate_proj.weight" => dense(&l.ffn.dense().expect("dense MLP").gate),
+                "mlp.up_proj.weight" => dense(&l.ffn.dense().expect("dense MLP").up),
+                "mlp.down_proj.weight" => dense(&l.ffn.dense().expect("dense MLP").down),
                 other => panic!("unknown part {other}"),
             }
         }
@@ -59,7 +59,7 @@ fn assert_weights_equal(w: &Weights, expected: &HashMap<String, Tensor>, toleran
 fn all_f32_contiguous(w: &Weights) -> bool {
     let mut ts = vec![&w.embed, &w.lm_head];
     for l in &w.layers {
-        ts.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+        ts.extend(l.matrices());
     }
     ts.iter().all(|m| {
         m.dense()
@@ -274,7 +274,7 @@ fn gguf_loads_and_unpermutes_q_and_k() {
             .unwrap_or_else(|e| panic!("{dtype:?}: {e}"));
         let kept = dtype != GgmlDType::F32;
         for l in &q.weights.layers {
-            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+            for m in l.matrices() {
                 assert_eq!(m.dense().is_none(), kept, "{dtype:?}");
             }
         }

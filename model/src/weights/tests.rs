@@ -125,7 +125,7 @@ fn random_weights_have_the_shape_and_repeat_by_seed() {
     assert_eq!(a.embed.shape(), (cfg.vocab_size, cfg.hidden_size));
     assert_eq!(a.layers[0].wk.shape(), (cfg.kv_dim(), cfg.hidden_size));
     assert_eq!(
-        a.layers[0].w_down.shape(),
+        a.layers[0].ffn.dense().expect("dense MLP").down.shape(),
         (cfg.hidden_size, cfg.intermediate_size)
     );
     let row = |w: &Weights| {

@@ -1,0 +1,294 @@
+//! The forward pass's mixture-of-experts MLP ([`crate::arch::moe`] is its
+//! description).
+//!
+//! A batch's rows are routed, then **grouped by expert**: each expert that
+//! any row chose multiplies all of its rows in one projection call, so a
+//! step reads each chosen expert's weights once however many rows chose
+//! it (a 16-sequence decode step reads at most 16 x top_k experts' worth,
+//! usually far fewer, instead of a pass per row). Row `r`'s output is then
+//! summed over its chosen experts in its own routing order (slot 0 first),
+//! from a buffer that keeps each (row, slot) result apart: the sum does not
+//! depend on which other rows shared the step, so the output is as
+//! independent of batching as the projections themselves are.
+//!
+//! Cost per token: the router (`experts x hidden`), `top_k` experts and the
+//! shared expert; the gather and scatter copies are `2 x top_k x hidden`
+//! floats per row, small beside any expert's weights.
+
+use crate::arch::moe::Moe;
+use crate::arch::Activation;
+use crate::error::{ModelError, Result};
+use crate::linear::Projection;
+use crate::llama::gated_rows;
+use crate::weights::{Mlp, MoeWeights};
+
+/// One gated MLP as the pass runs it: gate and up stacked into one
+/// projection, then down.
+#[derive(Debug)]
+pub(crate) struct MlpRt {
+    gate_up: Projection,
+    down: Projection,
+    ff: usize,
+}
+
+impl MlpRt {
+    pub(crate) fn new(m: &Mlp) -> Result<Self> {
+        Ok(Self {
+            gate_up: Projection::new(&[&m.gate, &m.up])?,
+            down: Projection::new(&[&m.down])?,
+            ff: m.gate.shape().0,
+        })
+    }
+
+    /// `x [rows, hidden]` through the MLP into `out [rows, hidden]`;
+    /// `stacked` and `gate` are scratch.
+    pub(crate) fn apply(
+        &self,
+        act: Activation,
+        x: &[f32],
+        rows: usize,
+        out: &mut Vec<f32>,
+        stacked: &mut Vec<f32>,
+        gate: &mut Vec<f32>,
+    ) -> Result<()> {
+        // `act(gate) * up` straight from the stacked projection's rows.
+        self.gate_up.apply_stacked(x, rows, stacked)?;
+        gate.resize(rows * self.ff, 0.0);
+        gated_rows(act, stacked, self.ff, gate);
+        self.down.apply_into(gate, rows, &mut [out], stacked)
+    }
+
+    pub(crate) fn projections(&self) -> [&Projection; 2] {
+        [&self.gate_up, &self.down]
+    }
+}
+
+/// A sparse layer's router and experts.
+#[derive(Debug)]
+pub(crate) struct MoeRt {
+    router: Projection,
+    experts: Vec<MlpRt>,
+    shared: Option<MlpRt>,
+    shared_gate: Option<Vec<f32>>,
+    top_k: usize,
+    norm_top_k: bool,
+}
+
+/// Buffers of the MoE MLP, kept between passes with the rest of the
+/// workspace.
+#[derive(Default)]
+pub(crate) struct MoeScratch {
+    logits: Vec<f32>,
+    /// `(expert, weight)` for each row's slots, `rows x top_k`.
+    choice: Vec<(usize, f32)>,
+    /// The (row, slot) indices routed to the expert being run.
+    members: Vec<usize>,
+    gathered: Vec<f32>,
+    expert_out: Vec<f32>,
+    /// Each (row, slot)'s expert output, `rows x top_k x hidden`.
+    slots: Vec<f32>,
+    gate: Vec<f32>,
+}
+
+impl MoeScratch {
+    pub(crate) fn floats(&self) -> usize {
+        [
+            &self.logits,
+            &self.gathered,
+            &self.expert_out,
+            &self.slots,
+            &self.gate,
+        ]
+        .iter()
+        .map(|b| b.capacity())
+        .sum()
+    }
+}
+
+impl MoeRt {
+    pub(crate) fn new(w: &MoeWeights, moe: &Moe) -> Result<Self> {
+        if w.experts.len() != moe.n_experts {
+            return Err(ModelError::Compute {
+                detail: format!(
+                    "{} experts loaded for a configuration of {}",
+                    w.experts.len(),
+                    moe.n_experts
+                ),
+            });
+        }
+        Ok(Self {
+            router: Projection::new(&[&w.router])?,
+            experts: w.experts.iter().map(MlpRt::new).collect::<Result<_>>()?,
+            shared: w.shared.as_ref().map(MlpRt::new).transpose()?,
+            shared_gate: w.shared_gate.clone(),
+            top_k: moe.top_k,
+            norm_top_k: moe.norm_top_k,
+        })
+    }
+
+    /// Whether the experts run through the quantized kernels.
+    pub(crate) fn is_quantized(&self) -> bool {
+        self.experts
+            .iter()
+            .any(|e| e.gate_up.is_quantized() || e.down.is_quantized())
+    }
+
+    /// `(bytes, multiply-adds)` of weights one token reads: the router, the
+    /// shared expert, and `top_k` experts (of average size).
+    pub(crate) fn active_per_token(&self) -> (usize, usize) {
+        let mut bytes = self.router.weight_bytes();
+        let mut params = self.router.params();
+        for p in self.shared.iter().flat_map(MlpRt::projections) {
+            bytes += p.weight_bytes();
+            params += p.params();
+        }
+        let (eb, ep) = self
+            .experts
+            .iter()
+            .flat_map(MlpRt::projections)
+            .fold((0, 0), |(b, p), pr| {
+                (b + pr.weight_bytes(), p + pr.params())
+            });
+        let n = self.experts.len().max(1);
+        (bytes + eb * self.top_k / n, params + ep * self.top_k / n)
+    }
+
+    /// `xn [rows, hidden]` (the normed residual) through the router, the
+    /// chosen experts and the shared expert into `out [rows, hidden]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn apply(
+        &self,
+        act: Activation,
+        xn: &[f32],
+        rows: usize,
+        hidden: usize,
+        out: &mut Vec<f32>,
+        stacked: &mut Vec<f32>,
+        s: &mut MoeScratch,
+    ) -> Result<()> {
+        let (n_experts, k) = (self.experts.len(), self.top_k);
+        self.router
+            .apply_into(xn, rows, &mut [&mut s.logits], stacked)?;
+        s.choice.clear();
+        for logits in s.logits.chunks_exact(n_experts) {
+            route(logits, k, self.norm_top_k, &mut s.choice);
+        }
+
+        s.slots.clear();
+        s.slots.resize(rows * k * hidden, 0.0);
+        for (e, expert) in self.experts.iter().enumerate() {
+            s.members.clear();
+            s.members.extend(
+                s.choice
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| c.0 == e)
+                    .map(|(i, _)| i),
+            );
+            if s.members.is_empty() {
+                continue;
+            }
+            s.gathered.clear();
+            for &i in &s.members {
+                let r = i / k;
+                s.gathered
+                    .extend_from_slice(&xn[r * hidden..(r + 1) * hidden]);
+            }
+            expert.apply(
+                act,
+                &s.gathered,
+                s.members.len(),
+                &mut s.expert_out,
+                stacked,
+                &mut s.gate,
+            )?;
+            for (m, &i) in s.members.iter().enumerate() {
+                s.slots[i * hidden..(i + 1) * hidden]
+                    .copy_from_slice(&s.expert_out[m * hidden..(m + 1) * hidden]);
+            }
+        }
+
+        out.clear();
+        out.resize(rows * hidden, 0.0);
+        for (r, row) in out.chunks_exact_mut(hidden).enumerate() {
+            for slot in 0..k {
+                let i = r * k + slot;
+                let w = s.choice[i].1;
+                let y = &s.slots[i * hidden..(i + 1) * hidden];
+                row.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
+            }
+        }
+
+        if let Some(shared) = &self.shared {
+            shared.apply(act, xn, rows, &mut s.expert_out, stacked, &mut s.gate)?;
+            for (r, row) in out.chunks_exact_mut(hidden).enumerate() {
+                let x = &xn[r * hidden..(r + 1) * hidden];
+                let g = match &self.shared_gate {
+                    Some(w) => sigmoid(dot(w, x)),
+                    None => 1.0,
+                };
+                let y = &s.expert_out[r * hidden..(r + 1) * hidden];
+                row.iter_mut().zip(y).for_each(|(o, y)| *o += g * y);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Row's `top_k` experts by softmax probability (ties to the lower index,
+/// as a stable sort gives them) with their weights, renormalised over the
+/// chosen ones when `norm`, appended to `out` in descending order.
+fn route(logits: &[f32], top_k: usize, norm: bool, out: &mut Vec<(usize, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+    let total: f32 = exp.iter().sum();
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    // NaN logits (a broken model) give NaN weights, never a panic.
+    order.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]));
+    let chosen = &order[..top_k.min(order.len())];
+    let sum: f32 = chosen.iter().map(|&e| exp[e] / total).sum();
+    for &e in chosen {
+        let p = exp[e] / total;
+        out.push((e, if norm { p / sum } else { p }));
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(a, b)| a * b).sum()
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::route;
+
+    #[test]
+    fn routing_picks_the_top_k_by_probability_and_renormalises_when_asked() {
+        let logits = [0.5f32, 2.0, -1.0, 1.0];
+        let mut out = Vec::new();
+        route(&logits, 2, false, &mut out);
+        let exp: Vec<f32> = logits.iter().map(|l| (l - 2.0f32).exp()).collect();
+        let total: f32 = exp.iter().sum();
+        assert_eq!(out[0].0, 1);
+        assert_eq!(out[1].0, 3);
+        assert!((out[0].1 - exp[1] / total).abs() < 1e-6);
+        assert!((out[1].1 - exp[3] / total).abs() < 1e-6);
+        let mut normed = Vec::new();
+        route(&logits, 2, true, &mut normed);
+        assert!((normed[0].1 + normed[1].1 - 1.0).abs() < 1e-6);
+        assert!((normed[0].1 / normed[1].1 - exp[1] / exp[3]).abs() < 1e-4);
+    }
+
+    #[test]
+    fn ties_go_to_the_lower_expert_and_nan_never_panics() {
+        let mut out = Vec::new();
+        route(&[1.0, 1.0, 1.0], 2, true, &mut out);
+        assert_eq!((out[0].0, out[1].0), (0, 1));
+        out.clear();
+        route(&[f32::NAN, 0.0, 1.0], 1, true, &mut out);
+        assert_eq!(out.len(), 1);
+    }
+}
