@@ -525,7 +525,7 @@ fn api_keys_gate_every_request() {
 /// Every decoder family through the mesh (prefill ships its KV, decode
 /// generates): greedy text equal to `kvmesh generate`'s, on the tiny
 /// random-weight model of each family (every `tiny-*` directory, in
-/// safetensors; the Llama with YaRN scaling and the three mixtures of
+/// safetensors; the Llama with YaRN scaling and the four mixtures of
 /// experts too), and on the tiny Gemma 2, Gemma 3, Qwen3 and the mixtures
 /// as quantized GGUF files (the mixtures' experts kept in their blocks). Their windows (8 to 24 positions) are shorter than the long
 /// prompt, so a window layer that read a slot it should not, or a decode
@@ -558,6 +558,7 @@ fn every_family_through_the_mesh_equals_the_reference_engine() {
         "mixtral",
         "qwen2_moe",
         "qwen3_moe",
+        "glm4_moe",
     ] {
         assert!(
             models.iter().any(|m| m.ends_with(format!("tiny-{family}"))),
@@ -571,6 +572,7 @@ fn every_family_through_the_mesh_equals_the_reference_engine() {
     models.push(data.join("gguf/tiny-mixtral-Q4_0.gguf"));
     models.push(data.join("gguf/tiny-qwen2_moe-Q8_0.gguf"));
     models.push(data.join("gguf/tiny-qwen3_moe-Q4_0.gguf"));
+    models.push(data.join("gguf/tiny-glm4_moe-Q8_0.gguf"));
     let prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[9], PROMPTS[11]];
     for model in &models {
         let mesh = start(model, Options::default());

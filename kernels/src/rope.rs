@@ -100,15 +100,34 @@ pub struct Rope {
     /// cos and sin are multiplied by this (YaRN; 1 otherwise).
     attention_factor: f32,
     head_dim: usize,
+    /// The leading dimensions of each head that rotate (all of them but in
+    /// partial rotary embeddings, GLM-4.5's half); the rest pass through.
+    rotary_dim: usize,
     layout: RopeLayout,
 }
 
 impl Rope {
     /// Frequencies for `rotary_dim == head_dim` (all Llama-family models).
     pub fn new(head_dim: usize, theta: f32, scaling: RopeScaling, layout: RopeLayout) -> Self {
-        let half = head_dim / 2;
+        Self::partial(head_dim, head_dim, theta, scaling, layout)
+    }
+
+    /// A partial rotary embedding: the first `rotary_dim` dimensions of
+    /// each head rotate, with frequencies computed for `rotary_dim` as
+    /// transformers does (`dim = head_dim * partial_rotary_factor`); the
+    /// others pass through unchanged. `rotary_dim` is even and at most
+    /// `head_dim` (the configuration checks it).
+    pub fn partial(
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f32,
+        scaling: RopeScaling,
+        layout: RopeLayout,
+    ) -> Self {
+        let rotary_dim = rotary_dim.min(head_dim);
+        let half = rotary_dim / 2;
         // transformers' `base ** (arange(0, dim, 2) / dim)`, in f32.
-        let pos_freq = |i: usize| theta.powf((2 * i) as f32 / head_dim as f32);
+        let pos_freq = |i: usize| theta.powf((2 * i) as f32 / rotary_dim as f32);
         let mut inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / pos_freq(i)).collect();
         let mut attention_factor = 1.0;
         match scaling {
@@ -136,7 +155,7 @@ impl Rope {
             }
             RopeScaling::Yarn(y) => {
                 attention_factor = y.attention_factor;
-                let ramp = yarn_ramp(head_dim, theta, &y);
+                let ramp = yarn_ramp(rotary_dim, theta, &y);
                 // The scalar factor is rounded to f32 where torch
                 // multiplies the f32 tensor by it.
                 let factor = y.factor as f32;
@@ -154,8 +173,14 @@ impl Rope {
             inv_freq,
             attention_factor,
             head_dim,
+            rotary_dim,
             layout,
         }
+    }
+
+    /// The rotated dimensions of each head.
+    pub fn rotary_dim(&self) -> usize {
+        self.rotary_dim
     }
 
     /// What cos and sin are multiplied by (YaRN's attention factor; 1 for
@@ -166,7 +191,7 @@ impl Rope {
     }
 
     /// The inverse frequency of each rotated pair, scaling applied
-    /// (`head_dim / 2` values): what a device kernel is given so that it
+    /// (`rotary_dim / 2` values): what a device kernel is given so that it
     /// rotates by the same angles.
     pub fn inv_freq(&self) -> &[f32] {
         &self.inv_freq
@@ -177,12 +202,13 @@ impl Rope {
         self.layout
     }
 
-    /// Rotate every head of every token in place.
+    /// Rotate every head of every token in place (its first `rotary_dim`
+    /// dimensions).
     ///
     /// `x` is `[positions.len()][n_heads][head_dim]`.
     pub fn apply(&self, x: &mut [f32], positions: &[usize], n_heads: usize) {
         let d = self.head_dim;
-        let half = d / 2;
+        let half = self.rotary_dim / 2;
         assert_eq!(
             x.len(),
             positions.len() * n_heads * d,
@@ -249,6 +275,27 @@ fn yarn_ramp(head_dim: usize, theta: f32, y: &Yarn) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A partial rope is the full rope of `rotary_dim` on each head's
+    /// leading dimensions, and leaves the rest as they were.
+    #[test]
+    fn partial_rotates_the_leading_dimensions_only() {
+        let (d, r) = (16, 8);
+        let part = Rope::partial(d, r, 10000.0, RopeScaling::None, RopeLayout::RotateHalf);
+        let full = Rope::new(r, 10000.0, RopeScaling::None, RopeLayout::RotateHalf);
+        assert_eq!(part.inv_freq(), full.inv_freq());
+        let x: Vec<f32> = (0..2 * 3 * d).map(|i| (i as f32 * 0.37).sin()).collect();
+        let positions = [5, 17];
+        let mut got = x.clone();
+        part.apply(&mut got, &positions, 3);
+        let mut lead: Vec<f32> = x.chunks(d).flat_map(|h| h[..r].to_vec()).collect();
+        full.apply(&mut lead, &positions, 3);
+        for (h, (g, x)) in got.chunks(d).zip(x.chunks(d)).enumerate() {
+            assert_eq!(&g[..r], &lead[h * r..(h + 1) * r], "head {h}");
+            assert_eq!(&g[r..], &x[r..], "head {h} pass-through");
+            assert_ne!(&g[..r], &x[..r], "head {h} rotated");
+        }
+    }
 
     #[test]
     fn position_zero_is_identity() {

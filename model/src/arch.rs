@@ -30,6 +30,7 @@
 
 mod gemma2;
 mod gemma3;
+mod glm4_moe;
 mod llama;
 pub mod moe;
 mod phi3;
@@ -54,6 +55,7 @@ pub(crate) const FAMILIES: &[&Family] = &[
     &llama::MIXTRAL,
     &qwen_moe::QWEN2_MOE,
     &qwen_moe::QWEN3_MOE,
+    &glm4_moe::FAMILY,
 ];
 
 /// The MLP's activation on the gate (the up projection multiplies it).
@@ -180,6 +182,8 @@ pub(crate) enum Part {
     PostMlpNorm,
     /// A sparse layer's router, `[experts, hidden]`.
     Router,
+    /// The router's correction bias, `[experts]` (GLM-4.5, DeepSeek V3).
+    RouterBias,
     /// Every expert's gate, up and down projections: one tensor per expert
     /// in Hugging Face checkpoints (names with `{j}`), one
     /// `[experts, rows, cols]` tensor per role in GGUF.
@@ -230,6 +234,13 @@ pub(crate) struct Family {
     /// Hugging Face tensor names (after `model.layers.{i}.`) that differ
     /// from Llama's.
     pub hf_name: fn(Part) -> Option<&'static str>,
+    /// GGUF tensor names (after `blk.{i}.`) that differ from llama.cpp's
+    /// usual ones for this architecture.
+    pub gguf_name: fn(Part) -> Option<&'static str>,
+    /// The family's attention rotates the leading part of each head only
+    /// where its config says so (`partial_rotary_factor`,
+    /// `rope.dimension_count`); elsewhere that is refused by name.
+    pub partial_rotary: bool,
 }
 
 impl std::fmt::Debug for Family {
@@ -295,6 +306,9 @@ impl Family {
                     Part::ExpertUp,
                     Part::ExpertDown,
                 ]);
+                if moe.correction_bias {
+                    parts.push(Part::RouterBias);
+                }
                 if moe.shared_ff.is_some() {
                     parts.extend([Part::SharedGate, Part::SharedUp, Part::SharedDown]);
                 }
@@ -380,6 +394,7 @@ pub(crate) fn llama_hf_name(part: Part) -> &'static str {
         Part::Down => "mlp.down_proj.weight",
         Part::PostMlpNorm => "post_feedforward_layernorm.weight",
         Part::Router => "mlp.gate.weight",
+        Part::RouterBias => "mlp.gate.e_score_correction_bias",
         Part::ExpertGate => "mlp.experts.{j}.gate_proj.weight",
         Part::ExpertUp => "mlp.experts.{j}.up_proj.weight",
         Part::ExpertDown => "mlp.experts.{j}.down_proj.weight",
@@ -413,6 +428,7 @@ pub(crate) fn gguf_name(part: Part) -> &'static str {
         Part::Down => "ffn_down.weight",
         Part::PostMlpNorm => "post_ffw_norm.weight",
         Part::Router => "ffn_gate_inp.weight",
+        Part::RouterBias => "exp_probs_b.bias",
         Part::ExpertGate => "ffn_gate_exps.weight",
         Part::ExpertUp => "ffn_up_exps.weight",
         Part::ExpertDown => "ffn_down_exps.weight",

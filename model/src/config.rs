@@ -51,6 +51,10 @@ pub struct ModelConfig {
     pub n_kv_heads: usize,
     /// Size of one head; even (RoPE rotates pairs).
     pub head_dim: usize,
+    /// The leading dimensions of each head that rope rotates: `head_dim`
+    /// but in a family with partial rotary embeddings (GLM-4.5: half);
+    /// even, positive, at most `head_dim`.
+    pub rotary_dim: usize,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
     /// RoPE base frequency.
@@ -90,6 +94,7 @@ pub(crate) struct FieldNames {
     n_heads: String,
     n_kv_heads: String,
     head_dim: String,
+    rotary_dim: String,
     rms_norm_eps: String,
     rope_theta: String,
     max_position_embeddings: String,
@@ -113,6 +118,7 @@ impl FieldNames {
             n_heads: "num_attention_heads".into(),
             n_kv_heads: "num_key_value_heads".into(),
             head_dim: "head_dim".into(),
+            rotary_dim: "partial_rotary_factor".into(),
             rms_norm_eps: "rms_norm_eps".into(),
             rope_theta: "rope_theta".into(),
             max_position_embeddings: "max_position_embeddings".into(),
@@ -137,6 +143,7 @@ impl FieldNames {
             n_heads: key("attention.head_count"),
             n_kv_heads: key("attention.head_count_kv"),
             head_dim: key("attention.key_length"),
+            rotary_dim: key("rope.dimension_count"),
             rms_norm_eps: key("attention.layer_norm_rms_epsilon"),
             rope_theta: key("rope.freq_base"),
             max_position_embeddings: key("context_length"),
@@ -272,6 +279,19 @@ impl ModelConfig {
                 names.head_dim.as_str(),
                 self.head_dim.to_string(),
                 "must be even (RoPE rotates pairs)",
+            ));
+        }
+        if self.rotary_dim == 0
+            || self.rotary_dim > self.head_dim
+            || !self.rotary_dim.is_multiple_of(2)
+        {
+            return Err(invalid(
+                names.rotary_dim.as_str(),
+                self.rotary_dim.to_string(),
+                &format!(
+                    "the rotated dimensions must be even, positive and at most the head size ({})",
+                    self.head_dim
+                ),
             ));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {

@@ -121,6 +121,9 @@ fn refuse_unimplemented(cfg: &ModelConfig) -> Result<()> {
     if cfg.moe.is_some() {
         missing.push("mixture-of-experts MLPs");
     }
+    if cfg.rotary_dim != cfg.head_dim {
+        missing.push("partial rotary embeddings");
+    }
     if missing.is_empty() {
         return Ok(());
     }

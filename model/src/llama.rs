@@ -186,15 +186,17 @@ impl Llama {
     /// (exact mode), quantized ones through the block kernels, with Q/K/V
     /// and gate/up stacked into one pass each.
     pub fn new(cfg: ModelConfig, w: Weights) -> Result<Self> {
-        let mut ropes = vec![Rope::new(
+        let mut ropes = vec![Rope::partial(
             cfg.head_dim,
+            cfg.rotary_dim,
             cfg.rope_theta,
             cfg.rope_scaling,
             RopeLayout::RotateHalf,
         )];
         if let Some(theta) = cfg.local_rope_theta {
-            ropes.push(Rope::new(
+            ropes.push(Rope::partial(
                 cfg.head_dim,
+                cfg.rotary_dim,
                 theta,
                 kvmesh_kernels::rope::RopeScaling::None,
                 RopeLayout::RotateHalf,

@@ -15,7 +15,7 @@
 //! shared expert; the gather and scatter copies are `2 x top_k x hidden`
 //! floats per row, small beside any expert's weights.
 
-use crate::arch::moe::Moe;
+use crate::arch::moe::{Groups, Moe, Scoring};
 use crate::arch::Activation;
 use crate::error::{ModelError, Result};
 use crate::linear::Projection;
@@ -70,8 +70,19 @@ pub(crate) struct MoeRt {
     experts: Vec<MlpRt>,
     shared: Option<MlpRt>,
     shared_gate: Option<Vec<f32>>,
+    routing: Routing,
+}
+
+/// How a row's router logits choose and weight its experts
+/// ([`crate::arch::moe`]'s module docs).
+#[derive(Debug)]
+struct Routing {
     top_k: usize,
     norm_top_k: bool,
+    scoring: Scoring,
+    bias: Option<Vec<f32>>,
+    groups: Option<Groups>,
+    scale: f32,
 }
 
 /// Buffers of the MoE MLP, kept between passes with the rest of the
@@ -121,8 +132,14 @@ impl MoeRt {
             experts: w.experts.iter().map(MlpRt::new).collect::<Result<_>>()?,
             shared: w.shared.as_ref().map(MlpRt::new).transpose()?,
             shared_gate: w.shared_gate.clone(),
-            top_k: moe.top_k,
-            norm_top_k: moe.norm_top_k,
+            routing: Routing {
+                top_k: moe.top_k,
+                norm_top_k: moe.norm_top_k,
+                scoring: moe.scoring,
+                bias: w.router_bias.clone(),
+                groups: moe.groups,
+                scale: moe.routed_scale,
+            },
         })
     }
 
@@ -149,8 +166,8 @@ impl MoeRt {
             .fold((0, 0), |(b, p), pr| {
                 (b + pr.weight_bytes(), p + pr.params())
             });
-        let n = self.experts.len().max(1);
-        (bytes + eb * self.top_k / n, params + ep * self.top_k / n)
+        let (n, k) = (self.experts.len().max(1), self.routing.top_k);
+        (bytes + eb * k / n, params + ep * k / n)
     }
 
     /// `xn [rows, hidden]` (the normed residual) through the router, the
@@ -166,12 +183,12 @@ impl MoeRt {
         stacked: &mut Vec<f32>,
         s: &mut MoeScratch,
     ) -> Result<()> {
-        let (n_experts, k) = (self.experts.len(), self.top_k);
+        let (n_experts, k) = (self.experts.len(), self.routing.top_k);
         self.router
             .apply_into(xn, rows, &mut [&mut s.logits], stacked)?;
         s.choice.clear();
         for logits in s.logits.chunks_exact(n_experts) {
-            route(logits, k, self.norm_top_k, &mut s.choice);
+            self.routing.route(logits, &mut s.choice);
         }
 
         s.slots.clear();
@@ -235,21 +252,59 @@ impl MoeRt {
     }
 }
 
-/// Row's `top_k` experts by softmax probability (ties to the lower index,
-/// as a stable sort gives them) with their weights, renormalised over the
-/// chosen ones when `norm`, appended to `out` in descending order.
-fn route(logits: &[f32], top_k: usize, norm: bool, out: &mut Vec<(usize, f32)>) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
-    let total: f32 = exp.iter().sum();
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    // NaN logits (a broken model) give NaN weights, never a panic.
-    order.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]));
-    let chosen = &order[..top_k.min(order.len())];
-    let sum: f32 = chosen.iter().map(|&e| exp[e] / total).sum();
-    for &e in chosen {
-        let p = exp[e] / total;
-        out.push((e, if norm { p / sum } else { p }));
+impl Routing {
+    /// A row's `top_k` experts with their weights, appended to `out` best
+    /// first: scores (softmax or sigmoid of the logits); the choice by
+    /// score plus the correction bias, within the best groups where
+    /// experts are grouped (a group's strength: its two best), ties to the
+    /// lower index (a stable sort); the weights the chosen scores,
+    /// renormalised when `norm_top_k`, times `scale`. NaN logits (a broken
+    /// model) give NaN weights, never a panic.
+    fn route(&self, logits: &[f32], out: &mut Vec<(usize, f32)>) {
+        let n = logits.len();
+        let scores: Vec<f32> = match self.scoring {
+            Scoring::Softmax => {
+                let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+                let total: f32 = exp.iter().sum();
+                exp.iter().map(|e| e / total).collect()
+            }
+            Scoring::Sigmoid => logits.iter().map(|&l| sigmoid(l)).collect(),
+        };
+        let mut choice: Vec<f32> = match &self.bias {
+            Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+            None => scores.clone(),
+        };
+        if let Some(g) = self.groups {
+            let per = n / g.n_group;
+            let strength: Vec<f32> = choice
+                .chunks(per)
+                .map(|grp| {
+                    let mut best = grp.to_vec();
+                    best.sort_by(|a, b| b.total_cmp(a));
+                    best.iter().take(2).sum()
+                })
+                .collect();
+            let mut order: Vec<usize> = (0..g.n_group).collect();
+            order.sort_by(|&a, &b| strength[b].total_cmp(&strength[a]));
+            for &dropped in &order[g.topk_group.min(order.len())..] {
+                choice[dropped * per..(dropped + 1) * per].fill(f32::NEG_INFINITY);
+            }
+        }
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]));
+        let chosen = &order[..self.top_k.min(n)];
+        // transformers adds 1e-20 to the sum (a no-op for any sum of
+        // normal floats).
+        let sum: f32 = chosen.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
+        for &e in chosen {
+            let w = if self.norm_top_k {
+                scores[e] / sum
+            } else {
+                scores[e]
+            };
+            out.push((e, w * self.scale));
+        }
     }
 }
 
@@ -263,13 +318,24 @@ fn sigmoid(x: f32) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::route;
+    use super::{Groups, Routing, Scoring};
+
+    fn softmax(top_k: usize, norm_top_k: bool) -> Routing {
+        Routing {
+            top_k,
+            norm_top_k,
+            scoring: Scoring::Softmax,
+            bias: None,
+            groups: None,
+            scale: 1.0,
+        }
+    }
 
     #[test]
     fn routing_picks_the_top_k_by_probability_and_renormalises_when_asked() {
         let logits = [0.5f32, 2.0, -1.0, 1.0];
         let mut out = Vec::new();
-        route(&logits, 2, false, &mut out);
+        softmax(2, false).route(&logits, &mut out);
         let exp: Vec<f32> = logits.iter().map(|l| (l - 2.0f32).exp()).collect();
         let total: f32 = exp.iter().sum();
         assert_eq!(out[0].0, 1);
@@ -277,7 +343,7 @@ mod tests {
         assert!((out[0].1 - exp[1] / total).abs() < 1e-6);
         assert!((out[1].1 - exp[3] / total).abs() < 1e-6);
         let mut normed = Vec::new();
-        route(&logits, 2, true, &mut normed);
+        softmax(2, true).route(&logits, &mut normed);
         assert!((normed[0].1 + normed[1].1 - 1.0).abs() < 1e-6);
         assert!((normed[0].1 / normed[1].1 - exp[1] / exp[3]).abs() < 1e-4);
     }
@@ -285,10 +351,39 @@ mod tests {
     #[test]
     fn ties_go_to_the_lower_expert_and_nan_never_panics() {
         let mut out = Vec::new();
-        route(&[1.0, 1.0, 1.0], 2, true, &mut out);
+        softmax(2, true).route(&[1.0, 1.0, 1.0], &mut out);
         assert_eq!((out[0].0, out[1].0), (0, 1));
         out.clear();
-        route(&[f32::NAN, 0.0, 1.0], 1, true, &mut out);
+        softmax(1, true).route(&[f32::NAN, 0.0, 1.0], &mut out);
         assert_eq!(out.len(), 1);
+    }
+
+    /// Sigmoid scores choose by score plus bias but weigh by score, within
+    /// the kept group, scaled.
+    #[test]
+    fn biased_grouped_sigmoid_routing_chooses_and_weighs_apart() {
+        let r = Routing {
+            top_k: 2,
+            norm_top_k: true,
+            scoring: Scoring::Sigmoid,
+            // Lifts expert 2 into the choice, not into its weight.
+            bias: Some(vec![0.0, 0.0, 0.5, 0.0, 0.0, 0.0]),
+            groups: Some(Groups {
+                n_group: 2,
+                topk_group: 1,
+            }),
+            scale: 2.5,
+        };
+        // Group 0 (experts 0-2) with the bias outscores group 1, though
+        // expert 4 alone has the highest logit.
+        let logits = [1.0f32, -2.0, 0.2, -3.0, 1.5, -3.0];
+        let mut out = Vec::new();
+        r.route(&logits, &mut out);
+        let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
+        // Expert 2 first by score plus bias (1.05 against 0.73).
+        assert_eq!((out[0].0, out[1].0), (2, 0));
+        let sum = sig(1.0) + sig(0.2);
+        assert!((out[0].1 - 2.5 * sig(0.2) / sum).abs() < 1e-6);
+        assert!((out[1].1 - 2.5 * sig(1.0) / sum).abs() < 1e-6);
     }
 }

@@ -187,6 +187,9 @@ impl Mlp {
 pub struct MoeWeights {
     /// Router, `[experts, hidden]`.
     pub router: Matrix,
+    /// The correction bias added to the scores to choose experts,
+    /// `[experts]`.
+    pub router_bias: Option<Vec<f32>>,
     /// The routed experts, each `[expert_ff, hidden]` (down transposed).
     pub experts: Vec<Mlp>,
     /// The expert every token passes through (Qwen2-MoE).
@@ -248,6 +251,10 @@ impl LayerWeights {
                 &self.post_mlp_norm,
                 match &self.ffn {
                     Ffn::Moe(m) => &m.shared_gate,
+                    Ffn::Dense(_) => &None,
+                },
+                match &self.ffn {
+                    Ffn::Moe(m) => &m.router_bias,
                     Ffn::Dense(_) => &None,
                 },
             ]
@@ -345,6 +352,7 @@ impl Weights {
                     let base = (1 << 32) + (l << 16);
                     Ffn::Moe(MoeWeights {
                         router: matrix(moe.n_experts, h, base)?,
+                        router_bias: moe.correction_bias.then(|| vec![0.0; moe.n_experts]),
                         experts: (0..moe.n_experts as u64)
                             .map(|j| mlp(moe.expert_ff, base + 4 * (j + 1)))
                             .collect::<Result<_>>()?,
@@ -541,7 +549,10 @@ impl Layout {
                 let name = (family.hf_name)(part).unwrap_or_else(|| llama_hf_name(part));
                 format!("model.layers.{i}.{name}")
             }
-            Self::Gguf => format!("blk.{i}.{}", gguf_name(part)),
+            Self::Gguf => {
+                let name = (family.gguf_name)(part).unwrap_or_else(|| gguf_name(part));
+                format!("blk.{i}.{name}")
+            }
         }
     }
 
@@ -598,6 +609,7 @@ fn part_shape(config: &ModelConfig, part: Part) -> Vec<usize> {
         Part::GateUp => vec![2 * ff, h],
         Part::Down => vec![h, ff],
         Part::Router => vec![n_experts, h],
+        Part::RouterBias => vec![n_experts],
         Part::ExpertGate | Part::ExpertUp => vec![expert_ff, h],
         Part::ExpertDown => vec![h, expert_ff],
         Part::SharedGate | Part::SharedUp => vec![shared_ff, h],
@@ -840,6 +852,14 @@ fn moe_weights(
             .collect()
     };
     let router = one(src, Part::Router)?;
+    let router_bias = if moe.correction_bias {
+        let (name, shape) = layout
+            .layer_tensors(family, config, i, Part::RouterBias)
+            .remove(0);
+        Some(to_vec1(&path, &name, &src.take(&name, &shape)?)?)
+    } else {
+        None
+    };
     let gates = experts_of(src, Part::ExpertGate)?;
     let ups = experts_of(src, Part::ExpertUp)?;
     let downs = experts_of(src, Part::ExpertDown)?;
@@ -874,6 +894,7 @@ fn moe_weights(
     };
     Ok(MoeWeights {
         router,
+        router_bias,
         experts,
         shared,
         shared_gate,

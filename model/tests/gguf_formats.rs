@@ -53,6 +53,8 @@ fn every_legacy_format_loads_back_to_its_dequantized_values() {
         ("qwen2_moe", "Q4_0"),
         ("qwen3_moe", "Q8_0"),
         ("qwen3_moe", "Q4_0"),
+        ("glm4_moe", "Q8_0"),
+        ("glm4_moe", "Q4_0"),
     ];
     for (family, ty) in cases {
         let path = common::tiny_family_gguf(family, ty);

@@ -101,6 +101,7 @@ fn tiny_families_from_gguf_match_transformers() {
         "mixtral",
         "qwen2_moe",
         "qwen3_moe",
+        "glm4_moe",
     ] {
         let engine = engine_for(&common::tiny_family_gguf(family, "F32"));
         let from_gguf = engine.model().config();
@@ -110,6 +111,8 @@ fn tiny_families_from_gguf_match_transformers() {
         .expect("config.json");
         assert_eq!(from_gguf.block, hf.block, "{family}: switches");
         assert_eq!(from_gguf.moe, hf.moe, "{family}: experts");
+        assert_eq!(from_gguf.rotary_dim, hf.rotary_dim, "{family}: rotary dims");
+        assert_eq!(from_gguf.n_layers, hf.n_layers, "{family}: layers");
         assert_eq!(
             (
                 from_gguf.rope_theta,
@@ -146,6 +149,11 @@ fn tiny_qwen3_moe_matches_transformers() {
     check_family("qwen3_moe");
 }
 
+#[test]
+fn tiny_glm4_moe_matches_transformers() {
+    check_family("glm4_moe");
+}
+
 /// The tiny mixtures written in Q8_0 and Q4_0, run in the quantized mode
 /// (experts kept in their blocks), against transformers on the same
 /// file's dequantized weights (`tiny-<family>-<type>.json`): a quantized
@@ -153,7 +161,7 @@ fn tiny_qwen3_moe_matches_transformers() {
 /// data cannot stand in. Experts must stay quantized.
 #[test]
 fn tiny_mixtures_quantized_match_transformers_on_their_weights() {
-    for family in ["mixtral", "qwen2_moe", "qwen3_moe"] {
+    for family in ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"] {
         for ty in ["Q8_0", "Q4_0"] {
             let engine = quantized_engine_for(&common::tiny_family_gguf(family, ty));
             assert!(engine.model().config().moe.is_some(), "{family} {ty}");

@@ -24,7 +24,9 @@ window, Mistral's window on every layer, and a Llama with YaRN rope scaling
 (`llama-yarn`: an original context shorter than the long prompt), and
 three mixtures of experts: Mixtral (top-2 of 4, renormalised), Qwen2-MoE
 (a gated shared expert, weights not renormalised, q/k/v biases, a dense
-MLP on one layer) and Qwen3-MoE (top-2 of 8, q/k norms). The
+MLP on one layer), Qwen3-MoE (top-2 of 8, q/k norms) and GLM-4.5 (sigmoid
+scores with a correction bias, grouped choice, scaled weights, a shared
+expert, a leading dense layer, rope on half of each head). The
 windows are shorter than the long greedy prompt, so a layer that read
 outside its window would change the logits.
 
@@ -148,6 +150,28 @@ FAMILIES = {
         },
         29,
     ),
+    # GLM-4.5's shape: sigmoid scores with a correction bias, 8 experts in
+    # 2 groups of which 1 is kept, top-2 renormalised and scaled by 2.5, one
+    # ungated shared expert, a leading dense layer, q/k/v biases, rope on
+    # half of each head.
+    "glm4_moe": (
+        "glm4_moe",
+        {
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "attention_bias": True,
+            "use_qk_norm": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+        },
+        31,
+    ),
     # Top-2 of 8 renormalised, q/k norms, tied embeddings.
     "qwen3_moe": (
         "qwen3_moe",
@@ -189,6 +213,10 @@ def init_weights(model, seed, norm_offset, embed_scale):
                 p.copy_(STD["mlp"] * r)
             else:
                 raise AssertionError(f"unexpected parameter {n}")
+        for n, b in sorted(model.named_buffers()):
+            if n.endswith("e_score_correction_bias"):
+                # GLM's choice-only bias: large enough to change choices.
+                b.copy_(STD["bias"] * torch.randn(b.shape, generator=g, dtype=torch.float32))
 
 
 def make_family(name, data_dir):

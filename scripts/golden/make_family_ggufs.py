@@ -53,11 +53,12 @@ PER_FAMILY = {
     "mixtral": ["F32", "Q8_0", "Q4_0"],
     "qwen2_moe": ["F32", "Q8_0", "Q4_0"],
     "qwen3_moe": ["F32", "Q8_0", "Q4_0"],
+    "glm4_moe": ["F32", "Q8_0", "Q4_0"],
 }
 # Quantized files whose golden data transformers computes on the file's own
 # dequantized weights (`tiny-<family>-<type>.json`): a mixture's routing
 # follows the weights, so the f32 reference cannot stand in for them.
-DEQUANTIZED_GOLDEN = [(f, t) for f in ("mixtral", "qwen2_moe", "qwen3_moe") for t in ("Q8_0", "Q4_0")]
+DEQUANTIZED_GOLDEN = [(f, t) for f in ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe") for t in ("Q8_0", "Q4_0")]
 # family -> GGUF architecture
 ARCH = {
     "qwen2": "qwen2",
@@ -70,6 +71,7 @@ ARCH = {
     "mixtral": "llama",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "glm4_moe": "glm4moe",
 }
 # An expert's Hugging Face projection -> its GGUF stacked tensor (llama.cpp
 # stores one [experts, rows, cols] tensor per role).
@@ -102,14 +104,20 @@ LAYER_NAMES = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
 
 
 def layer_name(family, rest):
     """HF `self_attn.q_proj.weight` -> GGUF `attn_q.weight` for this family."""
     base, _, kind = rest.rpartition(".")
+    if rest == "mlp.gate.e_score_correction_bias":
+        return "exp_probs_b.bias"
     if base == "post_attention_layernorm":
-        base_out = "post_attention_norm" if family in GEMMA else "ffn_norm"
+        # llama.cpp's GLM-4.5 names its pre-MLP norm this way too.
+        base_out = "post_attention_norm" if family in GEMMA + ("glm4_moe",) else "ffn_norm"
     elif base == "pre_feedforward_layernorm":
         base_out = "ffn_norm"
     elif base == "post_feedforward_layernorm":
@@ -162,13 +170,18 @@ def convert(family, type_name, odd_tensor=None):
     head_dim = cfg["head_dim"]
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(n_layers)
+    # GLM-4.5 files carry a multi-token-prediction block after the
+    # decoder's (`nextn_predict_layers`), which generation must skip: the
+    # tiny model's is a copy of its last layer scaled by 3.
+    nextn = 1 if family == "glm4_moe" else 0
+    w.add_block_count(n_layers + nextn)
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    rope_params = cfg.get("rope_parameters") or {}
+    w.add_rope_dimension_count(int(head_dim * rope_params.get("partial_rotary_factor", 1.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg.get("rope_parameters") or {}
     theta = (rope.get("full_attention") or rope).get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -201,18 +214,31 @@ def convert(family, type_name, odd_tensor=None):
         # llama.cpp derives the scale from the model size; the tiny model's
         # query_pre_attn_scalar is not its head size, so it is written.
         w.add_float32("gemma3.attention.scale", float(np.float32(cfg["query_pre_attn_scalar"] ** -0.5)))
-    if "num_local_experts" in cfg or "num_experts" in cfg:
-        w.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
+    if "num_local_experts" in cfg or "num_experts" in cfg or "n_routed_experts" in cfg:
+        w.add_expert_count(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg["n_routed_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        if family == "glm4_moe":
+            w.add_expert_shared_count(cfg["n_shared_experts"])
+            w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+            w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+            w.add_expert_weights_norm(cfg["norm_topk_prob"])
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+            w.add_expert_group_count(cfg["n_group"])
+            w.add_expert_group_used_count(cfg["topk_group"])
+            w.add_nextn_predict_layers(nextn)
     vocab = tokenizer_metadata(w, src)
     w.add_vocab_size(vocab)
 
     qtype = TYPES[type_name]
     tensors = stack_experts(safetensors.numpy.load_file(str(src / "model.safetensors")))
+    if nextn:
+        last = f"model.layers.{n_layers - 1}."
+        for name in [n for n in tensors if n.startswith(last)]:
+            tensors[f"model.layers.{n_layers}." + name[len(last):]] = tensors[name] * 3.0
     for name in sorted(tensors):
         t = tensors[name].astype(np.float32)
         if name == "model.embed_tokens.weight":

@@ -58,6 +58,8 @@ pub(crate) const FAMILY: Family = Family {
         Ok(())
     },
     hf_name: gemma_hf_name,
+    gguf_name: |_| None,
+    partial_rotary: false,
 };
 
 /// Layer `i` is global when `(i + 1) % pattern == 0`, else sliding.

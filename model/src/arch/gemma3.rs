@@ -44,6 +44,8 @@ pub(crate) const FAMILY: Family = Family {
         Ok(())
     },
     hf_name: |part| super::gemma2::gemma_hf_name(part),
+    gguf_name: |_| None,
+    partial_rotary: false,
 };
 
 fn gemma3_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {
@@ -55,7 +57,7 @@ fn gemma3_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {
     }
     let local = match hf.get("rope_parameters") {
         Some(serde_json::Value::Object(p)) if p.contains_key("sliding_attention") => {
-            let (theta, scaling) = hf.rope("sliding_attention")?;
+            let (theta, scaling, _) = hf.rope("sliding_attention", false)?;
             if scaling != RopeScaling::None {
                 return Err(hf.invalid(
                     "rope_parameters.sliding_attention",

@@ -19,6 +19,8 @@ pub(crate) const LLAMA: Family = Family {
     hf: llama_hf,
     gguf: llama_gguf,
     hf_name: |_| None,
+    gguf_name: |_| None,
+    partial_rotary: false,
 };
 
 /// Mistral (GGUF files of Mistral models say `llama`).
@@ -32,6 +34,8 @@ pub(crate) const MISTRAL: Family = Family {
     hf: mistral_hf,
     gguf: every_layer_window,
     hf_name: |_| None,
+    gguf_name: |_| None,
+    partial_rotary: false,
 };
 
 /// SiLU, no MLP bias, no attention bias (Llama's `attention_bias` also
@@ -88,6 +92,9 @@ pub(crate) const MIXTRAL: Family = Family {
                 expert_ff: None,
                 shared_ff: None,
                 norm_default: true,
+                shared_count: None,
+                first_dense: None,
+                sigmoid: false,
             },
         )
     },
@@ -99,6 +106,8 @@ pub(crate) const MIXTRAL: Family = Family {
         Part::ExpertDown => Some("block_sparse_moe.experts.{j}.w2.weight"),
         _ => None,
     },
+    gguf_name: |_| None,
+    partial_rotary: false,
 };
 
 /// GGUF `llama` (Llama, Mistral, and Mixtral's experts, renormalised as

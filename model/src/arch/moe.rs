@@ -5,12 +5,18 @@
 //! A sparse layer's MLP is a router (`[experts, hidden]`, f32 in every
 //! GGUF llama.cpp writes), `experts` gated MLPs of `expert_ff` rows each,
 //! and optionally one shared expert that every token passes through, scaled
-//! by `sigmoid(gate . x)` where the family has that gate (Qwen2-MoE). Each
-//! token goes to the `top_k` experts of highest softmax probability, each
-//! output weighted by its probability, renormalised over the chosen ones
-//! where the family says so (Mixtral and Qwen3-MoE do, Qwen2-MoE does not).
-//! Dense layers (Qwen's `mlp_only_layers`, `decoder_sparse_step`) keep the
-//! plain MLP of `intermediate_size`.
+//! by `sigmoid(gate . x)` where the family has that gate (Qwen2-MoE).
+//!
+//! Routing: each expert gets a score, the softmax of the router's logits
+//! (Mixtral, Qwen) or their sigmoid (GLM-4.5, DeepSeek V3). The experts are
+//! *chosen* by score plus a per-expert correction bias where the model has
+//! one, first keeping the `topk_group` groups whose two best experts score
+//! highest where experts are grouped, then the `top_k` best; each chosen
+//! output is *weighted* by its score without the bias, renormalised over
+//! the chosen ones where the family says so (Mixtral, Qwen3-MoE and GLM do,
+//! Qwen2-MoE does not), times `routed_scale`. Dense layers (Qwen's
+//! `mlp_only_layers` and `decoder_sparse_step`, GLM's leading
+//! `first_k_dense_replace`) keep the plain MLP of `intermediate_size`.
 //!
 //! What the forward pass does with it is `crate::moe`; this module is the
 //! description and how each source format states it.
@@ -24,8 +30,29 @@ use crate::loader::gguf::GgufFile;
 /// a larger count means a corrupt file.
 const MAX_EXPERTS: usize = 4096;
 
+/// How the router's logits become expert scores.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Scoring {
+    /// Softmax over the experts.
+    #[default]
+    Softmax,
+    /// Each logit's sigmoid.
+    Sigmoid,
+}
+
+/// Experts chosen within groups (DeepSeek V3, GLM-4.5): `n_group` equal
+/// groups, of which the `topk_group` whose two best experts score highest
+/// are kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Groups {
+    /// Groups the experts are split into, in order.
+    pub n_group: usize,
+    /// Groups kept per token.
+    pub topk_group: usize,
+}
+
 /// A model's mixture-of-experts MLPs (see the module docs).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Moe {
     /// Routed experts per sparse layer.
     pub n_experts: usize,
@@ -44,6 +71,15 @@ pub struct Moe {
     /// Which layers are sparse (one entry per layer); the others run the
     /// dense MLP of `intermediate_size`.
     pub sparse: Vec<bool>,
+    /// How logits become scores.
+    pub scoring: Scoring,
+    /// A per-expert bias (`[experts]`) added to the scores to choose the
+    /// experts, not to weight them.
+    pub correction_bias: bool,
+    /// Grouped choice, where the experts are grouped.
+    pub groups: Option<Groups>,
+    /// The chosen experts' weights are multiplied by this.
+    pub routed_scale: f32,
 }
 
 impl Moe {
@@ -85,6 +121,32 @@ impl Moe {
                 "must be positive".into(),
             ));
         }
+        if let Some(g) = self.groups {
+            let per = self.n_experts / g.n_group.max(1);
+            if g.n_group == 0
+                || !self.n_experts.is_multiple_of(g.n_group)
+                || per < 2
+                || g.topk_group == 0
+                || g.topk_group > g.n_group
+                || self.top_k > g.topk_group * per
+            {
+                return Err(invalid(
+                    "expert groups",
+                    format!("{} groups, {} kept", g.n_group, g.topk_group),
+                    format!(
+                        "must split the {} experts into equal groups of at least 2 and keep enough for {} per token",
+                        self.n_experts, self.top_k
+                    ),
+                ));
+            }
+        }
+        if !(self.routed_scale.is_finite() && self.routed_scale > 0.0) {
+            return Err(invalid(
+                "routed scaling factor",
+                self.routed_scale.to_string(),
+                "must be a positive number".into(),
+            ));
+        }
         if self.sparse.len() != n_layers {
             return Err(invalid(
                 "sparse layers",
@@ -110,6 +172,14 @@ pub(crate) struct HfKeys {
     /// `norm_top_k` when `norm_topk_prob` is absent (Mixtral has no key and
     /// always renormalises).
     pub norm_default: bool,
+    /// The shared experts' count key (GLM's `n_shared_experts`: that many
+    /// experts' width, ungated), where the family counts them.
+    pub shared_count: Option<&'static str>,
+    /// The leading dense layers' key (`first_k_dense_replace`).
+    pub first_dense: Option<&'static str>,
+    /// Sigmoid scores with a correction bias (GLM-4.5, DeepSeek V3), else
+    /// softmax.
+    pub sigmoid: bool,
 }
 
 /// Read the experts from `config.json`: a layer is sparse unless it is in
@@ -129,9 +199,24 @@ pub(crate) fn from_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig, keys: &HfKeys) -
         Some(k) => hf.req_usize(k)?,
         None => cfg.intermediate_size,
     };
-    let shared_ff = match keys.shared_ff {
+    let gated_shared = match keys.shared_ff {
         Some(k) => hf.opt_usize(k)?.filter(|&n| n > 0),
         None => None,
+    };
+    let counted_shared = match keys.shared_count {
+        Some(k) => hf.opt_usize(k)?.filter(|&n| n > 0).map(|n| n * expert_ff),
+        None => None,
+    };
+    let first_dense = match keys.first_dense {
+        Some(k) => hf.opt_usize(k)?.unwrap_or(0),
+        None => 0,
+    };
+    let groups = match hf.opt_usize("n_group")? {
+        Some(n) if n > 1 => Some(Groups {
+            n_group: n,
+            topk_group: hf.opt_usize("topk_group")?.unwrap_or(n),
+        }),
+        _ => None,
     };
     let norm_top_k = hf.opt_bool("norm_topk_prob")?.unwrap_or(keys.norm_default);
     let step = hf.opt_usize("decoder_sparse_step")?.unwrap_or(1);
@@ -166,50 +251,94 @@ pub(crate) fn from_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig, keys: &HfKeys) -
         top_k,
         expert_ff,
         norm_top_k,
-        shared_ff,
-        shared_gate: shared_ff.is_some(),
+        shared_ff: gated_shared.or(counted_shared),
+        shared_gate: gated_shared.is_some(),
         sparse: (0..cfg.n_layers)
-            .map(|i| !dense_only.contains(&i) && (i + 1) % step == 0)
+            .map(|i| i >= first_dense && !dense_only.contains(&i) && (i + 1) % step == 0)
             .collect(),
+        scoring: if keys.sigmoid {
+            Scoring::Sigmoid
+        } else {
+            Scoring::Softmax
+        },
+        correction_bias: keys.sigmoid,
+        groups,
+        routed_scale: hf.opt_f32("routed_scaling_factor")?.unwrap_or(1.0),
     });
     Ok(())
 }
 
 /// Read the experts from GGUF metadata as llama.cpp's converter writes
 /// them: `{arch}.expert_count`, `.expert_used_count`,
-/// `.expert_feed_forward_length` (else `.feed_forward_length`),
-/// `.expert_shared_feed_forward_length` and `.expert_weights_norm` (else
-/// `norm_default`, llama.cpp's choice for the architecture). A layer is
-/// sparse when it has a router tensor (`blk.{i}.ffn_gate_inp.weight`), so
-/// leading dense layers need no key. Leaves `cfg.moe` unset when the file
-/// has no experts.
+/// `.expert_feed_forward_length` (else `.feed_forward_length`), the shared
+/// expert's `.expert_shared_feed_forward_length` (gated where the file has
+/// `ffn_gate_inp_shexp` tensors) or `.expert_shared_count` experts' width,
+/// `.expert_weights_norm` (else `norm_default`, llama.cpp's choice for the
+/// architecture), `.expert_gating_func` (1 softmax, 2 sigmoid; else
+/// softmax), `.expert_weights_scale`, and `.expert_group_count` with
+/// `.expert_group_used_count`. A layer is sparse when it has a router
+/// tensor (`blk.{i}.ffn_gate_inp.weight`), so leading dense layers need no
+/// key; the correction bias is the `blk.{i}.exp_probs_b.bias` tensor.
+/// Leaves `cfg.moe` unset when the file has no experts.
 pub(crate) fn from_gguf(g: &GgufFile, cfg: &mut ModelConfig, norm_default: bool) -> Result<()> {
     let key = |k: &str| format!("{}.{k}", cfg.architecture);
     let n_experts = g.opt_usize(&key("expert_count"))?.unwrap_or(0);
     if n_experts == 0 {
         return Ok(());
     }
-    let shared_ff = g
+    let expert_ff = g
+        .opt_usize(&key("expert_feed_forward_length"))?
+        .unwrap_or(cfg.intermediate_size);
+    let shared_ff = match g
         .opt_usize(&key("expert_shared_feed_forward_length"))?
-        .filter(|&n| n > 0);
+        .filter(|&n| n > 0)
+    {
+        Some(n) => Some(n),
+        None => g
+            .opt_usize(&key("expert_shared_count"))?
+            .filter(|&n| n > 0)
+            .map(|n| n * expert_ff),
+    };
+    let any_layer =
+        |suffix: &str| (0..cfg.n_layers).any(|i| g.has_tensor(&format!("blk.{i}.{suffix}")));
+    let scoring = match g.opt_usize(&key("expert_gating_func"))? {
+        None | Some(1) => Scoring::Softmax,
+        Some(2) => Scoring::Sigmoid,
+        Some(other) => {
+            return Err(g
+                .invalid_field(
+                    &key("expert_gating_func"),
+                    other.to_string(),
+                    "supported: 1 (softmax) and 2 (sigmoid)",
+                )
+                .into())
+        }
+    };
+    let groups = match g.opt_usize(&key("expert_group_count"))? {
+        Some(n) if n > 1 => Some(Groups {
+            n_group: n,
+            topk_group: g.opt_usize(&key("expert_group_used_count"))?.unwrap_or(n),
+        }),
+        _ => None,
+    };
     cfg.moe = Some(Moe {
         n_experts,
         top_k: g
             .opt_usize(&key("expert_used_count"))?
             .ok_or_else(|| g.missing_field(&key("expert_used_count")))?,
-        expert_ff: g
-            .opt_usize(&key("expert_feed_forward_length"))?
-            .unwrap_or(cfg.intermediate_size),
+        expert_ff,
         norm_top_k: g
             .opt_bool(&key("expert_weights_norm"))?
             .unwrap_or(norm_default),
         shared_ff,
-        shared_gate: shared_ff.is_some()
-            && (0..cfg.n_layers)
-                .any(|i| g.has_tensor(&format!("blk.{i}.ffn_gate_inp_shexp.weight"))),
+        shared_gate: shared_ff.is_some() && any_layer("ffn_gate_inp_shexp.weight"),
         sparse: (0..cfg.n_layers)
             .map(|i| g.has_tensor(&format!("blk.{i}.ffn_gate_inp.weight")))
             .collect(),
+        scoring,
+        correction_bias: any_layer("exp_probs_b.bias"),
+        groups,
+        routed_scale: g.opt_f32(&key("expert_weights_scale"))?.unwrap_or(1.0),
     });
     Ok(())
 }

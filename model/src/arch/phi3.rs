@@ -35,4 +35,6 @@ pub(crate) const FAMILY: Family = Family {
         Part::GateUp => Some("mlp.gate_up_proj.weight"),
         _ => None,
     },
+    gguf_name: |_| None,
+    partial_rotary: false,
 };

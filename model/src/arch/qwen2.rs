@@ -24,6 +24,8 @@ pub(crate) const FAMILY: Family = Family {
         every_layer_window(g, cfg)
     },
     hf_name: |_| None,
+    gguf_name: |_| None,
+    partial_rotary: false,
 };
 
 /// Without `layer_types`: a window only when `use_sliding_window`, and

@@ -23,4 +23,6 @@ pub(crate) const FAMILY: Family = Family {
         every_layer_window(g, cfg)
     },
     hf_name: |_| None,
+    gguf_name: |_| None,
+    partial_rotary: false,
 };

@@ -27,6 +27,9 @@ pub(crate) const QWEN2_MOE: Family = Family {
                 expert_ff: Some("moe_intermediate_size"),
                 shared_ff: Some("shared_expert_intermediate_size"),
                 norm_default: false,
+                shared_count: None,
+                first_dense: None,
+                sigmoid: false,
             },
         )
     },
@@ -36,6 +39,8 @@ pub(crate) const QWEN2_MOE: Family = Family {
         moe::from_gguf(g, cfg, false)
     },
     hf_name: |_| None,
+    gguf_name: |_| None,
+    partial_rotary: false,
 };
 
 pub(crate) const QWEN3_MOE: Family = Family {
@@ -58,6 +63,9 @@ pub(crate) const QWEN3_MOE: Family = Family {
                 expert_ff: Some("moe_intermediate_size"),
                 shared_ff: None,
                 norm_default: true,
+                shared_count: None,
+                first_dense: None,
+                sigmoid: false,
             },
         )
     },
@@ -67,4 +75,6 @@ pub(crate) const QWEN3_MOE: Family = Family {
         moe::from_gguf(g, cfg, true)
     },
     hf_name: |_| None,
+    gguf_name: |_| None,
+    partial_rotary: false,
 };

@@ -56,16 +56,17 @@ impl ModelConfig {
                 )
                 .into());
         }
-        if let Some(r) = g
-            .opt_usize(&key("rope.dimension_count"))?
-            .filter(|&r| r != head_dim)
-        {
-            return Err(g.invalid_field(
-                &key("rope.dimension_count"),
-                r.to_string(),
-                format!("partial rotary embeddings are not implemented: must equal the head size ({head_dim})"),
-            ).into());
-        }
+        let rotary_dim = match g.opt_usize(&key("rope.dimension_count"))? {
+            Some(r) if r != head_dim && !family.partial_rotary => {
+                return Err(g.invalid_field(
+                    &key("rope.dimension_count"),
+                    r.to_string(),
+                    format!("partial rotary embeddings are not implemented for {arch}: must equal the head size ({head_dim})"),
+                ).into());
+            }
+            Some(r) => r,
+            None => head_dim,
+        };
         let vocab_size = match g.opt_usize(&key("vocab_size"))? {
             Some(v) => v,
             None => g
@@ -73,7 +74,18 @@ impl ModelConfig {
                 .ok_or_else(|| g.missing_field(&key("vocab_size")))?,
         };
         let rope_theta = g.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0);
-        let n_layers = g.req_usize(&key("block_count"))?;
+        // llama.cpp counts the multi-token-prediction layers (GLM-4.5's
+        // `nextn_predict_layers`) in the blocks, after the decoder's;
+        // generation runs the decoder's only.
+        let blocks = g.req_usize(&key("block_count"))?;
+        let nextn = g.opt_usize(&key("nextn_predict_layers"))?.unwrap_or(0);
+        let n_layers = blocks.checked_sub(nextn).ok_or_else(|| {
+            g.invalid_field(
+                &key("nextn_predict_layers"),
+                nextn.to_string(),
+                format!("more than the {blocks} blocks"),
+            )
+        })?;
         super::check_layer_count(g.path(), &key("block_count"), n_layers)?;
 
         let mut config = ModelConfig {
@@ -91,6 +103,7 @@ impl ModelConfig {
                 .opt_usize(&key("attention.head_count_kv"))?
                 .unwrap_or(n_heads),
             head_dim,
+            rotary_dim,
             rms_norm_eps: g
                 .opt_f32(&key("attention.layer_norm_rms_epsilon"))?
                 .ok_or_else(|| g.missing_field(&key("attention.layer_norm_rms_epsilon")))?,

@@ -38,7 +38,10 @@ impl HfConfig<'_> {
         };
         let n_layers = self.req_usize("num_hidden_layers")?;
         super::check_layer_count(self.path, "num_hidden_layers", n_layers)?;
-        let (rope_theta, rope_scaling) = self.rope("full_attention")?;
+        let (rope_theta, rope_scaling, rotary_factor) =
+            self.rope("full_attention", family.partial_rotary)?;
+        // transformers' `int(head_dim * partial_rotary_factor)`.
+        let rotary_dim = (head_dim as f64 * rotary_factor) as usize;
         let mut config = ModelConfig {
             architecture,
             family: family.name,
@@ -52,6 +55,7 @@ impl HfConfig<'_> {
             n_heads,
             n_kv_heads: self.opt_usize("num_key_value_heads")?.unwrap_or(n_heads),
             head_dim,
+            rotary_dim,
             rms_norm_eps: self.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
@@ -147,16 +151,21 @@ impl HfConfig<'_> {
 
     /// The rope base and scaling of layers of `layer_type`: transformers
     /// 5's `rope_parameters` (flat, or one entry per layer type), else the
-    /// older `rope_theta` and `rope_scaling` keys. A partial rotary
-    /// embedding (`partial_rotary_factor` below 1, in the rope parameters
-    /// or, where they have none, at the top level) is refused.
-    pub(crate) fn rope(&self, layer_type: &str) -> Result<(f32, RopeScaling)> {
+    /// older `rope_theta` and `rope_scaling` keys; and the partial rotary
+    /// factor (`partial_rotary_factor` in the rope parameters or, where
+    /// they have none, at the top level; 1 when absent), refused unless
+    /// `partial_ok` (the family rotates part of a head).
+    pub(crate) fn rope(
+        &self,
+        layer_type: &str,
+        partial_ok: bool,
+    ) -> Result<(f32, RopeScaling, f64)> {
         if let Some(Value::Object(params)) = self.get("rope_parameters") {
             let (obj, prefix) = match params.get(layer_type) {
                 Some(Value::Object(inner)) => (inner, format!("rope_parameters.{layer_type}")),
                 _ => (params, "rope_parameters".to_owned()),
             };
-            self.refuse_partial_rotary(obj, &prefix)?;
+            let factor = self.partial_rotary(obj, &prefix, partial_ok)?;
             let theta_key = format!("{prefix}.rope_theta");
             let theta = match obj.get("rope_theta") {
                 None | Some(Value::Null) => self.opt_f32("rope_theta")?.unwrap_or(10_000.0),
@@ -170,23 +179,23 @@ impl HfConfig<'_> {
                 outer: params,
                 outer_name: "rope_parameters",
             };
-            return Ok((theta, self.rope_scaling(obj, &keys)?));
+            return Ok((theta, self.rope_scaling(obj, &keys)?, factor));
         }
         let theta = self.opt_f32("rope_theta")?.unwrap_or(10_000.0);
-        let scaling = match self.get("rope_scaling") {
-            None | Some(Value::Null) => {
-                self.refuse_partial_rotary(&Map::new(), "rope_scaling")?;
-                RopeScaling::None
-            }
+        let (scaling, factor) = match self.get("rope_scaling") {
+            None | Some(Value::Null) => (
+                RopeScaling::None,
+                self.partial_rotary(&Map::new(), "rope_scaling", partial_ok)?,
+            ),
             Some(Value::Object(obj)) => {
-                self.refuse_partial_rotary(obj, "rope_scaling")?;
+                let factor = self.partial_rotary(obj, "rope_scaling", partial_ok)?;
                 let keys = RopeKeys {
                     prefix: "rope_scaling",
                     flat: true,
                     outer: obj,
                     outer_name: "rope_scaling",
                 };
-                self.rope_scaling(obj, &keys)?
+                (self.rope_scaling(obj, &keys)?, factor)
             }
             Some(other) => {
                 return Err(self.invalid(
@@ -196,22 +205,34 @@ impl HfConfig<'_> {
                 ))
             }
         };
-        Ok((theta, scaling))
+        Ok((theta, scaling, factor))
     }
 
-    /// Refuse `partial_rotary_factor` other than 1: in the rope parameters
-    /// `obj` (named `prefix`), else at the top level (transformers copies
-    /// the top-level key into rope parameters that lack it).
-    fn refuse_partial_rotary(&self, obj: &Map<String, Value>, prefix: &str) -> Result<()> {
+    /// `partial_rotary_factor`: in the rope parameters `obj` (named
+    /// `prefix`), else at the top level (transformers copies the top-level
+    /// key into rope parameters that lack it); 1 when absent. Anything but
+    /// 1 is refused unless `partial_ok`, and must lie in (0, 1].
+    fn partial_rotary(
+        &self,
+        obj: &Map<String, Value>,
+        prefix: &str,
+        partial_ok: bool,
+    ) -> Result<f64> {
         let (field, value) = match obj.get("partial_rotary_factor") {
             None | Some(Value::Null) => match self.get("partial_rotary_factor") {
-                None | Some(Value::Null) => return Ok(()),
+                None | Some(Value::Null) => return Ok(1.0),
                 Some(v) => ("partial_rotary_factor".to_owned(), v),
             },
             Some(v) => (format!("{prefix}.partial_rotary_factor"), v),
         };
         match value.as_f64() {
-            Some(1.0) => Ok(()),
+            Some(1.0) => Ok(1.0),
+            Some(f) if partial_ok && f > 0.0 && f < 1.0 => Ok(f),
+            Some(_) if partial_ok => Err(self.invalid(
+                &field,
+                json_text(value),
+                "must be above 0 and at most 1".into(),
+            )),
             Some(_) => Err(self.invalid(
                 &field,
                 json_text(value),
