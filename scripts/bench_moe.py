@@ -76,7 +76,7 @@ def write_model(path, arch, a, qtype, seed):
     w.add_vocab_size(vocab)
 
     def matrix(*shape, quantize=True):
-        t = rng.uniform(-1, 1, size=shape).astype(np.float32) / np.sqrt(shape[-1])
+        t = (rng.uniform(-1, 1, size=shape) / np.sqrt(shape[-1])).astype(np.float32)
         if not quantize:
             return t, None
         q = gguf.quants.quantize(t, qtype)
