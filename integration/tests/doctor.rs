@@ -291,6 +291,12 @@ fn a_mesh_mixing_cpu_kernel_numerics_is_refused_and_named_while_avx2_and_avx512_
     .0;
     let router = start_logged("router", &file, None, "OpenAI API", "warn").0;
     wait_healthy(&addr);
+    // A mesh file without API keys: the router says once, at start, what
+    // that means for the prefix cache.
+    let warning = router
+        .log_line("one prefix-cache namespace", Duration::from_secs(10))
+        .expect("the router warns that every client shares one namespace");
+    assert!(warning.contains("no API keys configured"), "{warning}");
     let prompt = "The capital of France is";
     let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
     let refused = refused_as_mixed(&addr, &body);

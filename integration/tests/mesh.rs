@@ -587,3 +587,67 @@ fn every_family_through_the_mesh_equals_the_reference_engine() {
         );
     }
 }
+
+/// A `tokenizer.json` that truncates at 8 tokens (as `save_pretrained`
+/// may leave one) cuts no prompt on any path through the mesh: `/tokenize`
+/// counts every token of a long prompt, a completion and a chat prefill
+/// them all (usage), and a prompt past the context is refused with 400,
+/// not cut to fit.
+#[test]
+fn a_truncating_tokenizer_json_cuts_no_prompt() {
+    let src = tiny_model_dir();
+    let dir = tempfile::tempdir().expect("tempdir");
+    for entry in std::fs::read_dir(&src).expect("tiny model").flatten() {
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).expect("copy");
+    }
+    let path = dir.path().join("tokenizer.json");
+    let mut tok: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+    tok["truncation"] = json!({"direction": "Right", "max_length": 8,
+        "strategy": "LongestFirst", "stride": 0});
+    std::fs::write(&path, tok.to_string()).expect("write");
+
+    let mesh = start(dir.path(), Options::default());
+    let prompt = PROMPTS[9];
+    let r = http::post(&mesh.http, "/tokenize", &json!({"prompt": prompt}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let count = r.json()["count"].as_u64().expect("count");
+    assert!(count >= 20, "{count} tokens: the prompt must be long");
+    let r = http::post(
+        &mesh.http,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 2, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json()["usage"]["prompt_tokens"],
+        json!(count),
+        "{}",
+        r.body
+    );
+    let messages = json!([{"role": "user", "content": prompt}]);
+    let r = http::post(&mesh.http, "/tokenize", &json!({"messages": messages}));
+    let chat_count = r.json()["count"].as_u64().expect("count");
+    assert!(chat_count > count, "{}", r.body);
+    let r = http::post(
+        &mesh.http,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 2, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json()["usage"]["prompt_tokens"],
+        json!(chat_count),
+        "{}",
+        r.body
+    );
+    // Past the context (256 positions): refused, never cut to fit.
+    let long = prompt.repeat(40);
+    let r = http::post(
+        &mesh.http,
+        "/v1/completions",
+        &json!({"prompt": long, "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_clean_end(&mesh, 2);
+}

@@ -65,6 +65,17 @@ impl ApiKeys {
         !self.by_digest.is_empty()
     }
 
+    /// What a deployment without keys must be told at start: every client
+    /// is one tenant, so they share one prefix-cache namespace. `None` when
+    /// keys are configured.
+    pub fn shared_namespace_warning(&self) -> Option<&'static str> {
+        (!self.enabled()).then_some(
+            "no API keys configured: every client is the tenant `default` and all share one \
+             prefix-cache namespace, so one client's cached prompts speed up (and, by timing, \
+             reveal) another's; configure api_keys to give each tenant its own",
+        )
+    }
+
     /// The tenant of an `Authorization` header value. With no keys
     /// configured every request is the `default` tenant.
     pub fn check(&self, authorization: Option<&str>) -> Result<Tenant, AuthError> {
@@ -105,7 +116,10 @@ mod tests {
             ApiKeys::new([("k".to_owned(), "t".to_owned()), ("k".into(), "u".into())]).is_err()
         );
         assert!(ApiKeys::new([(String::new(), "t".to_owned())]).is_err());
+        assert!(keys.shared_namespace_warning().is_none());
         let open = ApiKeys::default();
+        let warning = open.shared_namespace_warning().expect("no keys: a warning");
+        assert!(warning.contains("one prefix-cache namespace"), "{warning}");
         assert_eq!(open.check(None), Ok(Tenant("default".into())));
     }
 }

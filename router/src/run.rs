@@ -61,6 +61,9 @@ where
     // constrained request does not wait for it.
     let warm = router.clone();
     tokio::task::spawn_blocking(move || warm.vocabulary().is_ok());
+    if let Some(warning) = router.config().api_keys.shared_namespace_warning() {
+        tracing::warn!("{warning}");
+    }
     let draining = router.draining.subscribe();
     let stop = move || {
         let mut d = draining.clone();

@@ -249,11 +249,22 @@ impl TextTokenizer {
         Self::assemble(inner, specials, chat_template)
     }
 
+    /// The one place every tokenizer is finished, whatever its source. A
+    /// `tokenizer.json` may carry `truncation` or `padding` (common after
+    /// `save_pretrained`): either would silently change a prompt, so both
+    /// are switched off here. kvmesh never cuts or pads a prompt; one past
+    /// the context is refused by admission, naming its length.
     pub(crate) fn assemble(
-        inner: tokenizers::Tokenizer,
+        mut inner: tokenizers::Tokenizer,
         specials: Specials,
         chat_template: Option<String>,
     ) -> Result<Self> {
+        inner
+            .with_truncation(None)
+            .map_err(|e| TokenizerError::Tokenizer {
+                detail: format!("cannot switch truncation off: {e}"),
+            })?;
+        inner.with_padding(None);
         let Specials {
             bos_token,
             bos_id,

@@ -162,6 +162,54 @@ fn chat_template_features_and_failures() {
     }
 }
 
+/// A `tokenizer.json` that says to truncate at 8 tokens and pad to 32
+/// (as `save_pretrained` may leave it) changes no prompt: every encoding
+/// path gives the same ids as the file without those settings.
+#[test]
+fn truncation_and_padding_in_tokenizer_json_change_no_prompt() {
+    let tiny = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/data/tiny-llama/tokenizer.json");
+    let plain = std::fs::read_to_string(&tiny).expect("tiny tokenizer.json");
+    let mut json: serde_json::Value = serde_json::from_str(&plain).expect("json");
+    json["truncation"] = serde_json::json!({"direction": "Right", "max_length": 8,
+        "strategy": "LongestFirst", "stride": 0});
+    json["padding"] = serde_json::json!({"strategy": {"Fixed": 32}, "direction": "Right",
+        "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"});
+    let (a, b) = (
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+    );
+    std::fs::write(a.path().join("tokenizer.json"), &plain).expect("write");
+    std::fs::write(b.path().join("tokenizer.json"), json.to_string()).expect("write");
+    for dir in [&a, &b] {
+        std::fs::copy(
+            tiny.with_file_name("tokenizer_config.json"),
+            dir.path().join("tokenizer_config.json"),
+        )
+        .expect("copy tokenizer_config.json");
+    }
+    let (plain, cut) = (
+        TextTokenizer::from_hf_dir(a.path()).expect("load"),
+        TextTokenizer::from_hf_dir(b.path()).expect("load"),
+    );
+    let text = "The quick brown fox jumps over the lazy dog and keeps on running";
+    let ids = plain.encode(text).expect("encode");
+    assert!(
+        ids.len() > 8,
+        "the prompt must be longer than the truncation"
+    );
+    assert_eq!(cut.encode(text).expect("encode"), ids);
+    assert_eq!(
+        cut.encode_raw(text).expect("encode"),
+        plain.encode_raw(text).expect("encode")
+    );
+    let chat = [user(text)];
+    assert_eq!(
+        cut.encode_chat(&chat).expect("chat"),
+        plain.encode_chat(&chat).expect("chat")
+    );
+}
+
 #[test]
 fn hf_directory_tokenizer_reads_its_config() {
     let dir = tempfile::tempdir().expect("tempdir");
