@@ -352,17 +352,31 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let stop_ids = info.stop_token_ids();
     let model_description = info.description();
     let tokenizer = info.tokenizer;
+    // The shm transport's socket lives in a directory only this user can
+    // enter (0700, a random name), removed when serve returns: a
+    // predictable path in the shared temporary directory could be taken
+    // first, or reached, by another user.
+    let mut _socket_dir = None;
     let transport = match a.transport {
         TransportKind::Tcp => Transport::Tcp("127.0.0.1:0".into()),
         TransportKind::Ucx => Transport::Ucx {
             control: "127.0.0.1:0".into(),
             data: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
         },
-        TransportKind::Shm => Transport::Shm {
-            dir: a.shm_dir.clone(),
-            socket: std::env::temp_dir()
-                .join(format!("kvmesh-{}-decode-0.sock", std::process::id())),
-        },
+        TransportKind::Shm => {
+            let dir = tempfile::Builder::new()
+                .prefix("kvmesh-serve-")
+                .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
+                .tempdir()
+                .context("creating a private directory for the KV socket")?;
+            let socket = dir.path().join("decode-0.sock");
+            tracing::info!(socket = %socket.display(), "KV socket in a private directory");
+            _socket_dir = Some(dir);
+            Transport::Shm {
+                dir: a.shm_dir.clone(),
+                socket,
+            }
+        }
     };
     // All roles share this process: a fresh secret per run, never written
     // anywhere, so no other process can call these nodes.

@@ -264,3 +264,46 @@ fn sigterm_to_serve_drains_every_role() {
     );
     assert!(status.success(), "kvmesh serve exited with {status}");
 }
+
+/// `serve --transport shm` keeps its KV socket in a directory only its user
+/// can enter (0700, a random name), answers through it, and removes it,
+/// with its pool file, when it exits.
+#[test]
+fn serve_over_shm_keeps_its_socket_private_and_leaves_nothing() {
+    use std::os::unix::fs::PermissionsExt;
+    let shm = tempfile::tempdir().expect("tempdir");
+    let shm_dir = shm.path().to_str().expect("utf-8 path");
+    let mut m = mesh::Mesh::start_logged(
+        &tiny_model_dir(),
+        &["--transport", "shm", "--shm-dir", shm_dir],
+        "info",
+    );
+    let line = m
+        .log_line(&["KV socket in a private directory"], WITHIN)
+        .expect("serve names its socket");
+    let socket = line
+        .split("socket=")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .map(std::path::PathBuf::from)
+        .expect("socket=PATH");
+    let dir = socket.parent().expect("socket directory").to_owned();
+    let mode = std::fs::metadata(&dir)
+        .expect("directory")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700, "{}", dir.display());
+    assert!(socket.exists(), "{}", socket.display());
+    let r = http::post(
+        &m.http,
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let pools = || std::fs::read_dir(shm.path()).expect("shm dir").count();
+    assert_eq!(pools(), 1, "the decode node's pool file");
+    let status = m.terminate(WITHIN).expect("serve exits on SIGTERM");
+    assert!(status.success(), "kvmesh serve exited with {status}");
+    assert!(!dir.exists(), "{} left behind", dir.display());
+    assert_eq!(pools(), 0, "the pool file is removed");
+}

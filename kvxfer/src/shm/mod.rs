@@ -271,9 +271,10 @@ unsafe impl Send for ShmRegion {}
 unsafe impl Sync for ShmRegion {}
 
 impl ShmRegion {
-    /// Creates a new file `kvmesh-pool-<32 random hex>.shm` in `dir` (create
-    /// new, mode 0o600), sets its length, writes the header and maps it
-    /// shared. Lanes start closed at epoch 0 with no writer; page data is
+    /// Creates a new file `kvmesh-pool-<pid>-<32 random hex>.shm` in `dir`
+    /// (create new, mode 0o600, after removing the files a dead decode
+    /// process of this user left there: `leftovers`), sets its length,
+    /// writes the header and maps it shared. Lanes start closed at epoch 0 with no writer; page data is
     /// zero. The creator unlinks the file on drop; mappings made by other
     /// processes stay valid.
     ///
@@ -292,7 +293,13 @@ impl ShmRegion {
             what: "random file name",
         })?;
         let hex: String = rnd.iter().map(|b| format!("{b:02x}")).collect();
-        let path = dir.join(format!("kvmesh-pool-{hex}.shm"));
+        for stale in leftovers::sweep(dir) {
+            tracing::warn!(
+                path = %stale.display(),
+                "removed the pool file of a decode process that did not exit cleanly"
+            );
+        }
+        let path = dir.join(leftovers::file_name(std::process::id(), &hex));
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -683,6 +690,7 @@ impl Drop for ShmRegion {
 }
 
 mod layout;
+mod leftovers;
 mod peer;
 use layout::{decode_header, encode_header, LayoutFault, Sizes, HEADER_USED};
 pub use layout::{ShmLayout, HEADER_LEN, LANE_STRIDE};

@@ -81,9 +81,17 @@ fn create_open_round_trip_both_ways() {
     let d = tempfile::tempdir().unwrap();
     let a = ShmRegion::create(d.path(), L).unwrap();
     let name = a.path().file_name().unwrap().to_str().unwrap().to_owned();
+    let pid = std::process::id().to_string();
     assert!(
-        name.starts_with("kvmesh-pool-") && name.ends_with(".shm") && name.len() == 12 + 32 + 4
+        name.starts_with(&format!("kvmesh-pool-{pid}-"))
+            && name.ends_with(".shm")
+            && name.len() == 12 + pid.len() + 1 + 32 + 4,
+        "{name}"
     );
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(a.path()).unwrap().permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600, "owner-only");
     let b = ShmRegion::open(a.path(), Some(&L)).unwrap();
     assert_eq!(*b.layout(), L);
 
