@@ -1,6 +1,8 @@
 //! The machine's own ceilings, measured, for benchmark reports: how fast
-//! the cores can stream memory ([`read_gbps`]) and how many f32
-//! multiply-adds they can issue on a kernel path ([`fma_peak_gflops`]).
+//! the cores can stream memory ([`read_gbps`]), how many f32
+//! multiply-adds they can issue on a kernel path ([`fma_peak_gflops`]),
+//! and how many 8-bit multiply-adds an integer dot product can
+//! ([`int8_peak_gops`], the 8-bit-activation class's ceiling).
 //! A batch-1 decode step is bound by the first (it reads every weight
 //! once), a long prefill by the second; `kvmesh bench-engine` reports its
 //! rates against both.
@@ -15,6 +17,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use crate::cpu::Path;
+use crate::quant::Dot;
 
 /// GB/s (10^9 bytes) of reading `bytes` of memory, on every pool thread, each
 /// thread summing its share with eight independent 64-bit accumulators (a
@@ -71,6 +74,56 @@ pub fn fma_peak_gflops(path: Path) -> f64 {
         best = best.max(flops as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
     best
+}
+
+/// GOP/s (an 8-bit multiply-add counts two) of `dot`'s integer dot
+/// product at the width the 8-bit-activation kernels use it (AVX-512 VNNI
+/// `vpdpbusd` on 512-bit vectors, AVX-VNNI on 256-bit, AVX2
+/// `vpmaddubsw` + `vpmaddwd` + `vpaddd`), twelve independent accumulators
+/// per pool thread, in registers: what an int8 matrix multiplication can
+/// approach, measured as [`fma_peak_gflops`] is.
+///
+/// # Panics
+/// If this CPU does not have `dot`.
+pub fn int8_peak_gops(dot: Dot) -> f64 {
+    assert!(dot.available(), "this CPU does not have {}", dot.name());
+    const ITERS: usize = 20_000_000;
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let ops: u64 = rayon::broadcast(|_| dot_loop(dot, ITERS)).iter().sum();
+        best = best.max(ops as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// Runs `iters` rounds of twelve independent integer dot-product chains
+/// with `dot`; returns the operations done (two per 8-bit multiply-add).
+fn dot_loop(dot: Dot, iters: usize) -> u64 {
+    match dot {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `int8_peak_gops` checked the CPU has it.
+        Dot::Avx512Vnni => unsafe { x86::dot_avx512_vnni(iters) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Dot::AvxVnni => unsafe { x86::dot_avx_vnni(iters) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Dot::Avx2 => unsafe { x86::dot_avx2(iters) },
+        _ => {
+            let (w, x) = (black_box([3u8; 4]), black_box([5i8; 4]));
+            let mut acc = [0i32; 12];
+            for _ in 0..iters / 8 {
+                for a in &mut acc {
+                    for (w, x) in w.iter().zip(&x) {
+                        *a = a.wrapping_add(i32::from(*w) * i32::from(*x));
+                    }
+                }
+            }
+            black_box(acc);
+            (iters / 8 * 12 * 4 * 2) as u64
+        }
+    }
 }
 
 /// Runs `iters` rounds of twelve independent multiply-add chains on
@@ -136,6 +189,62 @@ mod x86 {
         black_box(acc);
         (iters * 12 * 16 * 2) as u64
     }
+
+    /// # Safety
+    /// AVX-512 F and VNNI.
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    pub(super) unsafe fn dot_avx512_vnni(iters: usize) -> u64 {
+        let (w, x) = (
+            _mm512_set1_epi8(black_box(3)),
+            _mm512_set1_epi8(black_box(5)),
+        );
+        let mut acc = [_mm512_setzero_si512(); 12];
+        for _ in 0..iters {
+            for a in &mut acc {
+                *a = _mm512_dpbusd_epi32(*a, w, x);
+            }
+        }
+        black_box(acc);
+        (iters * 12 * 64 * 2) as u64
+    }
+
+    /// # Safety
+    /// AVX2 and AVX-VNNI.
+    #[target_feature(enable = "avx2,avxvnni")]
+    pub(super) unsafe fn dot_avx_vnni(iters: usize) -> u64 {
+        let (w, x) = (
+            _mm256_set1_epi8(black_box(3)),
+            _mm256_set1_epi8(black_box(5)),
+        );
+        let mut acc = [_mm256_setzero_si256(); 12];
+        for _ in 0..iters {
+            for a in &mut acc {
+                *a = _mm256_dpbusd_avx_epi32(*a, w, x);
+            }
+        }
+        black_box(acc);
+        (iters * 12 * 32 * 2) as u64
+    }
+
+    /// # Safety
+    /// AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn dot_avx2(iters: usize) -> u64 {
+        let (w, x, ones) = (
+            _mm256_set1_epi8(black_box(3)),
+            _mm256_set1_epi8(black_box(5)),
+            _mm256_set1_epi16(1),
+        );
+        let mut acc = [_mm256_setzero_si256(); 12];
+        for _ in 0..iters {
+            for a in &mut acc {
+                let pairs = _mm256_maddubs_epi16(w, x);
+                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        black_box(acc);
+        (iters * 12 * 32 * 2) as u64
+    }
 }
 
 #[cfg(test)]
@@ -150,6 +259,12 @@ mod tests {
         for p in crate::cpu::available_paths() {
             let g = fma_peak_gflops(p);
             assert!(g.is_finite() && g > 0.0, "{p}: {g}");
+        }
+        for d in [Dot::Portable, Dot::Avx2, Dot::AvxVnni, Dot::Avx512Vnni] {
+            if d.available() {
+                let g = int8_peak_gops(d);
+                assert!(g.is_finite() && g > 0.0, "{}: {g}", d.name());
+            }
         }
     }
 }

@@ -92,10 +92,13 @@ pub type KvBuffers<'a> = dyn FnMut() -> (Vec<f32>, Vec<f32>) + Send + 'a;
 /// The reference engine.
 #[derive(Debug)]
 pub struct Engine {
-    model: Llama,
-    /// The model on a CUDA device, which then runs every forward pass
-    /// (`model` stays for metadata and as the oracle); `None` on the CPU.
-    cuda: Option<crate::cuda::CudaLlama>,
+    model: Arc<Llama>,
+    /// What runs every forward pass ([`crate::forward::Forward`]): the CPU
+    /// model itself, or its copy on a CUDA device (`model` then stays for
+    /// metadata and as the oracle).
+    runner: Arc<dyn crate::forward::Forward>,
+    /// The CUDA model, when `runner` is one (device reports).
+    cuda: Option<Arc<crate::cuda::CudaLlama>>,
     tokenizer: TextTokenizer,
     pool: KvPool,
     max_model_len: usize,
@@ -221,19 +224,24 @@ impl Engine {
             spec @ kvmesh_cuda::DeviceSpec::Cuda(_) => {
                 let gpu = kvmesh_cuda::gpu::Gpu::open(spec)?;
                 let device_pool = kvmesh_cuda::pool::DeviceKvPool::new(gpu, pool.clone())?;
-                Some(crate::cuda::CudaLlama::new(
+                Some(Arc::new(crate::cuda::CudaLlama::new(
                     &config,
                     &weights,
                     device_pool,
                     cfg.device_weights,
-                )?)
+                )?))
             }
         };
-        let model = Llama::new(config, weights)?;
+        let model = Arc::new(Llama::new(config, weights)?);
+        let runner: Arc<dyn crate::forward::Forward> = match &cuda {
+            Some(c) => c.clone(),
+            None => model.clone(),
+        };
         // Fusing the projections freed their parts.
         crate::loader::release_freed_heap();
         Ok(Self {
             model,
+            runner,
             cuda,
             tokenizer,
             pool,
@@ -250,10 +258,7 @@ impl Engine {
         &self,
         batch: &mut [SeqChunk<'_>],
     ) -> Result<Vec<crate::llama::ChunkResult>> {
-        match &self.cuda {
-            Some(c) => c.forward(batch),
-            None => self.model.forward(batch),
-        }
+        self.runner.forward(batch)
     }
 
     /// [`Self::forward`] with a per-layer observer.
@@ -262,15 +267,12 @@ impl Engine {
         batch: &mut [SeqChunk<'_>],
         observe: &mut LayerDone<'_>,
     ) -> Result<Vec<crate::llama::ChunkResult>> {
-        match &self.cuda {
-            Some(c) => c.forward_observed(batch, observe),
-            None => self.model.forward_observed(batch, observe),
-        }
+        self.runner.forward_observed(batch, observe)
     }
 
     /// The model on the CUDA device, when the engine runs on one.
     pub fn cuda(&self) -> Option<&crate::cuda::CudaLlama> {
-        self.cuda.as_ref()
+        self.cuda.as_deref()
     }
 
     /// The model.
@@ -297,13 +299,7 @@ impl Engine {
     /// never joins a GPU prefill to a CPU decode (their KV differ in the
     /// last bits) unless every node runs the same kind.
     pub fn cpu_kernels(&self) -> (&str, &'static str) {
-        match &self.cuda {
-            Some(c) => (c.device_label(), "cuda"),
-            None => {
-                let p = kvmesh_kernels::cpu::path();
-                (p.name(), kvmesh_kernels::cpu::numerics())
-            }
-        }
+        self.runner.kernels()
     }
     /// The context limit in tokens (prompt plus generated).
     pub fn max_model_len(&self) -> usize {
@@ -382,17 +378,17 @@ impl Engine {
                 ),
             });
         }
-        if let Some(c) = &self.cuda {
+        if self.runner.keeps_own_kv() {
             // The prompt landed (and was verified) in the host pool: the
-            // same values into the device's pages, through the device's
-            // checked KV write, layer by layer; a cached head is on the
-            // device already.
+            // same values into the pass's own pages (a device's), through
+            // its checked KV write, layer by layer; a cached head is there
+            // already.
             let cached = kv.cached_tokens().min(prompt_len);
             let kv_dim = self.pool.config().geometry().kv_dim();
             for layer in 0..n_layers {
                 let (k, v) = self.read_kv(&kv, prompt_len, layer)?;
                 let from = cached * kv_dim;
-                c.load_prompt(
+                self.runner.adopt_prompt(
                     kv.table(),
                     cached,
                     prompt_len - cached,

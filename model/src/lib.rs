@@ -31,6 +31,7 @@ pub mod cuda;
 pub mod default_model;
 pub mod engine;
 pub mod error;
+pub mod forward;
 mod linear;
 pub mod llama;
 pub mod loader;
