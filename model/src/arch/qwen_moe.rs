@@ -6,7 +6,22 @@
 
 use super::moe::{self, HfKeys};
 use super::qwen2::qwen_layer_types;
+use super::qwen3::{qwen3_gguf, qwen3_hf};
 use super::{llama::every_layer_window, Activation, Family};
+
+/// How both Qwen mixtures state their experts; Qwen2-MoE adds its gated
+/// shared expert and does not renormalise.
+const fn qwen_keys(shared_ff: Option<&'static str>, norm_default: bool) -> HfKeys {
+    HfKeys {
+        experts: &["num_experts", "num_local_experts"],
+        expert_ff: Some("moe_intermediate_size"),
+        shared_ff,
+        norm_default,
+        shared_count: None,
+        first_dense: None,
+        sigmoid: false,
+    }
+}
 
 pub(crate) const QWEN2_MOE: Family = Family {
     name: "qwen2_moe",
@@ -22,15 +37,7 @@ pub(crate) const QWEN2_MOE: Family = Family {
         moe::from_hf(
             hf,
             cfg,
-            &HfKeys {
-                experts: &["num_experts", "num_local_experts"],
-                expert_ff: Some("moe_intermediate_size"),
-                shared_ff: Some("shared_expert_intermediate_size"),
-                norm_default: false,
-                shared_count: None,
-                first_dense: None,
-                sigmoid: false,
-            },
+            &qwen_keys(Some("shared_expert_intermediate_size"), false),
         )
     },
     gguf: |g, cfg| {
@@ -51,27 +58,11 @@ pub(crate) const QWEN3_MOE: Family = Family {
     hf_norm_offset: 0.0,
     fused: false,
     hf: |hf, cfg| {
-        hf.require_activation(Activation::Silu)?;
-        hf.refuse_true("attention_bias", "an output-projection bias")?;
-        cfg.block.qk_norm = true;
-        qwen_layer_types(hf, cfg)?;
-        moe::from_hf(
-            hf,
-            cfg,
-            &HfKeys {
-                experts: &["num_experts", "num_local_experts"],
-                expert_ff: Some("moe_intermediate_size"),
-                shared_ff: None,
-                norm_default: true,
-                shared_count: None,
-                first_dense: None,
-                sigmoid: false,
-            },
-        )
+        qwen3_hf(hf, cfg)?;
+        moe::from_hf(hf, cfg, &qwen_keys(None, true))
     },
     gguf: |g, cfg| {
-        cfg.block.qk_norm = true;
-        every_layer_window(g, cfg)?;
+        qwen3_gguf(g, cfg)?;
         moe::from_gguf(g, cfg, true)
     },
     hf_name: |_| None,
