@@ -16,9 +16,6 @@
 //!   in `elementwise512`).
 //! - [`roofline`]: the machine's measured memory read bandwidth and FMA
 //!   peak per path, for benchmark reports.
-//! - [`counters`]: [`counters::KindCounters`], lock-free event counters by
-//!   kind label (the guard alarm and every refusal counter above this
-//!   crate).
 //! - [`cpu`]: the crate-wide kernel path ([`cpu::Path`]: AVX-512, AVX2 or
 //!   portable) and activation class ([`cpu::Activations`]), detected or
 //!   forced once per process ([`cpu::select`], [`cpu::select_activations`])
@@ -38,7 +35,6 @@
 
 pub mod activation;
 pub mod attention;
-pub mod counters;
 pub mod cpu;
 #[cfg(target_arch = "x86_64")]
 mod elementwise512;

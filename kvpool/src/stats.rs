@@ -1,7 +1,7 @@
 //! Counters: allocations, releases and guard violations (the I1/I2 alarm
 //! metric, total and by [`GuardViolation::kind`]).
 
-use kvmesh_kernels::counters::KindCounters;
+use kvmesh_counters::KindCounters;
 use kvmesh_kernels::GuardViolation;
 
 /// Every [`GuardViolation::kind`], in the order of

@@ -7,7 +7,7 @@
 //! page or generation outside the grant). Neither ever touches a page.
 //! Every refusal is counted in [`RejectCounters`] under its `kind()`.
 
-use kvmesh_kernels::counters::KindCounters;
+use kvmesh_counters::KindCounters;
 
 use thiserror::Error;
 

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use kvmesh_kernels::counters::KindCounters;
+use kvmesh_counters::KindCounters;
 use kvmesh_kvwire::ids::random_nonzero;
 use kvmesh_kvwire::MintError;
 

@@ -16,7 +16,7 @@
 //! proof covers the Welcome's fields too (data path, geometry, mapping
 //! path), so the writer maps only a pool its own mesh named.
 
-use kvmesh_kernels::counters::KindCounters;
+use kvmesh_counters::KindCounters;
 use kvmesh_kvwire::ids::random_nonzero;
 use kvmesh_kvwire::{Hello, MessageType, MintError, Welcome, WriterId, NONCE_LEN};
 

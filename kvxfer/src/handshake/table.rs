@@ -10,7 +10,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::shm::PeerProcess;
 use crate::transport::{Landing, Revocation};
-use kvmesh_kernels::counters::KindCounters;
+use kvmesh_counters::KindCounters;
 use kvmesh_kvpool::KvPool;
 use kvmesh_kvpool::{Namespace, PageKey, Reservation};
 use kvmesh_kvwire::{

@@ -1,12 +1,23 @@
-//! Lock-free counters indexed by a fixed list of kind labels: the one
-//! mechanism behind every "refused, by kind" metric of the mesh: the
-//! guard-violation alarm (by [`crate::GuardViolation::kind`], in
-//! `kvmesh-kvpool`), the KV wire's reject counters (`kvmesh-kvwire`), the
-//! mesh-authentication refusals (`kvmesh-meshauth`) and the reservation
-//! table's outcomes (`kvmesh-kvxfer`). It lives here, at the bottom of the
-//! graph, so those crates share one definition without depending on each
-//! other. Each owner maps its error variants to indices with an exhaustive
-//! match, so a new variant fails to compile instead of going uncounted.
+//! kvmesh's counters by kind: lock-free event counts indexed by a fixed
+//! list of kind labels, the one mechanism behind every "refused, by kind"
+//! metric of the mesh: the guard-violation alarm (by
+//! `kvmesh_kernels::GuardViolation::kind`, in `kvmesh-kvpool`), the KV
+//! wire's reject counters (`kvmesh-kvwire`), the mesh-authentication
+//! refusals (`kvmesh-meshauth`) and the reservation table's outcomes
+//! (`kvmesh-kvxfer`).
+//!
+//! # Layout
+//! One type, [`KindCounters`]. It is a crate of its own, with no
+//! dependencies, because its users sit in layers that must not link each
+//! other (the pool never links the wire, the wire never links the pool)
+//! and none of them needs the compute kernels for it.
+//!
+//! # Invariants
+//! Each owner holds the `[&str; N]` list of labels and maps its error
+//! variants to indices with an exhaustive match, so a new variant fails to
+//! compile instead of going uncounted. A count is one relaxed atomic add.
+
+#![deny(missing_docs)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -58,5 +69,24 @@ impl<const N: usize> KindCounters<N> {
     /// atomically, the array as a whole is not.
     pub fn by_kind(&self, labels: &[&'static str; N]) -> [(&'static str, u64); N] {
         std::array::from_fn(|i| (labels[i], self.counts[i].load(Ordering::Relaxed)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KINDS: [&str; 3] = ["a", "b", "c"];
+
+    #[test]
+    fn counts_by_index_and_by_label() {
+        let c = KindCounters::<3>::default();
+        c.bump(0);
+        c.bump_label(&KINDS, "c");
+        c.bump_label(&KINDS, "c");
+        assert_eq!(c.total(), 3);
+        assert_eq!((c.get(&KINDS, "a"), c.get(&KINDS, "c")), (1, 2));
+        assert_eq!(c.get(&KINDS, "unlisted"), 0);
+        assert_eq!(c.by_kind(&KINDS), [("a", 1), ("b", 0), ("c", 2)]);
     }
 }
