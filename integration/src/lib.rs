@@ -58,6 +58,8 @@ pub fn kvmesh_bin() -> PathBuf {
         "decode",
         "proto",
         "testkit",
+        "counters",
+        "cacheid",
     ] {
         if let Some(newest) = newest_mtime(&root.join(krate).join("src")) {
             assert!(

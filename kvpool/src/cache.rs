@@ -42,7 +42,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use kvmesh_faults::{planted, PlantedBug};
 
-pub use kvmesh_prefix::{Namespace, PageKey};
+pub use kvmesh_cacheid::{Namespace, PageKey};
 
 /// A cache entry: one cached page.
 #[derive(Debug)]

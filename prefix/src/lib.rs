@@ -18,6 +18,10 @@
 //! to a sub-namespace inside that tenant. Nodes receive the namespace over
 //! the authenticated internal API and never from a request body.
 //!
+//! The values themselves are plain 32-byte types of `kvmesh-cacheid`,
+//! re-exported here: this crate derives them, the pool names them there
+//! without linking the mesh secret.
+//!
 //! The pool's cache (`kvmesh_kvpool::cache`) compares the namespace as well
 //! as the key on every lookup: a cross-tenant hit would need two tenants'
 //! namespaces to be equal, not only a key collision.
@@ -35,8 +39,9 @@ use sha2::{Digest, Sha256};
 
 type HmacSha256 = Hmac<Sha256>;
 
-/// Bytes of a namespace, a page key and a model tag.
-pub const LEN: usize = 32;
+/// The identities derived here, as plain values in `kvmesh-cacheid` so the
+/// pool can name them without linking this crate (the mesh secret).
+pub use kvmesh_cacheid::{Namespace, PageKey, LEN};
 
 /// The domain the cache's key is derived under from the mesh secret.
 const KEY_DOMAIN: &str = "kvmesh/prefix-cache/key/v1";
@@ -44,71 +49,10 @@ const NAMESPACE_DOMAIN: &str = "kvmesh/prefix-cache/namespace/v1";
 const PAGE_DOMAIN: &str = "kvmesh/prefix-cache/page/v1";
 const MODEL_DOMAIN: &str = "kvmesh/prefix-cache/model/v1";
 
-macro_rules! id32 {
-    ($(#[$doc:meta])* $name:ident) => {
-        $(#[$doc])*
-        #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub struct $name([u8; LEN]);
-
-        impl $name {
-            /// The raw bytes (what travels in the internal API).
-            pub fn as_bytes(&self) -> &[u8; LEN] {
-                &self.0
-            }
-
-            /// From the bytes the internal API carries; `None` unless
-            /// exactly [`LEN`] of them.
-            pub fn from_slice(b: &[u8]) -> Option<Self> {
-                <[u8; LEN]>::try_from(b).ok().map(Self)
-            }
-        }
-
-        impl fmt::Debug for $name {
-            /// The first 8 bytes in hex: enough to tell values apart in a
-            /// log. These are keyed hashes: they reveal nothing of what
-            /// they were computed from.
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, concat!(stringify!($name), "("))?;
-                for b in &self.0[..8] {
-                    write!(f, "{b:02x}")?;
-                }
-                write!(f, "..)")
-            }
-        }
-    };
-}
-
-id32! {
-    /// Whose cache: derived by the gateway from the authenticated tenant
-    /// (and a client's `cache_salt`, inside that tenant). Two requests can
-    /// share cached pages only if their namespaces are equal.
-    Namespace
-}
-
-id32! {
-    /// What a full KV page holds: a keyed hash over its namespace, the key
-    /// of the page before it, its token ids and the [`ModelTag`].
-    PageKey
-}
-
-impl PageKey {
-    /// The first 8 bytes, as the short id routers index nodes' caches by
-    /// (a node reports these, not whole keys: 8 bytes a page). Two pages
-    /// share an id with probability 2^-64 per pair; a false match only
-    /// sends a request to a node that then misses, since a node looks up
-    /// whole keys.
-    pub fn routing_id(&self) -> u64 {
-        let mut b = [0; 8];
-        b.copy_from_slice(&self.0[..8]);
-        u64::from_le_bytes(b)
-    }
-}
-
-id32! {
-    /// The model and KV layout pages were computed with: pages of another
-    /// model, precision, page size or geometry never share a key.
-    ModelTag
-}
+/// The model and KV layout pages were computed with: pages of another
+/// model, precision, page size or geometry never share a key.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ModelTag([u8; LEN]);
 
 impl ModelTag {
     /// A tag from the model's identity (its file's digest or name and
@@ -127,6 +71,28 @@ impl ModelTag {
             field(&value.to_le_bytes());
         }
         Self(h.finalize().into())
+    }
+
+    /// The raw bytes (what travels in the internal API).
+    pub fn as_bytes(&self) -> &[u8; LEN] {
+        &self.0
+    }
+
+    /// From the bytes the internal API carries; `None` unless exactly
+    /// [`LEN`] of them.
+    pub fn from_slice(b: &[u8]) -> Option<Self> {
+        <[u8; LEN]>::try_from(b).ok().map(Self)
+    }
+}
+
+impl fmt::Debug for ModelTag {
+    /// The first 8 bytes in hex: enough to tell values apart in a log.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ModelTag(")?;
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, "..)")
     }
 }
 
@@ -197,7 +163,12 @@ impl CacheKeys {
             None => (&[0], &[]),
             Some(s) => (&[1], s.as_bytes()),
         };
-        Namespace(self.hash(&[NAMESPACE_DOMAIN.as_bytes(), tenant.as_bytes(), flag, salt]))
+        Namespace::from_bytes(self.hash(&[
+            NAMESPACE_DOMAIN.as_bytes(),
+            tenant.as_bytes(),
+            flag,
+            salt,
+        ]))
     }
 
     /// The key of the full page holding `tokens` (exactly one page of
@@ -215,11 +186,11 @@ impl CacheKeys {
         }
         let (flag, parent): (&[u8], &[u8]) = match parent {
             None => (&[0], &[]),
-            Some(p) => (&[1], &p.0),
+            Some(p) => (&[1], p.as_bytes()),
         };
-        PageKey(self.hash(&[
+        PageKey::from_bytes(self.hash(&[
             PAGE_DOMAIN.as_bytes(),
-            &ns.0,
+            ns.as_bytes(),
             &model.0,
             flag,
             parent,
