@@ -129,7 +129,7 @@ fn token(id: u32, logprobs: Option<Logprobs>) -> Result<DecodeEvent, Status> {
     Ok(DecodeEvent {
         event: Some(decode_event::Event::Token(Token {
             id,
-            logprobs: logprobs.map(kvmesh_proto::sampling::logprobs),
+            logprobs: logprobs.map(kvmesh_node::sampling::logprobs),
         })),
     })
 }

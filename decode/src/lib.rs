@@ -23,6 +23,6 @@ mod run;
 mod run_tests;
 mod service;
 
-pub use kvmesh_proto::serve::Drained;
+pub use kvmesh_node::serve::Drained;
 pub use run::run;
 pub use service::{DecodeConfig, DecodeNode, NodeError, Transport};

@@ -1,12 +1,12 @@
 //! The decode node's own Prometheus series (`GET /metrics` on its gRPC
-//! port): what its load report says ([`kvmesh_proto::metrics::render_report`])
+//! port): what its load report says ([`kvmesh_node::metrics::render_report`])
 //! and the batcher's steps, observed on the batcher thread: one lock-free
 //! histogram update per step, not per token.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use kvmesh_proto::metrics::{header, sample, Histogram, BATCH, SECONDS};
+use kvmesh_telemetry::metrics::{header, sample, Histogram, BATCH, SECONDS};
 
 /// The batcher's steps.
 #[derive(Debug)]

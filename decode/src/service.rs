@@ -20,6 +20,8 @@ use kvmesh_meshauth::{CallVerifier, MeshSecret};
 use kvmesh_model::engine::{check_pool_capacity, Engine, EngineConfig};
 use kvmesh_model::sampling::Sampler;
 use kvmesh_model::LoadedModel;
+use kvmesh_node::report::by_kind;
+use kvmesh_node::serve::cut_set;
 use kvmesh_prefix::CacheKeys;
 use kvmesh_proto::internal::v1::decode_server::{Decode, DecodeServer};
 use kvmesh_proto::internal::v1::{
@@ -36,8 +38,7 @@ mod request;
 
 use crate::batcher::{self, Job, Open, Work};
 use crate::metrics::StepMetrics;
-use kvmesh_proto::serve::cut_set;
-use request::{abandon, by_kind, check, refuse_kind, refused, request_faults, reservation_id};
+use request::{abandon, check, refuse_kind, refused, request_faults, reservation_id};
 
 /// How prefill writers reach this node's pool.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -282,7 +283,7 @@ impl DecodeNode {
     /// Stops the batcher once nothing runs and joins its thread.
     pub(crate) async fn join_batcher(&self) -> Result<(), NodeError> {
         let _ = self.inner.jobs.send(Work::Stop).await;
-        kvmesh_proto::serve::join_thread(&self.inner.batcher)
+        kvmesh_node::serve::join_thread(&self.inner.batcher)
             .await
             .map_err(|_| NodeError::BatcherPanicked)
     }
@@ -311,8 +312,8 @@ impl DecodeNode {
     pub fn metrics_text(&self) -> String {
         let report = self.load_report(None);
         let mut out = String::new();
-        kvmesh_proto::metrics::render_report(&report, &mut out);
-        let labels = kvmesh_proto::metrics::node_labels(&report.node, NodeRole::Decode);
+        kvmesh_node::metrics::render_report(&report, &mut out);
+        let labels = kvmesh_node::metrics::node_labels(&report.node, NodeRole::Decode);
         self.inner.steps.render(&labels, &mut out);
         out
     }
@@ -321,15 +322,9 @@ impl DecodeNode {
     /// `known_cache_epoch` (the router's poll), not for `/metrics`.
     fn load_report(&self, known_cache_epoch: Option<u64>) -> LoadReport {
         let stats = self.inner.table.stats();
-        let pool = self.inner.table.pool().stats();
         LoadReport {
             node: self.inner.name.clone(),
             role: NodeRole::Decode.into(),
-            kv_pages_total: pool.capacity_pages as u64,
-            // Free, plus cached pages nobody leases (evicted on demand).
-            kv_pages_free: pool.available_pages() as u64,
-            prefix_cache: pool.cache.report(),
-            page_size: self.inner.table.pool().config().page_size as u32,
             max_seq_tokens: self.inner.max_seq_tokens as u64,
             queue_depth: (self.inner.depth.load(Ordering::Relaxed) + stats.open) as u32,
             draining: self.inner.draining.load(Ordering::Acquire),
@@ -339,16 +334,8 @@ impl DecodeNode {
                 .iter()
                 .map(|(k, n)| ((*k).to_owned(), *n))
                 .collect(),
-            guard_violations: pool.guard_violations,
             reservations_granted: stats.granted,
             kv_bytes_received: stats.kv_bytes_received,
-            grpc_auth_refused: by_kind(&self.inner.calls.refused()),
-            tls_refused: self
-                .inner
-                .tls
-                .as_ref()
-                .map(|t| t.refused().seen())
-                .unwrap_or_default(),
             kv_auth_refused: by_kind(&self.inner.kv_server.auth_refused().by_kind()),
             kv_refused: self
                 .inner
@@ -360,17 +347,13 @@ impl DecodeNode {
                 .filter(|(_, n)| *n > 0)
                 .map(|(k, n)| (k.to_owned(), n))
                 .collect(),
-            ..known_cache_epoch
-                .and_then(|known| self.inner.engine.cache_advert(known))
-                .map_or_else(LoadReport::default, |(tag, ix)| {
-                    LoadReport::cache_advert(tag.as_bytes(), ix.epoch, ix.ids)
-                })
-                .with_identity(
-                    self.inner.engine.identity(),
-                    self.inner.engine.max_model_len(),
-                    self.inner.table.pool().config().dtype.name(),
-                    self.inner.engine.cpu_kernels(),
-                )
+            ..kvmesh_node::report::common(
+                &self.inner.engine,
+                self.inner.table.pool(),
+                &self.inner.calls,
+                self.inner.tls.as_deref(),
+                known_cache_epoch,
+            )
         }
     }
 }

@@ -62,7 +62,7 @@ fuzz_target!(|data: &[u8]| {
                 assert!(p.logprobs.is_none_or(|n| n <= 20));
                 assert!(s.stop_token_ids.iter().all(|&t| t < 512) && s.stop_token_ids.len() <= 64);
                 // A grammar the gateway took compiles on a node too.
-                assert!(kvmesh_proto::sampling::params(p, || router().vocabulary()).is_ok());
+                assert!(kvmesh_node::sampling::params(p, || router().vocabulary()).is_ok());
                 assert!(s.stop.len() <= 4 && s.stop.iter().all(|x| !x.is_empty()));
                 assert!(ids.iter().all(|&t| t < 512));
                 // Prompt scores: 0-20 alternatives, as a node accepts.

@@ -58,6 +58,7 @@ pub fn kvmesh_bin() -> PathBuf {
         "decode",
         "proto",
         "testkit",
+        "node",
         "counters",
         "cacheid",
     ] {

@@ -1,5 +1,6 @@
 //! Per-call proofs for the internal gRPC services (no gRPC code here: the
-//! tonic glue is `kvmesh_proto::peer_auth`).
+//! tonic glue is `grpc`, feature `tonic`, and its clients are
+//! `kvmesh_proto::peer`).
 //!
 //! Every call carries the metadata entry [`CALL_HEADER`]:
 //!

@@ -65,8 +65,8 @@ use kvmesh_proto::internal::v1::{
 use thiserror::Error;
 use tokio::sync::{mpsc, oneshot, watch, Mutex as AsyncMutex};
 
-use kvmesh_proto::serve::cut_set;
-pub use kvmesh_proto::serve::Drained;
+use kvmesh_node::serve::cut_set;
+pub use kvmesh_node::serve::Drained;
 pub use run::run;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -158,7 +158,7 @@ impl From<PrefillError> for Status {
             }
             PrefillError::Writer(_) => Status::failed_precondition(e.to_string()),
             PrefillError::Model(_) => Status::internal(e.to_string()),
-            PrefillError::ShuttingDown => kvmesh_proto::serve::draining(e.to_string()),
+            PrefillError::ShuttingDown => kvmesh_proto::refusal::draining(e.to_string()),
             PrefillError::Serve(_) | PrefillError::ComputePanicked => {
                 Status::internal(e.to_string())
             }
@@ -343,7 +343,7 @@ impl PrefillNode {
     /// Stops the compute thread (after the batch it runs) and joins it.
     async fn join_compute(&self) -> Result<(), PrefillError> {
         let _ = self.inner.jobs.send(Work::Stop).await;
-        kvmesh_proto::serve::join_thread(&self.inner.compute)
+        kvmesh_node::serve::join_thread(&self.inner.compute)
             .await
             .map_err(|_| PrefillError::ComputePanicked)
     }
@@ -442,11 +442,10 @@ impl PrefillNode {
                 grant.geometry
             )));
         }
-        let params =
-            kvmesh_proto::sampling::params(&r.sampling.clone().unwrap_or_default(), || {
-                self.inner.engine.vocabulary()
-            })
-            .map_err(PrefillError::Invalid)?;
+        let params = kvmesh_node::sampling::params(&r.sampling.clone().unwrap_or_default(), || {
+            self.inner.engine.vocabulary()
+        })
+        .map_err(PrefillError::Invalid)?;
         let sampler = Sampler::new(params, &r.prompt_ids, &r.stop_token_ids);
         let prompt_logprobs = match r.prompt_logprobs {
             Some(k) if k as usize > MAX_TOP_LOGPROBS => {
@@ -576,8 +575,8 @@ impl PrefillNode {
     pub fn metrics_text(&self) -> String {
         let report = self.load_report(None);
         let mut out = String::new();
-        kvmesh_proto::metrics::render_report(&report, &mut out);
-        let labels = kvmesh_proto::metrics::node_labels(
+        kvmesh_node::metrics::render_report(&report, &mut out);
+        let labels = kvmesh_node::metrics::node_labels(
             &report.node,
             kvmesh_proto::internal::v1::NodeRole::Prefill,
         );
@@ -588,48 +587,23 @@ impl PrefillNode {
     /// The load report; the prefix-cache advert (routing ids) only with
     /// `known_cache_epoch` (the router's poll), not for `/metrics`.
     fn load_report(&self, known_cache_epoch: Option<u64>) -> LoadReport {
-        let pool = self.inner.engine.pool().stats();
-        let advert = known_cache_epoch.and_then(|known| self.inner.engine.cache_advert(known));
+        let engine = &self.inner.engine;
         LoadReport {
             node: self.inner.name.clone(),
             role: kvmesh_proto::internal::v1::NodeRole::Prefill.into(),
-            kv_pages_total: pool.capacity_pages as u64,
-            // Free, plus cached pages nobody leases (evicted on demand).
-            kv_pages_free: pool.available_pages() as u64,
-            prefix_cache: pool.cache.report(),
-            page_size: self.inner.engine.pool().config().page_size as u32,
             max_seq_tokens: self.inner.max_seq_tokens as u64,
             queue_depth: self.inner.depth.load(Ordering::Relaxed) as u32,
             writer_id: self.inner.writer.to_bytes().to_vec(),
-            reservations_ended: HashMap::new(),
-            guard_violations: pool.guard_violations,
-            reservations_granted: 0,
-            grpc_auth_refused: self
-                .inner
-                .calls
-                .refused()
-                .iter()
-                .map(|(k, n)| ((*k).to_owned(), *n))
-                .collect(),
-            kv_auth_refused: HashMap::new(),
-            tls_refused: self
-                .inner
-                .tls
-                .as_ref()
-                .map(|t| t.refused().seen())
-                .unwrap_or_default(),
-            kv_refused: HashMap::new(),
             draining: self.inner.draining.load(Ordering::Acquire),
-            ..advert
-                .map_or_else(LoadReport::default, |(tag, ix)| {
-                    LoadReport::cache_advert(tag.as_bytes(), ix.epoch, ix.ids)
-                })
-                .with_identity(
-                    self.inner.engine.identity(),
-                    self.inner.engine.max_model_len(),
-                    self.inner.engine.pool().config().dtype.name(),
-                    self.inner.engine.cpu_kernels(),
-                )
+            // No reservations and no KV listener here: those fields stay
+            // empty.
+            ..kvmesh_node::report::common(
+                engine,
+                engine.pool(),
+                &self.inner.calls,
+                self.inner.tls.as_deref(),
+                known_cache_epoch,
+            )
         }
     }
 }

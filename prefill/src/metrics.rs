@@ -1,5 +1,5 @@
 //! The prefill node's own Prometheus series (`GET /metrics` on its gRPC
-//! port): what its load report says ([`kvmesh_proto::metrics::render_report`]),
+//! port): what its load report says ([`kvmesh_node::metrics::render_report`]),
 //! the compute thread's batches and each request's transfer. Observed once
 //! per batch and once per transfer, lock-free.
 
@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use kvmesh_proto::metrics::{escape, header, sample, Histogram, BATCH, SECONDS};
+use kvmesh_telemetry::metrics::{escape, header, sample, Histogram, BATCH, SECONDS};
 
 /// Transfer outcomes: `completed`, or a writer error's kind, or `failed`.
 #[derive(Debug)]

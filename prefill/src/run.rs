@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_proto::serve::{settle, Drained, Serving};
+use kvmesh_node::serve::{settle, Drained, Serving};
 use tokio::net::TcpListener;
 
 use crate::{PrefillError, PrefillNode};

@@ -118,7 +118,7 @@ fn every_error_has_one_grpc_code_and_draining_is_told_apart() {
         let draining = matches!(e, PrefillError::ShuttingDown);
         let s = Status::from(e);
         assert_eq!(s.code(), code, "{s:?}");
-        assert_eq!(kvmesh_proto::serve::is_draining(&s), draining, "{s:?}");
+        assert_eq!(kvmesh_proto::refusal::is_draining(&s), draining, "{s:?}");
     }
 }
 
@@ -189,7 +189,7 @@ async fn a_drain_refuses_new_work_joins_the_compute_thread_and_counts_the_pool()
         .await
         .expect_err("draining");
     assert!(matches!(e, PrefillError::ShuttingDown), "{e:?}");
-    assert!(kvmesh_proto::serve::is_draining(&Status::from(e)));
+    assert!(kvmesh_proto::refusal::is_draining(&Status::from(e)));
     // The compute thread is gone: nothing left to join.
     assert!(n
         .inner

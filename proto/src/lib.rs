@@ -3,18 +3,29 @@
 //! Prefill services the router drives. The `.proto` files under `proto/`
 //! are the source of truth, every field documented there; `build.rs`
 //! compiles them with protox (pure Rust, no system `protoc`) and
-//! tonic-prost-build. [`peer`] builds the internal clients whose calls
-//! prove the mesh secret (`kvmesh_meshauth::grpc` holds the interceptor and
-//! the server wrapper that refuses calls without a proof); [`serve`] how
-//! every node serves its service and drains.
+//! tonic-prost-build.
+//!
+//! # Layout
+//! - [`v1`], [`internal`]: the generated messages, clients and servers;
+//!   [`PUBLIC_FILE_DESCRIPTOR_SET`] for the public port's reflection;
+//!   [`LOGPROBS_MAX`].
+//! - [`peer`]: the client half of the internal services' contract: the
+//!   clients whose every call proves the mesh secret and carries the trace
+//!   context (`kvmesh_meshauth::grpc` holds the interceptor and the server
+//!   wrapper that refuses calls without a proof), over channels inside
+//!   mutual TLS when the mesh has certificates.
+//! - [`refusal`]: the draining refusal a node answers with and the router
+//!   recognises.
+//!
+//! This is a contract crate: it links no model runtime and serves nothing.
+//! What the nodes share beyond the contract (serving and draining, the
+//! reading of `Sampling` into the model's parameters, the load report's
+//! common fields, `/metrics`) is `kvmesh-node`'s.
 
 #![allow(missing_docs, clippy::all)]
 
-pub mod metrics;
 pub mod peer;
-#[cfg(feature = "sampling")]
-pub mod sampling;
-pub mod serve;
+pub mod refusal;
 
 /// The most alternatives per token a public-API `logprobs` may ask for.
 pub const LOGPROBS_MAX: u64 = 20;
@@ -29,47 +40,6 @@ pub mod internal {
     /// Version 1.
     pub mod v1 {
         tonic::include_proto!("kvmesh.internal.v1");
-    }
-}
-
-impl internal::v1::LoadReport {
-    /// A report with only the cache-routing fields set: the node's model
-    /// tag, its cache epoch and, when given, every cached page's routing
-    /// id. What the nodes fill the rest of a report around.
-    pub fn cache_advert(model_tag: &[u8], epoch: u64, ids: Option<Vec<u64>>) -> Self {
-        Self {
-            cache_model_tag: model_tag.to_vec(),
-            cache_epoch: epoch,
-            cache_page_ids_sent: ids.is_some(),
-            cache_page_ids: ids.unwrap_or_default(),
-            ..Self::default()
-        }
-    }
-
-    /// This report with what `kvmesh doctor` compares across a mesh: this
-    /// build's version, the node's model (family, weights' fingerprint and
-    /// precision), context
-    /// limit, KV element type and CPU kernels (path and numerics), and the
-    /// node's clock now.
-    pub fn with_identity(
-        self,
-        model: &str,
-        max_model_len: usize,
-        kv_dtype: &str,
-        (cpu_kernels, cpu_numerics): (&str, &str),
-    ) -> Self {
-        Self {
-            version: env!("CARGO_PKG_VERSION").to_owned(),
-            model: model.to_owned(),
-            max_model_len: max_model_len as u64,
-            kv_dtype: kv_dtype.to_owned(),
-            cpu_kernels: cpu_kernels.to_owned(),
-            cpu_numerics: cpu_numerics.to_owned(),
-            unix_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
-            ..self
-        }
     }
 }
 

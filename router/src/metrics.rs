@@ -10,7 +10,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use kvmesh_proto::internal::v1::LoadReport;
-use kvmesh_proto::metrics::{escape, header, sample, Histogram, SECONDS};
+use kvmesh_telemetry::metrics::{escape, header, sample, Histogram, SECONDS};
 
 use crate::mesh::Mesh;
 use crate::nodes::Nodes;

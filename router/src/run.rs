@@ -16,11 +16,13 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use axum::serve::ListenerExt;
-use kvmesh_proto::serve::settle;
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 
 use crate::Router;
+
+/// How often [`settle`] looks.
+const SETTLE_POLL: Duration = Duration::from_millis(10);
 
 /// How long requests cut at the deadline, and the servers, may take to end.
 const GRACE: Duration = Duration::from_secs(5);
@@ -115,6 +117,22 @@ where
             tracing::warn!("router servers did not end within their grace");
             Ok(())
         }
+    }
+}
+
+/// Waits until `done()` holds or `deadline` passes; whether it held. (The
+/// nodes' drain has the same helper in `kvmesh_node::serve`, which the
+/// router does not link: that crate links the model runtime.)
+async fn settle(deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
+    loop {
+        if done() {
+            return true;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return false;
+        }
+        tokio::time::sleep(SETTLE_POLL.min(deadline - now)).await;
     }
 }
 

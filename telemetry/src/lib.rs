@@ -1,6 +1,7 @@
 //! kvmesh traces: OpenTelemetry spans of one request across the router,
-//! the decode node and the prefill node, exported over OTLP/gRPC; and the
-//! logs, which every process sets up here too.
+//! the decode node and the prefill node, exported over OTLP/gRPC; the
+//! logs, which every process sets up here too; and the Prometheus text
+//! writer every process's `/metrics` is written with.
 //!
 //! # Layout
 //! - [`settings`]: where a process's tracing comes from: the standard
@@ -13,6 +14,10 @@
 //! - [`propagate`]: W3C `traceparent`/`tracestate` read from HTTP headers
 //!   and gRPC metadata (a malformed one is ignored: the span starts a new
 //!   trace) and written into the metadata of every internal call.
+//! - [`metrics`]: Prometheus text exposition: a lock-free
+//!   [`metrics::Histogram`], family headers, samples and label escaping,
+//!   shared by the router's `/metrics` and the nodes'. No state of its own:
+//!   each process owns its series.
 //!
 //! # Invariants
 //! - Off costs nothing beyond an atomic load per would-be span: every span
@@ -28,6 +33,7 @@
 //!   `tracing.rs` checks every exported attribute).
 
 pub mod install;
+pub mod metrics;
 pub mod propagate;
 pub mod settings;
 

@@ -3,8 +3,6 @@
 //! one mapping from reserve refusals to the wire; and a reservation
 //! abandoned when the router goes away.
 
-use std::collections::HashMap;
-
 use kvmesh_faults::{Action, FaultPlan, Point};
 use kvmesh_kvpool::Namespace;
 use kvmesh_kvwire::{AbortReason, ReservationId, WriterId};
@@ -23,11 +21,6 @@ pub(super) fn request_faults<T>(req: &Request<T>) -> Result<FaultPlan, Status> {
             .and_then(|v| v.to_str().ok()),
     )
     .map_err(|e| Status::invalid_argument(e.to_string()))
-}
-
-/// Counters by kind as a load report's map.
-pub(super) fn by_kind(counts: &[(&'static str, u64)]) -> HashMap<String, u64> {
-    counts.iter().map(|(k, n)| ((*k).to_owned(), *n)).collect()
 }
 
 pub(super) fn reservation_id(bytes: &[u8]) -> Result<ReservationId, Status> {
@@ -79,7 +72,7 @@ pub(super) fn check<'v>(
         .and_then(WriterId::from_bytes)
         .ok_or("writer_id: 16 bytes, not all zero")?;
     let params =
-        kvmesh_proto::sampling::params(&r.sampling.clone().unwrap_or_default(), vocabulary)?;
+        kvmesh_node::sampling::params(&r.sampling.clone().unwrap_or_default(), vocabulary)?;
     let ns = match r.cache_namespace.as_slice() {
         [] => None,
         b => Some(Namespace::from_slice(b).ok_or("cache_namespace: 32 bytes or none")?),

@@ -735,7 +735,7 @@ fn the_gateway_fuzz_corpus_is_refused_by_name_or_accepted_in_range() {
                 assert!(p.min_tokens as usize <= s.max_tokens);
                 assert!(ids.iter().all(|&t| t < vocab));
                 assert!(
-                    kvmesh_proto::sampling::params(p, || r.vocabulary()).is_ok(),
+                    kvmesh_node::sampling::params(p, || r.vocabulary()).is_ok(),
                     "a node would refuse what the gateway took: {:?}",
                     String::from_utf8_lossy(body)
                 );

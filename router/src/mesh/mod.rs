@@ -320,7 +320,7 @@ impl Generation {
         }
         let ev = tokio::select! {
             ev = self.rx.recv() => ev.unwrap_or(Event::Error(DispatchError::Unfinished)),
-            () = kvmesh_proto::serve::cut_set(&mut self.cut) => {
+            () = cut_set(&mut self.cut) => {
                 // Nothing more is read: dropping the receiver stops the mesh.
                 self.rx.close();
                 Event::Error(DispatchError::ShuttingDown)
@@ -346,4 +346,12 @@ impl Drop for Generation {
             self.metrics.finished("client_gone");
         }
     }
+}
+
+/// Resolves once `flag` is set (the drain deadline's cut), or at once if
+/// its sender is gone. (The nodes' drain has the same helper in
+/// `kvmesh_node::serve`, which the router does not link: that crate links
+/// the model runtime.)
+async fn cut_set(flag: &mut watch::Receiver<bool>) {
+    let _ = flag.wait_for(|set| *set).await;
 }

@@ -117,7 +117,7 @@ impl Route<'_> {
             tracing::debug!(status = %status, "prefill's failure changes nothing");
             return Ok(());
         }
-        if kvmesh_proto::serve::is_draining(&status) {
+        if kvmesh_proto::refusal::is_draining(&status) {
             // Told to stop before our poll saw it: out of the choice; the
             // client may retry (503).
             self.prefill.mark_down();

@@ -1,5 +1,6 @@
-//! How a node serves its gRPC service and drains: the one shape the
-//! router's public port, prefill and decode share.
+//! How a node serves its gRPC service and drains: the one shape prefill
+//! and decode share. (The draining refusal a node answers with is part of
+//! the contract with the router: `kvmesh_proto::refusal`.)
 //!
 //! A node's `run` serves on a listener it is handed ([`serve`]), waits for
 //! its shutdown signal, then drains: it refuses new work, waits for what it
@@ -8,8 +9,11 @@
 //! flight is cut by the transport) and joins its compute thread.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvmesh_meshauth::tls::{MeshTls, Purpose};
+use kvmesh_telemetry::metrics::CONTENT_TYPE;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -18,34 +22,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
-use std::sync::Arc;
-
-use kvmesh_meshauth::tls::{MeshTls, Purpose};
-
-use crate::metrics::{Render, CONTENT_TYPE};
-
-/// The metadata key of a call a draining node refused (value
-/// [`DRAINING`]): the caller may choose another node, and its client gets
-/// a retryable 503, not a node failure.
-pub const REFUSED_KEY: &str = "kvmesh-refused";
-/// [`REFUSED_KEY`]'s value for a node that is draining.
-pub const DRAINING: &str = "draining";
-
-/// The status of a call refused because the node is draining.
-pub fn draining(message: impl Into<String>) -> tonic::Status {
-    let mut s = tonic::Status::unavailable(message);
-    s.metadata_mut().insert(
-        REFUSED_KEY,
-        tonic::metadata::MetadataValue::from_static(DRAINING),
-    );
-    s
-}
-
-/// Whether `s` is a draining node's refusal ([`draining`]).
-pub fn is_draining(s: &tonic::Status) -> bool {
-    s.code() == tonic::Code::Unavailable
-        && s.metadata().get(REFUSED_KEY).is_some_and(|v| v == DRAINING)
-}
+use crate::metrics::Render;
 
 /// How often [`settle`] looks.
 const SETTLE_POLL: Duration = Duration::from_millis(10);
@@ -326,20 +303,6 @@ pub async fn settle(deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_draining_refusal_is_told_apart_from_a_node_that_is_down() {
-        assert!(is_draining(&draining("prefill node draining")));
-        assert!(!is_draining(&tonic::Status::unavailable(
-            "connection refused"
-        )));
-        let mut other = tonic::Status::internal("x");
-        other.metadata_mut().insert(
-            REFUSED_KEY,
-            tonic::metadata::MetadataValue::from_static(DRAINING),
-        );
-        assert!(!is_draining(&other));
-    }
 
     #[tokio::test]
     async fn settle_reports_whether_the_condition_held_in_time() {

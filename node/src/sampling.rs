@@ -7,7 +7,7 @@
 use kvmesh_model::sampling::{Logprobs as ModelLogprobs, SamplingParams};
 use kvmesh_model::structured::{StructuredError, Vocabulary};
 
-use crate::internal::v1::{Logprobs, Sampling};
+use kvmesh_proto::internal::v1::{Logprobs, Sampling};
 
 /// `s` as sampler settings (zero values meaning the defaults), or what is
 /// out of range. A grammar is compiled over `vocabulary` (asked for only
