@@ -41,7 +41,7 @@ use kvmesh_router::nodes::Nodes;
 use kvmesh_router::{Rejection, Router, RouterConfig};
 use serde_json::{json, Value};
 
-use kvmesh_testkit::http::{Connection, Request};
+use kvmesh_client::http::{Connection, Request};
 
 use crate::soak::mesh::{host_port, start_mesh, MeshChild};
 

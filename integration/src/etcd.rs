@@ -138,7 +138,7 @@ impl Etcd {
         *self.child.lock().unwrap_or_else(PoisonError::into_inner) = Some(child);
         // Up once it answers its health endpoint (a leader elected).
         loop {
-            let ok = kvmesh_testkit::blocking::get(&self.endpoint(), "/health")
+            let ok = kvmesh_client::blocking::get(&self.endpoint(), "/health")
                 .is_ok_and(|r| r.status == 200 && r.text().contains("true"));
             if ok {
                 break;

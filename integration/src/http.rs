@@ -1,9 +1,9 @@
-//! The tests' HTTP calls: `kvmesh_testkit`'s blocking client, with the
+//! The tests' HTTP calls: `kvmesh_client`'s blocking client, with the
 //! panics a test wants (a gateway that cannot be reached, or a body that
 //! should be JSON and is not, fails the test with what it got).
 
-use kvmesh_testkit::blocking;
-use kvmesh_testkit::http::Request;
+use kvmesh_client::blocking;
+use kvmesh_client::http::Request;
 
 /// A response: status, headers (lower-cased names), body.
 #[derive(Debug)]
@@ -114,13 +114,13 @@ pub fn post_streaming_headers(
 }
 
 /// The gateway's metrics at `addr`, parsed.
-pub fn metrics(addr: &str) -> kvmesh_testkit::Metrics {
+pub fn metrics(addr: &str) -> kvmesh_client::Metrics {
     blocking::scrape(addr).unwrap_or_else(|e| panic!("{addr}: {e}"))
 }
 
 /// The value of the sample a selector names at `addr`
 /// (`name{label="v"}` exactly, `name{label="v"` at least those labels; see
-/// [`kvmesh_testkit::Metrics::get`]).
+/// [`kvmesh_client::Metrics::get`]).
 pub fn metric(addr: &str, selector: &str) -> Option<f64> {
     metrics(addr).get(selector)
 }

@@ -332,7 +332,7 @@ impl InProcessMesh {
     }
 
     /// The value of the gateway's sample `selector` names (see
-    /// [`kvmesh_testkit::Metrics::get`]).
+    /// [`kvmesh_client::Metrics::get`]).
     pub fn metric(&self, selector: &str) -> Option<f64> {
         http::metric(&self.http, selector)
     }

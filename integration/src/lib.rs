@@ -7,7 +7,7 @@
 //! [`cache`] holds the prefix cache's request helpers and isolation scenario;
 //! [`etcd`] runs a real etcd for the membership tests and meshes that
 //! register in it;
-//! [`http`] is the tests' face of `kvmesh_testkit`'s client and scraper;
+//! [`http`] is the tests' face of `kvmesh_client`'s client and scraper;
 //! [`nodes`] drives the internal services by hand; [`python`] runs the
 //! external clients.
 
@@ -57,8 +57,8 @@ pub fn kvmesh_bin() -> PathBuf {
         "prefill",
         "decode",
         "proto",
-        "testkit",
         "node",
+        "client",
         "counters",
         "cacheid",
     ] {

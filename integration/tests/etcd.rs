@@ -55,7 +55,7 @@ fn complete_checked(addr: &str, prompt: &str) {
 fn wait_metrics(
     addr: &str,
     what: &str,
-    check: impl Fn(&kvmesh_testkit::Metrics) -> bool,
+    check: impl Fn(&kvmesh_client::Metrics) -> bool,
 ) -> Duration {
     let t0 = Instant::now();
     loop {
@@ -68,18 +68,18 @@ fn wait_metrics(
     }
 }
 
-fn members(m: &kvmesh_testkit::Metrics, role: &str) -> f64 {
+fn members(m: &kvmesh_client::Metrics, role: &str) -> f64 {
     m.value("kvmesh_discovery_members", &[("role", role)])
         .unwrap_or(-1.0)
 }
 
 /// Whether the router has the node in its view at all (every member has a
 /// `kvmesh_node_up` series).
-fn known(m: &kvmesh_testkit::Metrics, node: &str) -> bool {
+fn known(m: &kvmesh_client::Metrics, node: &str) -> bool {
     m.first("kvmesh_node_up", &[("node", node)]).is_some()
 }
 
-fn up(m: &kvmesh_testkit::Metrics, node: &str) -> bool {
+fn up(m: &kvmesh_client::Metrics, node: &str) -> bool {
     m.first("kvmesh_node_up", &[("node", node)]) == Some(1.0)
 }
 
@@ -158,7 +158,7 @@ fn a_new_decode_node_joins_and_takes_traffic_without_a_restart() {
     // Registered once its ready line is out.
     let _d1 = mesh.start("decode", Some("decode-1"), &[], false);
     let joined = Instant::now();
-    let granted = |m: &kvmesh_testkit::Metrics| {
+    let granted = |m: &kvmesh_client::Metrics| {
         m.value(
             "kvmesh_node_reservations_granted_total",
             &[("node", "decode-1")],

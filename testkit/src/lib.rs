@@ -1,35 +1,13 @@
-//! What kvmesh's tools (`kvmesh soak`, `loadgen`, `bench-router`) and its
-//! end-to-end tests use to talk to a gateway: one HTTP/1.1 client that
-//! also reads server-sent events, and one parser of the Prometheus text
-//! format.
+//! What kvmesh's tests use and the shipped binary never does: a dev-only
+//! crate (every user names it under `[dev-dependencies]`).
 //!
 //! Layout:
-//! - [`http`]: the async client on hyper: a [`http::Request`] (method,
-//!   path, body, headers), one-shot calls on a fresh connection
-//!   ([`http::send`], [`http::request`], [`http::get`]), a keep-alive
-//!   [`http::Connection`], and [`http::SseReader`] for `text/event-stream`
-//!   bodies. A response held open owns its connection: dropping it closes
-//!   the socket, which is how a client "goes away".
-//! - [`blocking`]: the same client for synchronous tests: each call runs on
-//!   a current-thread runtime of its own, and a [`blocking::Streaming`]
-//!   owns the runtime its connection lives on.
-//! - [`metrics`]: `parse(text) -> Vec<Sample>` (escaped label values,
-//!   `+Inf`, comments, histograms, timestamps), lookups by name and labels
-//!   or by a selector (`name{label="v"}`), and [`metrics::scrape`].
-//! - `tls` (feature `tls`): a throwaway certificate authority that writes
-//!   a CA and node certificates (current, expired, or from another CA) as
-//!   PEM files, for the mutual-TLS tests.
+//! - [`tls`]: a throwaway certificate authority that writes a CA and node
+//!   certificates (current, expired, or from another CA) as PEM files, for
+//!   the mutual-TLS tests of `kvmesh-meshauth`, `kvmesh-kvxfer` and the
+//!   integration suite.
 //!
-//! Invariants: nothing here panics on what a server sends; a malformed
-//! metrics line is skipped, a malformed or oversized response is an
-//! [`http::Error`]. Every read that a blocking call makes is bounded by a
-//! timeout, so a test that waits on a hung server fails instead of hanging.
+//! The client the tools and tests talk to a gateway with is
+//! `kvmesh-client`, which the `kvmesh` binary links.
 
-pub mod blocking;
-pub mod http;
-pub mod metrics;
-#[cfg(feature = "tls")]
 pub mod tls;
-
-pub use http::{Error, Reply, Request};
-pub use metrics::{Metrics, Sample};

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use kvmesh_testkit::http::{self, Request};
+use kvmesh_client::http::{self, Request};
 use serde_json::Value;
 
 /// What one request measured.

@@ -43,8 +43,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
+use kvmesh_client::metrics::scrape;
 use kvmesh_model::default_model;
-use kvmesh_testkit::metrics::scrape;
 use serde_json::{json, Value};
 
 use crate::loadgen::workload::one_token_words;

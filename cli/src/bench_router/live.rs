@@ -151,10 +151,10 @@ pub(super) struct Counters {
 impl Counters {
     #[cfg(test)]
     pub(super) fn from_text(text: &str) -> Self {
-        Self::of(&kvmesh_testkit::metrics::parse(text))
+        Self::of(&kvmesh_client::metrics::parse(text))
     }
 
-    fn of(samples: &[kvmesh_testkit::Sample]) -> Self {
+    fn of(samples: &[kvmesh_client::Sample]) -> Self {
         let mut c = Self::default();
         for s in samples {
             match s.name.as_str() {
@@ -182,7 +182,7 @@ impl Counters {
 }
 
 pub(super) async fn counters(addr: &str) -> Result<Counters> {
-    match kvmesh_testkit::metrics::scrape(addr).await {
+    match kvmesh_client::metrics::scrape(addr).await {
         Ok(m) => Ok(Counters::of(m.samples())),
         Err(e) => bail!("{addr}: {e}"),
     }

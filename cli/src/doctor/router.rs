@@ -18,7 +18,7 @@ pub(super) fn through_router(url: &str, timeout: Duration) -> Result<Report> {
         return Ok(report);
     }
     let metrics = match http_get(&addr, "/metrics", timeout) {
-        Ok(r) if r.status == 200 => kvmesh_testkit::Metrics::parse(r.text()),
+        Ok(r) if r.status == 200 => kvmesh_client::Metrics::parse(r.text()),
         Ok(r) => {
             report.add(
                 "router",
@@ -118,7 +118,7 @@ pub(super) fn through_router(url: &str, timeout: Duration) -> Result<Report> {
 /// The model the router serves, as `/v1/models` describes it (read from
 /// its metadata, without weights): a row to read, failed only when the
 /// router cannot say.
-fn model(report: &mut Report, reply: Result<kvmesh_testkit::Reply, String>) {
+fn model(report: &mut Report, reply: Result<kvmesh_client::Reply, String>) {
     let described = reply.ok().filter(|r| r.status == 200).and_then(|r| {
         let j = r.json().ok()?;
         let m = &j["data"][0];
@@ -146,11 +146,11 @@ fn http_get(
     addr: &str,
     path: &'static str,
     timeout: Duration,
-) -> Result<kvmesh_testkit::Reply, String> {
+) -> Result<kvmesh_client::Reply, String> {
     let (tx, rx) = std::sync::mpsc::channel();
     let at = addr.to_owned();
     std::thread::spawn(move || {
-        let _ = tx.send(kvmesh_testkit::blocking::get(&at, path).map_err(|e| e.to_string()));
+        let _ = tx.send(kvmesh_client::blocking::get(&at, path).map_err(|e| e.to_string()));
     });
     rx.recv_timeout(timeout)
         .unwrap_or_else(|_| Err(format!("no answer within {} ms", timeout.as_millis())))

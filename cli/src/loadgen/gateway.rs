@@ -23,7 +23,7 @@ use super::stats::{timings, Sample};
 use super::workload::{Arrivals, RequestSpec, Workload};
 use super::{Load, Mode};
 use crate::progress::Ticker;
-use kvmesh_testkit::http::{self, Request};
+use kvmesh_client::http::{self, Request};
 
 /// What a stream delivered.
 #[derive(Default)]

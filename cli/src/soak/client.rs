@@ -1,4 +1,4 @@
-//! One request of the load, over the testkit's client (one connection per
+//! One request of the load, over kvmesh-client's client (one connection per
 //! request).
 
 use super::*;

@@ -20,10 +20,10 @@ pub(super) struct MeshFigures {
 impl MeshFigures {
     #[cfg(test)]
     pub(super) fn from_text(text: &str) -> Self {
-        Self::of(&kvmesh_testkit::metrics::parse(text))
+        Self::of(&kvmesh_client::metrics::parse(text))
     }
 
-    fn of(samples: &[kvmesh_testkit::Sample]) -> Self {
+    fn of(samples: &[kvmesh_client::Sample]) -> Self {
         let mut f = Self::default();
         for s in samples {
             let node = s.labels.get("node").cloned().unwrap_or_default();
@@ -65,7 +65,7 @@ impl MeshFigures {
 }
 
 pub(super) async fn figures(addr: &str) -> Result<MeshFigures, String> {
-    let m = kvmesh_testkit::metrics::scrape(addr)
+    let m = kvmesh_client::metrics::scrape(addr)
         .await
         .map_err(|e| e.to_string())?;
     Ok(MeshFigures::of(m.samples()))

@@ -39,10 +39,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use kvmesh_client::http;
 use kvmesh_model::default_model;
 use kvmesh_model::engine::Engine;
 use kvmesh_model::sampling::SamplingParams;
-use kvmesh_testkit::http;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
