@@ -559,6 +559,7 @@ fn every_family_through_the_mesh_equals_the_reference_engine() {
         "qwen2_moe",
         "qwen3_moe",
         "glm4_moe",
+        "gpt_oss",
     ] {
         assert!(
             models.iter().any(|m| m.ends_with(format!("tiny-{family}"))),
@@ -573,6 +574,7 @@ fn every_family_through_the_mesh_equals_the_reference_engine() {
     models.push(data.join("gguf/tiny-qwen2_moe-Q8_0.gguf"));
     models.push(data.join("gguf/tiny-qwen3_moe-Q4_0.gguf"));
     models.push(data.join("gguf/tiny-glm4_moe-Q8_0.gguf"));
+    models.push(data.join("gguf/tiny-gpt_oss-Q8_0.gguf"));
     let prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[9], PROMPTS[11]];
     for model in &models {
         let mesh = start(model, Options::default());

@@ -146,6 +146,7 @@ fn main() {
         scale: 0.125,
         window: None,
         softcap: None,
+        sinks: None,
     };
     for f16 in [false, true] {
         pages.f16 = f16;

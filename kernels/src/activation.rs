@@ -81,6 +81,42 @@ pub fn geglu_tanh(gate_up: &[f32], width: usize, out: &mut [f32]) {
     }
 }
 
+/// gpt-oss's clamped SwiGLU over stacked `[gate | up]` rows (`2 * width`
+/// each): `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`,
+/// `out = g * sigmoid(alpha g) * (u + 1)`, with
+/// `sigmoid(y) = 1 / (1 + e^-y)` through [`exp`] (transformers'
+/// `GptOssExperts._apply_gate`; the `+ 1` on up is part of the model). One
+/// scalar implementation on every path, so every path computes the same
+/// bits; a NaN gate or up stays NaN.
+///
+/// # Panics
+/// As [`swiglu`].
+pub fn swiglu_oai(gate_up: &[f32], width: usize, alpha: f32, limit: f32, out: &mut [f32]) {
+    assert!(width > 0, "swiglu_oai width");
+    assert_eq!(out.len() % width, 0, "swiglu_oai output rows");
+    assert_eq!(gate_up.len(), 2 * out.len(), "swiglu_oai input rows");
+    for (row, o) in gate_up
+        .chunks_exact(2 * width)
+        .zip(out.chunks_exact_mut(width))
+    {
+        let (gate, up) = row.split_at(width);
+        for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+            // Comparisons rather than `min`/`clamp`: NaN passes through as
+            // in PyTorch, and a bad limit cannot panic.
+            let g = if g > limit { limit } else { g };
+            let u = if u > limit {
+                limit
+            } else if u < -limit {
+                -limit
+            } else {
+                u
+            };
+            let glu = g / (1.0 + exp(-(g * alpha)));
+            *o = (u + 1.0) * glu;
+        }
+    }
+}
+
 /// `out[t][j] = silu(gate_up[t][j]) * gate_up[t][width + j]`: each row of
 /// `gate_up` is a row of gate values then a row of up values (`2 * width`),
 /// as a stacked gate/up projection writes them.
@@ -215,6 +251,36 @@ mod tests {
 
     /// The AVX2 path (where this CPU has it) equals the portable one to the
     /// bit, tail columns included, and both are SwiGLU.
+    /// The clamp bites above `limit` on the gate and on both sides of up;
+    /// inside it the function is `g sigmoid(alpha g) (u + 1)`.
+    #[test]
+    fn swiglu_oai_clamps_then_gates() {
+        let (alpha, limit) = (1.702f32, 1.5f32);
+        let gate = [0.5f32, 3.0, -4.0, 1.0, f32::NAN];
+        let up = [0.25f32, 0.5, 2.0, -9.0, 0.0];
+        let gu: Vec<f32> = gate.iter().chain(&up).copied().collect();
+        let mut out = [0.0f32; 5];
+        super::swiglu_oai(&gu, 5, alpha, limit, &mut out);
+        let want = |g: f32, u: f32| {
+            let g = g.min(limit) as f64;
+            let u = u.clamp(-limit, limit) as f64;
+            g / (1.0 + (-(g * alpha as f64)).exp()) * (u + 1.0)
+        };
+        for j in 0..4 {
+            let w = want(gate[j], up[j]);
+            assert!(
+                ((out[j] as f64) - w).abs() < 1e-6 * w.abs().max(1.0),
+                "{j}: {} vs {w}",
+                out[j]
+            );
+        }
+        assert!(out[4].is_nan());
+        // Unclamped, the second value would be 3 sigmoid(5.1) 1.5, not
+        // 1.5 sigmoid(2.55) 1.5.
+        let unclamped = 3.0 / (1.0 + (-3.0f32 * alpha).exp()) * 1.5;
+        assert!((out[1] - unclamped).abs() > 1.0);
+    }
+
     #[test]
     fn swiglu_matches_the_definition_and_the_portable_path() {
         let (rows, width) = (3, 37);

@@ -19,17 +19,26 @@
 //! arithmetic. All checks happen before any arithmetic, so a violation
 //! reads nothing and writes nothing to `out`.
 //!
+//! Attention sinks ([`AttentionShape::sinks`], gpt-oss) join each query
+//! head's softmax as one more logit that carries no value: the maximum is
+//! taken over the scores and the sink, the denominator adds
+//! `exp(sink - max)`. That is one scalar step in each path's finalize
+//! (the AVX2 and AVX-512 builds share theirs), so the paths agree as
+//! before.
+//!
 //! Soft-capping adds one `tanhf` per score: 10 ns a call on this project's
 //! 2-core machines (a `rustc -O` loop of 10M calls; `expf` took 4 ns),
 //! chosen over a vector polynomial for its accuracy (an ulp, as PyTorch's
 //! `tanh`), against the score's dot product of `head_dim` multiply-adds.
+
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
 use crate::paged::{GuardViolation, KvDtype, KvValues, PageRef, PageSlices, PagedKv};
 
 /// The head layout of one attention call.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct AttentionShape {
     /// Query heads.
     pub n_heads: usize,
@@ -46,6 +55,11 @@ pub struct AttentionShape {
     /// becomes `cap * tanh(s / cap)` before the softmax. `None`: scores
     /// as they are.
     pub softcap: Option<f32>,
+    /// Attention sinks (gpt-oss): one learned logit per query head
+    /// (`n_heads` values) that joins the softmax's denominator as a
+    /// position whose value is zero, so a head may attend to nothing.
+    /// `None`: a plain softmax.
+    pub sinks: Option<Arc<[f32]>>,
 }
 
 /// Query tokens per parallel task of a prompt chunk (all heads): their K/V
@@ -70,7 +84,8 @@ const PARALLEL_THRESHOLD: usize = 1 << 21;
 /// violation the function returns it without computing anything.
 ///
 /// # Panics
-/// If the slice lengths disagree with `shape` (a caller bug, not input).
+/// If the slice lengths disagree with `shape`, sinks included (a caller
+/// bug, not input).
 pub fn paged_attention<K: PagedKv + ?Sized>(
     kv: &K,
     table: &[PageRef],
@@ -126,6 +141,9 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
         "q has the wrong length"
     );
     assert_eq!(out.len(), q.len(), "out has the wrong length");
+    if let Some(sinks) = &shape.sinks {
+        assert_eq!(sinks.len(), n_heads, "one sink per query head");
+    }
     let Some(&max_pos) = positions.iter().max() else {
         return Ok(());
     };
@@ -172,7 +190,19 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
                 .map(|g| (&q[(kvh * group + g) * head_dim..][..head_dim], positions[0]))
                 .collect();
             let mut outs: Vec<&mut [f32]> = o.chunks_mut(head_dim).collect();
-            let args = (shape, pages.as_slice(), page_size, kv_dim, kvh * head_dim);
+            // The KV head's query heads are adjacent: so are their sinks.
+            let sinks = shape
+                .sinks
+                .as_deref()
+                .map(|s| &s[kvh * group..(kvh + 1) * group]);
+            let args = (
+                shape,
+                pages.as_slice(),
+                page_size,
+                kv_dim,
+                kvh * head_dim,
+                sinks,
+            );
             run_block(path, &queries, &mut outs, args);
         };
         if work < PARALLEL_THRESHOLD {
@@ -193,6 +223,7 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
         for kvh in 0..n_kv_heads {
             let mut queries = Vec::new();
             let mut outs = Vec::new();
+            let mut sinks = Vec::new();
             for (idx, slot) in slots.iter_mut().enumerate() {
                 let (t, h) = (t0 + idx / n_heads, idx % n_heads);
                 if h / group != kvh {
@@ -201,9 +232,20 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
                 if let Some(o) = slot.take() {
                     queries.push((&q[t * q_stride + h * head_dim..][..head_dim], positions[t]));
                     outs.push(o);
+                    if let Some(s) = &shape.sinks {
+                        sinks.push(s[h]);
+                    }
                 }
             }
-            let args = (shape, pages.as_slice(), page_size, kv_dim, kvh * head_dim);
+            let sinks = shape.sinks.as_ref().map(|_| sinks.as_slice());
+            let args = (
+                shape,
+                pages.as_slice(),
+                page_size,
+                kv_dim,
+                kvh * head_dim,
+                sinks,
+            );
             run_block(path, &queries, &mut outs, args);
         }
     };
@@ -235,14 +277,31 @@ fn window_start(pos: usize, window: Option<usize>) -> usize {
 }
 
 /// What every query of a block shares: shape, fetched pages, page size, KV
-/// row width, and the KV head's offset in a KV row.
+/// row width, the KV head's offset in a KV row, and where the shape has
+/// sinks each query's (one per query, in the queries' order).
 type BlockArgs<'a, 'p> = (
     &'a AttentionShape,
     &'a [Option<PageSlices<'p>>],
     usize,
     usize,
     usize,
+    Option<&'a [f32]>,
 );
+
+/// The softmax denominator's share of a sink: `exp(sink - max)` after the
+/// maximum `max` of the scores is raised to the sink where it is higher;
+/// returns the new maximum and the term (zero without a sink). A NaN
+/// sink gives a NaN term (a broken model's NaN output), never a panic.
+#[inline(always)]
+pub(crate) fn with_sink(max: f32, sink: Option<f32>) -> (f32, f32) {
+    match sink {
+        Some(s) => {
+            let m = max.max(s);
+            (m, (s - m).exp())
+        }
+        None => (max, 0.0),
+    }
+}
 
 /// [`attend_block`] on `path`'s build: register tiles where the head size
 /// allows ([`tiled`], [`tiled512`]), else the generic block with that
@@ -415,7 +474,7 @@ fn attend_block<L: Lanes>(
     outs: &mut [&mut [f32]],
     args: BlockArgs<'_, '_>,
 ) {
-    let (shape, pages, page_size, kv_dim, head_off) = args;
+    let (shape, pages, page_size, kv_dim, head_off, sinks) = args;
     let Some(head_dim) = queries.first().map(|(q, _)| q.len()) else {
         return;
     };
@@ -468,14 +527,16 @@ fn attend_block<L: Lanes>(
             }
         }
     }
-    // Softmax in place; `max` becomes 1 / sum.
-    for (_, max, scores) in state.iter_mut() {
+    // Softmax in place (over the sink too, where there is one); `max`
+    // becomes 1 / sum.
+    for (i, (_, max, scores)) in state.iter_mut().enumerate() {
+        let (m, sink_term) = with_sink(*max, sinks.map(|s| s[i]));
         let mut sum = 0.0f32;
         for s in scores.iter_mut() {
-            *s = (*s - *max).exp();
+            *s = (*s - m).exp();
             sum += *s;
         }
-        *max = 1.0 / sum;
+        *max = 1.0 / (sum + sink_term);
     }
     for o in outs.iter_mut() {
         o.fill(0.0);

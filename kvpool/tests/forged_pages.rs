@@ -19,6 +19,7 @@ const SHAPE: AttentionShape = AttentionShape {
     scale: 0.5,
     window: None,
     softcap: None,
+    sinks: None,
 };
 const Q_STRIDE: usize = 4 * HEAD_DIM;
 /// What `out` holds before a call; a failed call must leave it.

@@ -31,6 +31,7 @@
 mod gemma2;
 mod gemma3;
 mod glm4_moe;
+mod gpt_oss;
 mod llama;
 pub mod moe;
 mod phi3;
@@ -56,24 +57,36 @@ pub(crate) const FAMILIES: &[&Family] = &[
     &qwen_moe::QWEN2_MOE,
     &qwen_moe::QWEN3_MOE,
     &glm4_moe::FAMILY,
+    &gpt_oss::FAMILY,
 ];
 
 /// The MLP's activation on the gate (the up projection multiplies it).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum Activation {
     /// `silu(gate) * up` (SwiGLU).
     #[default]
     Silu,
     /// `gelu_tanh(gate) * up` (GeGLU with the tanh approximation, Gemma).
     GeluTanh,
+    /// gpt-oss's clamped SwiGLU: `g = min(gate, limit)`,
+    /// `u = clamp(up, -limit, limit)`, then `g * sigmoid(alpha g) * (u + 1)`
+    /// ([`kvmesh_kernels::activation::swiglu_oai`]).
+    SwigluOai {
+        /// Gain inside the sigmoid (1.702).
+        alpha: f32,
+        /// Clamp of the gate (above) and of up (both sides) (7).
+        limit: f32,
+    },
 }
 
 impl Activation {
-    /// The name configuration files use.
+    /// The name configuration files use (the clamped SwiGLU: llama.cpp's
+    /// name for it; gpt-oss's `config.json` says `silu`).
     pub fn name(self) -> &'static str {
         match self {
             Self::Silu => "silu",
             Self::GeluTanh => "gelu_pytorch_tanh",
+            Self::SwigluOai { .. } => "swiglu_oai",
         }
     }
 }
@@ -111,6 +124,12 @@ pub struct Block {
     pub attn_softcap: Option<f32>,
     /// Final logits become `cap * tanh(logits / cap)` (Gemma 2).
     pub final_softcap: Option<f32>,
+    /// The output projection has a bias, `[hidden]` (gpt-oss).
+    pub o_bias: bool,
+    /// Each attention layer has one learned sink logit per query head
+    /// that joins its softmax (gpt-oss;
+    /// [`kvmesh_kernels::AttentionShape::sinks`]).
+    pub attn_sinks: bool,
 }
 
 impl Block {
@@ -124,6 +143,8 @@ impl Block {
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             attn_softcap: None,
             final_softcap: None,
+            o_bias: false,
+            attn_sinks: false,
         }
     }
 
@@ -132,8 +153,10 @@ impl Block {
     pub fn non_llama_switches(&self, head_dim: usize) -> Vec<&'static str> {
         let base = Self::llama(head_dim);
         let mut out = Vec::new();
-        if self.activation != base.activation {
-            out.push("gelu-tanh MLP");
+        match self.activation {
+            Activation::Silu => {}
+            Activation::GeluTanh => out.push("gelu-tanh MLP"),
+            Activation::SwigluOai { .. } => out.push("clamped SwiGLU MLP (swiglu_oai)"),
         }
         if self.qk_norm {
             out.push("q/k norms");
@@ -152,6 +175,12 @@ impl Block {
         }
         if self.final_softcap.is_some() {
             out.push("soft-capped logits");
+        }
+        if self.o_bias {
+            out.push("an output-projection bias");
+        }
+        if self.attn_sinks {
+            out.push("attention sinks");
         }
         out
     }
@@ -196,12 +225,33 @@ pub(crate) enum Part {
     SharedDown,
     /// The shared expert's sigmoid gate, `[1, hidden]`.
     SharedRouter,
+    /// The output projection's bias, `[hidden]` (gpt-oss).
+    OBias,
+    /// One attention sink logit per query head, `[n_heads]` (gpt-oss).
+    Sinks,
+    /// The bias added to the router's logits, `[experts]` (gpt-oss; unlike
+    /// [`Part::RouterBias`] it changes the weights too).
+    RouterLogitBias,
+    /// Every expert's gate, up and down biases: `[expert_ff]`,
+    /// `[expert_ff]` and `[hidden]` per expert (gpt-oss).
+    ExpertGateBias,
+    ExpertUpBias,
+    ExpertDownBias,
 }
 
 impl Part {
-    /// One tensor per expert in a Hugging Face checkpoint.
+    /// One tensor per expert in a Hugging Face checkpoint (names with
+    /// `{j}`), one `[experts, ..]` stack in GGUF.
     pub(crate) fn per_expert(self) -> bool {
-        matches!(self, Self::ExpertGate | Self::ExpertUp | Self::ExpertDown)
+        matches!(
+            self,
+            Self::ExpertGate
+                | Self::ExpertUp
+                | Self::ExpertDown
+                | Self::ExpertGateBias
+                | Self::ExpertUpBias
+                | Self::ExpertDownBias
+        )
     }
 }
 
@@ -241,6 +291,13 @@ pub(crate) struct Family {
     /// where its config says so (`partial_rotary_factor`,
     /// `rope.dimension_count`); elsewhere that is refused by name.
     pub partial_rotary: bool,
+    /// Hugging Face checkpoints store each layer's experts as transformers
+    /// 5 holds them for gpt-oss: `gate_up_proj` `[experts, hidden,
+    /// 2 expert_ff]` with gate and up in alternating columns,
+    /// `down_proj` `[experts, expert_ff, hidden]` (both the transpose of a
+    /// linear layer's weight), and their biases `[experts, 2 expert_ff]`
+    /// and `[experts, hidden]`; instead of one tensor per expert and role.
+    pub hf_fused_experts: bool,
 }
 
 impl std::fmt::Debug for Family {
@@ -315,6 +372,16 @@ impl Family {
                 if moe.shared_gate {
                     parts.push(Part::SharedRouter);
                 }
+                if moe.router_bias {
+                    parts.push(Part::RouterLogitBias);
+                }
+                if moe.expert_bias {
+                    parts.extend([
+                        Part::ExpertGateBias,
+                        Part::ExpertUpBias,
+                        Part::ExpertDownBias,
+                    ]);
+                }
             }
             None if self.fused => parts.extend([Part::GateUp, Part::Down]),
             None => parts.extend([Part::Gate, Part::Up, Part::Down]),
@@ -327,6 +394,12 @@ impl Family {
         }
         if cfg.block.sandwich_norms {
             parts.extend([Part::PostAttnNorm, Part::PostMlpNorm]);
+        }
+        if cfg.block.o_bias {
+            parts.push(Part::OBias);
+        }
+        if cfg.block.attn_sinks {
+            parts.push(Part::Sinks);
         }
         parts
     }
@@ -402,6 +475,12 @@ pub(crate) fn llama_hf_name(part: Part) -> &'static str {
         Part::SharedUp => "mlp.shared_expert.up_proj.weight",
         Part::SharedDown => "mlp.shared_expert.down_proj.weight",
         Part::SharedRouter => "mlp.shared_expert_gate.weight",
+        Part::OBias => "self_attn.o_proj.bias",
+        Part::Sinks => "self_attn.sinks",
+        Part::RouterLogitBias => "mlp.gate.bias",
+        Part::ExpertGateBias => "mlp.experts.{j}.gate_proj.bias",
+        Part::ExpertUpBias => "mlp.experts.{j}.up_proj.bias",
+        Part::ExpertDownBias => "mlp.experts.{j}.down_proj.bias",
     }
 }
 
@@ -436,6 +515,12 @@ pub(crate) fn gguf_name(part: Part) -> &'static str {
         Part::SharedUp => "ffn_up_shexp.weight",
         Part::SharedDown => "ffn_down_shexp.weight",
         Part::SharedRouter => "ffn_gate_inp_shexp.weight",
+        Part::OBias => "attn_output.bias",
+        Part::Sinks => "attn_sinks.weight",
+        Part::RouterLogitBias => "ffn_gate_inp.bias",
+        Part::ExpertGateBias => "ffn_gate_exps.bias",
+        Part::ExpertUpBias => "ffn_up_exps.bias",
+        Part::ExpertDownBias => "ffn_down_exps.bias",
     }
 }
 

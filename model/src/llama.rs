@@ -23,7 +23,7 @@
 //! matmul per projection, attention linear in each sequence's context, and the
 //! vocabulary projection only for the rows whose logits were asked for.
 
-use kvmesh_kernels::activation::{geglu_tanh, swiglu};
+use kvmesh_kernels::activation::{geglu_tanh, swiglu, swiglu_oai};
 use kvmesh_kernels::norm::rms_norm;
 use kvmesh_kernels::rope::{Rope, RopeLayout};
 use kvmesh_kernels::{paged_attention, AttentionShape, KvGeometry};
@@ -106,6 +106,7 @@ struct LayerRt {
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
     wo: Projection,
+    bo: Option<Vec<f32>>,
     post_attn_norm: Option<Vec<f32>>,
     mlp_norm: Vec<f32>,
     ffn: FfnRt,
@@ -220,6 +221,7 @@ impl Llama {
                 ffn,
                 attn_norm: l.attn_norm,
                 mlp_norm: l.mlp_norm,
+                bo: l.bo,
                 bq: l.bq,
                 bk: l.bk,
                 bv: l.bv,
@@ -234,6 +236,7 @@ impl Llama {
                     scale: cfg.block.attn_scale,
                     window: if sliding { cfg.sliding_window } else { None },
                     softcap: cfg.block.attn_softcap,
+                    sinks: l.sinks.map(Into::into),
                 },
                 rope: usize::from(sliding && ropes.len() > 1),
             });
@@ -526,6 +529,7 @@ impl Llama {
             }
 
             lw.wo.apply_into(attn, rows, &mut [&mut *o], stacked)?;
+            add_bias(o, lw.bo.as_ref());
             add_residual(x, o, lw.post_attn_norm.as_deref(), cfg.rms_norm_eps, xn);
 
             rms_norm(x, &lw.mlp_norm, cfg.rms_norm_eps, xn);
@@ -675,15 +679,17 @@ impl Llama {
 /// Values from which [`gated_rows`] splits its rows across the pool.
 const SWIGLU_PARALLEL: usize = 1 << 14;
 
-/// The MLP's gated activation ([`swiglu`] or [`geglu_tanh`]) over whole
+/// The MLP's gated activation ([`swiglu`], [`geglu_tanh`] or
+/// [`swiglu_oai`]) over whole
 /// rows, in parallel from [`SWIGLU_PARALLEL`] values on (rows are
 /// independent, so the bits do not change). Serial, a batch's SwiGLU left
 /// the other cores idle long enough to fall asleep (16 sequences: tens of
 /// microseconds per layer; a 512-token prompt chunk: a millisecond or more).
 pub(crate) fn gated_rows(act: Activation, gate_up: &[f32], width: usize, out: &mut [f32]) {
-    let f = match act {
-        Activation::Silu => swiglu,
-        Activation::GeluTanh => geglu_tanh,
+    let f = |gate_up: &[f32], width: usize, out: &mut [f32]| match act {
+        Activation::Silu => swiglu(gate_up, width, out),
+        Activation::GeluTanh => geglu_tanh(gate_up, width, out),
+        Activation::SwigluOai { alpha, limit } => swiglu_oai(gate_up, width, alpha, limit, out),
     };
     let rows = out.len() / width.max(1);
     if out.len() < SWIGLU_PARALLEL || rows < 2 {

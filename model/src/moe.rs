@@ -23,12 +23,16 @@ use crate::llama::gated_rows;
 use crate::weights::{Mlp, MoeWeights};
 
 /// One gated MLP as the pass runs it: gate and up stacked into one
-/// projection, then down.
+/// projection, then down; biases added to each projection's rows where the
+/// MLP has them (gpt-oss's experts).
 #[derive(Debug)]
 pub(crate) struct MlpRt {
     gate_up: Projection,
     down: Projection,
     ff: usize,
+    /// `[gate bias | up bias]`, as the stacked projection lays out a row.
+    gate_up_bias: Option<Vec<f32>>,
+    down_bias: Option<Vec<f32>>,
 }
 
 impl MlpRt {
@@ -37,6 +41,8 @@ impl MlpRt {
             gate_up: Projection::new(&[&m.gate, &m.up])?,
             down: Projection::new(&[&m.down])?,
             ff: m.gate.shape().0,
+            gate_up_bias: m.bias.as_ref().map(|b| [&b.gate[..], &b.up[..]].concat()),
+            down_bias: m.bias.as_ref().map(|b| b.down.clone()),
         })
     }
 
@@ -53,9 +59,16 @@ impl MlpRt {
     ) -> Result<()> {
         // `act(gate) * up` straight from the stacked projection's rows.
         self.gate_up.apply_stacked(x, rows, stacked)?;
+        add_rows(
+            &mut stacked[..rows * 2 * self.ff],
+            self.gate_up_bias.as_deref(),
+        );
         gate.resize(rows * self.ff, 0.0);
         gated_rows(act, stacked, self.ff, gate);
-        self.down.apply_into(gate, rows, &mut [out], stacked)
+        self.down
+            .apply_into(gate, rows, &mut [&mut *out], stacked)?;
+        add_rows(out, self.down_bias.as_deref());
+        Ok(())
     }
 
     pub(crate) fn projections(&self) -> [&Projection; 2] {
@@ -67,6 +80,8 @@ impl MlpRt {
 #[derive(Debug)]
 pub(crate) struct MoeRt {
     router: Projection,
+    /// Added to the router's logits (gpt-oss).
+    logit_bias: Option<Vec<f32>>,
     experts: Vec<MlpRt>,
     shared: Option<MlpRt>,
     shared_gate: Option<Vec<f32>>,
@@ -129,6 +144,7 @@ impl MoeRt {
         }
         Ok(Self {
             router: Projection::new(&[&w.router])?,
+            logit_bias: w.logit_bias.clone(),
             experts: w.experts.iter().map(MlpRt::new).collect::<Result<_>>()?,
             shared: w.shared.as_ref().map(MlpRt::new).transpose()?,
             shared_gate: w.shared_gate.clone(),
@@ -186,6 +202,7 @@ impl MoeRt {
         let (n_experts, k) = (self.experts.len(), self.routing.top_k);
         self.router
             .apply_into(xn, rows, &mut [&mut s.logits], stacked)?;
+        add_rows(&mut s.logits, self.logit_bias.as_deref());
         s.choice.clear();
         for logits in s.logits.chunks_exact(n_experts) {
             self.routing.route(logits, &mut s.choice);
@@ -258,7 +275,9 @@ impl Routing {
     /// score plus the correction bias, within the best groups where
     /// experts are grouped (a group's strength: its two best), ties to the
     /// lower index (a stable sort); the weights the chosen scores,
-    /// renormalised when `norm_top_k`, times `scale`. NaN logits (a broken
+    /// renormalised when `norm_top_k`, times `scale`. With
+    /// [`Scoring::TopKSoftmax`] the scores are the logits themselves and the
+    /// weights the softmax over the chosen ones. NaN logits (a broken
     /// model) give NaN weights, never a panic.
     fn route(&self, logits: &[f32], out: &mut Vec<(usize, f32)>) {
         let n = logits.len();
@@ -270,6 +289,7 @@ impl Routing {
                 exp.iter().map(|e| e / total).collect()
             }
             Scoring::Sigmoid => logits.iter().map(|&l| sigmoid(l)).collect(),
+            Scoring::TopKSoftmax => logits.to_vec(),
         };
         let mut choice: Vec<f32> = match &self.bias {
             Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
@@ -294,6 +314,16 @@ impl Routing {
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]));
         let chosen = &order[..self.top_k.min(n)];
+        if self.scoring == Scoring::TopKSoftmax {
+            // `order` is best first: the first chosen has the maximum.
+            let max = chosen.first().map_or(0.0, |&e| scores[e]);
+            let exp: Vec<f32> = chosen.iter().map(|&e| (scores[e] - max).exp()).collect();
+            let total: f32 = exp.iter().sum();
+            for (&e, x) in chosen.iter().zip(&exp) {
+                out.push((e, x / total * self.scale));
+            }
+            return;
+        }
         // transformers adds 1e-20 to the sum (a no-op for any sum of
         // normal floats).
         let sum: f32 = chosen.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
@@ -304,6 +334,16 @@ impl Routing {
                 scores[e]
             };
             out.push((e, w * self.scale));
+        }
+    }
+}
+
+/// `bias` added to every row of `x` (rows of `bias.len()` values), where
+/// there is one.
+fn add_rows(x: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(b) = bias {
+        for row in x.chunks_exact_mut(b.len()) {
+            row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
         }
     }
 }
@@ -346,6 +386,30 @@ mod tests {
         softmax(2, true).route(&logits, &mut normed);
         assert!((normed[0].1 + normed[1].1 - 1.0).abs() < 1e-6);
         assert!((normed[0].1 / normed[1].1 - exp[1] / exp[3]).abs() < 1e-4);
+    }
+
+    /// gpt-oss: chosen by logit, weighted by the softmax over the chosen
+    /// logits alone (not over every expert), whatever `norm_top_k` says.
+    #[test]
+    fn top_k_softmax_weighs_the_chosen_logits_alone() {
+        let r = Routing {
+            top_k: 2,
+            norm_top_k: false,
+            scoring: Scoring::TopKSoftmax,
+            bias: None,
+            groups: None,
+            scale: 1.0,
+        };
+        let logits = [0.5f32, 2.0, -1.0, 1.0];
+        let mut out = Vec::new();
+        r.route(&logits, &mut out);
+        assert_eq!((out[0].0, out[1].0), (1, 3));
+        let (a, b) = (1.0f32, (-1.0f32).exp());
+        assert!((out[0].1 - a / (a + b)).abs() < 1e-6);
+        assert!((out[1].1 - b / (a + b)).abs() < 1e-6);
+        out.clear();
+        Routing { top_k: 1, ..r }.route(&[f32::NAN, 0.0, 1.0], &mut out);
+        assert_eq!(out.len(), 1);
     }
 
     #[test]

@@ -144,6 +144,10 @@ pub struct LayerWeights {
     pub wv: Matrix,
     /// Output projection, `[hidden, n_heads * head_dim]`.
     pub wo: Matrix,
+    /// Output projection bias (gpt-oss), `[hidden]`.
+    pub bo: Option<Vec<f32>>,
+    /// Attention sink logits, one per query head (gpt-oss), `[n_heads]`.
+    pub sinks: Option<Vec<f32>>,
     /// Query bias (when `attention_bias`), `[n_heads * head_dim]`.
     pub bq: Option<Vec<f32>>,
     /// Key bias (when `attention_bias`), `[n_kv_heads * head_dim]`.
@@ -164,7 +168,8 @@ pub struct LayerWeights {
     pub ffn: Ffn,
 }
 
-/// A gated MLP: `down(act(gate x) * up x)`.
+/// A gated MLP: `down(act(gate x + b_gate) * (up x + b_up)) + b_down`,
+/// the biases where it has them.
 #[derive(Clone, Debug)]
 pub struct Mlp {
     /// Gate projection, `[ff, hidden]`.
@@ -173,12 +178,30 @@ pub struct Mlp {
     pub up: Matrix,
     /// Down projection, `[hidden, ff]`.
     pub down: Matrix,
+    /// The three projections' biases (gpt-oss's experts).
+    pub bias: Option<MlpBias>,
+}
+
+/// The biases of a gated MLP's three projections.
+#[derive(Clone, Debug)]
+pub struct MlpBias {
+    /// Gate bias, `[ff]`.
+    pub gate: Vec<f32>,
+    /// Up bias, `[ff]`.
+    pub up: Vec<f32>,
+    /// Down bias, `[hidden]`.
+    pub down: Vec<f32>,
 }
 
 impl Mlp {
     /// The three matrices, gate, up, down.
     pub fn matrices(&self) -> [&Matrix; 3] {
         [&self.gate, &self.up, &self.down]
+    }
+
+    /// The biases, gate, up, down (none without).
+    pub fn vectors(&self) -> impl Iterator<Item = &Vec<f32>> {
+        self.bias.iter().flat_map(|b| [&b.gate, &b.up, &b.down])
     }
 }
 
@@ -190,6 +213,8 @@ pub struct MoeWeights {
     /// The correction bias added to the scores to choose experts,
     /// `[experts]`.
     pub router_bias: Option<Vec<f32>>,
+    /// The bias added to the router's logits (gpt-oss), `[experts]`.
+    pub logit_bias: Option<Vec<f32>>,
     /// The routed experts, each `[expert_ff, hidden]` (down transposed).
     pub experts: Vec<Mlp>,
     /// The expert every token passes through (Qwen2-MoE).
@@ -237,30 +262,36 @@ impl LayerWeights {
         out
     }
 
-    /// Every vector the layer has (norms, then the biases and norms its
-    /// family adds).
+    /// Every vector the layer has (norms, then the biases, norms and
+    /// sinks its family adds, then the MLP slot's biases).
     pub fn vectors(&self) -> impl Iterator<Item = &Vec<f32>> {
-        [&self.attn_norm, &self.mlp_norm].into_iter().chain(
-            [
-                &self.bq,
-                &self.bk,
-                &self.bv,
-                &self.q_norm,
-                &self.k_norm,
-                &self.post_attn_norm,
-                &self.post_mlp_norm,
-                match &self.ffn {
-                    Ffn::Moe(m) => &m.shared_gate,
-                    Ffn::Dense(_) => &None,
-                },
-                match &self.ffn {
-                    Ffn::Moe(m) => &m.router_bias,
-                    Ffn::Dense(_) => &None,
-                },
-            ]
+        let (moe, mlps): (Option<&MoeWeights>, Vec<&Mlp>) = match &self.ffn {
+            Ffn::Dense(m) => (None, vec![m]),
+            Ffn::Moe(m) => (Some(m), m.experts.iter().chain(&m.shared).collect()),
+        };
+        [&self.attn_norm, &self.mlp_norm]
             .into_iter()
-            .flatten(),
-        )
+            .chain(
+                [
+                    &self.bq,
+                    &self.bk,
+                    &self.bv,
+                    &self.bo,
+                    &self.sinks,
+                    &self.q_norm,
+                    &self.k_norm,
+                    &self.post_attn_norm,
+                    &self.post_mlp_norm,
+                ]
+                .into_iter()
+                .flatten(),
+            )
+            .chain(
+                moe.into_iter()
+                    .flat_map(|m| [&m.shared_gate, &m.router_bias, &m.logit_bias])
+                    .flatten(),
+            )
+            .chain(mlps.into_iter().flat_map(Mlp::vectors))
     }
 }
 
@@ -335,28 +366,38 @@ impl Weights {
         );
         let bias = |n: usize| config.attention_bias.then(|| vec![0.01; n]);
         let embed = matrix(config.vocab_size, h, 1)?;
-        let mlp = |ff: usize, salt: u64| -> Result<Mlp> {
+        let expert_bias = config.moe.as_ref().is_some_and(|m| m.expert_bias);
+        let mlp = |ff: usize, salt: u64, biased: bool| -> Result<Mlp> {
             Ok(Mlp {
                 gate: matrix(ff, h, salt)?,
                 up: matrix(ff, h, salt + 1)?,
                 down: matrix(h, ff, salt + 2)?,
+                bias: biased.then(|| MlpBias {
+                    gate: vec![0.01; ff],
+                    up: vec![0.01; ff],
+                    down: vec![0.01; h],
+                }),
             })
         };
         let mut layers = Vec::with_capacity(config.n_layers);
         for l in 0..config.n_layers as u64 {
             let salt = 16 * (l + 1);
             let ffn = match config.moe.as_ref().filter(|m| m.is_sparse(l as usize)) {
-                None => Ffn::Dense(mlp(inter, salt + 5)?),
+                None => Ffn::Dense(mlp(inter, salt + 5, false)?),
                 Some(moe) => {
                     // Experts salted apart from every layer's other matrices.
                     let base = (1 << 32) + (l << 16);
                     Ffn::Moe(MoeWeights {
                         router: matrix(moe.n_experts, h, base)?,
                         router_bias: moe.correction_bias.then(|| vec![0.0; moe.n_experts]),
+                        logit_bias: moe.router_bias.then(|| vec![0.0; moe.n_experts]),
                         experts: (0..moe.n_experts as u64)
-                            .map(|j| mlp(moe.expert_ff, base + 4 * (j + 1)))
+                            .map(|j| mlp(moe.expert_ff, base + 4 * (j + 1), expert_bias))
                             .collect::<Result<_>>()?,
-                        shared: moe.shared_ff.map(|ff| mlp(ff, base + 1)).transpose()?,
+                        shared: moe
+                            .shared_ff
+                            .map(|ff| mlp(ff, base + 1, false))
+                            .transpose()?,
                         shared_gate: moe.shared_gate.then(|| vec![0.01; h]),
                     })
                 }
@@ -367,6 +408,8 @@ impl Weights {
                 wk: matrix(kv, h, salt + 2)?,
                 wv: matrix(kv, h, salt + 3)?,
                 wo: matrix(h, q, salt + 4)?,
+                bo: config.block.o_bias.then(|| vec![0.01; h]),
+                sinks: config.block.attn_sinks.then(|| vec![0.0; config.n_heads]),
                 bq: bias(q),
                 bk: bias(kv),
                 bv: bias(kv),
@@ -570,6 +613,9 @@ impl Layout {
         let shape = part_shape(config, part);
         let n_experts = config.moe.as_ref().map_or(0, |m| m.n_experts);
         match self {
+            Self::Hf if part.per_expert() && family.hf_fused_experts => {
+                vec![(name, fused_hf_shape(config, part))]
+            }
             Self::Hf if part.per_expert() => (0..n_experts)
                 .map(|j| (name.replace("{j}", &j.to_string()), shape.clone()))
                 .collect(),
@@ -615,6 +661,30 @@ fn part_shape(config: &ModelConfig, part: Part) -> Vec<usize> {
         Part::SharedGate | Part::SharedUp => vec![shared_ff, h],
         Part::SharedDown => vec![h, shared_ff],
         Part::SharedRouter => vec![1, h],
+        Part::OBias => vec![h],
+        Part::Sinks => vec![config.n_heads],
+        Part::RouterLogitBias => vec![n_experts],
+        Part::ExpertGateBias | Part::ExpertUpBias => vec![expert_ff],
+        Part::ExpertDownBias => vec![h],
+    }
+}
+
+/// The shape of a fused expert tensor in a Hugging Face checkpoint
+/// ([`Family::hf_fused_experts`]): gate and up share `gate_up_proj`
+/// `[experts, hidden, 2 ff]` and its bias `[experts, 2 ff]`; `down_proj`
+/// is `[experts, ff, hidden]`, its bias `[experts, hidden]`.
+fn fused_hf_shape(config: &ModelConfig, part: Part) -> Vec<usize> {
+    let h = config.hidden_size;
+    let (e, ff) = config
+        .moe
+        .as_ref()
+        .map_or((0, 0), |m| (m.n_experts, m.expert_ff));
+    match part {
+        Part::ExpertGate | Part::ExpertUp => vec![e, h, 2 * ff],
+        Part::ExpertDown => vec![e, ff, h],
+        Part::ExpertGateBias | Part::ExpertUpBias => vec![e, 2 * ff],
+        Part::ExpertDownBias => vec![e, h],
+        other => part_shape(config, other),
     }
 }
 
@@ -732,6 +802,14 @@ fn assemble(
         let post_mlp_norm = opt_norm(config.block.sandwich_norms, Part::PostMlpNorm)?;
         let attn_norm = norm(Part::AttnNorm)?;
         let mlp_norm = norm(Part::MlpNorm)?;
+        let mut vector = |on: bool, part: Part| -> Result<Option<Vec<f32>>> {
+            if !on {
+                return Ok(None);
+            }
+            to_vec1(&path, &name(part), &take(part)?).map(Some)
+        };
+        let bo = vector(config.block.o_bias, Part::OBias)?;
+        let sinks = vector(config.block.attn_sinks, Part::Sinks)?;
         let mut matrix =
             |part: Part| src.take_matrix(&name(part), &part_shape(config, part), precision);
         let (wq, wk, wv) = if family.fused {
@@ -762,12 +840,14 @@ fn assemble(
                     gate: split(0..ff)?,
                     up: split(ff..2 * ff)?,
                     down: matrix(Part::Down)?,
+                    bias: None,
                 })
             }
             None => Ffn::Dense(Mlp {
                 gate: matrix(Part::Gate)?,
                 up: matrix(Part::Up)?,
                 down: matrix(Part::Down)?,
+                bias: None,
             }),
         };
         layers.push(LayerWeights {
@@ -776,6 +856,8 @@ fn assemble(
             wk,
             wv,
             wo,
+            bo,
+            sinks,
             bq,
             bk,
             bv,
@@ -851,29 +933,62 @@ fn moe_weights(
             })
             .collect()
     };
-    let router = one(src, Part::Router)?;
-    let router_bias = if moe.correction_bias {
-        let (name, shape) = layout
-            .layer_tensors(family, config, i, Part::RouterBias)
-            .remove(0);
-        Some(to_vec1(&path, &name, &src.take(&name, &shape)?)?)
-    } else {
-        None
+    // Each expert's bias of a role: one `[rows]` tensor per expert, or
+    // GGUF's `[experts, rows]` stack split by rows.
+    let biases_of = |src: &mut dyn TensorSource, part: Part| -> Result<Vec<Vec<f32>>> {
+        let tensors = layout.layer_tensors(family, config, i, part);
+        let mut out = Vec::with_capacity(moe.n_experts);
+        for (name, shape) in &tensors {
+            let v = to_vec1(&path, name, &src.take(name, shape)?)?;
+            let rows = shape.last().copied().unwrap_or(0).max(1);
+            out.extend(v.chunks_exact(rows).map(<[f32]>::to_vec));
+        }
+        Ok(out)
     };
-    let gates = experts_of(src, Part::ExpertGate)?;
-    let ups = experts_of(src, Part::ExpertUp)?;
-    let downs = experts_of(src, Part::ExpertDown)?;
-    let experts = gates
-        .into_iter()
-        .zip(ups)
-        .zip(downs)
-        .map(|((gate, up), down)| Mlp { gate, up, down })
-        .collect();
+    let vector = |src: &mut dyn TensorSource, on: bool, part: Part| -> Result<Option<Vec<f32>>> {
+        if !on {
+            return Ok(None);
+        }
+        let (name, shape) = layout.layer_tensors(family, config, i, part).remove(0);
+        Ok(Some(to_vec1(&path, &name, &src.take(&name, &shape)?)?))
+    };
+    let router = one(src, Part::Router)?;
+    let router_bias = vector(src, moe.correction_bias, Part::RouterBias)?;
+    let logit_bias = vector(src, moe.router_bias, Part::RouterLogitBias)?;
+    let experts = if layout == Layout::Hf && family.hf_fused_experts {
+        fused_hf_experts(src, config, family, i, moe)?
+    } else {
+        let gates = experts_of(src, Part::ExpertGate)?;
+        let ups = experts_of(src, Part::ExpertUp)?;
+        let downs = experts_of(src, Part::ExpertDown)?;
+        let mut biases: Vec<Option<MlpBias>> = vec![None; moe.n_experts];
+        if moe.expert_bias {
+            let g = biases_of(src, Part::ExpertGateBias)?;
+            let u = biases_of(src, Part::ExpertUpBias)?;
+            let d = biases_of(src, Part::ExpertDownBias)?;
+            for (b, ((gate, up), down)) in biases.iter_mut().zip(g.into_iter().zip(u).zip(d)) {
+                *b = Some(MlpBias { gate, up, down });
+            }
+        }
+        gates
+            .into_iter()
+            .zip(ups)
+            .zip(downs)
+            .zip(biases)
+            .map(|(((gate, up), down), bias)| Mlp {
+                gate,
+                up,
+                down,
+                bias,
+            })
+            .collect()
+    };
     let shared = match moe.shared_ff {
         Some(_) => Some(Mlp {
             gate: one(src, Part::SharedGate)?,
             up: one(src, Part::SharedUp)?,
             down: one(src, Part::SharedDown)?,
+            bias: None,
         }),
         None => None,
     };
@@ -895,10 +1010,71 @@ fn moe_weights(
     Ok(MoeWeights {
         router,
         router_bias,
+        logit_bias,
         experts,
         shared,
         shared_gate,
     })
+}
+
+/// Layer `i`'s experts from a checkpoint that fuses them
+/// ([`Family::hf_fused_experts`]): expert `j`'s gate row `r` is column
+/// `2r` of `gate_up_proj[j]`, its up row `r` column `2r + 1`, its down
+/// matrix `down_proj[j]` transposed; the biases split the same way. Always
+/// f32 (a Hugging Face checkpoint loads in the exact mode).
+fn fused_hf_experts(
+    src: &mut dyn TensorSource,
+    config: &ModelConfig,
+    family: &Family,
+    i: usize,
+    moe: &crate::arch::moe::Moe,
+) -> Result<Vec<Mlp>> {
+    let path = src.source_path().to_owned();
+    let (e, h, ff) = (moe.n_experts, config.hidden_size, moe.expert_ff);
+    let mut take = |part: Part| -> Result<(String, Vec<f32>)> {
+        let (name, shape) = Layout::Hf.layer_tensors(family, config, i, part).remove(0);
+        let v = to_vec1(&path, &name, &src.take(&name, &shape)?)?;
+        Ok((name, v))
+    };
+    let (gate_up_name, gate_up) = take(Part::ExpertGate)?;
+    let (down_name, down) = take(Part::ExpertDown)?;
+    let biases = if moe.expert_bias {
+        Some((take(Part::ExpertGateBias)?.1, take(Part::ExpertDownBias)?.1))
+    } else {
+        None
+    };
+    let dense = |name: &str, v: Vec<f32>, rows: usize, cols: usize| {
+        Tensor::from_vec(v, (rows, cols), &Device::Cpu)
+            .map(Matrix::Dense)
+            .map_err(|e| ModelError::malformed(&path, format!("tensor `{name}`: {e}")))
+    };
+    (0..e)
+        .map(|j| {
+            // Shapes were checked on reading: [e, h, 2 ff] and [e, ff, h].
+            let gu = &gate_up[j * h * 2 * ff..(j + 1) * h * 2 * ff];
+            let dn = &down[j * ff * h..(j + 1) * ff * h];
+            let column = |k: usize| (0..h).map(move |c| gu[c * 2 * ff + k]);
+            let gate: Vec<f32> = (0..ff).flat_map(|r| column(2 * r)).collect();
+            let up: Vec<f32> = (0..ff).flat_map(|r| column(2 * r + 1)).collect();
+            let down_t: Vec<f32> = (0..h)
+                .flat_map(|r| (0..ff).map(move |c| dn[c * h + r]))
+                .collect();
+            let bias = biases.as_ref().map(|(gub, db)| {
+                let gub = &gub[j * 2 * ff..(j + 1) * 2 * ff];
+                MlpBias {
+                    gate: gub.iter().step_by(2).copied().collect(),
+                    up: gub.iter().skip(1).step_by(2).copied().collect(),
+                    down: db[j * h..(j + 1) * h].to_vec(),
+                }
+            });
+            Ok(Mlp {
+                gate: dense(&gate_up_name, gate, ff, h)?,
+                up: dense(&gate_up_name, up, ff, h)?,
+                down: dense(&down_name, down_t, h, ff)?,
+                bias,
+            })
+        })
+        .collect()
 }
 
 fn to_vec1(path: &std::path::Path, name: &str, t: &Tensor) -> Result<Vec<f32>> {

@@ -26,7 +26,10 @@ three mixtures of experts: Mixtral (top-2 of 4, renormalised), Qwen2-MoE
 (a gated shared expert, weights not renormalised, q/k/v biases, a dense
 MLP on one layer), Qwen3-MoE (top-2 of 8, q/k norms) and GLM-4.5 (sigmoid
 scores with a correction bias, grouped choice, scaled weights, a shared
-expert, a leading dense layer, rope on half of each head). The
+expert, a leading dense layer, rope on half of each head), and gpt-oss
+(attention sinks, q/k/v/o biases, a window of 8 on every other layer, YaRN
+without rounding, biased router and experts weighted by the softmax over
+the chosen, fused gate/up experts, a SwiGLU clamp low enough to bite). The
 windows are shorter than the long greedy prompt, so a layer that read
 outside its window would change the logits.
 
@@ -172,6 +175,35 @@ FAMILIES = {
         },
         31,
     ),
+    # gpt-oss: attention sinks (one learned logit per head in each softmax),
+    # q/k/v and o biases, sliding and full layers alternating (window 8),
+    # YaRN without truncation (factor 4 over 64 positions), top-2 of 4
+    # experts chosen by biased logits and weighted by the softmax of the
+    # chosen ones, fused interleaved gate/up experts with biases, and the
+    # clamped SwiGLU with a limit low enough to clamp (1.5).
+    "gpt_oss": (
+        "gpt_oss",
+        {
+            "num_hidden_layers": 4,
+            "intermediate_size": 96,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "attention_bias": True,
+            "swiglu_limit": 1.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+        32,
+    ),
     # Top-2 of 8 renormalised, q/k norms, tied embeddings.
     "qwen3_moe": (
         "qwen3_moe",
@@ -203,6 +235,10 @@ def init_weights(model, seed, norm_offset, embed_scale):
                 p.copy_(STD["embed"] / embed_scale * r)
             elif n.startswith("lm_head"):
                 p.copy_(STD["lm_head"] * r)
+            elif n.endswith("self_attn.sinks"):
+                # gpt-oss: around 1, spread by 1.5, so a sink takes a
+                # sizeable share of some softmaxes and little of others.
+                p.copy_(1.0 + 1.5 * r)
             elif n.endswith(".bias"):
                 p.copy_(STD["bias"] * r)
             elif any(k in n for k in ("q_proj", "k_proj", "qkv_proj")):

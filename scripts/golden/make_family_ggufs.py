@@ -15,9 +15,11 @@ caps as `attn_logit_softcapping` and `final_logit_softcapping`, without a
 window pattern (llama.cpp fixes Gemma 2's at every other layer). (The tiny models are 64 wide: K-quants need 256-wide
 rows, so they are tested on the real Gemma 3 GGUF and in the kernels.)
 Matrices are quantized, vectors stay F32, as llama.cpp does. Mixtures of
-experts (mixtral as the `llama` architecture, `qwen2moe`, `qwen3moe`) get
-llama.cpp's `expert_*` keys and their experts stacked into one
-`ffn_{gate,up,down}_exps` tensor per role; the router stays F32. Their
+experts (mixtral as the `llama` architecture, `qwen2moe`, `qwen3moe`,
+`glm4moe`, `gpt-oss`) get llama.cpp's `expert_*` keys and their experts
+stacked into one `ffn_{gate,up,down}_exps` tensor per role (gpt-oss's fused
+gate/up split into two, with `.bias` stacks that stay F32 as llama.cpp
+quantizes `.weight` tensors only); the router stays F32. Their
 quantized files get golden data of their own (`tiny-<family>-<type>.json`,
 transformers on the dequantized weights): routing follows the weights.
 
@@ -54,11 +56,14 @@ PER_FAMILY = {
     "qwen2_moe": ["F32", "Q8_0", "Q4_0"],
     "qwen3_moe": ["F32", "Q8_0", "Q4_0"],
     "glm4_moe": ["F32", "Q8_0", "Q4_0"],
+    "gpt_oss": ["F32", "Q8_0"],
 }
 # Quantized files whose golden data transformers computes on the file's own
 # dequantized weights (`tiny-<family>-<type>.json`): a mixture's routing
 # follows the weights, so the f32 reference cannot stand in for them.
-DEQUANTIZED_GOLDEN = [(f, t) for f in ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe") for t in ("Q8_0", "Q4_0")]
+DEQUANTIZED_GOLDEN = [(f, t) for f in ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe") for t in ("Q8_0", "Q4_0")] + [
+    ("gpt_oss", "Q8_0")
+]
 # family -> GGUF architecture
 ARCH = {
     "qwen2": "qwen2",
@@ -72,6 +77,7 @@ ARCH = {
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
     "glm4_moe": "glm4moe",
+    "gpt_oss": "gpt-oss",
 }
 # An expert's Hugging Face projection -> its GGUF stacked tensor (llama.cpp
 # stores one [experts, rows, cols] tensor per role).
@@ -107,6 +113,7 @@ LAYER_NAMES = {
     "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
     "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    "mlp.router": "ffn_gate_inp",
 }
 
 
@@ -115,9 +122,12 @@ def layer_name(family, rest):
     base, _, kind = rest.rpartition(".")
     if rest == "mlp.gate.e_score_correction_bias":
         return "exp_probs_b.bias"
+    if rest == "self_attn.sinks":
+        # The converter appends `.weight` to gpt-oss's suffix-less sinks.
+        return "attn_sinks.weight"
     if base == "post_attention_layernorm":
         # llama.cpp's GLM-4.5 names its pre-MLP norm this way too.
-        base_out = "post_attention_norm" if family in GEMMA + ("glm4_moe",) else "ffn_norm"
+        base_out = "post_attention_norm" if family in GEMMA + ("glm4_moe", "gpt_oss") else "ffn_norm"
     elif base == "pre_feedforward_layernorm":
         base_out = "ffn_norm"
     elif base == "post_feedforward_layernorm":
@@ -189,7 +199,9 @@ def convert(family, type_name, odd_tensor=None):
     layer_types = cfg.get("layer_types")
     if cfg.get("sliding_window") and (family != "qwen2" or cfg.get("use_sliding_window")):
         w.add_sliding_window(cfg["sliding_window"])
-        if layer_types and len(set(layer_types)) > 1 and family != "gemma2":
+        # llama.cpp fixes Gemma 2's and gpt-oss's patterns (every other
+        # layer) and its converter writes none for them.
+        if layer_types and len(set(layer_types)) > 1 and family not in ("gemma2", "gpt_oss"):
             w.add_sliding_window_pattern([t == "sliding_attention" for t in layer_types])
     if rope.get("rope_type") == "yarn":
         # As llama.cpp's converter: the optional keys only where the config
@@ -230,11 +242,19 @@ def convert(family, type_name, odd_tensor=None):
             w.add_expert_group_count(cfg["n_group"])
             w.add_expert_group_used_count(cfg["topk_group"])
             w.add_nextn_predict_layers(nextn)
+        if family == "gpt_oss":
+            # The converter's key (the experts' width is intermediate_size);
+            # llama.cpp fixes the gating (softmax over the chosen) and the
+            # SwiGLU's alpha and limit (1.702, 7): the limit here is the
+            # tiny model's, in keys kvmesh reads where a file has them.
+            w.add_expert_feed_forward_length(cfg["intermediate_size"])
+            w.add_float32("gpt-oss.swiglu_alpha", cfg["swiglu_alpha"])
+            w.add_float32("gpt-oss.swiglu_limit", cfg["swiglu_limit"])
     vocab = tokenizer_metadata(w, src)
     w.add_vocab_size(vocab)
 
     qtype = TYPES[type_name]
-    tensors = stack_experts(safetensors.numpy.load_file(str(src / "model.safetensors")))
+    tensors = stack_experts(split_fused_experts(safetensors.numpy.load_file(str(src / "model.safetensors"))))
     if nextn:
         last = f"model.layers.{n_layers - 1}."
         for name in [n for n in tensors if n.startswith(last)]:
@@ -276,6 +296,32 @@ def convert(family, type_name, odd_tensor=None):
     mg.log(f"wrote {out.relative_to(mg.REPO_ROOT)} ({out.stat().st_size} bytes)")
 
 
+def split_fused_experts(tensors):
+    """gpt-oss's fused experts as llama.cpp's converter splits them:
+    `gate_up_proj` [experts, hidden, 2 ff] (gate and up in alternating
+    columns) into gate and up `[experts, ff, hidden]`, `down_proj`
+    [experts, ff, hidden] transposed, the biases split the same way; under
+    their GGUF names after `model.layers.{i}.`."""
+    out = {}
+    for name, t in tensors.items():
+        layer, _, rest = name.partition(".mlp.experts.")
+        if not rest:
+            out[name] = t
+        elif rest == "gate_up_proj":
+            out[f"{layer}.ffn_gate_exps.weight"] = np.ascontiguousarray(t[:, :, ::2].transpose(0, 2, 1))
+            out[f"{layer}.ffn_up_exps.weight"] = np.ascontiguousarray(t[:, :, 1::2].transpose(0, 2, 1))
+        elif rest == "gate_up_proj_bias":
+            out[f"{layer}.ffn_gate_exps.bias"] = np.ascontiguousarray(t[:, ::2])
+            out[f"{layer}.ffn_up_exps.bias"] = np.ascontiguousarray(t[:, 1::2])
+        elif rest == "down_proj":
+            out[f"{layer}.ffn_down_exps.weight"] = np.ascontiguousarray(t.transpose(0, 2, 1))
+        elif rest == "down_proj_bias":
+            out[f"{layer}.ffn_down_exps.bias"] = t
+        else:
+            out[name] = t
+    return out
+
+
 def stack_experts(tensors):
     """Each layer's per-expert projections (`...experts.{j}.w1.weight`)
     stacked into llama.cpp's one tensor per role, `[experts, rows, cols]`,
@@ -283,7 +329,7 @@ def stack_experts(tensors):
     out, experts = {}, {}
     for name, t in tensors.items():
         parts = name.split(".")
-        if "experts" in parts:
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
             at = parts.index("experts")
             layer, j, proj = parts[2], int(parts[at + 1]), parts[at + 2]
             experts.setdefault((layer, EXPERT_NAMES[proj]), {})[j] = t
@@ -297,8 +343,10 @@ def stack_experts(tensors):
 
 def quantize_kept_f32(gname):
     """llama.cpp's quantizer keeps the expert router (`ffn_gate_inp`) in
-    f32, and the shared expert's one-row gate is a vector to it."""
-    return ".ffn_gate_inp" in gname
+    f32, and the shared expert's one-row gate is a vector to it; it
+    quantizes only `.weight` tensors (gpt-oss's `[experts, ff]` bias
+    stacks stay f32)."""
+    return ".ffn_gate_inp" in gname or not gname.endswith(".weight")
 
 
 def dequantized_golden(family, type_name):
@@ -316,12 +364,27 @@ def dequantized_golden(family, type_name):
     src = DATA / f"tiny-{family}"
     qtype = TYPES[type_name]
     tensors = safetensors.numpy.load_file(str(src / "model.safetensors"))
+
+    def rounded(t):
+        q = gguf.quants.quantize(t.astype(np.float32), qtype)
+        return gguf.quants.dequantize(q, qtype).reshape(t.shape).astype(np.float32)
+
     out = {}
     for name, t in tensors.items():
-        router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight"))
-        if t.ndim >= 2 and not router:
-            q = gguf.quants.quantize(t.astype(np.float32), qtype)
-            t = gguf.quants.dequantize(q, qtype).reshape(t.shape).astype(np.float32)
+        router = name.endswith(
+            ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight", "mlp.router.weight")
+        )
+        if name.endswith("mlp.experts.gate_up_proj"):
+            # gpt-oss: quantized as the GGUF holds it, gate and up apart,
+            # each row a `hidden` vector (the fused tensor's columns).
+            t = t.astype(np.float32).copy()
+            for k in (0, 1):
+                part = np.ascontiguousarray(t[:, :, k::2].transpose(0, 2, 1))
+                t[:, :, k::2] = rounded(part).transpose(0, 2, 1)
+        elif name.endswith("mlp.experts.down_proj"):
+            t = rounded(np.ascontiguousarray(t.transpose(0, 2, 1))).transpose(0, 2, 1)
+        elif t.ndim >= 2 and not router and not name.endswith("_bias"):
+            t = rounded(t)
         out[name] = np.ascontiguousarray(t)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

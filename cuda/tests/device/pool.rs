@@ -34,6 +34,7 @@ fn shape(window: Option<usize>) -> AttentionShape {
         scale: 1.0 / (HD as f32).sqrt(),
         window,
         softcap: None,
+        sinks: None,
     }
 }
 

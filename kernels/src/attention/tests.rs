@@ -133,9 +133,14 @@ fn dense(shape: &AttentionShape, q: &[f32], pos: &[usize], k: &[f32], v: &[f32])
                     None => s,
                 })
                 .collect();
-            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let sink = shape.sinks.as_ref().map(|s| s[h] as f64);
+            let m = scores
+                .iter()
+                .cloned()
+                .chain(sink)
+                .fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-            let z: f64 = e.iter().sum();
+            let z: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp());
             for (i, s) in (start..=p).enumerate() {
                 for j in 0..d {
                     out[(t * nh + h) * d + j] +=
@@ -211,6 +216,7 @@ fn setup(
         scale: 1.0 / (d as f32).sqrt(),
         window,
         softcap: None,
+        sinks: None,
     };
     let n_pages = ctx.div_ceil(ps);
     let table = shuffled_table(n_pages, n_pages + spare);
@@ -231,11 +237,13 @@ fn matches_dense_reference_for_prefill_and_decode_shapes() {
         (4, 1, 128, 16, 50, None),
     ] {
         let (mut shape, table, store, k, v) = setup((nh, nkv, d, ps, ctx, window), 5, 1);
-        for (path, softcap) in crate::cpu::available_paths()
+        for (path, softcap, sinks) in crate::cpu::available_paths()
             .into_iter()
             .flat_map(|p| SOFTCAPS.map(|c| (p, c)))
+            .flat_map(|(p, c)| [false, true].map(|s| (p, c, s)))
         {
             shape.softcap = softcap;
+            shape.sinks = sinks.then(|| test_sinks(nh));
             // Prefill: every position; decode: the last one only.
             for positions in [(0..ctx).collect::<Vec<_>>(), vec![ctx - 1]] {
                 let q = noise(3, positions.len() * nh * d);
@@ -250,11 +258,51 @@ fn matches_dense_reference_for_prefill_and_decode_shapes() {
                     .fold(0.0f32, f32::max);
                 assert!(
                     err < 1e-5,
-                    "{path}: max abs error {err} for shape {nh}/{nkv}/{d} page {ps} ctx {ctx} cap {softcap:?}"
+                    "{path}: max abs error {err} for shape {nh}/{nkv}/{d} page {ps} ctx {ctx} cap {softcap:?} sinks {sinks}"
                 );
             }
         }
     }
+}
+
+/// One sink per head, from well below the tests' scores (about +-1) to
+/// well above them, so some heads give the sink most of their weight and
+/// others almost none.
+fn test_sinks(n_heads: usize) -> Arc<[f32]> {
+    (0..n_heads)
+        .map(|h| -3.0 + 6.0 * h as f32 / n_heads.max(2).saturating_sub(1) as f32)
+        .collect()
+}
+
+/// A sink takes a share of each head's softmax (so a path that ignored it
+/// would fail the dense comparison above), by head: a sink far below every
+/// score changes the output by rounding only, one far above it leaves
+/// almost nothing.
+#[test]
+fn sinks_take_their_share_of_the_softmax() {
+    let (mut shape, table, store, _, _) = setup((9, 3, 64, 16, 70, Some(21)), 5, 1);
+    let positions: Vec<usize> = (0..70).collect();
+    let q = noise(3, positions.len() * 9 * 64);
+    let mut run = |sinks: Option<Arc<[f32]>>| {
+        shape.sinks = sinks;
+        let mut out = vec![0.0; q.len()];
+        paged_attention(&store, &table, 0, &shape, &q, &positions, &mut out).expect("valid read");
+        out
+    };
+    let diff = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    };
+    let plain = run(None);
+    assert!(diff(&plain, &run(Some(test_sinks(9)))) > 1e-2);
+    assert!(diff(&plain, &run(Some(vec![-1e4; 9].into()))) < 1e-6);
+    let drowned = run(Some(vec![60.0; 9].into()));
+    assert!(drowned.iter().all(|x| x.abs() < 1e-20));
+    assert_eq!(with_sink(1.0, None), (1.0, 0.0));
+    assert_eq!(with_sink(1.0, Some(3.0)), (3.0, 1.0));
+    assert!(with_sink(1.0, Some(f32::NAN)).1.is_nan());
 }
 
 /// Soft-capping with a cap small enough to saturate some of the tests'
@@ -304,6 +352,7 @@ fn violation_reads_nothing_and_leaves_output_untouched() {
         scale: 0.3,
         window: None,
         softcap: None,
+        sinks: None,
     };
     let table = shuffled_table(3, 6);
     let k = noise(5, 12 * 8);
@@ -344,6 +393,7 @@ fn sliding_window_skips_pages_outside_every_window() {
         scale: 0.5,
         window: Some(4),
         softcap: None,
+        sinks: None,
     };
     let table = shuffled_table(4, 4);
     let k = noise(8, 16 * 4);
@@ -371,6 +421,8 @@ fn a_query_computes_the_same_bits_alone_and_in_any_block() {
     ] {
         let (mut shape, table, store, _, _) = setup((nh, nkv, d, ps, ctx, window), 3, 4);
         shape.softcap = if window.is_some() { Some(0.6) } else { None };
+        // Sinks on the cases without a cap and on one with it.
+        shape.sinks = (window.is_none() || nh == 6).then(|| test_sinks(nh));
         let q = noise(6, ctx * nh * d);
         let run = |from: usize, to: usize| {
             let positions: Vec<usize> = (from..to).collect();
@@ -467,7 +519,7 @@ fn f16_conversion_rounds_to_nearest_and_saturates() {
 
 /// The AVX-512 build computes the AVX2 build's bits: tiled head sizes
 /// (multiples of 32) and the generic block's (16, 8, 40), f32 and f16
-/// pools, windows, soft-capped or not, prefill chunks and single decode
+/// pools, windows, soft-capped or not, with sinks or not, prefill chunks and single decode
 /// queries; and within
 /// the AVX-512 path a query's bits do not depend on its block.
 #[test]
@@ -488,11 +540,13 @@ fn avx512_attention_equals_avx2_to_the_bit() {
     ] {
         let (mut shape, table, store, _, _) = setup((nh, nkv, d, ps, ctx, window), 7, 3);
         let (f16, f32) = store.into_f16_pair();
-        for (pages, softcap) in [&f16, &f32]
+        for (pages, softcap, sinks) in [&f16, &f32]
             .into_iter()
             .flat_map(|p| SOFTCAPS.map(|c| (p, c)))
+            .flat_map(|(p, c)| [false, true].map(|s| (p, c, s)))
         {
             shape.softcap = softcap;
+            shape.sinks = sinks.then(|| test_sinks(nh));
             let q = noise(12, ctx * nh * d);
             let run = |path: Path, from: usize, to: usize| {
                 let positions: Vec<usize> = (from..to).collect();
@@ -521,7 +575,7 @@ fn avx512_attention_equals_avx2_to_the_bit() {
             assert_eq!(
                 differ(&whole, &run(Path::Avx2, 0, ctx)),
                 None,
-                "({nh}/{nkv}/{d}, window {window:?}, cap {softcap:?}) prefill"
+                "({nh}/{nkv}/{d}, window {window:?}, cap {softcap:?}, sinks {sinks}) prefill"
             );
             for (from, to) in [(0, 1), (ctx - 1, ctx), (3, ctx / 2 + 3), (ctx / 3, ctx)] {
                 let part = run(Path::Avx512, from, to);

@@ -8,7 +8,9 @@
 //!   then soft-capped where the shape says (`super::softcap`, scalar).
 //! - Softmax per query: `e = exp(s - max)` (one vector polynomial), the sum
 //!   over eight lanes in position order then reduced as above; weights
-//!   `e * (1 / sum)`.
+//!   `e * (1 / sum)`. With a sink, `max` is raised to the sink where it is
+//!   higher and the reduced sum gains `exp(sink - max)` (the C library's
+//!   `expf`, `super::with_sink`) before the reciprocal.
 //! - Output element `d` of query `i`: `fma(w_ip, v_p[d], acc)` over the
 //!   query's positions in ascending order, from `+0`.
 //!
@@ -224,7 +226,7 @@ pub(super) unsafe fn attend_typed<E: Elem, T: Tiles>(
     outs: &mut [&mut [f32]],
     args: BlockArgs<'_, '_>,
 ) {
-    let (shape, pages, page_size, kv_dim, head_off) = args;
+    let (shape, pages, page_size, kv_dim, head_off, sinks) = args;
     let Some(hd) = queries.first().map(|(q, _)| q.len()) else {
         return;
     };
@@ -309,12 +311,12 @@ pub(super) unsafe fn attend_typed<E: Elem, T: Tiles>(
                 }
             }
         }
-        for w in w.iter_mut() {
+        for (i, w) in w.iter_mut().enumerate() {
             if shape.softcap.is_some() {
                 w.iter_mut()
                     .for_each(|s| *s = super::softcap(*s, shape.softcap));
             }
-            softmax(w);
+            softmax(w, sinks.map(|s| s[i]));
         }
     }
 
@@ -414,12 +416,12 @@ pub(super) fn reduce4(a: [__m256; 4]) -> [f32; 4] {
 /// Scores to softmax weights in place: whole groups of eight in vectors,
 /// the last few through a padded buffer (lane `l` always sums the
 /// positions `l, l + 8, ...`, so the bits do not depend on the length's
-/// remainder).
+/// remainder); a sink, where given, joins the maximum and the sum.
 ///
 /// # Safety
 /// AVX2/FMA.
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn softmax(s: &mut [f32]) {
+pub(super) unsafe fn softmax(s: &mut [f32], sink: Option<f32>) {
     let whole = s.len() / 8 * 8;
     let (body, tail) = s.split_at_mut(whole);
     // The maximum is exact in any order.
@@ -435,6 +437,7 @@ pub(super) unsafe fn softmax(s: &mut [f32]) {
         .iter()
         .chain(tail.iter())
         .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let (max, sink_term) = super::with_sink(max, sink);
     let mx = _mm256_set1_ps(max);
     let mut sum = _mm256_setzero_ps();
     for c in body.chunks_exact_mut(8) {
@@ -461,7 +464,7 @@ pub(super) unsafe fn softmax(s: &mut [f32]) {
         tail.copy_from_slice(&buf[..len]);
     }
     let zero = _mm256_setzero_ps();
-    let inv = 1.0 / reduce4([sum, zero, zero, zero])[0];
+    let inv = 1.0 / (reduce4([sum, zero, zero, zero])[0] + sink_term);
     let iv = _mm256_set1_ps(inv);
     for c in body.chunks_exact_mut(8) {
         // SAFETY: as above.

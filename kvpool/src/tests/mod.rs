@@ -37,6 +37,7 @@ pub(crate) const SHAPE: AttentionShape = AttentionShape {
     scale: 0.7,
     window: None,
     softcap: None,
+    sinks: None,
 };
 
 /// `n` tokens of distinct, non-zero, finite values derived from `seed`.

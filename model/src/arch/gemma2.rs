@@ -60,6 +60,7 @@ pub(crate) const FAMILY: Family = Family {
     hf_name: gemma_hf_name,
     gguf_name: |_| None,
     partial_rotary: false,
+    hf_fused_experts: false,
 };
 
 /// Layer `i` is global when `(i + 1) % pattern == 0`, else sliding.

@@ -46,6 +46,7 @@ pub(crate) const FAMILY: Family = Family {
     hf_name: |part| super::gemma2::gemma_hf_name(part),
     gguf_name: |_| None,
     partial_rotary: false,
+    hf_fused_experts: false,
 };
 
 fn gemma3_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {

@@ -52,4 +52,5 @@ pub(crate) const FAMILY: Family = Family {
         _ => None,
     },
     partial_rotary: true,
+    hf_fused_experts: false,
 };

@@ -21,6 +21,7 @@ pub(crate) const LLAMA: Family = Family {
     hf_name: |_| None,
     gguf_name: |_| None,
     partial_rotary: false,
+    hf_fused_experts: false,
 };
 
 /// Mistral (GGUF files of Mistral models say `llama`).
@@ -36,6 +37,7 @@ pub(crate) const MISTRAL: Family = Family {
     hf_name: |_| None,
     gguf_name: |_| None,
     partial_rotary: false,
+    hf_fused_experts: false,
 };
 
 /// SiLU, no MLP bias, no attention bias (Llama's `attention_bias` also
@@ -108,6 +110,7 @@ pub(crate) const MIXTRAL: Family = Family {
     },
     gguf_name: |_| None,
     partial_rotary: false,
+    hf_fused_experts: false,
 };
 
 /// GGUF `llama` (Llama, Mistral, and Mixtral's experts, renormalised as

@@ -8,7 +8,9 @@
 //! by `sigmoid(gate . x)` where the family has that gate (Qwen2-MoE).
 //!
 //! Routing: each expert gets a score, the softmax of the router's logits
-//! (Mixtral, Qwen) or their sigmoid (GLM-4.5, DeepSeek V3). The experts are
+//! (Mixtral, Qwen) or their sigmoid (GLM-4.5, DeepSeek V3); or (gpt-oss)
+//! the experts are chosen by their logits, plus the router's own bias, and
+//! weighted by the softmax over the chosen logits only. The experts are
 //! *chosen* by score plus a per-expert correction bias where the model has
 //! one, first keeping the `topk_group` groups whose two best experts score
 //! highest where experts are grouped, then the `top_k` best; each chosen
@@ -17,6 +19,7 @@
 //! Qwen2-MoE does not), times `routed_scale`. Dense layers (Qwen's
 //! `mlp_only_layers` and `decoder_sparse_step`, GLM's leading
 //! `first_k_dense_replace`) keep the plain MLP of `intermediate_size`.
+//! gpt-oss's experts have biases on their gate, up and down projections.
 //!
 //! What the forward pass does with it is `crate::moe`; this module is the
 //! description and how each source format states it.
@@ -38,6 +41,11 @@ pub enum Scoring {
     Softmax,
     /// Each logit's sigmoid.
     Sigmoid,
+    /// The experts are chosen by logit; the chosen ones are weighted by the
+    /// softmax over their logits alone (gpt-oss; llama.cpp's
+    /// `softmax_weight` gating). Already normalised: `norm_top_k` does not
+    /// apply.
+    TopKSoftmax,
 }
 
 /// Experts chosen within groups (DeepSeek V3, GLM-4.5): `n_group` equal
@@ -80,6 +88,11 @@ pub struct Moe {
     pub groups: Option<Groups>,
     /// The chosen experts' weights are multiplied by this.
     pub routed_scale: f32,
+    /// The router has a bias (`[experts]`) added to its logits, so to both
+    /// the choice and the weights (gpt-oss).
+    pub router_bias: bool,
+    /// Every expert's gate, up and down projections have biases (gpt-oss).
+    pub expert_bias: bool,
 }
 
 impl Moe {
@@ -264,6 +277,8 @@ pub(crate) fn from_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig, keys: &HfKeys) -
         correction_bias: keys.sigmoid,
         groups,
         routed_scale: hf.opt_f32("routed_scaling_factor")?.unwrap_or(1.0),
+        router_bias: false,
+        expert_bias: false,
     });
     Ok(())
 }
@@ -278,7 +293,9 @@ pub(crate) fn from_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig, keys: &HfKeys) -
 /// softmax), `.expert_weights_scale`, and `.expert_group_count` with
 /// `.expert_group_used_count`. A layer is sparse when it has a router
 /// tensor (`blk.{i}.ffn_gate_inp.weight`), so leading dense layers need no
-/// key; the correction bias is the `blk.{i}.exp_probs_b.bias` tensor.
+/// key; the correction bias is the `blk.{i}.exp_probs_b.bias` tensor, the
+/// router's logit bias `ffn_gate_inp.bias`, the experts' biases
+/// `ffn_{gate,up,down}_exps.bias` (gpt-oss).
 /// Leaves `cfg.moe` unset when the file has no experts.
 pub(crate) fn from_gguf(g: &GgufFile, cfg: &mut ModelConfig, norm_default: bool) -> Result<()> {
     let key = |k: &str| format!("{}.{k}", cfg.architecture);
@@ -339,6 +356,8 @@ pub(crate) fn from_gguf(g: &GgufFile, cfg: &mut ModelConfig, norm_default: bool)
         correction_bias: any_layer("exp_probs_b.bias"),
         groups,
         routed_scale: g.opt_f32(&key("expert_weights_scale"))?.unwrap_or(1.0),
+        router_bias: any_layer("ffn_gate_inp.bias"),
+        expert_bias: any_layer("ffn_gate_exps.bias"),
     });
     Ok(())
 }

@@ -37,4 +37,5 @@ pub(crate) const FAMILY: Family = Family {
     },
     gguf_name: |_| None,
     partial_rotary: false,
+    hf_fused_experts: false,
 };

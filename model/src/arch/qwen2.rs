@@ -26,6 +26,7 @@ pub(crate) const FAMILY: Family = Family {
     hf_name: |_| None,
     gguf_name: |_| None,
     partial_rotary: false,
+    hf_fused_experts: false,
 };
 
 /// Without `layer_types`: a window only when `use_sliding_window`, and

@@ -20,6 +20,7 @@ pub(crate) const FAMILY: Family = Family {
     hf_name: |_| None,
     gguf_name: |_| None,
     partial_rotary: false,
+    hf_fused_experts: false,
 };
 
 /// The Qwen3 block from `config.json` (Qwen3-MoE's too).

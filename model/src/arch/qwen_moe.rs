@@ -48,6 +48,7 @@ pub(crate) const QWEN2_MOE: Family = Family {
     hf_name: |_| None,
     gguf_name: |_| None,
     partial_rotary: false,
+    hf_fused_experts: false,
 };
 
 pub(crate) const QWEN3_MOE: Family = Family {
@@ -68,4 +69,5 @@ pub(crate) const QWEN3_MOE: Family = Family {
     hf_name: |_| None,
     gguf_name: |_| None,
     partial_rotary: false,
+    hf_fused_experts: false,
 };

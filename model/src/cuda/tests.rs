@@ -65,3 +65,22 @@ fn gemma2_and_yarn_scaling_are_refused_by_name_and_llama_scalings_run() {
         assert!(refuse_unimplemented(&cfg).is_ok(), "{scaling}");
     }
 }
+
+/// gpt-oss is refused by family and by each switch the device pass lacks.
+#[test]
+fn gpt_oss_is_refused_by_name_with_each_switch() {
+    let mut v = llama(json!({"num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": 8}));
+    v["model_type"] = json!("gpt_oss");
+    let msg = refusal(&config(v));
+    for part in [
+        "gpt_oss",
+        "attention sinks",
+        "an output-projection bias",
+        "clamped SwiGLU",
+        "mixture-of-experts",
+        "sliding-window layers mixed",
+    ] {
+        assert!(msg.contains(part), "{part} missing from: {msg}");
+    }
+}

@@ -48,6 +48,20 @@ fn quantized_mixture_is_the_same_alone_or_batched() {
     same_alone_or_batched(&e);
 }
 
+/// The same for gpt-oss (tiny, Q8_0): sinks and biases in attention,
+/// biased router and experts, the clamped SwiGLU, windows of 8 on every
+/// other layer (the prompts pass them).
+#[test]
+fn quantized_gpt_oss_is_the_same_alone_or_batched() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/gguf/tiny-gpt_oss-Q8_0.gguf");
+    let loaded = load_with(&path, Precision::Quantized).expect("load");
+    let e = Engine::from_loaded(loaded, &EngineConfig::default()).expect("engine");
+    let cfg = e.model().config();
+    assert!(cfg.moe.is_some() && cfg.block.attn_sinks && e.model().is_quantized());
+    same_alone_or_batched(&e);
+}
+
 /// Four prompts, each prefilled and decoded 6 greedy steps alone, then
 /// all four as one batch: every step's logits equal, bit for bit.
 fn same_alone_or_batched(e: &Engine) {
