@@ -30,10 +30,15 @@ use crate::config::hf::HfConfig;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::loader::gguf::GgufFile;
-use kvmesh_kernels::rope::RopeScaling;
+use kvmesh_kernels::rope::{yarn_attention_factor, RopeScaling, Yarn};
 
 /// `GptOssConfig`'s defaults.
 const DEFAULT_WINDOW: usize = 128;
+const DEFAULT_THETA: f32 = 150_000.0;
+/// Its YaRN when `rope_parameters` is absent: factor 32 over 4,096
+/// positions, betas 32 and 1, unrounded.
+const DEFAULT_YARN_FACTOR: f64 = 32.0;
+const DEFAULT_YARN_ORIGINAL: usize = 4096;
 const DEFAULT_ALPHA: f32 = 1.702;
 const DEFAULT_LIMIT: f32 = 7.0;
 
@@ -87,6 +92,22 @@ fn gpt_oss_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {
     };
     if hf.get("sliding_window").is_none() {
         cfg.sliding_window = Some(DEFAULT_WINDOW);
+    }
+    // Without any rope keys transformers runs its default YaRN on base
+    // 150,000, not unscaled rope on 10,000 (the generic reader's default).
+    let absent = |k: &str| hf.get(k).is_none_or(serde_json::Value::is_null);
+    if absent("rope_parameters") && absent("rope_scaling") {
+        if absent("rope_theta") {
+            cfg.rope_theta = DEFAULT_THETA;
+        }
+        cfg.rope_scaling = RopeScaling::Yarn(Yarn {
+            factor: DEFAULT_YARN_FACTOR,
+            original_max_position_embeddings: DEFAULT_YARN_ORIGINAL,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: false,
+            attention_factor: yarn_attention_factor(DEFAULT_YARN_FACTOR, None, None),
+        });
     }
     if cfg.layer_types.is_empty() {
         cfg.layer_types = window_pattern(cfg.n_layers, 2);

@@ -272,3 +272,53 @@ fn phi3_lists_its_fused_tensors_and_gemma_its_own_norm_names() {
         Some("pre_feedforward_layernorm.weight")
     );
 }
+
+/// gpt-oss's config.json: transformers' defaults where keys are absent
+/// (window 128, every other layer sliding from 0, YaRN 32 over 4,096 on
+/// base 150,000, alpha 1.702, limit 7), its own values where present, and
+/// the released MXFP4 checkpoints refused by name.
+#[test]
+fn gpt_oss_reads_transformers_defaults_and_refuses_mxfp4_safetensors() {
+    let experts = json!({"num_local_experts": 4, "num_experts_per_tok": 2});
+    let c = parse(base("gpt_oss", experts.clone())).expect("gpt_oss");
+    assert_eq!(c.family, "gpt_oss");
+    assert_eq!(c.sliding_window, Some(128));
+    assert_eq!(c.layer_types[..2], [LayerType::Sliding, LayerType::Full]);
+    assert_eq!(c.rope_theta, 150_000.0);
+    match c.rope_scaling {
+        kvmesh_kernels::rope::RopeScaling::Yarn(y) => {
+            assert_eq!((y.factor, y.original_max_position_embeddings), (32.0, 4096));
+            assert!(!y.truncate);
+        }
+        other => panic!("expected YaRN, got {other:?}"),
+    }
+    assert_eq!(
+        c.block.activation,
+        Activation::SwigluOai {
+            alpha: 1.702,
+            limit: 7.0
+        }
+    );
+    assert!(c.attention_bias && c.block.o_bias && c.block.attn_sinks);
+    let moe = c.moe.as_ref().expect("experts");
+    assert_eq!(moe.scoring, moe::Scoring::TopKSoftmax);
+    assert!(moe.router_bias && moe.expert_bias && moe.sparse.iter().all(|&s| s));
+
+    let mut v = base("gpt_oss", experts.clone());
+    v["rope_theta"] = json!(10_000.0);
+    v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": 64, "truncate": false});
+    v["swiglu_limit"] = json!(1.5);
+    let c = parse(v).expect("gpt_oss with rope");
+    assert_eq!(c.rope_theta, 10_000.0);
+    assert!(matches!(c.rope_scaling,
+        kvmesh_kernels::rope::RopeScaling::Yarn(y) if y.factor == 4.0 && !y.truncate));
+    assert!(matches!(c.block.activation, Activation::SwigluOai { limit, .. } if limit == 1.5));
+
+    let mut v = base("gpt_oss", experts.clone());
+    v["swiglu_limit"] = json!(-1.0);
+    assert_eq!(invalid_field(parse(v)), "swiglu_limit");
+    let mut v = base("gpt_oss", experts);
+    v["quantization_config"] = json!({"quant_method": "mxfp4"});
+    assert_eq!(invalid_field(parse(v)), "quantization_config");
+}
