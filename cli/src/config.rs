@@ -95,6 +95,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use kvmesh_discovery::EtcdConfig;
 use kvmesh_kvpool::{ParseScrubModeError, ScrubMode};
+use kvmesh_kvxfer::transport::TransportKind;
 use kvmesh_meshauth::tls::{MeshTls, TlsFiles};
 use kvmesh_meshauth::{readable_by_others, MeshSecret};
 use serde::Deserialize;
@@ -141,7 +142,8 @@ pub struct MeshConfig {
     /// Token slots per page.
     #[serde(default = "default_page_size")]
     pub page_size: usize,
-    /// `tcp` or `shm`.
+    /// The KV transport's name (`tcp`, `shm` or `ucx`: a
+    /// [`TransportKind`]); read it through [`Self::transport_kind`].
     #[serde(default = "default_transport")]
     pub transport: String,
     /// Directory of shared-memory pool mappings.
@@ -408,6 +410,11 @@ fn scrub_mode<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ScrubMode, D::Er
 }
 
 impl MeshConfig {
+    /// The KV transport; the file was validated, so the value parses.
+    pub fn transport_kind(&self) -> TransportKind {
+        self.transport.parse().unwrap_or_default()
+    }
+
     /// The KV pool element type of every node (`None`: auto); the file was
     /// validated, so the value parses.
     pub fn kv_dtype(&self) -> Option<kvmesh_kvpool::KvDtype> {

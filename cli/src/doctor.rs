@@ -29,6 +29,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Result;
 use clap::Args;
+use kvmesh_kvxfer::transport::Control;
 use kvmesh_proto::internal::v1::{LoadReport, LoadRequest, NodeRole};
 use kvmesh_proto::peer::{decode_client, prefill_client};
 use serde::Serialize;
@@ -252,10 +253,9 @@ async fn node(
     );
     if role == "decode" {
         let kv = n.kv.as_deref().unwrap_or_default();
-        let r = if cfg.transport == "shm" {
-            unix_reachable(kv, timeout).await
-        } else {
-            tcp_reachable(kv, timeout).await
+        let r = match cfg.transport_kind().control() {
+            Control::Unix => unix_reachable(kv, timeout).await,
+            Control::Tcp => tcp_reachable(kv, timeout).await,
         };
         let status = if r.is_ok() { Status::Ok } else { Status::Fail };
         report.add(

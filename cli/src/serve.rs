@@ -8,9 +8,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use clap::{Args, ValueEnum};
-use kvmesh_decode::{DecodeConfig, DecodeNode, Drained, Transport};
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+use clap::Args;
+use kvmesh_decode::{DecodeConfig, DecodeNode, Drained};
 use kvmesh_kernels::cpu::{Activations, CpuKernels};
+use kvmesh_kvxfer::transport::{ListenSettings, TransportKind};
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::default_model;
 use kvmesh_model::Precision;
@@ -66,16 +68,14 @@ impl std::str::FromStr for OnOff {
     }
 }
 
-/// How KV pages travel from prefill to decode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum TransportKind {
-    /// KV frames over TCP, checked by the receiver before they land.
-    Tcp,
-    /// One-sided writes into the decode pool's shared-memory mapping.
-    Shm,
-    /// One-sided UCX puts into the decode pool (RDMA where the fabric has
-    /// it; UCX's tcp elsewhere); needs libucp (Debian's libucx0).
-    Ucx,
+/// `--transport`'s parser: the names and help lines of the transport
+/// table ([`TransportKind::ALL`]), listed as a `ValueEnum`'s would be
+/// (kvxfer does not link clap).
+pub fn transport_parser() -> impl TypedValueParser<Value = TransportKind> {
+    PossibleValuesParser::new(
+        TransportKind::ALL.map(|k| PossibleValue::new(k.name()).help(k.about())),
+    )
+    .try_map(|s| s.parse::<TransportKind>())
 }
 
 #[derive(Args, Debug)]
@@ -96,7 +96,7 @@ pub struct ServeArgs {
     #[arg(long, env = "KVMESH_ALLOW_SMALL_POOL")]
     pub allow_small_pool: bool,
     /// KV transport between prefill and decode.
-    #[arg(long, env = "KVMESH_TRANSPORT", value_enum, default_value = "tcp")]
+    #[arg(long, env = "KVMESH_TRANSPORT", default_value = "tcp", value_parser = transport_parser())]
     pub transport: TransportKind,
     /// Prefix cache on both nodes: on or off. Cached pages are shared only
     /// within a tenant (the API key's; `cache_salt` narrows it).
@@ -352,18 +352,13 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let stop_ids = info.stop_token_ids();
     let model_description = info.description();
     let tokenizer = info.tokenizer;
-    // The shm transport's socket lives in a directory only this user can
-    // enter (0700, a random name), removed when serve returns: a
-    // predictable path in the shared temporary directory could be taken
-    // first, or reached, by another user.
+    // A Unix control socket (the shm transport's) lives in a directory
+    // only this user can enter (0700, a random name), removed when serve
+    // returns: a predictable path in the shared temporary directory could
+    // be taken first, or reached, by another user.
     let mut _socket_dir = None;
-    let transport = match a.transport {
-        TransportKind::Tcp => Transport::Tcp("127.0.0.1:0".into()),
-        TransportKind::Ucx => Transport::Ucx {
-            control: "127.0.0.1:0".into(),
-            data: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-        },
-        TransportKind::Shm => {
+    let transport =
+        ListenSettings::loopback(a.transport, a.shm_dir.clone(), || -> Result<String> {
             let dir = tempfile::Builder::new()
                 .prefix("kvmesh-serve-")
                 .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
@@ -371,13 +366,13 @@ async fn serve(a: ServeArgs) -> Result<()> {
                 .context("creating a private directory for the KV socket")?;
             let socket = dir.path().join("decode-0.sock");
             tracing::info!(socket = %socket.display(), "KV socket in a private directory");
+            let socket = socket
+                .to_str()
+                .context("the KV socket's path is not UTF-8")?
+                .to_owned();
             _socket_dir = Some(dir);
-            Transport::Shm {
-                dir: a.shm_dir.clone(),
-                socket,
-            }
-        }
-    };
+            Ok(socket)
+        })?;
     // All roles share this process: a fresh secret per run, never written
     // anywhere, so no other process can call these nodes.
     let mesh_secret = MeshSecret::generate().context("minting the mesh secret")?;

@@ -25,4 +25,4 @@ mod service;
 
 pub use kvmesh_node::serve::Drained;
 pub use run::run;
-pub use service::{DecodeConfig, DecodeNode, NodeError, Transport};
+pub use service::{DecodeConfig, DecodeNode, NodeError};

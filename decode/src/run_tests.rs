@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use kvmesh_kvwire::{decode_message, FirstToken, Message, PromptScore, TokenLogprobs, WriterId};
 use kvmesh_kvxfer::transport::client::KvClient;
+use kvmesh_kvxfer::transport::{ListenSettings, TransportKind};
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::engine::EngineConfig;
 use kvmesh_model::Precision;
@@ -14,7 +15,7 @@ use kvmesh_proto::internal::v1::{
     decode_event, GenerateRequest, LoadRequest, RefuseKind, Sampling,
 };
 
-use crate::{run, DecodeConfig, DecodeNode, Transport};
+use crate::{run, DecodeConfig, DecodeNode};
 
 async fn node() -> DecodeNode {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/data/tiny-llama");
@@ -24,7 +25,12 @@ async fn node() -> DecodeNode {
             name: "decode-test".into(),
             engine: EngineConfig::default(),
             allow_small_pool: true,
-            transport: Transport::Tcp("127.0.0.1:0".into()),
+            transport: ListenSettings {
+                kind: TransportKind::Tcp,
+                control: "127.0.0.1:0".into(),
+                shm_dir: "/dev/shm".into(),
+                ucx_listen: ([127, 0, 0, 1], 0).into(),
+            },
             lease: Duration::from_secs(5),
             abort_timeout: Duration::from_secs(1),
             kv_advertise: None,

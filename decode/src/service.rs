@@ -1,19 +1,15 @@
 //! The decode node and its gRPC service.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvmesh_faults::{Action, Point};
-use kvmesh_kvpool::KvPool;
 use kvmesh_kvwire::AbortReason;
 use kvmesh_kvxfer::handshake::{ReservationTable, ReserveRequest, TableConfig};
 use kvmesh_kvxfer::transport::server::KvServer;
-use kvmesh_kvxfer::transport::shm::ShmLanding;
-use kvmesh_kvxfer::transport::tcp::TcpLanding;
-use kvmesh_kvxfer::transport::{KvAuth, Landing};
+use kvmesh_kvxfer::transport::{KvAuth, ListenSettings};
 use kvmesh_meshauth::grpc::Authenticated;
 use kvmesh_meshauth::tls::MeshTls;
 use kvmesh_meshauth::{CallVerifier, MeshSecret};
@@ -40,31 +36,6 @@ use crate::batcher::{self, Job, Open, Work};
 use crate::metrics::StepMetrics;
 use request::{abandon, check, refuse_kind, refused, request_faults, reservation_id};
 
-/// How prefill writers reach this node's pool.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Transport {
-    /// Frames over TCP, listening on this address (`HOST:PORT`).
-    Tcp(String),
-    /// The pool in a shared-memory mapping in `dir` (e.g. `/dev/shm`),
-    /// control over a Unix socket at `socket`.
-    Shm {
-        /// Where the mapping file goes.
-        dir: PathBuf,
-        /// The Unix socket writers connect to.
-        socket: PathBuf,
-    },
-    /// The pool registered with UCX (one-sided puts, RDMA where the fabric
-    /// has it); control over TCP on `control` (`HOST:PORT`), UCX's
-    /// listener on `data` (port 0: any; an unspecified IP is reached at
-    /// the host writers dialled for control).
-    Ucx {
-        /// The control listener.
-        control: String,
-        /// The UCX listener.
-        data: std::net::SocketAddr,
-    },
-}
-
 /// A decode node's settings.
 #[derive(Clone, Debug)]
 pub struct DecodeConfig {
@@ -74,8 +45,8 @@ pub struct DecodeConfig {
     pub engine: EngineConfig,
     /// Start even if the pool cannot hold one max-context request.
     pub allow_small_pool: bool,
-    /// The KV transport.
-    pub transport: Transport,
+    /// The KV transport and where it listens.
+    pub transport: ListenSettings,
     /// How long a grant may wait for its transfer.
     pub lease: Duration,
     /// How long an abort may wait for the writer's confirmation.
@@ -178,27 +149,7 @@ impl DecodeNode {
                 loaded.config.head_dim,
             )
         };
-        let (pool, landing): (KvPool, Arc<dyn Landing>) = match &cfg.transport {
-            Transport::Tcp(_) => (
-                KvPool::new(pool_cfg).map_err(kvmesh_model::ModelError::from)?,
-                Arc::new(TcpLanding),
-            ),
-            Transport::Shm { dir, .. } => {
-                let (pool, region) = kvmesh_kvxfer::shm::shared_pool(pool_cfg, dir)
-                    .map_err(kvmesh_model::ModelError::from)?;
-                (pool, Arc::new(ShmLanding::new(region)))
-            }
-            Transport::Ucx { data, .. } => {
-                let (pool, landing) = kvmesh_kvxfer::transport::ucx::ucx_pool(pool_cfg, *data)?;
-                tracing::info!(
-                    node = %cfg.name,
-                    ucx_listener = %landing.target().address(),
-                    ucx = ?kvmesh_ucx::version().ok(),
-                    "decode node KV pool registered with UCX"
-                );
-                (pool, landing as Arc<dyn Landing>)
-            }
-        };
+        let (pool, landing) = cfg.transport.land(pool_cfg, &cfg.name)?;
         tracing::info!(
             node = %cfg.name,
             kv_pool_tokens = pool.capacity_tokens(),
@@ -216,19 +167,11 @@ impl DecodeNode {
             },
         )
         .map_err(|e| NodeError::Config(e.to_string()))?;
-        let server = match &cfg.transport {
-            Transport::Tcp(addr) | Transport::Ucx { control: addr, .. } => {
-                let auth = KvAuth {
-                    secret: cfg.mesh_secret.clone(),
-                    tls: cfg.tls.clone(),
-                };
-                KvServer::bind_tcp(table.clone(), addr, auth).await?
-            }
-            Transport::Shm { socket, .. } => {
-                let _ = std::fs::remove_file(socket);
-                KvServer::bind_unix(table.clone(), socket, cfg.mesh_secret.clone()).await?
-            }
+        let auth = KvAuth {
+            secret: cfg.mesh_secret.clone(),
+            tls: cfg.tls.clone(),
         };
+        let server = cfg.transport.listen(table.clone(), auth).await?;
         if let Some(adv) = &cfg.kv_advertise {
             table.set_endpoint(adv);
         }

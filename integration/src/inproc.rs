@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use kvmesh_decode::{DecodeConfig, DecodeNode, Drained, Transport};
+use kvmesh_decode::{DecodeConfig, DecodeNode, Drained};
+use kvmesh_kvxfer::transport::{ListenSettings, TransportKind};
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::engine::EngineConfig;
 use kvmesh_model::Precision;
@@ -29,23 +30,11 @@ use tokio::task::JoinHandle;
 
 use crate::http;
 
-/// How KV pages travel from prefill to decode.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum KvTransport {
-    /// Frames over TCP (`serve --transport tcp`, the default).
-    #[default]
-    Tcp,
-    /// One-sided writes into a shared-memory mapping (`--transport shm`).
-    Shm,
-    /// One-sided UCX puts into the registered pool (`--transport ucx`).
-    Ucx,
-}
-
 /// What `kvmesh serve`'s flags would set.
 #[derive(Clone, Debug)]
 pub struct Options {
     /// `--transport`.
-    pub transport: KvTransport,
+    pub transport: TransportKind,
     /// Pool, page, context and precision settings of both nodes; the
     /// default is `serve`'s (quantized weights where the model has them,
     /// KV dtype auto, pages of 16, one full context).
@@ -66,7 +55,7 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Self {
-            transport: KvTransport::Tcp,
+            transport: TransportKind::Tcp,
             engine: EngineConfig {
                 precision: Precision::Quantized,
                 ..EngineConfig::default()
@@ -187,17 +176,12 @@ impl InProcessMesh {
         let model_description = info.description();
         let max_model_len = o.engine.max_model_len.unwrap_or(info.context_length);
         let stop_ids = info.stop_token_ids();
-        let transport = match o.transport {
-            KvTransport::Tcp => Transport::Tcp("127.0.0.1:0".into()),
-            KvTransport::Ucx => Transport::Ucx {
-                control: "127.0.0.1:0".into(),
-                data: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-            },
-            KvTransport::Shm => Transport::Shm {
-                dir: PathBuf::from("/dev/shm"),
-                socket: shm_socket(),
-            },
-        };
+        let transport = ListenSettings::loopback(o.transport, PathBuf::from("/dev/shm"), || {
+            shm_socket()
+                .into_os_string()
+                .into_string()
+                .map_err(|p| anyhow::anyhow!("the KV socket path {p:?} is not UTF-8"))
+        })?;
         let secret = MeshSecret::generate().context("minting the mesh secret")?;
         let decode = DecodeNode::start(
             DecodeConfig {

@@ -9,9 +9,10 @@
 use std::path::Path;
 
 use kvmesh_integration::http::{self, post_streaming};
-use kvmesh_integration::inproc::{InProcessMesh, KvTransport, Options};
+use kvmesh_integration::inproc::{InProcessMesh, Options};
 use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
 use kvmesh_kvpool::KvDtype;
+use kvmesh_kvxfer::transport::TransportKind;
 use kvmesh_model::default_model;
 use serde_json::{json, Value};
 
@@ -140,7 +141,7 @@ fn mesh_output_equals_the_reference_engine_tcp() {
     let mesh = start(
         &model,
         Options {
-            transport: KvTransport::Tcp,
+            transport: TransportKind::Tcp,
             ..Options::default()
         },
     );
@@ -171,7 +172,7 @@ fn mesh_output_equals_the_reference_engine_shm() {
     let mesh = start(
         &model,
         Options {
-            transport: KvTransport::Shm,
+            transport: TransportKind::Shm,
             ..Options::default()
         },
     );
@@ -181,7 +182,7 @@ fn mesh_output_equals_the_reference_engine_shm() {
 
 #[test]
 fn mesh_output_equals_the_reference_engine_ucx() {
-    if let Err(e) = kvmesh_ucx::load() {
+    if let Err(e) = TransportKind::Ucx.available() {
         eprintln!("not run: {e}");
         return;
     }
@@ -189,7 +190,7 @@ fn mesh_output_equals_the_reference_engine_ucx() {
     let mesh = start(
         &model,
         Options {
-            transport: KvTransport::Ucx,
+            transport: TransportKind::Ucx,
             ..Options::default()
         },
     );
@@ -206,9 +207,9 @@ fn mesh_output_equals_the_reference_engine_ucx() {
 fn mesh_output_equals_the_reference_engine_with_f16_kv() {
     let model = tiny_model_dir();
     let f16 = ["--kv-cache-dtype", "f16"];
-    for transport in [KvTransport::Tcp, KvTransport::Shm, KvTransport::Ucx] {
-        if transport == KvTransport::Ucx && kvmesh_ucx::load().is_err() {
-            eprintln!("ucx: not run (libucp missing)");
+    for transport in TransportKind::ALL {
+        if let Err(e) = transport.available() {
+            eprintln!("{transport}: not run ({e})");
             continue;
         }
         let mut opts = Options {

@@ -28,18 +28,14 @@
 //! Prints ms per transfer, GB/s of KV moved (as sent: f16 rows move half the
 //! bytes), and the ratio to memcpy of the f32 KV.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_kvpool::{KvDtype, KvPool, PoolConfig, ScrubMode};
+use kvmesh_kvpool::{KvDtype, PoolConfig, ScrubMode};
 use kvmesh_kvwire::WriterId;
 use kvmesh_kvxfer::handshake::{ReservationTable, ReserveRequest, TableConfig};
 use kvmesh_kvxfer::transport::client::KvClient;
 use kvmesh_kvxfer::transport::server::KvServer;
-use kvmesh_kvxfer::transport::shm::ShmLanding;
-use kvmesh_kvxfer::transport::tcp::TcpLanding;
-use kvmesh_kvxfer::transport::KvAuth;
-use kvmesh_kvxfer::transport::Landing;
+use kvmesh_kvxfer::transport::{KvAuth, ListenSettings, TransportKind};
 use kvmesh_meshauth::tls::{MeshTls, TlsFiles};
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_testkit::tls::{TestCa, Validity};
@@ -75,35 +71,13 @@ struct Setup {
     _dir: tempfile::TempDir,
 }
 
-/// The data path under test.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Path {
-    Tcp,
-    Shm,
-    Ucx,
-}
-
-async fn setup(path: Path, tls: bool, dtype: KvDtype) -> Setup {
+async fn setup(kind: TransportKind, tls: bool, dtype: KvDtype) -> Setup {
     let dir = tempfile::tempdir().expect("tempdir");
-    let shm = path == Path::Shm;
-    let (pool, landing): (KvPool, Arc<dyn Landing>) = match path {
-        Path::Shm => {
-            let (pool, region) =
-                kvmesh_kvxfer::shm::shared_pool(config(dtype), std::path::Path::new("/dev/shm"))
-                    .expect("pool");
-            (pool, Arc::new(ShmLanding::new(region)))
-        }
-        Path::Tcp => (
-            KvPool::new(config(dtype)).expect("pool"),
-            Arc::new(TcpLanding),
-        ),
-        Path::Ucx => {
-            let listen = "127.0.0.1:0".parse().expect("addr");
-            let (pool, landing) =
-                kvmesh_kvxfer::transport::ucx::ucx_pool(config(dtype), listen).expect("ucx pool");
-            (pool, landing as Arc<dyn Landing>)
-        }
-    };
+    let settings = ListenSettings::loopback(kind, "/dev/shm".into(), || {
+        dir.path().join("kv.sock").into_os_string().into_string()
+    })
+    .expect("settings");
+    let (pool, landing) = settings.land(config(dtype), "bench").expect("pool");
     let cfg = TableConfig {
         lease: Duration::from_secs(30),
         abort_timeout: Duration::from_secs(5),
@@ -131,12 +105,10 @@ async fn setup(path: Path, tls: bool, dtype: KvDtype) -> Setup {
         }
     };
     let server_auth = identity("bench");
-    let server = if shm {
-        KvServer::bind_unix(table.clone(), &dir.path().join("kv.sock"), secret.clone()).await
-    } else {
-        KvServer::bind_tcp(table.clone(), "127.0.0.1:0", server_auth.clone()).await
-    }
-    .expect("listen");
+    let server = settings
+        .listen(table.clone(), server_auth.clone())
+        .await
+        .expect("listen");
     // The writer presents the same identity (one CA for the bench).
     let client = KvClient::connect(
         server.endpoint(),
@@ -214,20 +186,18 @@ fn main() {
         row("memcpy", memcpy, bytes);
         row("checksum", median(sum), bytes);
         for (name, path, tls, dtype) in [
-            ("tcp", Path::Tcp, false, KvDtype::F32),
-            ("tcp+tls", Path::Tcp, true, KvDtype::F32),
-            ("shared-memory", Path::Shm, false, KvDtype::F32),
-            ("ucx", Path::Ucx, false, KvDtype::F32),
-            ("tcp f16", Path::Tcp, false, KvDtype::F16),
-            ("tcp+tls f16", Path::Tcp, true, KvDtype::F16),
-            ("shm f16", Path::Shm, false, KvDtype::F16),
-            ("ucx f16", Path::Ucx, false, KvDtype::F16),
+            ("tcp", TransportKind::Tcp, false, KvDtype::F32),
+            ("tcp+tls", TransportKind::Tcp, true, KvDtype::F32),
+            ("shared-memory", TransportKind::Shm, false, KvDtype::F32),
+            ("ucx", TransportKind::Ucx, false, KvDtype::F32),
+            ("tcp f16", TransportKind::Tcp, false, KvDtype::F16),
+            ("tcp+tls f16", TransportKind::Tcp, true, KvDtype::F16),
+            ("shm f16", TransportKind::Shm, false, KvDtype::F16),
+            ("ucx f16", TransportKind::Ucx, false, KvDtype::F16),
         ] {
-            if path == Path::Ucx {
-                if let Err(e) = kvmesh_ucx::load() {
-                    println!("{prompt:>6}  {name:<13} not run: {e}");
-                    continue;
-                }
+            if let Err(e) = path.available() {
+                println!("{prompt:>6}  {name:<13} not run: {e}");
+                continue;
             }
             let secs = rt.block_on(async {
                 let s = setup(path, tls, dtype).await;

@@ -137,10 +137,6 @@ impl MeshConfig {
     /// control connection is TCP).
     pub fn kv_endpoint(&self, n: &NodeSection) -> String {
         let kv = n.kv.as_deref().unwrap_or_default();
-        if self.transport == "shm" {
-            format!("unix:{kv}")
-        } else {
-            format!("tcp://{kv}")
-        }
+        self.transport_kind().control().endpoint(kv).to_string()
     }
 }

@@ -8,6 +8,7 @@ use anyhow::{bail, Result};
 use kvmesh_cuda::ops::WeightDtype;
 use kvmesh_cuda::DeviceSpec;
 use kvmesh_kernels::cpu::CpuKernels;
+use kvmesh_kvxfer::transport::{Control, TransportKind};
 
 use super::{host_port, refuse, MeshConfig, MeshSection};
 
@@ -85,14 +86,10 @@ impl MeshConfig {
             )),
             Some(_) => {}
         }
-        if !matches!(self.transport.as_str(), "tcp" | "shm" | "ucx") {
-            bail!(refuse(
-                file,
-                "transport",
-                &self.transport,
-                "expected tcp, shm or ucx"
-            ));
+        if let Err(e) = self.transport.parse::<TransportKind>() {
+            bail!(refuse(file, "transport", &self.transport, &e.to_string()));
         }
+        let transport = self.transport_kind();
         host_port(file, "router.http", &self.router.http)?;
         host_port(file, "router.grpc", &self.router.grpc)?;
         self.router.parsers(file)?;
@@ -171,13 +168,13 @@ impl MeshConfig {
                         "",
                         "a decode node needs a KV transport address"
                     )),
-                    ("decode", Some(kv)) if self.transport != "shm" => {
+                    ("decode", Some(kv)) if transport.control() == Control::Tcp => {
                         host_port(file, &f("kv"), kv)?;
                         if let Some(l) = &n.kv_listen {
                             host_port(file, &f("kv_listen"), l)?;
                         }
-                        match (&n.ucx_listen, self.transport.as_str()) {
-                            (Some(u), "ucx") => {
+                        match (&n.ucx_listen, transport) {
+                            (Some(u), TransportKind::Ucx) => {
                                 if u.parse::<std::net::SocketAddr>().is_err() {
                                     bail!(refuse(
                                         file,
@@ -201,7 +198,7 @@ impl MeshConfig {
                             file,
                             &f("kv"),
                             kv,
-                            "with transport shm, an absolute Unix socket path"
+                            &format!("with transport {transport}, an absolute Unix socket path")
                         ))
                     }
                     ("prefill", Some(kv)) => bail!(refuse(

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use kvmesh_decode::{DecodeConfig, DecodeNode, Transport};
+use kvmesh_decode::{DecodeConfig, DecodeNode};
 use kvmesh_discovery::EtcdConfig;
+use kvmesh_kvxfer::transport::ListenSettings;
 use kvmesh_meshauth::tls::MeshTls;
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::engine::EngineConfig;
@@ -56,17 +57,15 @@ pub(super) async fn decode_process(
     let n = cfg.node("decode", name)?;
     let path = model_path(&cfg.model)?;
     let kv = n.kv.clone().unwrap_or_default();
-    let kv_listen = n.kv_listen.clone().unwrap_or_else(|| kv.clone());
-    let transport = match cfg.transport.as_str() {
-        "shm" => Transport::Shm {
-            dir: cfg.shm_dir.clone(),
-            socket: kv_listen.into(),
-        },
-        "ucx" => Transport::Ucx {
-            control: kv_listen,
-            data: n.ucx_listen_addr()?,
-        },
-        _ => Transport::Tcp(kv_listen),
+    let transport = ListenSettings {
+        kind: cfg.transport_kind(),
+        control: n.kv_listen.clone().unwrap_or(kv),
+        shm_dir: cfg.shm_dir.clone(),
+        // Read by the ucx transport only, and checked by validation
+        // there; other transports ignore it, as they always did.
+        ucx_listen: n
+            .ucx_listen_addr()
+            .unwrap_or_else(|_| std::net::SocketAddr::from(([0, 0, 0, 0], 0))),
     };
     let node = DecodeNode::start(
         DecodeConfig {

@@ -26,12 +26,7 @@ pub(crate) fn log_tail(path: &Path) -> String {
 pub(super) fn soak_serve_flags(a: &SoakArgs, kv_pool_tokens: usize) -> Vec<String> {
     let mut flags: Vec<String> = vec![
         "--transport".into(),
-        match a.transport {
-            TransportKind::Tcp => "tcp",
-            TransportKind::Shm => "shm",
-            TransportKind::Ucx => "ucx",
-        }
-        .into(),
+        a.transport.to_string(),
         "--page-size".into(),
         a.model.page_size.to_string(),
         "--kv-pool-tokens".into(),

@@ -48,8 +48,9 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 use crate::progress::Progress;
-use crate::serve::TransportKind;
+use crate::serve::transport_parser;
 use crate::ModelArgs;
+use kvmesh_kvxfer::transport::TransportKind;
 
 /// Runs shorter than this do not check memory growth: their end-to-start
 /// ratio is dominated by allocator and page-cache warm-up.
@@ -173,7 +174,7 @@ pub struct SoakArgs {
     #[arg(long, default_value_t = 1000)]
     abort_timeout_ms: u64,
     /// KV transport of the mesh started here.
-    #[arg(long, value_enum, default_value = "tcp")]
+    #[arg(long, default_value = "tcp", value_parser = transport_parser())]
     transport: TransportKind,
     /// Drive this running mesh (`http://HOST:PORT`) instead of starting one;
     /// its flags are then its own (fault injection, lease).

@@ -104,11 +104,10 @@ pub(super) fn summarize(a: &SoakArgs, s: &Summary<'_>) -> Report {
     }
 
     let mut o = String::new();
-    let transport = match (s.started_mesh, a.transport) {
-        (false, _) => "as running",
-        (true, TransportKind::Tcp) => "tcp",
-        (true, TransportKind::Shm) => "shm",
-        (true, TransportKind::Ucx) => "ucx",
+    let transport = if s.started_mesh {
+        a.transport.name()
+    } else {
+        "as running"
     };
     let _ = writeln!(o, "kvmesh soak summary");
     let _ = writeln!(

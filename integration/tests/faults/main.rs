@@ -16,6 +16,7 @@ use kvmesh_faults::{Expect, CATALOG};
 use kvmesh_integration::http::{self, post_streaming_headers};
 use kvmesh_integration::mesh::Mesh;
 use kvmesh_integration::{roles, tiny_model_dir};
+use kvmesh_kvxfer::transport::TransportKind;
 use serde_json::{json, Value};
 
 mod planted;
@@ -249,7 +250,7 @@ fn fault_matrix_shm() {
 
 #[test]
 fn fault_matrix_ucx() {
-    if let Err(e) = kvmesh_ucx::load() {
+    if let Err(e) = TransportKind::Ucx.available() {
         eprintln!("not run: {e}");
         return;
     }
@@ -301,12 +302,12 @@ fn bad_fault_specs_are_refused_with_the_header_named() {
 /// come back every time.
 #[test]
 fn vanishing_clients_with_faulted_aborts_and_confirmations() {
-    for transport in ["tcp", "shm", "ucx"] {
-        if transport == "ucx" && kvmesh_ucx::load().is_err() {
-            eprintln!("ucx: not run (libucp missing)");
+    for transport in TransportKind::ALL {
+        if let Err(e) = transport.available() {
+            eprintln!("{transport}: not run ({e})");
             continue;
         }
-        let mesh = start_tiny(&["--transport", transport]);
+        let mesh = start_tiny(&["--transport", transport.name()]);
         for (spec, outcome) in [
             ("frame:0=delay:600", "aborted"),
             ("frame:0=delay:600,confirm=drop", "abort_timed_out"),

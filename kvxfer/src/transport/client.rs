@@ -24,20 +24,17 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, Mutex as AsyncMutex};
 use tokio::task::JoinHandle;
 
-use crate::shm::ShmRegion;
 use kvmesh_faults::{Action, FaultPlan, Point};
 use kvmesh_kvwire::{
-    decode, encode_values, AbortConfirmed, Checksummer, DataPath, DecodeLimits, Dtype, FirstToken,
-    Geometry, Grant, Message, ReservationId, TransferDone, WireError, WriterId,
+    decode, encode_values, AbortConfirmed, Checksummer, DecodeLimits, Dtype, FirstToken, Geometry,
+    Grant, Message, ReservationId, TransferDone, WireError, WriterId,
 };
 use kvmesh_meshauth::MeshSecret;
 
 use super::greeting::greet;
-use super::shm::ShmWritePath;
+use super::kind::Outbound;
 use super::stream::{pump, read_message};
-use super::tcp::TcpWritePath;
-use super::ucx::UcxWritePath;
-use super::{Endpoint, KvAuth, PageWrite, TransportError, WritePath};
+use super::{Endpoint, KvAuth, PageWrite, TransportError, TransportKind, WritePath};
 use kvmesh_meshauth::tls::Purpose;
 
 /// How long the decode node has to send its Challenge and answer Hello.
@@ -249,29 +246,7 @@ impl KvClient {
                 .await
                 .map_err(|_| TransportError::Timeout("challenge and welcome"))??;
         let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
-        let path: Box<dyn WritePath> = match &welcome.data_path {
-            DataPath::Frames => Box::new(TcpWritePath::new(tx.clone())),
-            DataPath::SharedMemory { path } => {
-                let region = ShmRegion::open(std::path::Path::new(path), None)?;
-                let l = region.layout();
-                let g = welcome.geometry;
-                let same = l.page_size == g.page_size
-                    && l.n_layers == u32::from(g.n_layers)
-                    && l.n_kv_heads == u32::from(g.n_kv_heads)
-                    && l.head_dim == u32::from(g.head_dim);
-                if !same {
-                    return Err(TransportError::Protocol(format!(
-                        "the mapping's layout {l:?} is not the pool geometry {g:?}"
-                    )));
-                }
-                Box::new(ShmWritePath::new(region))
-            }
-            DataPath::Ucx { .. } => Box::new(UcxWritePath::new(
-                &welcome.data_path,
-                welcome.geometry,
-                peer,
-            )?),
-        };
+        let path = TransportKind::write_path(&welcome, &Outbound { tx: &tx, peer })?;
         let shared = Arc::new(Shared {
             writer,
             geometry: welcome.geometry,

@@ -17,6 +17,13 @@
 //! ([`kvmesh_meshauth::kv`]). [`server`] is the decode side's
 //! listener, [`client`] the prefill side's connection.
 //!
+//! # Choosing a transport
+//! [`TransportKind`] is the one name of a transport (flags, the mesh file,
+//! tests); [`kind`] holds the one table of what each kind does, and
+//! [`ListenSettings`] builds a decode node's pool, landing and listener
+//! from it. A writer picks its [`WritePath`] from the data path the
+//! decode node's `Welcome` names, through the same table.
+//!
 //! # The two traits
 //! - [`Landing`] (decode side): what a grant's `write_key` is, and how a
 //!   grant's write path is revoked. [`Revocation::Complete`] is the promise
@@ -28,6 +35,7 @@
 
 pub mod client;
 mod greeting;
+pub mod kind;
 pub mod server;
 pub mod shm;
 pub(crate) mod stream;
@@ -46,6 +54,8 @@ use crate::shm::{PeerProcess, ShmError};
 use kvmesh_kvwire::{DataPath, Grant, MintError, WireError};
 use kvmesh_meshauth::tls::MeshTls;
 use kvmesh_meshauth::MeshSecret;
+
+pub use kind::{Control, ListenSettings, TransportKind, UnknownTransport};
 
 /// A boxed future, so the traits stay usable as trait objects.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -145,6 +155,9 @@ pub enum TransportError {
     /// The shared-memory mapping refused the operation.
     #[error(transparent)]
     Shm(#[from] ShmError),
+    /// The decode node's pool could not be built.
+    #[error("KV pool: {0}")]
+    Pool(#[from] kvmesh_kvpool::PoolError),
     /// The connection is closed.
     #[error("connection closed")]
     Closed,
@@ -184,6 +197,7 @@ impl TransportError {
             Self::Io { .. } => "io",
             Self::Wire(e) => e.kind(),
             Self::Shm(e) => e.kind(),
+            Self::Pool(e) => e.kind(),
             Self::Closed => "closed",
             Self::Endpoint { .. } => "endpoint",
             Self::Protocol(_) => "protocol",

@@ -9,9 +9,55 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::shm::{LaneClose, PeerProcess, ShmRegion, WriteKey};
-use kvmesh_kvwire::DataPath;
+use kvmesh_kvpool::{KvPool, PoolConfig};
+use kvmesh_kvwire::{DataPath, Welcome};
 
+use super::kind::{always, Control, ListenSettings, Outbound, Spec};
 use super::{BoxFuture, Landing, PageWrite, Revocation, TransportError, WritePath};
+
+/// The shared-memory row of the transport table.
+pub(crate) const SPEC: Spec = Spec {
+    name: "shm",
+    about: "One-sided writes into the decode pool's shared-memory mapping",
+    control: Control::Unix,
+    available: always,
+    land,
+    write_path,
+};
+
+/// The pool in a fresh mapping in `settings.shm_dir`, its lanes the
+/// landing.
+fn land(
+    pool: PoolConfig,
+    settings: &ListenSettings,
+    _node: &str,
+) -> Result<(KvPool, Arc<dyn Landing>), TransportError> {
+    let (pool, region) = crate::shm::shared_pool(pool, &settings.shm_dir)?;
+    Ok((pool, Arc::new(ShmLanding::new(region))))
+}
+
+/// Maps the file the Welcome names, once its layout is the pool geometry
+/// the Welcome states.
+fn write_path(welcome: &Welcome, _: &Outbound<'_>) -> Result<Box<dyn WritePath>, TransportError> {
+    let DataPath::SharedMemory { path } = &welcome.data_path else {
+        return Err(TransportError::Protocol(
+            "not a shared-memory data path".into(),
+        ));
+    };
+    let region = ShmRegion::open(std::path::Path::new(path), None)?;
+    let l = region.layout();
+    let g = welcome.geometry;
+    let same = l.page_size == g.page_size
+        && l.n_layers == u32::from(g.n_layers)
+        && l.n_kv_heads == u32::from(g.n_kv_heads)
+        && l.head_dim == u32::from(g.head_dim);
+    if !same {
+        return Err(TransportError::Protocol(format!(
+            "the mapping's layout {l:?} is not the pool geometry {g:?}"
+        )));
+    }
+    Ok(Box::new(ShmWritePath::new(region)))
+}
 
 /// Decode side: hands out lanes, closes them.
 #[derive(Debug)]

@@ -2,12 +2,40 @@
 //! checks each one against its grant before it lands, so a frame that
 //! arrives after an abort, a revocation or a release is refused on arrival.
 
+use std::sync::Arc;
+
 use tokio::sync::mpsc;
 
 use crate::shm::PeerProcess;
-use kvmesh_kvwire::{DataPath, KvFrame};
+use kvmesh_kvpool::{KvPool, PoolConfig};
+use kvmesh_kvwire::{DataPath, KvFrame, Welcome};
 
+use super::kind::{always, Control, ListenSettings, Outbound, Spec};
 use super::{BoxFuture, Landing, PageWrite, Revocation, TransportError, WritePath};
+
+/// The TCP row of the transport table.
+pub(crate) const SPEC: Spec = Spec {
+    name: "tcp",
+    about: "KV frames over TCP, checked by the receiver before they land",
+    control: Control::Tcp,
+    available: always,
+    land,
+    write_path,
+};
+
+/// A heap pool: frames land through the table, nothing else reaches it.
+fn land(
+    pool: PoolConfig,
+    _: &ListenSettings,
+    _node: &str,
+) -> Result<(KvPool, Arc<dyn Landing>), TransportError> {
+    Ok((KvPool::new(pool)?, Arc::new(TcpLanding)))
+}
+
+/// Frames on the connection's own outbound queue.
+fn write_path(_: &Welcome, out: &Outbound<'_>) -> Result<Box<dyn WritePath>, TransportError> {
+    Ok(Box::new(TcpWritePath::new(out.tx.clone())))
+}
 
 /// Decode side: frames land through the reservation table, which refuses
 /// every frame of a reservation that is not granted or writing. Revocation

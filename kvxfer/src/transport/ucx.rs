@@ -47,12 +47,54 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use kvmesh_kvpool::{KvPool, PoolConfig, PoolError, PoolMemory};
-use kvmesh_kvwire::{DataPath, Geometry};
+use kvmesh_kvwire::{DataPath, Geometry, Welcome};
 use kvmesh_ucx::{Initiator, Remote, Revoke, Target, UcxError};
 
 use crate::shm::PeerProcess;
 
+use super::kind::{Control, ListenSettings, Outbound, Spec};
 use super::{BoxFuture, Landing, PageWrite, Revocation, TransportError, WritePath};
+
+/// The UCX row of the transport table.
+pub(crate) const SPEC: Spec = Spec {
+    name: "ucx",
+    about: "One-sided UCX puts into the decode pool (RDMA where the fabric has it; UCX's tcp elsewhere); needs libucp (Debian's libucx0)",
+    control: Control::Tcp,
+    available,
+    land,
+    write_path,
+};
+
+/// Whether libucp loads in this process.
+fn available() -> Result<(), TransportError> {
+    kvmesh_ucx::load()?;
+    Ok(())
+}
+
+/// The pool registered with UCX, its listener on `settings.ucx_listen`.
+fn land(
+    pool: PoolConfig,
+    settings: &ListenSettings,
+    node: &str,
+) -> Result<(KvPool, Arc<dyn Landing>), TransportError> {
+    let (pool, landing) = ucx_pool(pool, settings.ucx_listen)?;
+    tracing::info!(
+        node = %node,
+        ucx_listener = %landing.target().address(),
+        ucx = ?kvmesh_ucx::version().ok(),
+        "decode node KV pool registered with UCX"
+    );
+    Ok((pool, landing))
+}
+
+/// UCX endpoints to the region the Welcome describes.
+fn write_path(welcome: &Welcome, out: &Outbound<'_>) -> Result<Box<dyn WritePath>, TransportError> {
+    Ok(Box::new(UcxWritePath::new(
+        &welcome.data_path,
+        welcome.geometry,
+        out.peer,
+    )?))
+}
 
 /// How long a revocation waits for the endpoint's close before it answers
 /// `Pending` (the table then quarantines and asks again on its tick).

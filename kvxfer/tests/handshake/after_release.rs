@@ -12,7 +12,7 @@ use super::*;
 /// back as the new reservation's data only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_and_late_frames_after_release_tcp() {
-    let node = Node::start(Kind::Tcp).await;
+    let node = Node::start(TransportKind::Tcp).await;
     let mut raw = RawWriter::connect(&node).await;
     let (a, pa) = node
         .table
@@ -83,7 +83,7 @@ async fn duplicate_and_late_frames_after_release_tcp() {
 /// reservation on the same pages verifies with its own data.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn late_one_sided_write_after_release_shm() {
-    let node = Node::start(Kind::Shm).await;
+    let node = Node::start(TransportKind::Shm).await;
     let client = node.client().await;
     let (a, pa) = node
         .table
@@ -135,7 +135,7 @@ async fn late_one_sided_write_after_release_ucx() {
         eprintln!("not run: {e}");
         return;
     }
-    let node = Node::start(Kind::Ucx).await;
+    let node = Node::start(TransportKind::Ucx).await;
     let client = node.client().await;
     let (a, pa) = node
         .table

@@ -78,11 +78,7 @@ struct Writer {
 
 impl Writer {
     fn spawn(node: &Node, mode: &str) -> Self {
-        let shm = if node.region.is_some() {
-            node.shm_path()
-        } else {
-            std::path::PathBuf::new()
-        };
+        let shm = node.shm.clone().unwrap_or_default();
         let mut child = Command::new(std::env::current_exe().expect("test binary"))
             .args([
                 "child::child_writer",
@@ -171,7 +167,7 @@ async fn frozen_writer(node: &Node, mode: &str) -> (Writer, kvmesh_kvxfer::hands
 /// is gone, so the frozen write can never land; the pages are freed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writer_process_killed_mid_write_shm() {
-    let node = Node::start(Kind::Shm).await;
+    let node = Node::start(TransportKind::Shm).await;
     let (w, pending) = frozen_writer(&node, "kill").await;
     assert_eq!(node.free(), N_PAGES - 4);
     w.kill();
@@ -186,7 +182,7 @@ async fn writer_process_killed_mid_write_shm() {
 /// on the hang-up, never on a timer) until the process is gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writer_hangs_up_inside_a_write_pages_stay_quarantined_shm() {
-    let node = Node::start(Kind::Shm).await;
+    let node = Node::start(TransportKind::Shm).await;
     let (mut w, pending) = frozen_writer(&node, "hang_up").await;
     w.expect_line("hung up").await;
     wait_for("quarantined", || node.table.stats().revoking == 1).await;
@@ -216,7 +212,7 @@ async fn writer_process_killed_mid_put_ucx() {
         eprintln!("not run: {e}");
         return;
     }
-    let node = Node::start(Kind::Ucx).await;
+    let node = Node::start(TransportKind::Ucx).await;
     let mut w = Writer::spawn(&node, "kill");
     w.expect_line("connected").await;
     wait_for("writer registered", || {

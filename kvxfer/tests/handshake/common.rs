@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvmesh_kernels::{PageRef, PagedKv};
-use kvmesh_kvpool::{KvDtype, KvPool, PoolConfig, Reservation, ScrubMode};
+use kvmesh_kvpool::{KvDtype, PoolConfig, Reservation, ScrubMode};
+use kvmesh_kvwire::DataPath;
 use kvmesh_kvwire::{
     decode_message, peek_header, DecodeLimits, Grant, Hello, Message, WriterId, HEADER_LEN,
     NONCE_LEN,
@@ -14,23 +15,15 @@ use kvmesh_kvwire::{
 use kvmesh_kvxfer::handshake::{ReservationTable, ReserveRequest, TableConfig};
 use kvmesh_kvxfer::transport::client::{GrantWriter, KvClient};
 use kvmesh_kvxfer::transport::server::KvServer;
-use kvmesh_kvxfer::transport::shm::ShmLanding;
-use kvmesh_kvxfer::transport::tcp::TcpLanding;
-use kvmesh_kvxfer::transport::Landing;
+use kvmesh_kvxfer::transport::{KvAuth, ListenSettings};
 use kvmesh_meshauth::kv::{hello_proof, welcome_ok};
 use kvmesh_meshauth::MeshSecret;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// Which transport a test runs over.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
-    Tcp,
-    Shm,
-    /// The pool registered with UCX, puts over its `tcp` transport on
-    /// loopback; control on TCP.
-    Ucx,
-}
+/// Which transport a test runs over (UCX: the pool registered with UCX,
+/// puts over its `tcp` transport on loopback; control on TCP).
+pub use kvmesh_kvxfer::transport::TransportKind;
 
 pub const PAGE_SIZE: usize = 4;
 pub const N_PAGES: usize = 8;
@@ -62,8 +55,8 @@ pub struct Node {
     /// (for writer processes).
     pub secret: MeshSecret,
     pub secret_file: std::path::PathBuf,
-    /// The pool's mapping, for a shared-memory node.
-    pub region: Option<Arc<kvmesh_kvxfer::shm::ShmRegion>>,
+    /// The pool's mapping file, for a shared-memory node.
+    pub shm: Option<std::path::PathBuf>,
     _dir: tempfile::TempDir,
     /// UCX nodes run one at a time in this process (dropped last, after
     /// the node's target): see [`UCX_ONE_AT_A_TIME`].
@@ -98,75 +91,53 @@ pub fn table_config() -> TableConfig {
 }
 
 impl Node {
-    pub async fn start(kind: Kind) -> Self {
+    pub async fn start(kind: TransportKind) -> Self {
         Self::with(kind, table_config()).await
     }
 
-    pub async fn with(kind: Kind, cfg: TableConfig) -> Self {
+    pub async fn with(kind: TransportKind, cfg: TableConfig) -> Self {
         Self::with_pool(kind, cfg, pool_config()).await
     }
 
-    pub async fn with_pool(kind: Kind, cfg: TableConfig, pool_cfg: PoolConfig) -> Self {
+    pub async fn with_pool(kind: TransportKind, cfg: TableConfig, pool_cfg: PoolConfig) -> Self {
         Self::with_tls(kind, cfg, pool_cfg, None).await
     }
 
     /// A node whose TCP listener runs mutual TLS with `tls`.
     pub async fn with_tls(
-        kind: Kind,
+        kind: TransportKind,
         cfg: TableConfig,
         pool_cfg: PoolConfig,
         tls: Option<Arc<kvmesh_meshauth::tls::MeshTls>>,
     ) -> Self {
         let ucx = match kind {
-            Kind::Ucx => Some(UCX_ONE_AT_A_TIME.lock().await),
-            Kind::Tcp | Kind::Shm => None,
+            TransportKind::Ucx => Some(UCX_ONE_AT_A_TIME.lock().await),
+            TransportKind::Tcp | TransportKind::Shm => None,
         };
         let dir = tempfile::tempdir().expect("tempdir");
-        let (pool, landing, region): (KvPool, Arc<dyn Landing>, _) = match kind {
-            Kind::Tcp => (
-                KvPool::new(pool_cfg).expect("pool"),
-                Arc::new(TcpLanding),
-                None,
-            ),
-            Kind::Shm => {
-                let (pool, region) =
-                    kvmesh_kvxfer::shm::shared_pool(pool_cfg, dir.path()).expect("shared pool");
-                (
-                    pool,
-                    Arc::new(ShmLanding::new(region.clone())),
-                    Some(region),
-                )
-            }
-            Kind::Ucx => {
-                let listen = "127.0.0.1:0".parse().expect("addr");
-                let (pool, landing) =
-                    kvmesh_kvxfer::transport::ucx::ucx_pool(pool_cfg, listen).expect("ucx pool");
-                (pool, landing as Arc<dyn Landing>, None)
-            }
+        let settings = ListenSettings::loopback(kind, dir.path().to_owned(), || {
+            dir.path().join("kv.sock").into_os_string().into_string()
+        })
+        .expect("settings");
+        let (pool, landing) = settings.land(pool_cfg, "test").expect("pool");
+        let shm = match landing.data_path() {
+            DataPath::SharedMemory { path } => Some(std::path::PathBuf::from(path)),
+            _ => None,
         };
         let table = ReservationTable::new(pool, landing, cfg).expect("table");
         let secret_file = secret_file(dir.path());
         let secret = MeshSecret::load(&secret_file).expect("secret");
-        let server = match kind {
-            Kind::Tcp | Kind::Ucx => {
-                let auth = kvmesh_kvxfer::transport::KvAuth {
-                    secret: secret.clone(),
-                    tls,
-                };
-                KvServer::bind_tcp(table.clone(), "127.0.0.1:0", auth).await
-            }
-            Kind::Shm => {
-                let sock = dir.path().join("kv.sock");
-                KvServer::bind_unix(table.clone(), &sock, secret.clone()).await
-            }
-        }
-        .expect("listen");
+        let auth = KvAuth {
+            secret: secret.clone(),
+            tls,
+        };
+        let server = settings.listen(table.clone(), auth).await.expect("listen");
         Self {
             table,
             server,
             secret,
             secret_file,
-            region,
+            shm,
             _dir: dir,
             _ucx: ucx,
         }
@@ -174,11 +145,7 @@ impl Node {
 
     /// The shared-memory mapping's file (shared-memory nodes only).
     pub fn shm_path(&self) -> std::path::PathBuf {
-        self.region
-            .as_ref()
-            .expect("a shared-memory node")
-            .path()
-            .to_owned()
+        self.shm.clone().expect("a shared-memory node")
     }
 
     pub fn endpoint(&self) -> String {

@@ -25,19 +25,19 @@ macro_rules! both {
         mod $name {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn tcp() {
-                super::$name(super::Kind::Tcp).await
+                super::$name(super::TransportKind::Tcp).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn shm() {
-                super::$name(super::Kind::Shm).await
+                super::$name(super::TransportKind::Shm).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn ucx() {
-                if let Err(e) = kvmesh_ucx::load() {
+                if let Err(e) = super::TransportKind::Ucx.available() {
                     eprintln!("not run: {e}");
                     return;
                 }
-                super::$name(super::Kind::Ucx).await
+                super::$name(super::TransportKind::Ucx).await
             }
         }
     };
@@ -49,7 +49,7 @@ mod mesh_auth;
 mod tls;
 
 both!(transfer_verifies_and_goes_live);
-async fn transfer_verifies_and_goes_live(kind: Kind) {
+async fn transfer_verifies_and_goes_live(kind: TransportKind) {
     let node = Node::start(kind).await;
     let client = node.client().await;
     let (grant, pending) = node
@@ -98,7 +98,7 @@ both!(a_cached_head_is_leased_not_granted_and_the_transfer_ships_the_rest);
 /// page, and the live sequence reads all 10 positions, the head from the
 /// cache. The page of the last prompt token is always granted, even when
 /// every page of the prompt is cached.
-async fn a_cached_head_is_leased_not_granted_and_the_transfer_ships_the_rest(kind: Kind) {
+async fn a_cached_head_is_leased_not_granted_and_the_transfer_ships_the_rest(kind: TransportKind) {
     use kvmesh_kvpool::{Namespace, PageKey};
     let node = Node::start(kind).await;
     node.table.pool().set_cache_pages(N_PAGES / 2);
@@ -151,7 +151,7 @@ both!(an_f16_pool_transfer_verifies_and_goes_live);
 /// The same transfer into an f16 pool: the writer encodes f16 (half the
 /// bytes), its checksums cover the f16 bytes, and they match the pages as
 /// they landed; the prompt reads back as f16 rounds it.
-async fn an_f16_pool_transfer_verifies_and_goes_live(kind: Kind) {
+async fn an_f16_pool_transfer_verifies_and_goes_live(kind: TransportKind) {
     let node = Node::with_pool(kind, table_config(), pool_config_of(KvDtype::F16)).await;
     let client = node.client().await;
     assert_eq!(client.geometry().dtype, Dtype::F16);
@@ -171,7 +171,7 @@ async fn an_f16_pool_transfer_verifies_and_goes_live(kind: Kind) {
 }
 
 both!(abort_before_the_grant_reaches_the_writer);
-async fn abort_before_the_grant_reaches_the_writer(kind: Kind) {
+async fn abort_before_the_grant_reaches_the_writer(kind: TransportKind) {
     let node = Node::start(kind).await;
     let client = node.client().await;
     let (grant, pending) = node
@@ -195,7 +195,7 @@ async fn abort_before_the_grant_reaches_the_writer(kind: Kind) {
 }
 
 both!(abort_during_writes);
-async fn abort_during_writes(kind: Kind) {
+async fn abort_during_writes(kind: TransportKind) {
     let node = Node::start(kind).await;
     let client = node.client().await;
     let (grant, pending) = node
@@ -224,7 +224,7 @@ async fn abort_during_writes(kind: Kind) {
 /// done is refused, the writer's confirmation releases.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_after_transfer_done_before_verification() {
-    let node = Node::start(Kind::Tcp).await;
+    let node = Node::start(TransportKind::Tcp).await;
     let mut raw = RawWriter::connect(&node).await;
     let (grant, pending) = node
         .table
@@ -270,7 +270,7 @@ async fn abort_after_transfer_done_before_verification() {
 }
 
 both!(abort_after_the_sequence_went_live);
-async fn abort_after_the_sequence_went_live(kind: Kind) {
+async fn abort_after_the_sequence_went_live(kind: TransportKind) {
     let node = Node::start(kind).await;
     let client = node.client().await;
     let (grant, pending) = node
@@ -295,7 +295,7 @@ async fn abort_after_the_sequence_went_live(kind: Kind) {
 }
 
 both!(writer_connection_lost_mid_transfer);
-async fn writer_connection_lost_mid_transfer(kind: Kind) {
+async fn writer_connection_lost_mid_transfer(kind: TransportKind) {
     let node = Node::start(kind).await;
     let client = node.client().await;
     let (grant, pending) = node
@@ -316,7 +316,7 @@ async fn writer_connection_lost_mid_transfer(kind: Kind) {
 /// path is revoked (the writer is told), then the pages are freed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_confirmation_within_the_abort_timeout() {
-    let node = Node::start(Kind::Tcp).await;
+    let node = Node::start(TransportKind::Tcp).await;
     let mut raw = RawWriter::connect(&node).await;
     let (grant, pending) = node
         .table
@@ -357,7 +357,7 @@ async fn no_confirmation_within_the_abort_timeout() {
 }
 
 both!(lease_expires_without_transfer_done);
-async fn lease_expires_without_transfer_done(kind: Kind) {
+async fn lease_expires_without_transfer_done(kind: TransportKind) {
     let node = Node::with(
         kind,
         TableConfig {
@@ -398,7 +398,7 @@ async fn lease_expires_without_transfer_done(kind: Kind) {
 /// incident) and a transfer with a missing frame never become sequences.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_or_incomplete_transfers_are_refused() {
-    let node = Node::start(Kind::Tcp).await;
+    let node = Node::start(TransportKind::Tcp).await;
     let mut raw = RawWriter::connect(&node).await;
 
     // One page and a transfer-done that claims one page's tokens.
@@ -466,7 +466,7 @@ async fn short_or_incomplete_transfers_are_refused() {
 /// transfer then verifies with the true data).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_frames_are_refused_and_counted() {
-    let node = Node::start(Kind::Tcp).await;
+    let node = Node::start(TransportKind::Tcp).await;
     let mut raw = RawWriter::connect(&node).await;
     let mut intruder = RawWriter::connect(&node).await;
     let (g, p) = node
@@ -535,7 +535,7 @@ async fn forged_frames_are_refused_and_counted() {
 /// Reserve's typed refusals; none takes a page.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reserve_refusals_take_nothing() {
-    let node = Node::start(Kind::Tcp).await;
+    let node = Node::start(TransportKind::Tcp).await;
     let client = node.client().await;
     let w = client.writer();
     let r = |n, m, writer| node.table.reserve(Node::request(n, m, writer)).map(|_| ());
@@ -569,7 +569,7 @@ async fn reserve_refusals_take_nothing() {
 }
 
 both!(many_concurrent_reservations_with_random_aborts);
-async fn many_concurrent_reservations_with_random_aborts(kind: Kind) {
+async fn many_concurrent_reservations_with_random_aborts(kind: TransportKind) {
     let node = std::sync::Arc::new(Node::start(kind).await);
     let client = node.client().await;
     let mut tasks = Vec::new();

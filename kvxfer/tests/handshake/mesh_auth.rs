@@ -30,7 +30,7 @@ both!(a_writer_with_another_secret_is_refused);
 /// A writer of another mesh (another secret, or the insecure key) is closed
 /// after its Hello, learns it was refused, and cannot be granted anything;
 /// a writer with the right secret then transfers as usual.
-async fn a_writer_with_another_secret_is_refused(kind: Kind) {
+async fn a_writer_with_another_secret_is_refused(kind: TransportKind) {
     let node = Node::start(kind).await;
     for (i, wrong) in [MeshSecret::generate().expect("rng"), MeshSecret::insecure()]
         .iter()
@@ -81,7 +81,7 @@ async fn a_writer_with_another_secret_is_refused(kind: Kind) {
 /// completes with the true data.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn anything_before_a_valid_hello_is_refused_and_counted() {
-    let node = Node::start(Kind::Tcp).await;
+    let node = Node::start(TransportKind::Tcp).await;
     let mut honest = RawWriter::connect(&node).await;
     let (g, p) = node
         .table
@@ -196,7 +196,7 @@ async fn anything_before_a_valid_hello_is_refused_and_counted() {
 /// timeout and counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_connection_times_out_and_is_counted() {
-    let node = Node::start(Kind::Tcp).await;
+    let node = Node::start(TransportKind::Tcp).await;
     let mut raw = RawWriter::unauthenticated(&node).await;
     raw.challenge().await;
     let t0 = std::time::Instant::now();

@@ -98,7 +98,7 @@ async fn a_transfer_inside_mutual_tls_verifies_and_the_wire_is_not_plaintext() {
     let writer_tls = identity(&ca, dir.path(), "prefill", Validity::Current);
     // Without TLS first: the relay sees the KV and the Hello in the clear
     // (what makes the check below able to fail).
-    let plain = Node::start(Kind::Tcp).await;
+    let plain = Node::start(TransportKind::Tcp).await;
     let (relay, seen) =
         recording_relay(plain.endpoint().trim_start_matches("tcp://").to_owned()).await;
     let k = transfer(&plain, &format!("tcp://{relay}"), (&plain.secret).into()).await;
@@ -109,7 +109,13 @@ async fn a_transfer_inside_mutual_tls_verifies_and_the_wire_is_not_plaintext() {
     );
     plain.assert_idle().await;
 
-    let node = Node::with_tls(Kind::Tcp, table_config(), pool_config(), Some(decode_tls)).await;
+    let node = Node::with_tls(
+        TransportKind::Tcp,
+        table_config(),
+        pool_config(),
+        Some(decode_tls),
+    )
+    .await;
     let (relay, seen) =
         recording_relay(node.endpoint().trim_start_matches("tcp://").to_owned()).await;
     let auth = KvAuth {
@@ -142,7 +148,7 @@ async fn writers_without_a_mesh_certificate_never_reach_the_table() {
     let other = TestCa::new(dir.path(), "other").expect("other ca");
     let decode_tls = identity(&ca, dir.path(), "decode", Validity::Current);
     let node = Node::with_tls(
-        Kind::Tcp,
+        TransportKind::Tcp,
         table_config(),
         pool_config(),
         Some(Arc::clone(&decode_tls)),
