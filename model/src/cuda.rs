@@ -39,7 +39,7 @@ use kvmesh_cuda::ops::{self, ChunkSpec, StepTables, WeightDtype};
 use kvmesh_cuda::pool::{AttentionCall, DeviceKvPool};
 use kvmesh_cuda::table::Decoded;
 use kvmesh_cuda::CudaError;
-use kvmesh_kernels::rope::{Rope, RopeLayout, RopeScaling};
+use kvmesh_kernels::rope::{Rope, RopeLayout};
 use kvmesh_kvpool::PoolError;
 
 use crate::config::ModelConfig;
@@ -48,9 +48,11 @@ use crate::llama::{ChunkOut, ChunkResult, LayerDone, LogitsWanted, SeqChunk, SCO
 use crate::sampling::prompt_logprob;
 use crate::weights::Weights;
 
+mod refuse;
 #[cfg(test)]
 mod tests;
 mod weights;
+use refuse::refuse_unimplemented;
 use weights::{upload_stacked, upload_vec, DevLayer, DevMatrix};
 
 /// Activation buffers, grown to the largest pass so far.
@@ -100,38 +102,6 @@ impl std::fmt::Debug for CudaLlama {
             .field("weight_bytes", &self.weight_bytes())
             .finish_non_exhaustive()
     }
-}
-
-/// The CUDA forward pass is the Llama block with q/k/v biases and one
-/// window for every layer: a model with any other [`crate::arch::Block`]
-/// switch (Gemma 2's attention soft-capping among them), with sliding and
-/// full layers mixed, with experts, or with a YaRN rope that scales cos and sin, is
-/// refused at load with what is missing named, never run without it.
-fn refuse_unimplemented(cfg: &ModelConfig) -> Result<()> {
-    let mut missing = cfg.block.non_llama_switches(cfg.head_dim);
-    let mixed = cfg.layer_types.windows(2).any(|w| w[0] != w[1]);
-    if mixed || cfg.local_rope_theta.is_some() {
-        missing.push("sliding-window layers mixed with full ones");
-    }
-    // The device rope takes the frequencies (YaRN's included) but not a
-    // magnitude for cos and sin.
-    if matches!(cfg.rope_scaling, RopeScaling::Yarn(y) if y.attention_factor != 1.0) {
-        missing.push("YaRN's attention factor on cos and sin");
-    }
-    if cfg.moe.is_some() {
-        missing.push("mixture-of-experts MLPs");
-    }
-    if cfg.rotary_dim != cfg.head_dim {
-        missing.push("partial rotary embeddings");
-    }
-    if missing.is_empty() {
-        return Ok(());
-    }
-    Err(ModelError::Device(CudaError::Unsupported(format!(
-        "the CUDA backend does not run {} models yet ({}): use --device cpu",
-        cfg.family,
-        missing.join(", ")
-    ))))
 }
 
 fn take(b: &mut Option<CudaSlice<f32>>) -> Result<&mut CudaSlice<f32>> {

@@ -23,18 +23,17 @@
 //! matmul per projection, attention linear in each sequence's context, and the
 //! vocabulary projection only for the rows whose logits were asked for.
 
-use kvmesh_kernels::activation::{geglu_tanh, swiglu, swiglu_oai};
 use kvmesh_kernels::norm::rms_norm;
 use kvmesh_kernels::rope::{Rope, RopeLayout};
 use kvmesh_kernels::{paged_attention, AttentionShape, KvGeometry};
 use kvmesh_kvpool::{PoolConfig, Reservation};
 use rayon::prelude::*;
 
-use crate::arch::{Activation, LayerType};
+use crate::arch::LayerType;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::linear::Projection;
-use crate::moe::{MlpRt, MoeRt, MoeScratch};
+use crate::moe::{MlpRt, MoeRt};
 use crate::sampling::{prompt_logprob, PromptLogprob};
 use crate::weights::{Ffn, Matrix, Weights};
 
@@ -676,126 +675,13 @@ impl Llama {
     }
 }
 
-/// Values from which [`gated_rows`] splits its rows across the pool.
-const SWIGLU_PARALLEL: usize = 1 << 14;
-
-/// The MLP's gated activation ([`swiglu`], [`geglu_tanh`] or
-/// [`swiglu_oai`]) over whole
-/// rows, in parallel from [`SWIGLU_PARALLEL`] values on (rows are
-/// independent, so the bits do not change). Serial, a batch's SwiGLU left
-/// the other cores idle long enough to fall asleep (16 sequences: tens of
-/// microseconds per layer; a 512-token prompt chunk: a millisecond or more).
-pub(crate) fn gated_rows(act: Activation, gate_up: &[f32], width: usize, out: &mut [f32]) {
-    let f = |gate_up: &[f32], width: usize, out: &mut [f32]| match act {
-        Activation::Silu => swiglu(gate_up, width, out),
-        Activation::GeluTanh => geglu_tanh(gate_up, width, out),
-        Activation::SwigluOai { alpha, limit } => swiglu_oai(gate_up, width, alpha, limit, out),
-    };
-    let rows = out.len() / width.max(1);
-    if out.len() < SWIGLU_PARALLEL || rows < 2 {
-        f(gate_up, width, out);
-        return;
-    }
-    let per = rows.div_ceil(rayon::current_num_threads().max(1));
-    gate_up
-        .par_chunks(2 * width * per)
-        .zip(out.par_chunks_mut(width * per))
-        .for_each(|(gu, o)| f(gu, width, o));
-}
-
-/// RMSNorm over each head of `x` (rows of `weight.len()` values) in place,
-/// when the family has one (Qwen3, Gemma 3); `scratch` is any free buffer.
-fn head_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32, scratch: &mut Vec<f32>) {
-    if let Some(w) = weight {
-        let keep = scratch.len();
-        scratch.resize(keep.max(x.len()), 0.0);
-        rms_norm(x, w, eps, &mut scratch[..x.len()]);
-        x.copy_from_slice(&scratch[..x.len()]);
-        scratch.truncate(keep);
-    }
-}
-
-/// `x += out`, or `x += rms_norm(out)` where the family norms a branch's
-/// output before the residual (Gemma); `scratch` holds the normed rows.
-fn add_residual(
-    x: &mut [f32],
-    out: &[f32],
-    norm: Option<&[f32]>,
-    eps: f32,
-    scratch: &mut Vec<f32>,
-) {
-    match norm {
-        Some(w) => {
-            let keep = scratch.len();
-            scratch.resize(keep.max(out.len()), 0.0);
-            rms_norm(out, w, eps, &mut scratch[..out.len()]);
-            x.iter_mut()
-                .zip(&scratch[..out.len()])
-                .for_each(|(x, o)| *x += o);
-            scratch.truncate(keep);
-        }
-        None => x.iter_mut().zip(out).for_each(|(x, o)| *x += o),
-    }
-}
-
-/// Logits `l` become `cap * tanh(l / cap)` (Gemma 2's final soft-capping).
-fn softcap(logits: &mut [f32], cap: Option<f32>) {
-    if let Some(cap) = cap {
-        logits.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
-    }
-}
-
-/// A forward pass's activation buffers, kept by the model between passes so
-/// a steady stream of batches allocates nothing (a fresh multi-megabyte
-/// buffer per projection cost a page fault per 4 KiB: on this project's
-/// virtual machines, as much time as the prompt's MLP multiply-adds). A
-/// workspace is sized for the largest batch it has run: 8,448 floats per
-/// token for SmolLM2 (the residual, normed, q/k/v, attention, output,
-/// SwiGLU, down and stacked gate|up rows), 17 MiB for a 512-token prompt,
-/// 66 MiB for a full 2,048-token prefill batch.
-///
-/// They belong to the model, not to the pool thread that ran the pass: kept
-/// per thread, every pool thread came to hold buffers for the largest
-/// prefill batch it had happened to run, one thread after another (a step
-/// of resident memory each time, up to one full workspace per core), and
-/// the decode node's passes kept prefill-sized buffers too.
-#[derive(Default)]
-struct Workspace {
-    x: Vec<f32>,
-    xn: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    attn: Vec<f32>,
-    o: Vec<f32>,
-    gate: Vec<f32>,
-    down: Vec<f32>,
-    stacked: Vec<f32>,
-    logits: Vec<f32>,
-    moe: MoeScratch,
-}
-
-impl Workspace {
-    fn floats(&self) -> usize {
-        [
-            &self.x,
-            &self.xn,
-            &self.q,
-            &self.k,
-            &self.v,
-            &self.attn,
-            &self.o,
-            &self.gate,
-            &self.down,
-            &self.stacked,
-            &self.logits,
-        ]
-        .iter()
-        .map(|b| b.capacity())
-        .sum::<usize>()
-            + self.moe.floats()
-    }
-}
+mod ops;
+mod workspace;
+pub(crate) use ops::gated_rows;
+#[cfg(test)]
+use ops::SWIGLU_PARALLEL;
+use ops::{add_residual, head_norm, softcap};
+use workspace::Workspace;
 
 #[cfg(test)]
 mod tests;
