@@ -221,6 +221,50 @@ async fn validate_and_admit(r: &Router, chat: bool, body: &[u8]) -> Result<()> {
     }
 }
 
+/// The body decode's Generate carries for `prompt_ids`: one gRPC frame.
+fn generate_body(prompt_ids: &[u32]) -> Vec<u8> {
+    use prost::Message;
+    let msg = kvmesh_proto::internal::v1::GenerateRequest {
+        prompt_ids: prompt_ids.to_vec(),
+        max_new_tokens: MAX_TOKENS as u32,
+        ..Default::default()
+    }
+    .encode_to_vec();
+    let mut body = Vec::with_capacity(msg.len() + 5);
+    body.push(0);
+    body.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    body.extend_from_slice(&msg);
+    body
+}
+
+/// One internal call's proofs, both ways, over `body`: what the router's
+/// channel and the node's wrapper add to a call.
+async fn mesh_proofs(body: &[u8]) -> Result<()> {
+    use kvmesh_meshauth::call::{body_digest, check_reply, sign_call, Call, CallVerifier};
+    static KEYS: std::sync::OnceLock<(MeshSecret, CallVerifier)> = std::sync::OnceLock::new();
+    let (secret, node) = KEYS.get_or_init(|| {
+        let s = MeshSecret::generate().unwrap_or_else(|_| MeshSecret::insecure());
+        (s.clone(), CallVerifier::new(s, "decode-0"))
+    });
+    let path = "/kvmesh.internal.v1.Decode/Generate";
+    let now = kvmesh_meshauth::grpc::unix_ms();
+    // The router's side: the body's digest, the call's proof.
+    let call = Call {
+        path,
+        recipient: "decode-0",
+        body: &body_digest(body),
+    };
+    let signed = sign_call(secret, &call, now)?;
+    // The node's: its own digest of what arrived, the checks, its answer.
+    let admitted = node
+        .check(Some(signed.token.as_bytes()), path, &body_digest(body), now)
+        .map_err(|e| anyhow!("{e}"))?;
+    let proof = node.reply_proof(&admitted);
+    // The router's again: the answer's proof.
+    check_reply(secret, "decode-0", &signed, Some(proof.as_bytes())).map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
+
 fn in_process(
     tok: &TextTokenizer,
     stop_ids: Vec<u32>,
@@ -269,6 +313,17 @@ fn in_process(
             "completion",
             "validate + admit",
             sample(w, n, move || validate_and_admit(r, false, completion)).await?,
+        );
+        // Mesh authentication both ways on the internal call that carries
+        // this prompt (decode's Generate): the router signs method, node
+        // and body; the node checks that and signs its answer; the router
+        // checks the answer. Its cost against TTFT is the goal (< 1%).
+        let body = generate_body(&tk.encode(text)?);
+        let body = body.as_slice();
+        row(
+            "completion",
+            "mesh proofs both ways",
+            sample(w, n, move || mesh_proofs(body)).await?,
         );
         row(
             "chat",

@@ -259,6 +259,17 @@ pub struct EtcdSection {
     /// Bound on connecting to etcd and on each call, milliseconds.
     #[serde(default = "default_dial_timeout_ms")]
     pub dial_timeout_ms: u64,
+    /// TLS to etcd with a client certificate (etcd's `--client-cert-auth`):
+    /// its CA, and each process's certificate and key (`{name}` as in
+    /// `mesh.tls`).
+    pub tls: Option<TlsSection>,
+    /// Accepts `discovery: etcd` without `mesh.tls`. Anything that can
+    /// write to that etcd can then register an address the router sends
+    /// prompts to over plain gRPC: mesh authentication keeps a process
+    /// without the secret from ever being chosen, but nothing hides the
+    /// traffic from the network. Test meshes only; warned every minute.
+    #[serde(default)]
+    pub allow_insecure_etcd: bool,
 }
 
 fn default_lease_ttl_s() -> u64 {
@@ -453,8 +464,10 @@ impl MeshConfig {
     }
 
     /// The etcd settings with `discovery: etcd` (checked), `None` with
-    /// `discovery: static`.
-    pub fn etcd(&self) -> Result<Option<EtcdConfig>> {
+    /// `discovery: static`; `etcd.tls` paths as they name the process
+    /// `name` (`router`, or a node's name); the files are read when the
+    /// client connects.
+    pub fn etcd(&self, name: &str) -> Result<Option<EtcdConfig>> {
         let file = &self.file;
         match (self.discovery, &self.etcd) {
             (DiscoveryKind::Static, None) => Ok(None),
@@ -471,6 +484,17 @@ impl MeshConfig {
                 "discovery: etcd needs an etcd section (endpoints, prefix)",
             )),
             (DiscoveryKind::Etcd, Some(e)) => {
+                let tls = e
+                    .tls
+                    .as_ref()
+                    .map(|t| {
+                        Ok::<_, anyhow::Error>(kvmesh_discovery::EtcdTls {
+                            ca: self.pem_path("etcd.tls.ca_file", &t.ca_file, name)?,
+                            cert: self.pem_path("etcd.tls.cert_file", &t.cert_file, name)?,
+                            key: self.pem_path("etcd.tls.key_file", &t.key_file, name)?,
+                        })
+                    })
+                    .transpose()?;
                 let prefix = e.prefix.as_deref().ok_or_else(|| {
                     refuse(
                         file,
@@ -479,14 +503,26 @@ impl MeshConfig {
                         "required: the key prefix of this mesh's registrations, such as /kvmesh/prod/",
                     )
                 })?;
-                EtcdConfig::new(
+                let cfg = EtcdConfig::new(
                     &e.endpoints,
                     prefix,
                     e.lease_ttl_s,
                     Duration::from_millis(e.dial_timeout_ms),
+                    tls,
                 )
-                .map(Some)
-                .map_err(|c| refuse(file, &format!("etcd.{}", c.field), &c.value, c.reason))
+                .map_err(|c| refuse(file, &format!("etcd.{}", c.field), &c.value, c.reason))?;
+                let mesh_tls = self.mesh.as_ref().is_some_and(|m| m.tls.is_some());
+                if !mesh_tls && !e.allow_insecure_etcd {
+                    bail!(refuse(
+                        file,
+                        "mesh.tls",
+                        "",
+                        "discovery: etcd needs mutual TLS between the nodes: anything that can write to \
+                         etcd could register an address the router sends prompts to, in the clear. \
+                         Set mesh.tls (and etcd.tls), or etcd.allow_insecure_etcd: true for a test mesh",
+                    ));
+                }
+                Ok(Some(cfg))
             }
         }
     }
@@ -523,20 +559,10 @@ impl MeshConfig {
         let Some(t) = self.mesh.as_ref().and_then(|m| m.tls.as_ref()) else {
             return Ok(None);
         };
-        let path = |field: &str, v: &str| -> Result<PathBuf> {
-            let p = PathBuf::from(v.replace("{name}", name));
-            if v.is_empty() {
-                bail!(refuse(&self.file, field, v, "name a PEM file"));
-            }
-            Ok(match self.file.parent() {
-                Some(dir) if p.is_relative() => dir.join(p),
-                _ => p,
-            })
-        };
         let files = TlsFiles {
-            ca: path("mesh.tls.ca_file", &t.ca_file)?,
-            cert: path("mesh.tls.cert_file", &t.cert_file)?,
-            key: path("mesh.tls.key_file", &t.key_file)?,
+            ca: self.pem_path("mesh.tls.ca_file", &t.ca_file, name)?,
+            cert: self.pem_path("mesh.tls.cert_file", &t.cert_file, name)?,
+            key: self.pem_path("mesh.tls.key_file", &t.key_file, name)?,
         };
         if readable_by_others(&files.key).unwrap_or(false) {
             tracing::warn!(file = %files.key.display(), "the TLS key file is readable by other users: `chmod 600` it");
@@ -544,6 +570,20 @@ impl MeshConfig {
         MeshTls::load(files)
             .map(Some)
             .map_err(|e| refuse(&self.file, "mesh.tls", name, &e.to_string()))
+    }
+
+    /// A PEM file's path as field `field` (value `v`) names it for the
+    /// process `name`: `{name}` replaced, relative to the mesh file's
+    /// folder; refused when empty.
+    fn pem_path(&self, field: &str, v: &str, name: &str) -> Result<PathBuf> {
+        let p = PathBuf::from(v.replace("{name}", name));
+        if v.is_empty() {
+            bail!(refuse(&self.file, field, v, "name a PEM file"));
+        }
+        Ok(match self.file.parent() {
+            Some(dir) if p.is_relative() => dir.join(p),
+            _ => p,
+        })
     }
 
     /// Reads the mesh secret the file names (or takes the insecure mode it

@@ -301,9 +301,13 @@ async fn node(
     let started = Instant::now();
     let ask = async {
         if role == "decode" {
-            decode_client(channel, secret.clone()).load(req).await
+            decode_client(channel, secret.clone(), &n.name)
+                .load(req)
+                .await
         } else {
-            prefill_client(channel, secret.clone()).load(req).await
+            prefill_client(channel, secret.clone(), &n.name)
+                .load(req)
+                .await
         }
     };
     let answer = tokio::time::timeout(timeout, ask)
@@ -319,7 +323,7 @@ async fn node(
         Ok(r) => r.into_inner(),
         Err(s) => {
             let detail = if s.code() == tonic::Code::Unauthenticated {
-                format!("refused the mesh file's secret ({}): a different secret, or clocks more than 60 s apart", s.message())
+                format!("the secret was not proved both ways ({}): a different secret, another node's name at this address, or clocks more than 60 s apart", s.message())
             } else {
                 format!("{}: {}", s.code(), s.message())
             };

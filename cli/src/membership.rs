@@ -203,3 +203,23 @@ async fn keep_connected(node: PrefillNode, mut views: watch::Receiver<View>, mut
         peers.round(&node, &view).await;
     }
 }
+
+/// How often a mesh on etcd without mutual TLS says so.
+const INSECURE_ETCD_WARNING: Duration = Duration::from_secs(60);
+
+/// Warns now and every minute, for the life of the process, that the mesh
+/// runs on etcd without mutual TLS (`etcd.allow_insecure_etcd: true`): a
+/// choice the mesh file made that every operator reading any minute of the
+/// log should see.
+pub(crate) async fn warn_insecure_etcd() {
+    let mut every = tokio::time::interval(INSECURE_ETCD_WARNING);
+    loop {
+        every.tick().await;
+        tracing::warn!(
+            "INSECURE MEMBERSHIP (etcd.allow_insecure_etcd: true): discovery through etcd without mesh.tls: \
+             anything that can write to etcd can register an address; mesh authentication keeps a \
+             process without the secret from being chosen, but prompts and KV cross the network in \
+             the clear. Set mesh.tls outside test meshes"
+        );
+    }
+}

@@ -535,7 +535,7 @@ pub fn run_role(
     };
     let auth = cfg.mesh_auth()?;
     let tls = cfg.tls_for(name.as_deref().unwrap_or("router"))?;
-    let etcd = cfg.etcd()?;
+    let etcd = cfg.etcd(name.as_deref().unwrap_or("router"))?;
     if a.check_config {
         let members = match &etcd {
             None => format!(
@@ -594,7 +594,11 @@ pub fn run_role(
     let fault_injection = a.testing.apply()?;
     let drain = a.drain_timeout.unwrap_or_else(|| cfg.drain_timeout());
     let name = name.as_deref().unwrap_or_default();
+    let insecure_etcd = etcd.is_some() && tls.is_none();
     let served = runtime()?.block_on(async move {
+        if insecure_etcd {
+            tokio::spawn(crate::membership::warn_insecure_etcd());
+        }
         let etcd = etcd.as_ref();
         match role {
             RoleKind::Router => {

@@ -198,7 +198,7 @@ impl DecodeNode {
         };
         Ok(Self {
             inner: Arc::new(Inner {
-                name: cfg.name,
+                name: cfg.name.clone(),
                 table,
                 engine,
                 max_seq_tokens,
@@ -208,7 +208,7 @@ impl DecodeNode {
                 steps,
                 tls: cfg.tls.clone(),
                 kv_server: server,
-                calls: Arc::new(CallVerifier::new(cfg.mesh_secret)),
+                calls: Arc::new(CallVerifier::new(cfg.mesh_secret, cfg.name.clone())),
                 draining: AtomicBool::new(false),
                 cut,
                 open: Arc::default(),

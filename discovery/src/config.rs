@@ -1,5 +1,6 @@
 //! Where the mesh's etcd is and how its registrations behave, checked once.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use thiserror::Error;
@@ -26,6 +27,21 @@ pub struct EtcdConfig {
     pub lease_ttl: Duration,
     /// Bound on connecting and on each etcd call.
     pub dial_timeout: Duration,
+    /// TLS to etcd with a client certificate; `None`: plain HTTP.
+    pub tls: Option<EtcdTls>,
+}
+
+/// TLS to etcd (`https://` endpoints; etcd started with
+/// `--client-cert-auth`): PEM files, read when the client connects.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// The CA that signed etcd's server certificates.
+    pub ca: PathBuf,
+    /// This process's client certificate (chained to etcd's
+    /// `--trusted-ca-file`).
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
 }
 
 /// A refused etcd setting: its field, value and why.
@@ -49,8 +65,9 @@ fn refuse(field: &'static str, value: &str, reason: &'static str) -> ConfigError
 }
 
 impl EtcdConfig {
-    /// Checks and normalizes: endpoints as `HOST:PORT` or
-    /// `http://HOST:PORT` (TLS to etcd is not built in), a prefix starting
+    /// Checks and normalizes: endpoints as `HOST:PORT`, or
+    /// `http://HOST:PORT` without `tls` and `https://HOST:PORT` with it
+    /// (a bare `HOST:PORT` takes the scheme `tls` implies), a prefix starting
     /// with `/` (a `/` is appended if it lacks one, so `/kvmesh/a` cannot
     /// see `/kvmesh/ab`'s nodes), a TTL of [`MIN_LEASE_TTL_S`] to
     /// [`MAX_LEASE_TTL_S`] seconds.
@@ -59,13 +76,14 @@ impl EtcdConfig {
         prefix: &str,
         lease_ttl_s: u64,
         dial_timeout: Duration,
+        tls: Option<EtcdTls>,
     ) -> Result<Self, ConfigError> {
         if endpoints.is_empty() {
             return Err(refuse("endpoints", "[]", "name at least one etcd member"));
         }
         let endpoints = endpoints
             .iter()
-            .map(|e| endpoint(e))
+            .map(|e| endpoint(e, tls.is_some()))
             .collect::<Result<Vec<_>, _>>()?;
         if !prefix.starts_with('/')
             || prefix.len() > 256
@@ -96,6 +114,7 @@ impl EtcdConfig {
             prefix,
             lease_ttl: Duration::from_secs(lease_ttl_s),
             dial_timeout,
+            tls,
         })
     }
 
@@ -107,30 +126,54 @@ impl EtcdConfig {
     /// One line for `--check-config` and the logs.
     pub fn describe(&self) -> String {
         format!(
-            "discovery etcd: {} prefix {}, lease TTL {} s",
+            "discovery etcd: {} prefix {}, lease TTL {} s{}",
             self.endpoints.join(","),
             self.prefix,
-            self.lease_ttl.as_secs()
+            self.lease_ttl.as_secs(),
+            if self.tls.is_some() {
+                ", TLS with a client certificate"
+            } else {
+                ""
+            }
         )
     }
 }
 
-fn endpoint(e: &str) -> Result<String, ConfigError> {
-    if e.starts_with("https://") {
-        return Err(refuse(
-            "endpoints",
-            e,
-            "TLS to etcd is not built in: use http:// on a private network",
-        ));
-    }
-    let hp = e.strip_prefix("http://").unwrap_or(e);
+fn endpoint(e: &str, tls: bool) -> Result<String, ConfigError> {
+    let (scheme, hp) = match (e.split_once("://"), tls) {
+        (None, false) => ("http", e),
+        (None, true) => ("https", e),
+        (Some(("http", hp)), false) => ("http", hp),
+        (Some(("https", hp)), true) => ("https", hp),
+        (Some(("https", _)), false) => {
+            return Err(refuse(
+                "endpoints",
+                e,
+                "https:// needs etcd.tls (the CA, and this node's client certificate and key)",
+            ))
+        }
+        (Some(("http", _)), true) => {
+            return Err(refuse(
+                "endpoints",
+                e,
+                "http:// with etcd.tls would send the registrations in the clear: use https://",
+            ))
+        }
+        _ => {
+            return Err(refuse(
+                "endpoints",
+                e,
+                "expected HOST:PORT, http://HOST:PORT or (with etcd.tls) https://HOST:PORT",
+            ))
+        }
+    };
     match hp.rsplit_once(':') {
         Some((host, port))
             if !host.is_empty()
                 && !host.contains('/')
                 && matches!(port.parse::<u16>(), Ok(p) if p > 0) =>
         {
-            Ok(format!("http://{hp}"))
+            Ok(format!("{scheme}://{hp}"))
         }
         _ => Err(refuse(
             "endpoints",
@@ -146,7 +189,15 @@ mod tests {
 
     fn cfg(endpoints: &[&str], prefix: &str, ttl: u64) -> Result<EtcdConfig, ConfigError> {
         let e: Vec<String> = endpoints.iter().map(|s| (*s).to_owned()).collect();
-        EtcdConfig::new(&e, prefix, ttl, DEFAULT_DIAL_TIMEOUT)
+        EtcdConfig::new(&e, prefix, ttl, DEFAULT_DIAL_TIMEOUT, None)
+    }
+
+    fn tls() -> EtcdTls {
+        EtcdTls {
+            ca: "ca.pem".into(),
+            cert: "c.pem".into(),
+            key: "k.pem".into(),
+        }
     }
 
     #[test]
@@ -156,6 +207,11 @@ mod tests {
         assert_eq!(c.prefix, "/kvmesh/a/");
         assert_eq!(c.ttl_secs(), 3);
         assert_eq!(cfg(&["h:1"], "/", 2).expect("ok").prefix, "/");
+        // With TLS a bare address takes https.
+        let e = ["etcd:2379".to_owned(), "https://10.0.0.1:2379".to_owned()];
+        let c = EtcdConfig::new(&e, "/k/", 3, DEFAULT_DIAL_TIMEOUT, Some(tls())).expect("ok");
+        assert_eq!(c.endpoints, ["https://etcd:2379", "https://10.0.0.1:2379"]);
+        assert!(c.describe().contains("TLS with a client certificate"));
     }
 
     #[test]
@@ -167,10 +223,18 @@ mod tests {
                 "endpoints = \"h\": expected HOST:PORT",
             ),
             (cfg(&["h:0"], "/k/", 3), "expected HOST:PORT"),
+            (cfg(&["https://h:1"], "/k/", 3), "https:// needs etcd.tls"),
             (
-                cfg(&["https://h:1"], "/k/", 3),
-                "TLS to etcd is not built in",
+                EtcdConfig::new(
+                    &["http://h:1".into()],
+                    "/k/",
+                    3,
+                    DEFAULT_DIAL_TIMEOUT,
+                    Some(tls()),
+                ),
+                "in the clear: use https://",
             ),
+            (cfg(&["unix://h:1"], "/k/", 3), "expected HOST:PORT"),
             (cfg(&["http://a/b:1"], "/k/", 3), "expected HOST:PORT"),
             (cfg(&["h:1"], "k/", 3), "prefix = \"k/\": a key prefix"),
             (cfg(&["h:1"], "/a b/", 3), "prefix = \"/a b/\""),
@@ -180,7 +244,7 @@ mod tests {
             ),
             (cfg(&["h:1"], "/k/", 301), "lease_ttl_s = \"301\""),
             (
-                EtcdConfig::new(&["h:1".into()], "/k/", 3, Duration::ZERO),
+                EtcdConfig::new(&["h:1".into()], "/k/", 3, Duration::ZERO, None),
                 "dial_timeout_ms = \"0\"",
             ),
         ];

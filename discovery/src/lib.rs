@@ -39,7 +39,7 @@ mod watch;
 
 use std::time::Duration;
 
-pub use config::EtcdConfig;
+pub use config::{EtcdConfig, EtcdTls};
 pub use member::{Member, MemberError, Role};
 pub use register::{register, Registration};
 pub use watch::{Health, View, Watcher};
@@ -57,6 +57,15 @@ pub enum DiscoveryError {
         /// The client's error.
         #[source]
         source: etcd_client::Error,
+    },
+    /// A TLS file of `etcd.tls` could not be read.
+    #[error("etcd.tls: {}: {source}", .path.display())]
+    TlsFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
     },
     /// etcd did not answer in time.
     #[error("etcd ({what}): no answer within {} ms", .after.as_millis())]
@@ -114,10 +123,24 @@ async fn bounded<T>(
 /// connection fail its streams (watch, lease keep-alive) within about two
 /// seconds instead of hanging.
 async fn connect(cfg: &EtcdConfig) -> Result<etcd_client::Client, DiscoveryError> {
-    let opts = etcd_client::ConnectOptions::new()
+    let mut opts = etcd_client::ConnectOptions::new()
         .with_connect_timeout(cfg.dial_timeout)
         .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
         .with_keep_alive_while_idle(true);
+    if let Some(tls) = &cfg.tls {
+        let read = |path: &std::path::Path| {
+            std::fs::read(path).map_err(|source| DiscoveryError::TlsFile {
+                path: path.to_owned(),
+                source,
+            })
+        };
+        let (ca, cert, key) = (read(&tls.ca)?, read(&tls.cert)?, read(&tls.key)?);
+        opts = opts.with_tls(
+            etcd_client::TlsOptions::new()
+                .ca_certificate(etcd_client::Certificate::from_pem(ca))
+                .identity(etcd_client::Identity::from_pem(cert, key)),
+        );
+    }
     bounded(
         "connect",
         cfg.dial_timeout,

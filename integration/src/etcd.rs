@@ -82,7 +82,22 @@ pub struct Etcd {
     child: Mutex<Option<Child>>,
     client_port: u16,
     peer_port: u16,
+    /// Plain HTTP `/health` and `/metrics` (its client URL may be TLS).
+    metrics_port: u16,
     dir: tempfile::TempDir,
+    tls: Option<EtcdServerTls>,
+}
+
+/// The files of an etcd that serves clients over TLS and asks each for a
+/// certificate of `ca` (`--client-cert-auth`).
+#[derive(Clone, Debug)]
+pub struct EtcdServerTls {
+    /// Its certificate (naming 127.0.0.1).
+    pub cert: PathBuf,
+    /// Its key.
+    pub key: PathBuf,
+    /// The CA client certificates must chain to.
+    pub ca: PathBuf,
 }
 
 impl Etcd {
@@ -94,11 +109,23 @@ impl Etcd {
 
     /// A new etcd of its own (for a test that stops and restarts it).
     pub fn start() -> Etcd {
+        Self::start_with(None)
+    }
+
+    /// A new etcd of its own that serves clients over TLS only and admits
+    /// only clients with a certificate of `tls.ca`.
+    pub fn start_tls(tls: EtcdServerTls) -> Etcd {
+        Self::start_with(Some(tls))
+    }
+
+    fn start_with(tls: Option<EtcdServerTls>) -> Etcd {
         let e = Etcd {
             child: Mutex::new(None),
             client_port: free_port(),
             peer_port: free_port(),
+            metrics_port: free_port(),
             dir: tempfile::tempdir().expect("tempdir"),
+            tls,
         };
         e.launch();
         e
@@ -109,6 +136,15 @@ impl Etcd {
         format!("127.0.0.1:{}", self.client_port)
     }
 
+    /// Its client URL's scheme.
+    fn scheme(&self) -> &'static str {
+        if self.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        }
+    }
+
     fn launch(&self) {
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = std::fs::OpenOptions::new()
@@ -117,15 +153,23 @@ impl Etcd {
             .open(self.dir.path().join("etcd.log"))
             .expect("etcd log file");
         let mut cmd = Command::new(etcd_bin());
+        let scheme = self.scheme();
         cmd.arg("--name=kvmesh-test")
             .arg(format!(
                 "--data-dir={}",
                 self.dir.path().join("data").display()
             ))
-            .arg(format!("--listen-client-urls=http://{}", self.endpoint()))
             .arg(format!(
-                "--advertise-client-urls=http://{}",
+                "--listen-client-urls={scheme}://{}",
                 self.endpoint()
+            ))
+            .arg(format!(
+                "--advertise-client-urls={scheme}://{}",
+                self.endpoint()
+            ))
+            .arg(format!(
+                "--listen-metrics-urls=http://127.0.0.1:{}",
+                self.metrics_port
             ))
             .arg(format!("--listen-peer-urls={peer}"))
             .arg(format!("--initial-advertise-peer-urls={peer}"))
@@ -133,12 +177,19 @@ impl Etcd {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
+        if let Some(t) = &self.tls {
+            cmd.arg(format!("--cert-file={}", t.cert.display()))
+                .arg(format!("--key-file={}", t.key.display()))
+                .arg(format!("--trusted-ca-file={}", t.ca.display()))
+                .arg("--client-cert-auth");
+        }
         let started = Instant::now();
         let child = spawn_owned(cmd);
         *self.child.lock().unwrap_or_else(PoisonError::into_inner) = Some(child);
         // Up once it answers its health endpoint (a leader elected).
         loop {
-            let ok = kvmesh_client::blocking::get(&self.endpoint(), "/health")
+            let metrics = format!("127.0.0.1:{}", self.metrics_port);
+            let ok = kvmesh_client::blocking::get(&metrics, "/health")
                 .is_ok_and(|r| r.status == 200 && r.text().contains("true"));
             if ok {
                 break;
@@ -365,7 +416,7 @@ fn mesh_file(
     let (http, grpc) = (free_port(), free_port());
     let mut text = format!(
         "model: {model}\nmesh: {{secret_file: {secret}}}\n\
-         discovery: etcd\netcd: {{endpoints: [\"{endpoint}\"], prefix: \"{prefix}\"}}\n\
+         discovery: etcd\netcd: {{endpoints: [\"{endpoint}\"], prefix: \"{prefix}\", allow_insecure_etcd: true}}\n\
          router: {{http: \"127.0.0.1:{http}\", grpc: \"127.0.0.1:{grpc}\"}}\n",
         model = crate::tiny_model_dir().display(),
         secret = secret.display(),

@@ -25,7 +25,7 @@ fn over_length_prompts_are_refused_without_a_grant() {
     assert_eq!(v["pass"], true, "{v}");
 
     let steps = v["in_process"]["steps"].as_array().expect("steps");
-    assert_eq!(steps.len(), 8, "{v}");
+    assert_eq!(steps.len(), 9, "{v}");
     for prompt in ["completion", "chat"] {
         let key = format!("{prompt}_prompt_tokens");
         assert!(v["in_process"][&key].as_u64().unwrap_or(0) >= 2000, "{v}");

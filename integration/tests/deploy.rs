@@ -462,8 +462,8 @@ async fn internal_services_stop_and_abort_across_processes() {
             .expect("url")
             .connect_lazy()
     };
-    let mut prefill = prefill_client(channel(p[2]), secret.clone());
-    let mut decode = decode_client(channel(p[3]), secret);
+    let mut prefill = prefill_client(channel(p[2]), secret.clone(), "prefill-0");
+    let mut decode = decode_client(channel(p[3]), secret, "decode-0");
 
     let writer_id = prefill
         .load(LoadRequest::default())

@@ -10,7 +10,10 @@
 //! - a restarted router rebuilds its view from etcd;
 //! - SIGTERM deregisters a node before it drains;
 //! - a node registered without the mesh secret is never used, and entries
-//!   that are not registrations are refused and counted.
+//!   that are not registrations are refused and counted;
+//! - an impostor that skips every proof, or a relay to a real node, at a
+//!   registered address sees no prompt and is never chosen, and a proof
+//!   it captured is refused where it is replayed.
 //!
 //! The registrar itself (names, lost leases) is `etcd_registrar.rs`.
 //!
@@ -22,8 +25,15 @@ use kvmesh_integration::etcd::{Etcd, EtcdMesh};
 use kvmesh_integration::http::{self, post_streaming_headers};
 use kvmesh_integration::roles::wait_healthy;
 use kvmesh_integration::{reference_text, tiny_model_dir};
+use std::sync::{Arc, Mutex};
+
 use kvmesh_meshauth::MeshSecret;
-use kvmesh_proto::internal::v1::{LoadReport, LoadRequest};
+use kvmesh_proto::internal::v1::decode_client::DecodeClient;
+use kvmesh_proto::internal::v1::decode_server::{Decode, DecodeServer};
+use kvmesh_proto::internal::v1::{
+    decode_event, AbortRequest, AbortResponse, DecodeEvent, GenerateRequest, LoadReport,
+    LoadRequest, Token,
+};
 use serde_json::{json, Value};
 
 /// The mesh files' lease TTL (the default).
@@ -324,8 +334,9 @@ fn sigterm_deregisters_a_node_before_it_drains() {
     assert!(status.success(), "{status:?}");
 }
 
-/// The load report of the node at `addr`, asked as a peer holding `secret`.
-fn load_report(addr: &str, secret: &MeshSecret, decode: bool) -> LoadReport {
+/// The load report of node `name` at `addr`, asked as a peer holding
+/// `secret`.
+fn load_report(addr: &str, secret: &MeshSecret, name: &str, decode: bool) -> LoadReport {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -336,11 +347,11 @@ fn load_report(addr: &str, secret: &MeshSecret, decode: bool) -> LoadReport {
             .connect_lazy();
         let req = LoadRequest::default();
         let r = if decode {
-            kvmesh_proto::peer::decode_client(ch, secret.clone())
+            kvmesh_proto::peer::decode_client(ch, secret.clone(), name)
                 .load(req)
                 .await
         } else {
-            kvmesh_proto::peer::prefill_client(ch, secret.clone())
+            kvmesh_proto::peer::prefill_client(ch, secret.clone(), name)
                 .load(req)
                 .await
         };
@@ -413,13 +424,218 @@ fn a_registered_node_without_the_mesh_secret_is_never_used() {
     // authentication (the router's proofs are not of their secret), no
     // grant, and (decode-x) the real prefill node's KV connections refused.
     let other = MeshSecret::load(&other).expect("intruder secret");
-    let dx = load_report(&grpc_of(&file, "decode-x"), &other, true);
+    let dx = load_report(&grpc_of(&file, "decode-x"), &other, "decode-x", true);
     assert_eq!(dx.reservations_granted, 0, "{dx:?}");
     assert!(dx.grpc_auth_refused.values().sum::<u64>() > 0, "{dx:?}");
     assert!(dx.kv_auth_refused.values().sum::<u64>() > 0, "{dx:?}");
-    let px = load_report(&grpc_of(&file, "prefill-x"), &other, false);
+    let px = load_report(&grpc_of(&file, "prefill-x"), &other, "prefill-x", false);
     assert!(px.grpc_auth_refused.values().sum::<u64>() > 0, "{px:?}");
     assert_eq!(px.queue_depth, 0);
+}
+
+/// A decode node that proves nothing: it answers every poll with a copy of
+/// a real node's report (under its own name, queue empty: the best choice
+/// on paper), records every call's proof and message, and would stream
+/// invented tokens if it were ever asked to generate.
+#[derive(Clone)]
+struct Impostor {
+    name: String,
+    report: LoadReport,
+    polls: Arc<Mutex<Vec<(String, LoadRequest)>>>,
+    prompts: Arc<Mutex<Vec<Vec<u32>>>>,
+}
+
+#[tonic::async_trait]
+impl Decode for Impostor {
+    type GenerateStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<DecodeEvent, tonic::Status>> + Send>,
+    >;
+
+    async fn generate(
+        &self,
+        req: tonic::Request<GenerateRequest>,
+    ) -> Result<tonic::Response<Self::GenerateStream>, tonic::Status> {
+        self.prompts
+            .lock()
+            .expect("lock")
+            .push(req.into_inner().prompt_ids);
+        let invented = (0..4).map(|t| {
+            Ok(DecodeEvent {
+                event: Some(decode_event::Event::Token(Token {
+                    id: 42 + t,
+                    logprobs: None,
+                })),
+            })
+        });
+        Ok(tonic::Response::new(Box::pin(tokio_stream::iter(invented))))
+    }
+
+    async fn abort(
+        &self,
+        _: tonic::Request<AbortRequest>,
+    ) -> Result<tonic::Response<AbortResponse>, tonic::Status> {
+        Ok(tonic::Response::new(AbortResponse::default()))
+    }
+
+    async fn load(
+        &self,
+        req: tonic::Request<LoadRequest>,
+    ) -> Result<tonic::Response<LoadReport>, tonic::Status> {
+        let token = req
+            .metadata()
+            .get(kvmesh_meshauth::CALL_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        self.polls
+            .lock()
+            .expect("lock")
+            .push((token, req.into_inner()));
+        Ok(tonic::Response::new(LoadReport {
+            node: self.name.clone(),
+            queue_depth: 0,
+            ..self.report.clone()
+        }))
+    }
+}
+
+/// A TCP relay on a free port to `to`, for as long as the test runs: a
+/// process that took a registered address and passes calls on to a real
+/// node.
+fn relay(to: String) -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind relay");
+    let port = l.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for client in l.incoming().flatten() {
+            let Ok(server) = std::net::TcpStream::connect(&to) else {
+                continue;
+            };
+            let (mut c2, mut s2) = (
+                client.try_clone().expect("clone"),
+                server.try_clone().expect("clone"),
+            );
+            let (mut c, mut s) = (client, server);
+            std::thread::spawn(move || std::io::copy(&mut c2, &mut s2));
+            std::thread::spawn(move || std::io::copy(&mut s, &mut c));
+        }
+    });
+    port
+}
+
+fn unproven(m: &kvmesh_client::Metrics, node: &str) -> f64 {
+    m.sum("kvmesh_router_node_unproven_total", &[("node", node)])
+}
+
+/// Issue 35 item 1: answers must prove the node. Something that answers on
+/// a registered address without the mesh secret (an impostor that skips
+/// every proof, registered in etcd) or passes the router's calls on to a
+/// real node of another name (a relay) is refused at its first answer,
+/// counted, and never chosen, so it sees no prompt; a proof the impostor
+/// captured is refused by the node it is replayed to.
+#[test]
+fn an_impostor_or_a_relay_at_a_registered_address_sees_no_prompt_and_is_never_chosen() {
+    let etcd = Etcd::shared();
+    let mesh = EtcdMesh::new(
+        etcd,
+        "impostor",
+        &[("prefill", "prefill-0"), ("decode", "decode-0")],
+    );
+    let _d0 = mesh.start("decode", Some("decode-0"), &[], false);
+    let _p0 = mesh.start("prefill", Some("prefill-0"), &[], false);
+    let _router = mesh.start("router", None, &[], false);
+    wait_healthy(&mesh.http);
+    let secret = MeshSecret::load(&mesh.file.with_file_name("mesh.secret")).expect("secret");
+    let d0_addr = grpc_of(&mesh.file, "decode-0");
+    let real = load_report(&d0_addr, &secret, "decode-0", true);
+
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let impostor = Impostor {
+        name: "decode-f".into(),
+        report: real.clone(),
+        polls: Arc::default(),
+        prompts: Arc::default(),
+    };
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let fake_port = listener.local_addr().expect("addr").port();
+    rt.spawn(
+        tonic::transport::Server::builder()
+            .add_service(DecodeServer::new(impostor.clone()))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let relay_port = relay(d0_addr.clone());
+    for (name, port) in [("decode-f", fake_port), ("decode-r", relay_port)] {
+        etcd.put(
+            &format!("{}decode/{name}", mesh.prefix),
+            format!(
+                r#"{{"format":1,"name":"{name}","role":"decode","grpc":"127.0.0.1:{port}","kv":"tcp://127.0.0.1:{port}"}}"#
+            )
+            .as_bytes(),
+        );
+    }
+    wait_metrics(&mesh.http, "both refused at their answers", |m| {
+        members(m, "decode") == 3.0
+            && unproven(m, "decode-f") > 0.0
+            && unproven(m, "decode-r") > 0.0
+    });
+    for i in 0..8 {
+        complete_checked(&mesh.http, &prompt(i));
+    }
+    wait_metrics(&mesh.http, "8 grants at decode-0", |m| {
+        m.value(
+            "kvmesh_node_reservations_granted_total",
+            &[("node", "decode-0")],
+        ) == Some(8.0)
+    });
+    let m = http::metrics(&mesh.http);
+    assert!(!up(&m, "decode-f") && !up(&m, "decode-r"), "{}", m.text());
+    assert!(
+        impostor.prompts.lock().expect("lock").is_empty(),
+        "the impostor was sent a prompt"
+    );
+    // The impostor's answers carried no proof at all; the relay's carried
+    // decode-0's refusal of calls addressed to decode-r, without a proof.
+    assert!(
+        m.sum(
+            "kvmesh_router_node_unproven_total",
+            &[("node", "decode-f"), ("kind", "missing")]
+        ) > 0.0,
+        "{}",
+        m.text()
+    );
+    let d0 = load_report(&d0_addr, &secret, "decode-0", true);
+    let bad_mac = |r: &LoadReport| r.grpc_auth_refused.get("bad_mac").copied().unwrap_or(0);
+    assert!(bad_mac(&d0) > bad_mac(&real), "{d0:?}");
+
+    // A proof the impostor captured from the router, replayed with the
+    // very message it came with to a real node: refused there.
+    let (token, msg) = impostor
+        .polls
+        .lock()
+        .expect("lock")
+        .last()
+        .cloned()
+        .expect("the router polled the impostor");
+    let before = bad_mac(&load_report(&d0_addr, &secret, "decode-0", true));
+    let replayed = rt.block_on(async {
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{d0_addr}"))
+            .expect("url")
+            .connect_lazy();
+        let mut req = tonic::Request::new(msg);
+        req.metadata_mut().insert(
+            kvmesh_meshauth::CALL_HEADER,
+            token.parse().expect("ascii token"),
+        );
+        DecodeClient::new(ch).load(req).await
+    });
+    let e = replayed.expect_err("a proof made for decode-f");
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
+    let after = bad_mac(&load_report(&d0_addr, &secret, "decode-0", true));
+    assert!(
+        after > before,
+        "the replay was not counted: {before} -> {after}"
+    );
 }
 
 /// The default model (SmolLM2) through a mesh whose membership changes

@@ -18,6 +18,7 @@ fn discovery_config(etcd: &Etcd, test: &str) -> kvmesh_discovery::EtcdConfig {
         &kvmesh_integration::etcd::unique_prefix(test),
         2,
         Duration::from_secs(2),
+        None,
     )
     .expect("config")
 }
@@ -191,6 +192,7 @@ async fn a_lease_that_expired_during_a_partition_is_replaced_once_etcd_is_back()
         &kvmesh_integration::etcd::unique_prefix("partition"),
         2,
         Duration::from_secs(2),
+        None,
     )
     .expect("config");
     let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
@@ -240,6 +242,7 @@ async fn an_etcd_restarted_empty_is_refilled_by_the_node() {
         &kvmesh_integration::etcd::unique_prefix("emptied"),
         2,
         Duration::from_secs(2),
+        None,
     )
     .expect("config");
     let reg = kvmesh_discovery::register(&cfg, decode_member("127.0.0.1:1"))

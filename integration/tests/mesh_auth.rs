@@ -21,6 +21,7 @@ use kvmesh_integration::http::{self, post_streaming_headers};
 use kvmesh_integration::roles::{start, start_logged, start_with, tiny_mesh_file, wait_healthy};
 use kvmesh_integration::tiny_model_dir;
 use kvmesh_kvwire::{decode_message, KvFrame, Message};
+use kvmesh_meshauth::call::{body_digest, Call};
 use kvmesh_meshauth::grpc::unix_ms;
 use kvmesh_meshauth::{sign_call, MeshSecret, CALL_HEADER};
 use kvmesh_proto::internal::v1::decode_client::DecodeClient;
@@ -68,6 +69,29 @@ fn with_token<T>(msg: T, token: &str) -> tonic::Request<T> {
     r
 }
 
+/// A proof of `secret` for calling `path` on node `to` with `msg`, made at
+/// `at` (unix ms): what the signing channel makes, by hand, so a test can
+/// keep, replay or misdirect it.
+fn token_for(
+    secret: &MeshSecret,
+    path: &str,
+    to: &str,
+    msg: &impl prost::Message,
+    at: u64,
+) -> String {
+    // The call's body: one uncompressed gRPC frame.
+    let payload = msg.encode_to_vec();
+    let mut body = vec![0u8];
+    body.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    body.extend_from_slice(&payload);
+    let call = Call {
+        path,
+        recipient: to,
+        body: &body_digest(&body),
+    };
+    sign_call(secret, &call, at).expect("sign").token
+}
+
 fn refused<T: std::fmt::Debug>(r: Result<T, tonic::Status>, what: &str) -> tonic::Status {
     let e = r.expect_err(what);
     assert_eq!(e.code(), Code::Unauthenticated, "{what}: {e}");
@@ -101,8 +125,8 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
     let (_d, _) = start("decode", &m.file, Some("decode-0"), "ready");
     let (_p, _) = start("prefill", &m.file, Some("prefill-0"), "ready");
     let (pport, dport, kvport) = (m.ports[2], m.ports[3], m.ports[4]);
-    let mut decode = decode_client(channel(dport), m.secret.clone());
-    let mut prefill = prefill_client(channel(pport), m.secret.clone());
+    let mut decode = decode_client(channel(dport), m.secret.clone(), "decode-0");
+    let mut prefill = prefill_client(channel(pport), m.secret.clone(), "prefill-0");
     let writer_id = prefill
         .load(LoadRequest::default())
         .await
@@ -149,8 +173,8 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
 
     // A peer of another mesh: its own secret, proofs well-formed.
     let wrong = MeshSecret::generate().expect("rng");
-    let mut other_d = decode_client(channel(dport), wrong.clone());
-    let mut other_p = prefill_client(channel(pport), wrong);
+    let mut other_d = decode_client(channel(dport), wrong.clone(), "decode-0");
+    let mut other_p = prefill_client(channel(pport), wrong, "prefill-0");
     let e = refused(other_d.generate(reserve()).await, "another mesh's reserve");
     assert!(e.message().contains("does not prove"), "{e}");
     refused(
@@ -177,12 +201,13 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
         "malformed",
     );
     let load_path = "/kvmesh.internal.v1.Decode/Load";
-    let old = sign_call(&m.secret, load_path, unix_ms() - 120_000).expect("sign");
+    let load = LoadRequest::default();
+    let old = token_for(&m.secret, load_path, "decode-0", &load, unix_ms() - 120_000);
     refused(
         anon_d.load(with_token(LoadRequest::default(), &old)).await,
         "stale",
     );
-    let once = sign_call(&m.secret, load_path, unix_ms()).expect("sign");
+    let once = token_for(&m.secret, load_path, "decode-0", &load, unix_ms());
     anon_d
         .load(with_token(LoadRequest::default(), &once))
         .await
@@ -191,10 +216,27 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
         anon_d.load(with_token(LoadRequest::default(), &once)).await,
         "replayed",
     );
-    let for_load = sign_call(&m.secret, load_path, unix_ms()).expect("sign");
+    let for_load = token_for(&m.secret, load_path, "decode-0", &load, unix_ms());
     refused(
         anon_d.generate(with_token(reserve(), &for_load)).await,
         "a Load proof on Generate",
+    );
+    // A proof names its node and its body: one made for a sibling (as one
+    // captured there and replayed here would be) or for other bytes is
+    // refused.
+    let for_sibling = token_for(&m.secret, load_path, "decode-1", &load, unix_ms());
+    let e = refused(
+        anon_d.load(with_token(load, &for_sibling)).await,
+        "a proof made for another node",
+    );
+    assert!(e.message().contains("to this node"), "{e}");
+    let other_body = LoadRequest {
+        known_cache_epoch: 7,
+    };
+    let for_default = token_for(&m.secret, load_path, "decode-0", &load, unix_ms());
+    refused(
+        anon_d.load(with_token(other_body, &for_default)).await,
+        "a proof made for another body",
     );
 
     // Counted by kind, in the nodes' own load reports; nothing granted.
@@ -202,7 +244,7 @@ async fn internal_services_refuse_callers_without_the_mesh_secret() {
     assert_eq!(
         counts(&r.grpc_auth_refused),
         kinds(&[
-            ("bad_mac", 3),
+            ("bad_mac", 5),
             ("malformed", 1),
             ("missing", 3),
             ("replayed", 1),
@@ -415,7 +457,11 @@ fn client_chosen_ids_cannot_reach_another_request() {
         };
         let mut anon = DecodeClient::new(channel(m.ports[3]));
         refused(anon.abort(stop.clone()).await, "abort of A without a proof");
-        let mut other = decode_client(channel(m.ports[3]), MeshSecret::generate().expect("rng"));
+        let mut other = decode_client(
+            channel(m.ports[3]),
+            MeshSecret::generate().expect("rng"),
+            "decode-0",
+        );
         refused(other.abort(stop).await, "abort of A by another mesh");
     });
 

@@ -190,7 +190,8 @@ fn the_mesh_talks_inside_mutual_tls_and_refuses_peers_without_a_mesh_certificate
             let url = format!("http://127.0.0.1:{decode_port}");
             let channel = kvmesh_proto::peer::channel(&url, tls.as_ref(), Duration::from_secs(2))
                 .expect("channel");
-            let mut client = kvmesh_proto::peer::decode_client(channel, mesh_secret.clone());
+            let mut client =
+                kvmesh_proto::peer::decode_client(channel, mesh_secret.clone(), "decode-0");
             tokio::time::timeout(
                 Duration::from_secs(5),
                 client.load(LoadRequest {
@@ -242,4 +243,136 @@ fn the_mesh_talks_inside_mutual_tls_and_refuses_peers_without_a_mesh_certificate
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// Issue 35 item 1: membership through etcd runs inside mutual TLS, and
+/// etcd itself over TLS with a client certificate per process
+/// (`--client-cert-auth`); a node whose etcd certificate is of another CA
+/// cannot register; and a mesh on etcd without `mesh.tls` is refused at
+/// start unless the file says `allow_insecure_etcd: true`.
+#[test]
+fn an_etcd_mesh_runs_inside_mutual_tls_and_reaches_etcd_with_client_certificates() {
+    use kvmesh_integration::etcd::{Etcd, EtcdServerTls};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let certs = dir.path().join("certs");
+    std::fs::create_dir(&certs).expect("certs dir");
+    let mesh_ca = TestCa::new(dir.path(), "mesh").expect("ca");
+    let etcd_ca = TestCa::new(dir.path(), "etcd").expect("etcd ca");
+    let rogue_ca = TestCa::new(dir.path(), "rogue").expect("rogue ca");
+    for name in ["router", "prefill-0", "decode-0"] {
+        mesh_ca
+            .write_node(&certs, name, &["127.0.0.1", "localhost"], Validity::Current)
+            .expect("node certificate");
+        etcd_ca
+            .write_node(&certs, &format!("etcd-{name}"), &[name], Validity::Current)
+            .expect("etcd client certificate");
+        rogue_ca
+            .write_node(&certs, &format!("rogue-{name}"), &[name], Validity::Current)
+            .expect("rogue certificate");
+    }
+    let server = etcd_ca
+        .write_node(dir.path(), "etcd-server", &["127.0.0.1"], Validity::Current)
+        .expect("etcd server certificate");
+    let etcd = Etcd::start_tls(EtcdServerTls {
+        cert: server.cert,
+        key: server.key,
+        ca: etcd_ca.ca_file.clone(),
+    });
+    let secret = write_secret(dir.path(), "mesh.secret");
+    let [http_port, grpc_port, prefill_port, decode_port, kv_port] =
+        std::array::from_fn(|_| free_port());
+    let mesh = |etcd_certs: &str, mesh_tls: bool| {
+        format!(
+            "model: {model}\n\
+             mesh:\n  secret_file: {secret}\n{tls}\
+             discovery: etcd\n\
+             etcd: {{endpoints: [\"https://{endpoint}\"], prefix: /kvmesh-test/tls-{pid}/, tls: {{ca_file: etcd-ca.pem, cert_file: \"certs/{etcd_certs}-{{name}}.pem\", key_file: \"certs/{etcd_certs}-{{name}}-key.pem\"}}}}\n\
+             router: {{http: \"127.0.0.1:{http_port}\", grpc: \"127.0.0.1:{grpc_port}\"}}\n\
+             prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{prefill_port}\"}}\n\
+             decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{decode_port}\", kv: \"127.0.0.1:{kv_port}\"}}\n",
+            model = kvmesh_integration::tiny_model_dir().display(),
+            secret = secret.display(),
+            tls = if mesh_tls {
+                "  tls: {ca_file: mesh-ca.pem, cert_file: \"certs/{name}.pem\", key_file: \"certs/{name}-key.pem\"}\n"
+            } else {
+                ""
+            },
+            endpoint = etcd.endpoint(),
+            pid = std::process::id(),
+        )
+    };
+    // Without mesh.tls: refused at start, naming the way out.
+    let plain = dir.path().join("plain.yaml");
+    std::fs::write(&plain, mesh("etcd", false)).expect("mesh file");
+    let out = run_kvmesh(
+        &[
+            "router",
+            "--config",
+            plain.to_str().expect("utf-8"),
+            "--check-config",
+        ],
+        &[],
+    );
+    let (_, stderr) = texts(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("discovery: etcd needs mutual TLS")
+            && stderr.contains("allow_insecure_etcd"),
+        "{stderr}"
+    );
+
+    // A node whose etcd client certificate is of another CA: etcd refuses
+    // its registration and it does not start.
+    let rogue = dir.path().join("rogue.yaml");
+    std::fs::write(&rogue, mesh("rogue", true)).expect("mesh file");
+    let out = run_kvmesh(
+        &[
+            "decode",
+            "--config",
+            rogue.to_str().expect("utf-8"),
+            "--name",
+            "decode-0",
+        ],
+        &[],
+    );
+    let (_, stderr) = texts(&out);
+    assert!(!out.status.success(), "a rogue etcd client started");
+    assert!(
+        stderr.contains("registering") && stderr.contains("in etcd"),
+        "{stderr}"
+    );
+
+    // The mesh: every call inside mutual TLS, membership over etcd's TLS.
+    let file = dir.path().join("mesh.yaml");
+    std::fs::write(&file, mesh("etcd", true)).expect("mesh file");
+    let out = run_kvmesh(
+        &[
+            "router",
+            "--config",
+            file.to_str().expect("utf-8"),
+            "--check-config",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("TLS with a client certificate") && stdout.contains("https://"),
+        "{stdout}"
+    );
+    let (_d, _) = start("decode", &file, Some("decode-0"), "ready");
+    let (_p, _) = start("prefill", &file, Some("prefill-0"), "ready");
+    let (_r, _) = start("router", &file, None, "OpenAI API");
+    let addr = format!("127.0.0.1:{http_port}");
+    wait_healthy(&addr);
+    let prompt = "The membership of this mesh lives in an etcd behind TLS";
+    let want =
+        kvmesh_integration::reference_text(&kvmesh_integration::tiny_model_dir(), prompt, false, 8);
+    let r = http::post(
+        &addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["choices"][0]["text"], want.as_str());
 }

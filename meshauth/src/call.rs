@@ -1,28 +1,57 @@
-//! Per-call proofs for the internal gRPC services (no gRPC code here: the
-//! tonic glue is `grpc`, feature `tonic`, and its clients are
+//! Per-call proofs for the internal gRPC services, both ways (no gRPC code
+//! here: the tonic glue is `grpc`, feature `tonic`, and its clients are
 //! `kvmesh_proto::peer`).
 //!
 //! Every call carries the metadata entry [`CALL_HEADER`]:
 //!
 //! ```text
 //! x-kvmesh-peer: <unix ms, decimal>.<nonce: 32 hex digits>.<MAC: 64 hex digits>
-//! MAC = HMAC-SHA256(secret, "kvmesh grpc call v1" | unix ms (u64 LE) | nonce (16 bytes) | method path)
+//! MAC = HMAC-SHA256(secret, "kvmesh grpc call v2" | unix ms (u64 LE) | nonce (16 bytes)
+//!                   | method path | recipient node name | SHA-256 of the request body)
 //! ```
 //!
-//! The method path (`/kvmesh.internal.v1.Decode/Abort`) is covered, so a
-//! token seen on a Load poll cannot be replayed as an Abort. The receiver
-//! checks, in order: present, well-formed, MAC (constant time), time within
-//! [`CALL_WINDOW`] of its own clock either way, nonce not seen before. Only
-//! tokens with a valid MAC enter the replay cache, so a peer without the
-//! secret cannot fill it. The cache holds at most [`REPLAY_CAPACITY`]
-//! nonces; past that the oldest is evicted and every token at or before its
-//! time is refused as stale from then on (it can no longer be vouched
-//! for), so memory stays bounded and no replay is ever accepted.
+//! and every answer (the response headers: a unary reply's, a stream's
+//! before its first message, a refusal's) carries [`REPLY_HEADER`]:
+//!
+//! ```text
+//! x-kvmesh-node: <MAC: 64 hex digits>
+//! MAC = HMAC-SHA256(secret, "kvmesh grpc reply v1" | recipient node name | the call's MAC)
+//! ```
+//!
+//! What each part stops:
+//! - the method path: a token seen on a Load poll cannot be replayed as an
+//!   Abort;
+//! - the recipient's name: a call captured at (or relayed by) one node is
+//!   refused by every other, so a process answering on a registered address
+//!   cannot pass the router's call on to a real node of another name, and a
+//!   replay to a sibling node (a `cached_tokens` oracle) fails;
+//! - the body's digest: the request cannot be altered or swapped under a
+//!   valid proof;
+//! - the reply: a node proves it holds the secret *and* is the node the
+//!   caller named, over this very call, before the caller uses a byte of
+//!   its answer, so anything that answers on a registered address without
+//!   the secret (a key written into an unauthenticated etcd, a process that
+//!   took a dead node's port) is refused and never chosen. A node signs a
+//!   reply only to a call whose proof it accepted, so it is no oracle for
+//!   replies to calls it never checked.
+//!
+//! The receiver checks, in order: present, well-formed, time within
+//! [`CALL_WINDOW`] of its own clock either way (these before the body is
+//! read), MAC (constant time), nonce not seen before. Only tokens with a
+//! valid MAC enter the replay cache, so a peer without the secret cannot
+//! fill it. The cache holds at most [`REPLAY_CAPACITY`] nonces; past that
+//! the oldest is evicted and every token at or before its time is refused
+//! as stale from then on (it can no longer be vouched for), so memory stays
+//! bounded and no replay is ever accepted.
+//!
+//! Cost: two HMAC-SHA256 and one SHA-256 of the body per call on each side
+//! (a few microseconds for a prompt of thousands of tokens).
 
 use std::collections::BTreeSet;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 use kvmesh_counters::KindCounters;
@@ -33,6 +62,8 @@ use crate::{hex, MeshSecret, MAC_LEN};
 
 /// The metadata key of the call proof.
 pub const CALL_HEADER: &str = "x-kvmesh-peer";
+/// The metadata key of the reply proof.
+pub const REPLY_HEADER: &str = "x-kvmesh-node";
 /// How far a token's time may be from the receiver's clock, either way.
 pub const CALL_WINDOW: Duration = Duration::from_secs(60);
 /// Nonces remembered at most (about 40 bytes each).
@@ -42,10 +73,21 @@ pub const CALL_NONCE_LEN: usize = 16;
 /// Longest well-formed token: 20 digits, 32 and 64 hex digits, two dots.
 const MAX_TOKEN_LEN: usize = 20 + 1 + 2 * CALL_NONCE_LEN + 1 + 2 * MAC_LEN;
 
-const CALL_DOMAIN: &str = "kvmesh grpc call v1";
+const CALL_DOMAIN: &str = "kvmesh grpc call v2";
+const REPLY_DOMAIN: &str = "kvmesh grpc reply v1";
 
 /// Labels of [`CallVerifier::refused`]: every [`CallRefusal::kind`].
 pub const CALL_REFUSAL_KINDS: [&str; 5] = ["missing", "malformed", "bad_mac", "stale", "replayed"];
+/// Labels of the reply checks' counters: every [`ReplyRefusal::kind`].
+pub const REPLY_REFUSAL_KINDS: [&str; 3] = ["missing", "malformed", "bad_mac"];
+
+/// SHA-256 of a request body: what a proof binds the request's bytes by.
+pub type BodyDigest = [u8; 32];
+
+/// The SHA-256 digest of a request body.
+pub fn body_digest(body: &[u8]) -> BodyDigest {
+    Sha256::digest(body).into()
+}
 
 /// Why a call was refused (as UNAUTHENTICATED). The messages name no
 /// secret and nothing the caller could use to guess one.
@@ -57,8 +99,9 @@ pub enum CallRefusal {
     /// The entry is not `MS.NONCE.MAC`.
     #[error("malformed {CALL_HEADER}: {0}")]
     Malformed(&'static str),
-    /// The MAC is not this mesh's for this method, time and nonce.
-    #[error("{CALL_HEADER} does not prove this mesh's secret for this call")]
+    /// The MAC is not this mesh's for this method, recipient, body, time
+    /// and nonce.
+    #[error("{CALL_HEADER} does not prove this mesh's secret for this call to this node")]
     BadMac,
     /// The time is outside the window (or too old for the replay cache).
     #[error("{CALL_HEADER} is stale: {skew_ms} ms from this node's clock")]
@@ -88,17 +131,109 @@ impl CallRefusal {
     }
 }
 
-fn mac_parts<'a>(ms: &'a [u8; 8], nonce: &'a [u8; CALL_NONCE_LEN], path: &'a str) -> [&'a [u8]; 3] {
-    [ms, nonce, path.as_bytes()]
+/// Why a node's answer was refused before any of it was used: the node did
+/// not prove that it holds the mesh secret and is the node that was called.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ReplyRefusal {
+    /// No [`REPLY_HEADER`] in the answer's headers.
+    #[error("the node's answer carries no {REPLY_HEADER}: it did not prove this mesh's secret")]
+    Missing,
+    /// The entry is not 64 lowercase hex digits.
+    #[error("malformed {REPLY_HEADER} in the node's answer")]
+    Malformed,
+    /// The proof is not this mesh's for this node and this call.
+    #[error("{REPLY_HEADER} does not prove this mesh's secret for this node and call")]
+    BadMac,
 }
 
-/// A fresh token for one call of `path` (`/package.Service/Method`) at
-/// `now_unix_ms`.
-pub fn sign_call(secret: &MeshSecret, path: &str, now_unix_ms: u64) -> Result<String, MintError> {
+impl ReplyRefusal {
+    /// A short stable name, used as a metric label.
+    pub fn kind(&self) -> &'static str {
+        REPLY_REFUSAL_KINDS[self.index()]
+    }
+
+    /// Its position in [`REPLY_REFUSAL_KINDS`].
+    pub fn index(&self) -> usize {
+        match self {
+            Self::Missing => 0,
+            Self::Malformed => 1,
+            Self::BadMac => 2,
+        }
+    }
+}
+
+/// One call as its proof names it.
+#[derive(Clone, Copy, Debug)]
+pub struct Call<'a> {
+    /// The method path, `/package.Service/Method`.
+    pub path: &'a str,
+    /// The name of the node called (as the caller's membership has it).
+    pub recipient: &'a str,
+    /// [`body_digest`] of the request body's bytes.
+    pub body: &'a BodyDigest,
+}
+
+fn mac_parts<'a>(
+    ms: &'a [u8; 8],
+    nonce: &'a [u8; CALL_NONCE_LEN],
+    call: &Call<'a>,
+) -> [&'a [u8]; 5] {
+    [
+        ms,
+        nonce,
+        call.path.as_bytes(),
+        call.recipient.as_bytes(),
+        call.body,
+    ]
+}
+
+/// A signed call: the token to send, and its MAC, which the answer's proof
+/// must cover ([`check_reply`]).
+#[derive(Clone, Debug)]
+pub struct SignedCall {
+    /// The [`CALL_HEADER`] value.
+    pub token: String,
+    /// The token's MAC.
+    pub mac: [u8; MAC_LEN],
+}
+
+/// A fresh token for one call at `now_unix_ms`.
+pub fn sign_call(
+    secret: &MeshSecret,
+    call: &Call<'_>,
+    now_unix_ms: u64,
+) -> Result<SignedCall, MintError> {
     let nonce: [u8; CALL_NONCE_LEN] = random_nonzero()?;
     let ms = now_unix_ms.to_le_bytes();
-    let mac = secret.mac(CALL_DOMAIN, &mac_parts(&ms, &nonce, path));
-    Ok(format!("{now_unix_ms}.{}.{}", hex(&nonce), hex(&mac)))
+    let mac = secret.mac(CALL_DOMAIN, &mac_parts(&ms, &nonce, call));
+    Ok(SignedCall {
+        token: format!("{now_unix_ms}.{}.{}", hex(&nonce), hex(&mac)),
+        mac,
+    })
+}
+
+/// The [`REPLY_HEADER`] value node `name` answers a call whose proof had
+/// MAC `call_mac` with.
+fn reply_proof(secret: &MeshSecret, name: &str, call_mac: &[u8; MAC_LEN]) -> String {
+    hex(&secret.mac(REPLY_DOMAIN, &[name.as_bytes(), call_mac]))
+}
+
+/// Checks an answer's [`REPLY_HEADER`] (`None`: absent) from node
+/// `recipient` to the call signed as `call`.
+pub fn check_reply(
+    secret: &MeshSecret,
+    recipient: &str,
+    call: &SignedCall,
+    header: Option<&[u8]>,
+) -> Result<(), ReplyRefusal> {
+    let raw = header.ok_or(ReplyRefusal::Missing)?;
+    let s = std::str::from_utf8(raw).map_err(|_| ReplyRefusal::Malformed)?;
+    let tag: [u8; MAC_LEN] = unhex(s, "").map_err(|_| ReplyRefusal::Malformed)?;
+    if secret.verify(REPLY_DOMAIN, &[recipient.as_bytes(), &call.mac], &tag) {
+        Ok(())
+    } else {
+        Err(ReplyRefusal::BadMac)
+    }
 }
 
 fn unhex<const N: usize>(s: &str, what: &'static str) -> Result<[u8; N], CallRefusal> {
@@ -118,13 +253,24 @@ fn unhex<const N: usize>(s: &str, what: &'static str) -> Result<[u8; N], CallRef
     Ok(out)
 }
 
-struct Token {
+/// A call's token that passed the checks possible before its body is read
+/// ([`CallVerifier::admit_header`]); [`CallVerifier::admit_body`] finishes.
+#[derive(Debug)]
+#[must_use = "a call is admitted only once its body is checked"]
+pub struct PendingCall {
     ms: u64,
     nonce: [u8; CALL_NONCE_LEN],
     mac: [u8; MAC_LEN],
 }
 
-fn parse(raw: &[u8]) -> Result<Token, CallRefusal> {
+/// A call that proved the mesh secret; its answer carries
+/// [`AdmittedCall::reply_proof`].
+#[derive(Debug)]
+pub struct AdmittedCall {
+    mac: [u8; MAC_LEN],
+}
+
+fn parse(raw: &[u8]) -> Result<PendingCall, CallRefusal> {
     if raw.len() > MAX_TOKEN_LEN {
         return Err(CallRefusal::Malformed("too long"));
     }
@@ -140,7 +286,7 @@ fn parse(raw: &[u8]) -> Result<Token, CallRefusal> {
     let ms = ms
         .parse()
         .map_err(|_| CallRefusal::Malformed("time: decimal unix milliseconds"))?;
-    Ok(Token {
+    Ok(PendingCall {
         ms,
         nonce: unhex(nonce, "nonce: 32 lowercase hex digits")?,
         mac: unhex(mac, "MAC: 64 lowercase hex digits")?,
@@ -187,70 +333,125 @@ impl ReplayCache {
     }
 }
 
-/// The receiving side: checks tokens, remembers nonces, counts refusals.
+/// The receiving side of node `name`: checks tokens, remembers nonces,
+/// counts refusals, signs the answers to the calls it admitted.
 #[derive(Debug)]
 pub struct CallVerifier {
     secret: MeshSecret,
+    name: String,
     replay: Mutex<ReplayCache>,
     capacity: usize,
     refused: KindCounters<{ CALL_REFUSAL_KINDS.len() }>,
 }
 
 impl CallVerifier {
-    /// A verifier for peers holding `secret`.
-    pub fn new(secret: MeshSecret) -> Self {
-        Self::with_capacity(secret, REPLAY_CAPACITY)
+    /// A verifier for node `name` of the mesh holding `secret`.
+    pub fn new(secret: MeshSecret, name: impl Into<String>) -> Self {
+        Self::with_capacity(secret, name, REPLAY_CAPACITY)
     }
 
     /// With a replay cache of `capacity` nonces (tests).
-    pub fn with_capacity(secret: MeshSecret, capacity: usize) -> Self {
+    pub fn with_capacity(secret: MeshSecret, name: impl Into<String>, capacity: usize) -> Self {
         Self {
             secret,
+            name: name.into(),
             replay: Mutex::default(),
             capacity: capacity.max(1),
             refused: KindCounters::default(),
         }
     }
 
-    /// Checks the call's token (`None`: the entry is absent) for method
-    /// `path` at `now_unix_ms`; counts a refusal by kind.
-    pub fn check(
-        &self,
-        token: Option<&[u8]>,
-        path: &str,
-        now_unix_ms: u64,
-    ) -> Result<(), CallRefusal> {
-        let r = self.check_uncounted(token, path, now_unix_ms);
-        if let Err(e) = &r {
-            self.refused.bump(e.index());
-        }
-        r
+    /// The node name calls must be addressed to.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
-    fn check_uncounted(
+    /// The checks of a call's token (`None`: the entry is absent) possible
+    /// before its body is read: present, well-formed, fresh at
+    /// `now_unix_ms`. Counts a refusal by kind.
+    pub fn admit_header(
         &self,
         token: Option<&[u8]>,
+        now_unix_ms: u64,
+    ) -> Result<PendingCall, CallRefusal> {
+        let r = token
+            .ok_or(CallRefusal::Missing)
+            .and_then(parse)
+            .and_then(|t| {
+                if now_unix_ms.abs_diff(t.ms) > CALL_WINDOW.as_millis() as u64 {
+                    Err(CallRefusal::Stale {
+                        skew_ms: (i128::from(now_unix_ms) - i128::from(t.ms))
+                            .clamp(i64::MIN.into(), i64::MAX.into())
+                            as i64,
+                    })
+                } else {
+                    Ok(t)
+                }
+            });
+        self.count(r)
+    }
+
+    /// The rest: the MAC over method `path`, this node's name and the
+    /// body's `digest`, then the replay cache. Counts a refusal by kind.
+    pub fn admit_body(
+        &self,
+        pending: PendingCall,
         path: &str,
+        digest: &BodyDigest,
+        now_unix_ms: u64,
+    ) -> Result<AdmittedCall, CallRefusal> {
+        let r = self.finish(pending, path, digest, now_unix_ms);
+        self.count(r)
+    }
+
+    fn finish(
+        &self,
+        t: PendingCall,
+        path: &str,
+        digest: &BodyDigest,
         now: u64,
-    ) -> Result<(), CallRefusal> {
-        let t = parse(token.ok_or(CallRefusal::Missing)?)?;
+    ) -> Result<AdmittedCall, CallRefusal> {
         let ms = t.ms.to_le_bytes();
+        let call = Call {
+            path,
+            recipient: &self.name,
+            body: digest,
+        };
         if !self
             .secret
-            .verify(CALL_DOMAIN, &mac_parts(&ms, &t.nonce, path), &t.mac)
+            .verify(CALL_DOMAIN, &mac_parts(&ms, &t.nonce, &call), &t.mac)
         {
             return Err(CallRefusal::BadMac);
-        }
-        if now.abs_diff(t.ms) > CALL_WINDOW.as_millis() as u64 {
-            return Err(CallRefusal::Stale {
-                skew_ms: (i128::from(now) - i128::from(t.ms))
-                    .clamp(i64::MIN.into(), i64::MAX.into()) as i64,
-            });
         }
         self.replay
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .admit(t.ms, t.nonce, now, self.capacity)
+            .admit(t.ms, t.nonce, now, self.capacity)?;
+        Ok(AdmittedCall { mac: t.mac })
+    }
+
+    /// Both steps at once, for a body already in hand.
+    pub fn check(
+        &self,
+        token: Option<&[u8]>,
+        path: &str,
+        digest: &BodyDigest,
+        now_unix_ms: u64,
+    ) -> Result<AdmittedCall, CallRefusal> {
+        let pending = self.admit_header(token, now_unix_ms)?;
+        self.admit_body(pending, path, digest, now_unix_ms)
+    }
+
+    /// The [`REPLY_HEADER`] value for the answer to `call`.
+    pub fn reply_proof(&self, call: &AdmittedCall) -> String {
+        reply_proof(&self.secret, &self.name, &call.mac)
+    }
+
+    fn count<T>(&self, r: Result<T, CallRefusal>) -> Result<T, CallRefusal> {
+        if let Err(e) = &r {
+            self.refused.bump(e.index());
+        }
+        r
     }
 
     /// Refusals by kind, zeros included, in [`CALL_REFUSAL_KINDS`] order.
@@ -269,34 +470,138 @@ mod tests {
     use super::*;
 
     const PATH: &str = "/kvmesh.internal.v1.Decode/Reserve";
+    const NODE: &str = "decode-0";
     const NOW: u64 = 1_700_000_000_000;
 
     fn secret() -> MeshSecret {
         MeshSecret::generate().expect("rng")
     }
 
+    fn call<'a>(path: &'a str, recipient: &'a str, body: &'a BodyDigest) -> Call<'a> {
+        Call {
+            path,
+            recipient,
+            body,
+        }
+    }
+
+    fn sign(s: &MeshSecret, path: &str, to: &str, body: &[u8], now: u64) -> SignedCall {
+        sign_call(s, &call(path, to, &body_digest(body)), now).expect("sign")
+    }
+
     #[test]
-    fn a_fresh_token_passes_once() {
+    fn a_fresh_token_passes_once_and_its_answer_proves_the_node() {
         let s = secret();
-        let v = CallVerifier::new(s.clone());
-        let t = sign_call(&s, PATH, NOW).expect("sign");
-        assert_eq!(t.len(), 13 + 1 + 32 + 1 + 64);
-        assert_eq!(v.check(Some(t.as_bytes()), PATH, NOW + 5), Ok(()));
+        let v = CallVerifier::new(s.clone(), NODE);
+        let t = sign(&s, PATH, NODE, b"body", NOW);
+        assert_eq!(t.token.len(), 13 + 1 + 32 + 1 + 64);
+        let digest = body_digest(b"body");
+        let admitted = v
+            .check(Some(t.token.as_bytes()), PATH, &digest, NOW + 5)
+            .expect("admitted");
+        let proof = v.reply_proof(&admitted);
+        assert_eq!(check_reply(&s, NODE, &t, Some(proof.as_bytes())), Ok(()));
         assert_eq!(
-            v.check(Some(t.as_bytes()), PATH, NOW + 6),
-            Err(CallRefusal::Replayed)
+            v.check(Some(t.token.as_bytes()), PATH, &digest, NOW + 6)
+                .expect_err("replay"),
+            CallRefusal::Replayed
         );
         // A second token for the same call is fresh.
-        let t2 = sign_call(&s, PATH, NOW).expect("sign");
-        assert_eq!(v.check(Some(t2.as_bytes()), PATH, NOW), Ok(()));
+        let t2 = sign(&s, PATH, NODE, b"body", NOW);
+        assert!(v
+            .check(Some(t2.token.as_bytes()), PATH, &digest, NOW)
+            .is_ok());
         assert_eq!(v.refused_of("replayed"), 1);
+    }
+
+    #[test]
+    fn a_call_binds_its_recipient_and_body() {
+        let s = secret();
+        let decode0 = CallVerifier::new(s.clone(), "decode-0");
+        let decode1 = CallVerifier::new(s.clone(), "decode-1");
+        let t = sign(&s, PATH, "decode-0", b"prompt", NOW);
+        // Replayed (or relayed) to a sibling: refused there.
+        assert_eq!(
+            decode1
+                .check(Some(t.token.as_bytes()), PATH, &body_digest(b"prompt"), NOW)
+                .expect_err("other node"),
+            CallRefusal::BadMac
+        );
+        // Another body under the same proof: refused.
+        assert_eq!(
+            decode0
+                .check(Some(t.token.as_bytes()), PATH, &body_digest(b"prompT"), NOW)
+                .expect_err("other body"),
+            CallRefusal::BadMac
+        );
+        // The honest delivery still passes (refusals did not consume it).
+        assert!(decode0
+            .check(Some(t.token.as_bytes()), PATH, &body_digest(b"prompt"), NOW)
+            .is_ok());
+    }
+
+    #[test]
+    fn an_answer_without_the_nodes_proof_is_refused() {
+        let s = secret();
+        let t = sign(&s, PATH, NODE, b"x", NOW);
+        let other = CallVerifier::new(s.clone(), "decode-1");
+        let u = sign(&s, PATH, "decode-1", b"x", NOW);
+        let sibling = other
+            .check(Some(u.token.as_bytes()), PATH, &body_digest(b"x"), NOW)
+            .expect("admitted");
+        let stranger = CallVerifier::new(secret(), NODE);
+        let forged = stranger
+            .check(
+                Some(
+                    sign(&stranger.secret, PATH, NODE, b"x", NOW)
+                        .token
+                        .as_bytes(),
+                ),
+                PATH,
+                &body_digest(b"x"),
+                NOW,
+            )
+            .expect("its own");
+        let cases: [(Option<Vec<u8>>, ReplyRefusal); 5] = [
+            (None, ReplyRefusal::Missing),
+            (Some(b"zz".to_vec()), ReplyRefusal::Malformed),
+            (Some(vec![0xff; 64]), ReplyRefusal::Malformed),
+            // A sibling's proof over its own call, and a node of another
+            // mesh: neither proves this node for this call.
+            (
+                Some(other.reply_proof(&sibling).into_bytes()),
+                ReplyRefusal::BadMac,
+            ),
+            (
+                Some(stranger.reply_proof(&forged).into_bytes()),
+                ReplyRefusal::BadMac,
+            ),
+        ];
+        for (i, (h, want)) in cases.into_iter().enumerate() {
+            assert_eq!(
+                check_reply(&s, NODE, &t, h.as_deref()),
+                Err(want),
+                "case {i}"
+            );
+        }
+        // The sibling's proof is good for the sibling's call only.
+        assert_eq!(
+            check_reply(
+                &s,
+                "decode-1",
+                &u,
+                Some(other.reply_proof(&sibling).as_bytes())
+            ),
+            Ok(())
+        );
     }
 
     #[test]
     fn every_refusal_kind_is_typed_and_counted() {
         let s = secret();
-        let v = CallVerifier::new(s.clone());
-        let good = sign_call(&s, PATH, NOW).expect("sign");
+        let v = CallVerifier::new(s.clone(), NODE);
+        let d = body_digest(b"b");
+        let good = sign(&s, PATH, NODE, b"b", NOW).token;
         let cases: Vec<(Option<Vec<u8>>, &str, u64, &str)> = vec![
             (None, PATH, NOW, "missing"),
             (Some(b"".to_vec()), PATH, NOW, "malformed"),
@@ -341,7 +646,7 @@ mod tests {
                 "bad_mac",
             ),
             (
-                Some(sign_call(&secret(), PATH, NOW).expect("sign").into_bytes()),
+                Some(sign(&secret(), PATH, NODE, b"b", NOW).token.into_bytes()),
                 PATH,
                 NOW,
                 "bad_mac",
@@ -357,8 +662,8 @@ mod tests {
             ),
             (
                 Some(
-                    sign_call(&MeshSecret::insecure(), PATH, NOW)
-                        .expect("sign")
+                    sign(&MeshSecret::insecure(), PATH, NODE, b"b", NOW)
+                        .token
                         .into_bytes(),
                 ),
                 PATH,
@@ -370,7 +675,9 @@ mod tests {
             (Some(good.clone().into_bytes()), PATH, NOW - 60_001, "stale"),
         ];
         for (i, (token, path, now, kind)) in cases.iter().enumerate() {
-            let e = v.check(token.as_deref(), path, *now).expect_err("refused");
+            let e = v
+                .check(token.as_deref(), path, &d, *now)
+                .expect_err("refused");
             assert_eq!(e.kind(), *kind, "case {i}: {e}");
         }
         let counts = v.refused();
@@ -385,35 +692,40 @@ mod tests {
             ]
         );
         // The window's edges are inside it.
-        assert_eq!(v.check(Some(good.as_bytes()), PATH, NOW + 60_000), Ok(()));
+        assert!(v
+            .check(Some(good.as_bytes()), PATH, &d, NOW + 60_000)
+            .is_ok());
     }
 
     #[test]
     fn a_full_replay_cache_stays_bounded_and_never_admits_a_replay() {
         let s = secret();
-        let v = CallVerifier::with_capacity(s.clone(), 4);
+        let v = CallVerifier::with_capacity(s.clone(), NODE, 4);
+        let d = body_digest(b"");
         let tokens: Vec<String> = (0..8)
-            .map(|i| sign_call(&s, PATH, NOW + i).expect("sign"))
+            .map(|i| sign(&s, PATH, NODE, b"", NOW + i).token)
             .collect();
         for t in &tokens {
-            assert_eq!(v.check(Some(t.as_bytes()), PATH, NOW + 10), Ok(()));
+            assert!(v.check(Some(t.as_bytes()), PATH, &d, NOW + 10).is_ok());
         }
         assert!(v.replay.lock().expect("lock").seen.len() <= 4);
         // Every earlier token is refused: the evicted ones as stale, the
         // remembered ones as replays.
         for (i, t) in tokens.iter().enumerate() {
             let e = v
-                .check(Some(t.as_bytes()), PATH, NOW + 10)
+                .check(Some(t.as_bytes()), PATH, &d, NOW + 10)
                 .expect_err("replay");
             let want = if i < 4 { "stale" } else { "replayed" };
             assert_eq!(e.kind(), want, "token {i}");
         }
         // Fresh tokens still pass.
-        let fresh = sign_call(&s, PATH, NOW + 20).expect("sign");
-        assert_eq!(v.check(Some(fresh.as_bytes()), PATH, NOW + 20), Ok(()));
+        let fresh = sign(&s, PATH, NODE, b"", NOW + 20).token;
+        assert!(v.check(Some(fresh.as_bytes()), PATH, &d, NOW + 20).is_ok());
         // Entries past the window are dropped as time moves on.
-        let later = sign_call(&s, PATH, NOW + 200_000).expect("sign");
-        assert_eq!(v.check(Some(later.as_bytes()), PATH, NOW + 200_000), Ok(()));
+        let later = sign(&s, PATH, NODE, b"", NOW + 200_000).token;
+        assert!(v
+            .check(Some(later.as_bytes()), PATH, &d, NOW + 200_000)
+            .is_ok());
         assert_eq!(v.replay.lock().expect("lock").seen.len(), 1);
     }
 }

@@ -15,15 +15,18 @@
 //!   and its Welcome carries a proof over the reverse, so the writer knows
 //!   it reached its own mesh and not a look-alike. Anything before a valid
 //!   Hello ends the connection and is counted by kind.
-//! - [`call`]: gRPC. Each call carries `x-kvmesh-peer: MS.NONCE.MAC`, a
-//!   proof over the send time, a fresh nonce and the method path; the
-//!   receiver accepts it within [`call::CALL_WINDOW`] of its own clock, once
-//!   (a bounded cache of recent nonces), and only for that method.
-//!   Refusals are UNAUTHENTICATED, counted by kind.
+//! - [`call`]: gRPC, both ways. Each call carries `x-kvmesh-peer:
+//!   MS.NONCE.MAC`, a proof over the send time, a fresh nonce, the method
+//!   path, the recipient node's name and the body's digest; the receiver
+//!   accepts it within [`call::CALL_WINDOW`] of its own clock, once (a
+//!   bounded cache of recent nonces), only for that method, node and body.
+//!   Every answer carries `x-kvmesh-node`, the node's proof over the call's
+//!   proof, checked by the caller before it uses any of the answer.
+//!   Refusals are UNAUTHENTICATED, counted by kind on each side.
 //! - [`grpc`] (feature `tonic`): the glue for tonic services and clients:
-//!   [`grpc::Authenticated`] wraps a server and refuses calls without a
-//!   valid proof before the service sees them; [`grpc::Signer`] is the
-//!   client interceptor that adds one.
+//!   [`grpc::Authenticated`] wraps a server, refuses calls without a valid
+//!   proof before the service sees them and signs the answers;
+//!   [`grpc::SignedChannel`] is the client side.
 //! - [`tls`] (feature `tls`): mutual TLS (rustls, TLS 1.3) for the gRPC
 //!   channels and the TCP KV transport, from a CA, a certificate and a key
 //!   named in the mesh file, reloaded when they change; refusals counted.
@@ -33,7 +36,11 @@
 //! mesh's secret (another tenant's workload on the network, a stray client,
 //! a node of another mesh) from reserving pages, aborting or reading
 //! others' requests, feeding frames into a pool, or learning the pool's
-//! layout. By itself it does not hide or protect the traffic: without
+//! layout. The other way, it stops a process that answers on a registered
+//! address without the secret (a key written into an unauthenticated etcd,
+//! a process on a dead node's port), or one that passes calls on to a node
+//! of another name, from being used: its first answer fails the node's
+//! proof, so it is never chosen and never sent a prompt. By itself it does not hide or protect the traffic: without
 //! [`tls`], connections are plain TCP, so an attacker *on the path* can
 //! read KV data and token ids, and could alter or inject messages on a
 //! connection after its handshake (the KV frames' checksums are not MACs).
@@ -68,7 +75,10 @@ use thiserror::Error;
 use kvmesh_kvwire::ids::random_nonzero;
 use kvmesh_kvwire::MintError;
 
-pub use call::{sign_call, CallRefusal, CallVerifier, CALL_HEADER, CALL_REFUSAL_KINDS};
+pub use call::{
+    sign_call, CallRefusal, CallVerifier, ReplyRefusal, CALL_HEADER, CALL_REFUSAL_KINDS,
+    REPLY_HEADER, REPLY_REFUSAL_KINDS,
+};
 pub use kv::{KvAuthCounters, KvAuthRefusal, KV_AUTH_REFUSAL_KINDS};
 
 /// Fewest bytes a secret may have: 256 bits, so guessing it is out of

@@ -319,14 +319,14 @@ impl PrefillNode {
         };
         Ok(Self {
             inner: Arc::new(Inner {
-                name: cfg.name,
+                name: cfg.name.clone(),
                 writer,
                 max_seq_tokens,
                 engine,
                 jobs,
                 depth,
                 clients: Mutex::default(),
-                calls: Arc::new(CallVerifier::new(cfg.mesh_secret.clone())),
+                calls: Arc::new(CallVerifier::new(cfg.mesh_secret.clone(), cfg.name.clone())),
                 secret: cfg.mesh_secret,
                 stopped,
                 draining: AtomicBool::new(false),

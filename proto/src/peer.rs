@@ -1,5 +1,6 @@
-//! Internal clients whose calls prove the mesh secret (the interceptor and
-//! the server wrapper are `kvmesh_meshauth::grpc`) and carry the calling
+//! Internal clients whose calls prove the mesh secret and whose answers
+//! must prove the node called (the client channel and the server wrapper
+//! are `kvmesh_meshauth::grpc`), and which carry the calling
 //! span's trace context (`traceparent` metadata, when tracing is on): the
 //! one place every router-to-node call passes through; over channels that
 //! run inside mutual TLS when the mesh has certificates ([`channel`]).
@@ -7,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvmesh_meshauth::grpc::{PeerChannel, Signer};
+use kvmesh_meshauth::grpc::{PeerChannel, SignedChannel};
 use kvmesh_meshauth::tls::{MeshTls, Purpose};
 use kvmesh_meshauth::MeshSecret;
 use tonic::transport::{Channel, Endpoint};
@@ -15,20 +16,31 @@ use tonic::transport::{Channel, Endpoint};
 use crate::internal::v1::decode_client::DecodeClient;
 use crate::internal::v1::prefill_client::PrefillClient;
 
-/// What every internal call carries: the proof of `secret`, and the
-/// current span's trace context.
-fn signer(secret: MeshSecret) -> Signer {
-    Signer::new(secret).with_metadata(kvmesh_telemetry::propagate::inject_grpc)
+/// A channel to node `name` whose calls prove `secret` and carry the
+/// current span's trace context, and whose answers must prove the node.
+pub fn peer_channel(channel: Channel, secret: MeshSecret, name: &str) -> PeerChannel {
+    SignedChannel::new(channel, secret, name)
+        .with_metadata(kvmesh_telemetry::propagate::inject_grpc)
 }
 
-/// A Decode client whose calls prove `secret`.
-pub fn decode_client(channel: Channel, secret: MeshSecret) -> DecodeClient<PeerChannel> {
-    DecodeClient::with_interceptor(channel, signer(secret))
+/// A Decode client for node `name`; its calls prove `secret`, its answers
+/// the node.
+pub fn decode_client(
+    channel: Channel,
+    secret: MeshSecret,
+    name: &str,
+) -> DecodeClient<PeerChannel> {
+    DecodeClient::new(peer_channel(channel, secret, name))
 }
 
-/// A Prefill client whose calls prove `secret`.
-pub fn prefill_client(channel: Channel, secret: MeshSecret) -> PrefillClient<PeerChannel> {
-    PrefillClient::with_interceptor(channel, signer(secret))
+/// A Prefill client for node `name`; its calls prove `secret`, its answers
+/// the node.
+pub fn prefill_client(
+    channel: Channel,
+    secret: MeshSecret,
+    name: &str,
+) -> PrefillClient<PeerChannel> {
+    PrefillClient::new(peer_channel(channel, secret, name))
 }
 
 /// A lazily connecting channel to the node at `url` (`http://HOST:PORT`),

@@ -221,6 +221,35 @@ pub(crate) fn render_nodes(nodes: &Nodes, out: &mut String) {
     }
     render_identity(nodes, out);
     render_prefix_cache(nodes, out);
+    render_unproven(nodes, out);
+}
+
+/// Per node, its answers this router refused because they did not prove
+/// the node (no proof, a malformed one, or one not over the call made):
+/// nonzero means something answers on the node's address without the
+/// mesh secret, or a node of another name does.
+fn render_unproven(nodes: &Nodes, out: &mut String) {
+    const NAME: &str = "kvmesh_router_node_unproven_total";
+    header(
+        out,
+        NAME,
+        "Answers from the node refused for not proving the mesh secret and the node's name over the call, by kind.",
+        "counter",
+    );
+    for n in nodes.all().iter() {
+        for (kind, v) in n.unproven() {
+            sample(
+                out,
+                NAME,
+                &format!(
+                    "node=\"{}\",role=\"{}\",kind=\"{kind}\"",
+                    escape(&n.name),
+                    n.role.as_str()
+                ),
+                v,
+            );
+        }
+    }
 }
 
 /// Per node, what `kvmesh doctor --url` compares across the mesh: its

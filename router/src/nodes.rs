@@ -34,9 +34,8 @@ use kvmesh_meshauth::MeshSecret;
 use kvmesh_proto::internal::v1::decode_client::DecodeClient;
 use kvmesh_proto::internal::v1::prefill_client::PrefillClient;
 use kvmesh_proto::internal::v1::{LoadReport, LoadRequest};
-use kvmesh_proto::peer::{decode_client, prefill_client};
+use kvmesh_proto::peer::peer_channel;
 use tokio::sync::{watch, Notify};
-use tonic::transport::Channel;
 
 use crate::error::Rejection;
 pub use crate::membership::Discovery;
@@ -82,8 +81,8 @@ pub struct Node {
     pub role: Role,
     /// Its gRPC address.
     pub url: String,
-    channel: Channel,
-    secret: MeshSecret,
+    /// Signs every call to this node by name and checks its answers.
+    peer: PeerChannel,
     state: Mutex<NodeState>,
     /// Requests this router has at the node now ([`Node::busy`]).
     in_flight: AtomicUsize,
@@ -96,6 +95,8 @@ pub struct Node {
 struct NodeState {
     report: Option<LoadReport>,
     healthy: bool,
+    /// Its last answer did not prove it (said once until it does).
+    warned_unproven: bool,
     cache: CacheView,
 }
 
@@ -170,14 +171,21 @@ impl RoutingIds<'_> {
 }
 
 impl Node {
-    /// The decode client; its calls prove the mesh secret.
+    /// The decode client; its calls prove the mesh secret, its answers
+    /// this node.
     pub fn decode(&self) -> DecodeClient<PeerChannel> {
-        decode_client(self.channel.clone(), self.secret.clone())
+        DecodeClient::new(self.peer.clone())
     }
 
-    /// The prefill client; its calls prove the mesh secret.
+    /// The prefill client; its calls prove the mesh secret, its answers
+    /// this node.
     pub fn prefill(&self) -> PrefillClient<PeerChannel> {
-        prefill_client(self.channel.clone(), self.secret.clone())
+        PrefillClient::new(self.peer.clone())
+    }
+
+    /// Answers of this node refused for not proving it, by kind.
+    pub fn unproven(&self) -> [(&'static str, u64); kvmesh_meshauth::REPLY_REFUSAL_KINDS.len()] {
+        self.peer.unproven().by_kind()
     }
 
     /// The last load report, if the node is healthy and not draining (a
@@ -260,6 +268,22 @@ impl Node {
                 }
                 s.report = Some(report);
                 s.healthy = true;
+                s.warned_unproven = false;
+            }
+            Ok(Err(status)) if kvmesh_meshauth::grpc::is_unproven(&status) => {
+                if s.healthy || !s.warned_unproven {
+                    tracing::warn!(
+                        node = %self.name,
+                        role = self.role.as_str(),
+                        url = %self.url,
+                        error = %status.message(),
+                        "node did not prove the mesh secret: not chosen until it does"
+                    );
+                }
+                s.warned_unproven = true;
+                s.healthy = false;
+                s.report = None;
+                s.cache = CacheView::default();
             }
             _ => {
                 if s.healthy {
@@ -329,8 +353,7 @@ fn node(
         name: name.to_owned(),
         role,
         url: url.to_owned(),
-        channel,
-        secret: secret.clone(),
+        peer: peer_channel(channel, secret.clone(), name),
         state: Mutex::default(),
         in_flight: AtomicUsize::new(0),
         dispatched: AtomicU64::new(0),

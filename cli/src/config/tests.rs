@@ -12,7 +12,8 @@ const BASE: &str = "mesh: {insecure_no_mesh_auth: true}\n\
                     router: {http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\"}\n";
 const NODES: &str = "prefill: [{name: p, grpc: \"127.0.0.1:3\"}]\n\
                      decode: [{name: d, grpc: \"127.0.0.1:4\", kv: \"127.0.0.1:5\"}]\n";
-const ETCD: &str = "discovery: etcd\netcd: {endpoints: [etcd:2379], prefix: /kvmesh/t}\n";
+const ETCD: &str =
+    "discovery: etcd\netcd: {endpoints: [etcd:2379], prefix: /kvmesh/t, allow_insecure_etcd: true}\n";
 
 fn parse(text: &str) -> anyhow::Result<MeshConfig> {
     MeshConfig::parse(text, Path::new("/t/mesh.yaml"))
@@ -29,7 +30,7 @@ fn refused(text: &str) -> String {
 fn static_is_the_default_and_needs_both_roles() {
     let cfg = parse(&format!("{BASE}{NODES}")).expect("valid");
     assert_eq!(cfg.discovery, DiscoveryKind::Static);
-    assert_eq!(cfg.etcd().expect("no etcd"), None);
+    assert_eq!(cfg.etcd("router").expect("no etcd"), None);
     let cfg = parse(&format!("{BASE}{NODES}discovery: static\n")).expect("valid");
     assert_eq!(cfg.discovery, DiscoveryKind::Static);
     assert!(
@@ -41,21 +42,47 @@ fn static_is_the_default_and_needs_both_roles() {
 fn etcd_settings_are_normalized_with_defaults() {
     let cfg = parse(&format!("{BASE}{NODES}{ETCD}")).expect("valid");
     assert_eq!(cfg.discovery, DiscoveryKind::Etcd);
-    let e = cfg.etcd().expect("valid").expect("etcd");
+    let e = cfg.etcd("router").expect("valid").expect("etcd");
     assert_eq!(e.endpoints, ["http://etcd:2379"]);
     assert_eq!(e.prefix, "/kvmesh/t/");
     assert_eq!(e.lease_ttl, Duration::from_secs(3));
     assert_eq!(e.dial_timeout, Duration::from_secs(2));
     let cfg = parse(&format!(
-        "{BASE}discovery: etcd\netcd: {{endpoints: [\"http://a:1\", \"b:2\"], prefix: /m/, lease_ttl_s: 10, dial_timeout_ms: 500}}\n"
+        "{BASE}discovery: etcd\netcd: {{endpoints: [\"http://a:1\", \"b:2\"], prefix: /m/, lease_ttl_s: 10, dial_timeout_ms: 500, allow_insecure_etcd: true}}\n"
     ))
     .expect("valid");
-    let e = cfg.etcd().expect("valid").expect("etcd");
+    let e = cfg.etcd("router").expect("valid").expect("etcd");
     assert_eq!(e.endpoints, ["http://a:1", "http://b:2"]);
     assert_eq!(e.lease_ttl, Duration::from_secs(10));
     assert_eq!(e.dial_timeout, Duration::from_millis(500));
     // The router of an etcd mesh needs no node list.
     assert!(cfg.prefill.is_empty() && cfg.decode.is_empty());
+}
+
+#[test]
+fn etcd_needs_mutual_tls_unless_a_test_mesh_says_otherwise() {
+    let plain = "discovery: etcd\netcd: {endpoints: [etcd:2379], prefix: /k/}\n";
+    let e = refused(&format!("{BASE}{NODES}{plain}"));
+    assert!(
+        e.contains("mesh.tls = \"\": discovery: etcd needs mutual TLS between the nodes"),
+        "{e}"
+    );
+    assert!(e.contains("allow_insecure_etcd: true"), "{e}");
+    // With mesh.tls and etcd.tls: https endpoints, each process's own
+    // client certificate.
+    let tls = "mesh: {secret_file: s, tls: {ca_file: ca.pem, cert_file: \"{name}.pem\", key_file: \"{name}.key\"}}\n\
+               router: {http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\"}\n\
+               discovery: etcd\n\
+               etcd: {endpoints: [etcd:2379], prefix: /k/, tls: {ca_file: etcd-ca.pem, cert_file: \"etcd-{name}.pem\", key_file: \"/abs/etcd-{name}.key\"}}\n";
+    let cfg = parse(tls).expect("valid");
+    let e = cfg.etcd("decode-0").expect("valid").expect("etcd");
+    assert_eq!(e.endpoints, ["https://etcd:2379"]);
+    let t = e.tls.expect("tls");
+    assert_eq!(t.ca, Path::new("/t/etcd-ca.pem"));
+    assert_eq!(t.cert, Path::new("/t/etcd-decode-0.pem"));
+    assert_eq!(t.key, Path::new("/abs/etcd-decode-0.key"));
+    let e = refused(&tls.replace("[etcd:2379]", "[\"http://etcd:2379\"]"));
+    assert!(e.contains("in the clear: use https://"), "{e}");
 }
 
 #[test]
@@ -83,7 +110,7 @@ fn bad_discovery_settings_name_field_value_and_reason() {
         ),
         (
             format!("{BASE}{NODES}discovery: etcd\netcd: {{endpoints: [\"https://a:1\"], prefix: /k/}}\n"),
-            "etcd.endpoints = \"https://a:1\": TLS to etcd is not built in",
+            "etcd.endpoints = \"https://a:1\": https:// needs etcd.tls",
         ),
         (
             format!("{BASE}{NODES}discovery: etcd\netcd: {{endpoints: [a], prefix: /k/}}\n"),

@@ -101,7 +101,7 @@ impl MeshConfig {
                 "must be at least 1"
             ));
         }
-        let etcd = self.etcd()?.is_some();
+        let etcd = self.etcd("router")?.is_some();
         for (role, nodes) in [("prefill", &self.prefill), ("decode", &self.decode)] {
             if nodes.is_empty() && !etcd {
                 bail!(refuse(

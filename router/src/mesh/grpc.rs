@@ -329,13 +329,15 @@ impl<'a> Route<'a> {
     }
 }
 
-/// A node's failure as the request's: a node that is unreachable or timed
-/// out is taken out of the choice until its next poll.
+/// A node's failure as the request's: a node that is unreachable, timed
+/// out or did not prove itself is taken out of the choice until its next
+/// good poll.
 fn node_err(role: Role, node: &Node, status: tonic::Status) -> DispatchError {
     if matches!(
         status.code(),
         tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
-    ) {
+    ) || kvmesh_meshauth::grpc::is_unproven(&status)
+    {
         node.mark_down();
     }
     DispatchError::Node {
