@@ -287,6 +287,9 @@ impl DecodeNode {
                 .by_kind()
                 .into_iter()
                 .chain(stats.control_rejects)
+                // One-sided writes the transport refused (another grant's
+                // page), which the table never sees.
+                .chain(self.inner.table.landing().refused())
                 .filter(|(_, n)| *n > 0)
                 .map(|(k, n)| (k.to_owned(), n))
                 .collect(),

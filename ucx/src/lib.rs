@@ -7,7 +7,8 @@
 //! - [`Target`] (the decode node): a region of memory registered with UCX
 //!   (`ucp_mem_map`; the KV pool lives in it), its packed remote key, and a
 //!   listener. Every writer connection is one endpoint, bound to exactly one
-//!   grant key before it may write. [`Target::revoke`] closes that
+//!   grant key before it may write; a key's data messages land only in the
+//!   byte ranges ([`Extents`]) it was opened with, its grant's pages. [`Target::revoke`] closes that
 //!   endpoint (`ucp_ep_close_nbx`, force, in peer error-handling mode) and
 //!   completes only when the close has completed.
 //! - [`Initiator`] (the prefill node): per grant, an endpoint to the
@@ -25,7 +26,8 @@
 //! so a writer reports a transfer complete only after a successful flush.
 //!
 //! # What it does not protect
-//! The remote key covers the whole region and UCX authenticates nobody: a
+//! Puts are bounded by the region, not by a grant's extents: the remote
+//! key covers the whole region and UCX authenticates nobody: a
 //! process that reaches the listener (or, over `tcp`, UCX's own data
 //! sockets) can connect and put anywhere in the region. Grants, keys and
 //! the mesh secret are checked on kvmesh's authenticated control
@@ -56,6 +58,7 @@ mod core;
 mod error;
 mod initiator;
 mod runner;
+mod sink;
 mod target;
 
 #[allow(
@@ -73,6 +76,7 @@ pub mod sys;
 pub use api::{load, version, Api};
 pub use error::UcxError;
 pub use initiator::{DataPath, Initiator, Remote};
+pub use sink::Extents;
 pub use target::{Revoke, Target, TargetStats};
 
 // Active messages. Headers are 16 bytes: the grant key and one more

@@ -9,9 +9,7 @@
 //! second bind on one endpoint, closes that endpoint. Revoking an `Open`
 //! key completes at once: no endpoint can bind to it afterwards.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::fmt;
 use std::mem::MaybeUninit;
 use std::net::SocketAddr;
@@ -22,11 +20,9 @@ use std::time::{Duration, Instant};
 
 use memmap2::MmapRaw;
 
-use crate::core::{
-    connectable, header_of, on_conn, reply_ep, socket_addr, Actor, Core, Event, Op, Runner,
-    SockAddr,
-};
+use crate::core::{connectable, on_conn, socket_addr, Actor, Core, Event, Op, Runner, SockAddr};
 use crate::error::UcxError;
+use crate::sink::{on_data, Extents, HandlerArg, Sink};
 use crate::{sys, AM_BIND, AM_BOUND, AM_DATA, AM_FENCE, AM_FENCED};
 
 /// An endpoint that has not bound a key within this long is closed
@@ -67,18 +63,28 @@ pub struct TargetStats {
     /// Data messages landed (endpoints without an RMA lane).
     pub data_landed: AtomicU64,
     /// Data messages refused: their endpoint was not bound to their key
-    /// (revoked: the close under way), or the range left the region.
+    /// (revoked: the close under way), or the range left the region or
+    /// the key's pages.
     pub data_refused: AtomicU64,
+    /// Of those, the ones bound to their key whose range left the key's
+    /// pages (the [`Extents`] it was opened with): another grant's page.
+    pub data_outside_grant: AtomicU64,
+}
+
+/// A key's state and the bytes it may write.
+struct Key {
+    state: KeyState,
+    extents: Arc<Extents>,
 }
 
 struct Shared {
-    keys: Mutex<HashMap<u64, KeyState>>,
+    keys: Mutex<HashMap<u64, Key>>,
     changed: Condvar,
-    stats: TargetStats,
+    stats: Arc<TargetStats>,
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, HashMap<u64, KeyState>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Key>> {
         self.keys.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -131,9 +137,11 @@ impl Target {
         let shared = Arc::new(Shared {
             keys: Mutex::default(),
             changed: Condvar::new(),
-            stats: TargetStats::default(),
+            stats: Arc::default(),
         });
-        let (s, addr_of_base) = (Arc::clone(&shared), base.as_ptr() as usize);
+        // An address, to cross to the thread; its provenance exposed, so
+        // the sink's pointer made from it there is the mapping's.
+        let (s, addr_of_base) = (Arc::clone(&shared), base.as_ptr().expose_provenance());
         let (info_tx, info_rx) = std::sync::mpsc::sync_channel(1);
         let runner = Runner::spawn("kvmesh-ucx-target", move || {
             let st = TargetState::new(s, listen, addr_of_base, len)?;
@@ -185,13 +193,22 @@ impl Target {
     }
 
     /// Accepts a bind for `key` (a fresh, unguessable value: the caller
-    /// mints it). Refused if the key is in use.
-    pub fn open(&self, key: u64) -> Result<(), UcxError> {
+    /// mints it), whose data messages may land in `extents` only (byte
+    /// ranges of the region: the grant's pages). Refused if the key is in
+    /// use. Puts (hardware RMA lanes) are bounded by the region's
+    /// registration, not by `extents`.
+    pub fn open(&self, key: u64, extents: Extents) -> Result<(), UcxError> {
         let mut keys = self.shared.lock();
         if keys.contains_key(&key) {
             return Err(UcxError::Address(format!("key {key:#x} already open")));
         }
-        keys.insert(key, KeyState::Open);
+        keys.insert(
+            key,
+            Key {
+                state: KeyState::Open,
+                extents: Arc::new(extents),
+            },
+        );
         Ok(())
     }
 
@@ -218,14 +235,17 @@ impl Target {
     /// again is `Complete`).
     pub fn revoke(&self, key: u64, wait: Duration) -> Revoke {
         let mut keys = self.shared.lock();
-        match keys.get(&key).copied() {
+        match keys.get_mut(&key) {
             None => return Revoke::Complete,
-            Some(KeyState::Open | KeyState::Closed) => {
+            Some(Key {
+                state: KeyState::Open | KeyState::Closed,
+                ..
+            }) => {
                 keys.remove(&key);
                 return Revoke::Complete;
             }
-            Some(KeyState::Bound | KeyState::Closing) => {
-                keys.insert(key, KeyState::Closing);
+            Some(k) => {
+                k.state = KeyState::Closing;
                 // Asked again while closing: the job is idempotent, and
                 // resubmitting covers a full queue last time.
                 if self
@@ -240,9 +260,11 @@ impl Target {
         let (mut keys, _) = self
             .shared
             .changed
-            .wait_timeout_while(keys, wait, |k| k.get(&key) == Some(&KeyState::Closing))
+            .wait_timeout_while(keys, wait, |k| {
+                k.get(&key).map(|k| k.state) == Some(KeyState::Closing)
+            })
             .unwrap_or_else(PoisonError::into_inner);
-        match keys.get(&key) {
+        match keys.get(&key).map(|k| k.state) {
             Some(KeyState::Closing) => Revoke::Pending,
             _ => {
                 keys.remove(&key);
@@ -250,87 +272,6 @@ impl Target {
             }
         }
     }
-}
-
-/// Where data messages land: the target's region and which endpoint each
-/// key is bound to. The target's actor updates `bound` (binding, and
-/// unbinding before it asks for a close); [`on_data`] reads it, both on the
-/// progress thread, so a data message of a revoked key is refused even
-/// before its endpoint's close completes.
-struct Sink {
-    base: usize,
-    len: usize,
-    bound: RefCell<HashMap<usize, u64>>,
-    shared: Arc<Shared>,
-}
-
-impl Sink {
-    fn new(base: usize, len: usize, shared: Arc<Shared>) -> Self {
-        Self {
-            base,
-            len,
-            bound: RefCell::default(),
-            shared,
-        }
-    }
-
-    fn bind(&self, ep: sys::ucp_ep_h, key: u64) {
-        self.bound.borrow_mut().insert(ep as usize, key);
-    }
-
-    fn unbind(&self, ep: sys::ucp_ep_h) {
-        self.bound.borrow_mut().remove(&(ep as usize));
-    }
-}
-
-/// A data message: lands only if its endpoint is bound to its key and the
-/// range is inside the region; otherwise it is dropped and counted (the
-/// transfer's checksums then fail). Eager data is handed whole to the
-/// callback and valid only during it: copied here.
-unsafe extern "C" fn on_data(
-    arg: *mut c_void,
-    header: *const c_void,
-    header_length: usize,
-    data: *mut c_void,
-    length: usize,
-    param: *const sys::ucp_am_recv_param_t,
-) -> sys::ucs_status_t {
-    // SAFETY: `arg` is the target's sink, which outlives its worker.
-    let sink = unsafe { &*arg.cast::<Sink>() };
-    // SAFETY: as UCX passed them.
-    let (head, ep) = unsafe { (header_of(header, header_length), reply_ep(param)) };
-    // SAFETY: param valid for the call.
-    let rndv = !param.is_null()
-        && unsafe { &*param }.recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-    let ok = match head {
-        Some((key, offset)) if !ep.is_null() && !data.is_null() && !rndv => {
-            sink.bound.borrow().get(&(ep as usize)) == Some(&key)
-                && usize::try_from(offset)
-                    .ok()
-                    .and_then(|o| o.checked_add(length))
-                    .is_some_and(|end| end <= sink.len)
-        }
-        _ => false,
-    };
-    if ok {
-        let offset = head.map_or(0, |(_, o)| o as usize);
-        // SAFETY: `length` readable bytes at `data`; the destination is
-        // inside the region (checked above), which the pool lets only this
-        // key's writer write while it is bound (the transport's contract).
-        unsafe {
-            ptr::copy_nonoverlapping(data.cast::<u8>(), (sink.base + offset) as *mut u8, length)
-        };
-        sink.shared
-            .stats
-            .data_landed
-            .fetch_add(1, Ordering::Relaxed);
-    } else {
-        sink.shared
-            .stats
-            .data_refused
-            .fetch_add(1, Ordering::Relaxed);
-    }
-    sys::UCS_OK
 }
 
 struct Conn {
@@ -355,8 +296,10 @@ struct TargetState {
     by_key: HashMap<u64, u64>,
     next_id: u64,
     /// Where data messages land; after `core`, so it outlives the worker
-    /// whose handler points at it.
-    sink: Box<Sink>,
+    /// whose handler points at it. Unbound before an endpoint's close is
+    /// asked for, so a data message of a revoked key is refused even
+    /// before the close completes.
+    sink: HandlerArg<Sink>,
 }
 
 impl TargetState {
@@ -369,9 +312,16 @@ impl TargetState {
         let core = Core::new("kvmesh-target")?;
         core.set_am_handler(AM_BIND)?;
         core.set_am_handler(AM_FENCE)?;
-        let sink = Box::new(Sink::new(base, len, Arc::clone(&shared)));
-        let sink_arg: *const Sink = &*sink;
-        core.set_handler(AM_DATA, Some(on_data), sink_arg.cast_mut().cast())?;
+        let region = NonNull::new(std::ptr::with_exposed_provenance_mut::<u8>(base)).ok_or(
+            UcxError::Os {
+                op: "map the KV region",
+                reason: "null mapping".into(),
+            },
+        )?;
+        // The sink stays where it is allocated when `state` moves (see
+        // `sink`'s module doc): UCX holds this pointer until the worker goes.
+        let sink = HandlerArg::new(Sink::new(region, len, Arc::clone(&shared.stats)));
+        core.set_handler(AM_DATA, Some(on_data), sink.arg())?;
         let ucp = core.api.ucp();
         // SAFETY: zeroed mem-map params are valid.
         let mut mp: sys::ucp_mem_map_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
@@ -456,7 +406,7 @@ impl TargetState {
                 c.closing = true;
                 self.ids.remove(&(c.ep as usize));
                 // Its data messages are refused from now on.
-                self.sink.unbind(c.ep);
+                self.sink.get().unbind(c.ep);
                 self.core.close_ep(c.ep, id, true);
             }
         }
@@ -478,17 +428,22 @@ impl TargetState {
         if conn.closing {
             return;
         }
-        let accepted = conn.key.is_none() && {
-            let mut keys = self.shared.lock();
-            if keys.get(&key) == Some(&KeyState::Open) {
-                keys.insert(key, KeyState::Bound);
-                true
-            } else {
-                false
-            }
-        };
-        if accepted {
-            self.sink.bind(ep, key);
+        let accepted = conn
+            .key
+            .is_none()
+            .then(|| {
+                let mut keys = self.shared.lock();
+                match keys.get_mut(&key) {
+                    Some(k) if k.state == KeyState::Open => {
+                        k.state = KeyState::Bound;
+                        Some(Arc::clone(&k.extents))
+                    }
+                    _ => None,
+                }
+            })
+            .flatten();
+        if let Some(extents) = accepted {
+            self.sink.get().bind(ep, key, extents);
             conn.key = Some(key);
             self.by_key.insert(key, id);
             self.shared.stats.bound.fetch_add(1, Ordering::Relaxed);
@@ -507,8 +462,8 @@ impl TargetState {
         if let Some(key) = conn.key {
             self.by_key.remove(&key);
             let mut keys = self.shared.lock();
-            if let Some(s) = keys.get_mut(&key) {
-                *s = KeyState::Closed;
+            if let Some(k) = keys.get_mut(&key) {
+                k.state = KeyState::Closed;
             }
             drop(keys);
             self.shared.changed.notify_all();
@@ -575,7 +530,7 @@ impl Actor for TargetState {
                 // bound here. A revoked one gets no answer; its close
                 // fails the writer's fence.
                 Event::Am { id, key, aux, ep } if id == AM_FENCE && !ep.is_null() => {
-                    if self.sink.bound.borrow().get(&(ep as usize)) == Some(&key) {
+                    if self.sink.get().is_bound(ep, key) {
                         self.core.send_am(ep, AM_FENCED, key, aux, false);
                     }
                 }
@@ -648,9 +603,9 @@ impl Actor for TargetState {
         }
         // Every key that had an endpoint: nothing writes any more.
         let mut keys = self.shared.lock();
-        for s in keys.values_mut() {
-            if *s != KeyState::Open {
-                *s = KeyState::Closed;
+        for k in keys.values_mut() {
+            if k.state != KeyState::Open {
+                k.state = KeyState::Closed;
             }
         }
         drop(keys);

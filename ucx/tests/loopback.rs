@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_ucx::{DataPath, Initiator, Remote, Revoke, Target, UcxError};
+use kvmesh_ucx::{DataPath, Extents, Initiator, Remote, Revoke, Target, UcxError};
 
 const WAIT: Duration = Duration::from_secs(5);
 
@@ -37,6 +37,12 @@ fn remote(t: &Target) -> Arc<Remote> {
         len: t.len() as u64,
         rkey: t.rkey().to_vec(),
     })
+}
+
+/// A key's extents covering the whole region (these tests are about
+/// binding and revocation, not about a grant's pages).
+fn whole(t: &Target) -> Extents {
+    Extents::new(std::iter::once(0..t.len()))
 }
 
 /// The region's bytes `at..at + n` (after a flush or a completed revoke:
@@ -72,7 +78,7 @@ async fn land_then_revoke(path: DataPath) {
     let w = Initiator::with_path(path).expect("initiator");
     let r = remote(&t);
     let key = 0x1234_5678_9abc_def0;
-    t.open(key).expect("open");
+    t.open(key, whole(&t)).expect("open");
     let began = Instant::now();
     w.bind(key, Arc::clone(&r), WAIT).await.expect("bind");
     let bind_time = began.elapsed();
@@ -134,7 +140,7 @@ async fn a_bind_for_a_key_not_open_or_revoked_is_refused() {
         .expect_err("unknown key");
     assert!(matches!(e, UcxError::Closed(1)), "{e:?}");
     // Opened, revoked before the bind: refused too.
-    t.open(2).expect("open");
+    t.open(2, whole(&t)).expect("open");
     assert_eq!(t.revoke(2, Duration::ZERO), Revoke::Complete);
     let e = w
         .bind(2, Arc::clone(&r), WAIT)
@@ -142,7 +148,7 @@ async fn a_bind_for_a_key_not_open_or_revoked_is_refused() {
         .expect_err("revoked key");
     assert!(matches!(e, UcxError::Closed(2)), "{e:?}");
     // One bind per key: a second endpoint for a bound key is refused.
-    t.open(3).expect("open");
+    t.open(3, whole(&t)).expect("open");
     w.bind(3, Arc::clone(&r), WAIT).await.expect("first bind");
     let w2 = Initiator::start().expect("second writer");
     let e = w2
@@ -193,7 +199,7 @@ async fn abort_racing_a_write(path: DataPath) {
     let t = Target::start(listen(), BIG).expect("target");
     let w = Initiator::with_path(path).expect("initiator");
     let key = 42;
-    t.open(key).expect("open");
+    t.open(key, whole(&t)).expect("open");
     w.bind(key, remote(&t), WAIT).await.expect("bind");
     // As one put, or as a page write's worth per data message.
     if path == DataPath::Puts {
@@ -241,7 +247,7 @@ async fn unregistering_the_region_does_not_stop_writes() {
     let t = Target::start(listen(), 1 << 20).expect("target");
     let w = Initiator::with_path(DataPath::Puts).expect("initiator");
     let key = 7;
-    t.open(key).expect("open");
+    t.open(key, whole(&t)).expect("open");
     w.bind(key, remote(&t), WAIT).await.expect("bind");
     t.unregister_region().await.expect("ucp_mem_unmap");
     w.put(key, 1000, vec![0x5A; 10_000]).await.expect("post");
@@ -310,7 +316,7 @@ async fn writer_killed_mid_put() {
     const BIG: usize = 64 << 20;
     let t = Target::start(listen(), BIG).expect("target");
     let key = 99;
-    t.open(key).expect("open");
+    t.open(key, whole(&t)).expect("open");
     let spec = format!(
         "{} {} {} {} {key}",
         t.address(),
@@ -350,7 +356,7 @@ async fn writer_killed_mid_put() {
     eprintln!("landed before the kill and revoke: {at_revoke} of {BIG} bytes");
     // The target still serves: a new key binds and a put lands.
     let w = Initiator::start().expect("initiator");
-    t.open(100).expect("open");
+    t.open(100, whole(&t)).expect("open");
     w.bind(100, remote(&t), WAIT)
         .await
         .expect("bind after the kill");

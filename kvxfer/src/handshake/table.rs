@@ -553,12 +553,13 @@ impl Inner {
         })?;
         let reservation = ReservationId::mint()?;
         let capability = Capability::mint()?;
-        let write_key = self
-            .landing
-            .open()
-            .map_err(|e| ReserveError::Transport(e.to_string()))?;
         let cached_tokens = res.cached_tokens();
         let pages = res.held()[..(prompt_tokens - cached_tokens).div_ceil(page_size)].to_vec();
+        // The key writes these pages only (one-sided transports check it).
+        let write_key = self
+            .landing
+            .open(&pages)
+            .map_err(|e| ReserveError::Transport(e.to_string()))?;
         let lease_deadline = Instant::now() + self.cfg.lease;
         let grant = Grant {
             reservation,

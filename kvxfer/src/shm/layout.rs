@@ -1,4 +1,5 @@
-//! The file's layout: header fields, lane table and page data offsets,
+//! The file's layout: header fields, lane table, page-owner table and page
+//! data offsets,
 //! computed with checked arithmetic ([`ShmLayout`]), and the header's
 //! encoding and checked decoding (see the module documentation for the byte
 //! layout).
@@ -12,12 +13,21 @@ pub const LANE_STRIDE: usize = 64;
 /// Alignment of the page data.
 pub(super) const DATA_ALIGN: usize = 4096;
 const MAGIC: [u8; 8] = *b"KVMSHM01";
-const VERSION: u32 = 1;
+/// 2: the page-owner table after the lanes, the lane's writer count a
+/// 64-bit word at +8, and the refusal counter in the header.
+const VERSION: u32 = 2;
 /// The header's dtype codes (the wire's: [`kvmesh_kvwire::Dtype::code`]).
 const DTYPE_F32: u32 = 1;
 const DTYPE_F16: u32 = 2;
 /// Bytes of the header actually used (the rest of [`HEADER_LEN`] is zero).
 pub(super) const HEADER_USED: usize = 72;
+/// Where, inside the header's reserved bytes, the `AtomicU64` count of
+/// writes refused for leaving their grant's pages lives (written by the
+/// writers' processes, read by the decode node).
+pub(super) const REFUSED_OUTSIDE_GRANT: usize = 128;
+/// Bytes per page-owner entry (an `AtomicU64`: the key of the grant that
+/// may write the page, 0 for none).
+pub(super) const OWNER_STRIDE: usize = 8;
 
 /// The shape of a shared-memory pool: page geometry and lane count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +56,8 @@ pub(super) struct Sizes {
     pub(super) block: usize,
     /// Values of one page.
     pub(super) page_values: usize,
+    /// Start of the page-owner table (the end of the lanes).
+    pub(super) owners_offset: usize,
     pub(super) data_offset: usize,
     pub(super) total_len: usize,
 }
@@ -95,7 +107,10 @@ impl ShmLayout {
             let lanes_end = us(self.n_lanes)?
                 .checked_mul(LANE_STRIDE)?
                 .checked_add(HEADER_LEN)?;
-            let data_offset = lanes_end.checked_next_multiple_of(DATA_ALIGN)?;
+            let owners_end = us(self.n_pages)?
+                .checked_mul(OWNER_STRIDE)?
+                .checked_add(lanes_end)?;
+            let data_offset = owners_end.checked_next_multiple_of(DATA_ALIGN)?;
             let data_bytes = us(self.n_pages)?
                 .checked_mul(page_values)?
                 .checked_mul(self.dtype.size())?;
@@ -107,6 +122,7 @@ impl ShmLayout {
                 kv_dim,
                 block,
                 page_values,
+                owners_offset: lanes_end,
                 data_offset,
                 total_len,
             })

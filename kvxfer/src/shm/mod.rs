@@ -19,10 +19,16 @@
 //!   `lanes_offset`, `data_offset`, `total_len` (`u64` each). [`ShmRegion::open`]
 //!   recomputes every derived field from the layout with checked arithmetic
 //!   and refuses any difference, and `total_len` must equal the file length.
+//!   At +128 of the reserved header bytes, `refused_outside_grant:
+//!   AtomicU64`: writes refused for naming a page outside their grant.
 //! - Lanes at `lanes_offset` = 4096: `n_lanes` entries of 64 bytes (one
 //!   cache line each, so lanes do not false-share): `epoch: AtomicU32` at +0,
-//!   `active: AtomicU32` at +4, the rest padding.
-//! - Page data at `data_offset` (the end of the lanes rounded up to 4096):
+//!   `active: AtomicU64` at +8 (high 32 bits: the lane's reset generation;
+//!   low 32: writers inside), the rest padding.
+//! - Page owners at the end of the lanes: `n_pages` entries of `AtomicU64`,
+//!   the key ([`WriteKey::to_u64`]) of the grant whose writer may write the
+//!   page, 0 for none.
+//! - Page data at `data_offset` (the end of the owners rounded up to 4096):
 //!   `n_pages` pages of `n_layers * 2 * page_size * kv_dim` values of the
 //!   dtype, page-major
 //!   as in the heap pool: page `p`, layer `l` is a K block
@@ -32,11 +38,16 @@
 //! An epoch is even while the lane is closed and odd while it is open; it
 //! only ever moves forward by one (wrapping, which keeps the parity).
 //! - Decode opens a lane for a grant ([`ShmRegion::lane_open`]): closed and
-//!   `active == 0`, epoch `e` -> `e + 1`; the key `{lane, e + 1}` goes to the
-//!   writer with the grant.
+//!   no writer inside, it stores the key `{lane, e + 1}` as the owner of
+//!   each of the grant's pages, then moves the epoch `e` -> `e + 1`; the key
+//!   goes to the writer with the grant.
 //! - The writer ([`ShmRegion::write_slots`]): `W1 active.fetch_add(1, SeqCst)`,
-//!   `W2 epoch.load(SeqCst)`; only if that equals the key's epoch does it
-//!   copy, then `W3 active.fetch_sub(1, Release)` (also on refusal).
+//!   `W2 epoch.load(SeqCst)`; only if that equals the key's epoch, and the
+//!   page's owner is the key, does it copy, then `W3` leaves (also on
+//!   refusal): decrements the count unless the lane was reset since W1.
+//!   W2 reads the epoch the opening CAS wrote, so the owners stored before
+//!   that CAS are visible to the owner check; a page's owner changes only
+//!   when a later grant holds it, after this grant's lane was `Drained`.
 //! - Decode closes ([`ShmRegion::lane_close`]): `D1 epoch CAS e -> e + 1
 //!   (SeqCst)`, then `D2 active.load(SeqCst)`: `Drained` if 0, else `Busy`
 //!   (ask again).
@@ -57,6 +68,15 @@
 //! it saw the closed epoch), which is why a lane that has moved on past a key
 //! also counts as drained for that key.
 //!
+//! **A reset cannot wedge a lane.** [`ShmRegion::lane_force_reset`] (the
+//! grant's writer is dead inside the lane) zeroes the count and bumps the
+//! reset generation in one atomic step. A live writer that entered before
+//! the reset (with a stale key, on its way to a refusal) finds the
+//! generation moved when it leaves and does not decrement: its entry was
+//! wiped with the dead writer's. A plain store of 0 would let that late
+//! decrement wrap the count to 2^32 - 1, and the lane would stay busy for
+//! ever (or, one entrant later, read 0 with a writer inside).
+//!
 //! Page data is read by the decode side only after the grant's lane is
 //! `Drained`; that is what makes those plain reads race-free.
 //!
@@ -65,8 +85,9 @@
 //! over the pool: anyone who maps it can write any page, and could forge a
 //! key or truncate the file (SIGBUS). Writers are therefore authenticated
 //! mesh peers on the same host that run this code; the lanes protect against
-//! *late* writes of well-behaved peers (aborts, timeouts, crashes), not
-//! against a hostile process. Finer-grained protection would need a mapping
+//! *late* writes of well-behaved peers (aborts, timeouts, crashes), and the
+//! page owners against a peer's write that names another grant's page (a
+//! bug, or a key mixed up between grants), not against a hostile process. Finer-grained protection would need a mapping
 //! per grant, as per-grant RDMA memory windows give. Cross-process atomics
 //! rely on 32-bit lock-free atomics being address-free, as they are on every
 //! target kvmesh supports. Epochs wrap after 2^31 grants of one lane; a key
@@ -77,7 +98,7 @@ use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -184,6 +205,18 @@ pub enum ShmError {
         /// The lane's epoch when it was looked at.
         lane_epoch: u32,
     },
+    /// The page is not one of the key's grant: the decode node recorded
+    /// another grant (or none) as its owner. Counted in the mapping
+    /// ([`ShmRegion::refused_outside_grant`]).
+    #[error("page {page} is not in the grant of lane {lane} epoch {epoch}")]
+    OutsideGrant {
+        /// The page named.
+        page: u32,
+        /// Lane of the key.
+        lane: u32,
+        /// Epoch of the key.
+        epoch: u32,
+    },
     /// A page, layer or slot range is outside the pool.
     #[error("{what} {value} is out of bounds (limit {limit})")]
     OutOfBounds {
@@ -217,6 +250,7 @@ impl ShmError {
             Self::LaneOutOfRange { .. } => "lane_out_of_range",
             Self::LaneBusy { .. } => "lane_busy",
             Self::LaneClosed { .. } => "lane_closed",
+            Self::OutsideGrant { .. } => "outside_grant",
             Self::OutOfBounds { .. } => "out_of_bounds",
             Self::BadLength { .. } => "bad_length",
         }
@@ -228,22 +262,6 @@ fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> S
         path: path.to_owned(),
         source,
         what,
-    }
-}
-
-/// One lane's two atomics, borrowed from the mapping.
-struct Lane<'a> {
-    epoch: &'a AtomicU32,
-    active: &'a AtomicU32,
-}
-
-/// A writer inside a lane; leaving is the `Drop`, so every return path of a
-/// write leaves (W3 of the protocol).
-struct Entered<'a>(&'a AtomicU32);
-
-impl Drop for Entered<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Release);
     }
 }
 
@@ -408,120 +426,50 @@ impl ShmRegion {
         self.sizes.total_len - self.sizes.data_offset
     }
 
-    fn lane(&self, lane: u32) -> Result<Lane<'_>, ShmError> {
-        if u64::from(lane) >= self.layout.n_lanes {
-            return Err(ShmError::LaneOutOfRange {
-                lane,
-                n_lanes: self.layout.n_lanes,
+    /// The owner entry of `page`, which must be below `n_pages`.
+    fn owner(&self, page: u32) -> Result<&AtomicU64, ShmError> {
+        if u64::from(page) >= self.layout.n_pages {
+            return Err(ShmError::OutOfBounds {
+                what: "page",
+                value: page.into(),
+                limit: self.layout.n_pages,
             });
         }
-        // In bounds: HEADER_LEN + n_lanes * 64 <= data_offset <= total_len.
+        // In bounds: owners_offset + n_pages * 8 <= data_offset.
         let at = self
             .map
             .as_mut_ptr()
-            .wrapping_add(HEADER_LEN + lane as usize * LANE_STRIDE);
-        // SAFETY: `at` and `at + 4` are inside the mapping (above), which
-        // lives as long as `&self`; they are 4-aligned because the mapping
-        // is 64-aligned (checked in `map`) and the offsets are multiples of
-        // 4. These bytes are only ever accessed as these two `AtomicU32`s,
-        // here and in every process running this code (the header is
-        // written through the file before mapping, the lanes start as the
-        // zeros of ftruncate), so there is no non-atomic or mixed-size
-        // access to them.
-        unsafe {
-            Ok(Lane {
-                epoch: AtomicU32::from_ptr(at.cast::<u32>()),
-                active: AtomicU32::from_ptr(at.wrapping_add(4).cast::<u32>()),
-            })
-        }
+            .wrapping_add(self.sizes.owners_offset + page as usize * layout::OWNER_STRIDE);
+        // SAFETY: inside the mapping (above), which lives as long as
+        // `&self`; 8-aligned (a 64-aligned mapping, offsets multiples of 8);
+        // these bytes are only ever accessed as this `AtomicU64`, in every
+        // process running this code (zeros of ftruncate before).
+        Ok(unsafe { AtomicU64::from_ptr(at.cast::<u64>()) })
     }
 
-    /// Opens `lane` for a new grant and returns its key. The lane must be
-    /// closed with no writer inside, else `LaneBusy`.
-    pub fn lane_open(&self, lane: u32) -> Result<WriteKey, ShmError> {
-        let l = self.lane(lane)?;
-        let epoch = l.epoch.load(Ordering::SeqCst);
-        let busy = || ShmError::LaneBusy {
-            lane,
-            active: l.active.load(Ordering::SeqCst),
-        };
-        if epoch % 2 == 1 {
-            return Err(busy());
-        }
-        // After the load of the closed epoch, as D2 of a close: a 0 here
-        // means every write admitted under earlier epochs has landed.
-        if l.active.load(Ordering::SeqCst) != 0 {
-            return Err(busy());
-        }
-        // Even + 1 is odd, also across the wrap (2^32 is even).
-        let open = epoch.wrapping_add(1);
-        l.epoch
-            .compare_exchange(epoch, open, Ordering::SeqCst, Ordering::SeqCst)
-            .map_err(|_| busy())?;
-        Ok(WriteKey { lane, epoch: open })
+    /// The count of writes refused for naming a page outside their grant,
+    /// in the mapping (header +128).
+    fn refused_counter(&self) -> &AtomicU64 {
+        let at = self
+            .map
+            .as_mut_ptr()
+            .wrapping_add(layout::REFUSED_OUTSIDE_GRANT);
+        // SAFETY: inside the header's reserved bytes (HEADER_LEN <=
+        // total_len), 8-aligned, zero from ftruncate and never written as
+        // anything but this `AtomicU64` (the header's used bytes end at
+        // HEADER_USED, below it).
+        unsafe { AtomicU64::from_ptr(at.cast::<u64>()) }
     }
 
-    /// Closes the key's lane if it is still open at the key's epoch, then
-    /// reports whether writes are still inside. Idempotent: call again while
-    /// `Busy`. Once `Drained` is returned no write with this key can land
-    /// (proof in the module doc); a lane that has since moved on (reopened
-    /// for a later grant) reports `Drained` for an old key, because reopening
-    /// required the same drain. A key that was never issued (even epoch, or
-    /// one the lane has not reached) is `LaneClosed`.
-    pub fn lane_close(&self, key: WriteKey) -> Result<LaneClose, ShmError> {
-        let l = self.lane(key.lane)?;
-        let closed = key.epoch.wrapping_add(1);
-        let bogus = |lane_epoch| ShmError::LaneClosed {
-            lane: key.lane,
-            key_epoch: key.epoch,
-            lane_epoch,
-        };
-        if key.epoch.is_multiple_of(2) {
-            return Err(bogus(l.epoch.load(Ordering::SeqCst)));
-        }
-        // D1.
-        match l
-            .epoch
-            .compare_exchange(key.epoch, closed, Ordering::SeqCst, Ordering::SeqCst)
-        {
-            Ok(_) => {}
-            Err(cur) if cur == closed => {}
-            Err(cur) => {
-                let ahead = cur.wrapping_sub(key.epoch);
-                return if (2..1 << 31).contains(&ahead) {
-                    Ok(LaneClose::Drained)
-                } else {
-                    Err(bogus(cur))
-                };
-            }
-        }
-        // D2.
-        match l.active.load(Ordering::SeqCst) {
-            0 => Ok(LaneClose::Drained),
-            active => Ok(LaneClose::Busy { active }),
-        }
-    }
-
-    /// Sets the lane's writer count to 0 so it can be reopened, after every
-    /// process that could enter it is known dead (see [`PeerProcess`]):
-    /// their admitted writes can no longer land, but their count was never
-    /// given back. The lane must be closed (else `LaneBusy`). Calling this
-    /// while a live process can still enter the lane, even to be refused,
-    /// corrupts the count.
-    pub fn lane_force_reset(&self, lane: u32) -> Result<(), ShmError> {
-        let l = self.lane(lane)?;
-        if l.epoch.load(Ordering::SeqCst) % 2 == 1 {
-            return Err(ShmError::LaneBusy {
-                lane,
-                active: l.active.load(Ordering::SeqCst),
-            });
-        }
-        l.active.store(0, Ordering::SeqCst);
-        Ok(())
+    /// Writes refused so far, by any process mapping this region, because
+    /// they named a page outside their key's grant.
+    pub fn refused_outside_grant(&self) -> u64 {
+        self.refused_counter().load(Ordering::Relaxed)
     }
 
     /// Writes K and V of consecutive slots from `slot` into (`page`,
-    /// `layer`), one-sided, if `key` is still open: `k` and `v` are the
+    /// `layer`), one-sided, if `key` is still open and `page` is one of its
+    /// grant's (else `OutsideGrant`, counted in the mapping): `k` and `v` are the
     /// values encoded in the region's dtype, little-endian, as a frame
     /// carries them ([`kvmesh_kvwire::encode_values`]), whole slots of equal
     /// length. Length errors count values. On any error nothing was written.
@@ -579,9 +527,9 @@ impl ShmRegion {
             .ok_or(ShmError::TooLarge)?;
 
         let l = self.lane(key.lane)?;
+        let owner = self.owner(page)?;
         // W1; `_inside` is W3 on every path from here.
-        l.active.fetch_add(1, Ordering::SeqCst);
-        let _inside = Entered(l.active);
+        let _inside = l.enter();
         // W2. An even key epoch never admits: it would match a closed lane.
         let lane_epoch = l.epoch.load(Ordering::SeqCst);
         if lane_epoch != key.epoch || key.epoch.is_multiple_of(2) {
@@ -589,6 +537,17 @@ impl ShmRegion {
                 lane: key.lane,
                 key_epoch: key.epoch,
                 lane_epoch,
+            });
+        }
+        // After W2: the owners the lane's opening stored are visible. One
+        // more load per write (no fence on x86, where an acquire load is a
+        // plain one).
+        if owner.load(Ordering::Acquire) != key.to_u64() {
+            self.refused_counter().fetch_add(1, Ordering::Relaxed);
+            return Err(ShmError::OutsideGrant {
+                page,
+                lane: key.lane,
+                epoch: key.epoch,
             });
         }
         let dst = self.data.as_ptr();
@@ -602,27 +561,6 @@ impl ShmRegion {
         unsafe {
             std::ptr::copy_nonoverlapping(k.as_ptr(), dst.add(k_off), k.len());
             std::ptr::copy_nonoverlapping(v.as_ptr(), dst.add(v_off), v.len());
-        }
-        Ok(())
-    }
-}
-
-impl ShmRegion {
-    /// `testing` only: enters the key's lane and never leaves, as a writer
-    /// frozen (or killed) in the middle of a one-sided write would. The
-    /// lane then stays `Busy` until its process is known dead.
-    #[cfg(feature = "testing")]
-    pub fn freeze_inside_lane(&self, key: WriteKey) -> Result<(), ShmError> {
-        let l = self.lane(key.lane)?;
-        l.active.fetch_add(1, Ordering::SeqCst);
-        let lane_epoch = l.epoch.load(Ordering::SeqCst);
-        if lane_epoch != key.epoch || key.epoch.is_multiple_of(2) {
-            l.active.fetch_sub(1, Ordering::Release);
-            return Err(ShmError::LaneClosed {
-                lane: key.lane,
-                key_epoch: key.epoch,
-                lane_epoch,
-            });
         }
         Ok(())
     }
@@ -689,6 +627,7 @@ impl Drop for ShmRegion {
     }
 }
 
+mod lanes;
 mod layout;
 mod leftovers;
 mod peer;

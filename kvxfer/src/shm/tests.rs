@@ -3,7 +3,7 @@
 
 use super::*;
 use kvmesh_kvpool::PoolMemory;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::time::{Duration, Instant};
 
 const L: ShmLayout = ShmLayout {
@@ -44,6 +44,7 @@ fn slots(n: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
 #[test]
 fn sizes_and_key() {
     assert_eq!(L.page_values(), Some(2 * 2 * 4 * 6));
+    // Lanes end at 4096 + 8 * 64, owners at + 5 * 8: still below 8192.
     assert_eq!(L.data_offset(), Some(8192));
     assert_eq!(L.total_len(), Some(8192 + 5 * 96 * 4));
     assert_eq!(ShmLayout { head_dim: 0, ..L }.total_len(), None);
@@ -95,7 +96,7 @@ fn create_open_round_trip_both_ways() {
     let b = ShmRegion::open(a.path(), Some(&L)).unwrap();
     assert_eq!(*b.layout(), L);
 
-    let key = a.lane_open(3).unwrap();
+    let key = a.lane_open(3, &[4, 0]).unwrap();
     let (k, v) = slots(2, 1.0);
     a.write_slots(key, 4, 1, 2, le(&k), le(&v)).unwrap();
     let off = k_at(4, 1, 2);
@@ -120,7 +121,7 @@ fn create_open_round_trip_both_ways() {
     let path = a.path().to_owned();
     drop(a);
     assert!(!path.exists());
-    let key = b.lane_open(3).unwrap();
+    let key = b.lane_open(3, &[1]).unwrap();
     b.write_slots(key, 1, 0, 0, le(&k), le(&v)).unwrap();
     assert_eq!(read(&b, k_at(1, 0, 0)), 100.0);
 }
@@ -143,7 +144,9 @@ fn corrupt_headers_are_refused() {
         move |f: &File| f.write_all_at(&bytes, off).unwrap()
     };
     assert!(corrupt("magic", &at(0, b"X")).contains("magic"));
-    assert!(corrupt("version", &at(8, &2u32.to_le_bytes())).contains("version"));
+    // Version 1 (no page owners) is refused, as is any other.
+    assert!(corrupt("version", &at(8, &1u32.to_le_bytes())).contains("version"));
+    assert!(corrupt("version3", &at(8, &3u32.to_le_bytes())).contains("version"));
     assert!(corrupt("zero", &at(12, &0u32.to_le_bytes())).contains("page_size is 0"));
     assert!(corrupt("dtype", &at(28, &2u32.to_le_bytes())).contains("dtype"));
     assert!(corrupt("pages", &at(32, &6u64.to_le_bytes())).contains("total_len"));
@@ -171,9 +174,9 @@ fn corrupt_headers_are_refused() {
 fn lane_protocol() {
     let d = tempfile::tempdir().unwrap();
     let r = ShmRegion::create(d.path(), L).unwrap();
-    let key = r.lane_open(2).unwrap();
+    let key = r.lane_open(2, &[1]).unwrap();
     assert_eq!(key, WriteKey { lane: 2, epoch: 1 });
-    assert_eq!(r.lane_open(2).unwrap_err().kind(), "lane_busy");
+    assert_eq!(r.lane_open(2, &[1]).unwrap_err().kind(), "lane_busy");
     let (k, v) = slots(1, 5.0);
     r.write_slots(key, 1, 0, 3, le(&k), le(&v)).unwrap();
     assert_eq!(r.lane_close(key).unwrap(), LaneClose::Drained);
@@ -194,7 +197,7 @@ fn lane_protocol() {
         "a refused write wrote nothing"
     );
 
-    let key2 = r.lane_open(2).unwrap();
+    let key2 = r.lane_open(2, &[1]).unwrap();
     assert_eq!(key2.epoch, 3);
     assert_eq!(
         r.write_slots(key, 1, 0, 3, le(&k2), le(&v2))
@@ -223,7 +226,7 @@ fn lane_protocol() {
 
     // A writer inside (simulated, as a dead process would leave it):
     // close says Busy, open refuses, force reset frees the lane.
-    let key3 = r.lane_open(5).unwrap();
+    let key3 = r.lane_open(5, &[0]).unwrap();
     r.lane(5).unwrap().active.fetch_add(1, Ordering::SeqCst);
     assert_eq!(
         r.lane_force_reset(5).unwrap_err().kind(),
@@ -231,21 +234,22 @@ fn lane_protocol() {
         "open lane"
     );
     assert_eq!(r.lane_close(key3).unwrap(), LaneClose::Busy { active: 1 });
-    assert_eq!(r.lane_open(5).unwrap_err().kind(), "lane_busy");
+    assert_eq!(r.lane_open(5, &[0]).unwrap_err().kind(), "lane_busy");
     r.lane_force_reset(5).unwrap();
     assert_eq!(r.lane_close(key3).unwrap(), LaneClose::Drained);
-    assert_eq!(r.lane_open(5).unwrap().epoch, 3);
+    assert_eq!(r.lane_open(5, &[0]).unwrap().epoch, 3);
 }
 
 #[test]
 fn bad_arguments_are_typed_and_write_nothing() {
     let d = tempfile::tempdir().unwrap();
     let r = ShmRegion::create(d.path(), L).unwrap();
-    let key = r.lane_open(0).unwrap();
+    let key = r.lane_open(0, &[0]).unwrap();
     let (k, v) = slots(1, 7.0);
     let (k2, v2) = slots(2, 7.0);
     let kind = |e: ShmError| e.kind();
-    assert_eq!(kind(r.lane_open(8).unwrap_err()), "lane_out_of_range");
+    assert_eq!(kind(r.lane_open(8, &[0]).unwrap_err()), "lane_out_of_range");
+    assert_eq!(kind(r.lane_open(1, &[5]).unwrap_err()), "out_of_bounds");
     assert_eq!(
         kind(r.lane_close(WriteKey { lane: 8, epoch: 1 }).unwrap_err()),
         "lane_out_of_range"
@@ -333,7 +337,8 @@ fn no_write_lands_after_drained() {
     let block = 256 * 128;
     let d = tempfile::tempdir().unwrap();
     let r = ShmRegion::create(d.path(), big).unwrap();
-    let key = r.lane_open(1).unwrap();
+    let pages: Vec<u32> = (0..WRITERS as u32).collect();
+    let key = r.lane_open(1, &pages).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let started = Arc::new(AtomicU32::new(0));
     let handles: Vec<_> = (0..WRITERS)
@@ -434,4 +439,108 @@ fn peer_process_exit_is_seen() {
         PeerProcess::from_pid(-3).unwrap_err().kind(),
         io::ErrorKind::InvalidInput
     );
+}
+
+/// Issue 35 item 3: a key writes its own grant's pages only. Another
+/// grant's page (or a page no grant holds) is refused before anything is
+/// copied, and counted in the mapping, where every process sees the count.
+#[test]
+fn a_key_writes_only_its_grants_pages() {
+    let d = tempfile::tempdir().unwrap();
+    let r = ShmRegion::create(d.path(), L).unwrap();
+    let other = ShmRegion::open(r.path(), Some(&L)).unwrap();
+    let a = r.lane_open(0, &[1, 2]).unwrap();
+    let b = r.lane_open(1, &[3]).unwrap();
+    let (k, v) = slots(1, 4.0);
+    for (key, page) in [(a, 3), (a, 0), (b, 1), (b, 4)] {
+        match other.write_slots(key, page, 0, 0, le(&k), le(&v)) {
+            Err(ShmError::OutsideGrant {
+                page: p,
+                lane,
+                epoch,
+            }) => assert_eq!((p, lane, epoch), (page, key.lane, key.epoch)),
+            e => panic!("key {key:?} page {page}: {e:?}"),
+        }
+    }
+    assert_eq!(r.refused_outside_grant(), 4);
+    let all = L.n_pages as usize * L.page_values().unwrap();
+    assert!((0..all).all(|i| read(&r, i) == 0.0), "nothing was written");
+    // The grants' own pages take their writes.
+    other.write_slots(a, 2, 1, 0, le(&k), le(&v)).unwrap();
+    other.write_slots(b, 3, 0, 0, le(&k), le(&v)).unwrap();
+    assert_eq!(
+        (read(&r, k_at(2, 1, 0)), read(&r, k_at(3, 0, 0))),
+        (4.0, 4.0)
+    );
+    // Page 3 passes to a's lane's next grant once b's lane is drained:
+    // b's key reaches it no more (its lane is closed), a's new key does.
+    assert_eq!(r.lane_close(b).unwrap(), LaneClose::Drained);
+    assert_eq!(r.lane_close(a).unwrap(), LaneClose::Drained);
+    let a2 = r.lane_open(0, &[3]).unwrap();
+    assert_eq!(
+        other
+            .write_slots(a2, 1, 0, 0, le(&k), le(&v))
+            .unwrap_err()
+            .kind(),
+        "outside_grant"
+    );
+    other.write_slots(a2, 3, 0, 0, le(&k), le(&v)).unwrap();
+    assert_eq!(other.refused_outside_grant(), 5);
+    // No refusal left a writer inside.
+    assert_eq!(r.lane_close(a2).unwrap(), LaneClose::Drained);
+}
+
+/// Issue 35 item 6: a force reset while a live writer with a stale key is
+/// inside the lane (between its entry and its refusal) does not wedge the
+/// lane, and the count stays exact for the lane's next grant.
+#[test]
+fn a_force_reset_with_a_refused_writer_inside_leaves_the_lane_usable() {
+    let d = tempfile::tempdir().unwrap();
+    let r = ShmRegion::create(d.path(), L).unwrap();
+    let key = r.lane_open(5, &[0]).unwrap();
+    // The grant's writer dies inside a write.
+    std::mem::forget(r.lane(5).unwrap().enter());
+    assert_eq!(r.lane_close(key).unwrap(), LaneClose::Busy { active: 1 });
+    // A live writer with a stale key of this lane has entered (W1) and is
+    // about to be refused when the dead writer's lane is reset.
+    let stale = r.lane(5).unwrap().enter();
+    r.lane_force_reset(5).unwrap();
+    drop(stale);
+    let next = r.lane_open(5, &[0]).expect("the lane is not wedged");
+    let inside = r.lane(5).unwrap().enter();
+    assert_eq!(r.lane_close(next).unwrap(), LaneClose::Busy { active: 1 });
+    drop(inside);
+    assert_eq!(r.lane_close(next).unwrap(), LaneClose::Drained);
+    // A reset with nobody inside but the refused entrant, twice over.
+    let third = r.lane_open(5, &[0]).unwrap();
+    assert_eq!(r.lane_close(third).unwrap(), LaneClose::Drained);
+    let a = r.lane(5).unwrap().enter();
+    r.lane_force_reset(5).unwrap();
+    let b = r.lane(5).unwrap().enter();
+    r.lane_force_reset(5).unwrap();
+    drop((a, b));
+    assert_eq!(r.lane_open(5, &[0]).unwrap().epoch, 7);
+}
+
+/// The cost of the lane and owner checks: a one-slot write (24 bytes of K
+/// and of V) is all overhead. Timing, so run by hand:
+/// `cargo test -p kvmesh-kvxfer --lib shm::tests::small_write_cost -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing; run by hand"]
+fn small_write_cost() {
+    let d = tempfile::tempdir().unwrap();
+    let r = ShmRegion::create(d.path(), L).unwrap();
+    let key = r.lane_open(0, &[1]).unwrap();
+    let (k, v) = slots(1, 1.0);
+    for round in 0..5 {
+        let n = 1_000_000;
+        let t = Instant::now();
+        for _ in 0..n {
+            r.write_slots(key, 1, 0, 0, le(&k), le(&v)).unwrap();
+        }
+        eprintln!(
+            "round {round}: {:.1} ns per write",
+            t.elapsed().as_nanos() as f64 / f64::from(n)
+        );
+    }
 }

@@ -6,6 +6,7 @@
 //! | data | [`kvmesh_kvwire::KvFrame`]s on the connection | one-sided copies into the pool's mapping | one-sided puts (`ucp_put_nbx`) into the registered pool |
 //! | receiver checks each write before it lands | yes | no | no |
 //! | grant's write key | 0 (unused) | lane and epoch of a write gate | a random key one writer endpoint binds |
+//! | a write bounded by its grant's pages | `Grant::check_frame` on arrival (`wrong_page`) | the page-owner table in the mapping, checked by the writer's `write_slots` (`outside_grant`) | data messages: the target's handler checks the key's pages (`outside_grant`); hardware puts: not yet (issue 35 item 2) |
 //! | revoke | refuse the reservation's frames (under its entry lock) | close the lane, wait for active writes to end | close the grant's endpoint (force, peer error mode), wait for the close |
 //! | drain (writer) | stream order: nothing to wait for | copies are synchronous | flush the grant's endpoint (`ucp_ep_flush_nbx`) |
 //! | writer death | connection reset | connection reset + pidfd | endpoint error, then the same close |
@@ -51,6 +52,7 @@ use std::sync::Arc;
 use thiserror::Error;
 
 use crate::shm::{PeerProcess, ShmError};
+use kvmesh_kernels::PageRef;
 use kvmesh_kvwire::{DataPath, Grant, MintError, WireError};
 use kvmesh_meshauth::tls::MeshTls;
 use kvmesh_meshauth::MeshSecret;
@@ -83,8 +85,19 @@ pub trait Landing: Send + Sync + fmt::Debug {
     /// refused.
     fn receiver_checked(&self) -> bool;
 
-    /// Opens the write path of a new grant; returns its write key.
-    fn open(&self) -> Result<u64, TransportError>;
+    /// Opens the write path of a new grant of `pages`; returns its write
+    /// key. A one-sided transport lets the key write those pages only
+    /// (issue 35 item 3): a write that names another page is refused and
+    /// counted in [`Self::refused`].
+    fn open(&self, pages: &[PageRef]) -> Result<u64, TransportError>;
+
+    /// Writes this landing refused that the reservation table never sees
+    /// (one-sided transports), by kind: `outside_grant` counts writes that
+    /// named a page outside their key's grant. Receiver-checked transports
+    /// count their refusals in the table's frame counters instead.
+    fn refused(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
 
     /// Closes the write path of the grant with `key`. `writer` is the
     /// writer process, where the transport can watch it: a dead writer's

@@ -9,6 +9,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::shm::{LaneClose, PeerProcess, ShmRegion, WriteKey};
+use kvmesh_kernels::PageRef;
 use kvmesh_kvpool::{KvPool, PoolConfig};
 use kvmesh_kvwire::{DataPath, Welcome};
 
@@ -120,20 +121,25 @@ impl Landing for ShmLanding {
         false
     }
 
-    fn open(&self) -> Result<u64, TransportError> {
+    fn open(&self, pages: &[PageRef]) -> Result<u64, TransportError> {
+        let pages: Vec<u32> = pages.iter().map(|p| p.page).collect();
         let lane = {
             let mut l = self.lock();
             let lane = l.free.pop().ok_or(TransportError::NoLane)?;
             l.out.insert(lane);
             lane
         };
-        match self.region.lane_open(lane) {
+        match self.region.lane_open(lane, &pages) {
             Ok(key) => Ok(key.to_u64()),
             Err(e) => {
                 self.give_back(lane);
                 Err(e.into())
             }
         }
+    }
+
+    fn refused(&self) -> Vec<(&'static str, u64)> {
+        vec![("outside_grant", self.region.refused_outside_grant())]
     }
 
     fn revoke(&self, key: u64, writer: Option<&PeerProcess>) -> Revocation {

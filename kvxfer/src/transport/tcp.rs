@@ -53,7 +53,9 @@ impl Landing for TcpLanding {
         true
     }
 
-    fn open(&self) -> Result<u64, TransportError> {
+    /// Frames are checked against the grant's pages on arrival
+    /// (`Grant::check_frame`), so the key is unused.
+    fn open(&self, _pages: &[kvmesh_kernels::PageRef]) -> Result<u64, TransportError> {
         Ok(0)
     }
 

@@ -19,7 +19,7 @@
 //! - **data messages** (eager active messages, drained by a fence round
 //!   trip) where it has not (UCX's `tcp`): the target's progress thread
 //!   copies each one into the region only while the endpoint is bound to
-//!   the key and the bytes lie inside the region. UCX's software puts over
+//!   the key and the bytes lie inside the key's grant's pages. UCX's software puts over
 //!   `tcp` would cost the same copy, and they acknowledge each put from
 //!   the target, where a failed acknowledgement (a writer killed with puts
 //!   in flight) aborts the decode process inside UCX (1.13 and upstream:
@@ -46,9 +46,10 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use kvmesh_kernels::PageRef;
 use kvmesh_kvpool::{KvPool, PoolConfig, PoolError, PoolMemory};
 use kvmesh_kvwire::{DataPath, Geometry, Welcome};
-use kvmesh_ucx::{Initiator, Remote, Revoke, Target, UcxError};
+use kvmesh_ucx::{Extents, Initiator, Remote, Revoke, Target, UcxError};
 
 use crate::shm::PeerProcess;
 
@@ -128,10 +129,12 @@ pub fn ucx_pool(
     listen: SocketAddr,
 ) -> Result<(KvPool, Arc<UcxLanding>), TransportError> {
     cfg.validate().map_err(pool_error)?;
+    // Validated: n_pages > 0 and the size fits.
+    let page_bytes = cfg.bytes() / cfg.n_pages;
     let target = Arc::new(Target::start(listen, cfg.bytes())?);
     let memory: Arc<dyn PoolMemory> = Arc::new(Region(Arc::clone(&target)));
     let pool = KvPool::new_in(cfg, memory).map_err(pool_error)?;
-    Ok((pool, Arc::new(UcxLanding { target })))
+    Ok((pool, Arc::new(UcxLanding { target, page_bytes })))
 }
 
 fn pool_error(e: PoolError) -> TransportError {
@@ -142,6 +145,8 @@ fn pool_error(e: PoolError) -> TransportError {
 #[derive(Debug)]
 pub struct UcxLanding {
     target: Arc<Target>,
+    /// Bytes of one page in the region (pages are page-major from 0).
+    page_bytes: usize,
 }
 
 impl UcxLanding {
@@ -165,15 +170,30 @@ impl Landing for UcxLanding {
         false
     }
 
-    fn open(&self) -> Result<u64, TransportError> {
+    fn open(&self, pages: &[PageRef]) -> Result<u64, TransportError> {
         // Unguessable, so that nobody who reaches the listener can bind a
         // grant's key before its writer does.
         let n = kvmesh_meshauth::kv::mint_nonce()?;
         let mut k = [0u8; 8];
         k.copy_from_slice(&n[..8]);
         let key = u64::from_le_bytes(k) | 1;
-        self.target.open(key)?;
+        // The key's data messages land in these pages only.
+        let pb = self.page_bytes;
+        let extents = Extents::new(pages.iter().map(|p| {
+            let at = (p.page as usize).saturating_mul(pb);
+            at..at.saturating_add(pb)
+        }));
+        self.target.open(key, extents)?;
         Ok(key)
+    }
+
+    fn refused(&self) -> Vec<(&'static str, u64)> {
+        let s = self.target.stats();
+        vec![(
+            "outside_grant",
+            s.data_outside_grant
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )]
     }
 
     fn revoke(&self, key: u64, _writer: Option<&PeerProcess>) -> Revocation {

@@ -45,6 +45,7 @@ macro_rules! both {
 
 // After the macro, which it uses.
 mod after_release;
+mod grant_bounds;
 mod mesh_auth;
 mod tls;
 
