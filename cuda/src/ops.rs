@@ -492,6 +492,34 @@ pub struct ChunkSpec {
     pub start: usize,
     /// Tokens in the chunk.
     pub rows: usize,
+    /// Positions of the sequence's head held in shared pages (leased from
+    /// the prefix cache: `Reservation::cached_tokens`), which no write may
+    /// touch. A chunk starting below it is refused before the step's
+    /// first kernel ([`initial_records`]).
+    pub cached: usize,
+}
+
+/// Each chunk's violation record at the start of a step, as `u32`s: zero,
+/// or for a chunk that would write a position of its sequence's shared
+/// head, [`Violation::shared_page`], the check the CPU pool's
+/// `Reservation::write_kv` makes (`PoolError::SharedPage`). `kv_write`
+/// writes nothing for a chunk whose record is set, and attention gives it
+/// zeros, so a shared page is refused before any value is written, on
+/// the host, at no cost to the kernels.
+pub fn initial_records(chunks: &[ChunkSpec]) -> Vec<u32> {
+    let mut words = Vec::with_capacity(chunks.len() * 8);
+    for c in chunks {
+        let record = if c.rows > 0 && c.start < c.cached {
+            Violation::shared_page(
+                u32::try_from(c.start).unwrap_or(u32::MAX),
+                u32::try_from(c.cached).unwrap_or(u32::MAX),
+            )
+        } else {
+            Violation::default()
+        };
+        words.extend(record.to_words());
+    }
+    words
 }
 
 impl StepTables {
@@ -521,7 +549,7 @@ impl StepTables {
             start: gpu.upload(&start)?,
             tok_chunk: gpu.upload(&tok_chunk)?,
             tok_pos: gpu.upload(&tok_pos)?,
-            violations: gpu.zeros(chunks.len() * 8)?,
+            violations: gpu.upload(&initial_records(chunks))?,
             n_chunks: chunks.len(),
             n_rows: at,
         })
@@ -648,6 +676,69 @@ fn blas_ok(call: &'static str, st: cudarc::cublas::sys::cublasStatus_t) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::table::Decoded;
+
+    /// Issue 35 item 6: the device write refuses a chunk that would write
+    /// its sequence's shared head (pages leased from the prefix cache)
+    /// before any value is written, with the error the CPU pool gives for
+    /// the same write. Host-side, so no GPU is needed: the record is set
+    /// before the step, and `kv_write` writes nothing for a set record.
+    #[test]
+    fn a_chunk_writing_the_shared_head_is_refused_as_the_cpu_pool_refuses_it() {
+        use kvmesh_kvpool::{KvDtype, KvPool, Namespace, PageKey, PoolConfig, ScrubMode};
+        let pool = KvPool::new(PoolConfig {
+            page_size: 4,
+            n_pages: 8,
+            n_layers: 1,
+            n_kv_heads: 1,
+            head_dim: 2,
+            dtype: KvDtype::F32,
+            scrub: ScrubMode::Off,
+            poison: false,
+        })
+        .expect("pool");
+        pool.set_cache_pages(8);
+        let ns = Namespace::from_slice(&[1; 32]).expect("ns");
+        let keys: Vec<PageKey> = (0..2u8)
+            .map(|i| PageKey::from_slice(&[i + 1; 32]).expect("key"))
+            .collect();
+        let mut first = pool.reserve(8).expect("reserve");
+        let eight = vec![1.0f32; 8 * 2];
+        first.write(0, 0, &eight, &eight).expect("write");
+        first.cache_as(ns, keys.clone());
+        drop(first);
+        let mut r = pool.reserve_cached(&ns, &keys, 12).expect("cached");
+        assert_eq!(r.cached_tokens(), 8);
+        let one = [9.0f32; 2];
+        let cpu = r.write(0, 4, &one, &one).expect_err("the CPU pool refuses");
+        let chunk = |start, rows| ChunkSpec {
+            table: r.table().to_vec(),
+            start,
+            rows,
+            cached: r.cached_tokens(),
+        };
+        let words = initial_records(&[chunk(4, 1), chunk(8, 1), chunk(7, 2), chunk(0, 0)]);
+        let decoded: Vec<Decoded> = words
+            .chunks(8)
+            .map(|w| Violation::from_words(w).decode(8))
+            .collect();
+        let kvmesh_kvpool::PoolError::SharedPage { position, cached } = cpu else {
+            panic!("{cpu:?}")
+        };
+        assert_eq!(decoded[0], Decoded::SharedPage { position, cached });
+        assert_eq!(
+            decoded[1..],
+            [
+                Decoded::Clean,
+                Decoded::SharedPage {
+                    position: 7,
+                    cached: 8
+                },
+                Decoded::Clean,
+            ],
+            "its own page is writable; a chunk straddling the head is not; an empty one writes nothing"
+        );
+    }
 
     /// The device kernels decode Q4_1 and Q8_0 only; every other format
     /// the CPU kernels run gets an error naming it, before any launch.

@@ -39,6 +39,10 @@ pub enum ViolationKind {
     TableTooShort = 4,
     /// A write would start above the layer's watermark.
     WriteGap = 5,
+    /// A write at a position of the sequence's shared head (pages leased
+    /// from the prefix cache, read-only). Set by the host before the step
+    /// ([`Violation::shared_page`]), so the chunk writes nothing.
+    SharedPage = 6,
 }
 
 /// One chunk's record, as the kernels write it (`struct Violation` in
@@ -83,6 +87,14 @@ pub enum Decoded {
         /// The watermark.
         watermark: usize,
     },
+    /// A write at a position of the sequence's cached head, which other
+    /// sequences share: the CPU pool's `PoolError::SharedPage`.
+    SharedPage {
+        /// The first position the write would fill.
+        position: usize,
+        /// Tokens of the cached head.
+        cached: usize,
+    },
     /// A kind no kernel writes: device memory was corrupted or a kernel
     /// and this host code disagree. Fails the sequence like a violation.
     Unknown {
@@ -120,7 +132,25 @@ impl Violation {
                 slot: self.expected as usize,
                 watermark: self.actual as usize,
             },
+            6 => Decoded::SharedPage {
+                position: self.position as usize,
+                cached: self.expected as usize,
+            },
             _ => Decoded::Unknown { raw: *self },
+        }
+    }
+
+    /// The record of a chunk that would write position `position` of a
+    /// sequence whose first `cached` positions are shared (leased) pages.
+    pub fn shared_page(position: u32, cached: u32) -> Self {
+        Self {
+            kind: ViolationKind::SharedPage as u32,
+            page: 0,
+            layer: 0,
+            expected: cached,
+            actual: 0,
+            position,
+            pad: [0; 2],
         }
     }
 
@@ -272,6 +302,13 @@ mod tests {
                 layer: 1,
                 slot: 7,
                 watermark: 4
+            }
+        );
+        assert_eq!(
+            rec(6, 3, 0, 8, 0, 5).decode(8),
+            Decoded::SharedPage {
+                position: 5,
+                cached: 8
             }
         );
         let odd = rec(77, 1, 1, 1, 1, 1);

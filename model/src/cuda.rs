@@ -297,6 +297,7 @@ impl CudaLlama {
                 table: chunk.kv.table().to_vec(),
                 start: chunk.start_pos,
                 rows: chunk.tokens.len(),
+                cached: chunk.kv.cached_tokens(),
             });
         }
         let rows = ids.len();
@@ -540,6 +541,8 @@ impl CudaLlama {
             table: table.to_vec(),
             start,
             rows: n,
+            // The head below `start` is the shared one.
+            cached: start,
         };
         let mut tables = StepTables::new(gpu, &[spec])?;
         st.pool
@@ -642,6 +645,9 @@ fn chunk_error(d: Decoded) -> Option<ModelError> {
             slot,
             watermark,
         })),
+        Decoded::SharedPage { position, cached } => {
+            Some(ModelError::Kv(PoolError::SharedPage { position, cached }))
+        }
         Decoded::Unknown { raw } => Some(ModelError::Compute {
             detail: format!("the device wrote an unknown violation record {raw:?}"),
         }),

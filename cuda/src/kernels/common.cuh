@@ -30,6 +30,9 @@ typedef unsigned char u8;
 #define V_UNWRITTEN 3u
 #define V_TABLE_TOO_SHORT 4u
 #define V_WRITE_GAP 5u
+// Set by the host before the step (a write into the sequence's shared,
+// prefix-cached head); no kernel writes it, every kernel honours it.
+#define V_SHARED_PAGE 6u
 
 struct Violation {
     u32 kind;

@@ -59,8 +59,9 @@ extern "C" __global__ void page_events(const u32* events, u32 n_events, u32* gen
 // in the table (else TABLE_TOO_SHORT), a page of the pool (else
 // PAGE_OUT_OF_RANGE), of the granted generation (else STALE_GENERATION);
 // and the first slot must not lie above its layer's watermark (else
-// WRITE_GAP, the CPU pool's rule). A chunk that failed (now or at an
-// earlier layer: its record is set) writes nothing. After the writes,
+// WRITE_GAP, the CPU pool's rule). A chunk that failed (now, at an
+// earlier layer, or on the host before the step: a write into the
+// sequence's shared head, V_SHARED_PAGE) writes nothing. After the writes,
 // each page's watermark rises to the end of what was written in it
 // (atomicMax): never past a slot that was not written.
 extern "C" __global__ void kv_write(const float* k, const float* v, void* kv, u32 kv_dtype,

@@ -71,6 +71,7 @@ fn step_both(
             table: r.table().to_vec(),
             start,
             rows,
+            cached: 0,
         })
         .collect();
     dev.apply_events().expect("events");
@@ -196,7 +197,16 @@ fn device_read(
     rows: usize,
 ) -> (Decoded, Vec<f32>) {
     dev.apply_events().expect("events");
-    let mut tables = StepTables::new(gpu, &[ChunkSpec { table, start, rows }]).expect("tables");
+    let mut tables = StepTables::new(
+        gpu,
+        &[ChunkSpec {
+            table,
+            start,
+            rows,
+            cached: 0,
+        }],
+    )
+    .expect("tables");
     let q = gpu.upload(&vec![0.5f32; rows * N_HEADS * HD]).expect("q");
     let mut out = poisoned(gpu, rows * N_HEADS * HD);
     dev.attention(call(0, None, true), &q, &mut tables, &mut out)
@@ -263,6 +273,7 @@ fn write_all(dev: &mut DeviceKvPool, gpu: &Arc<Gpu>, r: &mut Reservation, n: usi
             table: r.table().to_vec(),
             start: 0,
             rows: n,
+            cached: 0,
         }],
     )
     .expect("tables");
@@ -375,6 +386,7 @@ fn forged_tables_and_unwritten_slots_are_caught_on_the_device() {
             table: more.table().to_vec(),
             start: 45,
             rows: 3,
+            cached: 0,
         }],
     )
     .expect("tables");
@@ -469,6 +481,7 @@ fn checked_and_unchecked_attention_cost() {
                 table: r.table().to_vec(),
                 start: 0,
                 rows: 999,
+                cached: 0,
             }],
         )
         .expect("t");
@@ -481,6 +494,7 @@ fn checked_and_unchecked_attention_cost() {
             table: r.table().to_vec(),
             start: 998,
             rows: 1,
+            cached: 0,
         })
         .collect();
     let mut t = StepTables::new(&gpu, &specs).expect("t");
