@@ -85,7 +85,7 @@
 //! leave without a restart, and the `prefill`/`decode` lists may be empty
 //! for the router. Registrations carry no secret: a registered node that
 //! lacks `mesh.secret_file` fails every call's authentication and is never
-//! chosen (ARCHITECTURE.md, "Membership").
+//! chosen (`docs/membership.md`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -25,7 +25,7 @@
 //! `[page_size][kv_dim]` of the pool's dtype), so the host pool's storage
 //! and checksums apply unchanged. GPUDirect RDMA would register the device
 //! allocation with the NIC (UCX built with CUDA, `nvidia-peermem`) and skip
-//! the staging copy; see `ARCHITECTURE.md`.
+//! the staging copy; see `docs/cuda.md`.
 //!
 //! # Memory
 //! `n_pages * page bytes` of KV, `4 * n_pages` of generations,

@@ -13,7 +13,8 @@
 //! and nothing else: no secret, no token. Whoever can write under the
 //! prefix can add an entry, so an entry is only an address to try: every
 //! call to it still has to pass mesh authentication (the secret), which a
-//! node without it cannot (ARCHITECTURE.md, "Membership").
+//! node without it cannot (`docs/membership.md`, "Why etcd is not an auth
+//! boundary").
 //!
 //! etcd's content is network input: [`Member::decode`] refuses, with a
 //! typed [`MemberError`], anything that is not such an object or whose

@@ -145,7 +145,7 @@ fn bad_sampling_parameters_are_refused_by_name() {
     assert!(err.to_string().contains("top_p"), "{err}");
 }
 
-/// Sliding windows and the pool (ARCHITECTURE.md, "Decoder families"):
+/// Sliding windows and the pool (`docs/models.md`, "Decoder families"):
 /// pages that have left every layer's window stay the sequence's until it
 /// is released, and admission reserves every token for every layer. The
 /// tiny Mistral attends a window of 16 positions on every layer; a

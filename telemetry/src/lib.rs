@@ -29,8 +29,8 @@
 //!   the log formatter the binary always had.
 //! - Span attributes name ids (reservation, request), counts, sizes, node
 //!   names and outcomes: never prompt or answer text, token ids, tenants or
-//!   API keys (ARCHITECTURE.md, "Traces", says why; the integration test
-//!   `tracing.rs` checks every exported attribute).
+//!   API keys (`docs/tracing.md`, "What attributes may say", says why;
+//!   the integration test `tracing.rs` checks every exported attribute).
 
 pub mod install;
 pub mod metrics;

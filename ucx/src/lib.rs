@@ -33,8 +33,8 @@
 //! the mesh secret are checked on kvmesh's authenticated control
 //! connection; the UCX data plane must run on a network only the mesh's
 //! nodes reach (an RDMA fabric usually is). Nothing here is encrypted;
-//! mutual TLS covers the control connection only. ARCHITECTURE.md says the
-//! same for operators.
+//! mutual TLS covers the control connection only. `docs/security.md` ("What
+//! UCX does and does not protect") says the same for operators.
 //!
 //! # Threads
 //! UCP workers are created single-threaded: each [`Target`] and

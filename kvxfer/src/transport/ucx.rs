@@ -37,8 +37,8 @@
 //!
 //! The trust model is the shared-memory transport's, wider: the remote key
 //! covers the whole pool, and UCX authenticates no one, so the UCX network
-//! must be one only mesh nodes reach (see ARCHITECTURE.md, "What UCX does
-//! and does not protect").
+//! must be one only mesh nodes reach (see `docs/security.md`, "What UCX
+//! does and does not protect").
 
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
