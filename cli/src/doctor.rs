@@ -68,6 +68,11 @@ pub struct DoctorArgs {
     /// How long to wait for each node, milliseconds.
     #[arg(long, default_value_t = 3000)]
     pub timeout_ms: u64,
+    /// With `--url` on a router with API keys: a key with the `metrics`
+    /// scope (the router's `/metrics`, where doctor reads the nodes) and
+    /// the `inference` scope (`/v1/models`).
+    #[arg(long, env = "KVMESH_API_KEY")]
+    pub api_key: Option<String>,
 }
 
 /// A check's outcome.
@@ -112,7 +117,10 @@ pub fn run(a: DoctorArgs) -> Result<()> {
     let timeout = Duration::from_millis(a.timeout_ms.max(1));
     let (report, source) = match (&a.config, &a.url) {
         (Some(config), _) => (from_file(config, timeout)?, json!({ "config": config })),
-        (None, Some(url)) => (through_router(url, timeout)?, json!({ "url": url })),
+        (None, Some(url)) => (
+            through_router(url, timeout, a.api_key.as_deref())?,
+            json!({ "url": url }),
+        ),
         (None, None) => anyhow::bail!("give --config FILE or --url http://ROUTER"),
     };
     let failed = report.checks.iter().any(|c| c.status == Status::Fail);
@@ -190,7 +198,7 @@ fn from_file(config: &std::path::Path, timeout: Duration) -> Result<Report> {
         .http
         .replace("0.0.0.0:", "127.0.0.1:")
         .replace("[::]:", "[::1]:");
-    router(&mut report, &addr, timeout);
+    router(&mut report, &addr, timeout, None);
     Ok(report)
 }
 

@@ -105,9 +105,11 @@ pub struct ServeArgs {
     /// Directory of the shared-memory pool mapping (`--transport shm`).
     #[arg(long, env = "KVMESH_SHM_DIR", default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
-    /// An API key and its tenant, KEY=TENANT (repeat for more; in the
-    /// environment, comma-separated). With any key set, requests without a
-    /// known `Authorization: Bearer KEY` get 401.
+    /// An API key and its tenant, KEY=TENANT, optionally with its scopes,
+    /// KEY=TENANT:inference+metrics (repeat for more; in the environment,
+    /// comma-separated; default scope: inference). With any key set,
+    /// requests without a known `Authorization: Bearer KEY` get 401, and
+    /// `/metrics` needs a key with the metrics scope.
     #[arg(long = "api-key", env = "KVMESH_API_KEYS", value_delimiter = ',')]
     pub api_keys: Vec<String>,
     /// How long a grant may wait for its transfer, in milliseconds.
@@ -196,17 +198,29 @@ impl TestingArgs {
     }
 }
 
-/// `KEY=TENANT` pairs into the key table.
+/// `KEY=TENANT[:SCOPE+SCOPE]` values into the key table.
 fn api_keys(pairs: &[String]) -> Result<kvmesh_router::auth::ApiKeys> {
     let parsed = pairs
         .iter()
         .map(|p| {
-            p.split_once('=')
-                .map(|(k, t)| (k.to_owned(), t.to_owned()))
-                .ok_or_else(|| anyhow::anyhow!("--api-key: expected KEY=TENANT (the value is a secret, so it is not shown)"))
+            let (key, rest) = p.split_once('=').ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--api-key: expected KEY=TENANT[:SCOPES] (the value is a secret, so it is not shown)"
+                )
+            })?;
+            let (tenant, scopes) = match rest.split_once(':') {
+                None => (rest, vec![kvmesh_router::auth::Scope::Inference]),
+                Some((t, s)) => (
+                    t,
+                    s.split('+')
+                        .map(|s| s.parse().map_err(|e: String| anyhow::anyhow!("--api-key: {e}")))
+                        .collect::<Result<Vec<_>>>()?,
+                ),
+            };
+            Ok((key.to_owned(), tenant.to_owned(), scopes))
         })
         .collect::<Result<Vec<_>>>()?;
-    kvmesh_router::auth::ApiKeys::new(parsed).map_err(anyhow::Error::msg)
+    kvmesh_router::auth::ApiKeys::with_scopes(parsed).map_err(anyhow::Error::msg)
 }
 
 /// `kvmesh router|prefill|decode` flags.

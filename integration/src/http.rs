@@ -118,6 +118,14 @@ pub fn metrics(addr: &str) -> kvmesh_client::Metrics {
     blocking::scrape(addr).unwrap_or_else(|e| panic!("{addr}: {e}"))
 }
 
+/// The gateway's metrics at `addr`, read with `auth` (`Bearer KEY`: a key
+/// with the metrics scope, where the gateway has API keys).
+pub fn metrics_with(addr: &str, auth: &str) -> kvmesh_client::Metrics {
+    let r = request_with(addr, "GET", "/metrics", None, Some(auth));
+    assert_eq!(r.status, 200, "{addr}/metrics: {}", r.body);
+    kvmesh_client::Metrics::parse(r.body)
+}
+
 /// The value of the sample a selector names at `addr`
 /// (`name{label="v"}` exactly, `name{label="v"` at least those labels; see
 /// [`kvmesh_client::Metrics::get`]).

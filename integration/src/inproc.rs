@@ -94,6 +94,9 @@ pub struct InProcessMesh {
     stop_nodes: watch::Sender<bool>,
     /// `None` once drained.
     runs: Option<Runs>,
+    /// The `Authorization` value [`InProcessMesh::metrics`] sends: the
+    /// scrape key's, when API keys are configured.
+    scrape_auth: Option<String>,
     // Last: the tasks above end before it goes.
     rt: Runtime,
 }
@@ -142,6 +145,24 @@ fn shm_socket() -> PathBuf {
     ))
 }
 
+/// The key a test mesh with API keys also accepts, for `/metrics` only
+/// (scope `metrics`), as an operator's Prometheus would hold one.
+pub const SCRAPE_KEY: &str = "kvmesh-test-scrape-key";
+
+/// The options' keys (scope `inference`), and [`SCRAPE_KEY`] when there
+/// are any.
+fn api_keys(keys: &[(String, String)]) -> Result<kvmesh_router::auth::ApiKeys> {
+    use kvmesh_router::auth::Scope;
+    let mut all: Vec<_> = keys
+        .iter()
+        .map(|(k, t)| (k.clone(), t.clone(), vec![Scope::Inference]))
+        .collect();
+    if !all.is_empty() {
+        all.push((SCRAPE_KEY.into(), "scraper".into(), vec![Scope::Metrics]));
+    }
+    kvmesh_router::auth::ApiKeys::with_scopes(all).map_err(anyhow::Error::msg)
+}
+
 impl InProcessMesh {
     /// Loads `model` for both nodes and starts the mesh. Call it outside
     /// any tokio runtime (the mesh brings its own; see
@@ -152,9 +173,11 @@ impl InProcessMesh {
             .enable_all()
             .build()
             .context("starting the mesh's runtime")?;
+        let scrape_auth = (!opts.api_keys.is_empty()).then(|| format!("Bearer {SCRAPE_KEY}"));
         let (http, grpc, decode, prefill, [stop_router, stop_nodes], runs) =
             rt.block_on(Self::start_on(model, opts))?;
         Ok(Self {
+            scrape_auth,
             http,
             grpc,
             decode,
@@ -243,8 +266,7 @@ impl InProcessMesh {
                     .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()),
                 model_description: model_description.clone(),
                 max_model_len,
-                api_keys: kvmesh_router::auth::ApiKeys::new(o.api_keys.clone())
-                    .map_err(anyhow::Error::msg)?,
+                api_keys: api_keys(&o.api_keys)?,
                 fault_injection: o.fault_injection,
                 drain_timeout: o.drain_timeout,
                 prefix_cache: o.prefix_cache,
@@ -318,12 +340,21 @@ impl InProcessMesh {
     /// The value of the gateway's sample `selector` names (see
     /// [`kvmesh_client::Metrics::get`]).
     pub fn metric(&self, selector: &str) -> Option<f64> {
-        http::metric(&self.http, selector)
+        kvmesh_client::Metrics::parse(self.metrics()).get(selector)
     }
 
-    /// The gateway's metrics text.
+    /// The gateway's metrics text (read with the scrape key when API keys
+    /// are configured).
     pub fn metrics(&self) -> String {
-        http::metrics(&self.http).text().to_owned()
+        let r = http::request_with(
+            &self.http,
+            "GET",
+            "/metrics",
+            None,
+            self.scrape_auth.as_deref(),
+        );
+        assert_eq!(r.status, 200, "/metrics: {}", r.body);
+        r.body
     }
 
     /// Waits (bounded: 10 s) until `done` holds of the nodes' state, read

@@ -465,7 +465,8 @@ fn stop_strings_and_seeded_sampling() {
 }
 
 /// API keys: with keys configured, a request without a known key gets 401
-/// (UNAUTHENTICATED over gRPC) and nothing else happens; a known key works.
+/// (UNAUTHENTICATED over gRPC) and nothing else happens; a known key works;
+/// `/metrics` needs a key with the metrics scope.
 #[test]
 fn api_keys_gate_every_request() {
     let mesh = start(
@@ -521,6 +522,31 @@ fn api_keys_gate_every_request() {
     });
     // Probes stay open.
     assert_eq!(http::get(&mesh.http, "/health").status, 200);
+    // /metrics names the nodes, their versions and caches: only a key with
+    // the metrics scope reads it (issue 35 item 5); an inference key gets
+    // 403, no key 401. It carries no tenant's figure.
+    let scrape = |auth: Option<&str>| http::request_with(&mesh.http, "GET", "/metrics", None, auth);
+    assert_eq!(scrape(None).status, 401);
+    let r = scrape(Some("Bearer sk-alpha-1"));
+    assert_eq!(r.status, 403, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "insufficient_scope");
+    let text = mesh.metrics();
+    assert!(text.contains("kvmesh_node_up"), "{text}");
+    for tenant in ["alpha", "beta", "scraper"] {
+        assert!(!text.contains(tenant), "/metrics names tenant {tenant}");
+    }
+    // A scraper's key runs no inference.
+    let r = http::request_with(
+        &mesh.http,
+        "POST",
+        "/v1/completions",
+        Some(&body.to_string()),
+        Some(&format!(
+            "Bearer {}",
+            kvmesh_integration::inproc::SCRAPE_KEY
+        )),
+    );
+    assert_eq!(r.status, 403, "{}", r.body);
 }
 
 /// Every decoder family through the mesh (prefill ships its KV, decode

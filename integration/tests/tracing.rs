@@ -17,7 +17,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvmesh_integration::http::{metric, post_streaming_headers, request_headers};
+use kvmesh_integration::http::{metrics_with, post_streaming_headers, request_headers};
 use kvmesh_integration::python::{pip_install, python};
 use kvmesh_integration::roles::{self, free_port, wait_healthy, write_secret};
 use kvmesh_integration::tiny_model_dir;
@@ -132,7 +132,7 @@ fn mesh_file(dir: &std::path::Path, collector: u16) -> (PathBuf, String, String)
     let text = format!(
         "model: {model}\nmesh: {{secret_file: mesh.secret}}\n\
          tracing: {{otlp_endpoint: \"http://127.0.0.1:{collector}\", sample_ratio: 1}}\n\
-         router:\n  http: \"127.0.0.1:{}\"\n  grpc: \"127.0.0.1:{}\"\n  api_keys: [{{key: {API_KEY}, tenant: {TENANT}}}]\n\
+         router:\n  http: \"127.0.0.1:{}\"\n  grpc: \"127.0.0.1:{}\"\n  api_keys: [{{key: {API_KEY}, tenant: {TENANT}, scopes: [inference, metrics]}}]\n\
          prefill:\n  - {{name: prefill-0, grpc: \"127.0.0.1:{}\"}}\n\
          decode:\n  - {{name: decode-0, grpc: \"127.0.0.1:{}\", kv: \"127.0.0.1:{}\"}}\n",
         p[0],
@@ -290,7 +290,8 @@ fn one_trace_per_request_across_router_decode_and_prefill() {
     // Aborted: the first frame is held back, the client leaves meanwhile;
     // decode's reservation ends `aborted` (confirmed by the writer).
     let aborted = "kvmesh_node_reservations_total{node=\"decode-0\",outcome=\"aborted\"}";
-    let before = metric(&http_addr, aborted).unwrap_or(0.0);
+    let metric = |s: &str| metrics_with(&http_addr, &bearer()).get(s);
+    let before = metric(aborted).unwrap_or(0.0);
     let tp = traceparent(ABORT_TRACE, ABORT_PARENT);
     let s = post_streaming_headers(
         &http_addr,
@@ -306,7 +307,7 @@ fn one_trace_per_request_across_router_decode_and_prefill() {
     std::thread::sleep(Duration::from_millis(300));
     drop(s);
     let t0 = Instant::now();
-    while metric(&http_addr, aborted).unwrap_or(0.0) < before + 1.0 {
+    while metric(aborted).unwrap_or(0.0) < before + 1.0 {
         assert!(t0.elapsed() < Duration::from_secs(20), "never aborted");
         std::thread::sleep(Duration::from_millis(50));
     }

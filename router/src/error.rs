@@ -251,6 +251,7 @@ impl GatewayError {
         match self {
             Self::Rejected(r) => Count::Rejected(r.reason()),
             Self::Dispatch(d) => Count::Finished(d.kind()),
+            Self::Auth(AuthError::OutOfScope(_)) => Count::Rejected("forbidden"),
             Self::Auth(_) => Count::Rejected("unauthenticated"),
             Self::Body { .. } => Count::Rejected("invalid_request"),
             Self::FaultSpec(_) => Count::Rejected("invalid_fault_spec"),
@@ -271,6 +272,7 @@ impl GatewayError {
             ) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Rejected(R::UnknownModel(_)) => StatusCode::NOT_FOUND,
             Self::Dispatch(d) => dispatch_status(d),
+            Self::Auth(AuthError::OutOfScope(_)) => StatusCode::FORBIDDEN,
             Self::Auth(_) => StatusCode::UNAUTHORIZED,
             Self::Body { status, .. } => *status,
             Self::FaultSpec(_) => StatusCode::BAD_REQUEST,
@@ -291,6 +293,7 @@ impl GatewayError {
             Self::Rejected(R::UnknownModel(_)) => "model_not_found",
             Self::Rejected(R::ShuttingDown) => "shutting_down",
             Self::Dispatch(d) => d.kind(),
+            Self::Auth(AuthError::OutOfScope(_)) => "insufficient_scope",
             Self::Auth(_) => "invalid_api_key",
             Self::Body { .. } => "invalid_body",
             Self::FaultSpec(_) => "invalid_fault_spec",
@@ -424,6 +427,7 @@ fn grpc_code(status: StatusCode) -> tonic::Code {
     match status {
         StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => tonic::Code::InvalidArgument,
         StatusCode::UNAUTHORIZED => tonic::Code::Unauthenticated,
+        StatusCode::FORBIDDEN => tonic::Code::PermissionDenied,
         StatusCode::NOT_FOUND => tonic::Code::NotFound,
         StatusCode::TOO_MANY_REQUESTS => tonic::Code::ResourceExhausted,
         StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE => tonic::Code::Unavailable,

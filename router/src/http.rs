@@ -40,8 +40,11 @@ pub enum Access {
     /// `Authorization: Bearer KEY` when API keys are configured (401
     /// otherwise).
     ApiKey,
-    /// Anyone (probes, scrapers, the API description).
+    /// Anyone (probes, the API description).
     Open,
+    /// With API keys configured, a key with the `metrics` scope (401
+    /// without a known key, 403 with one that lacks it); anyone without.
+    Metrics,
 }
 
 /// An HTTP method the gateway serves.
@@ -98,7 +101,7 @@ where
 /// [`routes`] registers and that the OpenAPI document is checked against
 /// (`openapi` tests), so the two cannot drift apart.
 fn table() -> Vec<(Endpoint, MethodRouter<Router>)> {
-    use Access::{ApiKey, Open};
+    use Access::{ApiKey, Metrics, Open};
     use Verb::{Get, Post};
     vec![
         endpoint(Post, "/v1/completions", ApiKey, completions),
@@ -108,7 +111,7 @@ fn table() -> Vec<(Endpoint, MethodRouter<Router>)> {
         endpoint(Post, "/detokenize", ApiKey, tokenize::detokenize),
         endpoint(Get, "/version", Open, tokenize::version),
         endpoint(Get, "/health", Open, health),
-        endpoint(Get, "/metrics", Open, metrics),
+        endpoint(Get, "/metrics", Metrics, metrics),
         endpoint(Get, "/openapi.json", Open, openapi),
     ]
 }
@@ -119,10 +122,15 @@ pub fn endpoints() -> Vec<Endpoint> {
 }
 
 pub(crate) fn routes(router: Router) -> axum::Router {
-    let (mut keyed, mut open) = (axum::Router::new(), axum::Router::new());
+    let (mut keyed, mut scraped, mut open) = (
+        axum::Router::new(),
+        axum::Router::new(),
+        axum::Router::new(),
+    );
     for (e, handler) in table() {
         match e.access {
             Access::ApiKey => keyed = keyed.route(e.path, handler),
+            Access::Metrics => scraped = scraped.route(e.path, handler),
             Access::Open => open = open.route(e.path, handler),
         }
     }
@@ -130,7 +138,28 @@ pub(crate) fn routes(router: Router) -> axum::Router {
         router.clone(),
         authenticate,
     ));
-    keyed.merge(open).with_state(router)
+    let scraped = scraped.route_layer(axum::middleware::from_fn_with_state(
+        router.clone(),
+        authorize_metrics,
+    ));
+    keyed.merge(scraped).merge(open).with_state(router)
+}
+
+/// 401 or 403 before `/metrics` is rendered unless the request may read it
+/// ([`crate::auth::ApiKeys::check_metrics`]).
+async fn authorize_metrics(
+    State(r): State<Router>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let header = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    match r.config().api_keys.check_metrics(header) {
+        Ok(()) => next.run(req).await,
+        Err(e) => r.fail(e.into()).into_response(),
+    }
 }
 
 /// 401 before the handler runs (the body is not even read) unless the

@@ -110,7 +110,7 @@ pub(crate) mod tests {
                 .is_some_and(|s| !s.is_empty());
             assert_eq!(
                 keyed,
-                e.access == Access::ApiKey,
+                e.access != Access::Open,
                 "{} {}: security in the document vs the gateway",
                 e.verb.as_str(),
                 e.path
@@ -600,6 +600,10 @@ pub(crate) mod tests {
                     let v: Value = serde_json::from_str(&text).expect("401 body");
                     assert_eq!(v["error"]["code"], "invalid_api_key");
                     assert_ne!(keyed, 401, "{method} {}", e.path);
+                }
+                // The test's key has the inference scope only.
+                Access::Metrics => {
+                    assert_eq!((anon, keyed), (401, 403), "{method} {}", e.path);
                 }
                 Access::Open => assert_eq!(anon, keyed, "{method} {}", e.path),
             }

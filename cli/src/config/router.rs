@@ -73,6 +73,28 @@ pub struct ApiKey {
     pub key: String,
     /// The tenant it maps to.
     pub tenant: String,
+    /// What it may do: `inference`, `metrics` (the gateway's `/metrics`)
+    /// or both; default `[inference]`.
+    #[serde(default)]
+    pub scopes: Option<Vec<String>>,
+}
+
+impl ApiKey {
+    /// Its scopes, parsed (absent: inference only); an unknown one is
+    /// refused naming the key's position (never the key).
+    pub fn parsed_scopes(&self, i: usize, file: &Path) -> Result<Vec<kvmesh_router::auth::Scope>> {
+        match &self.scopes {
+            None => Ok(vec![kvmesh_router::auth::Scope::Inference]),
+            Some(list) => list
+                .iter()
+                .map(|s| {
+                    s.parse().map_err(|e: String| {
+                        refuse(file, &format!("router.api_keys[{i}].scopes"), s, &e)
+                    })
+                })
+                .collect(),
+        }
+    }
 }
 
 fn default_running() -> usize {

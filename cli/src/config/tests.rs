@@ -372,3 +372,30 @@ fn activations_are_one_per_mesh_and_checked() {
     ));
     assert!(e.contains("activations"), "{e}");
 }
+
+#[test]
+fn api_key_scopes_are_checked_naming_the_key_by_position() {
+    let keyed = |scopes: &str| {
+        format!(
+            "mesh: {{insecure_no_mesh_auth: true}}\n\
+             router: {{http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\", api_keys: [{{key: sk-1, tenant: a}}, {{key: sk-2, tenant: ops{scopes}}}]}}\n{NODES}"
+        )
+    };
+    let cfg = parse(&keyed(", scopes: [metrics]")).expect("valid");
+    let scopes = cfg.router.api_keys[1]
+        .parsed_scopes(1, Path::new("/t/mesh.yaml"))
+        .expect("scopes");
+    assert_eq!(scopes, [kvmesh_router::auth::Scope::Metrics]);
+    assert_eq!(
+        cfg.router.api_keys[0]
+            .parsed_scopes(0, Path::new("/t/mesh.yaml"))
+            .expect("default"),
+        [kvmesh_router::auth::Scope::Inference]
+    );
+    let e = refused(&keyed(", scopes: [admin]"));
+    assert!(
+        e.contains("router.api_keys[1].scopes = \"admin\": unknown scope"),
+        "{e}"
+    );
+    assert!(!e.contains("sk-2"), "the key is a secret: {e}");
+}

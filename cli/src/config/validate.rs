@@ -93,6 +93,9 @@ impl MeshConfig {
         host_port(file, "router.http", &self.router.http)?;
         host_port(file, "router.grpc", &self.router.grpc)?;
         self.router.parsers(file)?;
+        for (i, k) in self.router.api_keys.iter().enumerate() {
+            k.parsed_scopes(i, file)?;
+        }
         if self.router.max_running == 0 {
             bail!(refuse(
                 file,

@@ -5,7 +5,7 @@
 use super::*;
 
 /// The checks of a running mesh through its router's view.
-pub(super) fn through_router(url: &str, timeout: Duration) -> Result<Report> {
+pub(super) fn through_router(url: &str, timeout: Duration, key: Option<&str>) -> Result<Report> {
     let addr = url
         .trim_start_matches("http://")
         .trim_end_matches('/')
@@ -14,18 +14,23 @@ pub(super) fn through_router(url: &str, timeout: Duration) -> Result<Report> {
         anyhow::bail!("--url {url:?}: expected http://HOST:PORT (the router's HTTP address)");
     }
     let mut report = Report { checks: Vec::new() };
-    if !router(&mut report, &addr, timeout) {
+    if !router(&mut report, &addr, timeout, key) {
         return Ok(report);
     }
-    let metrics = match http_get(&addr, "/metrics", timeout) {
+    let metrics = match http_get(&addr, "/metrics", timeout, key) {
         Ok(r) if r.status == 200 => kvmesh_client::Metrics::parse(r.text()),
         Ok(r) => {
+            let hint = if matches!(r.status, 401 | 403) {
+                ": the router has API keys; give --api-key a key with the metrics scope"
+            } else {
+                ""
+            };
             report.add(
                 "router",
                 "router",
                 "metrics",
                 Status::Fail,
-                format!("HTTP {} from {addr}/metrics", r.status),
+                format!("HTTP {} from {addr}/metrics{hint}", r.status),
             );
             return Ok(report);
         }
@@ -34,7 +39,7 @@ pub(super) fn through_router(url: &str, timeout: Duration) -> Result<Report> {
             return Ok(report);
         }
     };
-    let model_len = http_get(&addr, "/v1/models", timeout)
+    let model_len = http_get(&addr, "/v1/models", timeout, key)
         .ok()
         .and_then(|r| r.json().ok())
         .and_then(|j| j["data"][0]["max_model_len"].as_u64());
@@ -146,19 +151,29 @@ fn http_get(
     addr: &str,
     path: &'static str,
     timeout: Duration,
+    key: Option<&str>,
 ) -> Result<kvmesh_client::Reply, String> {
     let (tx, rx) = std::sync::mpsc::channel();
     let at = addr.to_owned();
+    let mut req = kvmesh_client::http::Request::get(path);
+    if let Some(key) = key {
+        req = req.bearer(key);
+    }
     std::thread::spawn(move || {
-        let _ = tx.send(kvmesh_client::blocking::get(&at, path).map_err(|e| e.to_string()));
+        let _ = tx.send(kvmesh_client::blocking::request(&at, &req).map_err(|e| e.to_string()));
     });
     rx.recv_timeout(timeout)
         .unwrap_or_else(|_| Err(format!("no answer within {} ms", timeout.as_millis())))
 }
 
 /// The router's HTTP port at `addr`; whether it answered.
-pub(super) fn router(report: &mut Report, addr: &str, timeout: Duration) -> bool {
-    let get = |path: &'static str| http_get(addr, path, timeout);
+pub(super) fn router(
+    report: &mut Report,
+    addr: &str,
+    timeout: Duration,
+    key: Option<&str>,
+) -> bool {
+    let get = |path: &'static str| http_get(addr, path, timeout, key);
     let reply = get("/version");
     match reply {
         Ok(r) if r.status == 200 => {

@@ -208,11 +208,19 @@ pub(super) async fn router_process(
             prefix_cache: cfg.prefix_cache,
             tool_call_parser: parsers.0,
             reasoning_parser: parsers.1,
-            api_keys: kvmesh_router::auth::ApiKeys::new(
+            api_keys: kvmesh_router::auth::ApiKeys::with_scopes(
                 cfg.router
                     .api_keys
                     .iter()
-                    .map(|k| (k.key.clone(), k.tenant.clone())),
+                    .enumerate()
+                    .map(|(i, k)| {
+                        Ok((
+                            k.key.clone(),
+                            k.tenant.clone(),
+                            k.parsed_scopes(i, &cfg.file)?,
+                        ))
+                    })
+                    .collect::<Result<Vec<_>>>()?,
             )
             .map_err(anyhow::Error::msg)?,
             ..RouterConfig::default()

@@ -12,7 +12,7 @@ use tokio::sync::Notify;
 use tokio_stream::StreamExt;
 use tower::ServiceExt;
 
-use crate::auth::ApiKeys;
+use crate::auth::{ApiKeys, Scope};
 use crate::error::{DispatchError, Rejection};
 use crate::mesh::fake::{router, FakeMesh, Script, Step};
 use crate::mesh::{Event, Finish};
@@ -21,7 +21,13 @@ use crate::{Router, RouterConfig};
 
 fn keyed() -> RouterConfig {
     RouterConfig {
-        api_keys: ApiKeys::new([("k-test".to_owned(), "tenant-a".to_owned())]).expect("keys"),
+        // The test's one key may also read /metrics.
+        api_keys: ApiKeys::with_scopes([(
+            "k-test".to_owned(),
+            "tenant-a".to_owned(),
+            vec![Scope::Inference, Scope::Metrics],
+        )])
+        .expect("keys"),
         ..RouterConfig::default()
     }
 }
@@ -63,6 +69,7 @@ fn sse_data(body: &str) -> Vec<String> {
 
 async fn metrics(r: &Router) -> String {
     let req = Request::get("/metrics")
+        .header("authorization", "Bearer k-test")
         .body(Body::empty())
         .expect("request");
     send(r, req).await.1
