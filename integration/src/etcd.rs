@@ -35,9 +35,9 @@ pub fn etcd_bin() -> PathBuf {
 }
 
 /// Spawns `cmd` from a thread that never ends, with the child set to get
-/// SIGKILL when that thread (so the test process) dies: no etcd outlives
-/// its tests.
-fn spawn_owned(mut cmd: Command) -> Child {
+/// SIGKILL when that thread (so the test process) dies: no etcd (or lab
+/// process) outlives its tests.
+pub(crate) fn spawn_owned(mut cmd: Command) -> Child {
     type Job = (Command, mpsc::Sender<std::io::Result<Child>>);
     static SPAWNER: OnceLock<Mutex<mpsc::Sender<Job>>> = OnceLock::new();
     let spawner = SPAWNER.get_or_init(|| {
@@ -73,18 +73,22 @@ fn spawn_owned(mut cmd: Command) -> Child {
         .expect("the spawner thread");
     rx.recv()
         .expect("the spawner thread")
-        .unwrap_or_else(|e| panic!("spawn {}: {e}", etcd_bin().display()))
+        .unwrap_or_else(|e| panic!("spawn: {e}"))
 }
 
-/// One etcd member on loopback.
+/// One etcd member on loopback, or on a lab host's address inside its
+/// network namespace ([`Etcd::start_in`]).
 #[derive(Debug)]
 pub struct Etcd {
     child: Mutex<Option<Child>>,
+    host: String,
     client_port: u16,
     peer_port: u16,
     /// Plain HTTP `/health` and `/metrics` (its client URL may be TLS).
     metrics_port: u16,
     dir: tempfile::TempDir,
+    /// The network namespace it runs in (`None`: this process's).
+    netns: Option<String>,
     tls: Option<EtcdServerTls>,
 }
 
@@ -121,19 +125,48 @@ impl Etcd {
     fn start_with(tls: Option<EtcdServerTls>) -> Etcd {
         let e = Etcd {
             child: Mutex::new(None),
+            host: "127.0.0.1".into(),
             client_port: free_port(),
             peer_port: free_port(),
             metrics_port: free_port(),
             dir: tempfile::tempdir().expect("tempdir"),
             tls,
+            netns: None,
         };
         e.launch();
         e
     }
 
-    /// `127.0.0.1:PORT` of its client URL.
+    /// A new etcd inside the network namespace `netns`, listening on
+    /// `host`'s ports 2379 and 2380 there (a lab host, `crate::netlab`);
+    /// this handle's calls to it run inside that namespace too.
+    pub fn start_in(netns: &str, host: std::net::Ipv4Addr) -> Etcd {
+        let e = Etcd {
+            child: Mutex::new(None),
+            host: host.to_string(),
+            client_port: 2379,
+            peer_port: 2380,
+            metrics_port: 2381,
+            dir: tempfile::tempdir().expect("tempdir"),
+            tls: None,
+            netns: Some(netns.to_owned()),
+        };
+        e.launch();
+        e
+    }
+
+    /// `HOST:PORT` of its client URL (`127.0.0.1` unless in a lab).
     pub fn endpoint(&self) -> String {
-        format!("127.0.0.1:{}", self.client_port)
+        format!("{}:{}", self.host, self.client_port)
+    }
+
+    /// Runs `f` where this etcd is reachable: here, or on a thread inside
+    /// its namespace.
+    fn near<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        match &self.netns {
+            Some(ns) => crate::netlab::ns::enter(ns, f),
+            None => f(),
+        }
     }
 
     /// Its client URL's scheme.
@@ -146,13 +179,20 @@ impl Etcd {
     }
 
     fn launch(&self) {
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let peer = format!("http://{}:{}", self.host, self.peer_port);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.path().join("etcd.log"))
             .expect("etcd log file");
-        let mut cmd = Command::new(etcd_bin());
+        let mut cmd = match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(etcd_bin());
+                c
+            }
+            None => Command::new(etcd_bin()),
+        };
         let scheme = self.scheme();
         cmd.arg("--name=kvmesh-test")
             .arg(format!(
@@ -188,9 +228,12 @@ impl Etcd {
         *self.child.lock().unwrap_or_else(PoisonError::into_inner) = Some(child);
         // Up once it answers its health endpoint (a leader elected).
         loop {
+            // Its metrics listener is on the loopback of its namespace.
             let metrics = format!("127.0.0.1:{}", self.metrics_port);
-            let ok = kvmesh_client::blocking::get(&metrics, "/health")
-                .is_ok_and(|r| r.status == 200 && r.text().contains("true"));
+            let ok = self.near(|| {
+                kvmesh_client::blocking::get(&metrics, "/health")
+                    .is_ok_and(|r| r.status == 200 && r.text().contains("true"))
+            });
             if ok {
                 break;
             }
@@ -253,7 +296,14 @@ impl Etcd {
     }
 
     /// Runs `f` with a client of this etcd, on a runtime of its own.
-    fn with_client<T>(
+    fn with_client<T: Send>(
+        &self,
+        f: impl AsyncFnOnce(&mut etcd_client::Client) -> Result<T, etcd_client::Error> + Send,
+    ) -> Result<T, etcd_client::Error> {
+        self.near(|| self.with_client_here(f))
+    }
+
+    fn with_client_here<T>(
         &self,
         f: impl AsyncFnOnce(&mut etcd_client::Client) -> Result<T, etcd_client::Error>,
     ) -> Result<T, etcd_client::Error> {

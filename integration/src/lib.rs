@@ -9,7 +9,8 @@
 //! register in it;
 //! [`http`] is the tests' face of `kvmesh_client`'s client and scraper;
 //! [`nodes`] drives the internal services by hand; [`python`] runs the
-//! external clients.
+//! external clients; [`netlab`] puts each role on a host of its own
+//! (network namespaces) behind links it shapes and cuts.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -19,6 +20,7 @@ pub mod etcd;
 pub mod http;
 pub mod inproc;
 pub mod mesh;
+pub mod netlab;
 pub mod nodes;
 pub mod python;
 pub mod roles;

@@ -76,6 +76,11 @@ impl Proc {
         terminate(&self.child);
     }
 
+    /// Its process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Its exit status, waiting at most `within`; `None` if still running.
     pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
         wait_exit(&mut self.child, within)
@@ -206,21 +211,63 @@ fn spawn(
     filter: Option<&str>,
     args: &[&str],
 ) -> (Proc, Vec<String>) {
-    let mut cmd = Command::new(crate::kvmesh_bin());
+    spawn_in(None, role, config, name, ready, filter, args, &[])
+}
+
+/// [`start_logged_with`] (or [`start_with`], `filter` `None`) with the
+/// environment variables `envs`, inside the network namespace `netns` (`ip netns exec`, which also shows the
+/// process that namespace's `/sys/class/net`, as UCX reads it); the
+/// process gets SIGKILL if this test process dies, so it cannot outlive
+/// its lab.
+#[allow(clippy::too_many_arguments)]
+pub fn start_in_netns(
+    netns: &str,
+    role: &str,
+    config: &Path,
+    name: Option<&str>,
+    ready: &str,
+    filter: Option<&str>,
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> (Proc, Vec<String>) {
+    spawn_in(Some(netns), role, config, name, ready, filter, args, envs)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn spawn_in(
+    netns: Option<&str>,
+    role: &str,
+    config: &Path,
+    name: Option<&str>,
+    ready: &str,
+    filter: Option<&str>,
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> (Proc, Vec<String>) {
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(crate::kvmesh_bin());
+            c
+        }
+        None => Command::new(crate::kvmesh_bin()),
+    };
     cmd.arg(role).arg("--config").arg(config).args(args);
     if let Some(n) = name {
         cmd.args(["--name", n]);
     }
-    let mut child = cmd
+    cmd.envs(envs.iter().copied())
         .env("KVMESH_LOG", filter.unwrap_or("warn"))
         .stdout(Stdio::piped())
         .stderr(if filter.is_some() {
             Stdio::piped()
         } else {
             Stdio::inherit()
-        })
-        .spawn()
-        .expect("spawn");
+        });
+    let mut child = match netns {
+        Some(_) => crate::etcd::spawn_owned(cmd),
+        None => cmd.spawn().expect("spawn"),
+    };
     let logs = capture_stderr(&mut child);
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     let mut seen = Vec::new();
