@@ -104,6 +104,17 @@ pub enum DiscoveryError {
     Member(#[from] MemberError),
 }
 
+/// How often an etcd connection pings. etcd refuses pings closer than its
+/// `--grpc-keepalive-min-time` (5 s by default): after the third it sends
+/// GOAWAY (`too_many_pings`) and closes the connection. At the 1 s this
+/// was, every watcher's connection was closed every 4 s while idle, so the
+/// router and prefill nodes went degraded and re-read the whole prefix
+/// every 4 s (found on the namespace lab, issue 36). 6 s keeps a margin
+/// over the 5 s for timer and network jitter.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(6);
+/// How long a ping may go unanswered before the connection counts dead.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Runs one etcd call bounded by `after`.
 async fn bounded<T>(
     what: &'static str,
@@ -120,12 +131,12 @@ async fn bounded<T>(
 /// A client of the mesh's etcd. Connecting is lazy (etcd-client's balanced
 /// channel): an unreachable etcd shows as the first call's error or
 /// timeout, which every call here bounds. HTTP/2 keep-alives make a dead
-/// connection fail its streams (watch, lease keep-alive) within about two
-/// seconds instead of hanging.
+/// connection fail its streams (watch, lease keep-alive) within
+/// [`KEEPALIVE_INTERVAL`] + [`KEEPALIVE_TIMEOUT`] instead of hanging.
 async fn connect(cfg: &EtcdConfig) -> Result<etcd_client::Client, DiscoveryError> {
     let mut opts = etcd_client::ConnectOptions::new()
         .with_connect_timeout(cfg.dial_timeout)
-        .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
+        .with_keep_alive(KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT)
         .with_keep_alive_while_idle(true);
     if let Some(tls) = &cfg.tls {
         let read = |path: &std::path::Path| {

@@ -13,7 +13,8 @@
 //!   that are not registrations are refused and counted;
 //! - an impostor that skips every proof, or a relay to a real node, at a
 //!   registered address sees no prompt and is never chosen, and a proof
-//!   it captured is refused where it is replayed.
+//!   it captured is refused where it is replayed;
+//! - an idle watcher's connection outlives etcd's ping policy.
 //!
 //! The registrar itself (names, lost leases) is `etcd_registrar.rs`.
 //!
@@ -691,4 +692,28 @@ fn the_default_model_through_a_changing_etcd_mesh_equals_the_reference() {
             &[("node", "decode-1")],
         ) >= Some(2.0)
     });
+}
+
+/// etcd (by default `--grpc-keepalive-min-time 5s`) answers a client that
+/// pings more often with GOAWAY after the third ping. The watchers pinged
+/// every second, so an idle router's connection was closed every 4 s: it
+/// logged "etcd unreachable", went degraded and re-read the prefix each
+/// time (found on the namespace lab, issue 36). Over 15 s idle: never.
+#[test]
+fn an_idle_router_keeps_its_etcd_connection() {
+    let etcd = Etcd::shared();
+    let mesh = EtcdMesh::new(
+        etcd,
+        "idle",
+        &[("prefill", "prefill-0"), ("decode", "decode-0")],
+    );
+    let _d0 = mesh.start("decode", Some("decode-0"), &[], false);
+    let _p0 = mesh.start("prefill", Some("prefill-0"), &[], false);
+    let router = mesh.start("router", None, &[], true);
+    wait_healthy(&mesh.http);
+    assert_eq!(
+        router.log_line("etcd unreachable", Duration::from_secs(15)),
+        None,
+        "the router's etcd watch broke while nothing happened"
+    );
 }

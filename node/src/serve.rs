@@ -29,7 +29,8 @@ const SETTLE_POLL: Duration = Duration::from_millis(10);
 
 /// Serves `routes` on `listener` (TCP_NODELAY on every connection: a
 /// streamed token is one small write, which Nagle's algorithm would hold
-/// until the peer's delayed ACK, about 40 ms) until `stop` resolves; then
+/// until the peer's delayed ACK, about 40 ms; HTTP/2 keep-alive pings, so a
+/// peer that vanished from the network fails its streams) until `stop` resolves; then
 /// stops accepting and ends once every call in flight has ended.
 pub fn serve<F>(
     routes: Routes,
@@ -42,8 +43,13 @@ where
 {
     // HTTP/1.1 for `/metrics` (a Prometheus scrape); gRPC stays HTTP/2,
     // and a gRPC path asked over HTTP/1.1 fails as gRPC.
+    // Keep-alive pings from this end too: a router cut off by the network
+    // would otherwise hold a decode stream (and its sequence's pages) until
+    // TCP gave up.
     let server = tonic::transport::Server::builder()
         .accept_http1(true)
+        .http2_keepalive_interval(Some(kvmesh_proto::peer::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(kvmesh_proto::peer::KEEPALIVE_TIMEOUT))
         .add_routes(routes);
     match tls {
         None => {

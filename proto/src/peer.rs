@@ -43,10 +43,27 @@ pub fn prefill_client(
     PrefillClient::new(peer_channel(channel, secret, name))
 }
 
+/// How often each end of an internal HTTP/2 connection pings a silent
+/// peer ([`channel`] here, the node's server in `kvmesh_node::serve`).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+/// How long a ping may go unanswered before the connection is closed and
+/// every stream on it fails (UNAVAILABLE). Without it, a peer cut off by
+/// the network (no FIN, no RST) held its streams open until TCP gave up,
+/// about 15 minutes: a client's stream to a partitioned decode node hung
+/// (measured: 119 s, ended only by decode's retransmission after the link
+/// came back). With it, such a stream fails within
+/// `KEEPALIVE_INTERVAL + KEEPALIVE_TIMEOUT` (7 s), inside the default
+/// abort timeout (10 s) and lease (60 s). Generous on purpose: the
+/// connection tasks answer pings on the async runtime, which the model's
+/// compute threads do not occupy, but a saturated host can still delay
+/// them.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// A lazily connecting channel to the node at `url` (`http://HOST:PORT`),
-/// TCP_NODELAY, connecting within `connect_timeout`; with `tls`, every
-/// connection runs mutual TLS first (the node's certificate must name
-/// HOST). Refuses an address that is not a URI.
+/// TCP_NODELAY, connecting within `connect_timeout`, with HTTP/2
+/// keep-alive pings ([`KEEPALIVE_INTERVAL`], [`KEEPALIVE_TIMEOUT`]); with
+/// `tls`, every connection runs mutual TLS first (the node's certificate
+/// must name HOST). Refuses an address that is not a URI.
 pub fn channel(
     url: &str,
     tls: Option<&Arc<MeshTls>>,
@@ -55,7 +72,10 @@ pub fn channel(
     let endpoint = Endpoint::from_shared(url.to_owned())
         .map_err(|e| format!("bad address {url:?}: {e}"))?
         .connect_timeout(connect_timeout)
-        .tcp_nodelay(true);
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true);
     let Some(tls) = tls else {
         return Ok(endpoint.connect_lazy());
     };
