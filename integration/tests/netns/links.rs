@@ -1,0 +1,171 @@
+//! Shaped links: lossy and jittery ones change no output and leak no
+//! page; a 100 Mbit/s one is measured against the pool geometry.
+
+use std::time::Duration;
+
+use kvmesh_integration::http;
+use kvmesh_integration::netlab::mesh::{LabMesh, HOSTS};
+use kvmesh_integration::netlab::Shape;
+
+use super::{assert_nothing_leaked, long_prompt, reference, stream, within};
+
+const MBIT: u64 = 1_000_000;
+
+/// Packets delivered and lost over every link so far (`None` on veth,
+/// where the kernel's qdiscs count them).
+fn packets(mesh: &LabMesh) -> Option<(u64, u64)> {
+    HOSTS.iter().try_fold((0, 0), |(d, l), h| {
+        let s = mesh.lab.link_stats(h)?;
+        Some((d + s.delivered, l + s.lost))
+    })
+}
+
+/// TCP segments retransmitted by every host's kernel so far.
+fn retransmits(mesh: &LabMesh) -> u64 {
+    HOSTS.iter().map(|h| mesh.lab.tcp_retransmits(h)).sum()
+}
+
+/// 2 ms +- 0.5 ms and 0.5% loss on every link: 8 completions, 4 at a
+/// time, equal `kvmesh generate`'s; the RTT the kernels see is the one
+/// asked for; every page comes back and every grant ends once.
+pub fn lossy(mesh: &LabMesh, what: &str) {
+    let shape = Shape {
+        latency: Duration::from_millis(2),
+        jitter: Duration::from_micros(500),
+        loss: 0.005,
+        rate_bps: None,
+    };
+    mesh.lab.shape_all(shape);
+    let (p0, r0) = (packets(mesh), retransmits(mesh));
+    // A connect is one round trip: two one-way crossings of 2 ms.
+    let rtt = mesh.lab.connect_rtt("router", "decode-0", 7101, 9);
+    assert!(
+        (Duration::from_micros(3500)..Duration::from_millis(12)).contains(&rtt),
+        "[{what}] a round trip over two 2 ms links took {rtt:?}"
+    );
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("Lossy link {i}: the old lighthouse keeper said"))
+        .collect();
+    let want: Vec<String> = prompts.iter().map(|p| reference(p, 16)).collect();
+    let got: Vec<String> = mesh.client(|addr| {
+        prompts
+            .chunks(4)
+            .flat_map(|chunk| {
+                std::thread::scope(|s| {
+                    let hs: Vec<_> = chunk
+                        .iter()
+                        .map(|p| {
+                            s.spawn(move || {
+                                let body = serde_json::json!({"prompt": p, "max_tokens": 16, "temperature": 0});
+                                let r = http::post(addr, "/v1/completions", &body);
+                                assert_eq!(r.status, 200, "{}", r.body);
+                                r.json()["choices"][0]["text"]
+                                    .as_str()
+                                    .unwrap_or_default()
+                                    .to_owned()
+                            })
+                        })
+                        .collect();
+                    hs.into_iter()
+                        .map(|h| h.join().expect("request thread"))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect()
+    });
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "[{what}] prompt {i} over lossy links");
+    }
+    let ends = assert_nothing_leaked(mesh, what);
+    let retrans = retransmits(mesh) - r0;
+    let lost = match (p0, packets(mesh)) {
+        (Some((d0, l0)), Some((d1, l1))) => {
+            let (d, l) = (d1 - d0, l1 - l0);
+            // At 0.5%, 1500 packets lose none with probability e^-7.5.
+            assert!(
+                d < 1500 || l > 0,
+                "[{what}] {d} packets crossed and none was lost"
+            );
+            format!("{l} of {} packets lost by the switch", d + l)
+        }
+        _ => "loss by netem".to_owned(),
+    };
+    mesh.lab.shape_all(Shape::default());
+    println!(
+        "CHECKED [{what}] {shape} on every link (router->decode-0 connect RTT {:.2} ms): \
+         8 completions equal `kvmesh generate`; {lost}, {retrans} TCP segments retransmitted; \
+         every pool whole and every grant ended once {ends:?}",
+        rtt.as_secs_f64() * 1e3
+    );
+}
+
+/// The decode nodes' verified KV bytes, as the router last heard.
+fn kv_bytes(mesh: &LabMesh) -> f64 {
+    ["decode-0", "decode-1"]
+        .iter()
+        .map(|n| {
+            mesh.node_value("kvmesh_node_kv_bytes_received_total", n)
+                .unwrap_or(0.0)
+        })
+        .sum()
+}
+
+/// K and V bytes of one token in every layer with `elem`-byte elements,
+/// from the tiny model's `config.json`.
+fn geometry_bytes_per_token(elem: u64) -> u64 {
+    let text = std::fs::read_to_string(kvmesh_integration::tiny_model_dir().join("config.json"))
+        .expect("config.json");
+    let c: serde_json::Value = serde_json::from_str(&text).expect("config JSON");
+    let n = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("config {k}"));
+    n("num_hidden_layers") * 2 * n("num_key_value_heads") * n("head_dim") * elem
+}
+
+/// 100 Mbit/s links: one long prompt streamed; the KV bytes decode
+/// verified must be the prompt's tokens times the pool geometry's bytes
+/// per token; the wire time at the link's rate and the TTFT (against the
+/// same on unshaped links) are reported.
+pub fn bandwidth(mesh: &LabMesh, what: &str) {
+    let ttft = |tag: &str| {
+        let rx = stream(mesh, &long_prompt(tag, 55), 4);
+        let s = within("a stream", Duration::from_secs(60), move || {
+            rx.recv().expect("stream result")
+        });
+        assert!(s.finished, "[{what}] {tag}: {s:?}");
+        (s.ttft.expect("a first token"), s.prompt_tokens.expect("usage"))
+    };
+    mesh.lab.shape_all(Shape::default());
+    let (free_ttft, _) = ttft("unshaped");
+    let rate = 100 * MBIT;
+    mesh.lab.shape_all(Shape {
+        rate_bps: Some(rate),
+        ..Shape::default()
+    });
+    // Reports every 200 ms: wait for one after the last transfer.
+    std::thread::sleep(Duration::from_millis(700));
+    let b0 = kv_bytes(mesh);
+    let (t, n) = ttft("100mbit");
+    std::thread::sleep(Duration::from_millis(700));
+    let shipped = kv_bytes(mesh) - b0;
+    let per_token = shipped / n as f64;
+    let elem = [2, 4]
+        .into_iter()
+        .find(|e| (geometry_bytes_per_token(*e) as f64 - per_token).abs() < 0.5)
+        .unwrap_or_else(|| {
+            panic!(
+                "[{what}] {shipped} KV bytes for {n} prompt tokens ({per_token} per token): \
+                 not the geometry's {} (f16) or {} (f32)",
+                geometry_bytes_per_token(2),
+                geometry_bytes_per_token(4)
+            )
+        });
+    let wire = shipped * 8.0 / rate as f64;
+    mesh.lab.shape_all(Shape::default());
+    println!(
+        "CHECKED [{what}] 100 Mbit/s links: a {n}-token prompt shipped {shipped} KV bytes = {per_token} B/token \
+         (3 layers x K,V x 2 KV heads x 16 x {elem} B, as the geometry says); at the link's rate that is \
+         {:.2} ms on the wire; TTFT {:.1} ms (unshaped links: {:.1} ms)",
+        wire * 1e3,
+        t.as_secs_f64() * 1e3,
+        free_ttft.as_secs_f64() * 1e3
+    );
+}
