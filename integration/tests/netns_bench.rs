@@ -1,16 +1,21 @@
 //! The numbers an operator plans with (issue 36 item 3): TTFT and ITL
-//! p50/p99 of the default model (SmolLM2-135M) on the netlab's six hosts
-//! against each link's latency (0, 1, 5, 20 ms one way) and rate (100
-//! Mbit/s, 1 and 10 Gbit/s), on tcp with and without mutual TLS and on
-//! ucx; and how long a partitioned decode node takes to leave routing and
-//! to come back. A benchmark, never a check: it asserts only that each
-//! run completed, and prints a Markdown table (and writes it to
-//! `$KVMESH_NETLAB_BENCH_OUT` when set) for docs/network.md.
+//! p50/p99 on the netlab's six hosts against each link's latency (0, 1,
+//! 5, 20 ms one way) and rate (100 Mbit/s, 1 and 10 Gbit/s), on tcp with
+//! and without mutual TLS and on ucx, for the default model (SmolLM2-135M:
+//! 23 KB of KV per prompt token, compute-bound on a CPU) and the tiny test
+//! model (768 B per token, where the network and the protocol's round
+//! trips show); with the KV bytes each request shipped, the prefill nodes'
+//! mean transfer time, the link mechanism's own ceiling, and how long a
+//! partitioned decode node takes to leave routing and to come back. A
+//! benchmark, never a check: it asserts only that each run completed, and
+//! prints Markdown (also written to `$KVMESH_NETLAB_BENCH_OUT` when set)
+//! for docs/network.md.
 //!
 //! `cargo test -p kvmesh-integration --test netns_bench -- --ignored
-//! --nocapture` as root, on an otherwise idle host: about 15 minutes on
-//! two cores. `KVMESH_NETLAB_BENCH_REQUESTS` (default 8) sets the
-//! requests per cell.
+//! --nocapture` as root: about 12 minutes for SmolLM2 and 5 for the tiny
+//! model on two cores. `KVMESH_NETLAB_BENCH_MODELS` (`smollm2,tiny`)
+//! picks the passes, `KVMESH_NETLAB_BENCH_REQUESTS` (8; three times that
+//! for the tiny model) the requests per cell.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -20,15 +25,62 @@ use std::time::{Duration, Instant};
 use kvmesh_integration::netlab::mesh::{LabMesh, Options, Transport, ROUTER_HTTP};
 use kvmesh_integration::netlab::Shape;
 
-const PROMPT_TOKENS: usize = 256;
 const OUTPUT_TOKENS: usize = 16;
 
 /// One cell's figures, ms: TTFT p50, p99, ITL p50, p99.
 type Cell = [f64; 4];
 
-/// `kvmesh bench` against the router, run inside its namespace.
-fn bench(mesh: &LabMesh, model: &Path, requests: usize, dir: &Path, tag: &str) -> Cell {
+/// The decode nodes' verified KV bytes, as the router last heard.
+fn kv_bytes(mesh: &LabMesh) -> f64 {
+    std::thread::sleep(Duration::from_millis(700));
+    ["decode-0", "decode-1"]
+        .iter()
+        .map(|n| {
+            mesh.node_value("kvmesh_node_kv_bytes_received_total", n)
+                .unwrap_or(0.0)
+        })
+        .sum()
+}
+
+/// The prefill nodes' KV transfer time histogram, summed: (seconds,
+/// transfers), scraped from their own `/metrics` (from the router's
+/// host); `None` with mutual TLS, where that port wants a certificate.
+fn transfer_totals(mesh: &LabMesh) -> Option<(f64, f64)> {
+    if mesh.options.tls {
+        return None;
+    }
+    let addrs: Vec<String> = ["prefill-0", "prefill-1"]
+        .iter()
+        .map(|p| format!("{}:7101", mesh.lab.host(p).addr))
+        .collect();
+    Some(mesh.client(|_| {
+        addrs.iter().fold((0.0, 0.0), |(s, n), a| {
+            let m = kvmesh_integration::http::metrics(a);
+            (
+                s + m.sum("kvmesh_kv_transfer_duration_seconds_sum", &[]),
+                n + m.sum("kvmesh_kv_transfer_duration_seconds_count", &[]),
+            )
+        })
+    }))
+}
+
+/// `kvmesh bench` against the router, run inside its namespace, with
+/// prompts of their own (`seed`: the nodes' prefix caches must not turn
+/// a transfer into a hit); its figures, the KV bytes shipped per request
+/// and the prefill nodes' mean transfer time (first layer to
+/// transfer-done, overlapping the forward pass), ms.
+fn bench(
+    mesh: &LabMesh,
+    model: &Path,
+    prompt_tokens: usize,
+    requests: usize,
+    dir: &Path,
+    tag: &str,
+    seed: u64,
+) -> (Cell, f64, Option<f64>) {
     let json = dir.join(format!("{tag}.json"));
+    let b0 = kv_bytes(mesh);
+    let x0 = transfer_totals(mesh);
     let out = Command::new("ip")
         .args(["netns", "exec", &mesh.lab.host("router").ns.name])
         .arg(kvmesh_integration::kvmesh_bin())
@@ -37,8 +89,9 @@ fn bench(mesh: &LabMesh, model: &Path, requests: usize, dir: &Path, tag: &str) -
         .arg("--model")
         .arg(model)
         .args(["--requests", &requests.to_string()])
-        .args(["--warmup", "2", "--concurrency", "2"])
-        .args(["--prompt-len", &format!("fixed:{PROMPT_TOKENS}")])
+        .args(["--warmup", "2", "--concurrency", "1"])
+        .args(["--seed", &seed.to_string()])
+        .args(["--prompt-len", &format!("fixed:{prompt_tokens}")])
         .args(["--output-len", &format!("fixed:{OUTPUT_TOKENS}")])
         .arg("--json")
         .arg(&json)
@@ -55,12 +108,21 @@ fn bench(mesh: &LabMesh, model: &Path, requests: usize, dir: &Path, tag: &str) -
         serde_json::from_str(&std::fs::read_to_string(&json).expect("report")).expect("JSON");
     let m = &v["mesh"];
     let f = |k: &str, p: &str| m[k][p].as_f64().unwrap_or(f64::NAN);
-    [
-        f("ttft_ms", "p50"),
-        f("ttft_ms", "p99"),
-        f("itl_ms", "p50"),
-        f("itl_ms", "p99"),
-    ]
+    let shipped = (kv_bytes(mesh) - b0) / (requests + 2) as f64;
+    let transfer = match (x0, transfer_totals(mesh)) {
+        (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some((s1 - s0) / (n1 - n0) * 1e3),
+        _ => None,
+    };
+    (
+        [
+            f("ttft_ms", "p50"),
+            f("ttft_ms", "p99"),
+            f("itl_ms", "p50"),
+            f("itl_ms", "p99"),
+        ],
+        shipped,
+        transfer,
+    )
 }
 
 /// Bulk TCP from decode-0 to decode-1 for 2 s on unshaped links: the
@@ -107,7 +169,10 @@ fn partition_times(mesh: &LabMesh) -> [f64; 4] {
     let registered = || mesh.registered().iter().any(|n| n == "decode-1");
     let wait = |cond: &dyn Fn() -> bool, t0: Instant| {
         while !cond() {
-            assert!(t0.elapsed() < Duration::from_secs(40), "bench: partition timing");
+            assert!(
+                t0.elapsed() < Duration::from_secs(40),
+                "bench: partition timing"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         t0.elapsed().as_secs_f64()
@@ -145,72 +210,134 @@ fn link_latency_and_rate_against_ttft_and_itl() {
                 },
             )
         })
-        .chain([100_000_000u64, 1_000_000_000, 10_000_000_000].iter().map(|r| {
-            (
-                format!(
-                    "0 ms, {}",
-                    Shape {
-                        rate_bps: Some(*r),
-                        ..Shape::default()
-                    }
-                    .to_string()
-                    .rsplit(", ")
-                    .next()
-                    .unwrap_or_default()
-                ),
-                Shape {
-                    rate_bps: Some(*r),
-                    ..Shape::default()
-                },
-            )
-        }))
+        .chain(
+            [100_000_000u64, 1_000_000_000, 10_000_000_000]
+                .iter()
+                .map(|r| {
+                    (
+                        format!(
+                            "0 ms, {}",
+                            Shape {
+                                rate_bps: Some(*r),
+                                ..Shape::default()
+                            }
+                            .to_string()
+                            .rsplit(", ")
+                            .next()
+                            .unwrap_or_default()
+                        ),
+                        Shape {
+                            rate_bps: Some(*r),
+                            ..Shape::default()
+                        },
+                    )
+                }),
+        )
         .collect();
-    let mut table = String::new();
-    let mut notes = String::new();
-    let _ = writeln!(
-        table,
-        "| link (each host, one way) | mesh | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |\n|---|---|---|---|---|---|"
-    );
-    for (transport, tls) in [
-        (Transport::Tcp, false),
-        (Transport::Tcp, true),
-        (Transport::Ucx, false),
+    // The default model (compute dominates on CPU), then the tiny one
+    // (the network and the protocol's round trips dominate);
+    // KVMESH_NETLAB_BENCH_MODELS picks (`smollm2`, `tiny`, or both).
+    let which = std::env::var("KVMESH_NETLAB_BENCH_MODELS").unwrap_or("smollm2,tiny".into());
+    let mut text = String::new();
+    let mut seed = 0u64;
+    for (label, model, prompt_tokens, n) in [
+        ("smollm2", model, 256, requests),
+        ("tiny", kvmesh_integration::tiny_model_dir(), 200, requests * 3),
     ] {
-        let mut o = Options::tiny(transport, tls);
-        o.model = model.clone();
-        o.page_size = 16;
-        o.kv_pool_tokens = 8192;
-        let what = o.describe();
-        let mesh = LabMesh::start(o);
-        let gbit = ceiling(&mesh);
-        let _ = writeln!(
-            notes,
-            "- {what}: links by {}; unshaped bulk TCP between two hosts {gbit:.2} Gbit/s",
-            mesh.lab.mechanism()
-        );
-        for (name, shape) in &links {
-            mesh.lab.shape_all(*shape);
-            let tag = format!("{}-{}", what.replace([' ', ','], ""), name.replace([' ', ','], ""));
-            let [t50, t99, i50, i99] = bench(&mesh, &model, requests, dir.path(), &tag);
-            let row = format!("| {name} | {what} | {t50:.0} ms | {t99:.0} ms | {i50:.1} ms | {i99:.1} ms |");
-            println!("{row}");
-            let _ = writeln!(table, "{row}");
+        if !which.split(',').any(|w| w == label) {
+            continue;
         }
-        mesh.lab.shape_all(Shape::default());
-        let [left, expired, back_etcd, back] = partition_times(&mesh);
-        let _ = writeln!(
-            notes,
-            "- {what}: decode-1 cut: out of routing after {left:.2} s, etcd lease gone after {expired:.2} s (TTL 3 s); \
-             healed after 10 s: registered again after {back_etcd:.2} s, routed after {back:.2} s"
-        );
+        let pass = Pass {
+            model: &model,
+            prompt_tokens,
+            requests: n,
+            dir: dir.path(),
+        };
+        text.push_str(&pass.run(label, &links, &mut seed));
     }
-    let text = format!(
-        "SmolLM2-135M Q4_1 on CPU, {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, \
-         {requests} requests per cell (2 at a time, after 2 warm-up), p99 of {requests} TTFT samples is \
-         their maximum.\n\n{table}\n{notes}"
-    );
     println!("{text}");
     if let Ok(p) = std::env::var("KVMESH_NETLAB_BENCH_OUT") {
         std::fs::write(&p, &text).expect("write the table");
+    }
+}
+
+/// One model's grid.
+struct Pass<'a> {
+    model: &'a Path,
+    prompt_tokens: usize,
+    requests: usize,
+    dir: &'a Path,
+}
+
+impl Pass<'_> {
+    /// Every link setting on tcp, tcp with mutual TLS and ucx, and a
+    /// partition's timings on each: the Markdown section.
+    fn run(&self, label: &str, links: &[(String, Shape)], seed: &mut u64) -> String {
+        let mut table = String::new();
+        let mut notes = String::new();
+        let _ = writeln!(
+            table,
+            "| link (each host, one way) | mesh | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | KV per request | mean KV transfer |\n|---|---|---|---|---|---|---|---|"
+        );
+        for (transport, tls) in [
+            (Transport::Tcp, false),
+            (Transport::Tcp, true),
+            (Transport::Ucx, false),
+        ] {
+            let mut o = Options::tiny(transport, tls);
+            if label != "tiny" {
+                o.model = self.model.to_owned();
+                o.page_size = 16;
+                o.kv_pool_tokens = 8192;
+            }
+            let what = o.describe();
+            let mesh = LabMesh::start(o);
+            let gbit = ceiling(&mesh);
+            // Every node's first requests are slow (pages faulted in,
+            // caches cold): a discarded round first.
+            *seed += 1;
+            bench(&mesh, self.model, self.prompt_tokens, 8, self.dir, "warmup", *seed);
+            let _ = writeln!(
+                notes,
+                "- {what}: links by {}; unshaped bulk TCP between two hosts {gbit:.2} Gbit/s",
+                mesh.lab.mechanism()
+            );
+            for (name, shape) in links {
+                mesh.lab.shape_all(*shape);
+                let tag: String = format!("{label}-{what}-{name}")
+                    .chars()
+                    .filter(char::is_ascii_alphanumeric)
+                    .collect();
+                *seed += 1;
+                let ([t50, t99, i50, i99], kv, xfer) = bench(
+                    &mesh,
+                    self.model,
+                    self.prompt_tokens,
+                    self.requests,
+                    self.dir,
+                    &tag,
+                    *seed,
+                );
+                let xfer = xfer.map_or("n/a (TLS)".to_owned(), |ms| format!("{ms:.0} ms"));
+                let row = format!(
+                    "| {name} | {what} | {t50:.0} ms | {t99:.0} ms | {i50:.1} ms | {i99:.1} ms | {:.2} MB | {xfer} |",
+                    kv / 1e6
+                );
+                println!("{row}");
+                let _ = writeln!(table, "{row}");
+            }
+            mesh.lab.shape_all(Shape::default());
+            let [left, expired, back_etcd, back] = partition_times(&mesh);
+            let _ = writeln!(
+                notes,
+                "- {what}: decode-1 cut: out of routing after {left:.2} s, etcd lease gone after {expired:.2} s (TTL 3 s); \
+                 healed after 10 s: registered again after {back_etcd:.2} s, routed after {back:.2} s"
+            );
+        }
+        format!(
+            "### {label}: {}-token prompts, {OUTPUT_TOKENS} output tokens, {} requests per cell \
+             (one at a time, after 2 warm-up); p99 of {} TTFT samples is close to their maximum\n\n{table}\n{notes}\n",
+            self.prompt_tokens, self.requests, self.requests
+        )
     }
 }

@@ -206,7 +206,8 @@ impl LabMesh {
 
     /// A greedy completion of `prompt`.
     pub fn complete(&self, prompt: &str, max_tokens: usize) -> Response {
-        let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+        let body =
+            serde_json::json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
         self.client(|a| http::post(a, "/v1/completions", &body))
     }
 

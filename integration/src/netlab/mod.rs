@@ -106,6 +106,18 @@ impl std::fmt::Debug for Lab {
     }
 }
 
+/// Which links a lab gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mechanism {
+    /// `KVMESH_NETLAB_LINKS` (`switch` or `veth`), else veth where the
+    /// kernel has netem and the switch where it does not.
+    Auto,
+    /// The TUN switch ([`switch`]).
+    Switch,
+    /// veth pairs into a bridge ([`veth`]).
+    Veth,
+}
+
 /// The first host's address; host `i` has `.10 + i`.
 const BASE: [u8; 3] = [198, 18, 0];
 
@@ -114,6 +126,11 @@ impl Lab {
     /// up. Panics (after cleaning up what it made) if the host cannot: not
     /// root, no `ip`, no TUN or veth.
     pub fn new(hosts: &[&str]) -> Self {
+        Self::with(hosts, Mechanism::Auto)
+    }
+
+    /// [`Lab::new`] with the links `mechanism` says.
+    pub fn with(hosts: &[&str], mechanism: Mechanism) -> Self {
         static SERIAL: AtomicU32 = AtomicU32::new(0);
         let swept = ns::sweep_stale();
         if !swept.is_empty() {
@@ -131,13 +148,16 @@ impl Lab {
                 addr: Ipv4Addr::new(BASE[0], BASE[1], BASE[2], 10 + i as u8),
             });
         }
-        let choice = std::env::var("KVMESH_NETLAB_LINKS").unwrap_or_default();
         let netem = ns::has_netem(&made[0].ns);
-        let use_veth = match choice.as_str() {
-            "veth" => true,
-            "switch" => false,
-            "" => netem,
-            other => panic!("KVMESH_NETLAB_LINKS={other:?}: expected switch or veth"),
+        let use_veth = match mechanism {
+            Mechanism::Veth => true,
+            Mechanism::Switch => false,
+            Mechanism::Auto => match std::env::var("KVMESH_NETLAB_LINKS").as_deref() {
+                Ok("veth") => true,
+                Ok("switch") => false,
+                Ok("") | Err(_) => netem,
+                Ok(other) => panic!("KVMESH_NETLAB_LINKS={other:?}: expected switch or veth"),
+            },
         };
         let (links, mechanism) = if use_veth {
             let bridge = Netns::create(serial, "bridge")
@@ -157,16 +177,24 @@ impl Lab {
         } else {
             let mut tuns = Vec::new();
             for h in &made {
-                let fd = h
-                    .ns
-                    .enter(|| switch::open_tun("lab0"))
-                    .unwrap_or_else(|e| panic!("netlab TUN in {}: {e}", h.ns.name));
+                let fd =
+                    h.ns.enter(|| switch::open_tun("lab0"))
+                        .unwrap_or_else(|e| panic!("netlab TUN in {}: {e}", h.ns.name));
                 let (addr, mtu) = (format!("{}/24", h.addr), switch::MTU.to_string());
                 let n = h.ns.name.as_str();
                 for a in [
                     vec!["-n", n, "addr", "add", &addr, "dev", "lab0"],
                     vec![
-                        "-n", n, "link", "set", "lab0", "mtu", &mtu, "txqueuelen", "1000", "up",
+                        "-n",
+                        n,
+                        "link",
+                        "set",
+                        "lab0",
+                        "mtu",
+                        &mtu,
+                        "txqueuelen",
+                        "1000",
+                        "up",
                     ],
                 ] {
                     ns::ip(&a).unwrap_or_else(|e| panic!("netlab: {e}"));
@@ -279,9 +307,10 @@ impl Lab {
     /// (`RetransSegs` of its `/proc/net/snmp`): what loss and partitions
     /// cost its connections.
     pub fn tcp_retransmits(&self, name: &str) -> u64 {
-        let text = self.host(name).ns.enter(|| {
-            std::fs::read_to_string("/proc/thread-self/net/snmp").unwrap_or_default()
-        });
+        let text = self
+            .host(name)
+            .ns
+            .enter(|| std::fs::read_to_string("/proc/thread-self/net/snmp").unwrap_or_default());
         let tcp: Vec<Vec<&str>> = text
             .lines()
             .filter(|l| l.starts_with("Tcp:"))

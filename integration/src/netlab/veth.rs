@@ -70,9 +70,7 @@ impl Bridge {
         let shaped = !s.latency.is_zero() || !s.jitter.is_zero() || s.loss > 0.0;
         let _ = ip(&["-n", &host.name, "link", "set", "eth0", "up"]);
         let _ = host.exec(&["tc", "qdisc", "del", "dev", "eth0", "root"]);
-        let _ = self
-            .ns
-            .exec(&["tc", "qdisc", "del", "dev", &port, "root"]);
+        let _ = self.ns.exec(&["tc", "qdisc", "del", "dev", &port, "root"]);
         if shaped {
             if !self.netem {
                 return Err(

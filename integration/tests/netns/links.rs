@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use kvmesh_integration::http;
 use kvmesh_integration::netlab::mesh::{LabMesh, HOSTS};
-use kvmesh_integration::netlab::Shape;
+use kvmesh_integration::netlab::{Lab, Mechanism, Shape};
 
 use super::{assert_nothing_leaked, long_prompt, reference, stream, within};
 
@@ -131,7 +131,10 @@ pub fn bandwidth(mesh: &LabMesh, what: &str) {
             rx.recv().expect("stream result")
         });
         assert!(s.finished, "[{what}] {tag}: {s:?}");
-        (s.ttft.expect("a first token"), s.prompt_tokens.expect("usage"))
+        (
+            s.ttft.expect("a first token"),
+            s.prompt_tokens.expect("usage"),
+        )
     };
     mesh.lab.shape_all(Shape::default());
     let (free_ttft, _) = ttft("unshaped");
@@ -168,4 +171,96 @@ pub fn bandwidth(mesh: &LabMesh, what: &str) {
         t.as_secs_f64() * 1e3,
         free_ttft.as_secs_f64() * 1e3
     );
+}
+
+/// Bulk TCP from host `from` to `to` for `secs`: Mbit/s.
+fn bulk_mbit(lab: &Lab, from: &str, to: &str, secs: f64) -> f64 {
+    use std::io::{Read, Write};
+    let addr = std::net::SocketAddr::from((lab.host(to).addr, 9100));
+    let listener = lab
+        .host(to)
+        .ns
+        .enter(|| std::net::TcpListener::bind(addr).expect("bind"));
+    let sink = std::thread::spawn(move || {
+        let Ok((mut s, _)) = listener.accept() else {
+            return;
+        };
+        let mut buf = vec![0u8; 1 << 16];
+        while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
+    });
+    let mbit = lab.host(from).ns.enter(|| {
+        let mut s = std::net::TcpStream::connect(addr).expect("connect");
+        let buf = vec![7u8; 1 << 16];
+        let (t0, mut n) = (std::time::Instant::now(), 0u64);
+        while t0.elapsed().as_secs_f64() < secs {
+            s.write_all(&buf).expect("write");
+            n += buf.len() as u64;
+        }
+        // What left the sender's buffer is not all delivered yet; the
+        // rate is the sender's, which the link caps after a second.
+        n as f64 * 8.0 / t0.elapsed().as_secs_f64() / 1e6
+    });
+    let _ = sink.join();
+    mbit
+}
+
+/// The links themselves, on both mechanisms (the veth path without its
+/// netem qdisc where the kernel lacks it): a round trip, a rate cap
+/// measured by bulk TCP, a cut that stops a connect and a heal that lets
+/// it through.
+pub fn mechanisms() {
+    for m in [Mechanism::Switch, Mechanism::Veth] {
+        let lab = Lab::with(&["a", "b"], m);
+        let listen = std::net::SocketAddr::from((lab.host("b").addr, 9000));
+        let l = lab
+            .host("b")
+            .ns
+            .enter(|| std::net::TcpListener::bind(listen).expect("bind"));
+        let free = lab.connect_rtt("a", "b", 9000, 5);
+        // Delay where the mechanism has it (veth only with netem).
+        let delay = (m == Mechanism::Switch || lab.mechanism().contains("tc netem"))
+            .then_some(Duration::from_millis(5));
+        let shaped = delay.map(|d| {
+            lab.shape_all(Shape {
+                latency: d,
+                ..Shape::default()
+            });
+            let rtt = lab.connect_rtt("a", "b", 9000, 5);
+            assert!(
+                rtt >= 2 * d && rtt < 2 * d + Duration::from_millis(5),
+                "{m:?}: {rtt:?} for two 5 ms crossings"
+            );
+            rtt
+        });
+        lab.shape_all(Shape {
+            rate_bps: Some(50 * MBIT),
+            ..Shape::default()
+        });
+        let mbit = bulk_mbit(&lab, "a", "b", 3.0);
+        assert!(
+            (30.0..65.0).contains(&mbit),
+            "{m:?}: {mbit:.1} Mbit/s through a 50 Mbit/s link"
+        );
+        lab.shape_all(Shape::default());
+        lab.set_link("b", false);
+        let cut = lab
+            .host("a")
+            .ns
+            .enter(|| std::net::TcpStream::connect_timeout(&listen, Duration::from_millis(800)));
+        assert!(cut.is_err(), "{m:?}: a connect crossed a cut link");
+        lab.set_link("b", true);
+        let healed = lab.connect_rtt("a", "b", 9000, 3);
+        drop(l);
+        println!(
+            "CHECKED links by {}: RTT {:.2} ms unshaped{}; bulk TCP {mbit:.1} Mbit/s through a 50 Mbit/s cap; \
+             a cut link stops a connect; healed, RTT {:.2} ms",
+            lab.mechanism(),
+            free.as_secs_f64() * 1e3,
+            shaped.map_or(String::new(), |r| format!(
+                ", {:.2} ms with 5 ms on each link",
+                r.as_secs_f64() * 1e3
+            )),
+            healed.as_secs_f64() * 1e3
+        );
+    }
 }

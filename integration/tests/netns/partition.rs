@@ -27,7 +27,12 @@ const WORDS: usize = 55;
 
 /// Which of `hosts` has `sent` (else received) `MID` more bytes than at
 /// `base`; waits at most 20 s.
-fn mover(mesh: &LabMesh, hosts: [&'static str; 2], base: [(u64, u64); 2], sent: bool) -> &'static str {
+fn mover(
+    mesh: &LabMesh,
+    hosts: [&'static str; 2],
+    base: [(u64, u64); 2],
+    sent: bool,
+) -> &'static str {
     let mut found = None;
     wait_until("a host moving KV", Duration::from_secs(20), || {
         for (i, h) in hosts.iter().enumerate() {
@@ -159,6 +164,17 @@ fn after_cut(
     }
 }
 
+/// etcd drops a cut node's key within its TTL after the last keep-alive
+/// (sent every third of it) plus etcd's expiry check (500 ms): within a
+/// TTL and a second of the cut, with slack for the 50 ms polling.
+fn assert_lease_expired_in_time(mesh: &LabMesh, host: &str, expired: Duration, what: &str) {
+    let bound = Duration::from_secs(mesh.options.lease_ttl_s) + Duration::from_millis(1500);
+    assert!(
+        expired <= bound,
+        "[{what}] etcd dropped {host} {expired:?} after the cut; its lease allows {bound:?}"
+    );
+}
+
 /// Waits `CUT` after `cut`, joins `host` again and waits until etcd and
 /// the router have it back; the times from the heal to each.
 fn heal_and_rejoin(mesh: &mut LabMesh, host: &str, cut: Instant, what: &str) -> (f64, f64) {
@@ -171,7 +187,9 @@ fn heal_and_rejoin(mesh: &mut LabMesh, host: &str, cut: Instant, what: &str) -> 
         mesh.registered().iter().any(|n| n == host)
     });
     let registered = healed.elapsed().as_secs_f64();
-    wait_until("back in routing", Duration::from_secs(30), || up(mesh, host));
+    wait_until("back in routing", Duration::from_secs(30), || {
+        up(mesh, host)
+    });
     let routed = healed.elapsed().as_secs_f64();
     let p = mesh.proc(host);
     assert!(
@@ -214,6 +232,7 @@ pub fn decode(mesh: &mut LabMesh, what: &str) {
         expired,
         ..
     } = after_cut(mesh, victim, &rx, cut, bound, None, what);
+    assert_lease_expired_in_time(mesh, victim, expired, what);
     let ended_after = s.ended.duration_since(cut);
     assert!(
         !s.finished && s.error.is_some(),
@@ -248,7 +267,10 @@ pub fn decode(mesh: &mut LabMesh, what: &str) {
     let mut rounds = 0;
     while granted(mesh, victim) <= g0 {
         rounds += 1;
-        assert!(rounds <= 4, "[{what}] {victim} took no request after it rejoined");
+        assert!(
+            rounds <= 4,
+            "[{what}] {victim} took no request after it rejoined"
+        );
         completions_equal_reference(mesh, &format!("after the decode cut {rounds}"), 4, what);
         std::thread::sleep(Duration::from_millis(700));
     }
@@ -316,6 +338,7 @@ pub fn prefill(mesh: &mut LabMesh, what: &str) {
         also: freed_after,
     } = after_cut(mesh, victim, &rx, cut, bound, Some(&holder_ended), what);
     let freed_after = freed_after.expect("watched");
+    assert_lease_expired_in_time(mesh, victim, expired, what);
     // The client: a typed error, or the right answer from a retry; never
     // a wrong answer.
     let ended_after = s.ended.duration_since(cut);
@@ -337,7 +360,9 @@ pub fn prefill(mesh: &mut LabMesh, what: &str) {
     let changed = grew(&before[h], &ended(mesh, holder));
     let revoked = ["lease_expired", "abort_timed_out", "writer_lost", "aborted"];
     assert!(
-        changed.iter().all(|c| revoked.iter().any(|r| c.starts_with(r))),
+        changed
+            .iter()
+            .all(|c| revoked.iter().any(|r| c.starts_with(r))),
         "[{what}] the grant {victim} was writing on {holder} ended {changed:?}: \
          not revoked or confirmed"
     );
