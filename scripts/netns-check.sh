@@ -80,15 +80,17 @@ elapsed=$(( $(date +%s) - started ))
 
 echo
 say "what was checked:"
-grep -E '^CHECKED' "$log" | sed 's/^/  /' || true
-grep -E '^test .* \.\.\. (ok|FAILED)' "$log" | sed 's/^/  /' || true
-passed=$(grep -cE '^test .* \.\.\. ok$' "$log" || true)
+# (--nocapture puts a test's first output on its `test NAME ...` line.)
+grep -oE 'CHECKED.*' "$log" | sed 's/^/  /' || true
+grep -E '^test result:' "$log" | sed 's/^/  /' || true
+passed=$(sed -nE 's/^test result: ok\. ([0-9]+) passed.*/\1/p' "$log" | tail -1)
+passed=${passed:-0}
 # Without a filter all five tests must have run (a test that was not run
 # checked nothing).
 want=1
 [ -z "${KVMESH_NETNS_TESTS:-}" ] && want=5
 if [ "$rc" = 0 ] && [ "$passed" -ge "$want" ]; then
-  say "all held: $passed labs passed in ${elapsed} s"
+  say "all held: $passed tests passed in ${elapsed} s"
   rm -f "$log"
   exit 0
 fi

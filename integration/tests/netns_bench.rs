@@ -242,7 +242,12 @@ fn link_latency_and_rate_against_ttft_and_itl() {
     let mut seed = 0u64;
     for (label, model, prompt_tokens, n) in [
         ("smollm2", model, 256, requests),
-        ("tiny", kvmesh_integration::tiny_model_dir(), 200, requests * 3),
+        (
+            "tiny",
+            kvmesh_integration::tiny_model_dir(),
+            200,
+            requests * 3,
+        ),
     ] {
         if !which.split(',').any(|w| w == label) {
             continue;
@@ -296,7 +301,15 @@ impl Pass<'_> {
             // Every node's first requests are slow (pages faulted in,
             // caches cold): a discarded round first.
             *seed += 1;
-            bench(&mesh, self.model, self.prompt_tokens, 8, self.dir, "warmup", *seed);
+            bench(
+                &mesh,
+                self.model,
+                self.prompt_tokens,
+                8,
+                self.dir,
+                "warmup",
+                *seed,
+            );
             let _ = writeln!(
                 notes,
                 "- {what}: links by {}; unshaped bulk TCP between two hosts {gbit:.2} Gbit/s",
