@@ -12,8 +12,19 @@
 # (NVIDIA Container Toolkit). The default image has none of it and runs on
 # the CPU.
 ARG CUDA=0
+# The base images, as build arguments so that a machine without an image
+# registry can name its own (scripts/compose-check.sh builds a Debian
+# bookworm base with debootstrap); the defaults are the registry's.
+ARG BUILD_BASE=rust:1-bookworm
+ARG RUNTIME_BASE=debian:bookworm-slim
+# The stage the runtime stage copies the binary, the model and the CUDA
+# libraries from: `build` compiles them here. Any image with the same three
+# paths (/src/target/release/kvmesh, /models/..., /cuda/lib) can stand in:
+# scripts/compose-check.sh passes one holding the binary built on the host.
+# With BuildKit (the default builder) the `build` stage then never runs.
+ARG KVMESH_FROM=build
 
-FROM rust:1-bookworm AS build
+FROM ${BUILD_BASE} AS build
 ARG CUDA
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
@@ -25,15 +36,17 @@ RUN mkdir -p /cuda/lib && if [ "$CUDA" = 1 ]; then \
         nvidia-cuda-nvrtc==13.0.88 nvidia-cublas==13.0.2.14 \
       && cp -a /cuda/py/nvidia/cu13/lib/. /cuda/lib/; fi
 
-FROM debian:bookworm-slim
+FROM ${KVMESH_FROM} AS kvmesh
+
+FROM ${RUNTIME_BASE}
 # libucp for `transport: ucx` (opened at run time; the other transports
 # do not need it).
 RUN apt-get update && apt-get install -y --no-install-recommends libucx0 && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 kvmesh
-COPY --from=build /src/target/release/kvmesh /usr/local/bin/kvmesh
-COPY --from=build /models/SmolLM2-135M-Instruct.Q4_1.gguf /models/SmolLM2-135M-Instruct.Q4_1.gguf
+COPY --from=kvmesh /src/target/release/kvmesh /usr/local/bin/kvmesh
+COPY --from=kvmesh /models/SmolLM2-135M-Instruct.Q4_1.gguf /models/SmolLM2-135M-Instruct.Q4_1.gguf
 # Empty unless CUDA=1; searched first by kvmesh's CUDA loader.
-COPY --from=build /cuda/lib /opt/kvmesh/cuda/lib
+COPY --from=kvmesh /cuda/lib /opt/kvmesh/cuda/lib
 ENV KVMESH_CUDA_LIB_DIR=/opt/kvmesh/cuda/lib
 COPY deploy/mesh.yaml /etc/kvmesh/mesh.yaml
 # The mesh secret is never baked in: docker-compose.yml mounts it.

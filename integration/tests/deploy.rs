@@ -109,7 +109,7 @@ fn every_compose_command_is_accepted() {
         .expect("model line");
     let model = model_line.trim_start_matches("model:").trim();
     assert!(
-        dockerfile.contains(&format!("COPY --from=build {model} {model}")),
+        dockerfile.contains(&format!("COPY --from=kvmesh {model} {model}")),
         "{model}"
     );
     assert!(dockerfile.contains("COPY deploy/mesh.yaml /etc/kvmesh/mesh.yaml"));
