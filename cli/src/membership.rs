@@ -1,7 +1,8 @@
 //! `discovery: etcd` in the processes of a mesh: the router follows the
 //! mesh's prefix into its [`Nodes`]; prefill and decode nodes register
 //! (and deregister first thing on SIGTERM); prefill nodes keep a KV
-//! connection to every registered decode node.
+//! connection to every registered decode node. A prefill node of a static
+//! mesh keeps one to every decode node of the mesh file the same way.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -22,6 +23,12 @@ const RECONNECT_EVERY: Duration = Duration::from_millis(500);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest wait before a failing decode endpoint is tried again.
 const MAX_RETRY: Duration = Duration::from_secs(10);
+/// The same for a static mesh's decode nodes: one that is down is still
+/// routed to once it is back (its address never leaves the mesh file, and
+/// the router asks it within its poll), so a long wait here would be a
+/// long window of refused grants (the router retries those for 2 s). A
+/// refused connect every second costs nothing.
+const FIXED_MAX_RETRY: Duration = Duration::from_secs(1);
 
 /// The router's membership following etcd, until dropped.
 #[derive(Debug)]
@@ -106,11 +113,12 @@ pub(crate) async fn leave_first(signal: impl Future<Output = ()>, reg: Option<Re
     }
 }
 
-/// A prefill node's membership: the watcher and the task that keeps a KV
-/// connection to every registered decode node.
+/// A prefill node's decode peers: the task that keeps a KV connection to
+/// every decode node (registered in etcd, or listed in a static mesh
+/// file), and the watcher it follows with etcd.
 #[derive(Debug)]
 pub(crate) struct DecodePeers {
-    watcher: Watcher,
+    watcher: Option<Watcher>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -124,40 +132,80 @@ impl DecodePeers {
         let view = watcher
             .first(cfg.dial_timeout + Duration::from_secs(1))
             .await;
-        let mut peers = Peers::default();
-        peers.round(node, &view).await;
+        let mut peers = Peers::new(MAX_RETRY);
+        peers.round(node, &endpoints(&view)).await;
         let views = watcher.views();
         let task = tokio::spawn(keep_connected(node.clone(), views, peers));
-        Self { watcher, task }
+        Self {
+            watcher: Some(watcher),
+            task,
+        }
+    }
+
+    /// Keeps `node` connected to the fixed decode nodes `decode` (name, KV
+    /// endpoint), which the caller connected once already. A decode node
+    /// that restarts at its address knows no writer: until this node
+    /// connects again it refuses every grant for it (`writer_not_connected`),
+    /// and nothing else would reconnect, since this node is called only
+    /// after a grant.
+    pub(crate) fn fixed(node: &PrefillNode, decode: Vec<(String, String)>) -> Self {
+        let node = node.clone();
+        let task = tokio::spawn(async move {
+            let mut peers = Peers::new(FIXED_MAX_RETRY);
+            loop {
+                tokio::time::sleep(RECONNECT_EVERY).await;
+                peers.round(&node, &decode).await;
+            }
+        });
+        Self {
+            watcher: None,
+            task,
+        }
     }
 
     /// Stops connecting and following.
     pub(crate) async fn stop(self) {
         self.task.abort();
-        self.watcher.stop().await;
+        if let Some(w) = self.watcher {
+            w.stop().await;
+        }
     }
 }
 
+/// The decode nodes of `view` that have a KV endpoint: (name, endpoint).
+fn endpoints(view: &View) -> Vec<(String, String)> {
+    view.members()
+        .filter_map(|m| Some((m.name.clone(), m.kv.clone()?)))
+        .collect()
+}
+
 /// Per decode endpoint that failed: when to try again, and the wait after
-/// that.
-#[derive(Debug, Default)]
+/// that (doubling up to `max_retry`).
+#[derive(Debug)]
 struct Peers {
     failing: HashMap<String, (Instant, Duration)>,
+    max_retry: Duration,
 }
 
 impl Peers {
-    /// Connects to every registered decode node not connected (connected
-    /// ones cost a check), those that failed only once their wait passed;
-    /// the attempts run at once, each bounded.
-    async fn round(&mut self, node: &PrefillNode, view: &View) {
+    fn new(max_retry: Duration) -> Self {
+        Self {
+            failing: HashMap::new(),
+            max_retry,
+        }
+    }
+
+    /// Connects to every decode node of `decode` (name, KV endpoint) not
+    /// connected (connected ones cost a check), those that failed only once
+    /// their wait passed; the attempts run at once, each bounded.
+    async fn round(&mut self, node: &PrefillNode, decode: &[(String, String)]) {
         let now = Instant::now();
         let mut attempts = tokio::task::JoinSet::new();
-        for m in view.members() {
-            let Some(ep) = m.kv.clone() else { continue };
-            if self.failing.get(&ep).is_some_and(|(at, _)| *at > now) {
+        for (name, ep) in decode {
+            if self.failing.get(ep).is_some_and(|(at, _)| *at > now) {
                 continue;
             }
-            let (node, name) = (node.clone(), m.name.clone());
+            let (node, name, ep) = (node.clone(), name.clone(), ep.clone());
             attempts.spawn(async move {
                 let r = tokio::time::timeout(CONNECT_TIMEOUT, node.connect(&ep)).await;
                 (name, ep, r)
@@ -179,7 +227,7 @@ impl Peers {
                     let wait = self
                         .failing
                         .get(&ep)
-                        .map_or(RECONNECT_EVERY, |(_, w)| (*w * 2).min(MAX_RETRY));
+                        .map_or(RECONNECT_EVERY, |(_, w)| (*w * 2).min(self.max_retry));
                     if wait == RECONNECT_EVERY {
                         tracing::warn!(decode = %name, endpoint = %ep, %error, "cannot open a KV connection to the decode node; retrying");
                     }
@@ -189,7 +237,7 @@ impl Peers {
         }
         // Forget endpoints that left the view.
         self.failing
-            .retain(|ep, _| view.members().any(|m| m.kv.as_deref() == Some(ep.as_str())));
+            .retain(|ep, _| decode.iter().any(|(_, d)| d == ep));
     }
 }
 
@@ -200,7 +248,7 @@ async fn keep_connected(node: PrefillNode, mut views: watch::Receiver<View>, mut
             () = tokio::time::sleep(RECONNECT_EVERY) => {}
         }
         let view = views.borrow_and_update().clone();
-        peers.round(&node, &view).await;
+        peers.round(&node, &endpoints(&view)).await;
     }
 }
 

@@ -123,24 +123,30 @@ pub(super) async fn prefill_process(
         load(&path, cfg.precision())?,
     )?;
     // With etcd: connect to the decode nodes registered now, and from then
-    // on to every one that registers (or whose connection broke).
+    // on to every one that registers (or whose connection broke). Static:
+    // connect to every decode node's KV listener (retrying while they
+    // start), so each can grant to this writer, then keep connected the
+    // same way (a decode node restarted at its address needs a new
+    // connection).
     let peers = match etcd {
-        Some(e) => Some(membership::DecodePeers::start(e, &node).await),
-        None => None,
-    };
-    // Static: connect to every decode node's KV listener (retrying while
-    // they start), so each can grant to this writer.
-    for d in cfg.decode.iter().filter(|_| etcd.is_none()) {
-        let ep = cfg.kv_endpoint(d);
-        let mut tries = 0;
-        while let Err(e) = node.connect(&ep).await {
-            tries += 1;
-            if tries % 10 == 1 {
-                tracing::warn!(decode = %d.name, endpoint = %ep, error = %e, "waiting for the decode node's KV listener");
+        Some(e) => membership::DecodePeers::start(e, &node).await,
+        None => {
+            let mut fixed = Vec::new();
+            for d in &cfg.decode {
+                let ep = cfg.kv_endpoint(d);
+                let mut tries = 0;
+                while let Err(e) = node.connect(&ep).await {
+                    tries += 1;
+                    if tries % 10 == 1 {
+                        tracing::warn!(decode = %d.name, endpoint = %ep, error = %e, "waiting for the decode node's KV listener");
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                fixed.push((d.name.clone(), ep));
             }
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            membership::DecodePeers::fixed(&node, fixed)
         }
-    }
+    };
     let l = listen(n.listen.as_deref().unwrap_or(&n.grpc), "the prefill node").await?;
     let reg = match etcd {
         Some(e) => Some(membership::register(e, cfg.member("prefill", n)?).await?),
@@ -148,9 +154,7 @@ pub(super) async fn prefill_process(
     };
     println!("prefill node {name} ready: gRPC {}", l.local_addr()?);
     let d = kvmesh_prefill::run(node, l, membership::leave_first(terminated(drain), reg)).await?;
-    if let Some(p) = peers {
-        p.stop().await;
-    }
+    peers.stop().await;
     drained("prefill", name, &d)
 }
 
