@@ -369,6 +369,44 @@ fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
     drop(procs);
 }
 
+/// A decode node killed and started again at its address takes traffic
+/// again, with no restart of the others: the prefill node opens a new KV
+/// connection to it (the new process knows no writer, and refuses every
+/// grant for one that has not connected: `writer_not_connected`).
+#[test]
+fn a_restarted_decode_node_takes_traffic_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (file, p) = tiny_mesh_file(dir.path());
+    let (decode, _) = start("decode", &file, Some("decode-0"), "ready");
+    let (_prefill, _) = start("prefill", &file, Some("prefill-0"), "ready");
+    let (_router, _) = start("router", &file, None, "OpenAI API");
+    let addr = format!("127.0.0.1:{}", p[0]);
+    wait_healthy(&addr);
+    let want = reference("Hello world", 8);
+    assert_eq!(
+        complete(&addr, "Hello world", 8, false).as_deref(),
+        Ok(want.as_str())
+    );
+    drop(decode);
+    let t0 = Instant::now();
+    while http::get(&addr, "/health").status == 200 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the router never saw the decode node go"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (_decode, _) = start("decode", &file, Some("decode-0"), "ready");
+    wait_healthy(&addr);
+    for stream in [false, true, false] {
+        assert_eq!(
+            complete(&addr, "Hello world", 8, stream).as_deref(),
+            Ok(want.as_str()),
+            "after the restart (stream={stream})"
+        );
+    }
+}
+
 /// A decode node dies while it streams: the client gets a clear error
 /// within seconds (not a hang), and the router takes the node out. Also:
 /// a full queue answers 429 at once.
