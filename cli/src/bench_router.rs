@@ -84,7 +84,9 @@ pub struct BenchRouterArgs {
     /// other traffic may reach it during the run.
     #[arg(long)]
     url: Option<String>,
-    /// With --url: the API key to send (`Authorization: Bearer KEY`).
+    /// With --url: the API key to send (`Authorization: Bearer KEY`); on a
+    /// router with API keys it needs the inference and metrics scopes (the
+    /// run reads `/metrics` before and after).
     #[arg(long, env = "KVMESH_API_KEY")]
     api_key: Option<String>,
     /// Also write the results as JSON here.

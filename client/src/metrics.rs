@@ -202,7 +202,17 @@ pub enum ScrapeError {
 
 /// `GET http://ADDR/metrics`, parsed.
 pub async fn scrape(addr: &str) -> Result<Metrics, ScrapeError> {
-    let reply = http::get(addr, "/metrics").await?;
+    scrape_with(addr, None).await
+}
+
+/// [`scrape`] with an API key (`Authorization: Bearer KEY`): a gateway
+/// with API keys serves `/metrics` only to a key with the metrics scope.
+pub async fn scrape_with(addr: &str, key: Option<&str>) -> Result<Metrics, ScrapeError> {
+    let mut req = http::Request::get("/metrics");
+    if let Some(key) = key {
+        req = req.bearer(key);
+    }
+    let reply = http::request(addr, &req).await?;
     if reply.status != 200 {
         return Err(ScrapeError::Status(reply.status));
     }

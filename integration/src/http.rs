@@ -115,8 +115,13 @@ pub fn post_streaming_headers(
 
 /// The gateway's metrics at `addr`, parsed.
 pub fn metrics(addr: &str) -> kvmesh_client::Metrics {
-    blocking::scrape(addr).unwrap_or_else(|e| panic!("{addr}: {e}"))
+    metrics_with(addr, &format!("Bearer {SCRAPE_KEY}"))
 }
+
+/// The key every test mesh with API keys also accepts, with the `metrics`
+/// scope only (as an operator's Prometheus would hold one): [`metrics`]
+/// sends it, and a gateway without keys ignores it.
+pub const SCRAPE_KEY: &str = "kvmesh-test-scrape-key";
 
 /// The gateway's metrics at `addr`, read with `auth` (`Bearer KEY`: a key
 /// with the metrics scope, where the gateway has API keys).

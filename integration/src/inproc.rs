@@ -94,9 +94,6 @@ pub struct InProcessMesh {
     stop_nodes: watch::Sender<bool>,
     /// `None` once drained.
     runs: Option<Runs>,
-    /// The `Authorization` value [`InProcessMesh::metrics`] sends: the
-    /// scrape key's, when API keys are configured.
-    scrape_auth: Option<String>,
     // Last: the tasks above end before it goes.
     rt: Runtime,
 }
@@ -145,12 +142,8 @@ fn shm_socket() -> PathBuf {
     ))
 }
 
-/// The key a test mesh with API keys also accepts, for `/metrics` only
-/// (scope `metrics`), as an operator's Prometheus would hold one.
-pub const SCRAPE_KEY: &str = "kvmesh-test-scrape-key";
-
-/// The options' keys (scope `inference`), and [`SCRAPE_KEY`] when there
-/// are any.
+/// The options' keys (scope `inference`), and [`http::SCRAPE_KEY`]
+/// (scope `metrics`) when there are any.
 fn api_keys(keys: &[(String, String)]) -> Result<kvmesh_router::auth::ApiKeys> {
     use kvmesh_router::auth::Scope;
     let mut all: Vec<_> = keys
@@ -158,7 +151,11 @@ fn api_keys(keys: &[(String, String)]) -> Result<kvmesh_router::auth::ApiKeys> {
         .map(|(k, t)| (k.clone(), t.clone(), vec![Scope::Inference]))
         .collect();
     if !all.is_empty() {
-        all.push((SCRAPE_KEY.into(), "scraper".into(), vec![Scope::Metrics]));
+        all.push((
+            http::SCRAPE_KEY.into(),
+            "scraper".into(),
+            vec![Scope::Metrics],
+        ));
     }
     kvmesh_router::auth::ApiKeys::with_scopes(all).map_err(anyhow::Error::msg)
 }
@@ -173,11 +170,9 @@ impl InProcessMesh {
             .enable_all()
             .build()
             .context("starting the mesh's runtime")?;
-        let scrape_auth = (!opts.api_keys.is_empty()).then(|| format!("Bearer {SCRAPE_KEY}"));
         let (http, grpc, decode, prefill, [stop_router, stop_nodes], runs) =
             rt.block_on(Self::start_on(model, opts))?;
         Ok(Self {
-            scrape_auth,
             http,
             grpc,
             decode,
@@ -340,21 +335,12 @@ impl InProcessMesh {
     /// The value of the gateway's sample `selector` names (see
     /// [`kvmesh_client::Metrics::get`]).
     pub fn metric(&self, selector: &str) -> Option<f64> {
-        kvmesh_client::Metrics::parse(self.metrics()).get(selector)
+        http::metric(&self.http, selector)
     }
 
-    /// The gateway's metrics text (read with the scrape key when API keys
-    /// are configured).
+    /// The gateway's metrics text (read with [`http::SCRAPE_KEY`]).
     pub fn metrics(&self) -> String {
-        let r = http::request_with(
-            &self.http,
-            "GET",
-            "/metrics",
-            None,
-            self.scrape_auth.as_deref(),
-        );
-        assert_eq!(r.status, 200, "/metrics: {}", r.body);
-        r.body
+        http::metrics(&self.http).text().to_owned()
     }
 
     /// Waits (bounded: 10 s) until `done` holds of the nodes' state, read

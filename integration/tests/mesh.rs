@@ -541,10 +541,7 @@ fn api_keys_gate_every_request() {
         "POST",
         "/v1/completions",
         Some(&body.to_string()),
-        Some(&format!(
-            "Bearer {}",
-            kvmesh_integration::inproc::SCRAPE_KEY
-        )),
+        Some(&format!("Bearer {}", http::SCRAPE_KEY)),
     );
     assert_eq!(r.status, 403, "{}", r.body);
 }

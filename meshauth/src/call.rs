@@ -264,7 +264,7 @@ pub struct PendingCall {
 }
 
 /// A call that proved the mesh secret; its answer carries
-/// [`AdmittedCall::reply_proof`].
+/// [`CallVerifier::reply_proof`].
 #[derive(Debug)]
 pub struct AdmittedCall {
     mac: [u8; MAC_LEN],

@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use kvmesh_client::metrics::scrape;
+use kvmesh_client::metrics::scrape_with;
 use kvmesh_model::default_model;
 use serde_json::{json, Value};
 
@@ -57,7 +57,7 @@ mod scenarios;
 mod twosample;
 
 use client::Answer;
-use scenarios::{MultiTurn, Probe, Script, Shape, TENANT_A, TENANT_B};
+use scenarios::{MultiTurn, Probe, Script, Shape, SCRAPER, TENANT_A, TENANT_B};
 
 /// How long one request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
@@ -286,6 +286,7 @@ pub fn run(a: BenchCacheArgs) -> Result<()> {
                 target.name().into(),
                 format!("--api-key={}={}", TENANT_A.0, TENANT_A.1),
                 format!("--api-key={}={}", TENANT_B.0, TENANT_B.1),
+                format!("--api-key={}={}:metrics", SCRAPER.0, SCRAPER.1),
             ]);
             flags.extend(a.serve_args.iter().cloned());
             let log = a.serve_log.as_ref().map(|p| {
@@ -416,7 +417,9 @@ struct KvCounters {
 }
 
 async fn kv_counters(addr: &str) -> Result<KvCounters> {
-    let m = scrape(addr).await.context("scraping /metrics")?;
+    let m = scrape_with(addr, Some(SCRAPER.0))
+        .await
+        .context("scraping /metrics")?;
     Ok(KvCounters {
         granted: m.sum("kvmesh_node_reservations_granted_total", &[]) as u64,
         bytes: m.sum("kvmesh_node_kv_bytes_received_total", &[]) as u64,

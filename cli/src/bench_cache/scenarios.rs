@@ -18,6 +18,8 @@ use crate::loadgen::workload::build_prompt;
 
 /// API keys of the two tenants of the started mesh (`serve --api-key`).
 pub(crate) const TENANT_A: (&str, &str) = ("sk-bench-tenant-a", "bench-a");
+/// The started mesh's key for its `/metrics` (scope `metrics` only).
+pub(crate) const SCRAPER: (&str, &str) = ("sk-bench-scraper", "bench-scraper");
 pub(crate) const TENANT_B: (&str, &str) = ("sk-bench-tenant-b", "bench-b");
 
 /// The conversations of the multi-turn scenario: one system prompt all of

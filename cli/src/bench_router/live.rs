@@ -181,8 +181,10 @@ impl Counters {
     }
 }
 
-pub(super) async fn counters(addr: &str) -> Result<Counters> {
-    match kvmesh_client::metrics::scrape(addr).await {
+/// The router's counters, read with `api_key` (with `--url` on a router
+/// with API keys, a key with the metrics scope).
+pub(super) async fn counters(addr: &str, api_key: Option<&str>) -> Result<Counters> {
+    match kvmesh_client::metrics::scrape_with(addr, api_key).await {
         Ok(m) => Ok(Counters::of(m.samples())),
         Err(e) => bail!("{addr}: {e}"),
     }
@@ -279,7 +281,7 @@ pub(super) async fn live(
         );
     }
 
-    let before = counters(addr).await?;
+    let before = counters(addr, api_key).await?;
     let bodies: Arc<[(&'static str, Bytes)]> = Arc::from(vec![
         ("/v1/completions", Bytes::from(p.completion_body())),
         ("/v1/chat/completions", Bytes::from(p.chat_body())),
@@ -307,7 +309,7 @@ pub(super) async fn live(
     // Node counters come from load reports polled every 200 ms: wait past
     // one so any grant made during the load would show.
     tokio::time::sleep(Duration::from_millis(450)).await;
-    let after = counters(addr).await?;
+    let after = counters(addr, api_key).await?;
     Ok(Live {
         url: format!("http://{addr}"),
         max_model_len,

@@ -269,7 +269,7 @@ fn write_mesh_file(dir: &Path, lab: &Lab, etcd: &Etcd, prefix: &str, o: &Options
          lease_ms: {lease}\nabort_timeout_ms: {abort}\n\
          mesh:\n  secret_file: {secret}{tls}\n\
          discovery: etcd\n\
-         etcd: {{endpoints: [\"{endpoint}\"], prefix: \"{prefix}\", lease_ttl_s: {ttl}}}\n\
+         etcd: {{endpoints: [\"{endpoint}\"], prefix: \"{prefix}\", lease_ttl_s: {ttl}{insecure}}}\n\
          router: {{http: \"0.0.0.0:8080\", grpc: \"0.0.0.0:50051\", max_running: 64}}\n",
         model = o.model.display(),
         page = o.page_size,
@@ -279,6 +279,12 @@ fn write_mesh_file(dir: &Path, lab: &Lab, etcd: &Etcd, prefix: &str, o: &Options
         secret = secret.display(),
         endpoint = etcd.endpoint(),
         ttl = o.lease_ttl_s,
+        // Without mutual TLS an etcd mesh must say it means it.
+        insecure = if tls.is_empty() {
+            ", allow_insecure_etcd: true"
+        } else {
+            ""
+        },
     );
     for role in ["prefill", "decode"] {
         text.push_str(&format!("{role}:\n"));

@@ -427,6 +427,8 @@ fn cross_tenant_leak_with_scrubbing_off() {
             "key-a=tenant-a",
             "--api-key",
             "key-b=tenant-b",
+            "--api-key",
+            "kvmesh-test-scrape-key=scraper:metrics",
         ],
     );
     // Tenant A: three long answers at once fill most of the pool.

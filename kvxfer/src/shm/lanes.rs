@@ -175,7 +175,7 @@ impl ShmRegion {
 
     /// Sets the lane's writer count to 0 so it can be reopened, after the
     /// process that holds the lane's key is known dead (see
-    /// [`PeerProcess`]): its admitted writes can no longer land, but its
+    /// [`super::PeerProcess`]): its admitted writes can no longer land, but its
     /// count was never given back. The lane must be closed (else
     /// `LaneBusy`). Writers of other processes inside at that moment (stale
     /// keys, on their way to a refusal) leave without touching the new
