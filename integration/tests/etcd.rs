@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use kvmesh_integration::etcd::{Etcd, EtcdMesh};
 use kvmesh_integration::http::{self, post_streaming_headers};
-use kvmesh_integration::roles::wait_healthy;
+use kvmesh_integration::roles::{wait_healthy, Proc};
 use kvmesh_integration::{reference_text, tiny_model_dir};
 use std::sync::{Arc, Mutex};
 
@@ -59,6 +59,23 @@ fn complete_checked(addr: &str, prompt: &str) {
     );
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["choices"][0]["text"], want.as_str(), "{prompt}");
+}
+
+/// A mesh of one prefill and one decode node on `etcd` for `test`, with
+/// decode-0, prefill-0 and the router (its log at `info` when
+/// `router_logged`) started in that order, and healthy; the three
+/// processes in that order.
+fn one_of_each(etcd: &Etcd, test: &str, router_logged: bool) -> (EtcdMesh, [Proc; 3]) {
+    let mesh = EtcdMesh::new(
+        etcd,
+        test,
+        &[("prefill", "prefill-0"), ("decode", "decode-0")],
+    );
+    let decode = mesh.start("decode", Some("decode-0"), &[], false);
+    let prefill = mesh.start("prefill", Some("prefill-0"), &[], false);
+    let router = mesh.start("router", None, &[], router_logged);
+    wait_healthy(&mesh.http);
+    (mesh, [decode, prefill, router])
 }
 
 /// Waits until `check` holds for the router's metrics, returning how long
@@ -202,15 +219,7 @@ fn a_new_decode_node_joins_and_takes_traffic_without_a_restart() {
 #[test]
 fn a_restarted_router_rebuilds_its_view_from_etcd() {
     let etcd = Etcd::shared();
-    let mesh = EtcdMesh::new(
-        etcd,
-        "router-restart",
-        &[("prefill", "prefill-0"), ("decode", "decode-0")],
-    );
-    let _d0 = mesh.start("decode", Some("decode-0"), &[], false);
-    let _p0 = mesh.start("prefill", Some("prefill-0"), &[], false);
-    let router = mesh.start("router", None, &[], false);
-    wait_healthy(&mesh.http);
+    let (mesh, [_d0, _p0, router]) = one_of_each(etcd, "router-restart", false);
     complete_checked(&mesh.http, &prompt(0));
     drop(router);
     let restarted = Instant::now();
@@ -237,15 +246,7 @@ fn a_restarted_router_rebuilds_its_view_from_etcd() {
 #[test]
 fn a_deleted_registration_is_written_again() {
     let etcd = Etcd::shared();
-    let mesh = EtcdMesh::new(
-        etcd,
-        "deleted",
-        &[("prefill", "prefill-0"), ("decode", "decode-0")],
-    );
-    let _d0 = mesh.start("decode", Some("decode-0"), &[], false);
-    let _p0 = mesh.start("prefill", Some("prefill-0"), &[], false);
-    let _router = mesh.start("router", None, &[], false);
-    wait_healthy(&mesh.http);
+    let (mesh, [_d0, _p0, _router]) = one_of_each(etcd, "deleted", false);
     let key = format!("{}decode/decode-0", mesh.prefix);
     etcd.delete(&key);
     let deleted = Instant::now();
@@ -377,15 +378,7 @@ fn grpc_of(file: &std::path::Path, name: &str) -> String {
 #[test]
 fn a_registered_node_without_the_mesh_secret_is_never_used() {
     let etcd = Etcd::shared();
-    let mesh = EtcdMesh::new(
-        etcd,
-        "intruder",
-        &[("prefill", "prefill-0"), ("decode", "decode-0")],
-    );
-    let _d0 = mesh.start("decode", Some("decode-0"), &[], false);
-    let _p0 = mesh.start("prefill", Some("prefill-0"), &[], false);
-    let _router = mesh.start("router", None, &[], false);
-    wait_healthy(&mesh.http);
+    let (mesh, [_d0, _p0, _router]) = one_of_each(etcd, "intruder", false);
     // A node that can write to etcd but holds another secret registers
     // under the mesh's prefix (a decode and a prefill node), and entries
     // that are not registrations appear beside them.
@@ -536,15 +529,7 @@ fn unproven(m: &kvmesh_client::Metrics, node: &str) -> f64 {
 #[test]
 fn an_impostor_or_a_relay_at_a_registered_address_sees_no_prompt_and_is_never_chosen() {
     let etcd = Etcd::shared();
-    let mesh = EtcdMesh::new(
-        etcd,
-        "impostor",
-        &[("prefill", "prefill-0"), ("decode", "decode-0")],
-    );
-    let _d0 = mesh.start("decode", Some("decode-0"), &[], false);
-    let _p0 = mesh.start("prefill", Some("prefill-0"), &[], false);
-    let _router = mesh.start("router", None, &[], false);
-    wait_healthy(&mesh.http);
+    let (mesh, [_d0, _p0, _router]) = one_of_each(etcd, "impostor", false);
     let secret = MeshSecret::load(&mesh.file.with_file_name("mesh.secret")).expect("secret");
     let d0_addr = grpc_of(&mesh.file, "decode-0");
     let real = load_report(&d0_addr, &secret, "decode-0", true);
@@ -702,15 +687,7 @@ fn the_default_model_through_a_changing_etcd_mesh_equals_the_reference() {
 #[test]
 fn an_idle_router_keeps_its_etcd_connection() {
     let etcd = Etcd::shared();
-    let mesh = EtcdMesh::new(
-        etcd,
-        "idle",
-        &[("prefill", "prefill-0"), ("decode", "decode-0")],
-    );
-    let _d0 = mesh.start("decode", Some("decode-0"), &[], false);
-    let _p0 = mesh.start("prefill", Some("prefill-0"), &[], false);
-    let router = mesh.start("router", None, &[], true);
-    wait_healthy(&mesh.http);
+    let (_mesh, [_d0, _p0, router]) = one_of_each(etcd, "idle", true);
     assert_eq!(
         router.log_line("etcd unreachable", Duration::from_secs(15)),
         None,
