@@ -93,7 +93,7 @@ pub fn welcome_ok(
 }
 
 /// Labels of [`KvAuthCounters`]: every [`KvAuthRefusal::kind`].
-pub const KV_AUTH_REFUSAL_KINDS: [&str; 8] = [
+pub const KV_AUTH_REFUSAL_KINDS: [&str; 9] = [
     "bad_proof",
     "frame_before_hello",
     "transfer_done_before_hello",
@@ -102,6 +102,7 @@ pub const KV_AUTH_REFUSAL_KINDS: [&str; 8] = [
     "malformed",
     "timeout",
     "closed",
+    "too_many_unauthenticated",
 ];
 
 /// Why a decode node closed a KV connection before its writer was
@@ -121,6 +122,9 @@ pub enum KvAuthRefusal {
     Timeout,
     /// The peer closed (or reset) the connection before its Hello.
     Closed,
+    /// Closed at once: as many connections as the listener lets wait for
+    /// their Hello already were waiting.
+    TooManyUnauthenticated,
 }
 
 impl KvAuthRefusal {
@@ -148,6 +152,7 @@ impl KvAuthRefusal {
             Self::Malformed => 5,
             Self::Timeout => 6,
             Self::Closed => 7,
+            Self::TooManyUnauthenticated => 8,
         }
     }
 }

@@ -26,8 +26,14 @@ use super::{KvAuth, TransportError};
 use kvmesh_meshauth::tls::Purpose;
 
 /// How long a new connection has to answer the Challenge with a valid
-/// Hello.
+/// Hello (and, before that, to finish its TLS handshake).
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections that may wait for their Hello at once; one more is closed
+/// as soon as it is accepted (`too_many_unauthenticated`), so strangers
+/// cannot hold more than this many tasks and sockets, each for at most
+/// [`HELLO_TIMEOUT`] (or twice that behind TLS). Writers are a handful of
+/// prefill nodes that authenticate within a round trip.
+pub const MAX_UNAUTHENTICATED: usize = 64;
 /// Bytes read from a connection per syscall, at most.
 const READ_BUFFER: usize = 1 << 18;
 /// How often the table's timers run.
@@ -44,11 +50,33 @@ pub struct KvServer {
     auth: Arc<Auth>,
 }
 
-/// The mesh secret writers must prove, and the connections refused.
+/// The mesh secret writers must prove, the connections refused, and the
+/// room for connections still to prove it.
 #[derive(Debug)]
 struct Auth {
     secret: MeshSecret,
     refused: KvAuthCounters,
+    unauthenticated: Arc<tokio::sync::Semaphore>,
+}
+
+impl Auth {
+    fn new(secret: MeshSecret) -> Arc<Self> {
+        Arc::new(Self {
+            secret,
+            refused: KvAuthCounters::default(),
+            unauthenticated: Arc::new(tokio::sync::Semaphore::new(MAX_UNAUTHENTICATED)),
+        })
+    }
+
+    /// Room for one more connection to authenticate, or `None` (counted:
+    /// the caller closes it).
+    fn admit(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let permit = Arc::clone(&self.unauthenticated).try_acquire_owned().ok();
+        if permit.is_none() {
+            self.refused.record(KvAuthRefusal::TooManyUnauthenticated);
+        }
+        permit
+    }
 }
 
 impl KvServer {
@@ -74,23 +102,27 @@ impl KvServer {
         let endpoint = format!("tcp://{local}");
         table.set_endpoint(&endpoint);
         let t = table.clone();
-        let auth = Arc::new(Auth {
-            secret,
-            refused: KvAuthCounters::default(),
-        });
+        let auth = Auth::new(secret);
         let a = Arc::clone(&auth);
         let accept = tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
+                let Some(permit) = a.admit() else {
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let (t, a, tls) = (t.clone(), Arc::clone(&a), tls.clone());
                 tokio::spawn(async move {
                     match tls {
-                        None => serve(t, stream, None, a).await,
+                        None => serve(t, stream, None, a, permit).await,
                         // A refused handshake is counted by the TLS
-                        // identity; nothing reached the table.
+                        // identity; nothing reached the table. A silent
+                        // peer is cut off like one that sends no Hello.
                         Some(tls) => {
-                            if let Ok(s) = tls.accept(stream, Purpose::Kv).await {
-                                serve(t, s, None, a).await;
+                            let shake = tls.accept(stream, Purpose::Kv);
+                            match tokio::time::timeout(HELLO_TIMEOUT, shake).await {
+                                Ok(Ok(s)) => serve(t, s, None, a, permit).await,
+                                Ok(Err(_)) => {}
+                                Err(_) => a.refused.record(KvAuthRefusal::Timeout),
                             }
                         }
                     }
@@ -122,19 +154,19 @@ impl KvServer {
         let endpoint = format!("unix:{}", path.display());
         table.set_endpoint(&endpoint);
         let t = table.clone();
-        let auth = Arc::new(Auth {
-            secret,
-            refused: KvAuthCounters::default(),
-        });
+        let auth = Auth::new(secret);
         let a = Arc::clone(&auth);
         let accept = tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
+                let Some(permit) = a.admit() else {
+                    continue;
+                };
                 let peer = stream
                     .peer_cred()
                     .ok()
                     .and_then(|c| c.pid())
                     .and_then(|pid| PeerProcess::from_pid(pid).ok());
-                tokio::spawn(serve(t.clone(), stream, peer, Arc::clone(&a)));
+                tokio::spawn(serve(t.clone(), stream, peer, Arc::clone(&a), permit));
             }
         });
         Ok(Self {
@@ -178,9 +210,16 @@ fn spawn_ticker(table: ReservationTable) -> JoinHandle<()> {
     })
 }
 
-/// One writer connection, start to end.
-async fn serve<S>(table: ReservationTable, stream: S, peer: Option<PeerProcess>, auth: Arc<Auth>)
-where
+/// One writer connection, start to end; `unauthenticated` is its room
+/// among the connections waiting for their Hello, given back once it has
+/// proved the mesh secret (or ended).
+async fn serve<S>(
+    table: ReservationTable,
+    stream: S,
+    peer: Option<PeerProcess>,
+    auth: Arc<Auth>,
+    unauthenticated: tokio::sync::OwnedSemaphorePermit,
+) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let (rd, mut wr) = tokio::io::split(stream);
@@ -205,6 +244,7 @@ where
             return;
         }
     };
+    drop(unauthenticated);
     let mut welcome = Welcome {
         proof: [0; PROOF_LEN],
         data_path: table.landing().data_path(),

@@ -11,7 +11,7 @@ use kvmesh_kvwire::{
 };
 use kvmesh_kvxfer::handshake::ReserveError;
 use kvmesh_kvxfer::transport::client::KvClient;
-use kvmesh_kvxfer::transport::server::HELLO_TIMEOUT;
+use kvmesh_kvxfer::transport::server::{HELLO_TIMEOUT, MAX_UNAUTHENTICATED};
 use kvmesh_kvxfer::transport::TransportError;
 use kvmesh_meshauth::kv::hello_proof;
 use kvmesh_meshauth::MeshSecret;
@@ -207,6 +207,41 @@ async fn a_silent_connection_times_out_and_is_counted() {
     assert!(t0.elapsed() >= HELLO_TIMEOUT - Duration::from_millis(100));
     wait_for("counted", || node.server.auth_refused().get("timeout") == 1).await;
     assert_eq!(node.server.auth_refused().total(), 1);
+}
+
+/// Issue 35 item 5: strangers cannot hold more than MAX_UNAUTHENTICATED
+/// connections waiting for their Hello: one more is closed at once and
+/// counted, and once the silent ones are gone a writer of the mesh
+/// connects and transfers as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_waiting_for_their_hello_are_bounded() {
+    let node = Node::start(TransportKind::Tcp).await;
+    let mut silent = Vec::new();
+    for _ in 0..MAX_UNAUTHENTICATED {
+        let mut raw = RawWriter::unauthenticated(&node).await;
+        raw.challenge().await;
+        silent.push(raw);
+    }
+    let mut extra = RawWriter::unauthenticated(&node).await;
+    let t0 = std::time::Instant::now();
+    assert!(extra.closed_within(Duration::from_secs(2)).await);
+    assert!(t0.elapsed() < HELLO_TIMEOUT, "{:?}", t0.elapsed());
+    wait_for("counted", || {
+        node.server.auth_refused().get("too_many_unauthenticated") == 1
+    })
+    .await;
+    // The room comes back as the silent ones leave.
+    drop(silent);
+    wait_for("the silent ones counted as closed", || {
+        node.server.auth_refused().get("closed") == MAX_UNAUTHENTICATED as u64
+    })
+    .await;
+    let honest = RawWriter::connect(&node).await;
+    wait_for("the writer registered", || {
+        node.table.connected_writers() == vec![honest.id]
+    })
+    .await;
+    table_untouched(&node);
 }
 
 /// The writer's side of mutual authentication: a listener that is not of

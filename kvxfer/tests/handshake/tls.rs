@@ -7,9 +7,11 @@
 //! is counted by kind.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use kvmesh_kvwire::WriterId;
 use kvmesh_kvxfer::transport::client::KvClient;
+use kvmesh_kvxfer::transport::server::HELLO_TIMEOUT;
 use kvmesh_kvxfer::transport::KvAuth;
 use kvmesh_meshauth::tls::{MeshTls, TlsFiles};
 use kvmesh_testkit::tls::{TestCa, Validity};
@@ -139,6 +141,40 @@ async fn a_transfer_inside_mutual_tls_verifies_and_the_wire_is_not_plaintext() {
     // each way are TLS records (handshake, content type 22), not kvwire.
     assert_eq!(wire[0], 22, "not a TLS record");
     node.assert_idle().await;
+}
+
+/// A peer that opens a connection to a TLS listener and says nothing is
+/// cut off at the Hello timeout and counted, not held forever (issue 35
+/// item 5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_peer_of_a_tls_listener_times_out() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = TestCa::new(dir.path(), "mesh").expect("ca");
+    let decode_tls = identity(&ca, dir.path(), "decode", Validity::Current);
+    let node = Node::with_tls(
+        TransportKind::Tcp,
+        table_config(),
+        pool_config(),
+        Some(decode_tls),
+    )
+    .await;
+    let mut raw = TcpStream::connect(node.endpoint().trim_start_matches("tcp://"))
+        .await
+        .expect("connect");
+    let t0 = std::time::Instant::now();
+    let mut b = [0u8; 64];
+    let closed = tokio::time::timeout(HELLO_TIMEOUT + Duration::from_secs(5), async {
+        loop {
+            match raw.read(&mut b).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "still open after {:?}", t0.elapsed());
+    assert!(t0.elapsed() >= HELLO_TIMEOUT - Duration::from_millis(100));
+    wait_for("timeout", || node.server.auth_refused().get("timeout") == 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
