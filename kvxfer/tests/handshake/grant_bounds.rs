@@ -11,6 +11,27 @@ use super::*;
 /// A 4-token prompt: one page each.
 const PROMPT: usize = 4;
 
+/// The end of a one-sided case, after the refused write: B's writer
+/// finishes and B verifies with its own data, A is aborted, and the pool
+/// is whole again.
+async fn b_verifies_and_a_ends(
+    node: &Node,
+    wb: kvmesh_kvxfer::transport::client::GrantWriter,
+    pb: kvmesh_kvxfer::handshake::Pending,
+    a: &kvmesh_kvwire::Grant,
+    pa: kvmesh_kvxfer::handshake::Pending,
+) {
+    wb.finish(1).await.expect("finish b");
+    let live = pb.wait().await.expect("b verifies");
+    assert_prompt(live.reservation(), PROMPT, 6.0);
+    drop(live);
+    node.table
+        .abort(a.reservation, AbortReason::CLIENT_GONE)
+        .expect("abort a");
+    pa.wait().await.expect_err("a aborted");
+    node.assert_idle().await;
+}
+
 /// TCP: a frame with A's reservation and capability naming B's page is
 /// refused on arrival (`wrong_page`), as `Grant::check_frame` is run on
 /// every frame before it lands.
@@ -115,15 +136,7 @@ async fn a_write_with_grant_as_key_into_grant_bs_page_is_refused_shm() {
         "counted where the decode node reports refusals"
     );
 
-    wb.finish(1).await.expect("finish b");
-    let live = pb.wait().await.expect("b verifies");
-    assert_prompt(live.reservation(), PROMPT, 6.0);
-    drop(live);
-    node.table
-        .abort(a.reservation, AbortReason::CLIENT_GONE)
-        .expect("abort a");
-    pa.wait().await.expect_err("a aborted");
-    node.assert_idle().await;
+    b_verifies_and_a_ends(&node, wb, pb, &a, pa).await;
 }
 
 /// UCX (data messages: loopback has no hardware RMA lane): an endpoint
@@ -190,13 +203,5 @@ async fn a_data_message_with_grant_as_key_into_grant_bs_page_is_refused_ucx() {
         "B's page refused, A's landed"
     );
 
-    wb.finish(1).await.expect("finish b");
-    let live = pb.wait().await.expect("b verifies");
-    assert_prompt(live.reservation(), PROMPT, 6.0);
-    drop(live);
-    node.table
-        .abort(a.reservation, AbortReason::CLIENT_GONE)
-        .expect("abort a");
-    pa.wait().await.expect_err("a aborted");
-    node.assert_idle().await;
+    b_verifies_and_a_ends(&node, wb, pb, &a, pa).await;
 }
