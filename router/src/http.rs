@@ -29,6 +29,7 @@ use crate::validate::{self, invalid, Prompt, Valid};
 use crate::Router;
 use body::{Body, CHAT_FIELDS, COMMON_FIELDS, COMPLETION_FIELDS, MAX_USER};
 use chat::chat_messages;
+use gate::{authenticate, authorize_metrics};
 use respond::Meta;
 
 /// Interval of SSE keep-alive comments (see `stream`).
@@ -143,57 +144,6 @@ pub(crate) fn routes(router: Router) -> axum::Router {
         authorize_metrics,
     ));
     keyed.merge(scraped).merge(open).with_state(router)
-}
-
-/// 401 or 403 before `/metrics` is rendered unless the request may read it
-/// ([`crate::auth::ApiKeys::check_metrics`]).
-async fn authorize_metrics(
-    State(r): State<Router>,
-    req: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let header = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    match r.config().api_keys.check_metrics(header) {
-        Ok(()) => next.run(req).await,
-        Err(e) => r.fail(e.into()).into_response(),
-    }
-}
-
-/// 401 before the handler runs (the body is not even read) unless the
-/// request carries a known key; the tenant then rides along as an
-/// extension, the only place a handler gets it from.
-async fn authenticate(
-    State(r): State<Router>,
-    mut req: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let header = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    let tenant = match r.config().api_keys.check(header) {
-        Ok(tenant) => tenant,
-        Err(e) => return r.fail(e.into()).into_response(),
-    };
-    req.extensions_mut().insert(tenant);
-    // Injected faults: only a testing build started with --fault-injection
-    // honours the header.
-    if r.config().fault_injection {
-        let spec = req
-            .headers()
-            .get(kvmesh_faults::HEADER)
-            .map(|v| v.to_str().unwrap_or("\u{fffd}"));
-        match FaultPlan::from_header(spec) {
-            Ok(plan) => {
-                req.extensions_mut().insert(plan);
-            }
-            Err(e) => return r.fail(GatewayError::FaultSpec(e)).into_response(),
-        }
-    }
-    next.run(req).await
 }
 
 #[derive(Deserialize)]
@@ -694,6 +644,7 @@ async fn metrics(State(r): State<Router>) -> Response {
 
 mod body;
 mod chat;
+mod gate;
 mod respond;
 mod tokenize;
 
