@@ -56,6 +56,7 @@ mod addr;
 mod api;
 mod core;
 mod error;
+mod gate;
 mod initiator;
 mod runner;
 mod sink;

@@ -22,12 +22,18 @@ use memmap2::MmapRaw;
 
 use crate::core::{connectable, on_conn, socket_addr, Actor, Core, Event, Op, Runner, SockAddr};
 use crate::error::UcxError;
+use crate::gate::ListenGate;
 use crate::sink::{on_data, Extents, HandlerArg, Sink};
 use crate::{sys, AM_BIND, AM_BOUND, AM_DATA, AM_FENCE, AM_FENCED};
 
 /// An endpoint that has not bound a key within this long is closed
 /// (writers keep spare endpoints connected, renewed well before this).
 pub const BIND_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// At shutdown, once no new connection is answered, how long the worker
+/// must see no connection request before the listener may go: one
+/// accepted before the door closed arrives within a round trip.
+const CONN_QUIET: Duration = Duration::from_millis(20);
 
 /// Where a revocation stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -285,6 +291,11 @@ struct TargetState {
     core: Core,
     shared: Arc<Shared>,
     listener: sys::ucp_listener_h,
+    /// The listener's socket, closed to new connections at shutdown
+    /// before the listener goes (see `gate`).
+    gate: Option<ListenGate>,
+    /// Set at shutdown: connection requests are no longer taken.
+    quiescing: bool,
     memh: sys::ucp_mem_h,
     address: SocketAddr,
     rkey: Vec<u8>,
@@ -344,6 +355,8 @@ impl TargetState {
             core,
             shared,
             listener: ptr::null_mut(),
+            gate: None,
+            quiescing: false,
             memh,
             address: listen,
             rkey: Vec::new(),
@@ -396,6 +409,10 @@ impl TargetState {
         UcxError::check(state.core.api, "ucp_listener_query", st)?;
         let bound = socket_addr(&attr.sockaddr)
             .ok_or_else(|| UcxError::Address("listener has no IP address".into()))?;
+        state.gate = ListenGate::find(bound);
+        if state.gate.is_none() {
+            tracing::warn!(%bound, "UCX listener's socket not found; its shutdown cannot close it first");
+        }
         state.address = connectable(bound);
         Ok(())
     }
@@ -479,9 +496,18 @@ impl Actor for TargetState {
     fn handle(&mut self, events: Vec<Event>) {
         for e in events {
             match e {
-                // Shutting down (the listener is gone): a request taken
-                // before is left to UCX, which owns it with the worker.
-                Event::Conn(_) if self.listener.is_null() => {}
+                // Shutting down: a request taken before the door closed
+                // is rejected. One left unanswered would keep its socket
+                // in UCX's process-wide handler table after the worker is
+                // gone, and crash the async thread when the peer closes.
+                Event::Conn(req) if self.quiescing => {
+                    // SAFETY: the listener is live until the end of
+                    // shutdown; the request is answered exactly once.
+                    let st = unsafe { self.core.api.ucp().ucp_listener_reject(self.listener, req) };
+                    if st != sys::UCS_OK {
+                        tracing::debug!(status = st, "UCX connection request not rejected");
+                    }
+                }
                 Event::Conn(req) => {
                     let mut p = self.core.ep_params();
                     p.field_mask |= u64::from(sys::UCP_EP_PARAM_FIELD_CONN_REQUEST);
@@ -568,28 +594,34 @@ impl Actor for TargetState {
 
     fn shutdown(&mut self) {
         let ucp = self.core.api.ucp();
-        // The listener goes first, so that no connection request (a
-        // writer topping up its spare endpoints) is taken while endpoints
-        // close and the worker goes: UCX 1.13 handles a request in its
-        // async thread, and one that arrived as the listener and worker
-        // were destroyed crashed there (`ucp_cm_server_conn_request_cb`).
-        // SAFETY: the listener is live and destroyed once.
-        unsafe {
-            if !self.listener.is_null() {
-                ucp.ucp_listener_destroy(self.listener);
-                self.listener = ptr::null_mut();
-            }
-        }
+        // UCX 1.13 crashes when a request it accepted arrives after the
+        // listener is destroyed (see `gate`). So: no new connection is
+        // answered from here on, the requests already accepted are drawn
+        // out (and left to UCX, `handle`), the endpoints close, and the
+        // listener goes last, right before the worker.
+        self.quiescing = true;
+        let door_closed = self.gate.as_ref().is_some_and(ListenGate::close);
         let ids: Vec<u64> = self.eps.keys().copied().collect();
         for id in ids {
             self.close(id);
         }
-        let end = Instant::now() + Duration::from_secs(2);
-        while !self.eps.is_empty() && Instant::now() < end {
+        let start = Instant::now();
+        let end = start + Duration::from_secs(2);
+        let mut last_conn = start;
+        loop {
+            let now = Instant::now();
+            let drained = self.eps.is_empty()
+                && (!door_closed || now.duration_since(last_conn) >= CONN_QUIET);
+            if drained || now >= end {
+                break;
+            }
             let ev = self.core.progress();
             if ev.is_empty() {
                 std::thread::sleep(Duration::from_micros(200));
             } else {
+                if ev.iter().any(|e| matches!(e, Event::Conn(_))) {
+                    last_conn = Instant::now();
+                }
                 self.handle(ev);
             }
         }
@@ -610,5 +642,13 @@ impl Actor for TargetState {
         }
         drop(keys);
         self.shared.changed.notify_all();
+        // SAFETY: the listener is live and destroyed once; the worker
+        // (Core's drop) goes right after.
+        unsafe {
+            if !self.listener.is_null() {
+                ucp.ucp_listener_destroy(self.listener);
+                self.listener = ptr::null_mut();
+            }
+        }
     }
 }
