@@ -4,20 +4,19 @@
 //! --config mesh.yaml` (one service per process, for several processes or
 //! hosts; each role's process is in `roles`).
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::Args;
-use kvmesh_decode::{DecodeConfig, DecodeNode, Drained};
+use kvmesh_decode::Drained;
 use kvmesh_kernels::cpu::{Activations, CpuKernels};
 use kvmesh_kvxfer::transport::{ListenSettings, TransportKind};
-use kvmesh_meshauth::MeshSecret;
+use kvmesh_local::{LocalMesh, Models, Settings, DECODE_NAME, PREFILL_NAME};
 use kvmesh_model::default_model;
 use kvmesh_model::Precision;
-use kvmesh_prefill::{PrefillConfig, PrefillNode};
-use kvmesh_router::nodes::{Nodes, Role};
 use kvmesh_router::parsing::{ReasoningParserSetting, ToolParserSetting};
 use kvmesh_router::{Listeners, Router, RouterConfig};
 use kvmesh_tokenizer::ModelInfo;
@@ -314,25 +313,36 @@ async fn terminated(drain: Duration) {
         _ = tokio::signal::ctrl_c() => {}
         () = term => {}
     }
+    kvmesh_ready::stopping();
     eprintln!(
         "kvmesh: shutting down: draining (at most {} ms)",
         drain.as_millis()
     );
 }
 
-/// The gateway's listeners, bound; prints the URLs.
-async fn router_listeners(router: &Router, http: &str, grpc: &str) -> Result<Listeners> {
-    let l = Listeners {
+/// The gateway's listeners, bound.
+async fn router_listeners(http: &str, grpc: &str) -> Result<Listeners> {
+    Ok(Listeners {
         http: listen(http, "the HTTP gateway").await?,
         grpc: listen(grpc, "the public gRPC API").await?,
-    };
-    let (http_addr, grpc_addr) = l.addrs()?;
+    })
+}
+
+/// Prints the gateway's URLs and tells a supervisor waiting on
+/// `$NOTIFY_SOCKET` that this process serves (`kvmesh_ready`).
+fn announce(role: &str, router: &Router, http: SocketAddr, grpc: SocketAddr) {
     println!("kvmesh ready: model {}", router.config().model_id);
     println!("  parsers     {}", router.parsers().describe());
-    println!("  OpenAI API  http://{http_addr}/v1");
-    println!("  gRPC API    grpc://{grpc_addr}");
-    println!("  metrics     http://{http_addr}/metrics");
-    Ok(l)
+    println!("  OpenAI API  http://{http}/v1");
+    println!("  gRPC API    grpc://{grpc}");
+    println!("  metrics     http://{http}/metrics");
+    kvmesh_ready::ready(
+        role,
+        &[
+            ("KVMESH_HTTP", &http.to_string()),
+            ("KVMESH_GRPC", &grpc.to_string()),
+        ],
+    );
 }
 
 /// Prints what a node's drain found; an error if it left anything behind.
@@ -356,16 +366,11 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let path = model_path(&a.model.model)?;
     let engine = a.model.engine_config();
     let keys = api_keys(&a.api_keys)?;
-    let decode_model = load(&path, engine.precision)?;
-    // The nodes load the model in this process anyway, so the router takes
-    // its metadata from the loaded model (`LoadedModel::info`: the same
-    // fields and stop-id rule `ModelInfo::read` gives) instead of parsing
-    // the file a third time.
-    let info = decode_model.info();
-    let max_model_len = engine.max_model_len.unwrap_or(info.context_length);
-    let stop_ids = info.stop_token_ids();
-    let model_description = info.description();
-    let tokenizer = info.tokenizer;
+    let models = Models {
+        id: model_id(&path),
+        decode: load(&path, engine.precision)?,
+        prefill: load(&path, a.model.precision())?,
+    };
     // A Unix control socket (the shm transport's) lives in a directory
     // only this user can enter (0700, a random name), removed when serve
     // returns: a predictable path in the shared temporary directory could
@@ -387,98 +392,32 @@ async fn serve(a: ServeArgs) -> Result<()> {
             _socket_dir = Some(dir);
             Ok(socket)
         })?;
-    // All roles share this process: a fresh secret per run, never written
-    // anywhere, so no other process can call these nodes.
-    let mesh_secret = MeshSecret::generate().context("minting the mesh secret")?;
-    let decode = DecodeNode::start(
-        DecodeConfig {
-            name: "decode-0".into(),
-            engine: engine.clone(),
-            allow_small_pool: a.allow_small_pool,
-            transport,
-            lease: Duration::from_millis(a.lease_ms),
-            abort_timeout: Duration::from_millis(a.abort_timeout_ms),
-            kv_advertise: None,
-            mesh_secret: mesh_secret.clone(),
-            tls: None,
-            drain_timeout: a.drain_timeout,
-            prefix_cache: a.prefix_cache.0,
-        },
-        decode_model,
-    )
-    .await?;
-    let prefill = PrefillNode::start(
-        PrefillConfig {
-            name: "prefill-0".into(),
-            allow_small_pool: a.allow_small_pool,
-            mesh_secret: mesh_secret.clone(),
-            tls: None,
-            engine,
-            drain_timeout: a.drain_timeout,
-            prefix_cache: a.prefix_cache.0,
-        },
-        load(&path, a.model.precision())?,
-    )?;
-    prefill
-        .connect(decode.kv_endpoint())
-        .await
-        .context("connecting prefill to the decode node's KV transport")?;
-    let (dl, pl) = (
-        listen("127.0.0.1:0", "the decode node").await?,
-        listen("127.0.0.1:0", "the prefill node").await?,
-    );
-    let (daddr, paddr) = (dl.local_addr()?, pl.local_addr()?);
-    // The nodes drain after the router has: by then nothing is in flight.
-    let (router_done, nodes_stop) = tokio::sync::watch::channel(false);
-    let stop_nodes = || {
-        let mut rx = nodes_stop.clone();
-        async move {
-            let _ = rx.wait_for(|done| *done).await;
-        }
-    };
-    let decode_run = tokio::spawn(kvmesh_decode::run(decode, dl, stop_nodes()));
-    let prefill_run = tokio::spawn(kvmesh_prefill::run(prefill, pl, stop_nodes()));
-    let nodes = Nodes::new(
-        &[
-            ("prefill-0".into(), Role::Prefill, format!("http://{paddr}")),
-            ("decode-0".into(), Role::Decode, format!("http://{daddr}")),
-        ],
-        mesh_secret,
-    )
-    .map_err(anyhow::Error::msg)?;
-    nodes.poll_all().await;
-    let poller = nodes.spawn_poller();
-    let router = Router::new(
-        RouterConfig {
-            model_id: model_id(&path),
-            model_description,
-            max_model_len,
-            api_keys: keys,
-            fault_injection,
-            drain_timeout: a.drain_timeout,
-            prefix_cache: a.prefix_cache.0,
-            tool_call_parser: a.parsers.tool_call_parser.unwrap_or_default(),
-            reasoning_parser: a.parsers.reasoning_parser.unwrap_or_default(),
-            ..RouterConfig::default()
-        },
-        tokenizer,
-        stop_ids,
-        nodes,
-    );
     let listeners = router_listeners(
-        &router,
         &format!("{}:{}", a.host, a.http_port),
         &format!("{}:{}", a.host, a.grpc_port),
     )
     .await?;
-    let served = kvmesh_router::run(router, listeners, terminated(a.drain_timeout)).await;
-    poller.abort();
-    router_done.send_replace(true);
-    let p = prefill_run.await.context("the prefill node's task")??;
-    let d = decode_run.await.context("the decode node's task")??;
-    served.context("the gateway")?;
-    drained("prefill", "prefill-0", &p)?;
-    drained("decode", "decode-0", &d)?;
+    let settings = Settings {
+        engine,
+        transport,
+        allow_small_pool: a.allow_small_pool,
+        lease: Duration::from_millis(a.lease_ms),
+        abort_timeout: Duration::from_millis(a.abort_timeout_ms),
+        drain_timeout: a.drain_timeout,
+        prefix_cache: a.prefix_cache.0,
+        router: RouterConfig {
+            api_keys: keys,
+            fault_injection,
+            tool_call_parser: a.parsers.tool_call_parser.unwrap_or_default(),
+            reasoning_parser: a.parsers.reasoning_parser.unwrap_or_default(),
+            ..RouterConfig::default()
+        },
+    };
+    let mesh = LocalMesh::start(models, settings, listeners, terminated(a.drain_timeout)).await?;
+    announce("serve", mesh.router(), mesh.http(), mesh.grpc());
+    let d = mesh.wait().await?;
+    drained("prefill", PREFILL_NAME, &d.prefill)?;
+    drained("decode", DECODE_NAME, &d.decode)?;
     println!("kvmesh: drained, exiting");
     Ok(())
 }

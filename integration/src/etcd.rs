@@ -441,17 +441,12 @@ impl EtcdMesh {
 
     /// Starts `kvmesh ROLE --config F --name N` with `flags`, its stderr
     /// logged at `info` when `logged` (for [`Proc::log_line`]); returns
-    /// once it printed its ready line (for a node: it is registered).
+    /// once it said `READY=1` (for a node: it is registered).
     pub fn start(&self, role: &str, name: Option<&str>, flags: &[&str], logged: bool) -> Proc {
-        let ready = if role == "router" {
-            "OpenAI API"
-        } else {
-            "ready"
-        };
         if logged {
-            start_logged_with(role, &self.file, name, ready, "info", flags).0
+            start_logged_with(role, &self.file, name, "info", flags)
         } else {
-            start_with(role, &self.file, name, ready, flags).0
+            start_with(role, &self.file, name, flags)
         }
     }
 }

@@ -131,6 +131,37 @@ pub fn metrics_with(addr: &str, auth: &str) -> kvmesh_client::Metrics {
     kvmesh_client::Metrics::parse(r.body)
 }
 
+/// Waits (bounded: 10 s) until the router at `addr` has received two
+/// load reports from each of `nodes` since this call, so the node figures
+/// it relays are newer than anything that happened before the call (the
+/// first may have been polled before it). The signal is the router's
+/// `kvmesh_router_node_load_reports_total`, not a sleep of some polls.
+pub fn wait_fresh_reports(addr: &str, nodes: &[&str]) {
+    let count = |m: &kvmesh_client::Metrics, n: &str| {
+        m.first("kvmesh_router_node_load_reports_total", &[("node", n)])
+            .unwrap_or(0.0)
+    };
+    let before = metrics(addr);
+    let start: Vec<f64> = nodes.iter().map(|n| count(&before, n)).collect();
+    let t0 = std::time::Instant::now();
+    loop {
+        let m = metrics(addr);
+        if nodes
+            .iter()
+            .zip(&start)
+            .all(|(n, s)| count(&m, n) >= s + 2.0)
+        {
+            return;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "no two fresh load reports from {nodes:?}:\n{}",
+            m.text()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 /// The value of the sample a selector names at `addr`
 /// (`name{label="v"}` exactly, `name{label="v"` at least those labels; see
 /// [`kvmesh_client::Metrics::get`]).

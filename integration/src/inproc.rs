@@ -1,9 +1,9 @@
 //! The mesh in this process: a decode node, a prefill node and the router,
 //! each serving on its own listener bound to 127.0.0.1:0, on one tokio
-//! runtime the [`InProcessMesh`] owns, wired as `kvmesh serve` wires them
-//! (`cli/src/serve.rs`). No stdout to parse, no sleep to wait for it: the
-//! ports are known once bound, and `start` returns once the router's first
-//! load poll found both nodes up.
+//! runtime the [`InProcessMesh`] owns: the [`LocalMesh`] `kvmesh serve`
+//! runs. No stdout to parse, no sleep to wait for it: the ports are known
+//! once bound, and `start` returns once the router's first load poll found
+//! both nodes up.
 //!
 //! Tests that need a process of their own (a kill, SIGTERM, a planted bug,
 //! which is global to a process, deploy files) use [`crate::mesh::Mesh`] or
@@ -15,18 +15,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use kvmesh_decode::{DecodeConfig, DecodeNode, Drained};
 use kvmesh_kvxfer::transport::{ListenSettings, TransportKind};
-use kvmesh_meshauth::MeshSecret;
+use kvmesh_local::{LocalMesh, Models, Settings};
 use kvmesh_model::engine::EngineConfig;
 use kvmesh_model::Precision;
-use kvmesh_prefill::{PrefillConfig, PrefillNode};
-use kvmesh_router::nodes::{Nodes, Role};
-use kvmesh_router::{Listeners, Router, RouterConfig};
+use kvmesh_router::{Listeners, RouterConfig};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 use crate::http;
 
@@ -69,16 +65,7 @@ impl Default for Options {
     }
 }
 
-/// What the nodes' drains found.
-#[derive(Debug)]
-pub struct MeshDrained {
-    /// The prefill node's.
-    pub prefill: Drained,
-    /// The decode node's.
-    pub decode: Drained,
-}
-
-type NodeRun = JoinHandle<Result<Drained>>;
+pub use kvmesh_local::MeshDrained;
 
 /// A running mesh in this process; drained on [`shutdown`](Self::shutdown)
 /// or drop.
@@ -88,48 +75,12 @@ pub struct InProcessMesh {
     pub http: String,
     /// The public gRPC API's `HOST:PORT`.
     pub grpc: String,
-    decode: DecodeNode,
-    prefill: PrefillNode,
+    /// Set to start the router's drain.
     stop_router: watch::Sender<bool>,
-    stop_nodes: watch::Sender<bool>,
     /// `None` once drained.
-    runs: Option<Runs>,
-    // Last: the tasks above end before it goes.
+    mesh: Option<LocalMesh>,
+    // Last: the mesh's tasks end before it goes.
     rt: Runtime,
-}
-
-/// The roles' run futures, awaited by the drain.
-#[derive(Debug)]
-struct Runs {
-    router: JoinHandle<std::io::Result<()>>,
-    prefill: NodeRun,
-    decode: NodeRun,
-    /// The nodes' load poller (the binary's job, so here the mesh's).
-    poller: JoinHandle<()>,
-}
-
-/// What `start_on` builds on the runtime.
-type Started = (
-    String,
-    String,
-    DecodeNode,
-    PrefillNode,
-    [watch::Sender<bool>; 2],
-    Runs,
-);
-
-/// Resolves once `flag` is set.
-fn when_set(flag: &watch::Sender<bool>) -> impl Future<Output = ()> + Send + 'static {
-    let mut rx = flag.subscribe();
-    async move {
-        let _ = rx.wait_for(|set| *set).await;
-    }
-}
-
-async fn listen() -> Result<TcpListener> {
-    TcpListener::bind("127.0.0.1:0")
-        .await
-        .context("binding 127.0.0.1:0")
 }
 
 /// A Unix socket path no other mesh of this process uses.
@@ -160,156 +111,80 @@ fn api_keys(keys: &[(String, String)]) -> Result<kvmesh_router::auth::ApiKeys> {
     kvmesh_router::auth::ApiKeys::with_scopes(all).map_err(anyhow::Error::msg)
 }
 
+async fn listen() -> Result<TcpListener> {
+    TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding 127.0.0.1:0")
+}
+
 impl InProcessMesh {
-    /// Loads `model` for both nodes and starts the mesh. Call it outside
-    /// any tokio runtime (the mesh brings its own; see
-    /// [`block_on`](Self::block_on)).
-    pub fn start(model: &Path, opts: Options) -> Result<Self> {
+    /// Loads `model` for both nodes and starts the mesh (the one
+    /// [`LocalMesh`] `kvmesh serve` runs). Call it outside any tokio
+    /// runtime (the mesh brings its own; see [`block_on`](Self::block_on)).
+    pub fn start(model: &Path, o: Options) -> Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .context("starting the mesh's runtime")?;
-        let (http, grpc, decode, prefill, [stop_router, stop_nodes], runs) =
-            rt.block_on(Self::start_on(model, opts))?;
-        Ok(Self {
-            http,
-            grpc,
-            decode,
-            prefill,
-            stop_router,
-            stop_nodes,
-            runs: Some(runs),
-            rt,
-        })
-    }
-
-    async fn start_on(model: &Path, o: Options) -> Result<Started> {
         let load = || {
             kvmesh_model::load_with(model, o.engine.precision)
                 .with_context(|| format!("loading {}", model.display()))
         };
-        let decode_model = load()?;
-        let info = decode_model.info();
-        let model_description = info.description();
-        let max_model_len = o.engine.max_model_len.unwrap_or(info.context_length);
-        let stop_ids = info.stop_token_ids();
+        let models = Models {
+            id: model
+                .file_stem()
+                .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()),
+            decode: load()?,
+            prefill: load()?,
+        };
         let transport = ListenSettings::loopback(o.transport, PathBuf::from("/dev/shm"), || {
             shm_socket()
                 .into_os_string()
                 .into_string()
                 .map_err(|p| anyhow::anyhow!("the KV socket path {p:?} is not UTF-8"))
         })?;
-        let secret = MeshSecret::generate().context("minting the mesh secret")?;
-        let decode = DecodeNode::start(
-            DecodeConfig {
-                name: "decode-0".into(),
-                engine: o.engine.clone(),
-                allow_small_pool: o.allow_small_pool,
-                transport,
-                lease: Duration::from_secs(60),
-                abort_timeout: Duration::from_secs(10),
-                kv_advertise: None,
-                mesh_secret: secret.clone(),
-                tls: None,
-                drain_timeout: o.drain_timeout,
-                prefix_cache: o.prefix_cache,
-            },
-            decode_model,
-        )
-        .await?;
-        let prefill = PrefillNode::start(
-            PrefillConfig {
-                name: "prefill-0".into(),
-                engine: o.engine.clone(),
-                allow_small_pool: o.allow_small_pool,
-                mesh_secret: secret.clone(),
-                tls: None,
-                drain_timeout: o.drain_timeout,
-                prefix_cache: o.prefix_cache,
-            },
-            load()?,
-        )?;
-        prefill
-            .connect(decode.kv_endpoint())
-            .await
-            .context("connecting prefill to the decode node's KV transport")?;
-        let (dl, pl) = (listen().await?, listen().await?);
-        let (daddr, paddr) = (dl.local_addr()?, pl.local_addr()?);
-        let stop_nodes = watch::channel(false).0;
-        let decode_run: NodeRun = tokio::spawn({
-            let (node, stop) = (decode.clone(), when_set(&stop_nodes));
-            async move { Ok(kvmesh_decode::run(node, dl, stop).await?) }
-        });
-        let prefill_run: NodeRun = tokio::spawn({
-            let (node, stop) = (prefill.clone(), when_set(&stop_nodes));
-            async move { Ok(kvmesh_prefill::run(node, pl, stop).await?) }
-        });
-        let nodes = Nodes::new(
-            &[
-                ("prefill-0".into(), Role::Prefill, format!("http://{paddr}")),
-                ("decode-0".into(), Role::Decode, format!("http://{daddr}")),
-            ],
-            secret,
-        )
-        .map_err(anyhow::Error::msg)?;
-        let view = nodes.clone();
-        let router = Router::new(
-            RouterConfig {
-                model_id: model
-                    .file_stem()
-                    .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()),
-                model_description: model_description.clone(),
-                max_model_len,
+        let settings = Settings {
+            engine: o.engine.clone(),
+            transport,
+            allow_small_pool: o.allow_small_pool,
+            lease: Duration::from_secs(60),
+            abort_timeout: Duration::from_secs(10),
+            drain_timeout: o.drain_timeout,
+            prefix_cache: o.prefix_cache,
+            router: RouterConfig {
                 api_keys: api_keys(&o.api_keys)?,
                 fault_injection: o.fault_injection,
-                drain_timeout: o.drain_timeout,
-                prefix_cache: o.prefix_cache,
                 ..RouterConfig::default()
             },
-            info.tokenizer,
-            stop_ids,
-            nodes,
-        );
-        // Both nodes serve already; one load poll that finds them up is
-        // what the router's health needs. Bounded, in case a node failed.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            view.poll_all().await;
-            if view.all().iter().all(|n| n.report().is_some()) {
-                break;
-            }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "the nodes never answered a load poll"
-            );
-            tokio::task::yield_now().await;
-        }
-        let listeners = Listeners {
-            http: listen().await?,
-            grpc: listen().await?,
         };
-        let (http, grpc) = listeners.addrs()?;
         let stop_router = watch::channel(false).0;
-        let router_run = tokio::spawn(kvmesh_router::run(
-            router,
-            listeners,
-            when_set(&stop_router),
-        ));
-        let runs = Runs {
-            router: router_run,
-            prefill: prefill_run,
-            decode: decode_run,
-            poller: view.spawn_poller(),
+        let stop = {
+            let mut rx = stop_router.subscribe();
+            async move {
+                let _ = rx.wait_for(|set| *set).await;
+            }
         };
-        Ok((
-            http.to_string(),
-            grpc.to_string(),
-            decode,
-            prefill,
-            [stop_router, stop_nodes],
-            runs,
-        ))
+        let mesh = rt.block_on(async {
+            let listeners = Listeners {
+                http: listen().await?,
+                grpc: listen().await?,
+            };
+            LocalMesh::start(models, settings, listeners, stop).await
+        })?;
+        Ok(Self {
+            http: mesh.http().to_string(),
+            grpc: mesh.grpc().to_string(),
+            stop_router,
+            mesh: Some(mesh),
+            rt,
+        })
+    }
+
+    fn live(&self) -> &LocalMesh {
+        self.mesh
+            .as_ref()
+            .expect("the mesh is running until shutdown")
     }
 
     /// Runs `f` on the mesh's runtime (a test's async client code).
@@ -319,17 +194,17 @@ impl InProcessMesh {
 
     /// The decode node's reservation table, counted now.
     pub fn decode_table(&self) -> kvmesh_kvxfer::handshake::TableStats {
-        self.decode.table().stats()
+        self.live().decode().table().stats()
     }
 
     /// The decode node's pool, counted now.
     pub fn decode_pool(&self) -> kvmesh_kvpool::PoolStats {
-        self.decode.table().pool().stats()
+        self.live().decode().table().pool().stats()
     }
 
     /// The prefill node's pool, counted now.
     pub fn prefill_pool(&self) -> kvmesh_kvpool::PoolStats {
-        self.prefill.pool().stats()
+        self.live().prefill().pool().stats()
     }
 
     /// The value of the gateway's sample `selector` names (see
@@ -388,26 +263,17 @@ impl InProcessMesh {
     }
 
     fn drain(&mut self) -> Result<MeshDrained> {
-        let Some(runs) = self.runs.take() else {
+        let Some(mesh) = self.mesh.take() else {
             anyhow::bail!("drained already");
         };
-        let (stop_router, stop_nodes) = (&self.stop_router, &self.stop_nodes);
-        self.rt.block_on(async {
-            stop_router.send_replace(true);
-            let served = runs.router.await.context("the router's task")?;
-            runs.poller.abort();
-            stop_nodes.send_replace(true);
-            let prefill = runs.prefill.await.context("the prefill node's task")??;
-            let decode = runs.decode.await.context("the decode node's task")??;
-            served.context("the gateway")?;
-            anyhow::Ok(MeshDrained { prefill, decode })
-        })
+        self.stop_router.send_replace(true);
+        self.rt.block_on(mesh.wait())
     }
 }
 
 impl Drop for InProcessMesh {
     fn drop(&mut self) {
-        if self.runs.is_some() {
+        if self.mesh.is_some() {
             if let Err(e) = self.drain() {
                 eprintln!("in-process mesh: {e:#}");
             }

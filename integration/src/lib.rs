@@ -63,6 +63,13 @@ pub fn kvmesh_bin() -> PathBuf {
         "client",
         "counters",
         "cacheid",
+        "local",
+        "ready",
+        "ucx",
+        "prefix",
+        "structured",
+        "telemetry",
+        "cuda",
     ] {
         if let Some(newest) = newest_mtime(&root.join(krate).join("src")) {
             assert!(

@@ -1,6 +1,5 @@
 //! `kvmesh serve` as a real process for the mesh tests.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -21,7 +20,8 @@ pub struct Mesh {
 
 impl Mesh {
     /// Starts `kvmesh serve --model MODEL` with any free ports and `extra`
-    /// flags, and waits until it prints its URLs and reports healthy.
+    /// flags, and waits until it says `READY=1` with its addresses
+    /// ([`kvmesh_ready`]) and reports healthy.
     pub fn start(model: &Path, extra: &[&str]) -> Self {
         Self::spawn(model, extra, None)
     }
@@ -58,31 +58,27 @@ impl Mesh {
             } else {
                 Stdio::inherit()
             });
+        let waiter = kvmesh_ready::Waiter::new().expect("a readiness socket");
+        cmd.env(kvmesh_ready::NOTIFY_SOCKET, waiter.path());
         let mut child = cmd.spawn().expect("spawn kvmesh serve");
         let logs = crate::roles::capture_stderr(&mut child);
-        let out = child.stdout.take().expect("stdout");
-        let mut lines = BufReader::new(out).lines();
-        let (mut http, mut grpc) = (None, None);
-        for line in lines.by_ref() {
-            let line = line.expect("stdout line");
-            if let Some(rest) = line.trim().strip_prefix("OpenAI API") {
-                http = rest
-                    .trim()
-                    .strip_prefix("http://")
-                    .map(|a| a.trim_end_matches("/v1").to_owned());
+        // Stdout is read (and dropped) so the server never blocks on it.
+        let _out = crate::roles::forward_lines(child.stdout.take().expect("stdout"));
+        let ready = waiter.wait(Duration::from_secs(300), || {
+            child.try_wait().ok().flatten().map(|s| s.to_string())
+        });
+        let (http, grpc) = match ready.and_then(|r| {
+            Ok((
+                r.require("KVMESH_HTTP")?.to_owned(),
+                r.require("KVMESH_GRPC")?.to_owned(),
+            ))
+        }) {
+            Ok(addrs) => addrs,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("kvmesh serve never ready: {e}");
             }
-            if let Some(rest) = line.trim().strip_prefix("gRPC API") {
-                grpc = rest.trim().strip_prefix("grpc://").map(str::to_owned);
-            }
-            if http.is_some() && grpc.is_some() {
-                break;
-            }
-        }
-        // Keep draining stdout so the server never blocks on it.
-        std::thread::spawn(move || for _ in lines {});
-        let (Some(http), Some(grpc)) = (http, grpc) else {
-            let _ = child.kill();
-            panic!("kvmesh serve exited before printing its URLs");
         };
         let mesh = Self {
             child,
@@ -136,7 +132,7 @@ impl Mesh {
     /// load report taken after this call.
     pub fn assert_pages_come_back(&self) {
         // A report older than the call may predate the last request.
-        std::thread::sleep(Duration::from_millis(2 * 200 + 50));
+        http::wait_fresh_reports(&self.http, &["prefill-0", "decode-0"]);
         let start = Instant::now();
         loop {
             let m = http::metrics(&self.http);

@@ -66,8 +66,10 @@ pub fn write_secret(dir: &Path, name: &str) -> PathBuf {
 pub struct Proc {
     child: Child,
     logs: Option<mpsc::Receiver<String>>,
-    /// Its stdout after the ready line.
+    /// Its stdout.
     out: mpsc::Receiver<String>,
+    /// What it said with `READY=1`.
+    ready: kvmesh_ready::Ready,
 }
 
 impl Proc {
@@ -86,8 +88,13 @@ impl Proc {
         wait_exit(&mut self.child, within)
     }
 
-    /// The next line of its stdout (after the ready line) containing
-    /// `needle`, waiting at most `within`.
+    /// What it said with `READY=1` (`KVMESH_HTTP`, `KVMESH_LISTEN`, ...).
+    pub fn ready(&self) -> &kvmesh_ready::Ready {
+        &self.ready
+    }
+
+    /// The next line of its stdout containing `needle` (lines before are
+    /// skipped), waiting at most `within`.
     pub fn out_line(&self, needle: &str, within: Duration) -> Option<String> {
         next_line(&self.out, |l| l.contains(needle), within)
     }
@@ -162,33 +169,25 @@ impl Drop for Proc {
     }
 }
 
+/// How long a role may take to say it serves (loading the model included,
+/// on a loaded CI machine).
+const READY_WITHIN: Duration = Duration::from_secs(300);
+
 /// Starts `kvmesh ROLE --config F [--name N]` (log level warn, stderr
-/// inherited); waits for its ready line.
-pub fn start(role: &str, config: &Path, name: Option<&str>, ready: &str) -> (Proc, Vec<String>) {
-    spawn(role, config, name, ready, None, &[])
+/// inherited); returns once it said `READY=1` ([`kvmesh_ready`]).
+pub fn start(role: &str, config: &Path, name: Option<&str>) -> Proc {
+    spawn(role, config, name, None, &[])
 }
 
 /// [`start`] with extra flags (`--fault-injection`, say).
-pub fn start_with(
-    role: &str,
-    config: &Path,
-    name: Option<&str>,
-    ready: &str,
-    args: &[&str],
-) -> (Proc, Vec<String>) {
-    spawn(role, config, name, ready, None, args)
+pub fn start_with(role: &str, config: &Path, name: Option<&str>, args: &[&str]) -> Proc {
+    spawn(role, config, name, None, args)
 }
 
 /// [`start`] with the log filter `filter` (`KVMESH_LOG`) and its stderr
 /// captured for [`Proc::log_line`] (and echoed to the test's stderr).
-pub fn start_logged(
-    role: &str,
-    config: &Path,
-    name: Option<&str>,
-    ready: &str,
-    filter: &str,
-) -> (Proc, Vec<String>) {
-    spawn(role, config, name, ready, Some(filter), &[])
+pub fn start_logged(role: &str, config: &Path, name: Option<&str>, filter: &str) -> Proc {
+    spawn(role, config, name, Some(filter), &[])
 }
 
 /// [`start_logged`] with extra flags.
@@ -196,54 +195,49 @@ pub fn start_logged_with(
     role: &str,
     config: &Path,
     name: Option<&str>,
-    ready: &str,
     filter: &str,
     args: &[&str],
-) -> (Proc, Vec<String>) {
-    spawn(role, config, name, ready, Some(filter), args)
+) -> Proc {
+    spawn(role, config, name, Some(filter), args)
 }
 
 fn spawn(
     role: &str,
     config: &Path,
     name: Option<&str>,
-    ready: &str,
     filter: Option<&str>,
     args: &[&str],
-) -> (Proc, Vec<String>) {
-    spawn_in(None, role, config, name, ready, filter, args, &[])
+) -> Proc {
+    spawn_in(None, role, config, name, filter, args, &[])
 }
 
 /// [`start_logged_with`] (or [`start_with`], `filter` `None`) with the
-/// environment variables `envs`, inside the network namespace `netns` (`ip netns exec`, which also shows the
-/// process that namespace's `/sys/class/net`, as UCX reads it); the
-/// process gets SIGKILL if this test process dies, so it cannot outlive
-/// its lab.
-#[allow(clippy::too_many_arguments)]
+/// environment variables `envs`, inside the network namespace `netns` (`ip
+/// netns exec`, which also shows the process that namespace's
+/// `/sys/class/net`, as UCX reads it); the process gets SIGKILL if this
+/// test process dies, so it cannot outlive its lab. The readiness socket
+/// is a path, which a process in another network namespace reaches too.
 pub fn start_in_netns(
     netns: &str,
     role: &str,
     config: &Path,
     name: Option<&str>,
-    ready: &str,
     filter: Option<&str>,
     args: &[&str],
     envs: &[(&str, &str)],
-) -> (Proc, Vec<String>) {
-    spawn_in(Some(netns), role, config, name, ready, filter, args, envs)
+) -> Proc {
+    spawn_in(Some(netns), role, config, name, filter, args, envs)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn spawn_in(
     netns: Option<&str>,
     role: &str,
     config: &Path,
     name: Option<&str>,
-    ready: &str,
     filter: Option<&str>,
     args: &[&str],
     envs: &[(&str, &str)],
-) -> (Proc, Vec<String>) {
+) -> Proc {
     let mut cmd = match netns {
         Some(ns) => {
             let mut c = Command::new("ip");
@@ -256,8 +250,10 @@ fn spawn_in(
     if let Some(n) = name {
         cmd.args(["--name", n]);
     }
+    let waiter = kvmesh_ready::Waiter::new().expect("a readiness socket");
     cmd.envs(envs.iter().copied())
         .env("KVMESH_LOG", filter.unwrap_or("warn"))
+        .env(kvmesh_ready::NOTIFY_SOCKET, waiter.path())
         .stdout(Stdio::piped())
         .stderr(if filter.is_some() {
             Stdio::piped()
@@ -269,30 +265,35 @@ fn spawn_in(
         None => cmd.spawn().expect("spawn"),
     };
     let logs = capture_stderr(&mut child);
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let mut seen = Vec::new();
-    for l in lines.by_ref() {
-        let l = l.expect("line");
-        let done = l.contains(ready);
-        seen.push(l);
-        if done && role != "router" {
-            break;
+    let out = forward_lines(child.stdout.take().expect("stdout"));
+    let ready = waiter.wait(READY_WITHIN, || {
+        child.try_wait().ok().flatten().map(|s| s.to_string())
+    });
+    let ready = match ready {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{role} {} never ready: {e}", name.unwrap_or_default());
         }
-        if role == "router" && seen.len() >= 4 {
-            break;
-        }
+    };
+    Proc {
+        child,
+        logs,
+        out,
+        ready,
     }
-    let (tx, out) = mpsc::channel();
+}
+
+/// `out`'s lines, sent on as they come.
+pub(crate) fn forward_lines(out: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
-        for l in lines.map_while(Result::ok) {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
             let _ = tx.send(l);
         }
     });
-    assert!(
-        seen.iter().any(|l| l.contains(ready)),
-        "{role} never ready: {seen:?}"
-    );
-    (Proc { child, logs, out }, seen)
+    rx
 }
 
 /// A mesh file in `dir` for one prefill and one decode node on the
@@ -352,12 +353,33 @@ pub fn start_two_by_two(file: &Path, addr: &str) -> Vec<Proc> {
         ("prefill", "prefill-0"),
         ("prefill", "prefill-1"),
     ] {
-        procs.push(start(role, file, Some(name), "ready").0);
+        procs.push(start(role, file, Some(name)));
     }
-    procs.push(start("router", file, None, "OpenAI API").0);
+    procs.push(start("router", file, None));
     wait_healthy(addr);
-    std::thread::sleep(Duration::from_millis(500));
+    wait_nodes_up(addr, &["decode-0", "decode-1", "prefill-0", "prefill-1"]);
     procs
+}
+
+/// Waits (bounded: 30 s) until the router at `addr` reports every one of
+/// `nodes` up (`kvmesh_node_up`: a load poll found it).
+pub fn wait_nodes_up(addr: &str, nodes: &[&str]) {
+    let t0 = Instant::now();
+    loop {
+        let m = crate::http::metrics(addr);
+        if nodes
+            .iter()
+            .all(|n| m.first("kvmesh_node_up", &[("node", n)]) == Some(1.0))
+        {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the router never saw {nodes:?} up:\n{}",
+            m.text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Waits (bounded: 30 s) until the gateway at `addr` answers `/health`.

@@ -316,7 +316,7 @@ fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
         h.join().expect("stream thread");
     }
     // Reports lag by a poll; both decode nodes took work.
-    std::thread::sleep(Duration::from_millis(500));
+    http::wait_fresh_reports(&addr, &["decode-0", "decode-1"]);
     let metrics = http::metrics(&addr);
     let per_node: Vec<f64> = ["decode-0", "decode-1"]
         .iter()
@@ -377,9 +377,9 @@ fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
 fn a_restarted_decode_node_takes_traffic_again() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (file, p) = tiny_mesh_file(dir.path());
-    let (decode, _) = start("decode", &file, Some("decode-0"), "ready");
-    let (_prefill, _) = start("prefill", &file, Some("prefill-0"), "ready");
-    let (_router, _) = start("router", &file, None, "OpenAI API");
+    let decode = start("decode", &file, Some("decode-0"));
+    let _prefill = start("prefill", &file, Some("prefill-0"));
+    let _router = start("router", &file, None);
     let addr = format!("127.0.0.1:{}", p[0]);
     wait_healthy(&addr);
     let want = reference("Hello world", 8);
@@ -396,7 +396,7 @@ fn a_restarted_decode_node_takes_traffic_again() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let (_decode, _) = start("decode", &file, Some("decode-0"), "ready");
+    let _decode = start("decode", &file, Some("decode-0"));
     wait_healthy(&addr);
     for stream in [false, true, false] {
         assert_eq!(
@@ -429,9 +429,9 @@ fn a_dead_decode_node_fails_its_streams_fast() {
     let secret = write_secret(dir.path(), "mesh.secret");
     let mesh = format!("{mesh}mesh: {{secret_file: {}}}\n", secret.display());
     std::fs::write(&file, mesh).expect("write mesh file");
-    let (d0, _) = start("decode", &file, Some("decode-0"), "ready");
-    let (_p0, _) = start("prefill", &file, Some("prefill-0"), "ready");
-    let (_router, _) = start("router", &file, None, "OpenAI API");
+    let d0 = start("decode", &file, Some("decode-0"));
+    let _p0 = start("prefill", &file, Some("prefill-0"));
+    let _router = start("router", &file, None);
     let addr = format!("127.0.0.1:{}", p[0]);
     wait_healthy(&addr);
     let body = json!({"prompt": "Once upon a time, in a land far away,", "max_tokens": 400, "temperature": 0, "stream": true});
@@ -491,8 +491,8 @@ async fn internal_services_stop_and_abort_across_processes() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (file, p) = tiny_mesh_file(dir.path());
     let secret = dir.path().join("mesh.secret");
-    let (_d, _) = start("decode", &file, Some("decode-0"), "ready");
-    let (_p, _) = start("prefill", &file, Some("prefill-0"), "ready");
+    let _d = start("decode", &file, Some("decode-0"));
+    let _p = start("prefill", &file, Some("prefill-0"));
     // The test is a peer of this mesh: it holds the secret.
     let secret = MeshSecret::load(&secret).expect("mesh secret");
     let channel = |port: u16| {

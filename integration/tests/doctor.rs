@@ -81,9 +81,9 @@ fn doctor_passes_a_healthy_mesh_and_names_what_is_wrong() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (file, ports) = tiny_mesh_file(dir.path());
     let mut procs = vec![
-        start("decode", &file, Some("decode-0"), "ready").0,
-        start("prefill", &file, Some("prefill-0"), "ready").0,
-        start("router", &file, None, "OpenAI API").0,
+        start("decode", &file, Some("decode-0")),
+        start("prefill", &file, Some("prefill-0")),
+        start("router", &file, None),
     ];
     wait_healthy(&format!("127.0.0.1:{}", ports[0]));
     let (code, v) = doctor(&file);
@@ -157,8 +157,8 @@ fn doctor_catches_a_pool_that_cannot_hold_the_context() {
         format!("{text}allow_small_pool: true\nmax_model_len: 256\n"),
     )
     .expect("write");
-    let _d = start("decode", &file, Some("decode-0"), "ready").0;
-    let _p = start("prefill", &file, Some("prefill-0"), "ready").0;
+    let _d = start("decode", &file, Some("decode-0"));
+    let _p = start("prefill", &file, Some("prefill-0"));
     let (code, v) = doctor(&file);
     assert_eq!(code, 1, "{v:#}");
     assert_eq!(
@@ -280,16 +280,14 @@ fn a_mesh_mixing_cpu_kernel_numerics_is_refused_and_named_while_avx2_and_avx512_
     let addr = format!("127.0.0.1:{}", ports[0]);
     // Decode on this CPU's widest path (avx512 where it has it), prefill
     // forced to the portable kernels.
-    let _decode = start("decode", &file, Some("decode-0"), "ready").0;
+    let _decode = start("decode", &file, Some("decode-0"));
     let prefill = start_with(
         "prefill",
         &file,
         Some("prefill-0"),
-        "ready",
         &["--cpu-kernels", "portable"],
-    )
-    .0;
-    let router = start_logged("router", &file, None, "OpenAI API", "warn").0;
+    );
+    let router = start_logged("router", &file, None, "warn");
     wait_healthy(&addr);
     // A mesh file without API keys: the router says once, at start, what
     // that means for the prefix cache.
@@ -340,10 +338,8 @@ fn a_mesh_mixing_cpu_kernel_numerics_is_refused_and_named_while_avx2_and_avx512_
         "prefill",
         &file,
         Some("prefill-0"),
-        "ready",
         &["--activations", "int8"],
-    )
-    .0;
+    );
     // Until the new node's load report is in, the router may still refuse
     // on the portable one's: ask until it names the int8 class.
     let t0 = Instant::now();
@@ -370,10 +366,8 @@ fn a_mesh_mixing_cpu_kernel_numerics_is_refused_and_named_while_avx2_and_avx512_
         "prefill",
         &file,
         Some("prefill-0"),
-        "ready",
         &["--cpu-kernels", "avx2"],
-    )
-    .0;
+    );
     let want = reference_text(&tiny_model_dir(), prompt, false, 8);
     let t0 = Instant::now();
     let got = loop {

@@ -97,21 +97,19 @@ impl Mesh {
                 Vec::new()
             }
         };
-        let (decode, _) =
-            roles::start_with("decode", &file, Some("decode-0"), "ready", &flags("decode"));
+        let decode = roles::start_with("decode", &file, Some("decode-0"), &flags("decode"));
         // Prefill's debug log says when a call was accepted: the prefill
         // test stops the node exactly then.
-        let (prefill, _) = roles::start_logged_with(
+        let prefill = roles::start_logged_with(
             "prefill",
             &file,
             Some("prefill-0"),
-            "ready",
             "warn,kvmesh_prefill=debug",
             &flags("prefill"),
         );
         let mut rf = flags("router");
         rf.push("--fault-injection");
-        let (router, _) = roles::start_with("router", &file, None, "OpenAI API", &rf);
+        let router = roles::start_with("router", &file, None, &rf);
         let addr = format!("127.0.0.1:{}", p[0]);
         roles::wait_healthy(&addr);
         Self {

@@ -384,8 +384,8 @@ fn a_registered_node_without_the_mesh_secret_is_never_used() {
     // that are not registrations appear beside them.
     let (file, other) =
         mesh.intruder_file(etcd, &[("decode", "decode-x"), ("prefill", "prefill-x")]);
-    let _dx = kvmesh_integration::roles::start("decode", &file, Some("decode-x"), "ready").0;
-    let _px = kvmesh_integration::roles::start("prefill", &file, Some("prefill-x"), "ready").0;
+    let _dx = kvmesh_integration::roles::start("decode", &file, Some("decode-x"));
+    let _px = kvmesh_integration::roles::start("prefill", &file, Some("prefill-x"));
     etcd.put(
         &format!("{}decode/garbage", mesh.prefix),
         b"not a registration",

@@ -122,8 +122,8 @@ async fn load_decode(d: &mut DecodeClient<kvmesh_meshauth::grpc::PeerChannel>) -
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn internal_services_refuse_callers_without_the_mesh_secret() {
     let m = mesh_file();
-    let (_d, _) = start("decode", &m.file, Some("decode-0"), "ready");
-    let (_p, _) = start("prefill", &m.file, Some("prefill-0"), "ready");
+    let _d = start("decode", &m.file, Some("decode-0"));
+    let _p = start("prefill", &m.file, Some("prefill-0"));
     let (pport, dport, kvport) = (m.ports[2], m.ports[3], m.ports[4]);
     let mut decode = decode_client(channel(dport), m.secret.clone(), "decode-0");
     let mut prefill = prefill_client(channel(pport), m.secret.clone(), "prefill-0");
@@ -397,23 +397,16 @@ fn client_chosen_ids_cannot_reach_another_request() {
     let m = mesh_file();
     // The decode node logs each grant's reservation id at debug level: the
     // test reads A's from there, as nothing a client sees carries it.
-    let (d, _) = start_logged(
+    let d = start_logged(
         "decode",
         &m.file,
         Some("decode-0"),
-        "ready",
         "warn,kvmesh_decode=debug",
     );
-    let (_p, _) = start("prefill", &m.file, Some("prefill-0"), "ready");
+    let _p = start("prefill", &m.file, Some("prefill-0"));
     // Fault injection holds A open (a 3 s pause at its fifth decode step)
     // while B tries to reach it.
-    let (_r, _) = start_with(
-        "router",
-        &m.file,
-        None,
-        "OpenAI API",
-        &["--fault-injection"],
-    );
+    let _r = start_with("router", &m.file, None, &["--fault-injection"]);
     let addr = format!("127.0.0.1:{}", m.ports[0]);
     wait_healthy(&addr);
 

@@ -134,9 +134,9 @@ fn the_mesh_talks_inside_mutual_tls_and_refuses_peers_without_a_mesh_certificate
     );
     std::fs::rename(certs.join("router.moved"), certs.join("router.pem")).expect("move back");
 
-    let _decode = start("decode", &file, Some("decode-0"), "ready").0;
-    let _prefill = start("prefill", &file, Some("prefill-0"), "ready").0;
-    let _router = start("router", &file, None, "OpenAI API").0;
+    let _decode = start("decode", &file, Some("decode-0"));
+    let _prefill = start("prefill", &file, Some("prefill-0"));
+    let _router = start("router", &file, None);
     let addr = format!("127.0.0.1:{http_port}");
     wait_healthy(&addr);
 
@@ -360,9 +360,9 @@ fn an_etcd_mesh_runs_inside_mutual_tls_and_reaches_etcd_with_client_certificates
         stdout.contains("TLS with a client certificate") && stdout.contains("https://"),
         "{stdout}"
     );
-    let (_d, _) = start("decode", &file, Some("decode-0"), "ready");
-    let (_p, _) = start("prefill", &file, Some("prefill-0"), "ready");
-    let (_r, _) = start("router", &file, None, "OpenAI API");
+    let _d = start("decode", &file, Some("decode-0"));
+    let _p = start("prefill", &file, Some("prefill-0"));
+    let _r = start("router", &file, None);
     let addr = format!("127.0.0.1:{http_port}");
     wait_healthy(&addr);
     let prompt = "The membership of this mesh lives in an etcd behind TLS";

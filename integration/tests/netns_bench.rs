@@ -32,7 +32,7 @@ type Cell = [f64; 4];
 
 /// The decode nodes' verified KV bytes, as the router last heard.
 fn kv_bytes(mesh: &LabMesh) -> f64 {
-    std::thread::sleep(Duration::from_millis(700));
+    mesh.wait_fresh_reports(&["decode-0", "decode-1"]);
     ["decode-0", "decode-1"]
         .iter()
         .map(|n| {

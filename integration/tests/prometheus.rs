@@ -409,9 +409,9 @@ fn prometheus_scrapes_a_mutual_tls_mesh_through_the_generated_configuration() {
     let config_file = dir.path().join("prometheus.yml");
     std::fs::write(&config_file, &scrape).expect("write scrape config");
 
-    let _decode = start("decode", &file, Some("decode-0"), "ready").0;
-    let _prefill = start("prefill", &file, Some("prefill-0"), "ready").0;
-    let _router = start("router", &file, None, "OpenAI API").0;
+    let _decode = start("decode", &file, Some("decode-0"));
+    let _prefill = start("prefill", &file, Some("prefill-0"));
+    let _router = start("router", &file, None);
     let addr = format!("127.0.0.1:{http_port}");
     wait_healthy(&addr);
     // The nodes' /metrics is not served in plaintext: without the

@@ -246,10 +246,9 @@ fn one_trace_per_request_across_router_decode_and_prefill() {
     let receiver = Receiver::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let (file, http_addr, grpc_addr) = mesh_file(dir.path(), receiver.port);
-    let (mut decode, _) = roles::start("decode", &file, Some("decode-0"), "ready");
-    let (mut prefill, _) = roles::start("prefill", &file, Some("prefill-0"), "ready");
-    let (mut router, _) =
-        roles::start_with("router", &file, None, "OpenAI API", &["--fault-injection"]);
+    let mut decode = roles::start("decode", &file, Some("decode-0"));
+    let mut prefill = roles::start("prefill", &file, Some("prefill-0"));
+    let mut router = roles::start_with("router", &file, None, &["--fault-injection"]);
     wait_healthy(&http_addr);
     let auth = bearer();
 

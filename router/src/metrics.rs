@@ -222,6 +222,29 @@ pub(crate) fn render_nodes(nodes: &Nodes, out: &mut String) {
     render_identity(nodes, out);
     render_prefix_cache(nodes, out);
     render_unproven(nodes, out);
+    render_reports(nodes, out);
+}
+
+/// Per node, the load reports this router received from it: a poller
+/// that stalls shows as a count that stops; a test that needs figures
+/// newer than an event waits for the count to move twice (one poll may
+/// have been in flight before it).
+fn render_reports(nodes: &Nodes, out: &mut String) {
+    const NAME: &str = "kvmesh_router_node_load_reports_total";
+    header(
+        out,
+        NAME,
+        "Load reports received from the node (every 200 ms while it answers).",
+        "counter",
+    );
+    for n in nodes.all().iter() {
+        sample(
+            out,
+            NAME,
+            &format!("node=\"{}\",role=\"{}\"", escape(&n.name), n.role.as_str()),
+            n.reports(),
+        );
+    }
 }
 
 /// Per node, its answers this router refused because they did not prove

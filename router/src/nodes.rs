@@ -89,6 +89,8 @@ pub struct Node {
     /// Requests this router has sent the node, in all (breaks ties, so
     /// equal nodes take turns).
     dispatched: AtomicU64,
+    /// Load reports received from it.
+    reports: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -198,6 +200,11 @@ impl Node {
             .filter(|r| !r.draining)
     }
 
+    /// Load reports received from it so far.
+    pub fn reports(&self) -> u64 {
+        self.reports.load(Ordering::Relaxed)
+    }
+
     /// Takes the node out until its next good load report (a request to it
     /// failed as if it were down).
     pub fn mark_down(&self) {
@@ -269,6 +276,7 @@ impl Node {
                 s.report = Some(report);
                 s.healthy = true;
                 s.warned_unproven = false;
+                self.reports.fetch_add(1, Ordering::Relaxed);
             }
             Ok(Err(status)) if kvmesh_meshauth::grpc::is_unproven(&status) => {
                 if s.healthy || !s.warned_unproven {
@@ -357,6 +365,7 @@ fn node(
         state: Mutex::default(),
         in_flight: AtomicUsize::new(0),
         dispatched: AtomicU64::new(0),
+        reports: AtomicU64::new(0),
     })
 }
 

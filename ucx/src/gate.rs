@@ -116,7 +116,8 @@ mod tests {
         TcpStream::connect_timeout(&at, Duration::from_secs(2)).expect("connect before");
         assert!(gate.close());
         // After: the SYN is dropped, so the connect times out.
-        let e = TcpStream::connect_timeout(&at, Duration::from_millis(300)).expect_err("connect after");
+        let e =
+            TcpStream::connect_timeout(&at, Duration::from_millis(300)).expect_err("connect after");
         assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
         // No listener at an unbound port.
         drop(other);

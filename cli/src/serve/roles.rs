@@ -18,8 +18,8 @@ use kvmesh_router::parsing::{ReasoningParserSetting, ToolParserSetting};
 use kvmesh_router::{Router, RouterConfig};
 
 use super::{
-    drained, listen, load, model_id, model_info, model_path, node_device, router_listeners,
-    terminated,
+    announce, drained, listen, load, model_id, model_info, model_path, node_device,
+    router_listeners, terminated,
 };
 use crate::config::MeshConfig;
 use crate::membership;
@@ -91,10 +91,14 @@ pub(super) async fn decode_process(
         Some(e) => Some(membership::register(e, cfg.member("decode", n)?).await?),
         None => None,
     };
+    let at = l.local_addr()?;
     println!(
-        "decode node {name} ready: gRPC {}, KV {}",
-        l.local_addr()?,
+        "decode node {name} ready: gRPC {at}, KV {}",
         node.kv_endpoint()
+    );
+    kvmesh_ready::ready(
+        "decode",
+        &[("KVMESH_NODE", name), ("KVMESH_LISTEN", &at.to_string())],
     );
     let d = kvmesh_decode::run(node, l, membership::leave_first(terminated(drain), reg)).await?;
     drained("decode", name, &d)
@@ -152,7 +156,12 @@ pub(super) async fn prefill_process(
         Some(e) => Some(membership::register(e, cfg.member("prefill", n)?).await?),
         None => None,
     };
-    println!("prefill node {name} ready: gRPC {}", l.local_addr()?);
+    let at = l.local_addr()?;
+    println!("prefill node {name} ready: gRPC {at}");
+    kvmesh_ready::ready(
+        "prefill",
+        &[("KVMESH_NODE", name), ("KVMESH_LISTEN", &at.to_string())],
+    );
     let d = kvmesh_prefill::run(node, l, membership::leave_first(terminated(drain), reg)).await?;
     peers.stop().await;
     drained("prefill", name, &d)
@@ -233,7 +242,9 @@ pub(super) async fn router_process(
         stop_ids,
         nodes,
     );
-    let listeners = router_listeners(&router, &cfg.router.http, &cfg.router.grpc).await?;
+    let listeners = router_listeners(&cfg.router.http, &cfg.router.grpc).await?;
+    let (http, grpc) = listeners.addrs()?;
+    announce("router", &router, http, grpc);
     let served = kvmesh_router::run(router, listeners, terminated(drain)).await;
     poller.abort();
     if let Some(f) = following {

@@ -59,7 +59,7 @@ pub(super) fn soak_serve_flags(a: &SoakArgs, kv_pool_tokens: usize) -> Vec<Strin
 /// Starts `<this exe> serve --model MODEL` on free ports with `flags`
 /// after the model's, its stderr to `log` (default: a file named after
 /// `label` in the temporary directory), and returns it with the gateway's
-/// `HOST:PORT` once it printed its URLs.
+/// `HOST:PORT` once it said `READY=1` ([`kvmesh_ready`]).
 pub(crate) fn start_mesh(
     model: &Path,
     flags: &[String],
@@ -84,46 +84,23 @@ pub(crate) fn start_mesh(
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::from(log_file));
+    let waiter = kvmesh_ready::Waiter::new().context("a readiness socket")?;
+    cmd.env(kvmesh_ready::NOTIFY_SOCKET, waiter.path());
     let mut child = cmd.spawn().context("starting kvmesh serve")?;
     let stdout = child.stdout.take().context("serve's stdout")?;
-    let mesh = MeshChild { child, log };
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut lines = BufReader::new(stdout).lines();
-        for line in lines.by_ref() {
-            let Ok(line) = line else { break };
-            if let Some(rest) = line.trim().strip_prefix("OpenAI API") {
-                if let Some(addr) = rest.trim().strip_prefix("http://") {
-                    let _ = tx.send(addr.trim_end_matches("/v1").to_owned());
-                    break;
-                }
-            }
-        }
-        // Keep draining so the server never blocks on its stdout.
-        for _ in lines {}
+    // Drained so the server never blocks on its stdout.
+    std::thread::spawn(move || for _ in BufReader::new(stdout).lines() {});
+    let mut mesh = MeshChild { child, log };
+    let ready = waiter.wait(Duration::from_secs(300), || {
+        mesh.child.try_wait().ok().flatten().map(|s| s.to_string())
     });
-    let started = Instant::now();
-    let mut mesh = mesh;
-    loop {
-        match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok(addr) => return Ok((mesh, addr)),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {}
-        }
-        if let Some(status) = mesh.child.try_wait()? {
-            bail!(
-                "kvmesh serve exited ({status}) before printing its URLs; its log {}:\n{}",
-                mesh.log.display(),
-                log_tail(&mesh.log)
-            );
-        }
-        if started.elapsed() > Duration::from_secs(300) {
-            bail!(
-                "kvmesh serve printed no URL in 300 s; its log {}:\n{}",
-                mesh.log.display(),
-                log_tail(&mesh.log)
-            );
-        }
+    match ready.and_then(|r| Ok(r.require("KVMESH_HTTP")?.to_owned())) {
+        Ok(addr) => Ok((mesh, addr)),
+        Err(e) => bail!(
+            "kvmesh serve never got ready: {e}; its log {}:\n{}",
+            mesh.log.display(),
+            log_tail(&mesh.log)
+        ),
     }
 }
 

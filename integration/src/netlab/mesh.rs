@@ -157,11 +157,6 @@ impl LabMesh {
 
     fn start_role(&mut self, name: &str, file: &Path) {
         let role = name.split('-').next().unwrap_or(name);
-        let ready = if role == "router" {
-            "OpenAI API"
-        } else {
-            "ready"
-        };
         // UCX on the lab's interface only (not loopback): its traffic
         // crosses the links under test.
         let dev = if self.lab.mechanism().starts_with("veth") {
@@ -171,12 +166,11 @@ impl LabMesh {
         };
         let envs = [("UCX_NET_DEVICES", dev)];
         let node = (role != "router").then_some(name);
-        let (p, _) = start_in_netns(
+        let p = start_in_netns(
             &self.lab.host(name).ns.name,
             role,
             file,
             node,
-            ready,
             Some("warn"),
             &[],
             &envs,
@@ -202,6 +196,12 @@ impl LabMesh {
     /// The router's metrics.
     pub fn metrics(&self) -> kvmesh_client::Metrics {
         self.client(http::metrics)
+    }
+
+    /// Waits until the router has two load reports from each of `nodes`
+    /// newer than this call ([`http::wait_fresh_reports`]).
+    pub fn wait_fresh_reports(&self, nodes: &[&str]) {
+        self.client(|a| http::wait_fresh_reports(a, nodes));
     }
 
     /// A greedy completion of `prompt`.

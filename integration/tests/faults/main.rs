@@ -491,9 +491,9 @@ fn cross_tenant_leak_with_scrubbing_off() {
 /// processes (router, prefill, decode).
 fn process_mesh(dir: &Path) -> (String, [roles::Proc; 3]) {
     let (file, p) = roles::tiny_mesh_file(dir);
-    let (d, _) = roles::start("decode", &file, Some("decode-0"), "ready");
-    let (pr, _) = roles::start("prefill", &file, Some("prefill-0"), "ready");
-    let (r, _) = roles::start_with("router", &file, None, "OpenAI API", &["--fault-injection"]);
+    let d = roles::start("decode", &file, Some("decode-0"));
+    let pr = roles::start("prefill", &file, Some("prefill-0"));
+    let r = roles::start_with("router", &file, None, &["--fault-injection"]);
     let addr = format!("127.0.0.1:{}", p[0]);
     roles::wait_healthy(&addr);
     (addr, [r, pr, d])

@@ -143,11 +143,11 @@ pub fn bandwidth(mesh: &LabMesh, what: &str) {
         rate_bps: Some(rate),
         ..Shape::default()
     });
-    // Reports every 200 ms: wait for one after the last transfer.
-    std::thread::sleep(Duration::from_millis(700));
+    // Reports taken after the last transfer.
+    mesh.wait_fresh_reports(&["decode-0", "decode-1"]);
     let b0 = kv_bytes(mesh);
     let (t, n) = ttft("100mbit");
-    std::thread::sleep(Duration::from_millis(700));
+    mesh.wait_fresh_reports(&["decode-0", "decode-1"]);
     let shipped = kv_bytes(mesh) - b0;
     let per_token = shipped / n as f64;
     let elem = [2, 4]

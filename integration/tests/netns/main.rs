@@ -105,8 +105,8 @@ fn long_prompt(tag: &str, words: usize) -> String {
 /// every decode grant ended exactly once (granted = sum of outcomes): no
 /// page leaked. Returns the decode nodes' outcome counts (those above 0).
 fn assert_nothing_leaked(mesh: &LabMesh, what: &str) -> Vec<(String, String, f64)> {
-    // Reports come every 200 ms (2 s while a node does not answer).
-    std::thread::sleep(Duration::from_millis(700));
+    // Figures from reports taken after this call.
+    mesh.wait_fresh_reports(&NODES);
     let t0 = Instant::now();
     loop {
         let m = mesh.metrics();

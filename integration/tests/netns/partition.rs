@@ -245,7 +245,7 @@ pub fn decode(mesh: &mut LabMesh, what: &str) {
     // The other decode node serves.
     let g0 = granted(mesh, other);
     completions_equal_reference(mesh, "while decode is cut", 4, what);
-    std::thread::sleep(Duration::from_millis(700));
+    mesh.wait_fresh_reports(&[other]);
     let g1 = granted(mesh, other);
     assert!(
         g1 - g0 >= 4.0,
@@ -272,7 +272,9 @@ pub fn decode(mesh: &mut LabMesh, what: &str) {
             "[{what}] {victim} took no request after it rejoined"
         );
         completions_equal_reference(mesh, &format!("after the decode cut {rounds}"), 4, what);
-        std::thread::sleep(Duration::from_millis(700));
+        // The poller asks every node at each tick: two fresh reports of
+        // the node that stayed up cover the victim's too, if it answers.
+        mesh.wait_fresh_reports(&[other]);
     }
     println!(
         "CHECKED [{what}] decode host {victim} cut mid-transfer for 10 s: the stream ended with error {:?} \
