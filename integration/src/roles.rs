@@ -364,18 +364,30 @@ pub fn start_two_by_two(file: &Path, addr: &str) -> Vec<Proc> {
 /// Waits (bounded: 30 s) until the router at `addr` reports every one of
 /// `nodes` up (`kvmesh_node_up`: a load poll found it).
 pub fn wait_nodes_up(addr: &str, nodes: &[&str]) {
+    wait_nodes(addr, nodes, true);
+}
+
+/// Waits (bounded: 30 s) until the router at `addr` has taken `node` out
+/// (`kvmesh_node_up` 0: a load poll or a failed request found it down).
+pub fn wait_node_down(addr: &str, node: &str) {
+    wait_nodes(addr, &[node], false);
+}
+
+fn wait_nodes(addr: &str, nodes: &[&str], up: bool) {
+    let want = if up { 1.0 } else { 0.0 };
     let t0 = Instant::now();
     loop {
         let m = crate::http::metrics(addr);
         if nodes
             .iter()
-            .all(|n| m.first("kvmesh_node_up", &[("node", n)]) == Some(1.0))
+            .all(|n| m.first("kvmesh_node_up", &[("node", n)]) == Some(want))
         {
             return;
         }
         assert!(
             t0.elapsed() < Duration::from_secs(30),
-            "the router never saw {nodes:?} up:\n{}",
+            "the router never saw {nodes:?} {}:\n{}",
+            if up { "up" } else { "down" },
             m.text()
         );
         std::thread::sleep(Duration::from_millis(50));

@@ -354,7 +354,7 @@ fn two_prefill_two_decode_processes_serve_32_concurrent_streams() {
         "requests after a node died took {:?}",
         t0.elapsed()
     );
-    std::thread::sleep(Duration::from_millis(2500));
+    kvmesh_integration::roles::wait_node_down(&addr, "decode-1");
     for i in 0..4 {
         assert_eq!(
             complete(&addr, &prompts[i], 40, true).as_deref(),
@@ -470,7 +470,7 @@ fn a_dead_decode_node_fails_its_streams_fast() {
     );
     assert!(took < Duration::from_secs(5), "the failure took {took:?}");
     // The router takes the node out; new requests get 503, not a hang.
-    std::thread::sleep(Duration::from_millis(2500));
+    kvmesh_integration::roles::wait_node_down(&addr, "decode-0");
     let r = http::post(
         &addr,
         "/v1/completions",

@@ -481,7 +481,8 @@ fn cross_tenant_leak_with_scrubbing_off() {
         let e = r.expect_err("over-length must be refused");
         assert!(e.starts_with("400") || e == "status 400", "{e}");
     }
-    std::thread::sleep(Duration::from_millis(500));
+    // The decode node's count, in a report newer than the refusals.
+    kvmesh_integration::http::wait_fresh_reports(&mesh.http, &["decode-0"]);
     assert_eq!(granted(&mesh), before, "an over-length prompt got pages");
     mesh.assert_pages_come_back();
 }
@@ -548,7 +549,7 @@ fn prefill_crash_mid_transfer() {
         pages("kvmesh_node_kv_pages_free"),
         pages("kvmesh_node_kv_pages_total")
     );
-    std::thread::sleep(Duration::from_millis(1000));
+    roles::wait_node_down(&addr, "prefill-0");
     let r = http::post(
         &addr,
         "/v1/completions",
@@ -576,7 +577,7 @@ fn decode_crash_mid_generation() {
     .expect_err("the decode process died");
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
     assert_eq!(failure(&e), Some((200, "decode_failed".to_owned())), "{e}");
-    std::thread::sleep(Duration::from_millis(1000));
+    roles::wait_node_down(&addr, "decode-0");
     let r = http::post(
         &addr,
         "/v1/completions",
