@@ -78,7 +78,7 @@ pub use api::{load, version, Api};
 pub use error::UcxError;
 pub use initiator::{DataPath, Initiator, Remote};
 pub use sink::Extents;
-pub use target::{Revoke, Target, TargetStats};
+pub use target::{Limits, Revoke, Target, TargetStats, MAX_UNBOUND};
 
 // Active messages. Headers are 16 bytes: the grant key and one more
 // little-endian u64 (`aux`); the control messages carry no data.

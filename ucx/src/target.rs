@@ -30,6 +30,29 @@ use crate::{sys, AM_BIND, AM_BOUND, AM_DATA, AM_FENCE, AM_FENCED};
 /// (writers keep spare endpoints connected, renewed well before this).
 pub const BIND_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Endpoints without a bound key a target keeps at once, by default
+/// ([`Limits`]): a writer keeps two spares per target plus one per bind in
+/// flight, so this is room for some 80 prefill writers. One more is closed
+/// as soon as it is made ([`TargetStats::crowded`]), so whoever reaches the
+/// listener holds at most this many endpoints, each for at most
+/// [`BIND_TIMEOUT`].
+pub const MAX_UNBOUND: usize = 256;
+
+/// What a target lets connections that have not bound a key hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Endpoints without a bound key at once.
+    pub max_unbound: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_unbound: MAX_UNBOUND,
+        }
+    }
+}
+
 /// At shutdown, once no new connection is answered, how long the worker
 /// must see no connection request before the listener may go: one
 /// accepted before the door closed arrives within a round trip.
@@ -66,6 +89,9 @@ pub struct TargetStats {
     pub ep_errors: AtomicU64,
     /// Endpoint closes completed.
     pub closed: AtomicU64,
+    /// Endpoints closed as soon as they were made: [`Limits::max_unbound`]
+    /// endpoints were already waiting for their bind.
+    pub crowded: AtomicU64,
     /// Data messages landed (endpoints without an RMA lane).
     pub data_landed: AtomicU64,
     /// Data messages refused: their endpoint was not bound to their key
@@ -127,8 +153,13 @@ impl fmt::Debug for Target {
 
 impl Target {
     /// Maps `len` zeroed bytes, registers them for remote writes, and
-    /// listens on `listen` (port 0: any).
+    /// listens on `listen` (port 0: any), with the default [`Limits`].
     pub fn start(listen: SocketAddr, len: usize) -> Result<Self, UcxError> {
+        Self::start_with(listen, len, Limits::default())
+    }
+
+    /// [`start`](Self::start) with `limits`.
+    pub fn start_with(listen: SocketAddr, len: usize, limits: Limits) -> Result<Self, UcxError> {
         crate::load()?;
         let region = MmapRaw::from(
             memmap2::MmapOptions::new()
@@ -150,7 +181,7 @@ impl Target {
         let (s, addr_of_base) = (Arc::clone(&shared), base.as_ptr().expose_provenance());
         let (info_tx, info_rx) = std::sync::mpsc::sync_channel(1);
         let runner = Runner::spawn("kvmesh-ucx-target", move || {
-            let st = TargetState::new(s, listen, addr_of_base, len)?;
+            let st = TargetState::new(s, listen, addr_of_base, len, limits)?;
             let _ = info_tx.send((st.address, st.rkey.clone()));
             Ok(st)
         })?;
@@ -311,6 +342,7 @@ struct TargetState {
     /// asked for, so a data message of a revoked key is refused even
     /// before the close completes.
     sink: HandlerArg<Sink>,
+    limits: Limits,
 }
 
 impl TargetState {
@@ -319,6 +351,7 @@ impl TargetState {
         listen: SocketAddr,
         base: usize,
         len: usize,
+        limits: Limits,
     ) -> Result<Self, UcxError> {
         let core = Core::new("kvmesh-target")?;
         core.set_am_handler(AM_BIND)?;
@@ -365,6 +398,7 @@ impl TargetState {
             by_key: HashMap::new(),
             next_id: 0,
             sink,
+            limits,
         };
         match state.listen(listen) {
             Ok(()) => Ok(state),
@@ -538,10 +572,23 @@ impl Actor for TargetState {
                                 closing: false,
                             },
                         );
+                        // Strangers may hold only so many endpoints that
+                        // bound nothing: one more goes at once.
+                        let unbound = self
+                            .eps
+                            .values()
+                            .filter(|c| c.key.is_none() && !c.closing)
+                            .count();
+                        if unbound > self.limits.max_unbound {
+                            self.shared.stats.crowded.fetch_add(1, Ordering::Relaxed);
+                            self.close(id);
+                        }
                     } else {
-                        // ucp_ep_create consumed the request (UCX rejects
-                        // it on failure): rejecting it again would touch
-                        // freed memory.
+                        // ucp_ep_create owns the request now: UCX 1.13
+                        // rejects it on most failures (rejecting again
+                        // would touch freed memory) and leaks it on a
+                        // malformed one (an unknown `sa_data` version;
+                        // docs/security.md).
                         tracing::debug!(
                             status = st,
                             "UCX endpoint from a connection request failed"

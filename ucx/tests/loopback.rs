@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_ucx::{DataPath, Extents, Initiator, Remote, Revoke, Target, UcxError};
+use kvmesh_ucx::{DataPath, Extents, Initiator, Limits, Remote, Revoke, Target, UcxError};
 
 const WAIT: Duration = Duration::from_secs(5);
 
@@ -164,6 +164,71 @@ async fn a_bind_for_a_key_not_open_or_revoked_is_refused() {
     w.put(3, (1 << 16) - 2, vec![1; 4]).await.expect("post");
     let e = w.flush(3).await.expect_err("out of range");
     assert!(matches!(e, UcxError::OutOfRange { .. }), "{e:?}");
+}
+
+/// Waits (bounded) until `f` holds of the target's counters.
+fn wait_for(what: &str, f: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < WAIT, "never happened: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Endpoints that bind no key are bounded. With room for two, a writer's
+/// two spares fill it; a second writer's are closed as soon as they are
+/// made (`crowded`), so its bind fails; once the first writer is gone,
+/// the second binds and writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_that_bind_nothing_are_bounded() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let _one = ONE_AT_A_TIME.lock().await;
+    if !ucx_or_skip() {
+        return;
+    }
+    let t = Target::start_with(listen(), 1 << 16, Limits { max_unbound: 2 }).expect("target");
+    let s = t.stats();
+    let w1 = Initiator::start().expect("first writer");
+    w1.prepare(t.address());
+    wait_for("the first writer's two spares", || {
+        s.connections.load(Relaxed) == 2
+    });
+    let w2 = Initiator::start().expect("second writer");
+    w2.prepare(t.address());
+    wait_for("the second writer's spares closed", || {
+        s.crowded.load(Relaxed) == 2
+    });
+    assert_eq!(s.connections.load(Relaxed), 4);
+    t.open(7, whole(&t)).expect("open 7");
+    let e = w2
+        .bind(7, remote(&t), WAIT)
+        .await
+        .expect_err("no room for the bind's endpoint");
+    assert!(matches!(e, UcxError::Closed(7)), "{e:?}");
+    // Its endpoint was a spare already closed or a fresh one, closed too.
+    assert!(s.crowded.load(Relaxed) >= 2);
+    assert_eq!(s.bound.load(Relaxed), 0);
+    // Once the first writer is gone there is room again. Its spares close
+    // and the second writer's late top-ups may still be crowded out, so
+    // the bind is tried on fresh keys until one takes.
+    drop(w1);
+    let t0 = Instant::now();
+    let mut key = 8;
+    loop {
+        t.open(key, whole(&t)).expect("open");
+        match w2.bind(key, remote(&t), WAIT).await {
+            Ok(()) => break,
+            Err(UcxError::Closed(k)) if k == key && t0.elapsed() < WAIT => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                key += 1;
+            }
+            Err(e) => panic!("no bind with room again: {e:?}"),
+        }
+    }
+    w2.put(key, 0, vec![0x5A; 64]).await.expect("post");
+    w2.flush(key).await.expect("flush");
+    assert_eq!(read(&t, 0, 64), vec![0x5A; 64]);
+    assert_eq!(s.bound.load(Relaxed), 1);
 }
 
 /// Bytes of the region equal to `b`, read as words (volatile: UCX's

@@ -188,12 +188,14 @@ impl Landing for UcxLanding {
     }
 
     fn refused(&self) -> Vec<(&'static str, u64)> {
+        use std::sync::atomic::Ordering::Relaxed;
         let s = self.target.stats();
-        vec![(
-            "outside_grant",
-            s.data_outside_grant
-                .load(std::sync::atomic::Ordering::Relaxed),
-        )]
+        vec![
+            ("outside_grant", s.data_outside_grant.load(Relaxed)),
+            // Endpoints closed at once: `MAX_UNBOUND` others had bound
+            // no key yet.
+            ("too_many_unbound", s.crowded.load(Relaxed)),
+        ]
     }
 
     fn revoke(&self, key: u64, _writer: Option<&PeerProcess>) -> Revocation {
