@@ -308,7 +308,9 @@ pub enum DataPath {
         base: u64,
         /// The region's size in bytes.
         len: u64,
-        /// The packed remote key (`ucp_rkey_pack`), never empty.
+        /// The packed remote key (`ucp_rkey_pack`); empty when the region
+        /// is not registered for remote write (no RDMA device at the
+        /// decode node): the writer then sends data messages only.
         rkey: Vec<u8>,
     },
 }
@@ -408,11 +410,11 @@ impl Welcome {
                 len,
                 rkey,
             } => {
-                if rkey.is_empty() || address.is_empty() {
+                if address.is_empty() {
                     return Err(WireError::InvalidField {
                         field: "path",
                         value: 0,
-                        reason: "a UCX data path has an address and a remote key",
+                        reason: "a UCX data path has an address",
                     });
                 }
                 let alen: u16 = fit(address.len(), "path.address")?;
@@ -505,11 +507,11 @@ impl Welcome {
                 let alen = usize::from(d.u16("path.address")?);
                 let address = utf8(d.take(alen, "path.address")?, "path.address")?;
                 let rkey = d.take(d.remaining(), "path.rkey")?.to_vec();
-                if address.is_empty() || rkey.is_empty() {
+                if address.is_empty() {
                     return Err(WireError::InvalidField {
                         field: "path",
                         value: path_len as u64,
-                        reason: "a UCX data path has an address and a remote key",
+                        reason: "a UCX data path has an address",
                     });
                 }
                 DataPath::Ucx {

@@ -88,6 +88,24 @@ pub(crate) struct Core {
     pub(crate) worker: sys::ucp_worker_h,
     efd: i32,
     queue: *mut Queue,
+    /// Whether the context has `UCP_FEATURE_RMA` ([`rma_possible`]).
+    pub(crate) rma: bool,
+}
+
+/// Whether one-sided puts may run on this host: only over an RDMA device
+/// (`/sys/class/infiniband` lists one: InfiniBand or RoCE). Elsewhere UCX
+/// would emulate puts in software (its `tcp` transport), and that
+/// emulation writes wherever a put says, before any kvmesh check, for any
+/// peer that reaches the worker: so without an RDMA device a context asks
+/// for no RMA at all, a target registers nothing for remote write, and
+/// the pages go as active messages the target lands itself, within the
+/// bound key's pages (`DataPath::Messages`). `KVMESH_UCX_RMA=off` turns
+/// RMA off on an RDMA host too.
+pub fn rma_possible() -> bool {
+    if std::env::var("KVMESH_UCX_RMA").is_ok_and(|v| v == "off") {
+        return false;
+    }
+    std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
 }
 
 /// The transports kvmesh lets UCX use unless `UCX_TLS` says otherwise: all
@@ -136,9 +154,10 @@ pub(crate) fn check_tls(value: &str) -> Result<(), UcxError> {
 }
 
 impl Core {
-    /// A context and worker; `UCX_*` variables apply, `UCX_TLS` defaults
-    /// to [`DEFAULT_TLS`] and is checked by [`check_tls`].
-    pub(crate) fn new(name: &str) -> Result<Self, UcxError> {
+    /// A context and worker, with `UCP_FEATURE_RMA` when `rma` (see
+    /// [`rma_possible`]); `UCX_*` variables apply, `UCX_TLS` defaults to
+    /// [`DEFAULT_TLS`] and is checked by [`check_tls`].
+    pub(crate) fn with_rma(name: &str, rma: bool) -> Result<Self, UcxError> {
         let api = load()?;
         let tls = std::env::var("UCX_TLS").ok();
         if let Some(t) = &tls {
@@ -178,8 +197,10 @@ impl Core {
         // SAFETY: all-zero is a valid ucp_params_t (no fields selected).
         let mut params: sys::ucp_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
         params.field_mask = u64::from(sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_NAME);
-        params.features =
-            u64::from(sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP);
+        params.features = u64::from(sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP);
+        if rma {
+            params.features |= u64::from(sys::UCP_FEATURE_RMA);
+        }
         params.name = cname.as_ptr();
         let mut ctx: sys::ucp_context_h = ptr::null_mut();
         // SAFETY: params and config valid for the call; `ucp_init` is this
@@ -215,6 +236,7 @@ impl Core {
             worker,
             efd: -1,
             queue,
+            rma,
         };
         let mut efd = -1;
         // SAFETY: worker is live; efd is an out-pointer.
@@ -476,7 +498,7 @@ pub(crate) fn hardware_rma(info: &str) -> bool {
 }
 
 /// `UCS_PTR_IS_ERR`.
-fn is_err(p: sys::ucs_status_ptr_t) -> bool {
+pub(crate) fn is_err(p: sys::ucs_status_ptr_t) -> bool {
     (p as usize) >= (sys::UCS_ERR_LAST as isize as usize)
 }
 

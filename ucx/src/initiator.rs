@@ -57,7 +57,14 @@ impl Initiator {
     pub fn with_path(path: DataPath) -> Result<Self, UcxError> {
         crate::load()?;
         let runner = Runner::spawn("kvmesh-ucx-writer", move || {
-            let core = Core::new("kvmesh-writer")?;
+            // RMA only for a path that may put: on this host's RDMA
+            // device (`Auto`), or when asked (`Puts`).
+            let rma = match path {
+                DataPath::Puts => true,
+                DataPath::Messages => false,
+                DataPath::Auto => crate::rma_possible(),
+            };
+            let core = Core::with_rma("kvmesh-writer", rma)?;
             core.set_am_handler(AM_BOUND)?;
             core.set_am_handler(AM_FENCED)?;
             Ok(InitiatorState {
@@ -343,6 +350,21 @@ impl InitiatorState {
         let Some(reply) = g.bind.take() else {
             return;
         };
+        // A target without a remote-write registration (no RDMA device
+        // there) sends no key: data messages only.
+        if g.remote.rkey.is_empty() {
+            if self.path == DataPath::Puts {
+                let e = UcxError::Address(
+                    "the target registered nothing for remote write: puts are refused".into(),
+                );
+                g.failed = Some(e.clone());
+                let _ = reply.send(Err(e));
+                return;
+            }
+            g.path = Path::Messages;
+            let _ = reply.send(Ok(()));
+            return;
+        }
         let mut rkey: sys::ucp_rkey_h = ptr::null_mut();
         // SAFETY: ep live and connected (the target answered through it);
         // the packed key is read for the call only.
@@ -360,7 +382,9 @@ impl InitiatorState {
                 g.path = match self.path {
                     DataPath::Puts => Path::Puts,
                     DataPath::Messages => Path::Messages,
-                    DataPath::Auto if self.core.ep_has_rma_lane(g.ep) => Path::Puts,
+                    DataPath::Auto if self.core.rma && self.core.ep_has_rma_lane(g.ep) => {
+                        Path::Puts
+                    }
                     DataPath::Auto => Path::Messages,
                 };
                 let _ = reply.send(Ok(()));
@@ -376,7 +400,12 @@ impl InitiatorState {
         let Some(g) = self.grants.get_mut(&key) else {
             return;
         };
-        if g.failed.is_some() || g.rkey.is_null() || g.closing {
+        let unbound = match g.path {
+            Path::Undecided => true,
+            Path::Puts => g.rkey.is_null(),
+            Path::Messages => false,
+        };
+        if g.failed.is_some() || unbound || g.closing {
             g.failed.get_or_insert(UcxError::NotBound(key));
             return;
         }

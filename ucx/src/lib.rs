@@ -26,8 +26,11 @@
 //! so a writer reports a transfer complete only after a successful flush.
 //!
 //! # What it does not protect
-//! Puts are bounded by the region, not by a grant's extents: the remote
-//! key covers the whole region and UCX authenticates nobody: a
+//! Without an RDMA device ([`rma_possible`]) nothing is registered for
+//! remote write and no context asks for RMA, so UCX's software puts (which
+//! write wherever a put says) cannot run: writers send data messages. On
+//! an RDMA host puts are bounded by the region, not by a grant's extents:
+//! the remote key covers the whole region and UCX authenticates nobody: a
 //! process that reaches the listener (or, over `tcp`, UCX's own data
 //! sockets) can connect and put anywhere in the region. Grants, keys and
 //! the mesh secret are checked on kvmesh's authenticated control
@@ -58,6 +61,9 @@ mod core;
 mod error;
 mod gate;
 mod initiator;
+/// A writer outside the mesh (tests of what a put without a bind does).
+#[cfg(feature = "testing")]
+pub mod rogue;
 mod runner;
 mod sink;
 mod target;
@@ -75,10 +81,11 @@ mod target;
 pub mod sys;
 
 pub use api::{load, version, Api};
+pub use core::rma_possible;
 pub use error::UcxError;
 pub use initiator::{DataPath, Initiator, Remote};
 pub use sink::Extents;
-pub use target::{Limits, Revoke, Target, TargetStats, MAX_UNBOUND};
+pub use target::{Options, RemoteWrite, Revoke, Target, TargetStats, MAX_UNBOUND};
 
 // Active messages. Headers are 16 bytes: the grant key and one more
 // little-endian u64 (`aux`); the control messages carry no data.

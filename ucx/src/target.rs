@@ -31,24 +31,53 @@ use crate::{sys, AM_BIND, AM_BOUND, AM_DATA, AM_FENCE, AM_FENCED};
 pub const BIND_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Endpoints without a bound key a target keeps at once, by default
-/// ([`Limits`]): a writer keeps two spares per target plus one per bind in
+/// ([`Options`]): a writer keeps two spares per target plus one per bind in
 /// flight, so this is room for some 80 prefill writers. One more is closed
 /// as soon as it is made ([`TargetStats::crowded`]), so whoever reaches the
 /// listener holds at most this many endpoints, each for at most
 /// [`BIND_TIMEOUT`].
 pub const MAX_UNBOUND: usize = 256;
 
-/// What a target lets connections that have not bound a key hold.
+/// How a target is set up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Limits {
+pub struct Options {
     /// Endpoints without a bound key at once.
     pub max_unbound: usize,
+    /// Whether the region is registered for remote write (its packed key
+    /// then lets writers put).
+    pub remote_write: RemoteWrite,
 }
 
-impl Default for Limits {
+impl Default for Options {
     fn default() -> Self {
         Self {
             max_unbound: MAX_UNBOUND,
+            remote_write: RemoteWrite::Auto,
+        }
+    }
+}
+
+/// Whether a context asks for RMA and a target registers its region for
+/// remote write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RemoteWrite {
+    /// Where puts are hardware RMA ([`crate::rma_possible`]).
+    Auto,
+    /// Always: puts over UCX's software emulation too (tests of the put
+    /// path on hosts without RDMA; never where strangers reach the UCX
+    /// network).
+    On,
+    /// Never: data messages only.
+    Off,
+}
+
+impl RemoteWrite {
+    /// Whether it is on, here.
+    pub fn enabled(self) -> bool {
+        match self {
+            Self::Auto => crate::rma_possible(),
+            Self::On => true,
+            Self::Off => false,
         }
     }
 }
@@ -89,7 +118,7 @@ pub struct TargetStats {
     pub ep_errors: AtomicU64,
     /// Endpoint closes completed.
     pub closed: AtomicU64,
-    /// Endpoints closed as soon as they were made: [`Limits::max_unbound`]
+    /// Endpoints closed as soon as they were made: [`Options::max_unbound`]
     /// endpoints were already waiting for their bind.
     pub crowded: AtomicU64,
     /// Data messages landed (endpoints without an RMA lane).
@@ -153,13 +182,13 @@ impl fmt::Debug for Target {
 
 impl Target {
     /// Maps `len` zeroed bytes, registers them for remote writes, and
-    /// listens on `listen` (port 0: any), with the default [`Limits`].
+    /// listens on `listen` (port 0: any), with the default [`Options`].
     pub fn start(listen: SocketAddr, len: usize) -> Result<Self, UcxError> {
-        Self::start_with(listen, len, Limits::default())
+        Self::start_with(listen, len, Options::default())
     }
 
     /// [`start`](Self::start) with `limits`.
-    pub fn start_with(listen: SocketAddr, len: usize, limits: Limits) -> Result<Self, UcxError> {
+    pub fn start_with(listen: SocketAddr, len: usize, options: Options) -> Result<Self, UcxError> {
         crate::load()?;
         let region = MmapRaw::from(
             memmap2::MmapOptions::new()
@@ -181,7 +210,7 @@ impl Target {
         let (s, addr_of_base) = (Arc::clone(&shared), base.as_ptr().expose_provenance());
         let (info_tx, info_rx) = std::sync::mpsc::sync_channel(1);
         let runner = Runner::spawn("kvmesh-ucx-target", move || {
-            let st = TargetState::new(s, listen, addr_of_base, len, limits)?;
+            let st = TargetState::new(s, listen, addr_of_base, len, options)?;
             let _ = info_tx.send((st.address, st.rkey.clone()));
             Ok(st)
         })?;
@@ -203,7 +232,9 @@ impl Target {
         self.address
     }
 
-    /// The region's packed remote key (`ucp_rkey_pack`), for writers.
+    /// The region's packed remote key (`ucp_rkey_pack`), for writers;
+    /// empty where the region is not registered for remote write (no RDMA
+    /// device: [`crate::rma_possible`]), and writers send data messages.
     pub fn rkey(&self) -> &[u8] {
         &self.rkey
     }
@@ -342,7 +373,7 @@ struct TargetState {
     /// asked for, so a data message of a revoked key is refused even
     /// before the close completes.
     sink: HandlerArg<Sink>,
-    limits: Limits,
+    options: Options,
 }
 
 impl TargetState {
@@ -351,9 +382,9 @@ impl TargetState {
         listen: SocketAddr,
         base: usize,
         len: usize,
-        limits: Limits,
+        options: Options,
     ) -> Result<Self, UcxError> {
-        let core = Core::new("kvmesh-target")?;
+        let core = Core::with_rma("kvmesh-target", options.remote_write.enabled())?;
         core.set_am_handler(AM_BIND)?;
         core.set_am_handler(AM_FENCE)?;
         let region = NonNull::new(std::ptr::with_exposed_provenance_mut::<u8>(base)).ok_or(
@@ -366,6 +397,40 @@ impl TargetState {
         // `sink`'s module doc): UCX holds this pointer until the worker goes.
         let sink = HandlerArg::new(Sink::new(region, len, Arc::clone(&shared.stats)));
         core.set_handler(AM_DATA, Some(on_data), sink.arg())?;
+        // Registered for remote write only where puts are hardware RMA
+        // (`rma_possible`); elsewhere nothing but the sink writes here.
+        let memh = if core.rma {
+            Self::register(&core, base, len)?
+        } else {
+            ptr::null_mut()
+        };
+        let mut state = Self {
+            core,
+            shared,
+            listener: ptr::null_mut(),
+            gate: None,
+            quiescing: false,
+            memh,
+            address: listen,
+            rkey: Vec::new(),
+            eps: HashMap::new(),
+            ids: HashMap::new(),
+            by_key: HashMap::new(),
+            next_id: 0,
+            sink,
+            options,
+        };
+        match state.listen(listen) {
+            Ok(()) => Ok(state),
+            Err(e) => {
+                state.shutdown();
+                Err(e)
+            }
+        }
+    }
+
+    /// The region, registered for remote write.
+    fn register(core: &Core, base: usize, len: usize) -> Result<sys::ucp_mem_h, UcxError> {
         let ucp = core.api.ucp();
         // SAFETY: zeroed mem-map params are valid.
         let mut mp: sys::ucp_mem_map_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
@@ -384,44 +449,25 @@ impl TargetState {
         // only after this thread has unmapped the registration.
         let st = unsafe { ucp.ucp_mem_map(core.ctx(), &mp, &mut memh) };
         UcxError::check(core.api, "ucp_mem_map", st)?;
-        let mut state = Self {
-            core,
-            shared,
-            listener: ptr::null_mut(),
-            gate: None,
-            quiescing: false,
-            memh,
-            address: listen,
-            rkey: Vec::new(),
-            eps: HashMap::new(),
-            ids: HashMap::new(),
-            by_key: HashMap::new(),
-            next_id: 0,
-            sink,
-            limits,
-        };
-        match state.listen(listen) {
-            Ok(()) => Ok(state),
-            Err(e) => {
-                state.shutdown();
-                Err(e)
-            }
-        }
+        Ok(memh)
     }
 
-    /// Packs the remote key and starts the listener.
+    /// Packs the remote key (none without a registration: writers then
+    /// send data messages) and starts the listener.
     fn listen(&mut self, listen: SocketAddr) -> Result<(), UcxError> {
         let state = self;
         let ucp = state.core.api.ucp();
         let memh = state.memh;
-        let (mut buf, mut size): (*mut std::ffi::c_void, usize) = (ptr::null_mut(), 0);
-        // SAFETY: memh is a live registration; out-pointers valid.
-        let st = unsafe { ucp.ucp_rkey_pack(state.core.ctx(), memh, &mut buf, &mut size) };
-        UcxError::check(state.core.api, "ucp_rkey_pack", st)?;
-        // SAFETY: `size` bytes at `buf`, released right after the copy.
-        state.rkey = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) }.to_vec();
-        // SAFETY: the buffer ucp_rkey_pack returned, released once.
-        unsafe { ucp.ucp_rkey_buffer_release(buf) };
+        if !memh.is_null() {
+            let (mut buf, mut size): (*mut std::ffi::c_void, usize) = (ptr::null_mut(), 0);
+            // SAFETY: memh is a live registration; out-pointers valid.
+            let st = unsafe { ucp.ucp_rkey_pack(state.core.ctx(), memh, &mut buf, &mut size) };
+            UcxError::check(state.core.api, "ucp_rkey_pack", st)?;
+            // SAFETY: `size` bytes at `buf`, released right after the copy.
+            state.rkey = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) }.to_vec();
+            // SAFETY: the buffer ucp_rkey_pack returned, released once.
+            unsafe { ucp.ucp_rkey_buffer_release(buf) };
+        }
 
         let sa = SockAddr::new(listen);
         // SAFETY: zeroed listener params are valid.
@@ -579,7 +625,7 @@ impl Actor for TargetState {
                             .values()
                             .filter(|c| c.key.is_none() && !c.closing)
                             .count();
-                        if unbound > self.limits.max_unbound {
+                        if unbound > self.options.max_unbound {
                             self.shared.stats.crowded.fetch_add(1, Ordering::Relaxed);
                             self.close(id);
                         }

@@ -6,7 +6,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_ucx::{DataPath, Extents, Initiator, Limits, Remote, Revoke, Target, UcxError};
+use kvmesh_ucx::{
+    DataPath, Extents, Initiator, Options, Remote, RemoteWrite, Revoke, Target, UcxError,
+};
 
 const WAIT: Duration = Duration::from_secs(5);
 
@@ -28,6 +30,25 @@ fn ucx_or_skip() -> bool {
 
 fn listen() -> SocketAddr {
     "127.0.0.1:0".parse().expect("addr")
+}
+
+/// A target for writers on `path`: one that puts needs the region
+/// registered for remote write, which a host without an RDMA device does
+/// only when asked (`RemoteWrite::On`).
+fn target_for(path: DataPath, len: usize) -> Target {
+    let remote_write = match path {
+        DataPath::Puts => RemoteWrite::On,
+        _ => RemoteWrite::Auto,
+    };
+    Target::start_with(
+        listen(),
+        len,
+        Options {
+            remote_write,
+            ..Options::default()
+        },
+    )
+    .expect("target")
 }
 
 fn remote(t: &Target) -> Arc<Remote> {
@@ -74,7 +95,7 @@ async fn land_then_revoke(path: DataPath) {
     if !ucx_or_skip() {
         return;
     }
-    let t = Target::start(listen(), 1 << 20).expect("target");
+    let t = target_for(path, 1 << 20);
     let w = Initiator::with_path(path).expect("initiator");
     let r = remote(&t);
     let key = 0x1234_5678_9abc_def0;
@@ -186,7 +207,15 @@ async fn endpoints_that_bind_nothing_are_bounded() {
     if !ucx_or_skip() {
         return;
     }
-    let t = Target::start_with(listen(), 1 << 16, Limits { max_unbound: 2 }).expect("target");
+    let t = Target::start_with(
+        listen(),
+        1 << 16,
+        Options {
+            max_unbound: 2,
+            ..Options::default()
+        },
+    )
+    .expect("target");
     let s = t.stats();
     let w1 = Initiator::start().expect("first writer");
     w1.prepare(t.address());
@@ -261,7 +290,7 @@ async fn abort_racing_a_write(path: DataPath) {
         return;
     }
     const BIG: usize = 64 << 20;
-    let t = Target::start(listen(), BIG).expect("target");
+    let t = target_for(path, BIG);
     let w = Initiator::with_path(path).expect("initiator");
     let key = 42;
     t.open(key, whole(&t)).expect("open");
@@ -309,7 +338,7 @@ async fn unregistering_the_region_does_not_stop_writes() {
     if !ucx_or_skip() {
         return;
     }
-    let t = Target::start(listen(), 1 << 20).expect("target");
+    let t = target_for(DataPath::Puts, 1 << 20);
     let w = Initiator::with_path(DataPath::Puts).expect("initiator");
     let key = 7;
     t.open(key, whole(&t)).expect("open");
@@ -432,26 +461,104 @@ async fn writer_killed_mid_put() {
 
 const ENV_CHILD_TARGET: &str = "KVMESH_UCX_TEST_CHILD_TARGET";
 
-/// The target process of the test below: one round per line on stdin
-/// (starts a target, prints its address, drops it at "drop", prints
-/// "dropped"), until stdin closes.
+/// The target process of the tests below: per round, starts a target
+/// (remote write as `ENV_CHILD_TARGET` says: `on` or `auto`), prints
+/// "at ADDRESS BASE", then obeys stdin: "count" prints "count N" (the
+/// region's nonzero bytes), "drop" drops it and prints "dropped" (the next
+/// round follows); stdin closed ends it.
 #[test]
-#[ignore = "run as a child process by a_target_dropped_while_writers_connect_does_not_crash"]
+#[ignore = "run as a child process by the tests below"]
 fn child_target() {
     use std::io::BufRead;
-    if std::env::var_os(ENV_CHILD_TARGET).is_none() {
+    let Ok(mode) = std::env::var(ENV_CHILD_TARGET) else {
         return;
-    }
+    };
+    let remote_write = if mode == "on" {
+        RemoteWrite::On
+    } else {
+        RemoteWrite::Auto
+    };
     let mut lines = std::io::stdin().lock().lines();
     loop {
-        let t = Target::start(listen(), 1 << 16).expect("target");
-        println!("at {}", t.address());
-        match lines.next() {
-            Some(Ok(l)) if l == "drop" => {}
-            _ => return,
+        let t = Target::start_with(
+            listen(),
+            1 << 16,
+            Options {
+                remote_write,
+                ..Options::default()
+            },
+        )
+        .expect("target");
+        println!("at {} {}", t.address(), t.base().as_ptr() as u64);
+        loop {
+            match lines.next() {
+                Some(Ok(l)) if l == "count" => println!("count {}", nonzero(&t)),
+                Some(Ok(l)) if l == "drop" => break,
+                _ => return,
+            }
         }
         drop(t);
         println!("dropped");
+    }
+}
+
+/// The region's nonzero bytes.
+fn nonzero(t: &Target) -> usize {
+    read(t, 0, t.len()).iter().filter(|b| **b != 0).count()
+}
+
+/// A child target process ([`child_target`]) and its lines.
+struct ChildTarget {
+    child: std::process::Child,
+    to: std::process::ChildStdin,
+    from: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl ChildTarget {
+    fn spawn(mode: &str) -> Self {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(std::env::current_exe().expect("test binary"))
+            .args([
+                "child_target",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ENV_CHILD_TARGET, mode)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn the target process");
+        let to = child.stdin.take().expect("stdin");
+        let from = std::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+        Self { child, to, from }
+    }
+
+    /// What follows `want` on the next line holding it; `None` if the
+    /// process ended first.
+    fn line(&mut self, want: &str) -> Option<String> {
+        for l in self.from.by_ref() {
+            let l = l.ok()?;
+            // libtest may print the test's name first on the line.
+            if let Some(i) = l.find(want) {
+                return Some(l[i + want.len()..].to_string());
+            }
+        }
+        None
+    }
+
+    /// The next round's target: its address and region base.
+    fn target(&mut self) -> Option<(SocketAddr, u64)> {
+        let l = self.line("at ")?;
+        let (a, b) = l.split_once(' ')?;
+        Some((a.parse().ok()?, b.parse().ok()?))
+    }
+
+    fn say(&mut self, what: &str) {
+        use std::io::Write;
+        let _ = writeln!(self.to, "{what}");
     }
 }
 
@@ -472,9 +579,7 @@ fn child_target() {
 /// the mesh's own network (docs/network.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_dropped_while_writers_connect_does_not_crash() {
-    use std::io::{BufRead, BufReader, Write};
     use std::net::TcpStream;
-    use std::process::{Command, Stdio};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Mutex;
 
@@ -482,31 +587,7 @@ async fn a_target_dropped_while_writers_connect_does_not_crash() {
     if !ucx_or_skip() {
         return;
     }
-    let mut child = Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "child_target",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(ENV_CHILD_TARGET, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn the target process");
-    let mut to_child = child.stdin.take().expect("stdin");
-    let mut from_child = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let mut next_line = |want: &str| -> String {
-        for l in from_child.by_ref() {
-            let l = l.expect("read the target process");
-            // libtest may print the test's name first on the line.
-            if let Some(i) = l.find(want) {
-                return l[i + want.len()..].to_string();
-            }
-        }
-        panic!("the target process ended before \"{want}\" (crashed?)");
-    };
+    let mut c = ChildTarget::spawn("auto");
     let w = Arc::new(Initiator::start().expect("initiator"));
     let target: Arc<Mutex<Option<SocketAddr>>> = Arc::new(Mutex::new(None));
     let stop = Arc::new(AtomicBool::new(false));
@@ -522,7 +603,7 @@ async fn a_target_dropped_while_writers_connect_does_not_crash() {
         })
     };
     for round in 0..64u64 {
-        let at: SocketAddr = next_line("at ").parse().expect("address");
+        let (at, _) = c.target().expect("the target's address (crashed?)");
         *target.lock().expect("lock") = Some(at);
         // Accepted now, silent, hung up 0..=24 ms into the drop.
         let raw: Vec<TcpStream> = (0..4)
@@ -540,8 +621,8 @@ async fn a_target_dropped_while_writers_connect_does_not_crash() {
                 })
             })
             .collect();
-        writeln!(to_child, "drop").expect("tell the target process");
-        next_line("dropped");
+        c.say("drop");
+        assert!(c.line("dropped").is_some(), "the target process crashed");
         for h in hangups {
             h.join().expect("hang-up");
         }
@@ -550,7 +631,50 @@ async fn a_target_dropped_while_writers_connect_does_not_crash() {
     }
     stop.store(true, Ordering::Relaxed);
     topper.join().expect("topper");
-    drop(to_child);
-    let status = child.wait().expect("reap the target process");
+    drop(c.to);
+    let status = c.child.wait().expect("reap the target process");
     assert!(status.success(), "the target process ended with {status}");
+}
+
+/// A third UCX context, outside the mesh, that never binds a key puts 64
+/// bytes at the start of a target's region and 64 at an unmapped address
+/// (`rogue::put_uninvited`). On this host without an RDMA device the
+/// target registers nothing for remote write and its context has no RMA
+/// (`RemoteWrite::Auto`): the target process lives on and its region is
+/// untouched. A target made to register (`RemoteWrite::On`, the old
+/// default) takes the first put, which is what the check would catch.
+#[cfg(feature = "testing")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uninvited_put_writes_nothing_and_crashes_nothing() {
+    use kvmesh_ucx::rogue::put_uninvited;
+    let _one = ONE_AT_A_TIME.lock().await;
+    if !ucx_or_skip() {
+        return;
+    }
+    if kvmesh_ucx::rma_possible() {
+        eprintln!("not run: this host has an RDMA device (puts are hardware RMA here)");
+        return;
+    }
+    let mut c = ChildTarget::spawn("auto");
+    let (at, base) = c.target().expect("the target's address");
+    let into = put_uninvited(at, base, &[0xEE; 64], Duration::from_millis(1500));
+    let wild = put_uninvited(at, 0x10, &[0xEE; 64], Duration::from_millis(1500));
+    eprintln!("into the region: {into:?}; at 0x10: {wild:?}");
+    c.say("count");
+    let n = c.line("count ").expect("the target process crashed");
+    assert_eq!(n, "0", "an uninvited put landed");
+    c.say("drop");
+    assert!(c.line("dropped").is_some(), "the target process crashed");
+    drop(c.to);
+    assert!(c.child.wait().expect("reap").success());
+
+    // Registered for remote write, the first put lands.
+    let mut c = ChildTarget::spawn("on");
+    let (at, base) = c.target().expect("the target's address");
+    let into = put_uninvited(at, base, &[0xEE; 64], Duration::from_millis(1500));
+    c.say("count");
+    let n = c.line("count ").expect("the target process crashed");
+    assert_eq!(n, "64", "the registered region took the put: {into:?}");
+    drop(c.to);
+    let _ = c.child.wait();
 }

@@ -40,10 +40,22 @@ pub struct NodeSection {
 
 impl NodeSection {
     /// Where a decode node's UCX listener binds (`ucx_listen`, checked by
-    /// validation; default every interface, any port).
+    /// validation); by default the IP its `kv` address names (resolved if
+    /// a host name), any port, so UCX answers only where the node is
+    /// advertised; every interface only when `kv` names none.
     pub fn ucx_listen_addr(&self) -> anyhow::Result<std::net::SocketAddr> {
+        use std::net::ToSocketAddrs;
         match &self.ucx_listen {
-            None => Ok(std::net::SocketAddr::from(([0, 0, 0, 0], 0))),
+            None => {
+                let ip = self
+                    .kv
+                    .as_deref()
+                    .and_then(|kv| kv.to_socket_addrs().ok()?.next())
+                    .map(|a| a.ip())
+                    .filter(|ip| !ip.is_unspecified())
+                    .unwrap_or(std::net::IpAddr::from([0, 0, 0, 0]));
+                Ok(std::net::SocketAddr::new(ip, 0))
+            }
             Some(u) => u
                 .parse()
                 .map_err(|_| anyhow::anyhow!("{}.ucx_listen {u:?}: expected IP:PORT", self.name)),

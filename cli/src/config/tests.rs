@@ -181,8 +181,17 @@ fn the_ucx_transport_takes_a_tcp_kv_address_and_an_optional_ucx_listener() {
     ))
     .expect("valid");
     assert_eq!(cfg.kv_endpoint(&cfg.decode[0]), "tcp://127.0.0.1:5");
+    // By default where the node is advertised (`kv`'s IP), any port.
     assert_eq!(
         cfg.decode[0].ucx_listen_addr().expect("default"),
+        "127.0.0.1:0".parse::<std::net::SocketAddr>().expect("addr")
+    );
+    let all = parse(&format!(
+        "{BASE}{ucx}decode: [{{name: d, grpc: \"127.0.0.1:4\", kv: \"0.0.0.0:5\"}}]\n"
+    ))
+    .expect("valid");
+    assert_eq!(
+        all.decode[0].ucx_listen_addr().expect("default"),
         "0.0.0.0:0".parse::<std::net::SocketAddr>().expect("addr")
     );
     let cfg = parse(&format!(

@@ -199,7 +199,7 @@ async fn a_data_message_with_grant_as_key_into_grant_bs_page_is_refused_ucx() {
     rogue.flush(a.write_key).await.expect("fenced");
     assert_eq!(
         node.table.landing().refused(),
-        vec![("outside_grant", 1)],
+        vec![("outside_grant", 1), ("too_many_unbound", 0)],
         "B's page refused, A's landed"
     );
 
