@@ -487,14 +487,40 @@ impl Drop for Core {
 }
 
 /// From `ucp_ep_print_info`'s lane table (`lane[1]:  1:tcp/lo.0 md[1] ->
-/// ... rma_bw#0 am am_bw#0 wireup`): whether there is an RMA lane and none
-/// of them is `tcp`.
+/// ... rma_bw#0 am am_bw#0 wireup`): whether there is an RMA lane and every
+/// one is a transport whose writes an endpoint close is known to fence
+/// ([`FENCED_BY_CLOSE`]). Any other (`tcp`'s software puts, a transport
+/// this list does not name) is refused, not assumed.
 pub(crate) fn hardware_rma(info: &str) -> bool {
     let rma: Vec<&str> = info
         .lines()
         .filter(|l| l.contains("lane[") && l.contains("rma"))
         .collect();
-    !rma.is_empty() && !rma.iter().any(|l| l.contains(":tcp/"))
+    !rma.is_empty()
+        && rma
+            .iter()
+            .all(|l| lane_transport(l).is_some_and(fenced_by_close))
+}
+
+/// The transports kvmesh puts over: InfiniBand/RoCE reliable connections
+/// (`rc_verbs`, `rc_mlx5`) and dynamically connected ones (`dc_mlx5`). A
+/// forced close in peer error mode destroys the endpoint's queue pair;
+/// the HCA NAKs any RDMA write that reaches a QP in error or reset, so no
+/// byte lands after the close completes. `ud` has no RMA; `tcp` emulates
+/// puts in software (not used: `rma_possible`); shared-memory transports
+/// (`posix`, `sysv`, `cma`, `knem`, `xpmem`) copy without any endpoint in
+/// the way and are refused outright (`check_tls`).
+pub(crate) const FENCED_BY_CLOSE: [&str; 3] = ["rc_verbs", "rc_mlx5", "dc_mlx5"];
+
+fn fenced_by_close(transport: &str) -> bool {
+    FENCED_BY_CLOSE.contains(&transport)
+}
+
+/// The transport of a lane line: `3:rc_mlx5/mlx5_0:1` -> `rc_mlx5`.
+fn lane_transport(line: &str) -> Option<&str> {
+    let after = line.split("]:").nth(1)?.trim_start();
+    let (_, rest) = after.split_once(':')?;
+    rest.split('/').next()
 }
 
 /// `UCS_PTR_IS_ERR`.
@@ -647,6 +673,12 @@ mod tests {
         assert!(!hardware_rma(
             "#  lane[0]:  1:tcp/lo.0 md[1] -> md[1]/tcp am am_bw#0\n"
         ));
+        // A transport the list does not name is refused, not assumed.
+        assert!(!hardware_rma(
+            "#  lane[0]:  4:gga_mlx5/mlx5_0:1 md[2] -> md[2]/ib rma_bw#0 am\n"
+        ));
+        let dc = "#  lane[0]:  4:dc_mlx5/mlx5_0:1 md[2] -> md[2]/ib rma_bw#0 am\n";
+        assert!(hardware_rma(dc));
     }
 
     #[test]
