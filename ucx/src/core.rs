@@ -450,6 +450,35 @@ impl Core {
     }
 
     /// The context.
+    /// `len` bytes at `at`, registered for local access and remote write.
+    ///
+    /// # Safety
+    /// The range is mapped memory that outlives the registration (the
+    /// caller unmaps it with `ucp_mem_unmap` first).
+    pub(crate) unsafe fn register(
+        &self,
+        at: *mut c_void,
+        len: usize,
+    ) -> Result<sys::ucp_mem_h, UcxError> {
+        // SAFETY: zeroed mem-map params are valid.
+        let mut mp: sys::ucp_mem_map_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
+        mp.field_mask = u64::from(
+            sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::UCP_MEM_MAP_PARAM_FIELD_PROT,
+        );
+        mp.address = at;
+        mp.length = len;
+        mp.prot = sys::UCP_MEM_MAP_PROT_LOCAL_READ
+            | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE
+            | sys::UCP_MEM_MAP_PROT_REMOTE_WRITE;
+        let mut memh: sys::ucp_mem_h = ptr::null_mut();
+        // SAFETY: the caller's range; out-pointer valid.
+        let st = unsafe { self.api.ucp().ucp_mem_map(self.ctx, &mp, &mut memh) };
+        UcxError::check(self.api, "ucp_mem_map", st)?;
+        Ok(memh)
+    }
+
     pub(crate) fn ctx(&self) -> sys::ucp_context_h {
         self.ctx
     }

@@ -35,22 +35,8 @@ pub fn put_uninvited(
     let st = unsafe { ucp.ucp_ep_create(core.worker, &p, &mut ep) };
     UcxError::check(core.api, "ucp_ep_create", st)?;
     let mut own = vec![0u8; 4096];
-    // SAFETY: zeroed mem-map params are valid.
-    let mut mp: sys::ucp_mem_map_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
-    mp.field_mask = u64::from(
-        sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
-            | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
-            | sys::UCP_MEM_MAP_PARAM_FIELD_PROT,
-    );
-    mp.address = own.as_mut_ptr().cast();
-    mp.length = own.len();
-    mp.prot = sys::UCP_MEM_MAP_PROT_LOCAL_READ
-        | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE
-        | sys::UCP_MEM_MAP_PROT_REMOTE_WRITE;
-    let mut memh: sys::ucp_mem_h = ptr::null_mut();
     // SAFETY: `own` outlives the registration (unmapped below).
-    let st = unsafe { ucp.ucp_mem_map(core.ctx(), &mp, &mut memh) };
-    UcxError::check(core.api, "ucp_mem_map", st)?;
+    let memh = unsafe { core.register(own.as_mut_ptr().cast(), own.len()) }?;
     let (mut buf, mut size): (*mut std::ffi::c_void, usize) = (ptr::null_mut(), 0);
     // SAFETY: memh live; out-pointers valid.
     let st = unsafe { ucp.ucp_rkey_pack(core.ctx(), memh, &mut buf, &mut size) };

@@ -400,7 +400,9 @@ impl TargetState {
         // Registered for remote write only where puts are hardware RMA
         // (`rma_possible`); elsewhere nothing but the sink writes here.
         let memh = if core.rma {
-            Self::register(&core, base, len)?
+            // SAFETY: the range is a live mapping the Target owns and
+            // drops only after this thread has unmapped the registration.
+            unsafe { core.register(base as *mut _, len.max(1)) }?
         } else {
             ptr::null_mut()
         };
@@ -427,29 +429,6 @@ impl TargetState {
                 Err(e)
             }
         }
-    }
-
-    /// The region, registered for remote write.
-    fn register(core: &Core, base: usize, len: usize) -> Result<sys::ucp_mem_h, UcxError> {
-        let ucp = core.api.ucp();
-        // SAFETY: zeroed mem-map params are valid.
-        let mut mp: sys::ucp_mem_map_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
-        mp.field_mask = u64::from(
-            sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
-                | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
-                | sys::UCP_MEM_MAP_PARAM_FIELD_PROT,
-        );
-        mp.address = base as *mut _;
-        mp.length = len.max(1);
-        mp.prot = sys::UCP_MEM_MAP_PROT_LOCAL_READ
-            | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE
-            | sys::UCP_MEM_MAP_PROT_REMOTE_WRITE;
-        let mut memh: sys::ucp_mem_h = ptr::null_mut();
-        // SAFETY: the range is a live mapping the Target owns and drops
-        // only after this thread has unmapped the registration.
-        let st = unsafe { ucp.ucp_mem_map(core.ctx(), &mp, &mut memh) };
-        UcxError::check(core.api, "ucp_mem_map", st)?;
-        Ok(memh)
     }
 
     /// Packs the remote key (none without a registration: writers then
