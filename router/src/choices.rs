@@ -3,9 +3,9 @@
 //! front end.
 //!
 //! Choice `p * n + i` is sample `i` of prompt `p` (OpenAI's order). Every
-//! choice is validated and admitted before any starts, so a refusal of any
-//! refuses the request with nothing started; each holds its own dispatch
-//! slot. Sample 0 of each prompt starts at once; samples 1.. of that prompt
+//! choice is validated and admitted before any starts, all together
+//! ([`Router::admit_all`]), so a refusal of any refuses the request with
+//! nothing started; each holds its own dispatch slot. Sample 0 of each prompt starts at once; samples 1.. of that prompt
 //! start when sample 0's first event arrives, which is after prefill has
 //! computed the prompt and cached its pages, and after decode has adopted
 //! the transferred pages and shared the full ones (`Engine::adopt_in`).
@@ -76,19 +76,27 @@ impl Choices {
         let logprobs = prompts
             .first()
             .is_some_and(|v| v.settings().sampling.logprobs.is_some());
+        // Every choice at once: one slot each, granted together, so two
+        // requests cannot each hold part of the slots and wait for the
+        // rest (`crate::admission`).
+        let samples = prompts
+            .iter()
+            .flat_map(|valid| (0..n).map(|i| valid.sample(i as u64)))
+            .collect();
+        let mut all = r.admit_all(samples, tenant, faults).await?.into_iter();
         let mut admitted: Vec<Vec<Admitted>> = Vec::with_capacity(prompts.len());
-        for valid in &prompts {
-            let mut group = Vec::with_capacity(n);
+        for _ in &prompts {
             let placement = Arc::new(Placement::default());
-            for i in 0..n {
-                let mut admitted = r
-                    .admit(valid.sample(i as u64), tenant.clone(), faults.clone())
-                    .await?;
-                if n > 1 {
-                    admitted.share_placement(Arc::clone(&placement));
-                }
-                group.push(admitted);
-            }
+            let group: Vec<Admitted> = all
+                .by_ref()
+                .take(n)
+                .map(|mut a| {
+                    if n > 1 {
+                        a.share_placement(Arc::clone(&placement));
+                    }
+                    a
+                })
+                .collect();
             admitted.push(group);
         }
         drop(prompts);

@@ -67,6 +67,11 @@ pub enum Rejection {
         /// Requests waiting.
         queued: usize,
     },
+    /// The tenant's share of the gateway is full (a limit of its API key,
+    /// or its fair share of a full queue): other tenants may still be
+    /// served.
+    #[error("{}", .0.message())]
+    TenantShareExceeded(ShareLimit),
     /// No prefill or no decode node is healthy.
     #[error("no healthy {role} node")]
     NoHealthyNode {
@@ -105,10 +110,38 @@ impl Rejection {
             Self::ContextLengthExceeded { .. } => "context_length_exceeded",
             Self::Invalid { .. } => "invalid_request",
             Self::Saturated { .. } => "saturated",
+            Self::TenantShareExceeded(_) => "tenant_share_exceeded",
             Self::NoHealthyNode { .. } => "no_healthy_node",
             Self::MixedCpuKernels { .. } => "mixed_cpu_kernels",
             Self::UnknownModel(_) => "model_not_found",
             Self::ShuttingDown => "shutting_down",
+        }
+    }
+}
+
+/// Which of a tenant's bounds refused a request
+/// ([`Rejection::TenantShareExceeded`]). The message names the client's
+/// own limit, never another tenant or how many there are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShareLimit {
+    /// The tenant's waiting requests would hold more prompt tokens than
+    /// its API key's `max_queued_tokens`.
+    QueuedTokens {
+        /// The cap.
+        cap: usize,
+    },
+    /// The queue is full and the tenant holds its share of it while other
+    /// tenants wait.
+    Queue,
+}
+
+impl ShareLimit {
+    fn message(self) -> String {
+        match self {
+            Self::QueuedTokens { cap } => format!(
+                "this API key's waiting requests would hold more than its limit of {cap} queued prompt tokens; retry later"
+            ),
+            Self::Queue => "the server's queue is full and this API key holds its share of it; retry later".into(),
         }
     }
 }
@@ -266,7 +299,9 @@ impl GatewayError {
             Self::Rejected(R::ContextLengthExceeded { .. } | R::Invalid { .. }) => {
                 StatusCode::BAD_REQUEST
             }
-            Self::Rejected(R::Saturated { .. }) => StatusCode::TOO_MANY_REQUESTS,
+            Self::Rejected(R::Saturated { .. } | R::TenantShareExceeded(_)) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Self::Rejected(
                 R::NoHealthyNode { .. } | R::MixedCpuKernels { .. } | R::ShuttingDown,
             ) => StatusCode::SERVICE_UNAVAILABLE,
@@ -287,6 +322,7 @@ impl GatewayError {
             Self::Rejected(R::ContextLengthExceeded { .. }) => "context_length_exceeded",
             Self::Rejected(R::Invalid { .. }) => "invalid_value",
             Self::Rejected(R::Saturated { .. }) => "rate_limit_exceeded",
+            Self::Rejected(R::TenantShareExceeded(_)) => "tenant_share_exceeded",
             Self::Rejected(R::NoHealthyNode { .. })
             | Self::Dispatch(DispatchError::NoHealthyNode { .. }) => "service_unavailable",
             Self::Rejected(R::MixedCpuKernels { .. }) => "mixed_cpu_kernels",

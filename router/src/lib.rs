@@ -5,9 +5,13 @@
 //! # Layout
 //! - [`auth`]: API keys, each mapped to a tenant (401 before anything
 //!   else when keys are configured).
-//! - [`Router`]: the shared state (tokenizer, limits, the mesh, queue,
-//!   metrics); [`Router::admit`], the admission decision (the only maker
-//!   of [`mesh::Admitted`]); [`Router::generate`], admission then the mesh.
+//! - [`admission`]: who gets the dispatch slots: per-tenant queues served
+//!   fairly (or in arrival order), per-tenant caps, a request's choices
+//!   admitted together; a slot is an RAII [`admission::Permit`].
+//! - [`Router`]: the shared state (tokenizer, limits, the mesh, the
+//!   admission scheduler, metrics); [`Router::admit_all`], the admission
+//!   decision (the only maker of [`mesh::Admitted`]); [`Router::generate`],
+//!   admission then the mesh.
 //! - [`validate`]: the one validation of both front ends
 //!   (front-end-neutral request in, [`validate::Valid`] out).
 //! - [`choices`]: several choices of one request (`n`, a batch of
@@ -64,6 +68,7 @@
 //! Tokenizer, chat templates and stop strings come from `kvmesh-tokenizer`;
 //! the router links no model runtime (no candle) and reads no weights.
 
+pub mod admission;
 pub mod auth;
 pub mod choices;
 pub mod error;
@@ -83,16 +88,15 @@ pub mod tokenize;
 pub mod tools;
 pub mod validate;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvmesh_faults::{planted, FaultPlan, PlantedBug};
 use kvmesh_structured::{StructuredError, Vocabulary};
 use kvmesh_tokenizer::TextTokenizer;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
 
+use admission::{Admission, Permit};
 use auth::Tenant;
 pub use error::Rejection;
 use error::{Count, GatewayError};
@@ -114,12 +118,17 @@ pub struct RouterConfig {
     pub model_description: (String, String),
     /// The context window (prompt plus completion), tokens.
     pub max_model_len: usize,
-    /// Requests dispatched at once.
+    /// Dispatch slots: choices running at once (a request holds one per
+    /// choice).
     pub max_running: usize,
-    /// Requests waiting for a slot at most; more get 429.
+    /// Choices waiting for a slot at most; more get 429.
     pub max_queued: usize,
-    /// How long a request may wait for a slot before it gets 429.
+    /// How long a request may wait for its slots before it gets 429.
     pub queue_timeout: Duration,
+    /// How waiting requests are ordered ([`admission::Policy`]).
+    pub admission: admission::Policy,
+    /// Per-tenant limits (weights, caps), by tenant.
+    pub shares: admission::Shares,
     /// API keys and their tenants; empty: no authentication.
     pub api_keys: auth::ApiKeys,
     /// Honour the fault-injection header (`kvxfer::fault::HEADER`); only
@@ -147,6 +156,8 @@ impl Default for RouterConfig {
             max_running: 64,
             max_queued: 256,
             queue_timeout: Duration::from_secs(30),
+            admission: admission::Policy::Fair,
+            shares: admission::Shares::default(),
             api_keys: auth::ApiKeys::default(),
             fault_injection: false,
             drain_timeout: Duration::from_secs(30),
@@ -163,8 +174,7 @@ pub struct Router {
     cfg: Arc<RouterConfig>,
     tokenizer: Arc<TextTokenizer>,
     mesh: Arc<dyn Mesh>,
-    slots: Arc<Semaphore>,
-    queued: Arc<AtomicUsize>,
+    admission: Admission,
     metrics: Arc<Metrics>,
     /// Set when a drain starts: admission refuses, health says not serving.
     draining: Arc<tokio::sync::watch::Sender<bool>>,
@@ -218,11 +228,16 @@ impl Router {
         tracing::info!(model = %cfg.model_id, "{}", parsers.describe());
         Self {
             parsers: Arc::new(parsers),
-            slots: Arc::new(Semaphore::new(cfg.max_running.max(1))),
+            admission: Admission::new(admission::Limits {
+                slots: cfg.max_running.max(1),
+                max_queued: cfg.max_queued,
+                queue_timeout: cfg.queue_timeout,
+                policy: cfg.admission,
+                shares: cfg.shares.clone(),
+            }),
             cfg: Arc::new(cfg),
             tokenizer,
             mesh,
-            queued: Arc::default(),
             metrics,
             draining: Arc::new(tokio::sync::watch::channel(false).0),
             cut: Arc::new(tokio::sync::watch::channel(false).0),
@@ -248,12 +263,16 @@ impl Router {
         *self.draining.borrow()
     }
 
-    /// Requests holding a dispatch slot now.
+    /// Dispatch slots held now (one per running choice).
     pub fn in_flight(&self) -> usize {
-        self.cfg
-            .max_running
-            .max(1)
-            .saturating_sub(self.slots.available_permits())
+        self.admission.running()
+    }
+
+    /// Starts a drain: admission refuses new requests and those waiting,
+    /// health says not serving ([`run`] calls this on shutdown).
+    pub(crate) fn start_drain(&self) {
+        self.draining.send_replace(true);
+        self.admission.close();
     }
 
     /// The mesh.
@@ -298,29 +317,53 @@ impl Router {
         http::routes(self.clone())
     }
 
-    /// Admission (I3), decided here with no call to any node: prompt plus
-    /// `max_tokens` against the context window, then against the largest
-    /// sequence the mesh can take ([`Mesh::capacity`]: a node started with
-    /// `--allow-small-pool` advertises its real pool). Then a slot in the
-    /// bounded queue, or 429. The only maker of an [`Admitted`].
+    /// Admission (I3) of one choice: [`Router::admit_all`] of one.
     pub async fn admit(
         &self,
         valid: Valid,
         tenant: Tenant,
         faults: FaultPlan,
     ) -> Result<Admitted, Rejection> {
-        let (prompt_tokens, max_tokens) = (valid.ids().len(), valid.settings().max_tokens);
+        let mut one = self.admit_all(vec![valid], tenant, faults).await?;
+        Ok(one.remove(0))
+    }
+
+    /// Admission (I3) of a request's choices, decided here with no call
+    /// to any node: each choice's prompt plus `max_tokens` against the
+    /// context window, then against the largest sequence the mesh can take
+    /// ([`Mesh::capacity`]: a node started with `--allow-small-pool`
+    /// advertises its real pool). Then one slot per choice, all together,
+    /// from the [`admission`] scheduler (at once, after the tenant's turn
+    /// in the queue, or 429). The only maker of an [`Admitted`]; the
+    /// choices come back in order.
+    pub async fn admit_all(
+        &self,
+        valid: Vec<Valid>,
+        tenant: Tenant,
+        faults: FaultPlan,
+    ) -> Result<Vec<Admitted>, Rejection> {
+        let prompt_tokens: usize = valid.iter().map(|v| v.ids().len()).sum();
+        let max_tokens = valid
+            .iter()
+            .map(|v| v.settings().max_tokens)
+            .max()
+            .unwrap_or(0);
         let span = kvmesh_telemetry::span!(
             "router.admit",
             prompt_tokens = prompt_tokens as u64,
-            max_tokens = max_tokens as u64
+            max_tokens = max_tokens as u64,
+            choices = valid.len() as u64
         );
-        let permit = self
-            .check(prompt_tokens, max_tokens)
+        let permits = self
+            .check(&valid, &tenant, prompt_tokens)
             .instrument(span.clone())
             .await
             .inspect_err(|r| kvmesh_telemetry::fail(&span, r.reason()))?;
-        Ok(Admitted::new(valid, tenant, faults, permit))
+        Ok(valid
+            .into_iter()
+            .zip(permits)
+            .map(|(v, p)| Admitted::new(v, tenant.clone(), faults.clone(), p))
+            .collect())
     }
 
     /// [`Router::admit`], then the mesh: the request's events, or why it
@@ -353,12 +396,29 @@ impl Router {
 
     async fn check(
         &self,
+        valid: &[Valid],
+        tenant: &Tenant,
         prompt_tokens: usize,
-        max_tokens: usize,
-    ) -> Result<OwnedSemaphorePermit, Rejection> {
+    ) -> Result<Vec<Permit>, Rejection> {
         if self.is_draining() {
             return Err(Rejection::ShuttingDown);
         }
+        for v in valid {
+            self.fits(v.ids().len(), v.settings().max_tokens)?;
+        }
+        let permits = self
+            .admission
+            .acquire(tenant, valid.len(), prompt_tokens)
+            .await?;
+        // A drain closes the queue; this covers a grant that raced it.
+        if self.is_draining() {
+            return Err(Rejection::ShuttingDown);
+        }
+        Ok(permits)
+    }
+
+    /// I3 for one choice: the context window, then the nodes' capacity.
+    fn fits(&self, prompt_tokens: usize, max_tokens: usize) -> Result<(), Rejection> {
         let requested = prompt_tokens.saturating_add(max_tokens);
         let too_long = |limit| Rejection::ContextLengthExceeded {
             prompt_tokens,
@@ -368,43 +428,18 @@ impl Router {
         };
         // I3, unless a test planted the bug that switches it off (then
         // the nodes' own re-checks must refuse).
-        if !planted(PlantedBug::NoAdmission) {
-            if requested > self.cfg.max_model_len {
-                return Err(too_long(self.cfg.max_model_len));
-            }
-            let capacity = self.mesh.capacity().ok_or(Rejection::NoHealthyNode {
-                role: "prefill or decode",
-            })?;
-            if requested > capacity {
-                return Err(too_long(capacity.min(self.cfg.max_model_len)));
-            }
+        if planted(PlantedBug::NoAdmission) {
+            return Ok(());
         }
-        if let Ok(p) = Arc::clone(&self.slots).try_acquire_owned() {
-            return Ok(p);
+        if requested > self.cfg.max_model_len {
+            return Err(too_long(self.cfg.max_model_len));
         }
-        let queued = self.queued.fetch_add(1, Ordering::AcqRel) + 1;
-        let _leave = Leave(&self.queued);
-        if queued > self.cfg.max_queued {
-            return Err(Rejection::Saturated { queued: queued - 1 });
+        let capacity = self.mesh.capacity().ok_or(Rejection::NoHealthyNode {
+            role: "prefill or decode",
+        })?;
+        if requested > capacity {
+            return Err(too_long(capacity.min(self.cfg.max_model_len)));
         }
-        match tokio::time::timeout(
-            self.cfg.queue_timeout,
-            Arc::clone(&self.slots).acquire_owned(),
-        )
-        .await
-        {
-            // A drain that began while this request queued refuses it.
-            Ok(Ok(_)) if self.is_draining() => Err(Rejection::ShuttingDown),
-            Ok(Ok(p)) => Ok(p),
-            _ => Err(Rejection::Saturated { queued }),
-        }
-    }
-}
-
-struct Leave<'a>(&'a AtomicUsize);
-
-impl Drop for Leave<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        Ok(())
     }
 }

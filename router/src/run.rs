@@ -2,7 +2,8 @@
 //! until told to stop, then drain.
 //!
 //! The drain, in order:
-//! 1. admission refuses (`503 shutting_down`), `/health` answers 503 and
+//! 1. admission refuses (`503 shutting_down`), new requests and those
+//!    waiting for a slot alike, `/health` answers 503 and
 //!    the gRPC health service `NOT_SERVING`; both servers stop accepting
 //!    connections (requests already in flight go on);
 //! 2. requests in flight finish, for at most the drain timeout;
@@ -92,7 +93,7 @@ where
             .await
     });
     shutdown.await;
-    router.draining.send_replace(true);
+    router.start_drain();
     tracing::info!(in_flight = router.in_flight(), "router draining");
     let deadline = Instant::now() + router.config().drain_timeout;
     if !settle(deadline, || router.in_flight() == 0).await {

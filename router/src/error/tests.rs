@@ -90,6 +90,24 @@ pub(crate) fn every_kind() -> Vec<Case> {
             Refused("saturated"),
         ),
         (
+            Rejection::TenantShareExceeded(ShareLimit::QueuedTokens { cap: 4096 }).into(),
+            S::TOO_MANY_REQUESTS,
+            limit,
+            "tenant_share_exceeded",
+            None,
+            Code::ResourceExhausted,
+            Refused("tenant_share_exceeded"),
+        ),
+        (
+            Rejection::TenantShareExceeded(ShareLimit::Queue).into(),
+            S::TOO_MANY_REQUESTS,
+            limit,
+            "tenant_share_exceeded",
+            None,
+            Code::ResourceExhausted,
+            Refused("tenant_share_exceeded"),
+        ),
+        (
             Rejection::NoHealthyNode {
                 role: "prefill or decode",
             }

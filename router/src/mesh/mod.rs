@@ -1,5 +1,5 @@
 //! How the gateway reaches the mesh: the [`Mesh`] trait, what it takes
-//! ([`Admitted`], which only [`crate::Router::admit`] makes) and what it
+//! ([`Admitted`], which only [`crate::Router::admit_all`] makes) and what it
 //! streams back ([`Event`]), and the gateway's reading of that stream
 //! ([`Generation`], which counts every request's outcome exactly once).
 //!
@@ -18,8 +18,9 @@ use std::sync::Arc;
 
 use kvmesh_faults::FaultPlan;
 use kvmesh_proto::internal::v1::Sampling;
-use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
+use tokio::sync::{mpsc, watch};
 
+use crate::admission::Permit;
 use crate::auth::Tenant;
 use crate::error::{DispatchError, Rejection};
 use crate::membership::Discovery;
@@ -199,16 +200,17 @@ impl Placement {
     }
 }
 
-/// One of the router's `max_running` dispatch slots. Whoever runs the
-/// request holds it until the request's work has ended; dropping it lets
-/// the next queued request in.
+/// One of the router's `max_running` dispatch slots, of the request's
+/// tenant. Whoever runs the request holds it until the request's work has
+/// ended; dropping it lets the next queued request in (the next tenant's,
+/// under fair admission: [`crate::admission`]).
 #[derive(Debug)]
 pub struct Slot {
-    _permit: OwnedSemaphorePermit,
+    _permit: Permit,
 }
 
 /// A request that passed validation and admission (I3) and holds a
-/// [`Slot`]. Only [`crate::Router::admit`] makes one, so nothing reaches
+/// [`Slot`]. Only [`crate::Router::admit_all`] makes one, so nothing reaches
 /// [`Mesh::generate`] unchecked.
 #[derive(Debug)]
 pub struct Admitted {
@@ -217,12 +219,7 @@ pub struct Admitted {
 }
 
 impl Admitted {
-    pub(crate) fn new(
-        valid: Valid,
-        tenant: Tenant,
-        faults: FaultPlan,
-        permit: OwnedSemaphorePermit,
-    ) -> Self {
+    pub(crate) fn new(valid: Valid, tenant: Tenant, faults: FaultPlan, permit: Permit) -> Self {
         let (prompt_ids, s) = valid.into_parts();
         Self {
             job: Job {
