@@ -763,4 +763,5 @@ fn the_gateway_fuzz_corpus_is_refused_by_name_or_accepted_in_range() {
 }
 
 mod parsers;
+mod tenants;
 mod tools;
