@@ -45,10 +45,14 @@
 //! router:
 //!   http: 0.0.0.0:8080
 //!   grpc: 0.0.0.0:50051
-//!   max_running: 64
-//!   max_queued: 256
+//!   max_running: 64            # choices dispatched at once (n: 16 holds 16)
+//!   max_queued: 256            # choices waiting at most
+//!   admission: fair            # or fifo: per-tenant queues served fairly,
+//!                              #   or one queue in arrival order
 //!   api_keys:                  # omit: no authentication
 //!     - {key: sk-alpha-..., tenant: alpha}
+//!     - {key: sk-beta-..., tenant: beta, weight: 2, max_running: 16,
+//!        max_queued_tokens: 65536}   # optional, per tenant (its keys agree)
 //!   tool_call_parser: auto     # or hermes, llama3_json, mistral (auto: from
 //!                              #   the chat template; --tool-call-parser wins)
 //!   reasoning_parser: auto     # or none, qwen3, deepseek_r1 (auto: qwen3 when

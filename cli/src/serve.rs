@@ -111,6 +111,8 @@ pub struct ServeArgs {
     /// `/metrics` needs a key with the metrics scope.
     #[arg(long = "api-key", env = "KVMESH_API_KEYS", value_delimiter = ',')]
     pub api_keys: Vec<String>,
+    #[command(flatten)]
+    pub admission: AdmissionArgs,
     /// How long a grant may wait for its transfer, in milliseconds.
     #[arg(long, env = "KVMESH_LEASE_MS", default_value_t = LEASE.as_millis() as u64)]
     pub lease_ms: u64,
@@ -157,6 +159,55 @@ impl ParserArgs {
 
     fn given(&self) -> bool {
         self.tool_call_parser.is_some() || self.reasoning_parser.is_some()
+    }
+}
+
+/// `kvmesh serve`'s admission: slots, queue, policy, tenants' shares
+/// (the mesh file's `router.max_running`, `max_queued`, `admission` and
+/// each key's `weight`, `max_running`, `max_queued_tokens`).
+#[derive(Args, Debug, Clone)]
+pub struct AdmissionArgs {
+    /// Choices dispatched at once (a request with n: 16 holds 16).
+    #[arg(long, env = "KVMESH_MAX_RUNNING", default_value_t = 64)]
+    pub max_running: usize,
+    /// Choices waiting for a slot at most; more get 429.
+    #[arg(long, env = "KVMESH_MAX_QUEUED", default_value_t = 256)]
+    pub max_queued: usize,
+    /// How waiting requests are served: fair (per-tenant queues; the
+    /// tenant running the fewest slots per unit of weight goes next) or
+    /// fifo (arrival order).
+    #[arg(long, env = "KVMESH_ADMISSION", default_value = "fair")]
+    pub admission: kvmesh_router::admission::Policy,
+    /// A tenant's share, TENANT:weight=W:max_running=N:max_queued_tokens=T
+    /// (any of the fields; repeat for more tenants; in the environment,
+    /// comma-separated). Default: weight 1, no cap of its own.
+    #[arg(
+        long = "tenant-share",
+        env = "KVMESH_TENANT_SHARES",
+        value_delimiter = ','
+    )]
+    pub tenant_shares: Vec<String>,
+}
+
+impl AdmissionArgs {
+    /// The tenants' shares, parsed.
+    fn shares(&self) -> Result<kvmesh_router::admission::Shares> {
+        anyhow::ensure!(self.max_running > 0, "--max-running must be at least 1");
+        let mut shares = kvmesh_router::admission::Shares::default();
+        for s in &self.tenant_shares {
+            let (tenant, fields) = s
+                .split_once(':')
+                .filter(|(t, _)| !t.is_empty())
+                .ok_or_else(|| {
+                    anyhow::anyhow!("--tenant-share {s:?}: expected TENANT:FIELD=N[:FIELD=N]")
+                })?;
+            let share = kvmesh_router::admission::Share::parse_fields(fields)
+                .map_err(|e| anyhow::anyhow!("--tenant-share {s:?}: {e}"))?;
+            shares
+                .set(tenant, share)
+                .map_err(|e| anyhow::anyhow!("--tenant-share: {e}"))?;
+        }
+        Ok(shares)
     }
 }
 
@@ -366,6 +417,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let path = model_path(&a.model.model)?;
     let engine = a.model.engine_config();
     let keys = api_keys(&a.api_keys)?;
+    let shares = a.admission.shares()?;
     let models = Models {
         id: model_id(&path),
         decode: load(&path, engine.precision)?,
@@ -407,6 +459,10 @@ async fn serve(a: ServeArgs) -> Result<()> {
         prefix_cache: a.prefix_cache.0,
         router: RouterConfig {
             api_keys: keys,
+            max_running: a.admission.max_running,
+            max_queued: a.admission.max_queued,
+            admission: a.admission.admission,
+            shares,
             fault_injection,
             tool_call_parser: a.parsers.tool_call_parser.unwrap_or_default(),
             reasoning_parser: a.parsers.reasoning_parser.unwrap_or_default(),

@@ -1,9 +1,11 @@
 //! The mesh file's `router` section: the gateway's listeners, its limits,
-//! API keys and the answer parsers.
+//! admission (the policy, each API key's share), API keys and the answer
+//! parsers.
 
 use std::path::Path;
 
 use anyhow::Result;
+use kvmesh_router::admission::{Policy, Share, Shares};
 use kvmesh_router::parsing::{ReasoningParserSetting, ToolParserSetting, UnknownParser};
 use serde::Deserialize;
 
@@ -17,12 +19,16 @@ pub struct RouterSection {
     pub http: String,
     /// Public gRPC listen address.
     pub grpc: String,
-    /// Requests dispatched at once.
+    /// Choices dispatched at once (a request holds one slot per choice).
     #[serde(default = "default_running")]
     pub max_running: usize,
-    /// Requests queued at most.
+    /// Choices queued at most.
     #[serde(default = "default_queued")]
     pub max_queued: usize,
+    /// How waiting requests are served: `fair` (per-tenant queues, the
+    /// default) or `fifo` (arrival order).
+    #[serde(default)]
+    pub admission: Option<String>,
     /// API keys and their tenants; none: no authentication.
     #[serde(default)]
     pub api_keys: Vec<ApiKey>,
@@ -37,6 +43,26 @@ pub struct RouterSection {
 }
 
 impl RouterSection {
+    /// `admission` and the keys' shares, parsed: a weight or cap of 0, or
+    /// two keys of one tenant with different limits, are refused naming
+    /// the key by position (never the key).
+    pub fn admission(&self, file: &Path) -> Result<(Policy, Shares)> {
+        let policy = match &self.admission {
+            None => Policy::default(),
+            Some(v) => v
+                .parse()
+                .map_err(|e: String| refuse(file, "router.admission", v, &e))?,
+        };
+        let mut shares = Shares::default();
+        for (i, k) in self.api_keys.iter().enumerate() {
+            let share = k.share(i, file)?;
+            shares
+                .set(&k.tenant, share)
+                .map_err(|e| refuse(file, &format!("router.api_keys[{i}]"), &k.tenant, &e))?;
+        }
+        Ok((policy, shares))
+    }
+
     /// `tool_call_parser` and `reasoning_parser`, parsed (absent: `auto`).
     pub fn parsers(&self, file: &Path) -> Result<(ToolParserSetting, ReasoningParserSetting)> {
         let tool = match &self.tool_call_parser {
@@ -77,9 +103,40 @@ pub struct ApiKey {
     /// or both; default `[inference]`.
     #[serde(default)]
     pub scopes: Option<Vec<String>>,
+    /// Its tenant's weight in fair admission (default 1).
+    #[serde(default)]
+    pub weight: Option<u32>,
+    /// Its tenant's dispatch slots at most (default: its fair share only).
+    #[serde(default)]
+    pub max_running: Option<usize>,
+    /// Its tenant's queued prompt tokens at most (default: no cap of its
+    /// own; a full queue is shared fairly).
+    #[serde(default)]
+    pub max_queued_tokens: Option<usize>,
 }
 
 impl ApiKey {
+    /// Its tenant's share, checked (a weight or `max_running` of 0 is
+    /// refused).
+    pub fn share(&self, i: usize, file: &Path) -> Result<Share> {
+        let field = |name: &str| format!("router.api_keys[{i}].{name}");
+        let mut share = Share {
+            max_queued_tokens: self.max_queued_tokens,
+            ..Share::default()
+        };
+        if let Some(w) = self.weight {
+            share.weight = std::num::NonZeroU32::new(w)
+                .ok_or_else(|| refuse(file, &field("weight"), "0", "must be at least 1"))?;
+        }
+        if let Some(n) = self.max_running {
+            share.max_running =
+                Some(std::num::NonZeroUsize::new(n).ok_or_else(|| {
+                    refuse(file, &field("max_running"), "0", "must be at least 1")
+                })?);
+        }
+        Ok(share)
+    }
+
     /// Its scopes, parsed (absent: inference only); an unknown one is
     /// refused naming the key's position (never the key).
     pub fn parsed_scopes(&self, i: usize, file: &Path) -> Result<Vec<kvmesh_router::auth::Scope>> {

@@ -408,3 +408,55 @@ fn api_key_scopes_are_checked_naming_the_key_by_position() {
     );
     assert!(!e.contains("sk-2"), "the key is a secret: {e}");
 }
+
+#[test]
+fn admission_and_each_keys_share_are_read_and_checked_naming_the_field() {
+    use kvmesh_router::admission::{Policy, Share};
+    use kvmesh_router::auth::Tenant;
+    let file = Path::new("/t/mesh.yaml");
+    let with = |router: &str| {
+        format!(
+            "mesh: {{insecure_no_mesh_auth: true}}\n\
+             router: {{http: \"127.0.0.1:1\", grpc: \"127.0.0.1:2\"{router}}}\n{NODES}"
+        )
+    };
+    let cfg = parse(&with("")).expect("valid");
+    let (policy, shares) = cfg.router.admission(file).expect("defaults");
+    assert_eq!(policy, Policy::Fair);
+    assert_eq!(shares.of(&Tenant("a".into())), Share::default());
+    let cfg = parse(&with(
+        ", admission: fifo, api_keys: [{key: sk-1, tenant: a, weight: 2, max_running: 8, \
+         max_queued_tokens: 4096}, {key: sk-2, tenant: a, weight: 2, max_running: 8, \
+         max_queued_tokens: 4096}, {key: sk-3, tenant: b}]",
+    ))
+    .expect("valid");
+    let (policy, shares) = cfg.router.admission(file).expect("parsed");
+    assert_eq!(policy, Policy::Fifo);
+    assert_eq!(
+        shares.of(&Tenant("a".into())),
+        Share::parse_fields("weight=2:max_running=8:max_queued_tokens=4096").expect("share")
+    );
+    assert_eq!(shares.of(&Tenant("b".into())), Share::default());
+    for (router, says) in [
+        (
+            ", admission: lifo",
+            "router.admission = \"lifo\": unknown admission policy",
+        ),
+        (
+            ", api_keys: [{key: sk-1, tenant: a, weight: 0}]",
+            "router.api_keys[0].weight = \"0\": must be at least 1",
+        ),
+        (
+            ", api_keys: [{key: sk-1, tenant: a, max_running: 0}]",
+            "router.api_keys[0].max_running = \"0\": must be at least 1",
+        ),
+        (
+            ", api_keys: [{key: sk-1, tenant: a}, {key: sk-2, tenant: a, weight: 3}]",
+            "router.api_keys[1] = \"a\": tenant \"a\" is given two different limits",
+        ),
+    ] {
+        let e = refused(&with(router));
+        assert!(e.contains(says), "{router}: {e}");
+        assert!(!e.contains("sk-"), "the key is a secret: {e}");
+    }
+}

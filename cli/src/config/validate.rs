@@ -96,6 +96,7 @@ impl MeshConfig {
         for (i, k) in self.router.api_keys.iter().enumerate() {
             k.parsed_scopes(i, file)?;
         }
+        self.router.admission(file)?;
         if self.router.max_running == 0 {
             bail!(refuse(
                 file,

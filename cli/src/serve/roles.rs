@@ -189,6 +189,7 @@ pub(super) async fn router_process(
     );
     let model_description = info.description();
     let tokenizer = info.tokenizer;
+    let admission = cfg.router.admission(&cfg.file)?;
     // Static: the file's nodes. Etcd: none until the watcher's first view,
     // then whatever registers.
     let specs: Vec<(String, Role, String)> = cfg
@@ -216,6 +217,8 @@ pub(super) async fn router_process(
             max_model_len,
             max_running: cfg.router.max_running,
             max_queued: cfg.router.max_queued,
+            admission: admission.0,
+            shares: admission.1,
             fault_injection,
             drain_timeout: drain,
             prefix_cache: cfg.prefix_cache,
