@@ -19,6 +19,9 @@
 //!   router's /metrics before and after show that no node reservation was
 //!   granted and that the refusals counted equal the requests sent.
 //!
+//! With `--fairness`, instead: the noisy-neighbour scenario of per-tenant
+//! admission ([`fairness`]).
+//!
 //! A benchmark: nothing here asserts a time. The run fails (non-zero exit)
 //! only on the live part's counts: an unexpected answer, a grant, or a
 //! refusal count that differs from what was sent. With `--url`, other
@@ -101,6 +104,31 @@ pub struct BenchRouterArgs {
     /// first use].
     #[arg(long, env = "KVMESH_MODEL")]
     model: Option<PathBuf>,
+    /// Instead of the two parts above: the noisy neighbour. A probe
+    /// tenant's TTFT alone and while another tenant keeps requests of
+    /// many choices in flight, on a mesh per admission policy (fifo, fair)
+    /// started here; see `bench_router::fairness`.
+    #[arg(long)]
+    fairness: bool,
+    /// --fairness: the meshes' dispatch slots (`serve --max-running`).
+    #[arg(long, default_value_t = 64)]
+    fair_slots: usize,
+    /// --fairness: the noisy tenant's requests always in flight.
+    #[arg(long, default_value_t = 6)]
+    noisy: usize,
+    /// --fairness: choices per noisy request (`n`).
+    #[arg(long, default_value_t = 16)]
+    noisy_n: usize,
+    /// --fairness: tokens each noisy choice generates.
+    #[arg(long, default_value_t = 32)]
+    noisy_tokens: usize,
+    /// --fairness: probe requests timed per phase.
+    #[arg(long, default_value_t = 30)]
+    probes: usize,
+    /// --fairness: also a mesh where the noisy tenant may hold at most this
+    /// many slots (`serve --tenant-share noisy:max_running=N`).
+    #[arg(long)]
+    noisy_cap: Option<usize>,
 }
 
 /// The smallest number of whole [`FILLER`] repeats whose token count (by
@@ -386,6 +414,9 @@ pub fn run(a: BenchRouterArgs) -> Result<()> {
         Some(p) => p.clone(),
         None => default_model::ensure_default_model(&mut |msg| eprintln!("{msg}"))?,
     };
+    if a.fairness {
+        return fairness::run(&a, &model);
+    }
     // The router's own cost needs the router's inputs only: the metadata,
     // as `kvmesh router` reads it, not the weights.
     let info = kvmesh_tokenizer::ModelInfo::read(&model)
@@ -456,6 +487,7 @@ impl BenchRouterArgs {
         self.duration > 0
     }
 }
+mod fairness;
 mod live;
 mod report;
 #[cfg(test)]
