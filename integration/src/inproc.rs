@@ -46,6 +46,10 @@ pub struct Options {
     pub drain_timeout: Duration,
     /// `--prefix-cache on|off`.
     pub prefix_cache: bool,
+    /// `--max-running`: the router's dispatch slots.
+    pub max_running: usize,
+    /// `--admission fair|fifo`.
+    pub admission: kvmesh_router::admission::Policy,
 }
 
 impl Default for Options {
@@ -61,6 +65,8 @@ impl Default for Options {
             fault_injection: false,
             drain_timeout: Duration::from_secs(30),
             prefix_cache: true,
+            max_running: RouterConfig::default().max_running,
+            admission: kvmesh_router::admission::Policy::Fair,
         }
     }
 }
@@ -154,6 +160,8 @@ impl InProcessMesh {
             prefix_cache: o.prefix_cache,
             router: RouterConfig {
                 api_keys: api_keys(&o.api_keys)?,
+                max_running: o.max_running,
+                admission: o.admission,
                 fault_injection: o.fault_injection,
                 ..RouterConfig::default()
             },
