@@ -49,6 +49,7 @@
 //!   max_queued: 256            # choices waiting at most
 //!   admission: fair            # or fifo: per-tenant queues served fairly,
 //!                              #   or one queue in arrival order
+//!   # default_share: {max_running: 48}   # every tenant's; keys override
 //!   api_keys:                  # omit: no authentication
 //!     - {key: sk-alpha-..., tenant: alpha}
 //!     - {key: sk-beta-..., tenant: beta, weight: 2, max_running: 16,

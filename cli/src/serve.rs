@@ -180,7 +180,8 @@ pub struct AdmissionArgs {
     pub admission: kvmesh_router::admission::Policy,
     /// A tenant's share, TENANT:weight=W:max_running=N:max_queued_tokens=T
     /// (any of the fields; repeat for more tenants; in the environment,
-    /// comma-separated). Default: weight 1, no cap of its own.
+    /// comma-separated); TENANT `*`: the default of every tenant, which a
+    /// tenant's own fields override. Default: weight 1, no cap of its own.
     #[arg(
         long = "tenant-share",
         env = "KVMESH_TENANT_SHARES",
@@ -193,7 +194,8 @@ impl AdmissionArgs {
     /// The tenants' shares, parsed.
     fn shares(&self) -> Result<kvmesh_router::admission::Shares> {
         anyhow::ensure!(self.max_running > 0, "--max-running must be at least 1");
-        let mut shares = kvmesh_router::admission::Shares::default();
+        use kvmesh_router::admission::{Share, Shares};
+        let mut parsed = Vec::new();
         for s in &self.tenant_shares {
             let (tenant, fields) = s
                 .split_once(':')
@@ -201,8 +203,23 @@ impl AdmissionArgs {
                 .ok_or_else(|| {
                     anyhow::anyhow!("--tenant-share {s:?}: expected TENANT:FIELD=N[:FIELD=N]")
                 })?;
-            let share = kvmesh_router::admission::Share::parse_fields(fields)
+            // Checked alone first, so a bad field is named in its own value.
+            Share::parse_fields(fields)
                 .map_err(|e| anyhow::anyhow!("--tenant-share {s:?}: {e}"))?;
+            parsed.push((tenant, fields));
+        }
+        // `*` first: the others' fields go over it.
+        let default = parsed
+            .iter()
+            .filter(|(t, _)| *t == "*")
+            .map(|(_, f)| *f)
+            .collect::<Vec<_>>()
+            .join(":");
+        let mut shares = Shares::default();
+        shares.set_default(Share::parse_fields(&default).map_err(anyhow::Error::msg)?);
+        for (tenant, fields) in parsed.into_iter().filter(|(t, _)| *t != "*") {
+            let share =
+                Share::parse_fields(&format!("{default}:{fields}")).map_err(anyhow::Error::msg)?;
             shares
                 .set(tenant, share)
                 .map_err(|e| anyhow::anyhow!("--tenant-share: {e}"))?;

@@ -11,8 +11,9 @@
 //! every slot. [`Policy::Fifo`] serves in arrival order, as the router
 //! did before (kept for comparison and single-tenant meshes).
 //!
-//! Per tenant ([`Share`], configured per API key): a weight, a cap on
-//! running slots, a cap on queued prompt tokens. A request's choices are
+//! Per tenant ([`Share`], configured per API key, and a default for the
+//! tenants not named): a weight, a cap on running slots, a cap on queued
+//! prompt tokens. A request's choices are
 //! admitted together, all or none, so two requests with many choices
 //! cannot each hold part of the slots and wait for the rest of each
 //! other's; a request with more choices than can ever run at once (more
@@ -148,13 +149,23 @@ impl Share {
     }
 }
 
-/// The tenants' limits; a tenant not named has [`Share::default`].
+/// The tenants' limits; a tenant not named has the default share
+/// ([`Share::default`] unless [`Shares::set_default`] says otherwise).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Shares {
+    default: Share,
     by_tenant: HashMap<String, Share>,
 }
 
 impl Shares {
+    /// The limits of every tenant not named: e.g. a `max_running` under
+    /// the router's, so that no tenant can hold every slot and another
+    /// tenant's request finds one free at once (not work-conserving: the
+    /// slots above the cap stay idle while only one tenant is active).
+    pub fn set_default(&mut self, share: Share) {
+        self.default = share;
+    }
+
     /// Gives `tenant` its limits. Refused: a tenant given two different
     /// ones (several keys may name one tenant; they must agree).
     pub fn set(&mut self, tenant: &str, share: Share) -> Result<(), String> {
@@ -171,7 +182,10 @@ impl Shares {
 
     /// `tenant`'s limits.
     pub fn of(&self, tenant: &Tenant) -> Share {
-        self.by_tenant.get(&tenant.0).copied().unwrap_or_default()
+        self.by_tenant
+            .get(&tenant.0)
+            .copied()
+            .unwrap_or(self.default)
     }
 }
 

@@ -29,6 +29,10 @@ pub struct RouterSection {
     /// default) or `fifo` (arrival order).
     #[serde(default)]
     pub admission: Option<String>,
+    /// The share of every tenant, which a key's own fields override field
+    /// by field.
+    #[serde(default)]
+    pub default_share: Option<ShareFields>,
     /// API keys and their tenants; none: no authentication.
     #[serde(default)]
     pub api_keys: Vec<ApiKey>,
@@ -54,8 +58,13 @@ impl RouterSection {
                 .map_err(|e: String| refuse(file, "router.admission", v, &e))?,
         };
         let mut shares = Shares::default();
+        let base = match &self.default_share {
+            Some(d) => d.share("router.default_share", file)?,
+            None => Share::default(),
+        };
+        shares.set_default(base);
         for (i, k) in self.api_keys.iter().enumerate() {
-            let share = k.share(i, file)?;
+            let share = k.share(i, base, file)?;
             shares
                 .set(&k.tenant, share)
                 .map_err(|e| refuse(file, &format!("router.api_keys[{i}]"), &k.tenant, &e))?;
@@ -115,26 +124,72 @@ pub struct ApiKey {
     pub max_queued_tokens: Option<usize>,
 }
 
+/// `router.default_share`: the share of the tenants no key gives one.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShareFields {
+    /// Weight in fair admission (default 1).
+    #[serde(default)]
+    pub weight: Option<u32>,
+    /// Dispatch slots at most.
+    #[serde(default)]
+    pub max_running: Option<usize>,
+    /// Queued prompt tokens at most.
+    #[serde(default)]
+    pub max_queued_tokens: Option<usize>,
+}
+
+impl ShareFields {
+    fn share(&self, at: &str, file: &Path) -> Result<Share> {
+        share(
+            Share::default(),
+            (self.weight, self.max_running, self.max_queued_tokens),
+            at,
+            file,
+        )
+    }
+}
+
+/// `base` with the file's fields at `at` over it, checked (a weight or
+/// `max_running` of 0 is refused).
+fn share(
+    base: Share,
+    (weight, max_running, max_queued_tokens): (Option<u32>, Option<usize>, Option<usize>),
+    at: &str,
+    file: &Path,
+) -> Result<Share> {
+    let mut share = base;
+    if max_queued_tokens.is_some() {
+        share.max_queued_tokens = max_queued_tokens;
+    }
+    if let Some(w) = weight {
+        share.weight = std::num::NonZeroU32::new(w)
+            .ok_or_else(|| refuse(file, &format!("{at}.weight"), "0", "must be at least 1"))?;
+    }
+    if let Some(n) = max_running {
+        share.max_running = Some(std::num::NonZeroUsize::new(n).ok_or_else(|| {
+            refuse(
+                file,
+                &format!("{at}.max_running"),
+                "0",
+                "must be at least 1",
+            )
+        })?);
+    }
+    Ok(share)
+}
+
 impl ApiKey {
-    /// Its tenant's share, checked (a weight or `max_running` of 0 is
-    /// refused).
-    pub fn share(&self, i: usize, file: &Path) -> Result<Share> {
-        let field = |name: &str| format!("router.api_keys[{i}].{name}");
-        let mut share = Share {
-            max_queued_tokens: self.max_queued_tokens,
-            ..Share::default()
-        };
-        if let Some(w) = self.weight {
-            share.weight = std::num::NonZeroU32::new(w)
-                .ok_or_else(|| refuse(file, &field("weight"), "0", "must be at least 1"))?;
-        }
-        if let Some(n) = self.max_running {
-            share.max_running =
-                Some(std::num::NonZeroUsize::new(n).ok_or_else(|| {
-                    refuse(file, &field("max_running"), "0", "must be at least 1")
-                })?);
-        }
-        Ok(share)
+    /// Its tenant's share: `base` (the file's `default_share`) with the
+    /// fields this key gives over it, checked (a weight or `max_running`
+    /// of 0 is refused).
+    pub fn share(&self, i: usize, base: Share, file: &Path) -> Result<Share> {
+        share(
+            base,
+            (self.weight, self.max_running, self.max_queued_tokens),
+            &format!("router.api_keys[{i}]"),
+            file,
+        )
     }
 
     /// Its scopes, parsed (absent: inference only); an unknown one is

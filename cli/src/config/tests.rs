@@ -437,6 +437,20 @@ fn admission_and_each_keys_share_are_read_and_checked_naming_the_field() {
         Share::parse_fields("weight=2:max_running=8:max_queued_tokens=4096").expect("share")
     );
     assert_eq!(shares.of(&Tenant("b".into())), Share::default());
+    let cfg = parse(&with(
+        ", default_share: {max_running: 48}, api_keys: [{key: sk-1, tenant: a, weight: 2}]",
+    ))
+    .expect("valid");
+    let (_, shares) = cfg.router.admission(file).expect("parsed");
+    assert_eq!(
+        shares.of(&Tenant("z".into())),
+        Share::parse_fields("max_running=48").expect("share")
+    );
+    assert_eq!(
+        shares.of(&Tenant("a".into())),
+        Share::parse_fields("weight=2:max_running=48").expect("share"),
+        "a key's own fields over the default's"
+    );
     for (router, says) in [
         (
             ", admission: lifo",
@@ -449,6 +463,10 @@ fn admission_and_each_keys_share_are_read_and_checked_naming_the_field() {
         (
             ", api_keys: [{key: sk-1, tenant: a, max_running: 0}]",
             "router.api_keys[0].max_running = \"0\": must be at least 1",
+        ),
+        (
+            ", default_share: {max_running: 0}",
+            "router.default_share.max_running = \"0\": must be at least 1",
         ),
         (
             ", api_keys: [{key: sk-1, tenant: a}, {key: sk-2, tenant: a, weight: 3}]",

@@ -474,6 +474,9 @@ fn shares_parse_and_refuse_naming_the_field() {
     assert!(shares.set("a", share(3, None, None)).is_err());
     assert_eq!(shares.of(&tenant("a")).weight.get(), 2);
     assert_eq!(shares.of(&tenant("z")), Share::default());
+    shares.set_default(share(1, Some(48), None));
+    assert_eq!(shares.of(&tenant("z")).max_running, NonZeroUsize::new(48));
+    assert_eq!(shares.of(&tenant("a")).weight.get(), 2, "named: its own");
     assert_eq!("fifo".parse(), Ok(Policy::Fifo));
     assert!("lifo".parse::<Policy>().is_err());
 }
