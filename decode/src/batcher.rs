@@ -32,8 +32,9 @@ pub(crate) type Events = mpsc::Sender<Result<DecodeEvent, Status>>;
 
 /// What the batcher is sent.
 pub(crate) enum Work {
-    /// A verified sequence to run (boxed: the channel holds many).
-    Job(Box<Job>),
+    /// A verified sequence to run, its first token sent already (boxed:
+    /// the channel holds many).
+    Job(Box<Running>),
     /// Return once nothing runs (the node has drained).
     Stop,
 }
@@ -72,7 +73,8 @@ pub(crate) struct Job {
     pub span: tracing::Span,
 }
 
-struct Running {
+/// A sequence in the batch (or on its way there).
+pub(crate) struct Running {
     seq: Sequence,
     next: u32,
     /// The stop and budget rule the reference engine applies too.
@@ -87,9 +89,43 @@ struct Running {
 }
 
 impl Running {
+    /// A verified sequence: sends prefill's token at once (the client's
+    /// first token does not wait for the batch's step under way) and
+    /// returns what joins the batch, or `None` if that token ended it.
+    pub(crate) fn start(j: Job) -> Option<Box<Self>> {
+        let mut r = Box::new(Self {
+            seq: j.seq,
+            next: 0,
+            stopping: Stopping::new(j.stop_ids, j.max_new_tokens),
+            sampler: j.sampler,
+            events: j.events,
+            faults: j.faults,
+            steps: 0,
+            _open: j.open,
+            span: j.span,
+        });
+        if r.stopping.spent() {
+            let _ = r.events.try_send(finished(FinishReason::Length));
+            r.release();
+            return None;
+        }
+        match emit(&mut r, j.first) {
+            Next::Continue => Some(r),
+            Next::Done => {
+                r.release();
+                None
+            }
+        }
+    }
+
+    /// Where its events go (to tell it the node is going away).
+    pub(crate) fn events(&self) -> &Events {
+        &self.events
+    }
+
     /// The sequence leaves: its pages go back now, or after an injected
     /// `release=delay`.
-    fn release(self) {
+    pub(crate) fn release(self) {
         self.span.record("decode_steps", self.steps);
         if let Some(Action::Delay(d)) = self.faults.at(Point::Release) {
             let seq = self.seq;
@@ -226,13 +262,13 @@ pub(crate) fn run(
                 return;
             }
             match jobs.blocking_recv() {
-                Some(Work::Job(j)) => admit(&mut running, *j),
+                Some(Work::Job(r)) => running.push(*r),
                 Some(Work::Stop) | None => return,
             }
         }
         loop {
             match jobs.try_recv() {
-                Ok(Work::Job(j)) => admit(&mut running, *j),
+                Ok(Work::Job(r)) => running.push(*r),
                 Ok(Work::Stop) => stopping = true,
                 Err(_) => break,
             }
@@ -302,28 +338,5 @@ pub(crate) fn run(
         metrics.step(next.len(), began.elapsed(), sampled);
         running = keep;
         depth.store(running.len(), Ordering::Relaxed);
-    }
-}
-
-fn admit(running: &mut Vec<Running>, j: Job) {
-    let mut r = Running {
-        seq: j.seq,
-        next: 0,
-        stopping: Stopping::new(j.stop_ids, j.max_new_tokens),
-        sampler: j.sampler,
-        events: j.events,
-        faults: j.faults,
-        steps: 0,
-        _open: j.open,
-        span: j.span,
-    };
-    if r.stopping.spent() {
-        let _ = r.events.try_send(finished(FinishReason::Length));
-        r.release();
-        return;
-    }
-    match emit(&mut r, j.first) {
-        Next::Continue => running.push(r),
-        Next::Done => r.release(),
     }
 }

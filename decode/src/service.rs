@@ -32,7 +32,7 @@ use tracing::Instrument;
 
 mod request;
 
-use crate::batcher::{self, Job, Open, Work};
+use crate::batcher::{self, Job, Open, Running, Work};
 use crate::metrics::StepMetrics;
 use request::{abandon, check, refuse_kind, refused, request_faults, reservation_id};
 
@@ -494,12 +494,18 @@ impl Decode for DecodeNode {
                     faults,
                     open,
                 };
-                if let Err(e) = node.inner.jobs.send(Work::Job(Box::new(job))).await {
-                    if let Work::Job(job) = e.0 {
-                        let _ = job
-                            .events
+                // Prefill's token goes to the client now, not after the
+                // batch's step under way; the batch takes the rest.
+                let Some(running) = Running::start(job) else {
+                    return;
+                };
+                if let Err(e) = node.inner.jobs.send(Work::Job(running)).await {
+                    if let Work::Job(r) = e.0 {
+                        let _ = r
+                            .events()
                             .send(Err(Status::unavailable("decode node shutting down")))
                             .await;
+                        r.release();
                     }
                 }
             }
