@@ -85,7 +85,7 @@ pub use core::rma_possible;
 pub use error::UcxError;
 pub use initiator::{DataPath, Initiator, Remote};
 pub use sink::Extents;
-pub use target::{Options, RemoteWrite, Revoke, Target, TargetStats, MAX_UNBOUND};
+pub use target::{Options, RemoteWrite, Revoke, Target, TargetStats, BIND_TIMEOUT, MAX_UNBOUND};
 
 // Active messages. Headers are 16 bytes: the grant key and one more
 // little-endian u64 (`aux`); the control messages carry no data.
