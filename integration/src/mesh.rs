@@ -16,6 +16,8 @@ pub struct Mesh {
     /// The public gRPC API's `HOST:PORT`.
     pub grpc: String,
     logs: Option<mpsc::Receiver<String>>,
+    /// Its notify socket, for what it says after `READY=1`.
+    notices: kvmesh_ready::Waiter,
 }
 
 impl Mesh {
@@ -85,6 +87,7 @@ impl Mesh {
             http,
             grpc,
             logs,
+            notices: waiter,
         };
         let start = Instant::now();
         while http::get(&mesh.http, "/health").status != 200 {
@@ -95,6 +98,14 @@ impl Mesh {
             std::thread::sleep(Duration::from_millis(50));
         }
         mesh
+    }
+
+    /// Whether it said `KEY=value` (`STOPPING=1`, say) within `within`,
+    /// running or exited since.
+    pub fn notified(&self, key: &str, value: &str, within: Duration) -> bool {
+        self.notices
+            .wait_for(within, || None, |r| r.get(key) == Some(value))
+            .is_ok()
     }
 
     /// Sends SIGTERM and waits at most `within` for the exit status.

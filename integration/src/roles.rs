@@ -70,6 +70,8 @@ pub struct Proc {
     out: mpsc::Receiver<String>,
     /// What it said with `READY=1`.
     ready: kvmesh_ready::Ready,
+    /// Its notify socket, for what it says after (`STOPPING=1`).
+    notices: kvmesh_ready::Waiter,
 }
 
 impl Proc {
@@ -91,6 +93,14 @@ impl Proc {
     /// What it said with `READY=1` (`KVMESH_HTTP`, `KVMESH_LISTEN`, ...).
     pub fn ready(&self) -> &kvmesh_ready::Ready {
         &self.ready
+    }
+
+    /// Whether it said `KEY=value` (`STOPPING=1`, say) within `within`,
+    /// running or exited since.
+    pub fn notified(&self, key: &str, value: &str, within: Duration) -> bool {
+        self.notices
+            .wait_for(within, || None, |r| r.get(key) == Some(value))
+            .is_ok()
     }
 
     /// The next line of its stdout containing `needle` (lines before are
@@ -282,6 +292,7 @@ fn spawn_in(
         logs,
         out,
         ready,
+        notices: waiter,
     }
 }
 

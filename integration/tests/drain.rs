@@ -126,6 +126,11 @@ impl Mesh {
 /// which must report nothing left behind; returns that line.
 fn stop(p: &mut Proc, what: &str, drained: &str) -> String {
     p.terminate();
+    // A supervisor on `$NOTIFY_SOCKET` hears that the drain began.
+    assert!(
+        p.notified("STOPPING", "1", WITHIN),
+        "{what}: no STOPPING=1 after SIGTERM"
+    );
     let line = p
         .out_line(drained, WITHIN)
         .unwrap_or_else(|| panic!("{what}: no {drained:?} line"));
@@ -261,6 +266,10 @@ fn sigterm_to_serve_drains_every_role() {
         End::Finished("length".into(), 16)
     );
     assert!(status.success(), "kvmesh serve exited with {status}");
+    assert!(
+        m.notified("STOPPING", "1", Duration::from_secs(1)),
+        "serve said no STOPPING=1 when its drain began"
+    );
 }
 
 /// `serve --transport shm` keeps its KV socket in a directory only its user

@@ -181,7 +181,20 @@ impl Waiter {
     pub fn wait(
         &self,
         within: Duration,
+        exited: impl FnMut() -> Option<String>,
+    ) -> Result<Ready, WaitError> {
+        self.wait_for(within, exited, |r| r.get("READY") == Some("1"))
+    }
+
+    /// Waits at most `within` for a notification `wanted` accepts
+    /// (`STOPPING=1`, say), skipping the others; as [`wait`](Self::wait)
+    /// otherwise. A notification sent before the process exited is still
+    /// read after.
+    pub fn wait_for(
+        &self,
+        within: Duration,
         mut exited: impl FnMut() -> Option<String>,
+        wanted: impl Fn(&Ready) -> bool,
     ) -> Result<Ready, WaitError> {
         let start = Instant::now();
         let mut buf = vec![0u8; 64 << 10];
@@ -189,9 +202,10 @@ impl Waiter {
             match self.sock.recv(&mut buf) {
                 Ok(n) => {
                     let r = parse(&buf[..n]);
-                    if r.get("READY") == Some("1") {
+                    if wanted(&r) {
                         return Ok(r);
                     }
+                    continue;
                 }
                 Err(e)
                     if matches!(
@@ -267,6 +281,7 @@ mod tests {
         // A status line first: skipped by the waiter.
         assert!(notify(&[("STATUS", "loading")]).expect("status"));
         ready("router", &[("KVMESH_HTTP", "127.0.0.1:8080")]);
+        stopping();
     }
 
     #[test]
