@@ -21,6 +21,7 @@ use tokio::sync::oneshot;
 use crate::api::{load, Api};
 use crate::error::UcxError;
 use crate::sys;
+pub(crate) use crate::transports::{check_tls, hardware_rma, DEFAULT_TLS};
 
 pub(crate) use crate::addr::{connectable, socket_addr, SockAddr};
 pub(crate) use crate::runner::{Actor, Runner};
@@ -88,31 +89,9 @@ pub(crate) struct Core {
     pub(crate) worker: sys::ucp_worker_h,
     efd: i32,
     queue: *mut Queue,
-    /// Whether the context has `UCP_FEATURE_RMA` ([`rma_possible`]).
+    /// Whether the context has `UCP_FEATURE_RMA` ([`crate::rma_possible`]).
     pub(crate) rma: bool,
 }
-
-/// Whether one-sided puts may run on this host: only over an RDMA device
-/// (`/sys/class/infiniband` lists one: InfiniBand or RoCE). Elsewhere UCX
-/// would emulate puts in software (its `tcp` transport), and that
-/// emulation writes wherever a put says, before any kvmesh check, for any
-/// peer that reaches the worker: so without an RDMA device a context asks
-/// for no RMA at all, a target registers nothing for remote write, and
-/// the pages go as active messages the target lands itself, within the
-/// bound key's pages (`DataPath::Messages`). `KVMESH_UCX_RMA=off` turns
-/// RMA off on an RDMA host too.
-pub fn rma_possible() -> bool {
-    if std::env::var("KVMESH_UCX_RMA").is_ok_and(|v| v == "off") {
-        return false;
-    }
-    std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
-}
-
-/// The transports kvmesh lets UCX use unless `UCX_TLS` says otherwise: all
-/// but shared memory, whose one-sided copies (cma, xpmem, knem, posix) an
-/// endpoint close does not fence. Same-host writers have kvmesh's own shm
-/// transport.
-pub const DEFAULT_TLS: &str = "^sm";
 
 /// Settings kvmesh changes from UCX's defaults unless their variable is set.
 /// The tcp transport's segments: 8 KiB by default, so a page write (12-24
@@ -126,36 +105,9 @@ const TUNING: &[(&str, &str, &str)] = &[
     ("RX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE", "128k"),
 ];
 
-/// Refuses a `UCX_TLS` value that lets UCX use a shared-memory transport.
-pub(crate) fn check_tls(value: &str) -> Result<(), UcxError> {
-    const SHARED: [&str; 9] = [
-        "all", "sm", "shm", "mm", "posix", "sysv", "cma", "knem", "xpmem",
-    ];
-    let bad = |t: &str| UcxError::UnsafeTransport {
-        value: value.to_owned(),
-        transport: t.to_owned(),
-    };
-    if let Some(excluded) = value.strip_prefix('^') {
-        let ex: Vec<&str> = excluded.split(',').map(str::trim).collect();
-        if ex.contains(&"sm") || ex.contains(&"shm") {
-            return Ok(());
-        }
-        return Err(bad("shared memory (an exclusion list must exclude sm)"));
-    }
-    for t in value.split(',').map(str::trim) {
-        // `tcp`, `rc`, `rc_x`, `ud`, `dc`, `self`, ...; aliases with a
-        // suffix (`posix:aux`) count by their name.
-        let name = t.split(':').next().unwrap_or(t);
-        if SHARED.contains(&name) {
-            return Err(bad(t));
-        }
-    }
-    Ok(())
-}
-
 impl Core {
     /// A context and worker, with `UCP_FEATURE_RMA` when `rma` (see
-    /// [`rma_possible`]); `UCX_*` variables apply, `UCX_TLS` defaults to
+    /// [`crate::rma_possible`]); `UCX_*` variables apply, `UCX_TLS` defaults to
     /// [`DEFAULT_TLS`] and is checked by [`check_tls`].
     pub(crate) fn with_rma(name: &str, rma: bool) -> Result<Self, UcxError> {
         let api = load()?;
@@ -515,43 +467,6 @@ impl Drop for Core {
     }
 }
 
-/// From `ucp_ep_print_info`'s lane table (`lane[1]:  1:tcp/lo.0 md[1] ->
-/// ... rma_bw#0 am am_bw#0 wireup`): whether there is an RMA lane and every
-/// one is a transport whose writes an endpoint close is known to fence
-/// ([`FENCED_BY_CLOSE`]). Any other (`tcp`'s software puts, a transport
-/// this list does not name) is refused, not assumed.
-pub(crate) fn hardware_rma(info: &str) -> bool {
-    let rma: Vec<&str> = info
-        .lines()
-        .filter(|l| l.contains("lane[") && l.contains("rma"))
-        .collect();
-    !rma.is_empty()
-        && rma
-            .iter()
-            .all(|l| lane_transport(l).is_some_and(fenced_by_close))
-}
-
-/// The transports kvmesh puts over: InfiniBand/RoCE reliable connections
-/// (`rc_verbs`, `rc_mlx5`) and dynamically connected ones (`dc_mlx5`). A
-/// forced close in peer error mode destroys the endpoint's queue pair;
-/// the HCA NAKs any RDMA write that reaches a QP in error or reset, so no
-/// byte lands after the close completes. `ud` has no RMA; `tcp` emulates
-/// puts in software (not used: `rma_possible`); shared-memory transports
-/// (`posix`, `sysv`, `cma`, `knem`, `xpmem`) copy without any endpoint in
-/// the way and are refused outright (`check_tls`).
-pub(crate) const FENCED_BY_CLOSE: [&str; 3] = ["rc_verbs", "rc_mlx5", "dc_mlx5"];
-
-fn fenced_by_close(transport: &str) -> bool {
-    FENCED_BY_CLOSE.contains(&transport)
-}
-
-/// The transport of a lane line: `3:rc_mlx5/mlx5_0:1` -> `rc_mlx5`.
-fn lane_transport(line: &str) -> Option<&str> {
-    let after = line.split("]:").nth(1)?.trim_start();
-    let (_, rest) = after.split_once(':')?;
-    rest.split('/').next()
-}
-
 /// `UCS_PTR_IS_ERR`.
 pub(crate) fn is_err(p: sys::ucs_status_ptr_t) -> bool {
     (p as usize) >= (sys::UCS_ERR_LAST as isize as usize)
@@ -662,53 +577,6 @@ mod tests {
     use std::net::SocketAddr;
 
     use super::*;
-
-    #[test]
-    fn tls_values_that_allow_shared_memory_are_refused() {
-        for ok in [
-            "tcp",
-            "rc,tcp",
-            "rc_x,ud_x",
-            "^sm",
-            "^sm,ud",
-            "^shm",
-            "tcp,self",
-        ] {
-            assert!(check_tls(ok).is_ok(), "{ok}");
-        }
-        for bad in [
-            "all", "sm,tcp", "tcp,cma", "posix", "^ud", "xpmem", "tcp,knem", "sysv",
-        ] {
-            let e = check_tls(bad).expect_err(bad);
-            assert_eq!(e.kind(), "ucx_unsafe_transport", "{bad}");
-        }
-    }
-
-    #[test]
-    fn only_non_tcp_rma_lanes_count_as_hardware_rma() {
-        // What UCX 1.13 printed here for a client-server endpoint over tcp.
-        let tcp = "#                 lane[0]: cm rdmacm\n\
-                   #                 lane[1]:  1:tcp/lo.0 md[1]  -> md[1]/tcp/sysdev[255] rma_bw#0 am am_bw#0 wireup\n\
-                   #                 lane[2]:  2:tcp/eth0.0 md[1] -> md[1]/tcp/sysdev[255] rma_bw#1\n\
-                   #                  rma_bw: mds [1] rndv_rkey_size 10\n";
-        assert!(!hardware_rma(tcp));
-        let ib =
-            "#  lane[0]:  3:rc_mlx5/mlx5_0:1 md[2] -> md[2]/ib/sysdev[255] rma_bw#0 am am_bw#0\n\
-                  #  lane[1]:  5:ud_mlx5/mlx5_0:1 md[2] -> md[2]/ib/sysdev[255] wireup\n";
-        assert!(hardware_rma(ib));
-        let mixed = "#  lane[0]:  3:rc_mlx5/mlx5_0:1 md[2] -> md[2]/ib rma_bw#0 am\n\
-                     #  lane[1]:  1:tcp/eth0.0 md[1] -> md[1]/tcp rma_bw#1\n";
-        assert!(!hardware_rma(mixed));
-        assert!(!hardware_rma(
-            "#  lane[0]:  1:tcp/lo.0 md[1] -> md[1]/tcp am am_bw#0\n"
-        ));
-        // A transport the list does not name is refused, not assumed.
-        assert!(!hardware_rma(
-            "#  lane[0]:  4:gga_mlx5/mlx5_0:1 md[2] -> md[2]/ib rma_bw#0 am\n"
-        ));
-        let dc = "#  lane[0]:  4:dc_mlx5/mlx5_0:1 md[2] -> md[2]/ib rma_bw#0 am\n";
-        assert!(hardware_rma(dc));
-    }
 
     #[test]
     fn socket_addresses_round_trip_through_sockaddr() {

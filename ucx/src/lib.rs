@@ -67,6 +67,7 @@ pub mod rogue;
 mod runner;
 mod sink;
 mod target;
+mod transports;
 
 #[allow(
     missing_docs,
@@ -81,11 +82,11 @@ mod target;
 pub mod sys;
 
 pub use api::{load, version, Api};
-pub use core::rma_possible;
 pub use error::UcxError;
 pub use initiator::{DataPath, Initiator, Remote};
 pub use sink::Extents;
 pub use target::{Options, RemoteWrite, Revoke, Target, TargetStats, BIND_TIMEOUT, MAX_UNBOUND};
+pub use transports::rma_possible;
 
 // Active messages. Headers are 16 bytes: the grant key and one more
 // little-endian u64 (`aux`); the control messages carry no data.
