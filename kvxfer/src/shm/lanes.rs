@@ -33,6 +33,20 @@ impl<'a> Lane<'a> {
             generation: reset_generation(word),
         }
     }
+
+    /// W2, after entering: the lane is open at the key's epoch. An even
+    /// key epoch never admits: it would match a closed lane.
+    pub(super) fn admit(&self, key: WriteKey) -> Result<(), ShmError> {
+        let lane_epoch = self.epoch.load(Ordering::SeqCst);
+        if lane_epoch != key.epoch || key.epoch.is_multiple_of(2) {
+            return Err(ShmError::LaneClosed {
+                lane: key.lane,
+                key_epoch: key.epoch,
+                lane_epoch,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// A writer inside a lane, entered at reset generation `generation`.
@@ -209,14 +223,7 @@ impl ShmRegion {
     pub fn freeze_inside_lane(&self, key: WriteKey) -> Result<(), ShmError> {
         let l = self.lane(key.lane)?;
         let inside = l.enter();
-        let lane_epoch = l.epoch.load(Ordering::SeqCst);
-        if lane_epoch != key.epoch || key.epoch.is_multiple_of(2) {
-            return Err(ShmError::LaneClosed {
-                lane: key.lane,
-                key_epoch: key.epoch,
-                lane_epoch,
-            });
-        }
+        l.admit(key)?;
         std::mem::forget(inside);
         Ok(())
     }

@@ -530,15 +530,8 @@ impl ShmRegion {
         let owner = self.owner(page)?;
         // W1; `_inside` is W3 on every path from here.
         let _inside = l.enter();
-        // W2. An even key epoch never admits: it would match a closed lane.
-        let lane_epoch = l.epoch.load(Ordering::SeqCst);
-        if lane_epoch != key.epoch || key.epoch.is_multiple_of(2) {
-            return Err(ShmError::LaneClosed {
-                lane: key.lane,
-                key_epoch: key.epoch,
-                lane_epoch,
-            });
-        }
+        // W2.
+        l.admit(key)?;
         // After W2: the owners the lane's opening stored are visible. One
         // more load per write (no fence on x86, where an acquire load is a
         // plain one).

@@ -155,21 +155,7 @@ async fn late_one_sided_write_after_release_ucx() {
     let mut wb = client.begin(b).expect("begin b");
     write_layers(&mut wb, 0..N_LAYERS as u16, 6.0).await;
     // A stale writer with a's grant: its bind is refused.
-    let kvmesh_kvwire::DataPath::Ucx {
-        address,
-        base,
-        len,
-        rkey,
-    } = node.table.landing().data_path()
-    else {
-        panic!("not a UCX node")
-    };
-    let remote = std::sync::Arc::new(kvmesh_ucx::Remote {
-        address: address.parse().expect("addr"),
-        base,
-        len,
-        rkey,
-    });
+    let remote = node.ucx_remote();
     let stale = kvmesh_ucx::Initiator::start().expect("initiator");
     let late = stale
         .bind(a.write_key, remote, Duration::from_secs(5))

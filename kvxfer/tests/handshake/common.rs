@@ -148,6 +148,26 @@ impl Node {
         self.shm.clone().expect("a shared-memory node")
     }
 
+    /// The UCX region its Welcome describes, for a writer outside the
+    /// transport (UCX nodes only).
+    pub fn ucx_remote(&self) -> std::sync::Arc<kvmesh_ucx::Remote> {
+        let kvmesh_kvwire::DataPath::Ucx {
+            address,
+            base,
+            len,
+            rkey,
+        } = self.table.landing().data_path()
+        else {
+            panic!("not a UCX node")
+        };
+        std::sync::Arc::new(kvmesh_ucx::Remote {
+            address: address.parse().expect("addr"),
+            base,
+            len,
+            rkey,
+        })
+    }
+
     pub fn endpoint(&self) -> String {
         self.server.endpoint().to_owned()
     }

@@ -161,21 +161,7 @@ async fn a_data_message_with_grant_as_key_into_grant_bs_page_is_refused_ucx() {
     let mut wb = client.begin(b.clone()).expect("begin b");
     write_layers(&mut wb, 0..N_LAYERS as u16, 6.0).await;
 
-    let kvmesh_kvwire::DataPath::Ucx {
-        address,
-        base,
-        len,
-        rkey,
-    } = node.table.landing().data_path()
-    else {
-        panic!("not a UCX node")
-    };
-    let remote = std::sync::Arc::new(kvmesh_ucx::Remote {
-        address: address.parse().expect("addr"),
-        base,
-        len,
-        rkey,
-    });
+    let remote = node.ucx_remote();
     let rogue = kvmesh_ucx::Initiator::with_path(kvmesh_ucx::DataPath::Messages).expect("writer");
     rogue
         .bind(a.write_key, remote, Duration::from_secs(5))
