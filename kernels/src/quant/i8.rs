@@ -323,8 +323,28 @@ const PANEL_FROM: usize = 3;
 /// while a panel's rows pass over them.
 const ROW_BLOCK: usize = 64;
 
-/// Weight rows per task (the AVX-512 VNNI panel's sixteen).
+/// Weight rows per task on the other paths (two AVX2 panels).
 const PANEL: usize = 16;
+
+/// Weight rows and activation rows per task of [`matmul_dot`].
+///
+/// The AVX-512 VNNI panel runs its tiles lane by lane, so a tile keeps its
+/// few activation rows in L1 whatever the row count: a task fills its
+/// panel once and runs every row against it, unless the matrix has too
+/// few panels to give each thread about four tasks, when the rows are
+/// split. The other kernels re-read a block's activations per weight row
+/// and keep [`ROW_BLOCK`] rows, which stay in L2.
+fn task_shape(kernel: Dot, rows: usize, n: usize) -> (usize, usize) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Dot::Avx512Vnni && rows >= PANEL_FROM {
+        let prows = super::i8_x86_512::ROWS;
+        let want = 4 * rayon::current_num_threads();
+        let splits = want.div_ceil(n.div_ceil(prows)).max(1);
+        return (prows, rows.div_ceil(splits).max(PANEL_FROM));
+    }
+    let _ = kernel;
+    (PANEL, ROW_BLOCK.min(rows))
+}
 
 /// Write-only view of the output shared by the tasks.
 struct OutPtr(*mut f32);
@@ -426,11 +446,12 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
         let acts = &acts;
         let rb = w.row_bytes();
         let ptr = OutPtr(out.as_mut_ptr());
-        let panels = n.div_ceil(PANEL);
+        let (prows, block) = task_shape(kernel, rows, n);
+        let panels = n.div_ceil(prows);
         let task = |i: usize| {
             let ptr = &ptr;
-            let (t0, r0) = ((i / panels) * ROW_BLOCK, (i % panels) * PANEL);
-            let (nt, nr) = (ROW_BLOCK.min(rows - t0), PANEL.min(n - r0));
+            let (t0, r0) = ((i / panels) * block, (i % panels) * prows);
+            let (nt, nr) = (block.min(rows - t0), prows.min(n - r0));
             #[cfg(target_arch = "x86_64")]
             if kernel == Dot::Avx512Vnni && nt >= PANEL_FROM {
                 PANEL_ROWS.with_borrow_mut(|(rows, panel)| {
@@ -477,7 +498,7 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
                 }
             });
         };
-        let tasks = rows.div_ceil(ROW_BLOCK) * panels;
+        let tasks = rows.div_ceil(block) * panels;
         if n * k * rows < 1 << 15 {
             (0..tasks).for_each(task);
         } else {

@@ -253,10 +253,18 @@ fn matmul_matches_the_dense_product() {
 }
 
 /// Matrix shapes for `format` in the bit-equality tests: one block, odd
-/// row counts (partial tiles and pairs, a lone last row), a few widths.
+/// row counts (partial tiles and pairs, a lone last row, a panel whose
+/// second strip is partial), a few widths.
 fn shapes(format: QFormat) -> Vec<(usize, usize)> {
     let bv = format.block_values();
-    let mut v = vec![(1, bv), (3, 3 * bv), (9, 2 * bv), (70, 1536), (131, 768)];
+    let mut v = vec![
+        (1, bv),
+        (3, 3 * bv),
+        (9, 2 * bv),
+        (50, 2 * bv),
+        (70, 1536),
+        (131, 768),
+    ];
     if bv == 32 {
         v.push((20, 576));
     }
