@@ -323,26 +323,32 @@ const PANEL_FROM: usize = 3;
 /// while a panel's rows pass over them.
 const ROW_BLOCK: usize = 64;
 
-/// Weight rows per task on the other paths (two AVX2 panels).
+/// Weight rows per task of the one-row kernel.
 const PANEL: usize = 16;
 
 /// Weight rows and activation rows per task of [`matmul_dot`].
 ///
-/// The AVX-512 VNNI panel runs its tiles lane by lane, so a tile keeps its
-/// few activation rows in L1 whatever the row count: a task fills its
-/// panel once and runs every row against it, unless the matrix has too
-/// few panels to give each thread about four tasks, when the rows are
-/// split. The other kernels re-read a block's activations per weight row
-/// and keep [`ROW_BLOCK`] rows, which stay in L2.
-fn task_shape(kernel: Dot, rows: usize, n: usize) -> (usize, usize) {
+/// The panel kernels run their tiles lane by lane, so a tile keeps its few
+/// activation rows in L1 whatever the row count: a task fills its panel
+/// once and runs every row against it, unless the matrix has too few
+/// panels to give each thread about four tasks, when the rows are split.
+/// The one-row kernel re-reads a block's activations per weight row and
+/// keeps [`ROW_BLOCK`] rows, which stay in L2.
+fn task_shape(kernel: Dot, format: QFormat, rows: usize, n: usize) -> (usize, usize) {
     #[cfg(target_arch = "x86_64")]
-    if kernel == Dot::Avx512Vnni && rows >= PANEL_FROM {
-        let prows = super::i8_x86_512::ROWS;
-        let want = 4 * rayon::current_num_threads();
-        let splits = want.div_ceil(n.div_ceil(prows)).max(1);
-        return (prows, rows.div_ceil(splits).max(PANEL_FROM));
+    if rows >= PANEL_FROM {
+        let prows = if kernel == Dot::Avx512Vnni {
+            Some(super::i8_x86_512::ROWS)
+        } else {
+            super::i8_x86_256::takes(kernel, format).then_some(super::i8_x86_256::ROWS)
+        };
+        if let Some(prows) = prows {
+            let want = 4 * rayon::current_num_threads();
+            let splits = want.div_ceil(n.div_ceil(prows)).max(1);
+            return (prows, rows.div_ceil(splits).max(PANEL_FROM));
+        }
     }
-    let _ = kernel;
+    let _ = (kernel, format);
     (PANEL, ROW_BLOCK.min(rows))
 }
 
@@ -446,7 +452,7 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
         let acts = &acts;
         let rb = w.row_bytes();
         let ptr = OutPtr(out.as_mut_ptr());
-        let (prows, block) = task_shape(kernel, rows, n);
+        let (prows, block) = task_shape(kernel, w.format, rows, n);
         let panels = n.div_ceil(prows);
         let task = |i: usize| {
             let ptr = &ptr;
@@ -467,19 +473,15 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
             }
             #[cfg(target_arch = "x86_64")]
             if nt >= PANEL_FROM && super::i8_x86_256::takes(kernel, w.format) {
-                use super::i8_x86_256::NR;
                 PANEL_ROWS_256.with_borrow_mut(|(rows, panel)| {
-                    rows.resize_with(NR, Row::default);
-                    for p0 in (0..nr).step_by(NR) {
-                        let live = NR.min(nr - p0);
-                        unpack_rows(kernel, w, r0 + p0, &mut rows[..live]);
-                        // SAFETY: `matmul_dot` asserted the features; the
-                        // task owns rows t0 .. t0 + nt
-                        // of columns r0 + p0 .. r0 + p0 + live of `out`.
-                        unsafe {
-                            panel.fill(w.format, &rows[..live]);
-                            panel.run(kernel, w.format, acts, t0, nt, live, ptr.0.add(r0 + p0), n);
-                        }
+                    rows.resize_with(nr, Row::default);
+                    unpack_rows(kernel, w, r0, rows);
+                    // SAFETY: `matmul_dot` asserted the features; the task
+                    // owns rows t0 .. t0 + nt of columns r0 .. r0 + nr of
+                    // `out`.
+                    unsafe {
+                        panel.fill(w.format, &rows[..nr]);
+                        panel.run(kernel, w.format, acts, t0, nt, nr, ptr.0.add(r0), n);
                     }
                 });
                 return;

@@ -1,18 +1,29 @@
 //! The AVX2 and AVX-VNNI panel kernel of [`super::i8`] for several
-//! activation rows: [`super::i8_x86_512`]'s layout and operations on eight
-//! weight rows per 256-bit register (one activation row per tile: sixteen
-//! registers hold the eight lanes' accumulators and the operands), so the
-//! same bits. AVX2 multiplies with `vpmaddubsw` + `vpmaddwd`, which would
-//! saturate on Q8_0's bytes biased to unsigned: Q8_0 stays on the one-row
-//! kernel there ([`takes`]).
+//! activation rows: [`super::i8_x86_512`]'s layout and order on eight
+//! weight rows per 256-bit register ("strip"), so the same bits. A tile is
+//! [`MR`] activation rows x [`W`] strips, taken lane by lane as the
+//! AVX-512 kernel does: with sixteen registers, that is what lets each
+//! weight load feed two rows and each broadcast two strips. AVX2
+//! multiplies with `vpmaddubsw` + `vpmaddwd`, which would saturate on
+//! Q8_0's bytes biased to unsigned: Q8_0 stays on the one-row kernel there
+//! ([`takes`]).
 
 use std::arch::x86_64::*;
 
 use super::i8::{bias, scales_by_lane, Acts, Dot, Row};
 use super::{QFormat, GROUP};
 
-/// Weight rows per panel (one per lane).
-pub(super) const NR: usize = 8;
+/// Weight rows per strip (one per lane).
+const NR: usize = 8;
+
+/// Strips per panel.
+const W: usize = 2;
+
+/// Weight rows per panel.
+pub(super) const ROWS: usize = NR * W;
+
+/// Activation rows per register tile.
+const MR: usize = 2;
 
 /// Whether `dot` runs `format` on this panel.
 pub(super) fn takes(dot: Dot, format: QFormat) -> bool {
@@ -23,80 +34,84 @@ pub(super) fn takes(dot: Dot, format: QFormat) -> bool {
     }
 }
 
-/// Eight weight rows: bytes as `[group][four-byte column][row][4]`
-/// (unsigned; Q8_0 biased by 128), scales and offsets as `[sub-block][row]`.
+/// Up to [`ROWS`] weight rows: bytes as
+/// `[group][four-byte column][strip][row][4]` (unsigned; Q8_0 biased by
+/// 128), scales and offsets as `[sub-block][strip][row]`.
 #[derive(Default)]
 pub(super) struct Panel {
     u: Vec<u8>,
     s: Vec<f32>,
     o: Vec<f32>,
     subs: usize,
+    /// Strips holding live rows (1 or [`W`]).
+    strips: usize,
 }
 
 impl Panel {
-    /// Fill from the unpacked rows (at most [`NR`]), each group's 8 x 8
-    /// four-byte columns transposed in registers.
+    /// Fill from the unpacked rows (at most [`ROWS`]), each strip's groups
+    /// of 8 x 8 four-byte columns transposed in registers.
     ///
     /// # Safety
     /// AVX2.
     #[target_feature(enable = "avx2")]
     pub unsafe fn fill(&mut self, format: QFormat, rows: &[Row]) {
-        assert!(!rows.is_empty() && rows.len() <= NR);
+        assert!(!rows.is_empty() && rows.len() <= ROWS);
         let (groups, subs) = (rows[0].u.len() / GROUP, rows[0].s.len());
         assert!(rows
             .iter()
             .all(|r| r.u.len() == groups * GROUP && r.s.len() == subs));
         self.subs = subs;
-        self.u.resize(groups * GROUP * NR, 0);
+        self.strips = if rows.len() > NR { W } else { 1 };
+        self.u.resize(groups * GROUP * ROWS, 0);
         let flip = _mm256_set1_epi8(if bias(format).is_none() { -128 } else { 0 });
         let zero = [0u8; GROUP];
-        for g in 0..groups {
-            let at = |c: usize| -> *const u8 {
-                rows.get(c)
-                    .map_or(zero.as_ptr(), |r| r.u[g * GROUP..].as_ptr())
-            };
-            // SAFETY (all): each pointer is a whole group (a row's or the
-            // zeros); the stores are the panel's group `g`.
-            unsafe {
-                let z: [__m256i; 8] = std::array::from_fn(|c| {
-                    _mm256_xor_si256(_mm256_loadu_si256(at(c).cast()), flip)
-                });
-                let t: [__m256i; 8] = std::array::from_fn(|i| {
-                    let (a, b) = (z[2 * (i / 2)], z[2 * (i / 2) + 1]);
-                    if i % 2 == 0 {
-                        _mm256_unpacklo_epi32(a, b)
-                    } else {
-                        _mm256_unpackhi_epi32(a, b)
+        for w in 0..self.strips {
+            for g in 0..groups {
+                let at = |c: usize| -> *const u8 {
+                    rows.get(w * NR + c)
+                        .map_or(zero.as_ptr(), |r| r.u[g * GROUP..].as_ptr())
+                };
+                // SAFETY (all): each pointer is a whole group (a row's or
+                // the zeros); the stores are strip w of the panel's group g.
+                unsafe {
+                    let z: [__m256i; 8] = std::array::from_fn(|c| {
+                        _mm256_xor_si256(_mm256_loadu_si256(at(c).cast()), flip)
+                    });
+                    let t: [__m256i; 8] = std::array::from_fn(|i| {
+                        let (a, b) = (z[2 * (i / 2)], z[2 * (i / 2) + 1]);
+                        if i % 2 == 0 {
+                            _mm256_unpacklo_epi32(a, b)
+                        } else {
+                            _mm256_unpackhi_epi32(a, b)
+                        }
+                    });
+                    let s: [__m256i; 8] = std::array::from_fn(|q| {
+                        let base = 4 * (q / 4);
+                        let (a, b) = if q % 4 < 2 {
+                            (t[base], t[base + 2])
+                        } else {
+                            (t[base + 1], t[base + 3])
+                        };
+                        if q % 2 == 0 {
+                            _mm256_unpacklo_epi64(a, b)
+                        } else {
+                            _mm256_unpackhi_epi64(a, b)
+                        }
+                    });
+                    let base = self.u.as_mut_ptr();
+                    let col = |v: usize| base.add(((g * 8 + v) * W + w) * NR * 4);
+                    for q in 0..4 {
+                        let (a, b) = (s[q], s[q + 4]);
+                        _mm256_storeu_si256(col(q).cast(), _mm256_permute2x128_si256::<0x20>(a, b));
+                        _mm256_storeu_si256(
+                            col(q + 4).cast(),
+                            _mm256_permute2x128_si256::<0x31>(a, b),
+                        );
                     }
-                });
-                let s: [__m256i; 8] = std::array::from_fn(|q| {
-                    let base = 4 * (q / 4);
-                    let (a, b) = if q % 4 < 2 {
-                        (t[base], t[base + 2])
-                    } else {
-                        (t[base + 1], t[base + 3])
-                    };
-                    if q % 2 == 0 {
-                        _mm256_unpacklo_epi64(a, b)
-                    } else {
-                        _mm256_unpackhi_epi64(a, b)
-                    }
-                });
-                let dst = self.u.as_mut_ptr().add(g * GROUP * NR);
-                for q in 0..4 {
-                    let (a, b) = (s[q], s[q + 4]);
-                    _mm256_storeu_si256(
-                        dst.add(q * NR * 4).cast(),
-                        _mm256_permute2x128_si256::<0x20>(a, b),
-                    );
-                    _mm256_storeu_si256(
-                        dst.add((q + 4) * NR * 4).cast(),
-                        _mm256_permute2x128_si256::<0x31>(a, b),
-                    );
                 }
             }
         }
-        scales_by_lane(rows, NR, &mut self.s, &mut self.o);
+        scales_by_lane(rows, ROWS, &mut self.s, &mut self.o);
     }
 
     /// Every activation row `t0 .. t0 + nt` against the panel:
@@ -118,42 +133,90 @@ impl Panel {
         stride: usize,
     ) {
         debug_assert!(takes(dot, format) && dot.available());
-        for t in t0..t0 + nt {
-            // SAFETY: by the caller.
-            unsafe {
-                let at = out.add(t * stride);
-                if dot == Dot::AvxVnni {
-                    self.row_vnni(format, acts, t, live, at);
-                } else {
-                    self.row_avx2(format, acts, t, live, at);
-                }
+        // SAFETY: by the caller.
+        unsafe {
+            if dot == Dot::AvxVnni {
+                self.run_vnni(format, acts, t0, nt, live, out, stride);
+            } else {
+                self.run_avx2(format, acts, t0, nt, live, out, stride);
             }
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,avxvnni")]
-    unsafe fn row_vnni(&self, format: QFormat, a: &Acts, t: usize, live: usize, out: *mut f32) {
+    unsafe fn run_vnni(
+        &self,
+        format: QFormat,
+        a: &Acts,
+        t0: usize,
+        nt: usize,
+        live: usize,
+        out: *mut f32,
+        stride: usize,
+    ) {
         // SAFETY: by the caller.
-        unsafe { self.row::<true>(format, a, t, live, out) }
+        unsafe { self.tiles::<true>(format, a, t0, nt, live, out, stride) }
     }
 
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn row_avx2(&self, format: QFormat, a: &Acts, t: usize, live: usize, out: *mut f32) {
+    unsafe fn run_avx2(
+        &self,
+        format: QFormat,
+        a: &Acts,
+        t0: usize,
+        nt: usize,
+        live: usize,
+        out: *mut f32,
+        stride: usize,
+    ) {
         // SAFETY: by the caller.
-        unsafe { self.row::<false>(format, a, t, live, out) }
+        unsafe { self.tiles::<false>(format, a, t0, nt, live, out, stride) }
     }
 
-    /// Activation row `t` against the panel (`VNNI`: `vpdpbusd`, else
-    /// `vpmaddubsw` + `vpmaddwd`).
-    #[allow(clippy::needless_range_loop)] // the lanes index the accumulators
+    /// Rows `t0 .. t0 + nt` in tiles of [`MR`] (a last lone row alone).
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn row<const VNNI: bool>(
+    unsafe fn tiles<const VNNI: bool>(
+        &self,
+        format: QFormat,
+        a: &Acts,
+        t0: usize,
+        nt: usize,
+        live: usize,
+        out: *mut f32,
+        stride: usize,
+    ) {
+        let mut t = t0;
+        while t < t0 + nt {
+            let m = (t0 + nt - t).min(MR);
+            let o = out.wrapping_add(t * stride);
+            // SAFETY: by the caller; rows t .. t + m exist in `a`.
+            unsafe {
+                match (m, self.strips) {
+                    (MR, W) => self.tile::<VNNI, MR, W>(format, a, t, live, o, stride),
+                    (MR, _) => self.tile::<VNNI, MR, 1>(format, a, t, live, o, stride),
+                    (_, W) => self.tile::<VNNI, 1, W>(format, a, t, live, o, stride),
+                    _ => self.tile::<VNNI, 1, 1>(format, a, t, live, o, stride),
+                }
+            }
+            t += m;
+        }
+    }
+
+    /// `M` activation rows from `t` against the first `S` strips, lane by
+    /// lane (`VNNI`: `vpdpbusd`, else `vpmaddubsw` + `vpmaddwd`).
+    #[allow(clippy::needless_range_loop)] // tile loops index several arrays
+    #[inline(always)]
+    unsafe fn tile<const VNNI: bool, const M: usize, const S: usize>(
         &self,
         format: QFormat,
         a: &Acts,
         t: usize,
         live: usize,
         out: *mut f32,
+        stride: usize,
     ) {
         let sub16 = format.sub_block() == 16;
         let offset = format.has_offset();
@@ -163,65 +226,93 @@ impl Panel {
         } else {
             (a.n32(), &a.d32, &a.b32, &a.xb32)
         };
-        let row0 = t * n;
-        let n = n.min(self.subs);
-        let real = a.cols() / format.sub_block();
+        let real = (a.cols() / format.sub_block()).min(n).min(self.subs);
         let cols = if sub16 { 4 } else { 8 };
         let (u, s, o) = (self.u.as_ptr(), self.s.as_ptr(), self.o.as_ptr());
-        // SAFETY (all): the panel and the acts hold `n` sub-blocks (padded
-        // with zeros); AVX2/FMA (and AVX-VNNI when `VNNI`), by the callers.
+        let at: [usize; M] = std::array::from_fn(|r| (t + r) * n);
+        let xs: [*const i8; M] = std::array::from_fn(|r| {
+            // SAFETY: row t + r is inside the acts.
+            unsafe { a.q.as_ptr().add((t + r) * a.stride8()) }
+        });
+        // SAFETY (all): the panel holds `subs >= real` sub-blocks of every
+        // strip, the acts `n >= real` per row; AVX2/FMA (and AVX-VNNI when
+        // `VNNI`), by the callers.
         unsafe {
-            let x = a.q.as_ptr().add(t * a.stride8());
+            let mut lanes = [[[_mm256_setzero_ps(); 8]; S]; M];
             let ones = _mm256_set1_epi16(1);
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for m in 0..n / 8 {
-                for j in 0..8 {
-                    let k = 8 * m + j;
-                    if k >= real {
-                        continue;
+            for j in 0..8 {
+                let mut acc = [[_mm256_setzero_ps(); S]; M];
+                let mut k = j;
+                while k < real {
+                    let mut i = [[_mm256_setzero_si256(); S]; M];
+                    for r in 0..M {
+                        i[r] = [_mm256_set1_epi32(-bias * b[at[r] + k]); S];
                     }
-                    let mut i = _mm256_setzero_si256();
                     for v in 0..cols {
                         let byte = k * cols * 4 + 4 * v;
-                        let w = _mm256_loadu_si256(u.add(byte * NR).cast());
-                        let xv = _mm256_set1_epi32(x.add(byte).cast::<i32>().read_unaligned());
-                        i = if VNNI {
-                            _mm256_dpbusd_avx_epi32(i, w, xv)
-                        } else {
-                            _mm256_add_epi32(
-                                i,
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones),
-                            )
-                        };
+                        let wv: [__m256i; S] = std::array::from_fn(|p| {
+                            _mm256_loadu_si256(u.add(((byte / 4) * W + p) * NR * 4).cast())
+                        });
+                        for r in 0..M {
+                            let x =
+                                _mm256_set1_epi32(xs[r].add(byte).cast::<i32>().read_unaligned());
+                            for p in 0..S {
+                                i[r][p] = if VNNI {
+                                    _mm256_dpbusd_avx_epi32(i[r][p], wv[p], x)
+                                } else {
+                                    _mm256_add_epi32(
+                                        i[r][p],
+                                        _mm256_madd_epi16(_mm256_maddubs_epi16(wv[p], x), ones),
+                                    )
+                                };
+                            }
+                        }
                     }
-                    let at = row0 + k;
-                    let p = if bias > 0 {
-                        _mm256_sub_epi32(i, _mm256_set1_epi32(bias * b[at]))
-                    } else {
-                        i
-                    };
-                    let scale =
-                        _mm256_mul_ps(_mm256_loadu_ps(s.add(k * NR)), _mm256_set1_ps(d[at]));
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[j]);
+                    let sk: [__m256; S] =
+                        std::array::from_fn(|p| _mm256_loadu_ps(s.add((k * W + p) * NR)));
+                    for r in 0..M {
+                        let dr = _mm256_set1_ps(d[at[r] + k]);
+                        for p in 0..S {
+                            acc[r][p] = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(i[r][p]),
+                                _mm256_mul_ps(sk[p], dr),
+                                acc[r][p],
+                            );
+                        }
+                    }
                     if offset {
-                        acc[j] = _mm256_fmadd_ps(
-                            _mm256_loadu_ps(o.add(k * NR)),
-                            _mm256_set1_ps(xb[at]),
-                            acc[j],
-                        );
+                        let ok: [__m256; S] =
+                            std::array::from_fn(|p| _mm256_loadu_ps(o.add((k * W + p) * NR)));
+                        for r in 0..M {
+                            let xr = _mm256_set1_ps(xb[at[r] + k]);
+                            for p in 0..S {
+                                acc[r][p] = _mm256_fmadd_ps(ok[p], xr, acc[r][p]);
+                            }
+                        }
+                    }
+                    k += 8;
+                }
+                for r in 0..M {
+                    for p in 0..S {
+                        lanes[r][p][j] = acc[r][p];
                     }
                 }
             }
-            let l = &acc;
-            let sum = _mm256_add_ps(
-                _mm256_add_ps(_mm256_add_ps(l[0], l[4]), _mm256_add_ps(l[2], l[6])),
-                _mm256_add_ps(_mm256_add_ps(l[1], l[5]), _mm256_add_ps(l[3], l[7])),
-            );
-            if live >= NR {
-                _mm256_storeu_ps(out, sum);
-            } else {
-                let lanes: [f32; NR] = std::mem::transmute(sum);
-                std::ptr::copy_nonoverlapping(lanes.as_ptr(), out, live);
+            for (r, row) in lanes.iter().enumerate() {
+                for (p, l) in row.iter().enumerate() {
+                    let sum = _mm256_add_ps(
+                        _mm256_add_ps(_mm256_add_ps(l[0], l[4]), _mm256_add_ps(l[2], l[6])),
+                        _mm256_add_ps(_mm256_add_ps(l[1], l[5]), _mm256_add_ps(l[3], l[7])),
+                    );
+                    let cols = live.saturating_sub(p * NR).min(NR);
+                    let at = out.add(r * stride + p * NR);
+                    if cols == NR {
+                        _mm256_storeu_ps(at, sum);
+                    } else if cols > 0 {
+                        let v: [f32; NR] = std::mem::transmute(sum);
+                        std::ptr::copy_nonoverlapping(v.as_ptr(), at, cols);
+                    }
+                }
             }
         }
     }
