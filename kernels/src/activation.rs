@@ -62,21 +62,58 @@ pub fn exp(x: f32) -> f32 {
 /// # Panics
 /// As [`swiglu`].
 pub fn geglu_tanh(gate_up: &[f32], width: usize, out: &mut [f32]) {
+    geglu_tanh_with(crate::cpu::path(), gate_up, width, out);
+}
+
+/// [`geglu_tanh`] on a chosen path (tests, benchmarks); the same bits on
+/// every path: the AVX2 and AVX-512 builds do [`gelu_tanh_times`]'s
+/// operations in its order, eight or sixteen columns at a time.
+///
+/// # Panics
+/// As [`swiglu`], and if this CPU lacks `path`.
+pub fn geglu_tanh_with(path: crate::cpu::Path, gate_up: &[f32], width: usize, out: &mut [f32]) {
     assert!(width > 0, "geglu width");
     assert_eq!(out.len() % width, 0, "geglu output rows");
     assert_eq!(gate_up.len(), 2 * out.len(), "geglu input rows");
-    // sqrt(2 / pi), as PyTorch's `M_SQRT2 * M_2_SQRTPI * 0.5`.
-    const BETA: f32 = 0.797_884_6;
-    const KAPPA: f32 = 0.044_715;
+    assert!(path.available(), "{path} kernels on a CPU without them");
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512 (asserted); shapes asserted.
+        crate::cpu::Path::Avx512 => unsafe {
+            crate::elementwise512::geglu_tanh(gate_up, width, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX2 and FMA (asserted).
+        crate::cpu::Path::Avx2 => unsafe { x86::geglu_tanh(gate_up, width, out, 0) },
+        _ => geglu_portable(gate_up, width, out, 0),
+    }
+}
+
+/// `sqrt(2 / pi)`, as PyTorch's `M_SQRT2 * M_2_SQRTPI * 0.5`.
+pub(crate) const GELU_BETA: f32 = 0.797_884_6;
+/// The cubic term's coefficient of the tanh approximation.
+pub(crate) const GELU_KAPPA: f32 = 0.044_715;
+
+/// One GeGLU output: `inner = beta * (g + ((kappa * g) * g) * g)`,
+/// `tanh = 1 - 2 / (e^(2 inner) + 1)`, `((0.5 g) (1 + tanh)) u`, each
+/// operation rounded once, in that order.
+#[inline]
+fn gelu_tanh_times(g: f32, u: f32) -> f32 {
+    let inner = GELU_BETA * (g + GELU_KAPPA * g * g * g);
+    let tanh = 1.0 - 2.0 / (exp(2.0 * inner) + 1.0);
+    0.5 * g * (1.0 + tanh) * u
+}
+
+/// The portable [`geglu_tanh`] from column `from` of every row on (the
+/// SIMD builds' tail, and the whole of it elsewhere).
+pub(crate) fn geglu_portable(gate_up: &[f32], width: usize, out: &mut [f32], from: usize) {
     for (row, o) in gate_up
         .chunks_exact(2 * width)
         .zip(out.chunks_exact_mut(width))
     {
         let (gate, up) = row.split_at(width);
-        for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
-            let inner = BETA * (g + KAPPA * g * g * g);
-            let tanh = 1.0 - 2.0 / (exp(2.0 * inner) + 1.0);
-            *o = 0.5 * g * (1.0 + tanh) * u;
+        for j in from..width {
+            o[j] = gelu_tanh_times(gate[j], up[j]);
         }
     }
 }
@@ -194,6 +231,46 @@ pub(crate) mod x86 {
         }
         super::portable(gate_up, width, out, whole);
     }
+
+    /// [`super::geglu_tanh`] from column `from` of every row on, eight
+    /// columns at a time, the last few by the portable path.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; shapes as [`super::geglu_tanh`] asserts.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn geglu_tanh(gate_up: &[f32], width: usize, out: &mut [f32], from: usize) {
+        let whole = from + (width - from) / 8 * 8;
+        let c = |v: f32| _mm256_set1_ps(v);
+        let (beta, kappa, one, two, half) = (
+            c(super::GELU_BETA),
+            c(super::GELU_KAPPA),
+            c(1.0),
+            c(2.0),
+            c(0.5),
+        );
+        for (gu, o) in gate_up
+            .chunks_exact(2 * width)
+            .zip(out.chunks_exact_mut(width))
+        {
+            let (g, u) = gu.split_at(width);
+            for j in (from..whole).step_by(8) {
+                // SAFETY: j + 8 <= width, inside each of the three rows.
+                unsafe {
+                    let gv = _mm256_loadu_ps(g.as_ptr().add(j));
+                    let cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(kappa, gv), gv), gv);
+                    let inner = _mm256_mul_ps(beta, _mm256_add_ps(gv, cube));
+                    let e = crate::simd::exp(_mm256_mul_ps(two, inner));
+                    let tanh = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+                    let r = _mm256_mul_ps(
+                        _mm256_mul_ps(_mm256_mul_ps(half, gv), _mm256_add_ps(one, tanh)),
+                        _mm256_loadu_ps(u.as_ptr().add(j)),
+                    );
+                    _mm256_storeu_ps(o.as_mut_ptr().add(j), r);
+                }
+            }
+        }
+        super::geglu_portable(gate_up, width, out, whole);
+    }
 }
 
 #[cfg(test)]
@@ -233,6 +310,44 @@ mod tests {
             swiglu_with(crate::cpu::Path::Avx512, &gate_up, width, &mut b);
             assert_eq!(bits(&a), bits(&b), "width {width}");
         }
+    }
+
+    /// GeGLU's AVX2 and AVX-512 builds equal the portable one to the bit
+    /// (every width up to 70, extreme and NaN inputs), and the portable
+    /// one is PyTorch's tanh approximation.
+    #[test]
+    fn geglu_builds_equal_the_portable_path_to_the_bit() {
+        let mut s = 0x9e37_79b9u32;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            s
+        };
+        let paths: Vec<_> = [crate::cpu::Path::Avx512, crate::cpu::Path::Avx2]
+            .into_iter()
+            .filter(|p| p.available())
+            .collect();
+        for width in 1..70 {
+            let rows = 1 + width % 3;
+            let mut gate_up: Vec<f32> = (0..rows * 2 * width)
+                .map(|_| (next() as f32 / u32::MAX as f32 - 0.5) * 24.0)
+                .collect();
+            gate_up[0] = if width % 2 == 0 { 90.0 } else { -90.0 };
+            if width > 5 {
+                gate_up[3] = f32::NAN;
+            }
+            let mut want = vec![0.0; rows * width];
+            geglu_portable(&gate_up, width, &mut want, 0);
+            for &p in &paths {
+                let mut got = vec![0.0; rows * width];
+                geglu_tanh_with(p, &gate_up, width, &mut got);
+                assert_eq!(bits(&want), bits(&got), "{p} width {width}");
+            }
+        }
+        let (g, u) = (0.7f32, 1.5f32);
+        let torch = 0.5 * g * (1.0 + (GELU_BETA * (g + GELU_KAPPA * g.powi(3))).tanh()) * u;
+        assert!((gelu_tanh_times(g, u) - torch).abs() < 1e-6);
     }
 
     #[test]

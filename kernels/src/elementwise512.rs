@@ -1,5 +1,6 @@
 //! AVX-512 builds of the element-wise kernels: SwiGLU
-//! ([`crate::activation::swiglu`]) and RMSNorm ([`crate::norm::rms_norm`]).
+//! ([`crate::activation::swiglu`]), GeGLU ([`crate::activation::geglu_tanh`])
+//! and RMSNorm ([`crate::norm::rms_norm`]).
 //! Each does its module's operations in its module's order, so each equals
 //! the portable path to the bit (see those modules).
 //!
@@ -40,6 +41,43 @@ pub(crate) unsafe fn swiglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
     }
     // SAFETY: AVX-512 implies AVX2 and FMA here (the caller).
     unsafe { crate::activation::x86::swiglu(gate_up, width, out, whole) };
+}
+
+/// GeGLU sixteen columns at a time, then the AVX2 build (eight, then the
+/// portable tail): [`crate::activation::geglu_tanh`]'s operations in its
+/// order.
+///
+/// # Safety
+/// AVX-512 F with the AVX2 set; shapes as `geglu_tanh` asserts.
+#[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+pub(crate) unsafe fn geglu_tanh(gate_up: &[f32], width: usize, out: &mut [f32]) {
+    use crate::activation::{GELU_BETA, GELU_KAPPA};
+    let whole = width / 16 * 16;
+    let c = |v: f32| _mm512_set1_ps(v);
+    let (beta, kappa, one, two, half) = (c(GELU_BETA), c(GELU_KAPPA), c(1.0), c(2.0), c(0.5));
+    for (gu, o) in gate_up
+        .chunks_exact(2 * width)
+        .zip(out.chunks_exact_mut(width))
+    {
+        let (g, u) = gu.split_at(width);
+        for j in (0..whole).step_by(16) {
+            // SAFETY: j + 16 <= width, inside each of the three rows.
+            unsafe {
+                let gv = _mm512_loadu_ps(g.as_ptr().add(j));
+                let cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(kappa, gv), gv), gv);
+                let inner = _mm512_mul_ps(beta, _mm512_add_ps(gv, cube));
+                let e = crate::simd512::exp(_mm512_mul_ps(two, inner));
+                let tanh = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+                let r = _mm512_mul_ps(
+                    _mm512_mul_ps(_mm512_mul_ps(half, gv), _mm512_add_ps(one, tanh)),
+                    _mm512_loadu_ps(u.as_ptr().add(j)),
+                );
+                _mm512_storeu_ps(o.as_mut_ptr().add(j), r);
+            }
+        }
+    }
+    // SAFETY: AVX-512 implies AVX2 and FMA here (the caller).
+    unsafe { crate::activation::x86::geglu_tanh(gate_up, width, out, whole) };
 }
 
 /// RMSNorm of each row: the sixteen lanes of the sum of squares in one
