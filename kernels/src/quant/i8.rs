@@ -303,9 +303,9 @@ thread_local! {
     static ACTS: std::cell::RefCell<Acts> = std::cell::RefCell::default();
     /// Each thread's unpacked weight row.
     static ROW: std::cell::RefCell<Row> = std::cell::RefCell::default();
-    /// Each thread's unpacked rows and panel for the AVX-512 VNNI kernel.
+    /// Each thread's panel for the AVX-512 VNNI kernel.
     #[cfg(target_arch = "x86_64")]
-    static PANEL_ROWS: std::cell::RefCell<(Vec<Row>, super::i8_x86_512::Panel)> =
+    static PANEL_512: std::cell::RefCell<super::i8_x86_512::Panel> =
         std::cell::RefCell::default();
     /// The same for the AVX2 and AVX-VNNI kernel.
     #[cfg(target_arch = "x86_64")]
@@ -460,11 +460,9 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
             let (nt, nr) = (block.min(rows - t0), prows.min(n - r0));
             #[cfg(target_arch = "x86_64")]
             if kernel == Dot::Avx512Vnni && nt >= PANEL_FROM {
-                PANEL_ROWS.with_borrow_mut(|(rows, panel)| {
-                    rows.resize_with(nr, Row::default);
-                    unpack_rows(kernel, w, r0, rows);
+                PANEL_512.with_borrow_mut(|panel| {
                     // SAFETY: `matmul_dot` asserted the features.
-                    unsafe { panel.fill(w.format, &rows[..nr]) };
+                    unsafe { panel.fill_blocks(w.format, &w.data[r0 * rb..(r0 + nr) * rb], nr, k) };
                     // SAFETY: as above; the task owns rows t0 .. t0 + nt
                     // of columns r0 .. r0 + nr of `out`.
                     unsafe { panel.run(w.format, acts, t0, nt, nr, ptr.0.add(r0), n) };

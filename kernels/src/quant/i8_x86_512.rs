@@ -29,8 +29,14 @@
 
 use std::arch::x86_64::*;
 
-use super::i8::{bias, scales_by_lane, Acts, Row};
-use super::{QFormat, GROUP};
+use super::i8::{bias, padded, Acts};
+use super::scalar::Head;
+use super::x86_blocks::{head, quants};
+use super::{with_format, QFormat, GROUP};
+
+/// Bytes ahead in a weight row that filling a panel prefetches: sixteen
+/// rows stream at once, more than the hardware prefetcher follows.
+const AHEAD: usize = 1024;
 
 /// Weight rows per strip (one per lane of a 512-bit register).
 const NR: usize = 16;
@@ -61,44 +67,85 @@ pub(super) struct Panel {
 }
 
 impl Panel {
-    /// Fill from the unpacked rows `rows` (at most [`ROWS`]; `format`'s
-    /// unpacking, shaped for the same width): each strip's groups of
-    /// 16 x 8 four-byte columns transposed in registers (two 8 x 8
-    /// transposes side by side).
+    /// Fill from `live` (at most [`ROWS`]) consecutive rows of blocks `w`
+    /// of `cols` values of `format`: each group of 32 quants is decoded by
+    /// the f32 class's block decoding ([`super::x86_blocks`]) straight into
+    /// registers, made unsigned, and the strip's sixteen rows transposed
+    /// into the interleaved layout (two 8 x 8 transposes of four-byte
+    /// columns side by side); each block's scales and offsets go straight
+    /// to their lanes. One pass over the weight bytes, nothing in between.
     ///
     /// # Safety
-    /// AVX-512 F/BW/VL.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-    pub unsafe fn fill(&mut self, format: QFormat, rows: &[Row]) {
-        assert!(!rows.is_empty() && rows.len() <= ROWS);
-        let (groups, subs) = (rows[0].u.len() / GROUP, rows[0].s.len());
-        assert!(rows
-            .iter()
-            .all(|r| r.u.len() == groups * GROUP && r.s.len() == subs));
-        (self.groups, self.subs) = (groups, subs);
-        self.strips = if rows.len() > NR { W } else { 1 };
-        self.u.resize(groups * GROUP * ROWS, 0);
-        // Q8_0's signed bytes become unsigned: vpdpbusd never saturates.
-        let flip = _mm512_set1_epi8(if bias(format).is_none() { -128 } else { 0 });
-        let zero = [0u8; GROUP];
+    /// AVX-512 F/BW/VL with AVX2/FMA/F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn fill_blocks(&mut self, format: QFormat, w: &[u8], live: usize, cols: usize) {
+        assert!(
+            (1..=ROWS).contains(&live)
+                && cols.is_multiple_of(format.block_values())
+                && w.len() >= live * format.row_bytes(cols)
+        );
+        // SAFETY: sizes asserted; the caller has the features.
+        with_format!(format, F => unsafe { self.fill_f::<F>(w, live, cols) })
+    }
+
+    /// [`Self::fill_blocks`] for format `F` (sizes checked).
+    ///
+    /// # Safety
+    /// As [`Self::fill_blocks`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn fill_f<const F: u8>(&mut self, w: &[u8], live: usize, cols: usize) {
+        let f = const { QFormat::of_code(F) };
+        let (bb, bv, per) = (
+            f.block_bytes(),
+            f.block_values(),
+            f.block_values() / f.sub_block(),
+        );
+        let rb = f.row_bytes(cols);
+        let real = cols / GROUP;
+        (self.groups, self.subs) = (padded(real), padded(cols / f.sub_block()));
+        self.strips = if live > NR { W } else { 1 };
+        self.u.resize(self.groups * GROUP * ROWS, 0);
+        // Groups past the row's end are zeros (the acts' are too).
+        self.u[real * GROUP * ROWS..].fill(0);
+        for v in [&mut self.s, &mut self.o] {
+            v.clear();
+            v.resize(self.subs * ROWS, 0.0);
+        }
+        // Unsigned quants: biased, or Q8_0's signed bytes flipped (+128),
+        // so vpdpbusd never saturates.
+        let (add, flip) = match bias(f) {
+            Some(b) => (_mm256_set1_epi8(b as i8), _mm256_setzero_si256()),
+            None => (_mm256_setzero_si256(), _mm256_set1_epi8(-128)),
+        };
         let lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
         let hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-        for w in 0..self.strips {
-            for g in 0..groups {
-                let at = |c: usize| -> *const u8 {
-                    rows.get(w * NR + c)
-                        .map_or(zero.as_ptr(), |r| r.u[g * GROUP..].as_ptr())
-                };
-                // SAFETY (all): each pointer is a whole group (a row's or
-                // the zeros); the stores are strip w of the panel's group g.
+        let wp = w.as_ptr();
+        let base = self.u.as_mut_ptr();
+        for strip in 0..self.strips {
+            let row = |c: usize| -> Option<*const u8> {
+                let r = strip * NR + c;
+                // SAFETY: row r < live lies in `w` (asserted).
+                (r < live).then(|| unsafe { wp.add(r * rb) })
+            };
+            for g in 0..real {
+                let (b, gi) = (g / (bv / GROUP), g % (bv / GROUP));
+                // SAFETY (all): block b of each live row is inside `w`;
+                // the stores are strip `strip` of the panel's group g.
                 unsafe {
+                    let q = |c: usize| -> __m256i {
+                        row(c).map_or(_mm256_setzero_si256(), |p| {
+                            let p = p.add(b * bb);
+                            if gi == 0 {
+                                // The next blocks of this row (a hint: it
+                                // never faults).
+                                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD).cast());
+                            }
+                            _mm256_xor_si256(_mm256_add_epi8(quants::<F>(p, gi), add), flip)
+                        })
+                    };
                     // z[c]: rows c and c + 8 of group g, eight columns each.
                     let z: [__m512i; 8] = std::array::from_fn(|c| {
-                        let v = _mm512_inserti64x4::<1>(
-                            _mm512_castsi256_si512(_mm256_loadu_si256(at(c).cast())),
-                            _mm256_loadu_si256(at(c + 8).cast()),
-                        );
-                        _mm512_xor_si512(v, flip)
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q(c)), q(c + 8))
                     });
                     let t: [__m512i; 8] = std::array::from_fn(|i| {
                         let (a, b) = (z[2 * (i / 2)], z[2 * (i / 2) + 1]);
@@ -123,8 +170,7 @@ impl Panel {
                             _mm512_unpackhi_epi64(a, b)
                         }
                     });
-                    let base = self.u.as_mut_ptr();
-                    let col = |v: usize| base.add(((g * 8 + v) * W + w) * NR * 4);
+                    let col = |v: usize| base.add(((g * 8 + v) * W + strip) * NR * 4);
                     for q in 0..4 {
                         let (a, b) = (s[q], s[q + 4]);
                         _mm512_storeu_si512(col(q).cast(), _mm512_permutex2var_epi64(a, lo, b));
@@ -133,7 +179,21 @@ impl Panel {
                 }
             }
         }
-        scales_by_lane(rows, ROWS, &mut self.s, &mut self.o);
+        // Each live row's scales (and offsets) to their lanes.
+        let mut h = Head::ZERO;
+        for r in 0..live {
+            for b in 0..cols / bv {
+                // SAFETY: block b of row r is inside `w`.
+                unsafe { head::<F>(wp.add(r * rb + b * bb), &mut h) };
+                for i in 0..per {
+                    let at = (b * per + i) * ROWS + r;
+                    self.s[at] = h.s[i];
+                    if f.has_offset() {
+                        self.o[at] = h.o[i];
+                    }
+                }
+            }
+        }
     }
 
     /// Every activation row `t0 .. t0 + nt` against the panel:
