@@ -40,10 +40,12 @@
 //!
 //! # Cost
 //! Quantizing the activations reads each once (rows x cols, beside rows x
-//! cols x n multiply-adds). A weight row's blocks are unpacked once per
-//! call and block of activation rows into an L1-resident buffer of bytes
-//! and scales (1 byte a weight, against 4 in the f32 class's panel); each
-//! activation row then takes 32 values per integer dot product.
+//! cols x n multiply-adds). One or two activation rows: a weight row's
+//! blocks are unpacked into an L1-resident buffer of bytes and scales (1
+//! byte a weight, against 4 in the f32 class's panel), then dotted. From
+//! three rows the x86 panels decode a task's weight rows straight from
+//! their blocks into an interleaved panel, once per call (or per share of
+//! the rows, see [`task_shape`]), and every activation row passes over it.
 
 use rayon::prelude::*;
 
@@ -309,7 +311,7 @@ thread_local! {
         std::cell::RefCell::default();
     /// The same for the AVX2 and AVX-VNNI kernel.
     #[cfg(target_arch = "x86_64")]
-    static PANEL_ROWS_256: std::cell::RefCell<(Vec<Row>, super::i8_x86_256::Panel)> =
+    static PANEL_256: std::cell::RefCell<super::i8_x86_256::Panel> =
         std::cell::RefCell::default();
 }
 
@@ -471,14 +473,12 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
             }
             #[cfg(target_arch = "x86_64")]
             if nt >= PANEL_FROM && super::i8_x86_256::takes(kernel, w.format) {
-                PANEL_ROWS_256.with_borrow_mut(|(rows, panel)| {
-                    rows.resize_with(nr, Row::default);
-                    unpack_rows(kernel, w, r0, rows);
+                PANEL_256.with_borrow_mut(|panel| {
                     // SAFETY: `matmul_dot` asserted the features; the task
                     // owns rows t0 .. t0 + nt of columns r0 .. r0 + nr of
                     // `out`.
                     unsafe {
-                        panel.fill(w.format, &rows[..nr]);
+                        panel.fill_blocks(w.format, &w.data[r0 * rb..(r0 + nr) * rb], nr, k);
                         panel.run(kernel, w.format, acts, t0, nt, nr, ptr.0.add(r0), n);
                     }
                 });
@@ -506,34 +506,6 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
         }
     }
     ACTS.set(acts);
-}
-
-/// Weight rows `r0 ..` of `w` unpacked into `rows` (one each), for a
-/// panel.
-#[cfg(target_arch = "x86_64")]
-fn unpack_rows(kernel: Dot, w: &QMatrix, r0: usize, rows: &mut [Row]) {
-    let rb = w.row_bytes();
-    for (j, row) in rows.iter_mut().enumerate() {
-        row.shape(w.format, w.cols);
-        let r = r0 + j;
-        kernel.unpack(w.format, row, &w.data[r * rb..(r + 1) * rb]);
-    }
-}
-
-/// A panel's scales and offsets, `[sub-block][lane]` for `lanes` lanes,
-/// from its unpacked rows (lanes past them zero).
-pub(super) fn scales_by_lane(rows: &[Row], lanes: usize, s: &mut Vec<f32>, o: &mut Vec<f32>) {
-    let subs = rows.first().map_or(0, |r| r.s.len());
-    for v in [&mut *s, &mut *o] {
-        v.clear();
-        v.resize(subs * lanes, 0.0);
-    }
-    for (c, row) in rows.iter().enumerate() {
-        for k in 0..subs {
-            s[k * lanes + c] = row.s[k];
-            o[k * lanes + c] = row.o[k];
-        }
-    }
 }
 
 impl Dot {

@@ -10,8 +10,13 @@
 
 use std::arch::x86_64::*;
 
-use super::i8::{bias, scales_by_lane, Acts, Dot, Row};
-use super::{QFormat, GROUP};
+use super::i8::{bias, padded, Acts, Dot};
+use super::scalar::Head;
+use super::x86_blocks::{head, quants};
+use super::{with_format, QFormat, GROUP};
+
+/// Bytes ahead in a weight row that filling a panel prefetches.
+const AHEAD: usize = 1024;
 
 /// Weight rows per strip (one per lane).
 const NR: usize = 8;
@@ -48,34 +53,69 @@ pub(super) struct Panel {
 }
 
 impl Panel {
-    /// Fill from the unpacked rows (at most [`ROWS`]), each strip's groups
-    /// of 8 x 8 four-byte columns transposed in registers.
+    /// Fill from `live` (at most [`ROWS`]) consecutive rows of blocks `w`
+    /// of `cols` values of `format`, as the AVX-512 panel fills (each group
+    /// decoded straight into registers and transposed, 8 x 8 four-byte
+    /// columns per strip; scales and offsets straight to their lanes).
     ///
     /// # Safety
-    /// AVX2.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn fill(&mut self, format: QFormat, rows: &[Row]) {
-        assert!(!rows.is_empty() && rows.len() <= ROWS);
-        let (groups, subs) = (rows[0].u.len() / GROUP, rows[0].s.len());
-        assert!(rows
-            .iter()
-            .all(|r| r.u.len() == groups * GROUP && r.s.len() == subs));
-        self.subs = subs;
-        self.strips = if rows.len() > NR { W } else { 1 };
-        self.u.resize(groups * GROUP * ROWS, 0);
-        let flip = _mm256_set1_epi8(if bias(format).is_none() { -128 } else { 0 });
-        let zero = [0u8; GROUP];
-        for w in 0..self.strips {
-            for g in 0..groups {
-                let at = |c: usize| -> *const u8 {
-                    rows.get(w * NR + c)
-                        .map_or(zero.as_ptr(), |r| r.u[g * GROUP..].as_ptr())
-                };
-                // SAFETY (all): each pointer is a whole group (a row's or
-                // the zeros); the stores are strip w of the panel's group g.
+    /// AVX2/FMA/F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn fill_blocks(&mut self, format: QFormat, w: &[u8], live: usize, cols: usize) {
+        assert!(
+            (1..=ROWS).contains(&live)
+                && cols.is_multiple_of(format.block_values())
+                && w.len() >= live * format.row_bytes(cols)
+        );
+        // SAFETY: sizes asserted; the caller has the features.
+        with_format!(format, F => unsafe { self.fill_f::<F>(w, live, cols) })
+    }
+
+    /// [`Self::fill_blocks`] for format `F` (sizes checked).
+    ///
+    /// # Safety
+    /// As [`Self::fill_blocks`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fill_f<const F: u8>(&mut self, w: &[u8], live: usize, cols: usize) {
+        let f = const { QFormat::of_code(F) };
+        let (bb, bv, per) = (
+            f.block_bytes(),
+            f.block_values(),
+            f.block_values() / f.sub_block(),
+        );
+        let rb = f.row_bytes(cols);
+        let real = cols / GROUP;
+        self.subs = padded(cols / f.sub_block());
+        self.strips = if live > NR { W } else { 1 };
+        self.u.resize(padded(real) * GROUP * ROWS, 0);
+        self.u[real * GROUP * ROWS..].fill(0);
+        for v in [&mut self.s, &mut self.o] {
+            v.clear();
+            v.resize(self.subs * ROWS, 0.0);
+        }
+        let (add, flip) = match bias(f) {
+            Some(b) => (_mm256_set1_epi8(b as i8), _mm256_setzero_si256()),
+            None => (_mm256_setzero_si256(), _mm256_set1_epi8(-128)),
+        };
+        let wp = w.as_ptr();
+        let base = self.u.as_mut_ptr();
+        for strip in 0..self.strips {
+            for g in 0..real {
+                let (b, gi) = (g / (bv / GROUP), g % (bv / GROUP));
+                // SAFETY (all): block b of each live row is inside `w`;
+                // the stores are strip `strip` of the panel's group g.
                 unsafe {
                     let z: [__m256i; 8] = std::array::from_fn(|c| {
-                        _mm256_xor_si256(_mm256_loadu_si256(at(c).cast()), flip)
+                        let r = strip * NR + c;
+                        if r >= live {
+                            return _mm256_setzero_si256();
+                        }
+                        let p = wp.add(r * rb + b * bb);
+                        if gi == 0 {
+                            // A hint: it never faults.
+                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD).cast());
+                        }
+                        _mm256_xor_si256(_mm256_add_epi8(quants::<F>(p, gi), add), flip)
                     });
                     let t: [__m256i; 8] = std::array::from_fn(|i| {
                         let (a, b) = (z[2 * (i / 2)], z[2 * (i / 2) + 1]);
@@ -98,8 +138,7 @@ impl Panel {
                             _mm256_unpackhi_epi64(a, b)
                         }
                     });
-                    let base = self.u.as_mut_ptr();
-                    let col = |v: usize| base.add(((g * 8 + v) * W + w) * NR * 4);
+                    let col = |v: usize| base.add(((g * 8 + v) * W + strip) * NR * 4);
                     for q in 0..4 {
                         let (a, b) = (s[q], s[q + 4]);
                         _mm256_storeu_si256(col(q).cast(), _mm256_permute2x128_si256::<0x20>(a, b));
@@ -111,7 +150,20 @@ impl Panel {
                 }
             }
         }
-        scales_by_lane(rows, ROWS, &mut self.s, &mut self.o);
+        let mut h = Head::ZERO;
+        for r in 0..live {
+            for b in 0..cols / bv {
+                // SAFETY: block b of row r is inside `w`.
+                unsafe { head::<F>(wp.add(r * rb + b * bb), &mut h) };
+                for i in 0..per {
+                    let at = (b * per + i) * ROWS + r;
+                    self.s[at] = h.s[i];
+                    if f.has_offset() {
+                        self.o[at] = h.o[i];
+                    }
+                }
+            }
+        }
     }
 
     /// Every activation row `t0 .. t0 + nt` against the panel:
