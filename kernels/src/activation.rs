@@ -66,8 +66,8 @@ pub fn geglu_tanh(gate_up: &[f32], width: usize, out: &mut [f32]) {
 }
 
 /// [`geglu_tanh`] on a chosen path (tests, benchmarks); the same bits on
-/// every path: the AVX2 and AVX-512 builds do [`gelu_tanh_times`]'s
-/// operations in its order, eight or sixteen columns at a time.
+/// every path: the AVX2 and AVX-512 builds do the portable operations
+/// in their order, eight or sixteen columns at a time.
 ///
 /// # Panics
 /// As [`swiglu`], and if this CPU lacks `path`.
