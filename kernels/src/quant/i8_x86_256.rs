@@ -99,51 +99,56 @@ impl Panel {
         };
         let wp = w.as_ptr();
         let base = self.u.as_mut_ptr();
+        // No closures below: a closure does not inherit the target
+        // features, so the decoding and the shuffles would not inline.
+        let zero = _mm256_setzero_si256();
+        let (mut z, mut t, mut sh) = ([zero; 8], [zero; 8], [zero; 8]);
         for strip in 0..self.strips {
+            let rows = live.saturating_sub(strip * NR).min(NR);
             for g in 0..real {
                 let (b, gi) = (g / (bv / GROUP), g % (bv / GROUP));
                 // SAFETY (all): block b of each live row is inside `w`;
                 // the stores are strip `strip` of the panel's group g.
                 unsafe {
-                    let z: [__m256i; 8] = std::array::from_fn(|c| {
-                        let r = strip * NR + c;
-                        if r >= live {
-                            return _mm256_setzero_si256();
-                        }
-                        let p = wp.add(r * rb + b * bb);
-                        if gi == 0 {
-                            // A hint: it never faults.
-                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD).cast());
-                        }
-                        _mm256_xor_si256(_mm256_add_epi8(quants::<F>(p, gi), add), flip)
-                    });
-                    let t: [__m256i; 8] = std::array::from_fn(|i| {
+                    for (c, z) in z.iter_mut().enumerate() {
+                        *z = if c < rows {
+                            let p = wp.add((strip * NR + c) * rb + b * bb);
+                            if gi == 0 {
+                                // A hint: it never faults.
+                                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD).cast());
+                            }
+                            _mm256_xor_si256(_mm256_add_epi8(quants::<F>(p, gi), add), flip)
+                        } else {
+                            zero
+                        };
+                    }
+                    for i in 0..8 {
                         let (a, b) = (z[2 * (i / 2)], z[2 * (i / 2) + 1]);
-                        if i % 2 == 0 {
+                        t[i] = if i % 2 == 0 {
                             _mm256_unpacklo_epi32(a, b)
                         } else {
                             _mm256_unpackhi_epi32(a, b)
-                        }
-                    });
-                    let s: [__m256i; 8] = std::array::from_fn(|q| {
-                        let base = 4 * (q / 4);
-                        let (a, b) = if q % 4 < 2 {
+                        };
+                    }
+                    for k in 0..8 {
+                        let base = 4 * (k / 4);
+                        let (a, b) = if k % 4 < 2 {
                             (t[base], t[base + 2])
                         } else {
                             (t[base + 1], t[base + 3])
                         };
-                        if q % 2 == 0 {
+                        sh[k] = if k % 2 == 0 {
                             _mm256_unpacklo_epi64(a, b)
                         } else {
                             _mm256_unpackhi_epi64(a, b)
-                        }
-                    });
-                    let col = |v: usize| base.add(((g * 8 + v) * W + strip) * NR * 4);
-                    for q in 0..4 {
-                        let (a, b) = (s[q], s[q + 4]);
-                        _mm256_storeu_si256(col(q).cast(), _mm256_permute2x128_si256::<0x20>(a, b));
+                        };
+                    }
+                    for k in 0..4 {
+                        let (a, b) = (sh[k], sh[k + 4]);
+                        let at = |v: usize| base.add(((g * 8 + v) * W + strip) * NR * 4);
+                        _mm256_storeu_si256(at(k).cast(), _mm256_permute2x128_si256::<0x20>(a, b));
                         _mm256_storeu_si256(
-                            col(q + 4).cast(),
+                            at(k + 4).cast(),
                             _mm256_permute2x128_si256::<0x31>(a, b),
                         );
                     }

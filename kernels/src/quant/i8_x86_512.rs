@@ -121,60 +121,65 @@ impl Panel {
         let hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
         let wp = w.as_ptr();
         let base = self.u.as_mut_ptr();
+        // No closures below: a closure does not inherit the target
+        // features, so the decoding and the shuffles would not inline.
+        let zero = _mm256_setzero_si256();
+        let mut q = [zero; NR];
+        let mut z = [_mm512_setzero_si512(); 8];
+        let mut t = z;
+        let mut sh = z;
         for strip in 0..self.strips {
-            let row = |c: usize| -> Option<*const u8> {
-                let r = strip * NR + c;
-                // SAFETY: row r < live lies in `w` (asserted).
-                (r < live).then(|| unsafe { wp.add(r * rb) })
-            };
+            let rows = live.saturating_sub(strip * NR).min(NR);
             for g in 0..real {
                 let (b, gi) = (g / (bv / GROUP), g % (bv / GROUP));
                 // SAFETY (all): block b of each live row is inside `w`;
                 // the stores are strip `strip` of the panel's group g.
                 unsafe {
-                    let q = |c: usize| -> __m256i {
-                        row(c).map_or(_mm256_setzero_si256(), |p| {
-                            let p = p.add(b * bb);
+                    for (c, q) in q.iter_mut().enumerate() {
+                        *q = if c < rows {
+                            let p = wp.add((strip * NR + c) * rb + b * bb);
                             if gi == 0 {
                                 // The next blocks of this row (a hint: it
                                 // never faults).
                                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD).cast());
                             }
                             _mm256_xor_si256(_mm256_add_epi8(quants::<F>(p, gi), add), flip)
-                        })
-                    };
+                        } else {
+                            zero
+                        };
+                    }
                     // z[c]: rows c and c + 8 of group g, eight columns each.
-                    let z: [__m512i; 8] = std::array::from_fn(|c| {
-                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q(c)), q(c + 8))
-                    });
-                    let t: [__m512i; 8] = std::array::from_fn(|i| {
+                    for c in 0..8 {
+                        z[c] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q[c]), q[c + 8]);
+                    }
+                    for i in 0..8 {
                         let (a, b) = (z[2 * (i / 2)], z[2 * (i / 2) + 1]);
-                        if i % 2 == 0 {
+                        t[i] = if i % 2 == 0 {
                             _mm512_unpacklo_epi32(a, b)
                         } else {
                             _mm512_unpackhi_epi32(a, b)
-                        }
-                    });
-                    // s[q]: columns (q % 4, q % 4 + 4) of rows 0-3 (q < 4)
+                        };
+                    }
+                    // sh[k]: columns (k % 4, k % 4 + 4) of rows 0-3 (k < 4)
                     // or 4-7, per 256-bit half.
-                    let s: [__m512i; 8] = std::array::from_fn(|q| {
-                        let base = 4 * (q / 4);
-                        let (a, b) = if q % 4 < 2 {
+                    for k in 0..8 {
+                        let base = 4 * (k / 4);
+                        let (a, b) = if k % 4 < 2 {
                             (t[base], t[base + 2])
                         } else {
                             (t[base + 1], t[base + 3])
                         };
-                        if q % 2 == 0 {
+                        sh[k] = if k % 2 == 0 {
                             _mm512_unpacklo_epi64(a, b)
                         } else {
                             _mm512_unpackhi_epi64(a, b)
-                        }
-                    });
-                    let col = |v: usize| base.add(((g * 8 + v) * W + strip) * NR * 4);
-                    for q in 0..4 {
-                        let (a, b) = (s[q], s[q + 4]);
-                        _mm512_storeu_si512(col(q).cast(), _mm512_permutex2var_epi64(a, lo, b));
-                        _mm512_storeu_si512(col(q + 4).cast(), _mm512_permutex2var_epi64(a, hi, b));
+                        };
+                    }
+                    for k in 0..4 {
+                        let (a, b) = (sh[k], sh[k + 4]);
+                        let at = |v: usize| base.add(((g * 8 + v) * W + strip) * NR * 4);
+                        _mm512_storeu_si512(at(k).cast(), _mm512_permutex2var_epi64(a, lo, b));
+                        _mm512_storeu_si512(at(k + 4).cast(), _mm512_permutex2var_epi64(a, hi, b));
                     }
                 }
             }
@@ -216,7 +221,10 @@ impl Panel {
     ) {
         let mut t = t0;
         while t < t0 + nt {
-            let m = (t0 + nt - t).min(MR);
+            // Tiles as even as they can be (16 rows: four of 4, not three
+            // of 5 and a lone row).
+            let left = t0 + nt - t;
+            let m = left.div_ceil(left.div_ceil(MR));
             let o = out.wrapping_add(t * stride);
             // SAFETY: by the caller; rows t .. t + m exist in `acts`.
             unsafe {
