@@ -75,6 +75,7 @@ impl Panel {
     ///
     /// # Safety
     /// As [`Self::fill_blocks`].
+    #[allow(clippy::needless_range_loop)] // index loops: no closures (see below)
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn fill_f<const F: u8>(&mut self, w: &[u8], live: usize, cols: usize) {
         let f = const { QFormat::of_code(F) };
