@@ -41,7 +41,8 @@ fn scale_offsets(format: QFormat) -> &'static [usize] {
     }
 }
 
-/// Random quants with small f16 scales (F16 and BF16: small values).
+/// Random quants with small f16 scales (MXFP4: 2^-4; F16 and BF16: small
+/// values).
 fn matrix(format: QFormat, rows: usize, cols: usize, seed: u64) -> QMatrix {
     let mut x = seed | 1;
     let mut next = move || {
@@ -65,6 +66,8 @@ fn matrix(format: QFormat, rows: usize, cols: usize, seed: u64) -> QMatrix {
             QFormat::BF16 => block.chunks_exact_mut(2).for_each(|h| {
                 h.copy_from_slice(&(0x3d00 | (next() as u16 & 0x807f)).to_le_bytes())
             }),
+            // An e8m0 scale of 2^-4 (the byte halved: 2^(124 - 128)).
+            QFormat::MXFP4 => block[0] = 124,
             _ => {
                 for &s in scale_offsets(format) {
                     block[s..s + 2].copy_from_slice(&0x2c00u16.to_le_bytes());

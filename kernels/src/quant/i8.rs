@@ -30,10 +30,17 @@
 //! `|P_k| <= 32 * 128 * 127 < 2^19`: exact in i32 and in f32. The x86 paths
 //! multiply unsigned by signed bytes (`vpmaddubsw`, which saturates pairs to
 //! i16, or VNNI's `vpdpbusd`, which does not): they take the quants plus a
-//! bias making them unsigned (Q4_0 +8, Q5_0 +16, Q3_K +4, Q6_K +32; at most
-//! 63, so a pair is at most `2 * 63 * 127 < 2^15`) and subtract `bias * B`
-//! after the integer sum, or for Q8_0 `|q|` against `x` with `q`'s sign
-//! (a pair at most `2 * 128 * 127 = 32512 < 2^15`).
+//! bias making them unsigned (Q4_0 +8, Q5_0 +16, Q3_K +4, Q6_K +32, MXFP4
+//! +16; at most 63, so a pair is at most `2 * 63 * 127 < 2^15`) and
+//! subtract `bias * B` after the integer sum, or for Q8_0 `|q|` against `x`
+//! with `q`'s sign (a pair at most `2 * 128 * 127 = 32512 < 2^15`).
+//!
+//! MXFP4's quants are its table values (`[-12, 12]`, exact in a signed
+//! byte), biased to `[4, 28]` (16, a power of two as every bias here, so
+//! the one-row kernel subtracts `B << 4`): a pair is at most
+//! `2 * 28 * 127 = 7112`, its `|P_k| <= 32 * 12 * 127 < 2^14`. Its scale
+//! `s_k = 2^(e - 128)` times `d` is one f32 multiplication, as for every
+//! format (exact unless it leaves the normal range).
 //!
 //! F16 and BF16 weights are not quantized formats: in this class they run
 //! the f32 class's kernels.
@@ -56,14 +63,16 @@ use crate::cpu::Path;
 pub(super) const LANES: usize = 8;
 
 /// How the x86 paths feed a format's quants to an unsigned-by-signed
-/// byte product: `Some(bias)` adds `bias` (quants then in `0..=63`),
-/// `None` (Q8_0) takes magnitudes and moves the sign to the activation.
+/// byte product: `Some(bias)` adds `bias`, a power of two or zero (quants
+/// then in `0..=63`), `None` (Q8_0) takes magnitudes and moves the sign to
+/// the activation.
 pub(super) const fn bias(f: QFormat) -> Option<u8> {
     match f {
         QFormat::Q4_0 => Some(8),
         QFormat::Q5_0 => Some(16),
         QFormat::Q3_K => Some(4),
         QFormat::Q6_K => Some(32),
+        QFormat::MXFP4 => Some(16),
         QFormat::Q8_0 => None,
         _ => Some(0),
     }

@@ -21,10 +21,18 @@
 //! | Q4_K | 256 / 144 | `d, dmin, scales[12], qs[128]` | `fma(q, d * sc, -(dmin * m))` per 32 |
 //! | Q5_K | 256 / 176 | `d, dmin, scales[12], qh[32], qs[128]` | as Q4_K |
 //! | Q6_K | 256 / 210 | `ql[128], qh[64], scales[16] (i8), d` | `q * (d * sc)` per 16 |
+//! | MXFP4 | 32 / 17 | `e, qs[16]` | `kvalues[code] * 2^(e - 128)` |
 //!
 //! Legacy blocks put value `i` in the low nibble of `qs[i]` and value
 //! `i + 16` in the high one (the fifth bit is bit `i` of `qh`); the
-//! K-quants' bit layouts are spelled out in `scalar.rs` (`quants`).
+//! K-quants' bit layouts are spelled out in `scalar.rs` (`quants`). MXFP4
+//! (OCP microscaling FP4, gpt-oss's experts) packs its 4-bit e2m1 codes as
+//! the legacy blocks do; a code's quant is its e2m1 value doubled (ggml's
+//! `kvalues_mxfp4`: `0, 1, 2, 3, 4, 6, 8, 12` and their negatives, an
+//! integer in `[-12, 12]`) and the scale is the e8m0 byte `e` halved,
+//! `2^(e - 128)` (ggml's `GGML_E8M0_TO_FP32_HALF`: a power of two, the
+//! subnormals `2^-128` and `2^-127` for `e` = 0 and 1), so `q * s` is
+//! exact (or overflows to infinity only at `e` = 255 with `|q|` >= 4, as in ggml).
 //!
 //! Two numerics classes, one per process ([`crate::cpu::activations`]):
 //! - **f32 activations** (`gemm.rs`): a call dequantizes each weight once,
@@ -167,6 +175,9 @@ pub enum QFormat {
     Q5_K,
     /// K-quant, 6-bit, 8-bit scales per 16 values.
     Q6_K,
+    /// OCP microscaling FP4: 4-bit e2m1 codes, one e8m0 (power of two)
+    /// scale per 32 values: `kvalues[code] * 2^(e - 128)`.
+    MXFP4,
 }
 
 /// The formats' GGML type ids (`enum ggml_type` in ggml.h,
@@ -185,6 +196,7 @@ pub(crate) mod code {
     pub const Q5_K: u8 = 13;
     pub const Q6_K: u8 = 14;
     pub const BF16: u8 = 30;
+    pub const MXFP4: u8 = 39;
 }
 
 /// `$body` with `$F` a `const u8` holding `$format`'s [`code`], so a kernel
@@ -242,6 +254,10 @@ macro_rules! with_format {
                 const $F: u8 = c::Q6_K;
                 $body
             }
+            Q::MXFP4 => {
+                const $F: u8 = c::MXFP4;
+                $body
+            }
         }
     }};
 }
@@ -249,7 +265,7 @@ pub(crate) use with_format;
 
 impl QFormat {
     /// Every format, in GGML type id order.
-    pub const ALL: [QFormat; 12] = [
+    pub const ALL: [QFormat; 13] = [
         Self::F16,
         Self::Q4_0,
         Self::Q4_1,
@@ -262,11 +278,12 @@ impl QFormat {
         Self::Q5_K,
         Self::Q6_K,
         Self::BF16,
+        Self::MXFP4,
     ];
 
     /// The format of a GGML type id (a GGUF tensor's `type`), or `None`
-    /// for a type the kernels do not run (F32, Q8_1, the IQ and TQ
-    /// families, MXFP4, ...).
+    /// for a type the kernels do not run (F32, Q8_1, Q8_K, the IQ and TQ
+    /// families, NVFP4, ...).
     pub const fn from_ggml_type(code: u32) -> Option<QFormat> {
         let mut i = 0;
         while i < Self::ALL.len() {
@@ -298,6 +315,7 @@ impl QFormat {
             Self::Q4_K => code::Q4_K,
             Self::Q5_K => code::Q5_K,
             Self::Q6_K => code::Q6_K,
+            Self::MXFP4 => code::MXFP4,
         }
     }
 
@@ -331,6 +349,7 @@ impl QFormat {
             Self::Q4_K => 144,
             Self::Q5_K => 176,
             Self::Q6_K => 210,
+            Self::MXFP4 => 17,
         }
     }
 
@@ -349,6 +368,7 @@ impl QFormat {
             Self::Q4_K => "Q4_K",
             Self::Q5_K => "Q5_K",
             Self::Q6_K => "Q6_K",
+            Self::MXFP4 => "MXFP4",
         }
     }
 
@@ -367,7 +387,7 @@ impl QFormat {
     }
 
     /// Values sharing one scale (and offset): 16 in Q2_K, Q3_K and Q6_K,
-    /// 32 in the others (a legacy block is one).
+    /// 32 in the others (a legacy or MXFP4 block is one).
     pub(crate) const fn sub_block(self) -> usize {
         match self {
             Self::Q2_K | Self::Q3_K | Self::Q6_K => 16,

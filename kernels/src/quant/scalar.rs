@@ -23,6 +23,13 @@
 //! computes `(d * sc) * q` as GGUF does (one rounding, in the last
 //! multiplication).
 //!
+//! MXFP4's quant is the table value of its 4-bit code ([`KVALUES_MXFP4`],
+//! the e2m1 value doubled, so an integer) and its scale the e8m0 byte
+//! halved ([`e8m0_half`], a power of two): `q * s` is exact (a
+//! product of at most 4 significant bits and a power of two, subnormal
+//! included), as in ggml's `dequantize_row_mxfp4` and gguf-py, which
+//! compute the same product.
+//!
 //! F16 and BF16 values are converted (exactly; an F16 NaN is quieted, as
 //! F16C does).
 
@@ -50,6 +57,26 @@ pub(super) fn f16_to_f32(bits: u16) -> f32 {
 /// bfloat16 to single precision: the high half of the f32's bits.
 pub(super) fn bf16_to_f32(bits: u16) -> f32 {
     f32::from_bits(u32::from(bits) << 16)
+}
+
+/// MXFP4's 4-bit e2m1 codes as integers: the e2m1 value doubled (ggml's
+/// `kvalues_mxfp4`; code `8 + c` is minus code `c`, and code 8 is a
+/// negative zero, here 0).
+pub(super) const KVALUES_MXFP4: [i8; 16] =
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// An e8m0 exponent byte's value halved, `2^(e - 128)` (ggml's
+/// `GGML_E8M0_TO_FP32_HALF`, which halves the scale because
+/// [`KVALUES_MXFP4`] doubles the values): the f32 bits `(e - 1) << 23`,
+/// for `e` = 0 and 1 the subnormals `2^-128` and `2^-127`. Exact; `e` =
+/// 255 (an e8m0 NaN) is `2^127`, as in ggml.
+pub(super) fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        u32::from(e - 1) << 23
+    };
+    f32::from_bits(bits)
 }
 
 fn half(block: &[u8], at: usize) -> f32 {
@@ -116,6 +143,7 @@ pub(super) fn head(format: QFormat, b: &[u8]) -> Head {
     let mut h = Head::ZERO;
     match format.code() {
         code::Q4_0 | code::Q5_0 | code::Q8_0 => h.s = [half(b, 0); 16],
+        code::MXFP4 => h.s = [e8m0_half(b[0]); 16],
         code::Q4_1 | code::Q5_1 => (h.s, h.o) = ([half(b, 0); 16], [half(b, 2); 16]),
         code::Q2_K => {
             let (d, dmin) = (half(b, 80), half(b, 82));
@@ -173,6 +201,7 @@ pub(super) fn quants(format: QFormat, b: &[u8], g: usize) -> [i8; 32] {
             code::Q5_0 => (nibbles(&b[6..22], i) | (((qh(2) >> i) & 1) << 4) as u8) as i8 - 16,
             code::Q5_1 => (nibbles(&b[8..24], i) | (((qh(4) >> i) & 1) << 4) as u8) as i8,
             code::Q8_0 => b[2 + i] as i8,
+            code::MXFP4 => KVALUES_MXFP4[usize::from(nibbles(&b[1..17], i))],
             code::Q2_K => ((b[16 + 32 * h + i] >> (2 * t)) & 3) as i8,
             code::Q3_K => {
                 let low = (b[32 + 32 * h + i] >> (2 * t)) & 3;

@@ -57,6 +57,8 @@ pub(super) unsafe fn head<const F: u8>(p: *const u8, h: &mut Head) {
     unsafe {
         match F {
             code::Q4_0 | code::Q5_0 | code::Q8_0 => h.s[0] = _mm_cvtss_f32(halves(p)),
+            // An integer bit pattern: the portable conversion itself.
+            code::MXFP4 => h.s[0] = scalar::e8m0_half(*p),
             code::Q4_1 | code::Q5_1 => {
                 let s = halves(p);
                 h.s[0] = _mm_cvtss_f32(s);
@@ -186,6 +188,7 @@ pub(super) unsafe fn quants<const F: u8>(p: *const u8, g: usize) -> __m256i {
             ),
             code::Q5_1 => _mm256_or_si256(nibbles16(load16(p.add(8))), fifth_bits(qh(p.add(4)))),
             code::Q8_0 => _mm256_loadu_si256(p.add(2).cast()),
+            code::MXFP4 => mxfp4_codes(nibbles16(load16(p.add(1)))),
             code::Q2_K => field(p.add(16 + 32 * h), 2 * t, 3),
             code::Q3_K => {
                 let low = field(p.add(32 + 32 * h), 2 * t, 3);
@@ -206,6 +209,17 @@ pub(super) unsafe fn quants<const F: u8>(p: *const u8, g: usize) -> __m256i {
             _ => _mm256_setzero_si256(),
         }
     }
+}
+
+/// MXFP4 codes (one per byte, 0-15) as their quants, by a byte shuffle
+/// with [`scalar::KVALUES_MXFP4`] in both 128-bit lanes (`vpshufb` reads
+/// the low four bits of each index byte).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn mxfp4_codes(codes: __m256i) -> __m256i {
+    let t = i128::from_le_bytes(scalar::KVALUES_MXFP4.map(|v| v as u8));
+    let lane = _mm_set_epi64x((t >> 64) as i64, t as i64);
+    _mm256_shuffle_epi8(_mm256_set_m128i(lane, lane), codes)
 }
 
 /// Sixteen bytes at `p`.
@@ -316,12 +330,15 @@ pub(super) unsafe fn dequantize<const F: u8>(w: &[u8], out: &mut [f32]) {
 }
 
 /// Whether format `F` is a 32-value legacy block with quants (Q4_0, Q4_1,
-/// Q5_0, Q5_1, Q8_0): the AVX-512 fused path decodes those straight from
-/// memory with the scales in registers, as the AVX2 one does those
-/// without fifth bits ([`is_direct`]); the same operations as [`chunk`],
-/// so the same bits.
+/// Q5_0, Q5_1, Q8_0; not MXFP4, whose scale is no f16): the AVX-512 fused
+/// path decodes those straight from memory with the scales in registers,
+/// as the AVX2 one does those without fifth bits ([`is_direct`]); the
+/// same operations as [`chunk`], so the same bits.
 pub(super) const fn is_legacy(f: QFormat) -> bool {
-    f.is_quantized() && f.block_values() == GROUP
+    matches!(
+        f,
+        QFormat::Q4_0 | QFormat::Q4_1 | QFormat::Q5_0 | QFormat::Q5_1 | QFormat::Q8_0
+    )
 }
 
 /// The legacy formats the AVX2 fused path decodes straight from memory

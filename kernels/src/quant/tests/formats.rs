@@ -6,7 +6,7 @@ use super::*;
 /// GGML type ids and block sizes as ggml.h / gguf-py's `GGML_QUANT_SIZES`
 /// define them: (id, name, values per block, bytes per block; F16 and
 /// BF16 in blocks of 32).
-const GGUF: [(u32, &str, usize, usize); 12] = [
+const GGUF: [(u32, &str, usize, usize); 13] = [
     (1, "F16", 32, 64),
     (2, "Q4_0", 32, 18),
     (3, "Q4_1", 32, 20),
@@ -19,6 +19,7 @@ const GGUF: [(u32, &str, usize, usize); 12] = [
     (13, "Q5_K", 256, 176),
     (14, "Q6_K", 256, 210),
     (30, "BF16", 32, 64),
+    (39, "MXFP4", 32, 17),
 ];
 
 #[test]
@@ -34,8 +35,8 @@ fn formats_have_gguf_ids_names_and_sizes() {
         );
         assert_eq!(QFormat::of_code(format.code()), *format);
     }
-    // F32, Q8_1, Q8_K, the IQ and TQ families, MXFP4, unknown ids.
-    for id in [0, 4, 5, 9, 15, 16, 20, 23, 24, 29, 31, 34, 39, 1000] {
+    // F32, Q8_1, Q8_K, the IQ and TQ families, NVFP4 (40), unknown ids.
+    for id in [0, 4, 5, 9, 15, 16, 20, 23, 24, 29, 31, 34, 40, 1000] {
         assert_eq!(QFormat::from_ggml_type(id), None, "id {id}");
     }
 }
@@ -129,6 +130,44 @@ fn dequantize_reads_the_k_and_five_bit_layouts() {
     }
 }
 
+/// Hand-built MXFP4 blocks: byte `i` holds code `i` in its low nibble
+/// (value `i`) and code `15 - i` in its high one (value `i + 16`), under
+/// exponents from the subnormal scales (`e` = 0, 1) to the largest finite
+/// product; each value is the e2m1 number the OCP spec gives its code
+/// (sign, two exponent bits, one mantissa bit), times `2^(e - 127)`,
+/// computed here in f64 without the table.
+#[test]
+fn dequantize_reads_mxfp4_codes_and_exponents() {
+    /// OCP e2m1: `(-1)^s * 2^(E - 1) * (1 + m / 2)`, subnormal `m / 2`
+    /// at `E` = 0.
+    fn e2m1(code: u8) -> f64 {
+        let (s, e, m) = (code >> 3, (code >> 1) & 3, code & 1);
+        let mag = if e == 0 {
+            f64::from(m) / 2.0
+        } else {
+            2f64.powi(i32::from(e) - 1) * (1.0 + f64::from(m) / 2.0)
+        };
+        if s == 1 {
+            -mag
+        } else {
+            mag
+        }
+    }
+    let mut row = vec![0.0; 32];
+    for e in [0u8, 1, 2, 100, 127, 128, 129, 200, 252] {
+        let mut b = vec![e];
+        b.extend((0..16u8).map(|i| i | ((15 - i) << 4)));
+        for path in kernels() {
+            path.dequantize(QFormat::MXFP4, &b, &mut row);
+            for (v, got) in row.iter().enumerate() {
+                let code = if v < 16 { v as u8 } else { 31 - v as u8 };
+                let want = e2m1(code) * 2f64.powi(i32::from(e) - 127);
+                assert_eq!(f64::from(*got), want, "{path} MXFP4 e {e} value {v}");
+            }
+        }
+    }
+}
+
 /// One format's rows from the fixture.
 struct Golden {
     format: QFormat,
@@ -140,7 +179,8 @@ struct Golden {
 
 /// `kernels/tests/data/gguf_quants.bin`, made by
 /// `scripts/golden/make_quant_fixtures.py` with gguf-py 0.19.0 (its format
-/// is described there).
+/// is described there; its MXFP4 rows take every exponent byte of finite
+/// products, 0 to 252).
 fn golden() -> Vec<Golden> {
     let data: &[u8] = include_bytes!("../../../tests/data/gguf_quants.bin");
     let mut at = 0;

@@ -33,7 +33,7 @@ fn scale_offsets(format: QFormat) -> &'static [usize] {
         QFormat::Q2_K => &[80, 82],
         QFormat::Q3_K => &[108],
         QFormat::Q6_K => &[208],
-        QFormat::F16 | QFormat::BF16 => &[],
+        QFormat::F16 | QFormat::BF16 | QFormat::MXFP4 => &[],
     }
 }
 
@@ -55,6 +55,8 @@ fn random_block(rng: &mut Rng, format: QFormat) -> Vec<u8> {
                 h.copy_from_slice(&bits.to_le_bytes());
             }
         }
+        // An e8m0 scale of 2^-10 .. 2^2 (halved: byte 118 .. 130).
+        QFormat::MXFP4 => b[0] = 118 + (rng.next() % 13) as u8,
         _ => {
             for &at in scale_offsets(format) {
                 b[at..at + 2].copy_from_slice(&rng.half());
