@@ -14,8 +14,9 @@
 //!   `c` is sixteen floats, row `2p`'s values `8c .. 8c + 8` then row
 //!   `2p + 1`'s, so one aligned load feeds both rows.
 //! - The fused path builds the same pair vectors in registers
-//!   ([`super::x86_512_blocks`]): the legacy formats straight from the two
-//!   rows' block bytes (one 16-byte load per row and block for Q4_1), the
+//!   ([`super::x86_512_blocks`]): the legacy formats and MXFP4 straight
+//!   from the two rows' block bytes (one 16-byte load per row and block
+//!   for Q4_1 and MXFP4, whose codes then take one table lookup), the
 //!   K-quants a 32-value group at a time from each row's quants (the AVX2
 //!   decoding in one half of a 512-bit register each, interleaved by
 //!   eighths), F16 and BF16 by converting eight halves of each row.
@@ -445,7 +446,7 @@ unsafe fn fused_legacy<const MR: usize, const NP: usize, const F: u8>(
                 let (pa, pb) = (rows[2 * j].add(b * bb), rows[2 * j + 1].add(b * bb));
                 _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add(AHEAD * rb).cast());
                 _mm_prefetch::<_MM_HINT_T0>(pb.wrapping_add(AHEAD * rb).cast());
-                let (d, m) = legacy_pair_scales(pa, pb);
+                let (d, m) = legacy_pair_scales::<F>(pa, pb);
                 *v = legacy_pair::<F>(pa, pb, d, m);
             }
             for c in 0..4 {

@@ -5,13 +5,14 @@
 //! - Every format: [`pair_quants`] puts two rows' 32 quants of a group in
 //!   one register, interleaved by eighths, and [`chunk2`] widens and scales
 //!   eight values of each row in one instruction each.
-//! - The legacy formats in the fused path: [`legacy_pair`] decodes two
-//!   blocks straight from their bytes, the scales converted once per block
-//!   pair ([`legacy_pair_scales`]).
+//! - The legacy formats and MXFP4 in the fused path: [`legacy_pair`]
+//!   decodes two blocks straight from their bytes (MXFP4's codes by one
+//!   `vpermd` table lookup per sixteen), the scales converted once per
+//!   block pair ([`legacy_pair_scales`]).
 
 use std::arch::x86_64::*;
 
-use super::scalar::Head;
+use super::scalar::{self, Head};
 use super::x86_blocks::{field, legacy_bias, legacy_layout, load16, nibbles16, qh, quants, sub};
 use super::{code, QFormat, GROUP};
 
@@ -135,13 +136,23 @@ const M_IDX: [i32; 16] = [1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3];
 
 /// Two legacy blocks' scales and offsets as pair vectors (`a`'s in the low
 /// half, `b`'s in the high; the offsets are garbage without one): one
-/// conversion for all four halves.
+/// conversion for all four halves. MXFP4's scales are its exponent bytes'
+/// [`scalar::e8m0_half`] (the portable conversion itself; no offsets).
 ///
 /// # Safety
-/// `a`, `b` point at whole legacy blocks; AVX-512.
+/// `a`, `b` point at whole blocks of format `F` ([`super::x86_blocks::is_legacy`]); AVX-512.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-pub(super) unsafe fn legacy_pair_scales(a: *const u8, b: *const u8) -> (__m512, __m512) {
+pub(super) unsafe fn legacy_pair_scales<const F: u8>(
+    a: *const u8,
+    b: *const u8,
+) -> (__m512, __m512) {
+    if F == code::MXFP4 {
+        // SAFETY: by the caller (a block's first byte is its exponent).
+        let (ea, eb) = unsafe { (*a, *b) };
+        let d = both(scalar::e8m0_half(ea), scalar::e8m0_half(eb));
+        return (d, _mm512_setzero_ps());
+    }
     // SAFETY: by the caller (blocks of at least 18 bytes); constant arrays
     // of sixteen lanes.
     unsafe {
@@ -159,9 +170,22 @@ pub(super) unsafe fn legacy_pair_scales(a: *const u8, b: *const u8) -> (__m512, 
     }
 }
 
+/// [`scalar::KVALUES_MXFP4`] widened to sixteen i32 lanes (a `vpermd`
+/// table: each lane's low four bits pick one).
+const KV_MXFP4_I32: [i32; 16] = {
+    let mut t = [0; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = scalar::KVALUES_MXFP4[i] as i32;
+        i += 1;
+    }
+    t
+};
+
 /// Two legacy blocks of format `F` in pair vectors: chunk `c` holds `a`'s
 /// values `8c .. 8c + 8` then `b`'s. The integers and operations of
-/// [`super::x86_blocks::legacy_chunk`], so its bits.
+/// [`super::x86_blocks::legacy_chunk`] (MXFP4, which the AVX2 build
+/// decodes by groups: of [`super::x86_blocks::chunk`]), so their bits.
 ///
 /// # Safety
 /// `a`, `b` point at whole blocks of format `F`; AVX-512.
@@ -193,12 +217,19 @@ pub(super) unsafe fn legacy_pair<const F: u8>(
             let lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(qa, qb));
             let hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(qa, qb));
             let mask = _mm512_set1_epi32(0x0f);
-            [
+            let q = [
                 _mm512_and_si512(lo, mask),
                 _mm512_and_si512(hi, mask),
                 _mm512_srli_epi32::<4>(lo),
                 _mm512_srli_epi32::<4>(hi),
-            ]
+            ];
+            if F == code::MXFP4 {
+                // Codes to quants: one table lookup per sixteen values.
+                let table = _mm512_loadu_si512(KV_MXFP4_I32.as_ptr().cast());
+                q.map(|c| _mm512_permutexvar_epi32(c, table))
+            } else {
+                q
+            }
         }
     };
     if qh_at != 0 {

@@ -329,22 +329,21 @@ pub(super) unsafe fn dequantize<const F: u8>(w: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Whether format `F` is a 32-value legacy block with quants (Q4_0, Q4_1,
-/// Q5_0, Q5_1, Q8_0; not MXFP4, whose scale is no f16): the AVX-512 fused
-/// path decodes those straight from memory with the scales in registers,
-/// as the AVX2 one does those without fifth bits ([`is_direct`]); the
-/// same operations as [`chunk`], so the same bits.
+/// Whether format `F` is a 32-value block with quants (Q4_0, Q4_1, Q5_0,
+/// Q5_1, Q8_0, MXFP4): the AVX-512 fused path decodes those straight from
+/// memory with the scales in registers, as the AVX2 one does those
+/// without fifth bits ([`is_direct`]); the same operations as [`chunk`],
+/// so the same bits.
 pub(super) const fn is_legacy(f: QFormat) -> bool {
-    matches!(
-        f,
-        QFormat::Q4_0 | QFormat::Q4_1 | QFormat::Q5_0 | QFormat::Q5_1 | QFormat::Q8_0
-    )
+    f.is_quantized() && f.block_values() == GROUP
 }
 
-/// The legacy formats the AVX2 fused path decodes straight from memory
-/// ([`legacy_scales`], [`legacy_chunk`]): Q4_0, Q4_1, Q8_0.
+/// The formats the AVX2 fused path decodes straight from memory
+/// ([`legacy_scales`], [`legacy_chunk`]): Q4_0, Q4_1, Q8_0. (MXFP4's
+/// codes take one table lookup per 32 values in its group decoding,
+/// [`quants`], but two 8-entry permutes per eight values here.)
 pub(super) const fn is_direct(f: QFormat) -> bool {
-    is_legacy(f) && legacy_layout(f).1 == 0
+    is_legacy(f) && legacy_layout(f).1 == 0 && !matches!(f, QFormat::MXFP4)
 }
 
 /// Where a legacy block's `qs` and `qh` start.
@@ -354,6 +353,7 @@ pub(super) const fn legacy_layout(f: QFormat) -> (usize, usize) {
         QFormat::Q4_1 => (4, 0),
         QFormat::Q5_0 => (6, 2),
         QFormat::Q5_1 => (8, 4),
+        QFormat::MXFP4 => (1, 0),
         _ => (2, 0),
     }
 }
