@@ -16,6 +16,7 @@
 //! one RoPE layout to implement.
 
 mod assemble;
+mod gate_up;
 mod hf;
 mod layout;
 mod permute;

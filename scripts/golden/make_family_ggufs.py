@@ -23,6 +23,13 @@ quantizes `.weight` tensors only); the router stays F32. Their
 quantized files get golden data of their own (`tiny-<family>-<type>.json`,
 transformers on the dequantized weights): routing follows the weights.
 
+gpt-oss is also written as its MXFP4 release converts (`MXFP4`: the
+expert stacks in MXFP4, gguf-py's quantizer; every other matrix in BF16),
+with golden data on those weights, and again with each layer's expert gate
+and up fused into one `ffn_gate_up_exps` stack (`MXFP4-fused`: the layout
+llama.cpp's converter writes for Qwen3-Next, Qwen3.5 MoE, Gemma 4 and
+others; it must load equal to the unfused file).
+
 Outputs (committed): model/tests/data/gguf/tiny-<family>-<type>.gguf, and
 tiny-qwen3-IQ4_NL.gguf: Q8_0 with one tensor in IQ4_NL, a type kvmesh does
 not run (the loader must refuse it, naming the tensor and the type).
@@ -43,7 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_golden as mg  # noqa: E402
 
 DATA = mg.REPO_ROOT / "model" / "tests" / "data"
-TYPES = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1, "Q5_0": Q.Q5_0, "Q5_1": Q.Q5_1}
+TYPES = {
+    "F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1, "Q5_0": Q.Q5_0,
+    "Q5_1": Q.Q5_1, "MXFP4": Q.MXFP4,
+}
 PER_FAMILY = {
     "qwen2": ["F32", "Q8_0"],
     "qwen3": ["F32", "Q8_0", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1"],
@@ -56,13 +66,14 @@ PER_FAMILY = {
     "qwen2_moe": ["F32", "Q8_0", "Q4_0"],
     "qwen3_moe": ["F32", "Q8_0", "Q4_0"],
     "glm4_moe": ["F32", "Q8_0", "Q4_0"],
-    "gpt_oss": ["F32", "Q8_0"],
+    "gpt_oss": ["F32", "Q8_0", "MXFP4"],
 }
 # Quantized files whose golden data transformers computes on the file's own
 # dequantized weights (`tiny-<family>-<type>.json`): a mixture's routing
 # follows the weights, so the f32 reference cannot stand in for them.
 DEQUANTIZED_GOLDEN = [(f, t) for f in ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe") for t in ("Q8_0", "Q4_0")] + [
-    ("gpt_oss", "Q8_0")
+    ("gpt_oss", "Q8_0"),
+    ("gpt_oss", "MXFP4"),
 ]
 # family -> GGUF architecture
 ARCH = {
@@ -167,11 +178,11 @@ def tokenizer_metadata(w, src):
     return len(tokens)
 
 
-def convert(family, type_name, odd_tensor=None):
+def convert(family, type_name, odd_tensor=None, fuse_gate_up=False):
     src = DATA / f"tiny-{family}"
     cfg = json.loads((src / "config.json").read_text())
     arch = ARCH[family]
-    suffix = "IQ4_NL" if odd_tensor else type_name
+    suffix = "IQ4_NL" if odd_tensor else type_name + ("-fused" if fuse_gate_up else "")
     out = DATA / "gguf" / f"tiny-{family}-{suffix}.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(out), arch)
@@ -255,6 +266,8 @@ def convert(family, type_name, odd_tensor=None):
 
     qtype = TYPES[type_name]
     tensors = stack_experts(split_fused_experts(safetensors.numpy.load_file(str(src / "model.safetensors"))))
+    if fuse_gate_up:
+        tensors = fuse_gate_up_stacks(tensors)
     if nextn:
         last = f"model.layers.{n_layers - 1}."
         for name in [n for n in tensors if n.startswith(last)]:
@@ -285,8 +298,9 @@ def convert(family, type_name, odd_tensor=None):
             raw = np.random.default_rng(7).integers(0, 256, size=(rows, cols // 32 * 18), dtype=np.uint8)
             w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=Q.IQ4_NL)
         elif t.ndim >= 2 and qtype != Q.F32 and not quantize_kept_f32(gname):
-            data = gguf.quants.quantize(t, qtype)
-            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
+            ttype = tensor_type(gname, qtype)
+            data = gguf.quants.quantize(t, ttype)
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=ttype)
         else:
             w.add_tensor(gname, t)
     w.write_header_to_file()
@@ -341,6 +355,30 @@ def stack_experts(tensors):
     return out
 
 
+def tensor_type(gname, qtype):
+    """A quantized matrix's type: MXFP4 files hold the experts in MXFP4 and
+    every other matrix in BF16, as llama.cpp's converter writes gpt-oss's
+    MXFP4 release (its experts' blocks repacked, the rest in the default
+    output type, bf16 for a bf16 checkpoint); other types are whole-file."""
+    if qtype != Q.MXFP4:
+        return qtype
+    return Q.MXFP4 if "_exps." in gname else Q.BF16
+
+
+def fuse_gate_up_stacks(tensors):
+    """Each layer's `ffn_gate_exps` and `ffn_up_exps` (and their `.bias`
+    stacks) as one `ffn_gate_up_exps` stack, expert j's gate rows then its
+    up rows (`[experts, 2 ff, hidden]`, llama.cpp's fused layout, whose
+    graph takes an expert's first ff outputs as the gate): a variant file
+    that must load equal to the unfused one."""
+    out = dict(tensors)
+    for name in [n for n in tensors if ".ffn_gate_exps." in n]:
+        up = name.replace(".ffn_gate_exps.", ".ffn_up_exps.")
+        fused = np.concatenate([out.pop(name), out.pop(up)], axis=1)
+        out[name.replace(".ffn_gate_exps.", ".ffn_gate_up_exps.")] = np.ascontiguousarray(fused)
+    return out
+
+
 def quantize_kept_f32(gname):
     """llama.cpp's quantizer keeps the expert router (`ffn_gate_inp`) in
     f32, and the shared expert's one-row gate is a vector to it; it
@@ -365,9 +403,10 @@ def dequantized_golden(family, type_name):
     qtype = TYPES[type_name]
     tensors = safetensors.numpy.load_file(str(src / "model.safetensors"))
 
-    def rounded(t):
-        q = gguf.quants.quantize(t.astype(np.float32), qtype)
-        return gguf.quants.dequantize(q, qtype).reshape(t.shape).astype(np.float32)
+    def rounded(t, expert=False):
+        ttype = tensor_type("_exps." if expert else "", qtype)
+        q = gguf.quants.quantize(t.astype(np.float32), ttype)
+        return gguf.quants.dequantize(q, ttype).reshape(t.shape).astype(np.float32)
 
     out = {}
     for name, t in tensors.items():
@@ -380,9 +419,9 @@ def dequantized_golden(family, type_name):
             t = t.astype(np.float32).copy()
             for k in (0, 1):
                 part = np.ascontiguousarray(t[:, :, k::2].transpose(0, 2, 1))
-                t[:, :, k::2] = rounded(part).transpose(0, 2, 1)
+                t[:, :, k::2] = rounded(part, expert=True).transpose(0, 2, 1)
         elif name.endswith("mlp.experts.down_proj"):
-            t = rounded(np.ascontiguousarray(t.transpose(0, 2, 1))).transpose(0, 2, 1)
+            t = rounded(np.ascontiguousarray(t.transpose(0, 2, 1)), expert=True).transpose(0, 2, 1)
         elif t.ndim >= 2 and not router and not name.endswith("_bias"):
             t = rounded(t)
         out[name] = np.ascontiguousarray(t)
@@ -397,7 +436,9 @@ def dequantized_golden(family, type_name):
         name = f"tiny-{family}-{type_name}"
         source = (
             f"Generated by scripts/golden/make_family_ggufs.py: model/tests/data/tiny-{family} with every tensor "
-            f"the converter quantizes quantized to {type_name} and dequantized by gguf-py, run by transformers "
+            f"the converter quantizes quantized to {type_name}"
+            + (" (the experts; the other matrices BF16)" if qtype == Q.MXFP4 else "")
+            + " and dequantized by gguf-py, run by transformers "
             f"{mf.transformers.__version__} {type(model).__name__}"
         )
         g = mg.build_golden(name, source, tok, model, mg.LONG_TEXT_TINY, smollm=False, extra={"family": family, "gguf_type": type_name})
@@ -413,6 +454,8 @@ def main():
             convert(family, t)
     if not args.only or "qwen3" in args.only:
         convert("qwen3", "Q8_0", odd_tensor="blk.1.attn_v.weight")
+    if not args.only or "gpt_oss" in args.only:
+        convert("gpt_oss", "MXFP4", fuse_gate_up=True)
     for family, t in DEQUANTIZED_GOLDEN:
         if not args.only or family in args.only:
             dequantized_golden(family, t)

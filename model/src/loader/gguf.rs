@@ -7,7 +7,9 @@
 //! anything is allocated or read. Converting blocks to f32 goes through
 //! candle's dequantization under [`guarded`], which turns an error or a
 //! panic inside it into [`ModelError::Malformed`]: no file content may
-//! bring the process down.
+//! bring the process down. A block format candle lacks (MXFP4) is
+//! converted by the kernels' own dequantization, after the same length
+//! checks ([`QMatrix::from_bytes`]), which no byte value can make panic.
 
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
@@ -166,6 +168,11 @@ impl GgufFile {
         let info = self.info(name, expected)?;
         let (code, offset, dims) = (info.ggml_type, info.offset, info.dims.clone());
         let Some(dtype) = ggml_dtype(code) else {
+            // A block format candle does not decode (MXFP4): the kernels'
+            // dequantization, the reference their matmuls equal.
+            if let Some(format) = QFormat::from_ggml_type(code) {
+                return self.dequantized(name, offset, format, &dims);
+            }
             return Err(ModelError::UnsupportedDtype {
                 path: self.path_buf(),
                 tensor: name.to_owned(),
@@ -196,7 +203,8 @@ impl GgufFile {
     }
 
     /// Read matrix `name` as its GGUF blocks, unconverted, when it is stored
-    /// in a block format ([`QFormat`]: F16, BF16, Q4_0..Q8_0, Q2_K..Q6_K);
+    /// in a block format ([`QFormat`]: F16, BF16, Q4_0..Q8_0, Q2_K..Q6_K,
+    /// MXFP4);
     /// `None` for F32 (and for a tensor that is not a matrix or a stack of
     /// them). Any other
     /// type is refused, naming the tensor and its type, rather than widened
@@ -232,8 +240,22 @@ impl GgufFile {
                 })
             }
         };
+        self.blocks(name, offset, format, rows, cols).map(Some)
+    }
+
+    /// The `rows x cols` blocks of tensor `name` (format `format`, at
+    /// `offset` in the data section): whole blocks per row, the byte range
+    /// checked against the file before it is read.
+    fn blocks(
+        &mut self,
+        name: &str,
+        offset: u64,
+        format: QFormat,
+        rows: usize,
+        cols: usize,
+    ) -> Result<QMatrix> {
         let block = format.block_values();
-        if cols % block != 0 {
+        if !cols.is_multiple_of(block) {
             return Err(self.bad(
                 name,
                 format!("{cols} columns is not whole {block}-value {format} blocks"),
@@ -244,8 +266,34 @@ impl GgufFile {
             .and_then(|b| b.checked_mul(format.block_bytes() as u64))
             .ok_or_else(|| self.bad(name, "size overflows".into()))?;
         let data = self.read_data(name, offset, len)?;
-        QMatrix::from_bytes(format, rows, cols, data)
-            .map(Some)
+        QMatrix::from_bytes(format, rows, cols, data).map_err(|e| self.bad(name, e.to_string()))
+    }
+
+    /// Tensor `name` of a block format candle does not decode, as f32 of
+    /// shape `dims` (its last dimension the rows' width): each row
+    /// dequantized by the kernels ([`QMatrix::dequantize_row`], the values
+    /// the quantized matmuls multiply with, to the bit).
+    fn dequantized(
+        &mut self,
+        name: &str,
+        offset: u64,
+        format: QFormat,
+        dims: &[usize],
+    ) -> Result<Tensor> {
+        let (cols, lead) = match dims.split_last() {
+            Some((&cols, lead)) => (cols, lead),
+            None => (1, &[][..]),
+        };
+        let rows = lead
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| self.bad(name, "size overflows".into()))?;
+        let q = self.blocks(name, offset, format, rows, cols)?;
+        let mut values = vec![0.0f32; rows * cols];
+        for (r, row) in values.chunks_exact_mut(cols.max(1)).enumerate() {
+            q.dequantize_row(r, row);
+        }
+        Tensor::from_vec(values, dims.to_vec(), &Device::Cpu)
             .map_err(|e| self.bad(name, e.to_string()))
     }
 }

@@ -183,8 +183,9 @@ pub(super) fn assemble(
 
 /// Layer `i`'s router, experts and shared expert. A Hugging Face
 /// checkpoint names each expert's matrices; GGUF stacks each role into one
-/// `[experts, rows, cols]` tensor, split here into the experts' row ranges
-/// (whole rows of blocks, so quantized experts stay quantized).
+/// `[experts, rows, cols]` tensor (or gate and up into one, `gate_up`),
+/// split here into the experts' row ranges (whole rows of blocks, so
+/// quantized experts stay quantized).
 pub(super) fn moe_weights(
     src: &mut dyn TensorSource,
     config: &ModelConfig,
@@ -249,13 +250,29 @@ pub(super) fn moe_weights(
     let experts = if layout == Layout::Hf && family.hf_fused_experts {
         fused_hf_experts(src, config, family, i, moe)?
     } else {
-        let gates = experts_of(src, Part::ExpertGate)?;
-        let ups = experts_of(src, Part::ExpertUp)?;
+        // A GGUF whose converter fused gate and up (see `gate_up`): split
+        // by rows, the separate stacks' names unused.
+        let fused = layout == Layout::Gguf
+            && !src.contains(&layout.layer(family, i, Part::ExpertGate))
+            && src.contains(&super::gate_up::fused_name(i));
+        let (gates, ups, gate_up_bias) = if fused {
+            let dims = (moe.n_experts, moe.expert_ff, config.hidden_size);
+            let g = super::gate_up::split_gate_up(src, i, dims, precision, moe.expert_bias)?;
+            (g.gates, g.ups, g.biases)
+        } else {
+            let gates = experts_of(src, Part::ExpertGate)?;
+            (gates, experts_of(src, Part::ExpertUp)?, None)
+        };
         let downs = experts_of(src, Part::ExpertDown)?;
         let mut biases: Vec<Option<MlpBias>> = vec![None; moe.n_experts];
         if moe.expert_bias {
-            let g = biases_of(src, Part::ExpertGateBias)?;
-            let u = biases_of(src, Part::ExpertUpBias)?;
+            let (g, u) = match gate_up_bias {
+                Some(gu) => gu,
+                None => (
+                    biases_of(src, Part::ExpertGateBias)?,
+                    biases_of(src, Part::ExpertUpBias)?,
+                ),
+            };
             let d = biases_of(src, Part::ExpertDownBias)?;
             for (b, ((gate, up), down)) in biases.iter_mut().zip(g.into_iter().zip(u).zip(d)) {
                 *b = Some(MlpBias { gate, up, down });

@@ -12,6 +12,11 @@ pub(crate) trait TensorSource {
     /// Take tensor `name`; [`ModelError::MissingTensor`] if absent,
     /// [`ModelError::ShapeMismatch`] if its shape is not `expected`.
     fn take(&mut self, name: &str, expected: &[usize]) -> Result<Tensor>;
+    /// Whether the source has tensor `name` (a variant layout's tensor,
+    /// such as a fused expert stack, is looked for before it is taken).
+    fn contains(&self, _name: &str) -> bool {
+        false
+    }
     /// Take a weight matrix: f32 unless the source keeps supported blocks
     /// and `precision` asks for them.
     fn take_matrix(
@@ -31,6 +36,10 @@ impl TensorSource for GgufFile {
 
     fn take(&mut self, name: &str, expected: &[usize]) -> Result<Tensor> {
         self.tensor_f32(name, expected)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.header().tensor(name).is_some()
     }
 
     fn take_matrix(
