@@ -68,7 +68,7 @@ pub enum ModelError {
         architecture: String,
     },
     /// A tensor is stored in a type this runtime cannot run.
-    #[error("{}: tensor `{tensor}` has type {dtype}, which kvmesh cannot run (supported: safetensors f32, f16, bf16; GGUF F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)", path.display())]
+    #[error("{}: tensor `{tensor}` has type {dtype}, which kvmesh cannot run (supported: safetensors f32, f16, bf16; GGUF F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4)", path.display())]
     UnsupportedDtype {
         /// The weight file.
         path: PathBuf,

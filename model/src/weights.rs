@@ -4,7 +4,7 @@
 //!
 //! Matrices are [`Matrix`] values: f32 in the exact mode ([`Precision::Exact`])
 //! and for sources without supported blocks; in [`Precision::Quantized`] a
-//! GGUF matrix stored in a block format (F16, BF16, Q4_0..Q8_0, Q2_K..Q6_K) keeps its blocks as they are in the file
+//! GGUF matrix stored in a block format (F16, BF16, Q4_0..Q8_0, Q2_K..Q6_K, MXFP4) keeps its blocks as they are in the file
 //! ([`QMatrix`]), read straight from the file without dequantizing. Vectors
 //! (norms, biases) are always f32.
 //!

@@ -10,7 +10,10 @@
 //! transformers 5 saves the experts fused ([`Family::hf_fused_experts`]);
 //! llama.cpp's converter splits gate and up into `ffn_gate_exps` and
 //! `ffn_up_exps` with their `.bias` stacks, and names the pre-MLP norm
-//! `post_attention_norm`.
+//! `post_attention_norm`. Converted from the MXFP4 release, its expert
+//! stacks are MXFP4 (kept in their blocks in the quantized mode) and the
+//! other matrices BF16. A GGUF whose experts' gate and up are one
+//! `ffn_gate_up_exps` stack loads too (`weights::gate_up`).
 //!
 //! Where a file leaves a key out, the reference that reads the format
 //! decides: transformers' `GptOssConfig` (window 128, alpha 1.702, limit
@@ -72,7 +75,9 @@ fn gpt_oss_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {
     hf.require_activation(Activation::Silu)?;
     if let Some(q) = hf.get("quantization_config").filter(|v| !v.is_null()) {
         // The released checkpoints keep their experts in MXFP4 blocks
-        // (`*_blocks`, `*_scales`), which this reader does not unpack.
+        // (`*_blocks`, `*_scales`), in another nibble order than GGUF's and
+        // with gate and up rows interleaved: this reader does not repack
+        // them (their GGUF conversion's MXFP4 experts are read).
         return Err(hf.invalid(
             "quantization_config",
             q.to_string().chars().take(80).collect(),
