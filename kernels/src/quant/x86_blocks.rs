@@ -217,9 +217,9 @@ pub(super) unsafe fn quants<const F: u8>(p: *const u8, g: usize) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2")]
 pub(super) fn mxfp4_codes(codes: __m256i) -> __m256i {
-    let t = i128::from_le_bytes(scalar::KVALUES_MXFP4.map(|v| v as u8));
-    let lane = _mm_set_epi64x((t >> 64) as i64, t as i64);
-    _mm256_shuffle_epi8(_mm256_set_m128i(lane, lane), codes)
+    // SAFETY: sixteen bytes.
+    let lane = unsafe { _mm_loadu_si128(scalar::KVALUES_MXFP4.as_ptr().cast()) };
+    _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(lane), codes)
 }
 
 /// Sixteen bytes at `p`.
