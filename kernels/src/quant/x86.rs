@@ -3,14 +3,15 @@
 //! two activation rows. Same arithmetic, to the bit, as the portable path
 //! (see that module). Blocks are decoded by [`super::x86_blocks`]: in the
 //! fused path Q4_0, Q4_1 and Q8_0 eight values at a time straight from the
-//! block bytes with the scales in registers, every other format (MXFP4
-//! included: one table lookup per 32 codes) a 32-value group at a time.
+//! block bytes with the scales in registers, MXFP4 a block at a time with
+//! its scale in a register and its codes looked up in one `vpshufb`, every
+//! other format a 32-value group at a time.
 
 use std::arch::x86_64::*;
 
-use super::scalar::Head;
-use super::x86_blocks::{chunk, head, is_direct, legacy_chunk, legacy_scales, quants};
-use super::{with_format, QFormat, GROUP};
+use super::scalar::{self, Head};
+use super::x86_blocks::{chunk, eighth, head, is_direct, legacy_chunk, legacy_scales, quants};
+use super::{code, with_format, QFormat, GROUP};
 use crate::simd::hsum;
 
 /// Dequantize whole blocks of `w` into `out`, values in order.
@@ -246,6 +247,11 @@ unsafe fn fused_tile<const MR: usize, const NR: usize, const F: u8>(
         unsafe { fused_legacy::<MR, NR, F>(&mut acc, x, k, w, rb) };
         return reduce_tile(&acc);
     }
+    if F == code::MXFP4 {
+        // SAFETY: by the caller, as below.
+        unsafe { fused_mxfp4::<MR, NR>(&mut acc, x, k, w, rb) };
+        return reduce_tile(&acc);
+    }
     let mut heads = [Head::ZERO; NR];
     for b in 0..k / bv {
         // SAFETY: block b of each row, and values b*bv .. (b+1)*bv of each
@@ -315,6 +321,54 @@ unsafe fn fused_legacy<const MR: usize, const NR: usize, const F: u8>(
                 }
                 for (j, &(d, m)) in sc.iter().enumerate() {
                     let v = legacy_chunk::<F>(w.add(j * rb + b * bb), c, d, m);
+                    for i in 0..MR {
+                        acc[i][j] = _mm256_fmadd_ps(a[i], v, acc[i][j]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`fused_tile`]'s accumulation for MXFP4: each block's scale converted
+/// once per row into a register (no [`Head`]), its codes to quants by one
+/// table lookup, each eight values widened and scaled: [`chunk`]'s
+/// integers and operations (`float(q) * s`), so its bits.
+///
+/// # Safety
+/// As [`fused_tile`].
+#[allow(clippy::needless_range_loop)] // tile loops index several arrays
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fused_mxfp4<const MR: usize, const NR: usize>(
+    acc: &mut [[__m256; NR]; MR],
+    x: *const f32,
+    k: usize,
+    w: *const u8,
+    rb: usize,
+) {
+    const F: u8 = code::MXFP4;
+    let bb = const { QFormat::of_code(F).block_bytes() };
+    for b in 0..k / GROUP {
+        // SAFETY: block b of each row, and values b*32 .. b*32+32 of each
+        // activation row, by the caller; the prefetch is a hint.
+        unsafe {
+            let mut s = [_mm256_setzero_ps(); NR];
+            let mut q = [_mm256_setzero_si256(); NR];
+            for j in 0..NR {
+                let p = w.add(j * rb + b * bb);
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD * rb).cast());
+                s[j] = _mm256_set1_ps(scalar::e8m0_half(*p));
+                q[j] = quants::<F>(p, 0);
+            }
+            for c in 0..4 {
+                let mut a = [_mm256_setzero_ps(); MR];
+                for (i, a) in a.iter_mut().enumerate() {
+                    *a = _mm256_loadu_ps(x.add(i * k + b * GROUP + 8 * c));
+                }
+                for j in 0..NR {
+                    let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eighth(q[j], c)));
+                    let v = _mm256_mul_ps(v, s[j]);
                     for i in 0..MR {
                         acc[i][j] = _mm256_fmadd_ps(a[i], v, acc[i][j]);
                     }

@@ -340,8 +340,9 @@ pub(super) const fn is_legacy(f: QFormat) -> bool {
 
 /// The formats the AVX2 fused path decodes straight from memory
 /// ([`legacy_scales`], [`legacy_chunk`]): Q4_0, Q4_1, Q8_0. (MXFP4's
-/// codes take one table lookup per 32 values in its group decoding,
-/// [`quants`], but two 8-entry permutes per eight values here.)
+/// codes take one table lookup per 32 values from a register, [`quants`],
+/// but two 8-entry permutes per eight values here: its fused path is its
+/// own, `x86::fused_mxfp4`.)
 pub(super) const fn is_direct(f: QFormat) -> bool {
     is_legacy(f) && legacy_layout(f).1 == 0 && !matches!(f, QFormat::MXFP4)
 }
