@@ -358,7 +358,7 @@ unsafe fn fused_mxfp4<const MR: usize, const NR: usize>(
             for j in 0..NR {
                 let p = w.add(j * rb + b * bb);
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD * rb).cast());
-                s[j] = _mm256_set1_ps(scalar::e8m0_half(*p));
+                s[j] = _mm256_set1_ps(scalar::E8M0_HALF[usize::from(*p)]);
                 q[j] = quants::<F>(p, 0);
             }
             for c in 0..4 {

@@ -137,7 +137,7 @@ const M_IDX: [i32; 16] = [1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3];
 /// Two legacy blocks' scales and offsets as pair vectors (`a`'s in the low
 /// half, `b`'s in the high; the offsets are garbage without one): one
 /// conversion for all four halves. MXFP4's scales are its exponent bytes'
-/// [`scalar::e8m0_half`] (the portable conversion itself; no offsets).
+/// [`scalar::e8m0_half`] (its table, [`scalar::E8M0_HALF`]; no offsets).
 ///
 /// # Safety
 /// `a`, `b` point at whole blocks of format `F` ([`super::x86_blocks::is_legacy`]); AVX-512.
@@ -150,7 +150,8 @@ pub(super) unsafe fn legacy_pair_scales<const F: u8>(
     if F == code::MXFP4 {
         // SAFETY: by the caller (a block's first byte is its exponent).
         let (ea, eb) = unsafe { (*a, *b) };
-        let d = both(scalar::e8m0_half(ea), scalar::e8m0_half(eb));
+        let t = &scalar::E8M0_HALF;
+        let d = both(t[usize::from(ea)], t[usize::from(eb)]);
         return (d, _mm512_setzero_ps());
     }
     // SAFETY: by the caller (blocks of at least 18 bytes); constant arrays

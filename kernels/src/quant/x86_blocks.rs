@@ -57,8 +57,8 @@ pub(super) unsafe fn head<const F: u8>(p: *const u8, h: &mut Head) {
     unsafe {
         match F {
             code::Q4_0 | code::Q5_0 | code::Q8_0 => h.s[0] = _mm_cvtss_f32(halves(p)),
-            // An integer bit pattern: the portable conversion itself.
-            code::MXFP4 => h.s[0] = scalar::e8m0_half(*p),
+            // The portable conversion's table.
+            code::MXFP4 => h.s[0] = scalar::E8M0_HALF[usize::from(*p)],
             code::Q4_1 | code::Q5_1 => {
                 let s = halves(p);
                 h.s[0] = _mm_cvtss_f32(s);

@@ -168,6 +168,20 @@ fn dequantize_reads_mxfp4_codes_and_exponents() {
     }
 }
 
+/// The e8m0 table the SIMD paths load holds [`scalar::e8m0_half`] of
+/// every byte, and that is `2^(e - 128)`.
+#[test]
+fn e8m0_scales_are_powers_of_two() {
+    for e in 0..=255u8 {
+        let want = 2f64.powi(i32::from(e) - 128);
+        assert_eq!(f64::from(scalar::e8m0_half(e)), want, "byte {e}");
+        assert_eq!(
+            scalar::E8M0_HALF[usize::from(e)].to_bits(),
+            scalar::e8m0_half(e).to_bits()
+        );
+    }
+}
+
 /// One format's rows from the fixture.
 struct Golden {
     format: QFormat,
