@@ -147,6 +147,25 @@ fn fused_expert_gate_up_loads_equal_to_separate_stacks() {
     }
 }
 
+/// The MXFP4 file cut short anywhere in its tensor data (the expert
+/// stacks among it) is a typed error naming the file in either mode,
+/// never a panic or a partial model.
+#[test]
+fn a_truncated_mxfp4_file_is_malformed() {
+    let bytes = std::fs::read(common::tiny_family_gguf("gpt_oss", "MXFP4")).expect("read");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad = dir.path().join("cut.gguf");
+    for k in 1..8 {
+        let cut = bytes.len() * (8 + k) / 16;
+        std::fs::write(&bad, &bytes[..cut]).expect("write");
+        for precision in [Precision::Quantized, Precision::Exact] {
+            let err = load_with(&bad, precision).expect_err("truncated");
+            assert_eq!(err.kind(), "malformed", "cut at {cut}: {err}");
+            assert!(err.to_string().contains("cut.gguf"), "{err}");
+        }
+    }
+}
+
 /// A type kvmesh does not run is refused at load in either mode, naming
 /// the tensor and the type, never widened or skipped.
 #[test]
