@@ -32,7 +32,8 @@
 //! integer in `[-12, 12]`) and the scale is the e8m0 byte `e` halved,
 //! `2^(e - 128)` (ggml's `GGML_E8M0_TO_FP32_HALF`: a power of two, the
 //! subnormals `2^-128` and `2^-127` for `e` = 0 and 1), so `q * s` is
-//! exact (or overflows to infinity only at `e` = 255 with `|q|` >= 4, as in ggml).
+//! exact, or infinite where it reaches `2^128` (only from `e` = 253, as in
+//! ggml and gguf-py; a quantizer never writes those for finite weights).
 //!
 //! Two numerics classes, one per process ([`crate::cpu::activations`]):
 //! - **f32 activations** (`gemm.rs`): a call dequantizes each weight once,
