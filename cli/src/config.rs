@@ -9,7 +9,7 @@
 //! kv_cache_dtype: auto         # f16 or f32; auto: f16 with quantized weights, f32 exact
 //! cpu_kernels: auto            # or avx512, avx2, portable (a node may set its own;
 //!                              #   --cpu-kernels overrides both)
-//! activations: f32             # or int8: the quantized matmuls' numerics class,
+//! activations: int8            # or f32: the quantized matmuls' numerics class,
 //!                              #   one per mesh (--activations overrides it)
 //! device: cpu                  # or cuda, cuda:N: where prefill and decode nodes
 //!                              #   compute (a node may set its own; --device

@@ -59,7 +59,7 @@ struct Cli {
     /// CPU kernels: auto (the widest this CPU runs), avx512, avx2 or portable [default: a node's cpu_kernels in the mesh file, else auto]. avx512 and avx2 compute the same bits; the router pairs a portable node only with portable ones.
     #[arg(long, global = true, env = "KVMESH_CPU_KERNELS")]
     cpu_kernels: Option<CpuKernels>,
-    /// Activations of the quantized matmuls: f32 (weights dequantized, f32 multiply-adds) or int8 (quantized per 32 values, integer dot products; its own numerics class) [default: the mesh file's activations, else f32]. Every node of a mesh must use the same.
+    /// Activations of the quantized matmuls: int8 (quantized per 32 values, integer dot products, as llama.cpp computes; about 2x the prefill of f32) or f32 (weights dequantized, f32 multiply-adds: the closer match to transformers, see docs/models.md) [default: the mesh file's activations, else int8]. Each is its own numerics class: every node of a mesh must use the same.
     #[arg(long, global = true, env = "KVMESH_ACTIVATIONS")]
     activations: Option<Activations>,
     /// Where the model computes: cpu, cuda or cuda:N [default: a node's device in the mesh file, else the mesh's, else cpu]. CUDA is loaded at run time: asking for it where the driver, the device or NVRTC is missing fails at start, naming what is missing.

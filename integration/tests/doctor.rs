@@ -303,11 +303,12 @@ fn a_mesh_mixing_cpu_kernel_numerics_is_refused_and_named_while_avx2_and_avx512_
     let line = router
         .log_line("refusing to pair nodes", Duration::from_secs(10))
         .expect("the router logs the refusal");
+    // Both in the default int8 class: the numerics differ by the path.
     assert!(
-        line.contains("prefill-0 runs portable (portable)"),
+        line.contains("prefill-0 runs portable (portable-i8)"),
         "{line}"
     );
-    assert!(line.contains("x86-fma"), "{line}");
+    assert!(line.contains("x86-i8"), "{line}");
     // The node's series and doctor name the odd one out.
     let info = http::metrics(&addr);
     assert!(
@@ -316,7 +317,7 @@ fn a_mesh_mixing_cpu_kernel_numerics_is_refused_and_named_while_avx2_and_avx512_
             &[
                 ("node", "prefill-0"),
                 ("cpu_kernels", "portable"),
-                ("cpu_numerics", "portable")
+                ("cpu_numerics", "portable-i8")
             ]
         )
         .is_some(),
@@ -331,30 +332,30 @@ fn a_mesh_mixing_cpu_kernel_numerics_is_refused_and_named_while_avx2_and_avx512_
         "only the numerics differ: {v:#}"
     );
 
-    // The same path in the 8-bit-activation class: other numerics, so
-    // refused alike, and named.
+    // The same path in the f32 class: other numerics, so refused alike,
+    // and named.
     drop(prefill);
     let prefill = start_with(
         "prefill",
         &file,
         Some("prefill-0"),
-        &["--activations", "int8"],
+        &["--activations", "f32"],
     );
     // Until the new node's load report is in, the router may still refuse
-    // on the portable one's: ask until it names the int8 class.
+    // on the portable one's: ask until it names the f32 class.
     let t0 = Instant::now();
     let line = loop {
         refused_as_mixed(&addr, &body);
-        if let Some(line) = router.log_line("x86-i8", Duration::from_millis(300)) {
+        if let Some(line) = router.log_line("x86-fma", Duration::from_millis(300)) {
             break line;
         }
         assert!(
             t0.elapsed() < Duration::from_secs(30),
-            "the router never named the int8 class"
+            "the router never named the f32 class"
         );
     };
     assert!(
-        line.contains("refusing to pair") && line.contains("x86-fma"),
+        line.contains("refusing to pair") && line.contains("x86-i8"),
         "{line}"
     );
 

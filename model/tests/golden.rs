@@ -24,7 +24,8 @@ mod common;
 
 use std::path::Path;
 
-use common::golden::{check_tokenizer, quantized_engine_for, read_golden, Golden, F32};
+use common::golden::{check_tokenizer, read_golden, Golden, F32};
+use kvmesh_kernels::cpu::{self, Activations};
 use kvmesh_kvpool::Namespace;
 use kvmesh_meshauth::MeshSecret;
 use kvmesh_model::engine::{Engine, EngineConfig};
@@ -36,7 +37,23 @@ fn check_greedy(engine: &Engine, g: &Golden, ns: Option<Namespace>) -> f32 {
     common::golden::check_greedy(engine, g, ns, &F32)
 }
 
+/// This binary compares at the f32 class's tolerance, so every engine it
+/// builds runs in that class (selected before any kernel runs; the
+/// default is int8, which `golden_int8.rs` compares at its own).
+fn f32_class() {
+    assert_eq!(
+        cpu::select_activations(Activations::F32),
+        Ok(Activations::F32)
+    );
+}
+
+fn quantized_engine_for(path: &Path) -> Engine {
+    f32_class();
+    common::golden::quantized_engine_for(path)
+}
+
 fn engine_for(path: &Path) -> Engine {
+    f32_class();
     Engine::load(
         path,
         &EngineConfig {
@@ -325,6 +342,7 @@ fn qwen25_coder_gguf_quantized_matches_transformers() {
 /// the checked device attention), held to the same reference and the same
 /// tolerances as the CPU runtime.
 fn cuda_engine_for(path: &Path) -> Option<Engine> {
+    f32_class();
     let device = common::cuda_or_skip()?;
     Some(
         Engine::load(
@@ -423,6 +441,7 @@ fn smollm2_on_cuda_matches_transformers() {
 /// tokens, so that even the golden files' short prompts have full pages to
 /// cache.
 fn cached_engine_for(path: &Path) -> Engine {
+    f32_class();
     Engine::load(
         path,
         &EngineConfig {
