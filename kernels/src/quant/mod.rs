@@ -108,9 +108,9 @@
 //! Q4_0 on the same shapes, the same bench (`QUANT_BENCH=MXFP4`, then
 //! `Q4_0`, five alternated rounds, `RAYON_NUM_THREADS=1`, the machine
 //! shared): MXFP4's time over Q4_0's, median of the rounds, at 1 / 16 /
-//! 512 rows, [576x1536] and [2048x8192]. f32 class, AVX-512: 0.84-0.85 /
+//! 512 rows, `[576x1536]` and `[2048x8192]`. f32 class, AVX-512: 0.84-0.85 /
 //! 1.03-1.08 / 1.01-1.03; AVX2: 1.04-1.07 / 0.99-1.01 / 0.98-0.99. int8
-//! class (AVX-512 VNNI), those shapes and [3072x576], [49152x576]:
+//! class (AVX-512 VNNI), those shapes and `[3072x576]`, `[49152x576]`:
 //! 1.02-1.04 / 1.00-1.03 / 0.99-1.04. Its scales come from a table of the
 //! 256 e8m0 bytes (before it, at one row: 1.15-1.2x on AVX2 and in the
 //! int8 class).
