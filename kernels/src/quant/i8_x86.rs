@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::i8::{bias, Acts, Dot, Row};
+use super::i8::{bias, padded, Acts, Dot, Row};
 use super::scalar::Head;
 use super::x86_blocks::{head, quants};
 use super::{with_format, QFormat, GROUP};
@@ -63,6 +63,80 @@ unsafe fn unpack_f<const F: u8>(row: &mut Row, blocks: &[u8]) {
             for g in 0..bv / GROUP {
                 let q = _mm256_add_epi8(quants::<F>(p, g), add);
                 _mm256_storeu_si256(row.u.as_mut_ptr().add(b * bv + g * GROUP).cast(), q);
+            }
+        }
+    }
+}
+
+/// A panel's byte and scale buffers sized for rows of `cols` values of
+/// `format` and `lanes` weight rows: `u` holds `padded(groups)` groups of
+/// `lanes` rows (zeros from the row's last real group on), `s` and `o`
+/// `[sub-block][lane]`, all zeros. Returns (real groups, padded
+/// sub-blocks).
+pub(super) fn shape_panel(
+    format: QFormat,
+    cols: usize,
+    lanes: usize,
+    u: &mut Vec<u8>,
+    s: &mut Vec<f32>,
+    o: &mut Vec<f32>,
+) -> (usize, usize) {
+    let real = cols / GROUP;
+    let subs = padded(cols / format.sub_block());
+    u.resize(padded(real) * GROUP * lanes, 0);
+    u[real * GROUP * lanes..].fill(0);
+    for v in [s, o] {
+        v.clear();
+        v.resize(subs * lanes, 0.0);
+    }
+    (real, subs)
+}
+
+/// What makes format `F`'s signed quants the panels' unsigned bytes:
+/// `(q + add) ^ flip` (a bias, or Q8_0's sign bit flipped: +128).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn unsigned_quants(f: QFormat) -> (__m256i, __m256i) {
+    match bias(f) {
+        Some(b) => (_mm256_set1_epi8(b as i8), _mm256_setzero_si256()),
+        None => (_mm256_setzero_si256(), _mm256_set1_epi8(-128)),
+    }
+}
+
+/// Each of `live` consecutive rows (`rb` bytes, `cols` values of format
+/// `F`, at `w`) writes its blocks' scales, and offsets where the format has
+/// them, to its lane `r` of the `[sub-block][lanes]` arrays `s` and `o`.
+///
+/// # Safety
+/// AVX2/FMA/F16C; `w` holds those rows; `s` and `o` hold their sub-blocks
+/// for `lanes >= live` lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn lane_scales<const F: u8>(
+    w: *const u8,
+    live: usize,
+    cols: usize,
+    lanes: usize,
+    s: &mut [f32],
+    o: &mut [f32],
+) {
+    let f = const { QFormat::of_code(F) };
+    let (bb, bv, per) = (
+        f.block_bytes(),
+        f.block_values(),
+        f.block_values() / f.sub_block(),
+    );
+    let rb = f.row_bytes(cols);
+    let mut h = Head::ZERO;
+    for r in 0..live {
+        for b in 0..cols / bv {
+            // SAFETY: block b of row r is inside `w` (the caller).
+            unsafe { head::<F>(w.add(r * rb + b * bb), &mut h) };
+            for i in 0..per {
+                let at = (b * per + i) * lanes + r;
+                s[at] = h.s[i];
+                if f.has_offset() {
+                    o[at] = h.o[i];
+                }
             }
         }
     }

@@ -30,8 +30,8 @@
 use std::arch::x86_64::*;
 
 use super::i8::{bias, padded, Acts};
-use super::scalar::Head;
-use super::x86_blocks::{head, quants};
+use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
+use super::x86_blocks::quants;
 use super::{with_format, QFormat, GROUP};
 
 /// Bytes ahead in a weight row that filling a panel prefetches: sixteen
@@ -96,28 +96,13 @@ impl Panel {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn fill_f<const F: u8>(&mut self, w: &[u8], live: usize, cols: usize) {
         let f = const { QFormat::of_code(F) };
-        let (bb, bv, per) = (
-            f.block_bytes(),
-            f.block_values(),
-            f.block_values() / f.sub_block(),
-        );
+        let (bb, bv) = (f.block_bytes(), f.block_values());
         let rb = f.row_bytes(cols);
-        let real = cols / GROUP;
-        (self.groups, self.subs) = (padded(real), padded(cols / f.sub_block()));
+        let (real, subs) = shape_panel(f, cols, ROWS, &mut self.u, &mut self.s, &mut self.o);
+        self.subs = subs;
         self.strips = if live > NR { W } else { 1 };
-        self.u.resize(self.groups * GROUP * ROWS, 0);
-        // Groups past the row's end are zeros (the acts' are too).
-        self.u[real * GROUP * ROWS..].fill(0);
-        for v in [&mut self.s, &mut self.o] {
-            v.clear();
-            v.resize(self.subs * ROWS, 0.0);
-        }
-        // Unsigned quants: biased, or Q8_0's signed bytes flipped (+128),
-        // so vpdpbusd never saturates.
-        let (add, flip) = match bias(f) {
-            Some(b) => (_mm256_set1_epi8(b as i8), _mm256_setzero_si256()),
-            None => (_mm256_setzero_si256(), _mm256_set1_epi8(-128)),
-        };
+        let (add, flip) = unsigned_quants(f);
+        self.groups = padded(real);
         let lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
         let hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
         let wp = w.as_ptr();
@@ -186,20 +171,8 @@ impl Panel {
             }
         }
         // Each live row's scales (and offsets) to their lanes.
-        let mut h = Head::ZERO;
-        for r in 0..live {
-            for b in 0..cols / bv {
-                // SAFETY: block b of row r is inside `w`.
-                unsafe { head::<F>(wp.add(r * rb + b * bb), &mut h) };
-                for i in 0..per {
-                    let at = (b * per + i) * ROWS + r;
-                    self.s[at] = h.s[i];
-                    if f.has_offset() {
-                        self.o[at] = h.o[i];
-                    }
-                }
-            }
-        }
+        // SAFETY: `w` holds the live rows (asserted by `fill_blocks`).
+        unsafe { lane_scales::<F>(wp, live, cols, ROWS, &mut self.s, &mut self.o) };
     }
 
     /// Every activation row `t0 .. t0 + nt` against the panel:
