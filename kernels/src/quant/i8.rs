@@ -337,7 +337,21 @@ const ROW_BLOCK: usize = 64;
 /// Weight rows per task of the one-row kernel.
 const PANEL: usize = 16;
 
-/// Weight rows and activation rows per task of [`matmul_dot`].
+/// Which kernel [`matmul_dot`]'s tasks run (decided once per call).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tiles {
+    /// The AVX-512 VNNI panel ([`super::i8_x86_512`]).
+    #[cfg(target_arch = "x86_64")]
+    Panel512,
+    /// The AVX2 / AVX-VNNI panel ([`super::i8_x86_256`]).
+    #[cfg(target_arch = "x86_64")]
+    Panel256,
+    /// One unpacked weight row at a time, dotted with each activation row.
+    OneRow,
+}
+
+/// The kernel, weight rows and activation rows per task of
+/// [`matmul_dot`].
 ///
 /// The panel kernels run their tiles lane by lane, so a tile keeps its few
 /// activation rows in L1 whatever the row count: a task fills its panel
@@ -345,22 +359,23 @@ const PANEL: usize = 16;
 /// panels to give each thread about four tasks, when the rows are split.
 /// The one-row kernel re-reads a block's activations per weight row and
 /// keeps [`ROW_BLOCK`] rows, which stay in L2.
-fn task_shape(kernel: Dot, format: QFormat, rows: usize, n: usize) -> (usize, usize) {
+fn task_shape(kernel: Dot, format: QFormat, rows: usize, n: usize) -> (Tiles, usize, usize) {
     #[cfg(target_arch = "x86_64")]
     if rows >= PANEL_FROM {
-        let prows = if kernel == Dot::Avx512Vnni {
-            Some(super::i8_x86_512::ROWS)
+        let panel = if kernel == Dot::Avx512Vnni {
+            Some((Tiles::Panel512, super::i8_x86_512::ROWS))
         } else {
-            super::i8_x86_256::takes(kernel, format).then_some(super::i8_x86_256::ROWS)
+            super::i8_x86_256::takes(kernel, format)
+                .then_some((Tiles::Panel256, super::i8_x86_256::ROWS))
         };
-        if let Some(prows) = prows {
+        if let Some((tiles, prows)) = panel {
             let want = 4 * rayon::current_num_threads();
             let splits = want.div_ceil(n.div_ceil(prows)).max(1);
-            return (prows, rows.div_ceil(splits).max(PANEL_FROM));
+            return (tiles, prows, rows.div_ceil(splits).max(PANEL_FROM));
         }
     }
     let _ = (kernel, format);
-    (PANEL, ROW_BLOCK.min(rows))
+    (Tiles::OneRow, PANEL, ROW_BLOCK.min(rows))
 }
 
 /// Write-only view of the output shared by the tasks.
@@ -463,35 +478,45 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
         let acts = &acts;
         let rb = w.row_bytes();
         let ptr = OutPtr(out.as_mut_ptr());
-        let (prows, block) = task_shape(kernel, w.format, rows, n);
+        let (tiles, prows, block) = task_shape(kernel, w.format, rows, n);
         let panels = n.div_ceil(prows);
         let task = |i: usize| {
             let ptr = &ptr;
             let (t0, r0) = ((i / panels) * block, (i % panels) * prows);
             let (nt, nr) = (block.min(rows - t0), prows.min(n - r0));
+            // A last block of fewer than PANEL_FROM rows takes the one-row
+            // kernel (the same bits).
+            let tiles = if nt >= PANEL_FROM {
+                tiles
+            } else {
+                Tiles::OneRow
+            };
             #[cfg(target_arch = "x86_64")]
-            if kernel == Dot::Avx512Vnni && nt >= PANEL_FROM {
-                PANEL_512.with_borrow_mut(|panel| {
-                    // SAFETY: `matmul_dot` asserted the features.
-                    unsafe { panel.fill_blocks(w.format, &w.data[r0 * rb..(r0 + nr) * rb], nr, k) };
-                    // SAFETY: as above; the task owns rows t0 .. t0 + nt
-                    // of columns r0 .. r0 + nr of `out`.
-                    unsafe { panel.run(w.format, acts, t0, nt, nr, ptr.0.add(r0), n) };
-                });
-                return;
-            }
-            #[cfg(target_arch = "x86_64")]
-            if nt >= PANEL_FROM && super::i8_x86_256::takes(kernel, w.format) {
-                PANEL_256.with_borrow_mut(|panel| {
-                    // SAFETY: `matmul_dot` asserted the features; the task
-                    // owns rows t0 .. t0 + nt of columns r0 .. r0 + nr of
-                    // `out`.
-                    unsafe {
-                        panel.fill_blocks(w.format, &w.data[r0 * rb..(r0 + nr) * rb], nr, k);
-                        panel.run(kernel, w.format, acts, t0, nt, nr, ptr.0.add(r0), n);
-                    }
-                });
-                return;
+            let blocks = &w.data[r0 * rb..(r0 + nr) * rb];
+            match tiles {
+                #[cfg(target_arch = "x86_64")]
+                Tiles::Panel512 => {
+                    return PANEL_512.with_borrow_mut(|panel| {
+                        // SAFETY: `matmul_dot` asserted the features; the
+                        // task owns rows t0 .. t0 + nt of columns
+                        // r0 .. r0 + nr of `out`.
+                        unsafe {
+                            panel.fill_blocks(w.format, blocks, nr, k);
+                            panel.run(w.format, acts, t0, nt, nr, ptr.0.add(r0), n);
+                        }
+                    });
+                }
+                #[cfg(target_arch = "x86_64")]
+                Tiles::Panel256 => {
+                    return PANEL_256.with_borrow_mut(|panel| {
+                        // SAFETY: as above.
+                        unsafe {
+                            panel.fill_blocks(w.format, blocks, nr, k);
+                            panel.run(kernel, w.format, acts, t0, nt, nr, ptr.0.add(r0), n);
+                        }
+                    });
+                }
+                Tiles::OneRow => {}
             }
             ROW.with_borrow_mut(|row| {
                 row.shape(w.format, k);

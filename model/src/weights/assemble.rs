@@ -181,6 +181,26 @@ pub(super) fn assemble(
     })
 }
 
+/// A GGUF stack `[experts, rows, cols]` as one matrix of all its rows
+/// (quantized stacks are read that way already; a dense one is reshaped),
+/// for splitting by whole rows.
+pub(super) fn take_stack(
+    src: &mut dyn TensorSource,
+    name: &str,
+    shape: &[usize],
+    precision: Precision,
+) -> Result<Matrix> {
+    Ok(match src.take_matrix(name, shape, precision)? {
+        Matrix::Dense(t) => t
+            .reshape((shape[0] * shape[1], shape[2]))
+            .map(Matrix::Dense)
+            .map_err(|e| {
+                ModelError::malformed(src.source_path(), format!("tensor `{name}`: {e}"))
+            })?,
+        q => q,
+    })
+}
+
 /// Layer `i`'s router, experts and shared expert. A Hugging Face
 /// checkpoint names each expert's matrices; GGUF stacks each role into one
 /// `[experts, rows, cols]` tensor (or gate and up into one, `gate_up`),
@@ -210,13 +230,7 @@ pub(super) fn moe_weights(
         }
         let (name, shape) = &tensors[0];
         let rows = shape[1];
-        let stacked = match src.take_matrix(name, shape, precision)? {
-            Matrix::Dense(t) => t
-                .reshape((moe.n_experts * rows, shape[2]))
-                .map(Matrix::Dense)
-                .map_err(|e| ModelError::malformed(&path, format!("tensor `{name}`: {e}")))?,
-            q => q,
-        };
+        let stacked = take_stack(src, name, shape, precision)?;
         (0..moe.n_experts)
             .map(|j| {
                 matrix_rows(&stacked, j * rows..(j + 1) * rows).map_err(|e| {

@@ -10,7 +10,7 @@
 //! `ff` outputs of each expert as the gate and the next `ff` as the up
 //! (`build_moe_ffn`). A `ffn_gate_up_exps.bias` `[experts, 2 ff]` splits
 //! the same way; without one, the separate `ffn_{gate,up}_exps.bias` are
-//! read.
+//! read as in any GGUF (`moe_weights`).
 //!
 //! llama.cpp's converter writes the fused stack for Qwen3-Next, Qwen3.5
 //! MoE, Gemma 4 and some others (gguf-py 0.19.0's tensor lists), not for
@@ -29,9 +29,9 @@ pub(super) fn fused_name(i: usize) -> String {
     format!("blk.{i}.ffn_gate_up_exps.weight")
 }
 
-/// Each expert's gate and up of layer `i`, split from the fused stack, and
-/// their biases when `with_bias` (the fused bias stack, or the separate
-/// ones).
+/// Each expert's gate and up of layer `i`, split from the fused stack,
+/// and their biases when `with_bias` and the file has the fused bias stack
+/// (`None` otherwise: the caller reads the separate ones as for any GGUF).
 pub(super) fn split_gate_up(
     src: &mut dyn TensorSource,
     i: usize,
@@ -42,40 +42,27 @@ pub(super) fn split_gate_up(
     let path = src.source_path().to_owned();
     let name = fused_name(i);
     let bad = |e: candle_core::Error| ModelError::malformed(&path, format!("tensor `{name}`: {e}"));
-    let stacked = match src.take_matrix(&name, &[experts, 2 * ff, hidden], precision)? {
-        Matrix::Dense(t) => t
-            .reshape((experts * 2 * ff, hidden))
-            .map(Matrix::Dense)
-            .map_err(bad)?,
-        q => q,
-    };
+    let stacked = take_stack(src, &name, &[experts, 2 * ff, hidden], precision)?;
     let (mut gates, mut ups) = (Vec::with_capacity(experts), Vec::with_capacity(experts));
     for j in 0..experts {
         let at = 2 * ff * j;
         gates.push(matrix_rows(&stacked, at..at + ff).map_err(bad)?);
         ups.push(matrix_rows(&stacked, at + ff..at + 2 * ff).map_err(bad)?);
     }
-    let biases = if !with_bias {
-        None
-    } else if src.contains(&format!("blk.{i}.ffn_gate_up_exps.bias")) {
-        let bias_name = format!("blk.{i}.ffn_gate_up_exps.bias");
+    let bias_name = format!("blk.{i}.ffn_gate_up_exps.bias");
+    let biases = if with_bias && src.contains(&bias_name) {
         let v = to_vec1(
             &path,
             &bias_name,
             &src.take(&bias_name, &[experts, 2 * ff])?,
         )?;
-        let (g, u) = v
-            .chunks_exact(2 * ff.max(1))
-            .map(|e| (e[..ff].to_vec(), e[ff..].to_vec()))
-            .unzip();
-        Some((g, u))
+        Some(
+            v.chunks_exact(2 * ff.max(1))
+                .map(|e| (e[..ff].to_vec(), e[ff..].to_vec()))
+                .unzip(),
+        )
     } else {
-        let mut each = |role: &str| -> Result<ByExpert> {
-            let n = format!("blk.{i}.ffn_{role}_exps.bias");
-            let v = to_vec1(&path, &n, &src.take(&n, &[experts, ff])?)?;
-            Ok(v.chunks_exact(ff.max(1)).map(<[f32]>::to_vec).collect())
-        };
-        Some((each("gate")?, each("up")?))
+        None
     };
     Ok(GateUp { gates, ups, biases })
 }
