@@ -165,6 +165,16 @@ impl DeviceKvPool {
     pub fn new(gpu: Arc<Gpu>, host: KvPool) -> Result<Self> {
         const OP: &str = "DeviceKvPool::new";
         let cfg = host.config().clone();
+        if cfg.entry != kvmesh_kernels::KvEntry::KeyValue {
+            // The device kernels read a K and a V block per layer.
+            return Err(bad(
+                OP,
+                format!(
+                    "the device pool holds key-value entries; this pool's are {} (latent attention runs on the CPU)",
+                    cfg.entry.name()
+                ),
+            ));
+        }
         let events = Arc::new(PageEvents::default());
         host.set_observer(events.clone())
             .map_err(|e| bad(OP, e.to_string()))?;

@@ -141,13 +141,7 @@ impl DecodeNode {
             scrub: cfg.engine.scrub,
             poison: cfg.engine.poison,
             dtype: cfg.engine.kv_dtype_for(loaded.precision),
-            ..kvmesh_kvpool::PoolConfig::for_tokens(
-                pool_tokens,
-                cfg.engine.page_size,
-                loaded.config.n_layers,
-                loaded.config.n_kv_heads,
-                loaded.config.head_dim,
-            )
+            ..loaded.config.pool_config(pool_tokens, cfg.engine.page_size)
         };
         let (pool, landing) = cfg.transport.land(pool_cfg, &cfg.name)?;
         tracing::info!(

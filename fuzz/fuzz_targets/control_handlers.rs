@@ -25,6 +25,7 @@ fuzz_target!(|data: &[u8]| {
         n_layers: 2,
         n_kv_heads: 1,
         head_dim: 4,
+        entry: kvmesh_kvpool::KvEntry::KeyValue,
         scrub: ScrubMode::Off,
         poison: true,
     };

@@ -123,6 +123,7 @@ fn main() {
         page_size: ps,
         n_kv_heads: nkv,
         head_dim: hd,
+        entry: kvmesh_kernels::KvEntry::KeyValue,
     };
     let (k, v) = (noise(ctx * nkv * hd, 3), noise(ctx * nkv * hd, 5));
     let mut pages = Pages {
@@ -143,6 +144,7 @@ fn main() {
         n_heads: nh,
         n_kv_heads: nkv,
         head_dim: hd,
+        v_dim: hd,
         scale: 0.125,
         window: None,
         softcap: None,

@@ -35,7 +35,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::paged::{GuardViolation, KvDtype, KvValues, PageRef, PageSlices, PagedKv};
+use crate::paged::{GuardViolation, KvDtype, KvEntry, KvValues, PageRef, PageSlices, PagedKv};
 
 /// The head layout of one attention call.
 #[derive(Clone, Debug, PartialEq)]
@@ -44,8 +44,12 @@ pub struct AttentionShape {
     pub n_heads: usize,
     /// Key/value heads; `n_heads` must be a multiple of it.
     pub n_kv_heads: usize,
-    /// Dimension of one head.
+    /// Dimension of one head's query and key.
     pub head_dim: usize,
+    /// Dimension of one head's value and output: `head_dim` over a
+    /// [`KvEntry::KeyValue`] pool; over a [`KvEntry::Latent`] one, the
+    /// leading values of each key that are its value (at most `head_dim`).
+    pub v_dim: usize,
     /// Softmax scale, usually `1 / sqrt(head_dim)`.
     pub scale: f32,
     /// Sliding window: a query at position `p` attends positions
@@ -78,7 +82,10 @@ const PARALLEL_THRESHOLD: usize = 1 << 21;
 ///   position `p` attends positions `..= p`, whose K/V must already be in the
 ///   cache (the caller writes the current tokens' K/V first).
 /// - `table`: the sequence's page table.
-/// - `out`: `[n_tokens][n_heads][head_dim]`.
+/// - `out`: `[n_tokens][n_heads][v_dim]`.
+/// - Over a [`KvEntry::Latent`] pool each key row's leading `v_dim` values
+///   are its value (latent attention: `q` is already absorbed into the
+///   latent space, `out` is still in it).
 ///
 /// Every page needed is checked through [`PagedKv::read_page`] first; on a
 /// violation the function returns it without computing anything.
@@ -120,6 +127,7 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
         n_heads,
         n_kv_heads,
         head_dim,
+        v_dim,
         ..
     } = *shape;
     assert_eq!(
@@ -134,13 +142,31 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
         n_kv_heads > 0 && n_heads % n_kv_heads == 0,
         "n_heads must be a multiple of n_kv_heads"
     );
+    // Latent entries: values are the keys' leading `v_dim` values.
+    let latent_v = match geo.entry {
+        KvEntry::KeyValue => {
+            assert_eq!(
+                v_dim, head_dim,
+                "a key-value pool's values are head_dim wide"
+            );
+            None
+        }
+        KvEntry::Latent => {
+            assert!(v_dim <= head_dim, "latent values are a prefix of the key");
+            Some(v_dim)
+        }
+    };
     let q_stride = n_heads * head_dim;
     assert_eq!(
         q.len(),
         positions.len() * q_stride,
         "q has the wrong length"
     );
-    assert_eq!(out.len(), q.len(), "out has the wrong length");
+    assert_eq!(
+        out.len(),
+        positions.len() * n_heads * v_dim,
+        "out has the wrong length"
+    );
     if let Some(sinks) = &shape.sinks {
         assert_eq!(sinks.len(), n_heads, "one sink per query head");
     }
@@ -189,7 +215,7 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
             let queries: Vec<(&[f32], usize)> = (0..group)
                 .map(|g| (&q[(kvh * group + g) * head_dim..][..head_dim], positions[0]))
                 .collect();
-            let mut outs: Vec<&mut [f32]> = o.chunks_mut(head_dim).collect();
+            let mut outs: Vec<&mut [f32]> = o.chunks_mut(v_dim).collect();
             // The KV head's query heads are adjacent: so are their sinks.
             let sinks = shape
                 .sinks
@@ -202,15 +228,14 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
                 kv_dim,
                 kvh * head_dim,
                 sinks,
+                latent_v,
             );
             run_block(path, &queries, &mut outs, args);
         };
         if work < PARALLEL_THRESHOLD {
-            out.chunks_mut(group * head_dim).enumerate().for_each(body);
+            out.chunks_mut(group * v_dim).enumerate().for_each(body);
         } else {
-            out.par_chunks_mut(group * head_dim)
-                .enumerate()
-                .for_each(body);
+            out.par_chunks_mut(group * v_dim).enumerate().for_each(body);
         }
         return Ok(());
     }
@@ -219,7 +244,7 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
     // row once for all of them.
     let body = |(bi, chunk): (usize, &mut [f32])| {
         let t0 = bi * QUERY_BLOCK;
-        let mut slots: Vec<Option<&mut [f32]>> = chunk.chunks_mut(head_dim).map(Some).collect();
+        let mut slots: Vec<Option<&mut [f32]>> = chunk.chunks_mut(v_dim).map(Some).collect();
         for kvh in 0..n_kv_heads {
             let mut queries = Vec::new();
             let mut outs = Vec::new();
@@ -245,11 +270,12 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
                 kv_dim,
                 kvh * head_dim,
                 sinks,
+                latent_v,
             );
             run_block(path, &queries, &mut outs, args);
         }
     };
-    let block = QUERY_BLOCK * q_stride;
+    let block = QUERY_BLOCK * n_heads * v_dim;
     if work < PARALLEL_THRESHOLD {
         out.chunks_mut(block).enumerate().for_each(body);
     } else {
@@ -277,8 +303,9 @@ fn window_start(pos: usize, window: Option<usize>) -> usize {
 }
 
 /// What every query of a block shares: shape, fetched pages, page size, KV
-/// row width, the KV head's offset in a KV row, and where the shape has
-/// sinks each query's (one per query, in the queries' order).
+/// row width, the KV head's offset in a KV row, where the shape has
+/// sinks each query's (one per query, in the queries' order), and over a
+/// latent pool the width of the value that leads each key.
 type BlockArgs<'a, 'p> = (
     &'a AttentionShape,
     &'a [Option<PageSlices<'p>>],
@@ -286,6 +313,7 @@ type BlockArgs<'a, 'p> = (
     usize,
     usize,
     Option<&'a [f32]>,
+    Option<usize>,
 );
 
 /// The softmax denominator's share of a sink: `exp(sink - max)` after the
@@ -304,8 +332,9 @@ pub(crate) fn with_sink(max: f32, sink: Option<f32>) -> (f32, f32) {
 }
 
 /// [`attend_block`] on `path`'s build: register tiles where the head size
-/// allows ([`tiled`], [`tiled512`]), else the generic block with that
-/// path's vector primitives.
+/// allows ([`tiled`], [`tiled512`]) over key-value pools, else the generic
+/// block with that path's vector primitives (latent pools: the generic
+/// block on every path).
 fn run_block(
     path: crate::cpu::Path,
     queries: &[(&[f32], usize)],
@@ -318,7 +347,8 @@ fn run_block(
         let head_dim = queries.first().map_or(0, |(q, _)| q.len());
         // SAFETY: the CPU has the path's features (asserted).
         unsafe {
-            match (path, tiled::supports(head_dim)) {
+            let tiles = tiled::supports(head_dim) && args.6.is_none();
+            match (path, tiles) {
                 (crate::cpu::Path::Avx512, true) => tiled512::attend_block(queries, outs, args),
                 (crate::cpu::Path::Avx512, false) => attend_block_avx512(queries, outs, args),
                 (_, true) => tiled::attend_block(queries, outs, args),
@@ -474,10 +504,13 @@ fn attend_block<L: Lanes>(
     outs: &mut [&mut [f32]],
     args: BlockArgs<'_, '_>,
 ) {
-    let (shape, pages, page_size, kv_dim, head_off, sinks) = args;
+    let (shape, pages, page_size, kv_dim, head_off, sinks, latent_v) = args;
     let Some(head_dim) = queries.first().map(|(q, _)| q.len()) else {
         return;
     };
+    // Rows of a stored block: the V block's over a key-value pool; over a
+    // latent one only keys are stored.
+    let stored_v = latent_v.is_none();
     // One allocation for the block's per-query state, one per query for
     // its scores (a decode step's single query: two).
     let mut state: Vec<(usize, f32, Vec<f32>)> = queries
@@ -505,16 +538,25 @@ fn attend_block<L: Lanes>(
     // An f16 pool's rows of this head, widened once for the block (exact).
     let widened: Option<[Vec<f32>; 2]> = (values(lo, false).dtype() == KvDtype::F16).then(|| {
         [false, true].map(|v| {
-            let mut out = Vec::with_capacity((hi + 1 - lo) * head_dim);
-            (lo..=hi).for_each(|p| values(p, v).extend_f32(&mut out));
+            let mut out = Vec::new();
+            if !v || stored_v {
+                out.reserve((hi + 1 - lo) * head_dim);
+                (lo..=hi).for_each(|p| values(p, v).extend_f32(&mut out));
+            }
             out
         })
     });
-    let row = |p: usize, v: bool| -> &[f32] {
+    let stored_row = |p: usize, v: bool| -> &[f32] {
         match (&widened, values(p, v)) {
             (Some(w), _) => &w[usize::from(v)][(p - lo) * head_dim..][..head_dim],
             (None, KvValues::F32(row)) => row,
             (None, KvValues::F16(_)) => unreachable!("every page of a pool has the pool's dtype"),
+        }
+    };
+    let row = |p: usize, v: bool| -> &[f32] {
+        match latent_v {
+            Some(v_dim) if v => &stored_row(p, false)[..v_dim],
+            _ => stored_row(p, v),
         }
     };
     for p in lo..=hi {

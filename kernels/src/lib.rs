@@ -50,6 +50,6 @@ mod simd512;
 
 pub use attention::{paged_attention, AttentionShape};
 pub use paged::{
-    f16_from_f32, f16_to_f32_slice, f32_to_f16_slice, GuardViolation, KvDtype, KvGeometry,
+    f16_from_f32, f16_to_f32_slice, f32_to_f16_slice, GuardViolation, KvDtype, KvEntry, KvGeometry,
     KvValues, PageRef, PageSlices, PagedKv,
 };

@@ -30,24 +30,70 @@ pub struct PageRef {
     pub generation: u64,
 }
 
+/// What one token's KV entry of one layer holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvEntry {
+    /// A key and a value, each `n_kv_heads x head_dim` values, stored as
+    /// two blocks (multi-head, grouped-query and multi-query attention).
+    #[default]
+    KeyValue,
+    /// One vector per KV head of `head_dim` values that is the key, and
+    /// whose leading values are the value (multi-head latent attention,
+    /// DeepSeek V2/V3: the compressed latent, then the rope key shared by
+    /// every head). One block; nothing is stored twice. How many leading
+    /// values the value takes is the model's ([`crate::AttentionShape::v_dim`]).
+    Latent,
+}
+
+impl KvEntry {
+    /// Blocks per layer of a page: 2 (K then V) or 1 (the latent).
+    pub fn blocks(self) -> usize {
+        match self {
+            Self::KeyValue => 2,
+            Self::Latent => 1,
+        }
+    }
+
+    /// The name in logs and errors: `key-value` or `latent`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::KeyValue => "key-value",
+            Self::Latent => "latent",
+        }
+    }
+}
+
 /// The shape of one page's KV for one layer.
 ///
-/// Within a page, for each layer, K and V are each stored slot-major:
-/// `[page_size][n_kv_heads][head_dim]` values of the pool's [`KvDtype`].
+/// Within a page, for each layer, K (and, for [`KvEntry::KeyValue`], V
+/// after it) is stored slot-major: `[page_size][n_kv_heads][head_dim]`
+/// values of the pool's [`KvDtype`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvGeometry {
     /// Token slots per page.
     pub page_size: usize,
     /// Key/value heads.
     pub n_kv_heads: usize,
-    /// Dimension of one head.
+    /// Dimension of one head's key (the stored vector).
     pub head_dim: usize,
+    /// What an entry holds.
+    pub entry: KvEntry,
 }
 
 impl KvGeometry {
     /// Values of K (or of V) for one token slot of one layer.
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+
+    /// Values of one block (K, or V) of one page and layer.
+    pub fn block(&self) -> usize {
+        self.page_size * self.kv_dim()
+    }
+
+    /// Values of one page and layer: [`KvEntry::blocks`] blocks.
+    pub fn layer_values(&self) -> usize {
+        self.entry.blocks() * self.block()
     }
 }
 
@@ -306,12 +352,13 @@ impl<'a> KvValues<'a> {
 }
 
 /// The K and V values of the first `n_slots` slots of one page for one layer,
-/// each `n_slots * kv_dim` long, slot-major.
+/// each `n_slots * kv_dim` long, slot-major; for a [`KvEntry::Latent`]
+/// pool `v` is empty (the values are the leading part of each key).
 #[derive(Clone, Copy, Debug)]
 pub struct PageSlices<'a> {
     /// Keys, `[n_slots][n_kv_heads][head_dim]`.
     pub k: KvValues<'a>,
-    /// Values, `[n_slots][n_kv_heads][head_dim]`.
+    /// Values, `[n_slots][n_kv_heads][head_dim]`; empty for a latent pool.
     pub v: KvValues<'a>,
 }
 

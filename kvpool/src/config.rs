@@ -3,7 +3,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use kvmesh_kernels::{KvDtype, KvGeometry};
+use kvmesh_kernels::{KvDtype, KvEntry, KvGeometry};
 use thiserror::Error;
 
 use crate::error::PoolError;
@@ -103,6 +103,10 @@ pub struct PoolConfig {
     pub n_kv_heads: usize,
     /// Dimension of one head.
     pub head_dim: usize,
+    /// What a token's entry of one layer holds: a key and a value, or one
+    /// latent vector (see [`KvEntry`]); the page's bytes per layer are
+    /// [`KvEntry::blocks`] blocks of `page_size * n_kv_heads * head_dim`.
+    pub entry: KvEntry,
     /// Element type of the stored K and V values (see [`KvDtype`]): every
     /// page, every transfer of a page, and its checksum use it.
     pub dtype: KvDtype,
@@ -122,7 +126,7 @@ pub struct PoolConfig {
 
 impl PoolConfig {
     /// A pool of at least `kv_pool_tokens` tokens: `ceil(kv_pool_tokens /
-    /// page_size)` pages, f32 values, scrub off, poison off. A `page_size` of 0 gives 0
+    /// page_size)` pages, key-value entries, f32 values, scrub off, poison off. A `page_size` of 0 gives 0
     /// pages; [`PoolConfig::validate`] rejects both.
     pub fn for_tokens(
         kv_pool_tokens: usize,
@@ -141,6 +145,7 @@ impl PoolConfig {
             n_layers,
             n_kv_heads,
             head_dim,
+            entry: KvEntry::KeyValue,
             dtype: KvDtype::F32,
             scrub: ScrubMode::Off,
             poison: false,
@@ -150,6 +155,11 @@ impl PoolConfig {
     /// This config with values of `dtype`.
     pub fn with_dtype(self, dtype: KvDtype) -> Self {
         Self { dtype, ..self }
+    }
+
+    /// This config with entries of `entry`.
+    pub fn with_entry(self, entry: KvEntry) -> Self {
+        Self { entry, ..self }
     }
 
     /// Checks every field; the error names the first bad one, its value and
@@ -183,7 +193,7 @@ impl PoolConfig {
             _ => Err(PoolError::InvalidConfig {
                 field: "n_pages",
                 value: self.n_pages,
-                reason: "the pool's size in bytes (n_pages * n_layers * 2 * page_size * n_kv_heads * head_dim * dtype size) overflows isize",
+                reason: "the pool's size in bytes (n_pages * n_layers * blocks * page_size * n_kv_heads * head_dim * dtype size) overflows isize",
             }),
         }
     }
@@ -201,6 +211,7 @@ impl PoolConfig {
             page_size: self.page_size,
             n_kv_heads: self.n_kv_heads,
             head_dim: self.head_dim,
+            entry: self.entry,
         }
     }
 
@@ -208,7 +219,7 @@ impl PoolConfig {
     pub(crate) fn checked_values(&self) -> Option<usize> {
         self.n_pages
             .checked_mul(self.n_layers)?
-            .checked_mul(2)?
+            .checked_mul(self.entry.blocks())?
             .checked_mul(self.page_size)?
             .checked_mul(self.n_kv_heads)?
             .checked_mul(self.head_dim)
@@ -237,6 +248,10 @@ mod tests {
         assert_eq!(PoolConfig::for_tokens(8, 0, 1, 1, 1).n_pages, 0);
         assert_eq!(c.geometry().kv_dim(), 16);
         c.validate().expect("small config is valid");
+        // A latent entry stores one block per layer, not two.
+        let latent = c.clone().with_entry(KvEntry::Latent);
+        assert_eq!(latent.bytes() * 2, c.bytes());
+        assert_eq!(latent.geometry().layer_values(), 4 * 16);
     }
 
     #[test]

@@ -63,7 +63,7 @@ mod tests;
 pub use cache::{CacheCounters, CacheIndex, CacheStats, Namespace, PageKey};
 pub use config::{ParseScrubModeError, PoolConfig, ScrubMode};
 pub use error::PoolError;
-pub use kvmesh_kernels::KvDtype;
+pub use kvmesh_kernels::{KvDtype, KvEntry};
 pub use observer::{PageEvent, PageFill, PageObserver};
 pub use pool::{KvPool, POISON_BITS, POISON_BITS_F16};
 pub use reader::SeqKv;

@@ -152,6 +152,7 @@ impl KvPool {
             n_layers: cfg.n_layers,
             page_size: cfg.page_size,
             kv_dim: cfg.geometry().kv_dim(),
+            blocks: cfg.entry.blocks(),
             dtype: cfg.dtype,
         };
         let fill = if cfg.poison { Fill::Canary } else { Fill::Zero };

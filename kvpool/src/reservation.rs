@@ -186,7 +186,8 @@ impl Reservation {
     }
 
     /// Writes K and V of the consecutive positions `start_pos..` at `layer`
-    /// (`k.len() == v.len() == n * kv_dim`, slot-major), spanning pages as
+    /// (`k.len() == v.len() == n * kv_dim`, slot-major; a latent pool
+    /// stores keys only, and `v` must be empty), spanning pages as
     /// needed, and raises each touched page's watermark for `layer`.
     ///
     /// All checks come first; on error nothing was written. Refused: a
@@ -219,10 +220,11 @@ impl Reservation {
                 got: k.len(),
             });
         }
-        if v.len() != k.len() {
+        let v_len = if cfg.entry.blocks() == 2 { k.len() } else { 0 };
+        if v.len() != v_len {
             return Err(PoolError::BadLength {
                 field: "v",
-                expected: k.len(),
+                expected: v_len,
                 got: v.len(),
             });
         }
@@ -281,7 +283,7 @@ impl Reservation {
                     layer,
                     slot,
                     KvValues::F32(&k[range.clone()]),
-                    KvValues::F32(&v[range]),
+                    KvValues::F32(if v.is_empty() { &[] } else { &v[range] }),
                 )
             };
             if let Some(w) = self.shared.watermark(page, layer) {

@@ -38,7 +38,8 @@ pub struct NotHeld {
 }
 
 impl Reservation {
-    /// Lands `values` (per layer of `layers`: K of `slots`, then V, as a
+    /// Lands `values` (per layer of `layers`: K of `slots`, then V unless the
+    /// pool's entries are latent, as a
     /// `KvFrame`'s payload decodes to) in logical page `index`. Watermarks
     /// are not touched. All checks come first: on error nothing was
     /// written.
@@ -55,6 +56,7 @@ impl Reservation {
         let cfg = self.shared().cfg();
         let (page_size, n_layers) = (cfg.page_size, cfg.n_layers);
         let kv_dim = cfg.geometry().kv_dim();
+        let blocks = cfg.entry.blocks();
         let Some(entry) = self.held().get(index).copied() else {
             return Err(PoolError::PositionOutOfRange {
                 position: index.saturating_mul(page_size),
@@ -74,7 +76,7 @@ impl Reservation {
             });
         }
         let block = slots.len() * kv_dim;
-        let expected = layers.len() * 2 * block;
+        let expected = layers.len() * blocks * block;
         if values.len() != expected {
             return Err(PoolError::BadLength {
                 field: "payload",
@@ -89,8 +91,8 @@ impl Reservation {
         };
         let page = entry.page as usize;
         for (i, layer) in layers.enumerate() {
-            let base = i * 2 * block;
-            if values.len() < base + 2 * block {
+            let base = i * blocks * block;
+            if values.len() < base + blocks * block {
                 // Unreachable: the length was checked above. Nothing of
                 // this layer was written; earlier layers are unverified
                 // data, which verification will refuse.
@@ -98,7 +100,7 @@ impl Reservation {
             }
             let (k, v) = (
                 values.slice(base..base + block),
-                values.slice(base + block..base + 2 * block),
+                values.slice(base + block..base + blocks * block),
             );
             // SAFETY: the page is on this reservation's table (in range,
             // owned by it); `&mut self` rules out its readers, and no other

@@ -48,6 +48,8 @@ pub(crate) struct StorageShape {
     pub n_layers: usize,
     pub page_size: usize,
     pub kv_dim: usize,
+    /// Blocks per (page, layer): 2 (K, then V) or 1 (a latent entry).
+    pub blocks: usize,
     pub dtype: KvDtype,
 }
 
@@ -59,12 +61,17 @@ impl StorageShape {
 
     /// Values in one page, all layers, K and V.
     pub fn page_values(&self) -> usize {
-        self.n_layers * 2 * self.block()
+        self.n_layers * self.blocks * self.block()
     }
 
     /// Offset, in values, of (`page`, `layer`)'s K block.
     fn k_offset(&self, page: usize, layer: usize) -> usize {
-        page * self.page_values() + layer * 2 * self.block()
+        page * self.page_values() + layer * self.blocks * self.block()
+    }
+
+    /// Whether a V block follows each K block.
+    fn stores_v(&self) -> bool {
+        self.blocks == 2
     }
 }
 
@@ -187,7 +194,8 @@ impl Storage {
         }
     }
 
-    /// The first `n_slots` slots of K and V of (`page`, `layer`).
+    /// The first `n_slots` slots of K and V of (`page`, `layer`); V empty
+    /// for a latent pool.
     ///
     /// # Safety
     /// `page < n_pages`, `layer < n_layers`, `n_slots <= page_size`, and no
@@ -202,7 +210,7 @@ impl Storage {
         unsafe {
             PageSlices {
                 k: self.values(k, n),
-                v: self.values(k + s.block(), n),
+                v: self.values(k + s.block(), if s.stores_v() { n } else { 0 }),
             }
         }
     }
@@ -228,12 +236,13 @@ impl Storage {
         }
     }
 
-    /// Stores `k` and `v` (whole slots, equal lengths) into (`page`,
-    /// `layer`) from `slot` on, converted to the pool's dtype (f16: rounded
+    /// Stores `k` and `v` (whole slots, equal lengths; `v` empty for a
+    /// latent pool) into (`page`, `layer`) from `slot` on, converted to the pool's dtype (f16: rounded
     /// to nearest even, saturated; exact for values an f16 pool produced).
     ///
     /// # Safety
-    /// `page < n_pages`, `layer < n_layers`, `k.len() == v.len()`,
+    /// `page < n_pages`, `layer < n_layers`, `v.len()` equal to `k.len()`
+    /// (0 for a latent pool),
     /// `slot * kv_dim + k.len() <= page_size * kv_dim`, and the caller has
     /// exclusive access to the page: no other read or write of it runs
     /// during the call.
@@ -246,7 +255,8 @@ impl Storage {
         v: KvValues<'_>,
     ) {
         let s = &self.shape;
-        debug_assert!(page < s.n_pages && layer < s.n_layers && k.len() == v.len());
+        let v_len = if s.stores_v() { k.len() } else { 0 };
+        debug_assert!(page < s.n_pages && layer < s.n_layers && v.len() == v_len);
         debug_assert!(slot * s.kv_dim + k.len() <= s.block());
         let dst = s.k_offset(page, layer) + slot * s.kv_dim;
         // SAFETY: both destination ranges lie inside the allocation and the
@@ -254,7 +264,9 @@ impl Storage {
         // caller-owned slices, so they cannot overlap pool memory mutably.
         unsafe {
             self.store(dst, k);
-            self.store(dst + s.block(), v);
+            if s.stores_v() {
+                self.store(dst + s.block(), v);
+            }
         }
     }
 

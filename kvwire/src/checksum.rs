@@ -149,8 +149,9 @@ impl Checksummer {
 pub fn page_checksum(geometry: &Geometry, written_slots: u32, page: KvValues<'_>) -> Option<u64> {
     let kv_dim = usize::try_from(geometry.kv_dim()).ok()?;
     let block = (geometry.page_size as usize).checked_mul(kv_dim)?;
+    let blocks = geometry.entry.blocks();
     let expected = usize::from(geometry.n_layers)
-        .checked_mul(2)?
+        .checked_mul(blocks)?
         .checked_mul(block)?;
     if written_slots > geometry.page_size
         || page.len() != expected
@@ -162,9 +163,11 @@ pub fn page_checksum(geometry: &Geometry, written_slots: u32, page: KvValues<'_>
     let used = written_slots as usize * kv_dim;
     let mut h = Checksummer::new();
     for layer in 0..usize::from(geometry.n_layers) {
-        let k = layer * 2 * block;
+        let k = layer * blocks * block;
         h.update_values(page.slice(k..k + used));
-        h.update_values(page.slice(k + block..k + block + used));
+        if blocks == 2 {
+            h.update_values(page.slice(k + block..k + block + used));
+        }
     }
     Some(h.finish())
 }
@@ -198,6 +201,7 @@ mod tests {
             n_kv_heads: 1,
             head_dim: 2,
             dtype: Dtype::F32,
+            entry: kvmesh_kernels::KvEntry::KeyValue,
         };
         let page: Vec<f32> = (0..2 * 2 * 4 * 2).map(|i| i as f32).collect();
         // Slots 0..3 of layers 0 and 1: K then V, 6 floats each.
@@ -245,5 +249,29 @@ mod tests {
             Some(h.finish()),
             page_checksum(geo16, 3, KvValues::F16(&half))
         );
+    }
+
+    /// A latent page holds one block per layer: the checksum covers each
+    /// layer's written keys, and a page of key-value size is refused.
+    #[test]
+    fn latent_page_checksum_covers_keys_only() {
+        let geo = &Geometry {
+            page_size: 4,
+            n_layers: 2,
+            n_kv_heads: 1,
+            head_dim: 2,
+            dtype: Dtype::F32,
+            entry: kvmesh_kernels::KvEntry::Latent,
+        };
+        let page: Vec<f32> = (0..2 * 4 * 2).map(|i| i as f32).collect();
+        let want: Vec<f32> = [&page[0..6], &page[8..14]].concat();
+        let le: Vec<u8> = want.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(
+            page_checksum(geo, 3, KvValues::F32(&page)),
+            Some(checksum(&le))
+        );
+        let double: Vec<f32> = [page.clone(), page.clone()].concat();
+        assert_eq!(page_checksum(geo, 3, KvValues::F32(&double)), None);
+        assert_eq!(geo.payload_len(&(0..2), 3), Some(2 * 3 * 2 * 4));
     }
 }

@@ -54,7 +54,8 @@ pub struct LayerKv<'a> {
     pub layer: u16,
     /// K values of the frame's slots, little-endian, of the geometry's dtype.
     pub k: &'a [u8],
-    /// V values of the frame's slots, little-endian, of the geometry's dtype.
+    /// V values of the frame's slots, little-endian, of the geometry's dtype;
+    /// empty for latent entries.
     pub v: &'a [u8],
 }
 
@@ -73,14 +74,17 @@ impl<'a> KvFrame<'a> {
     /// a decoded (or successfully encoded) frame yields `layers.len()`
     /// items.
     pub fn layer_blocks(&self) -> impl Iterator<Item = LayerKv<'a>> + 'a {
-        let block = self
+        // Bytes of one layer: its K block, then (key-value entries) its V
+        // block of the same size.
+        let layer = self
             .geometry
             .payload_len(&(0..1), self.n_slots())
-            .and_then(|b| usize::try_from(b / 2).ok())
+            .and_then(|b| usize::try_from(b).ok())
             .unwrap_or(0);
-        let chunks = match block {
+        let block = layer / self.geometry.entry.blocks();
+        let chunks = match layer {
             0 => <&[u8]>::default().chunks_exact(1),
-            b => self.payload.chunks_exact(2 * b),
+            b => self.payload.chunks_exact(b),
         };
         self.layers.clone().zip(chunks).map(move |(layer, kv)| {
             let (k, v) = kv.split_at(block);

@@ -2,7 +2,7 @@
 
 use std::ops::Range;
 
-use kvmesh_kernels::{KvDtype, KvGeometry};
+use kvmesh_kernels::{KvDtype, KvEntry, KvGeometry};
 
 use super::codec::{Put, Reader};
 use super::error::WireError;
@@ -72,8 +72,9 @@ pub const GEOMETRY_LEN: usize = 12;
 /// frame's lengths can be checked on its own and then against its grant.
 ///
 /// Encoded in 12 bytes: `page_size` u32, `n_layers` u16, `n_kv_heads` u16,
-/// `head_dim` u16, dtype code u8, one reserved byte that must be 0 (it keeps
-/// a frame's payload 8-aligned within the message).
+/// `head_dim` u16, dtype code u8, entry code u8 (0: key and value, 1:
+/// latent; it keeps a frame's payload 8-aligned within the message, and a
+/// receiver that only knows code 0 refuses 1 instead of misreading it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Geometry {
     /// Token slots per page.
@@ -86,6 +87,9 @@ pub struct Geometry {
     pub head_dim: u16,
     /// Element type.
     pub dtype: Dtype,
+    /// What a slot's entry of one layer holds: a K and a V block per
+    /// layer, or one latent block ([`KvEntry`]).
+    pub entry: KvEntry,
 }
 
 impl Geometry {
@@ -98,6 +102,7 @@ impl Geometry {
         n_kv_heads: usize,
         head_dim: usize,
         dtype: KvDtype,
+        entry: KvEntry,
     ) -> Result<Self, WireError> {
         fn narrow<T: TryFrom<usize>>(v: usize, field: &'static str) -> Result<T, WireError> {
             T::try_from(v).map_err(|_| WireError::InvalidField {
@@ -112,6 +117,7 @@ impl Geometry {
             n_kv_heads: narrow(n_kv_heads, "geometry.n_kv_heads")?,
             head_dim: narrow(head_dim, "geometry.head_dim")?,
             dtype: dtype.into(),
+            entry,
         };
         g.validate()?;
         Ok(g)
@@ -123,6 +129,7 @@ impl Geometry {
             page_size: self.page_size as usize,
             n_kv_heads: self.n_kv_heads.into(),
             head_dim: self.head_dim.into(),
+            entry: self.entry,
         }
     }
 
@@ -131,12 +138,17 @@ impl Geometry {
         u64::from(self.n_kv_heads) * u64::from(self.head_dim)
     }
 
+    /// Blocks per layer: 2 (K, V) or 1 (latent).
+    pub fn blocks(&self) -> u64 {
+        self.entry.blocks() as u64
+    }
+
     /// Payload bytes of a frame covering `layers` and `n_slots` slots: per
-    /// layer a K block and a V block of `n_slots * kv_dim` values. `None`
-    /// on overflow (no valid frame is that large).
+    /// layer a K block and (key-value entries) a V block of `n_slots *
+    /// kv_dim` values. `None` on overflow (no valid frame is that large).
     pub fn payload_len(&self, layers: &Range<u16>, n_slots: u32) -> Option<u64> {
         u64::from(layers.end.checked_sub(layers.start)?)
-            .checked_mul(2)?
+            .checked_mul(self.blocks())?
             .checked_mul(n_slots.into())?
             .checked_mul(self.kv_dim())?
             .checked_mul(self.dtype.size())
@@ -173,7 +185,10 @@ impl Geometry {
         out.put_u16(self.n_kv_heads);
         out.put_u16(self.head_dim);
         out.put_u8(self.dtype.code());
-        out.put_u8(0);
+        out.put_u8(match self.entry {
+            KvEntry::KeyValue => 0,
+            KvEntry::Latent => 1,
+        });
     }
 
     pub(crate) fn read(r: &mut Reader<'_>) -> Result<Self, WireError> {
@@ -182,20 +197,24 @@ impl Geometry {
         let n_kv_heads = r.u16("geometry.n_kv_heads")?;
         let head_dim = r.u16("geometry.head_dim")?;
         let dtype = Dtype::from_code(r.u8("geometry.dtype")?)?;
-        let reserved = r.u8("geometry.reserved")?;
-        if reserved != 0 {
-            return Err(WireError::InvalidField {
-                field: "geometry.reserved",
-                value: reserved.into(),
-                reason: "must be 0",
-            });
-        }
+        let entry = match r.u8("geometry.entry")? {
+            0 => KvEntry::KeyValue,
+            1 => KvEntry::Latent,
+            code => {
+                return Err(WireError::InvalidField {
+                    field: "geometry.entry",
+                    value: code.into(),
+                    reason: "unknown entry code (0 = key and value, 1 = latent)",
+                })
+            }
+        };
         let g = Self {
             page_size,
             n_layers,
             n_kv_heads,
             head_dim,
             dtype,
+            entry,
         };
         g.validate()?;
         Ok(g)

@@ -39,7 +39,8 @@
 //!
 //! Ids are 16 bytes, the [`Capability`] 32; [`Geometry`] is 12 bytes:
 //! page_size u32, n_layers u16, n_kv_heads u16, head_dim u16, dtype u8
-//! (1 = f32, 2 = f16: the pool's dtype), reserved u8 = 0.
+//! (1 = f32, 2 = f16: the pool's dtype), entry u8 (0 = K and V blocks, 1 =
+//! one latent block per layer).
 //!
 //! **KvFrame** (tag 1), 92 bytes + payload:
 //!
@@ -55,8 +56,8 @@
 //! | 78 | 2 | end layer u16 (exclusive) |
 //! | 80 | 4 | first slot u32 |
 //! | 84 | 4 | slot count u32 |
-//! | 88 | 4 | payload length u32 = layers * 2 * slots * kv_dim * 4 |
-//! | 92 | payload length | per layer: K of the slots, then V, little-endian values of the geometry's dtype, each `[slots][n_kv_heads][head_dim]` |
+//! | 88 | 4 | payload length u32 = layers * blocks * slots * kv_dim * dtype size (blocks: 2, or 1 for latent entries) |
+//! | 92 | payload length | per layer: K of the slots, then V (key-value entries), little-endian values of the geometry's dtype, each `[slots][n_kv_heads][head_dim]` |
 //!
 //! The payload starts at byte 104 of the message, a multiple of 8.
 //!
@@ -198,6 +199,7 @@ pub use frame::{encode_values, f16s_from_le, f32s_from_le, f32s_to_le, KvFrame, 
 pub use geometry::{Dtype, Geometry};
 pub use grant::Grant;
 pub use ids::{Capability, MintError, RequestId, ReservationId, TransferId, WriterId};
+pub use kvmesh_kernels::KvEntry;
 
 /// The first four bytes of every message.
 pub const MAGIC: [u8; 4] = *b"KVMW";

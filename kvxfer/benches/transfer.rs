@@ -27,10 +27,16 @@
 //!
 //! Prints ms per transfer, GB/s of KV moved (as sent: f16 rows move half the
 //! bytes), and the ratio to memcpy of the f32 KV.
+//!
+//! Then latent entries against key-value ones at a DeepSeek-V2-Lite-sized
+//! geometry (27 layers): a latent entry of 512 + 64 values (one block per
+//! layer) against a grouped-query model of the same size's 8 KV heads of
+//! 128 (K and V), 512-token prompts in f16, over TCP and shared memory:
+//! bytes per token and ms per transfer side by side.
 
 use std::time::{Duration, Instant};
 
-use kvmesh_kvpool::{KvDtype, PoolConfig, ScrubMode};
+use kvmesh_kvpool::{KvDtype, KvEntry, PoolConfig, ScrubMode};
 use kvmesh_kvwire::WriterId;
 use kvmesh_kvxfer::handshake::{ReservationTable, ReserveRequest, TableConfig};
 use kvmesh_kvxfer::transport::client::KvClient;
@@ -53,6 +59,7 @@ fn config(dtype: KvDtype) -> PoolConfig {
         n_layers: N_LAYERS,
         n_kv_heads: 3,
         head_dim: 64,
+        entry: KvEntry::KeyValue,
         dtype,
         scrub: ScrubMode::Off,
         poison: false,
@@ -67,17 +74,23 @@ fn median(mut v: Vec<f64>) -> f64 {
 struct Setup {
     table: ReservationTable,
     client: KvClient,
+    n_layers: usize,
     _server: KvServer,
     _dir: tempfile::TempDir,
 }
 
 async fn setup(kind: TransportKind, tls: bool, dtype: KvDtype) -> Setup {
+    setup_pool(kind, tls, config(dtype)).await
+}
+
+async fn setup_pool(kind: TransportKind, tls: bool, pool_cfg: PoolConfig) -> Setup {
     let dir = tempfile::tempdir().expect("tempdir");
     let settings = ListenSettings::loopback(kind, "/dev/shm".into(), || {
         dir.path().join("kv.sock").into_os_string().into_string()
     })
     .expect("settings");
-    let (pool, landing) = settings.land(config(dtype), "bench").expect("pool");
+    let n_layers = pool_cfg.n_layers;
+    let (pool, landing) = settings.land(pool_cfg, "bench").expect("pool");
     let cfg = TableConfig {
         lease: Duration::from_secs(30),
         abort_timeout: Duration::from_secs(5),
@@ -120,6 +133,7 @@ async fn setup(kind: TransportKind, tls: bool, dtype: KvDtype) -> Setup {
     Setup {
         table,
         client,
+        n_layers,
         _server: server,
         _dir: dir,
     }
@@ -135,7 +149,7 @@ async fn transfer(s: &Setup, prompt: usize, k: &[f32], v: &[f32]) -> f64 {
     };
     let (grant, pending) = s.table.reserve(req).expect("reserve");
     let mut w = s.client.begin(grant).expect("begin");
-    for layer in 0..N_LAYERS as u16 {
+    for layer in 0..s.n_layers as u16 {
         w.write_layer(layer, k, v).await.expect("write");
     }
     w.finish(1).await.expect("finish");
@@ -212,6 +226,57 @@ fn main() {
                 median(times)
             });
             row(name, secs, bytes * dtype.size() as f64 / 4.0);
+        }
+    }
+    latent_against_key_value(&rt);
+}
+
+/// The latent section (see the module docs).
+fn latent_against_key_value(rt: &tokio::runtime::Runtime) {
+    const LAYERS: usize = 27;
+    const PROMPT: usize = 512;
+    println!();
+    println!("entry (27 layers, 512 tokens, f16)   path     values/token/layer  bytes/token  ms/transfer");
+    let shapes = [
+        ("key-value, 8 heads x 128", 8, 128, KvEntry::KeyValue),
+        ("latent, 512 + 64", 1, 576, KvEntry::Latent),
+    ];
+    for (name, heads, dim, entry) in shapes {
+        let cfg = PoolConfig {
+            page_size: PAGE_SIZE,
+            n_pages: PROMPT / PAGE_SIZE + 1,
+            n_layers: LAYERS,
+            n_kv_heads: heads,
+            head_dim: dim,
+            entry,
+            dtype: KvDtype::F16,
+            scrub: ScrubMode::Off,
+            poison: false,
+        };
+        let per_layer = entry.blocks() * heads * dim;
+        let n = PROMPT * heads * dim;
+        let k: Vec<f32> = (0..n).map(|i| (i % 977) as f32 * 0.001).collect();
+        let v: Vec<f32> = match entry {
+            KvEntry::KeyValue => (0..n).map(|i| (i % 613) as f32 * -0.002).collect(),
+            KvEntry::Latent => Vec::new(),
+        };
+        for (path_name, path) in [("tcp", TransportKind::Tcp), ("shm", TransportKind::Shm)] {
+            let secs = rt.block_on(async {
+                let s = setup_pool(path, false, cfg.clone()).await;
+                let mut times = Vec::new();
+                for i in 0..WARMUP + REPS {
+                    let t = transfer(&s, PROMPT, &k, &v).await;
+                    if i >= WARMUP {
+                        times.push(t);
+                    }
+                }
+                median(times)
+            });
+            println!(
+                "{name:<36} {path_name:<8} {per_layer:>18} {:>12} {:>12.3}",
+                per_layer * LAYERS * 2,
+                secs * 1e3
+            );
         }
     }
 }

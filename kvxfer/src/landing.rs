@@ -18,6 +18,7 @@ pub fn pool_geometry(cfg: &PoolConfig) -> Result<Geometry, WireError> {
         cfg.n_kv_heads,
         cfg.head_dim,
         cfg.dtype,
+        cfg.entry,
     )
 }
 
@@ -100,6 +101,7 @@ mod tests {
             n_layers: 2,
             n_kv_heads: 1,
             head_dim: 2,
+            entry: kvmesh_kernels::KvEntry::KeyValue,
             dtype,
             scrub: ScrubMode::Off,
             poison: false,

@@ -200,6 +200,7 @@ mod tests {
                 n_kv_heads: 1,
                 head_dim: 4,
                 dtype: Dtype::F32,
+                entry: kvmesh_kvwire::KvEntry::KeyValue,
             },
         }
     }

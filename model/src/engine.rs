@@ -178,31 +178,20 @@ impl Engine {
             scrub: cfg.scrub,
             poison: cfg.poison,
             dtype: kv_dtype,
-            ..PoolConfig::for_tokens(
-                pool_tokens,
-                cfg.page_size,
-                config.n_layers,
-                config.n_kv_heads,
-                config.head_dim,
-            )
+            ..config.pool_config(pool_tokens, cfg.page_size)
         };
         let pool = match pool {
             None => KvPool::new(pool_cfg)?,
             Some(p) => {
                 let c = p.config();
-                if (c.n_layers, c.n_kv_heads, c.head_dim, c.dtype)
-                    != (
-                        pool_cfg.n_layers,
-                        pool_cfg.n_kv_heads,
-                        pool_cfg.head_dim,
-                        pool_cfg.dtype,
-                    )
-                {
+                let shape =
+                    |c: &PoolConfig| (c.n_layers, c.n_kv_heads, c.head_dim, c.entry, c.dtype);
+                if shape(c) != shape(&pool_cfg) {
                     return Err(invalid(
                         "kv pool",
                         &format!(
-                            "{} layers x {} KV heads x {} {}",
-                            c.n_layers, c.n_kv_heads, c.head_dim, c.dtype
+                            "{} layers x {} KV heads x {} {} ({} entries)",
+                            c.n_layers, c.n_kv_heads, c.head_dim, c.dtype, c.entry.name()
                         ),
                         "the pool's shape or dtype is not the model's KV shape and --kv-cache-dtype",
                     ));

@@ -232,6 +232,7 @@ impl Llama {
                     n_heads: cfg.n_heads,
                     n_kv_heads: cfg.n_kv_heads,
                     head_dim: cfg.head_dim,
+                    v_dim: cfg.head_dim,
                     scale: cfg.block.attn_scale,
                     window: if sliding { cfg.sliding_window } else { None },
                     softcap: cfg.block.attn_softcap,
@@ -306,22 +307,12 @@ impl Llama {
 
     /// The KV page shape this model needs.
     pub fn kv_geometry(&self, page_size: usize) -> KvGeometry {
-        KvGeometry {
-            page_size,
-            n_kv_heads: self.cfg.n_kv_heads,
-            head_dim: self.cfg.head_dim,
-        }
+        self.pool_config(0, page_size).geometry()
     }
 
     /// A pool configuration for `kv_pool_tokens` token slots of this model.
     pub fn pool_config(&self, kv_pool_tokens: usize, page_size: usize) -> PoolConfig {
-        PoolConfig::for_tokens(
-            kv_pool_tokens,
-            page_size,
-            self.cfg.n_layers,
-            self.cfg.n_kv_heads,
-            self.cfg.head_dim,
-        )
+        self.cfg.pool_config(kv_pool_tokens, page_size)
     }
 
     /// Run a batch of chunks. The outer `Err` is a failure of the whole call

@@ -79,7 +79,15 @@ fn geometry(n: &PrefillNode) -> Geometry {
 fn the_prompt_must_be_exactly_the_grants_and_within_the_limit() {
     let g = grant(
         3,
-        Geometry::new(16, 2, 2, 8, kvmesh_kvpool::KvDtype::F32).expect("geometry"),
+        Geometry::new(
+            16,
+            2,
+            2,
+            8,
+            kvmesh_kvpool::KvDtype::F32,
+            kvmesh_kvwire::KvEntry::KeyValue,
+        )
+        .expect("geometry"),
     );
     assert!(check(&g, &[1, 2, 3], 8).is_ok());
     for (prompt, limit, says) in [

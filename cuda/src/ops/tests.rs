@@ -15,6 +15,7 @@ fn a_chunk_writing_the_shared_head_is_refused_as_the_cpu_pool_refuses_it() {
         n_layers: 1,
         n_kv_heads: 1,
         head_dim: 2,
+        entry: kvmesh_kernels::KvEntry::KeyValue,
         dtype: KvDtype::F32,
         scrub: ScrubMode::Off,
         poison: false,

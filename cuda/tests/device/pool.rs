@@ -31,6 +31,7 @@ fn shape(window: Option<usize>) -> AttentionShape {
         n_heads: N_HEADS,
         n_kv_heads: N_KV,
         head_dim: HD,
+        v_dim: HD,
         scale: 1.0 / (HD as f32).sqrt(),
         window,
         softcap: None,

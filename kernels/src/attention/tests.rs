@@ -81,14 +81,20 @@ impl PagedKv for VecPages {
         }
         self.reads.borrow_mut().push(e.page);
         let d = self.geo.kv_dim();
+        // A latent store keeps no V pages: its reads carry an empty V.
+        let nv = if self.geo.entry == crate::KvEntry::Latent {
+            0
+        } else {
+            n * d
+        };
         Ok(match &self.half {
             Some((k, v)) => PageSlices {
                 k: KvValues::F16(&k[p][..n * d]),
-                v: KvValues::F16(&v[p][..n * d]),
+                v: KvValues::F16(&v[p][..nv]),
             },
             None => PageSlices {
                 k: KvValues::F32(&self.k[p][..n * d]),
-                v: KvValues::F32(&self.v[p][..n * d]),
+                v: KvValues::F32(&self.v[p][..nv]),
             },
         })
     }
@@ -208,11 +214,13 @@ fn setup(
         page_size: ps,
         n_kv_heads: nkv,
         head_dim: d,
+        entry: crate::KvEntry::KeyValue,
     };
     let shape = AttentionShape {
         n_heads: nh,
         n_kv_heads: nkv,
         head_dim: d,
+        v_dim: d,
         scale: 1.0 / (d as f32).sqrt(),
         window,
         softcap: None,
@@ -344,11 +352,13 @@ fn violation_reads_nothing_and_leaves_output_untouched() {
         page_size: 4,
         n_kv_heads: 1,
         head_dim: 8,
+        entry: crate::KvEntry::KeyValue,
     };
     let shape = AttentionShape {
         n_heads: 2,
         n_kv_heads: 1,
         head_dim: 8,
+        v_dim: 8,
         scale: 0.3,
         window: None,
         softcap: None,
@@ -385,11 +395,13 @@ fn sliding_window_skips_pages_outside_every_window() {
         page_size: 4,
         n_kv_heads: 1,
         head_dim: 4,
+        entry: crate::KvEntry::KeyValue,
     };
     let shape = AttentionShape {
         n_heads: 1,
         n_kv_heads: 1,
         head_dim: 4,
+        v_dim: 4,
         scale: 0.5,
         window: Some(4),
         softcap: None,
@@ -592,4 +604,94 @@ fn avx512_attention_equals_avx2_to_the_bit() {
             }
         }
     }
+}
+
+/// Latent entries (multi-head latent attention): one stored vector per
+/// token that is the key, whose leading `v_dim` values are the value;
+/// every query head shares it. Every path, a prompt and a decode step, f32
+/// and f16 pools, against a dense reference that reads the value out of
+/// the key; and a read past the watermark still fails with nothing written.
+#[test]
+fn latent_entries_are_the_key_and_lead_with_the_value() {
+    let (nh, d, v_dim, ps, ctx): (usize, usize, usize, usize, usize) = (6, 40, 32, 4, 23);
+    let geo = KvGeometry {
+        page_size: ps,
+        n_kv_heads: 1,
+        head_dim: d,
+        entry: crate::KvEntry::Latent,
+    };
+    let shape = AttentionShape {
+        n_heads: nh,
+        n_kv_heads: 1,
+        head_dim: d,
+        v_dim,
+        scale: 0.2,
+        window: None,
+        softcap: None,
+        sinks: None,
+    };
+    let n_pages = ctx.div_ceil(ps);
+    let table = shuffled_table(n_pages, n_pages + 3);
+    let k = noise(11, ctx * d);
+    let mut store = paged(geo, &table, n_pages + 3, &k, &k, ctx);
+    // A latent pool stores no V block.
+    store.v.iter_mut().for_each(Vec::clear);
+    let (f16, f32s) = store.into_f16_pair();
+    for (store, what) in [(&f32s, "f32"), (&f16, "f16")] {
+        // The reference reads K as the pool holds it (f16-rounded for both:
+        // `into_f16_pair` rounds the f32 twin too).
+        let k: Vec<f32> = (0..ctx)
+            .flat_map(|p| {
+                let e = table[p / ps];
+                f32s.k[e.page as usize][(p % ps) * d..][..d].to_vec()
+            })
+            .collect();
+        for path in crate::cpu::available_paths() {
+            for positions in [(0..ctx).collect::<Vec<_>>(), vec![ctx - 1]] {
+                let q = noise(12, positions.len() * nh * d);
+                let mut out = vec![0.0; positions.len() * nh * v_dim];
+                paged_attention_with(path, store, &table, 0, &shape, &q, &positions, &mut out)
+                    .expect("valid read");
+                let mut want = vec![0.0f32; out.len()];
+                for (t, &p) in positions.iter().enumerate() {
+                    for h in 0..nh {
+                        let qv = &q[(t * nh + h) * d..][..d];
+                        let s: Vec<f64> = (0..=p)
+                            .map(|j| {
+                                let kj = &k[j * d..][..d];
+                                qv.iter()
+                                    .zip(kj)
+                                    .map(|(a, b)| *a as f64 * *b as f64)
+                                    .sum::<f64>()
+                                    * 0.2
+                            })
+                            .collect();
+                        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                        for (j, sj) in s.iter().enumerate() {
+                            let w = (sj - m).exp() / z;
+                            for c in 0..v_dim {
+                                want[(t * nh + h) * v_dim + c] += (w * k[j * d + c] as f64) as f32;
+                            }
+                        }
+                    }
+                }
+                let err = out
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(err < 1e-5, "{path} {what}: max abs error {err}");
+            }
+        }
+    }
+    // I2 holds as for key-value pools: one slot past the written ones.
+    let mut out = vec![7.0; nh * v_dim];
+    let q = noise(13, nh * d);
+    let mut short = table.clone();
+    short.truncate(n_pages - 1);
+    let err = paged_attention(&f32s, &short, 0, &shape, &q, &[ctx - 1], &mut out)
+        .expect_err("past the table");
+    assert!(matches!(err, GuardViolation::TableTooShort { .. }));
+    assert!(out.iter().all(|&x| x == 7.0));
 }

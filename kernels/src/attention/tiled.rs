@@ -226,7 +226,7 @@ pub(super) unsafe fn attend_typed<E: Elem, T: Tiles>(
     outs: &mut [&mut [f32]],
     args: BlockArgs<'_, '_>,
 ) {
-    let (shape, pages, page_size, kv_dim, head_off, sinks) = args;
+    let (shape, pages, page_size, kv_dim, head_off, sinks, _) = args;
     let Some(hd) = queries.first().map(|(q, _)| q.len()) else {
         return;
     };

@@ -166,6 +166,7 @@ fn run(ops: &[Op], poison: bool) -> Result<(), TestCaseError> {
         n_layers: LAYERS,
         n_kv_heads: 1,
         head_dim: KVD,
+        entry: crate::KvEntry::KeyValue,
         dtype: kvmesh_kernels::KvDtype::F32,
         scrub: ScrubMode::Off,
         poison,

@@ -278,6 +278,7 @@ fn absurd_sizes_are_errors_not_aborts() {
         n_layers: 1 << 10,
         n_kv_heads: 1,
         head_dim: 1 << 9,
+        entry: crate::KvEntry::KeyValue,
         ..cfg(1)
     };
     assert_eq!(cfg.bytes(), 1 << 50);
@@ -289,6 +290,7 @@ fn absurd_sizes_are_errors_not_aborts() {
     );
     let bad = PoolConfig {
         head_dim: 0,
+        entry: crate::KvEntry::KeyValue,
         ..super::cfg(1)
     };
     assert_eq!(
@@ -334,4 +336,56 @@ fn publish_is_bounded_by_what_landed() {
     let table = res.table().to_vec();
     res.publish_prompt(8, None);
     assert!(super::attend_at(&res, &table, 0, 7).is_ok());
+}
+
+/// A latent pool (one block per layer: the key, whose leading values are
+/// the value) stores half a key-value pool's bytes, takes writes and
+/// landings of keys only, refuses a V it cannot hold (nothing written),
+/// and reads back with an empty V under the same watermark checks.
+#[test]
+fn latent_entries_store_keys_only_under_the_same_checks() {
+    let pool = KvPool::new(cfg(4).with_entry(crate::KvEntry::Latent)).expect("pool");
+    assert_eq!(pool.config().bytes() * 2, cfg(4).bytes());
+    let mut r = pool.reserve(8).expect("2 pages");
+    let k = tokens(1, 6);
+    let err = r.write(0, 0, &k, &k).expect_err("a V on a latent pool");
+    assert!(
+        matches!(
+            err,
+            PoolError::BadLength {
+                field: "v",
+                expected: 0,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(r.written_tokens(0), 0, "nothing written");
+    r.write(0, 0, &k, &[]).expect("keys only");
+    assert_eq!(r.written_tokens(0), 6);
+    let kv = r.reader();
+    let p0 = kv.read_page(r.table()[0], 0, 4).expect("page 0");
+    let p1 = kv.read_page(r.table()[1], 0, 2).expect("page 1");
+    assert_eq!([p0.k.to_f32(), p1.k.to_f32()].concat(), k);
+    assert!(p0.v.is_empty() && p1.v.is_empty());
+    // I2: slot 2 of page 1 was never written.
+    assert!(kv.read_page(r.table()[1], 0, 3).is_err());
+    // I2 per layer: layer 1 is unwritten.
+    assert!(kv.read_page(r.table()[0], 1, 1).is_err());
+
+    // A frame's payload for a latent page is keys only: one block per
+    // layer. A key-value-sized payload is refused whole.
+    let one = tokens(5, 4);
+    let two: Vec<f32> = [one.clone(), tokens(6, 4)].concat();
+    let values = kvmesh_kernels::KvValues::F32(&two);
+    assert!(r.land(1, 1..2, 0..4, values).is_err());
+    let values = kvmesh_kernels::KvValues::F32(&one);
+    r.land(1, 1..2, 0..4, values).expect("keys of one layer");
+    let mut seen = Vec::new();
+    r.visit_landed(1, 4, |k, v| {
+        assert!(v.is_empty());
+        seen.push(k.to_f32());
+    })
+    .expect("in range");
+    assert_eq!(seen[1], one);
 }

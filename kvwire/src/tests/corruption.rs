@@ -186,7 +186,7 @@ fn invalid_fields_are_named() {
         (patch(f, 68, &0u16.to_le_bytes()), "geometry.n_layers"),
         (patch(g, 54, &0u16.to_le_bytes()), "geometry.n_kv_heads"),
         (patch(f, 74, &[3]), "geometry.dtype"),
-        (patch(f, 75, &[1]), "geometry.reserved"),
+        (patch(f, 75, &[2]), "geometry.entry"),
         (patch(f, 76, &3u16.to_le_bytes()), "layers.end"), // start 3 >= end 3
         (patch(f, 78, &4u16.to_le_bytes()), "layers.end"), // past n_layers 3
         (patch(f, 84, &0u32.to_le_bytes()), "slots.n"),

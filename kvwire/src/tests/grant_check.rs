@@ -290,7 +290,15 @@ fn page_checksum_matches_frame_payloads() {
 
 #[test]
 fn geometry_from_shape_and_page_sizes() {
-    let g = Geometry::new(16, 30, 3, 64, kvmesh_kernels::KvDtype::F32).expect("fits");
+    let g = Geometry::new(
+        16,
+        30,
+        3,
+        64,
+        kvmesh_kernels::KvDtype::F32,
+        kvmesh_kernels::KvEntry::KeyValue,
+    )
+    .expect("fits");
     assert_eq!(g, smollm2());
     assert_eq!(g.page_bytes(), Some(737_280));
     assert_eq!(
@@ -298,11 +306,19 @@ fn geometry_from_shape_and_page_sizes() {
         kvmesh_kernels::KvGeometry {
             page_size: 16,
             n_kv_heads: 3,
-            head_dim: 64
+            head_dim: 64,
+            entry: kvmesh_kernels::KvEntry::KeyValue,
         }
     );
     assert!(matches!(
-        Geometry::new(16, 70_000, 3, 64, kvmesh_kernels::KvDtype::F32),
+        Geometry::new(
+            16,
+            70_000,
+            3,
+            64,
+            kvmesh_kernels::KvDtype::F32,
+            kvmesh_kernels::KvEntry::KeyValue
+        ),
         Err(WireError::InvalidField {
             field: "geometry.n_layers",
             value: 70_000,

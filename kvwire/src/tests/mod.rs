@@ -20,6 +20,7 @@ pub(super) fn geo(page_size: u32, n_layers: u16, n_kv_heads: u16, head_dim: u16)
         n_kv_heads,
         head_dim,
         dtype: Dtype::F32,
+        entry: kvmesh_kernels::KvEntry::KeyValue,
     }
 }
 

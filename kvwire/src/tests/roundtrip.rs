@@ -28,7 +28,17 @@ fn arb_nonce() -> impl Strategy<Value = [u8; NONCE_LEN]> {
 }
 
 fn arb_geo() -> impl Strategy<Value = Geometry> {
-    (1u32..=32, 1u16..=6, 1u16..=3, 1u16..=8).prop_map(|(p, l, h, d)| geo(p, l, h, d))
+    (1u32..=32, 1u16..=6, 1u16..=3, 1u16..=8, any::<bool>()).prop_map(|(p, l, h, d, latent)| {
+        let entry = if latent {
+            kvmesh_kernels::KvEntry::Latent
+        } else {
+            kvmesh_kernels::KvEntry::KeyValue
+        };
+        Geometry {
+            entry,
+            ..geo(p, l, h, d)
+        }
+    })
 }
 
 fn arb_page() -> impl Strategy<Value = PageRef> {

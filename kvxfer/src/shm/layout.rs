@@ -4,7 +4,7 @@
 //! encoding and checked decoding (see the module documentation for the byte
 //! layout).
 
-use kvmesh_kernels::KvDtype;
+use kvmesh_kernels::{KvDtype, KvEntry};
 
 /// Bytes reserved for the header; also where the lanes start.
 pub const HEADER_LEN: usize = 4096;
@@ -14,13 +14,14 @@ pub const LANE_STRIDE: usize = 64;
 pub(super) const DATA_ALIGN: usize = 4096;
 const MAGIC: [u8; 8] = *b"KVMSHM01";
 /// 2: the page-owner table after the lanes, the lane's writer count a
-/// 64-bit word at +8, and the refusal counter in the header.
-const VERSION: u32 = 2;
+/// 64-bit word at +8, and the refusal counter in the header. 3: the entry
+/// code at +72 (0: K and V blocks, 1: one latent block per layer).
+const VERSION: u32 = 3;
 /// The header's dtype codes (the wire's: [`kvmesh_kvwire::Dtype::code`]).
 const DTYPE_F32: u32 = 1;
 const DTYPE_F16: u32 = 2;
 /// Bytes of the header actually used (the rest of [`HEADER_LEN`] is zero).
-pub(super) const HEADER_USED: usize = 72;
+pub(super) const HEADER_USED: usize = 76;
 /// Where, inside the header's reserved bytes, the `AtomicU64` count of
 /// writes refused for leaving their grant's pages lives (written by the
 /// writers' processes, read by the decode node).
@@ -42,6 +43,9 @@ pub struct ShmLayout {
     pub head_dim: u32,
     /// Element type of the page data.
     pub dtype: KvDtype,
+    /// What a slot's entry of one layer holds: K and V blocks, or one
+    /// latent block.
+    pub entry: KvEntry,
     /// Pages in the pool.
     pub n_pages: u64,
     /// Write gates; lane indices are `u32`, so at most 2^32.
@@ -54,6 +58,8 @@ pub(super) struct Sizes {
     pub(super) kv_dim: usize,
     /// Values of one (page, layer) K or V block.
     pub(super) block: usize,
+    /// Blocks per (page, layer): 2 (K, V) or 1 (latent).
+    pub(super) blocks: usize,
     /// Values of one page.
     pub(super) page_values: usize,
     /// Start of the page-owner table (the end of the lanes).
@@ -101,8 +107,9 @@ impl ShmLayout {
             let kv_dim =
                 us(u64::from(self.n_kv_heads))?.checked_mul(us(u64::from(self.head_dim))?)?;
             let block = us(u64::from(self.page_size))?.checked_mul(kv_dim)?;
+            let blocks = self.entry.blocks();
             let page_values = us(u64::from(self.n_layers))?
-                .checked_mul(2)?
+                .checked_mul(blocks)?
                 .checked_mul(block)?;
             let lanes_end = us(self.n_lanes)?
                 .checked_mul(LANE_STRIDE)?
@@ -121,6 +128,7 @@ impl ShmLayout {
             Some(Sizes {
                 kv_dim,
                 block,
+                blocks,
                 page_values,
                 owners_offset: lanes_end,
                 data_offset,
@@ -175,6 +183,11 @@ pub(super) fn encode_header(l: &ShmLayout, s: &Sizes) -> [u8; HEADER_USED] {
     for (i, v) in u64s.iter().enumerate() {
         h[32 + 8 * i..40 + 8 * i].copy_from_slice(&v.to_le_bytes());
     }
+    let entry: u32 = match l.entry {
+        KvEntry::KeyValue => 0,
+        KvEntry::Latent => 1,
+    };
+    h[72..76].copy_from_slice(&entry.to_le_bytes());
     h
 }
 
@@ -209,12 +222,22 @@ pub(super) fn decode_header(
             ))
         }
     };
+    let entry = match u32_at(72) {
+        0 => KvEntry::KeyValue,
+        1 => KvEntry::Latent,
+        other => {
+            return Err(format!(
+                "entry is {other}, expected 0 (key-value) or 1 (latent)"
+            ))
+        }
+    };
     let layout = ShmLayout {
         page_size: u32_at(12),
         n_layers: u32_at(16),
         n_kv_heads: u32_at(20),
         head_dim: u32_at(24),
         dtype,
+        entry,
         n_pages: u64_at(32),
         n_lanes: u64_at(40),
     };

@@ -29,10 +29,11 @@
 //!   the key ([`WriteKey::to_u64`]) of the grant whose writer may write the
 //!   page, 0 for none.
 //! - Page data at `data_offset` (the end of the owners rounded up to 4096):
-//!   `n_pages` pages of `n_layers * 2 * page_size * kv_dim` values of the
-//!   dtype, page-major
+//!   `n_pages` pages of `n_layers * blocks * page_size * kv_dim` values of
+//!   the dtype, page-major
 //!   as in the heap pool: page `p`, layer `l` is a K block
-//!   `[page_size][kv_dim]` followed by a V block of the same shape.
+//!   `[page_size][kv_dim]` followed by a V block of the same shape (blocks
+//!   2), or the K block alone for latent entries (blocks 1).
 //!
 //! # The lane protocol
 //! An epoch is even while the lane is closed and odd while it is open; it
@@ -472,7 +473,8 @@ impl ShmRegion {
     /// grant's (else `OutsideGrant`, counted in the mapping): `k` and `v` are the
     /// values encoded in the region's dtype, little-endian, as a frame
     /// carries them ([`kvmesh_kvwire::encode_values`]), whole slots of equal
-    /// length. Length errors count values. On any error nothing was written.
+    /// length (`v` empty for latent entries). Length errors count values.
+    /// On any error nothing was written.
     pub fn write_slots(
         &self,
         key: WriteKey,
@@ -491,9 +493,10 @@ impl ShmRegion {
         if layer >= self.layout.n_layers {
             return Err(oob("layer", layer.into(), self.layout.n_layers.into()));
         }
-        if k.len() != v.len() {
+        let v_len = if s.blocks == 2 { k.len() } else { 0 };
+        if v.len() != v_len {
             return Err(ShmError::BadLength {
-                expected: k.len() / size,
+                expected: v_len / size,
                 got: v.len() / size,
             });
         }
@@ -516,7 +519,13 @@ impl ShmRegion {
         // Offsets in bytes.
         let k_off = (page as usize)
             .checked_mul(s.page_values)
-            .and_then(|o| o.checked_add((layer as usize).checked_mul(2)?.checked_mul(s.block)?))
+            .and_then(|o| {
+                o.checked_add(
+                    (layer as usize)
+                        .checked_mul(s.blocks)?
+                        .checked_mul(s.block)?,
+                )
+            })
             .and_then(|o| o.checked_add((slot as usize).checked_mul(s.kv_dim)?))
             .and_then(|o| o.checked_mul(size))
             .ok_or(ShmError::TooLarge)?;
@@ -545,7 +554,8 @@ impl ShmRegion {
         }
         let dst = self.data.as_ptr();
         // SAFETY: both ranges are inside the page data (bounds checked
-        // above: the V block of (page, layer) ends within the page), which
+        // above: the V block of (page, layer) ends within the page; a
+        // latent pool's `v` is empty, so nothing is copied at `v_off`), which
         // the mapping covers for as long as `&self`. `k` and `v` are shared
         // references, so nobody may write their memory while they live; we
         // write `dst`, so it cannot overlap them. Concurrent access to these
@@ -597,6 +607,7 @@ pub fn shared_pool(
         n_kv_heads: u32::try_from(cfg.n_kv_heads).map_err(|_| bad("n_kv_heads over u32"))?,
         head_dim: u32::try_from(cfg.head_dim).map_err(|_| bad("head_dim over u32"))?,
         dtype: cfg.dtype,
+        entry: cfg.entry,
         n_pages: cfg.n_pages as u64,
         n_lanes: cfg.n_pages as u64,
     };

@@ -12,6 +12,7 @@ const L: ShmLayout = ShmLayout {
     n_kv_heads: 2,
     head_dim: 3,
     dtype: kvmesh_kernels::KvDtype::F32,
+    entry: kvmesh_kernels::KvEntry::KeyValue,
     n_pages: 5,
     n_lanes: 8,
 };
@@ -144,11 +145,16 @@ fn corrupt_headers_are_refused() {
         move |f: &File| f.write_all_at(&bytes, off).unwrap()
     };
     assert!(corrupt("magic", &at(0, b"X")).contains("magic"));
-    // Version 1 (no page owners) is refused, as is any other.
+    // Versions 1 (no page owners) and 2 (no entry code) are refused, as is
+    // any other.
     assert!(corrupt("version", &at(8, &1u32.to_le_bytes())).contains("version"));
-    assert!(corrupt("version3", &at(8, &3u32.to_le_bytes())).contains("version"));
+    assert!(corrupt("version2", &at(8, &2u32.to_le_bytes())).contains("version"));
+    assert!(corrupt("version4", &at(8, &4u32.to_le_bytes())).contains("version"));
+    assert!(corrupt("entry", &at(72, &2u32.to_le_bytes())).contains("entry"));
     assert!(corrupt("zero", &at(12, &0u32.to_le_bytes())).contains("page_size is 0"));
     assert!(corrupt("dtype", &at(28, &2u32.to_le_bytes())).contains("dtype"));
+    // A latent entry halves the page: the stated sizes no longer add up.
+    assert!(corrupt("latent", &at(72, &1u32.to_le_bytes())).contains("total_len"));
     assert!(corrupt("pages", &at(32, &6u64.to_le_bytes())).contains("total_len"));
     assert!(corrupt("lanes", &at(40, &u64::MAX.to_le_bytes())).contains("n_lanes"));
     assert!(corrupt("data_off", &at(56, &4160u64.to_le_bytes())).contains("data_offset"));
@@ -331,6 +337,7 @@ fn no_write_lands_after_drained() {
         n_kv_heads: 4,
         head_dim: 32,
         dtype: kvmesh_kernels::KvDtype::F32,
+        entry: kvmesh_kernels::KvEntry::KeyValue,
         n_pages: WRITERS as u64,
         n_lanes: 2,
     };

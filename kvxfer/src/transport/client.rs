@@ -421,9 +421,9 @@ impl GrantWriter {
 
     /// Writes layer `layer` (the next one, in order) of every prompt
     /// position the grant covers: `k` and `v` hold `prompt_tokens * kv_dim`
-    /// values each, position-major, of which the first `cached_tokens`
-    /// positions (the decode node's cached head) are skipped. One write per
-    /// granted page.
+    /// values each (`v` empty for latent entries), position-major, of which
+    /// the first `cached_tokens` positions (the decode node's cached head)
+    /// are skipped. One write per granted page.
     pub async fn write_layer(
         &mut self,
         layer: u16,
@@ -439,7 +439,9 @@ impl GrantWriter {
         let kv_dim = self.grant.geometry.kv_dim() as usize;
         let n = self.grant.prompt_tokens as usize;
         let expected = n.saturating_mul(kv_dim);
-        for (field, got) in [("k", k.len()), ("v", v.len())] {
+        let latent = self.grant.geometry.entry.blocks() == 1;
+        let v_expected = if latent { 0 } else { expected };
+        for (field, got, expected) in [("k", k.len(), expected), ("v", v.len(), v_expected)] {
             if got != expected {
                 return Err(WriterError::BadLength {
                     field,
@@ -468,7 +470,7 @@ impl GrantWriter {
             // Page 0 of the grant starts after the decode node's cached head.
             let start = (cached + index * page_size) * kv_dim;
             let end = start + slots as usize * kv_dim;
-            let (kp, vp) = (&k[start..end], &v[start..end]);
+            let (kp, vp) = (&k[start..end], if latent { v } else { &v[start..end] });
             // Encoded once (f32 on a little-endian host is its own
             // encoding, borrowed as is): hashed here, sent or stored as is
             // by the path.

@@ -51,7 +51,8 @@ fn write_path(welcome: &Welcome, _: &Outbound<'_>) -> Result<Box<dyn WritePath>,
     let same = l.page_size == g.page_size
         && l.n_layers == u32::from(g.n_layers)
         && l.n_kv_heads == u32::from(g.n_kv_heads)
-        && l.head_dim == u32::from(g.head_dim);
+        && l.head_dim == u32::from(g.head_dim)
+        && l.entry == g.entry;
     if !same {
         return Err(TransportError::Protocol(format!(
             "the mapping's layout {l:?} is not the pool geometry {g:?}"

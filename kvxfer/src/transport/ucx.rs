@@ -270,14 +270,18 @@ impl UcxWritePath {
 
     /// Byte offsets in the region of slot `slot` of `layer` of `page`: K,
     /// then V (the pool's layout: page-major, per layer a K block of
-    /// `page_size` slots, then a V block).
+    /// `page_size` slots, then a V block unless entries are latent).
     fn offsets(&self, page: u32, layer: u16, slot: u32) -> Option<(u64, u64)> {
         let g = &self.geometry;
         let slot_bytes = g.kv_dim().checked_mul(g.dtype.size())?;
         let block = slot_bytes.checked_mul(u64::from(g.page_size))?;
         let k = u64::from(page)
             .checked_mul(g.page_bytes()?)?
-            .checked_add(u64::from(layer).checked_mul(2)?.checked_mul(block)?)?
+            .checked_add(
+                u64::from(layer)
+                    .checked_mul(g.blocks())?
+                    .checked_mul(block)?,
+            )?
             .checked_add(u64::from(slot).checked_mul(slot_bytes)?)?;
         Some((k, k.checked_add(block)?))
     }
@@ -323,7 +327,9 @@ impl WritePath for UcxWritePath {
                 self.initiator.put(key, k_at, kv).await?;
             } else {
                 self.initiator.put(key, k_at, w.k.to_vec()).await?;
-                self.initiator.put(key, v_at, w.v.to_vec()).await?;
+                if !w.v.is_empty() {
+                    self.initiator.put(key, v_at, w.v.to_vec()).await?;
+                }
             }
             Ok(())
         })

@@ -41,6 +41,7 @@ pub fn pool_config_of(dtype: KvDtype) -> PoolConfig {
         n_layers: N_LAYERS,
         n_kv_heads: 1,
         head_dim: KV_DIM,
+        entry: kvmesh_kvpool::KvEntry::KeyValue,
         dtype,
         scrub: ScrubMode::Off,
         // Released pages hold the canary: any read of one fails loudly.

@@ -46,6 +46,7 @@ macro_rules! both {
 // After the macro, which it uses.
 mod after_release;
 mod grant_bounds;
+mod latent;
 mod mesh_auth;
 mod tls;
 

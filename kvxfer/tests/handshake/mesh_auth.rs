@@ -285,6 +285,7 @@ async fn a_writer_refuses_a_decode_node_of_another_mesh() {
                     n_kv_heads: 1,
                     head_dim: KV_DIM as u16,
                     dtype: kvmesh_kvwire::Dtype::F32,
+                    entry: kvmesh_kvwire::KvEntry::KeyValue,
                 },
             })
             .encode(&mut out)

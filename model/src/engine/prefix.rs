@@ -95,6 +95,7 @@ impl Engine {
                 ("head_dim", cfg.head_dim as u64),
                 ("page_size", cfg.page_size as u64),
                 ("kv_dtype_bytes", cfg.dtype.size() as u64),
+                ("kv_blocks_per_layer", cfg.entry.blocks() as u64),
             ],
         );
         let share = share.clamp(0.0, 1.0);
