@@ -15,7 +15,7 @@
 //! shared expert; the gather and scatter copies are `2 x top_k x hidden`
 //! floats per row, small beside any expert's weights.
 
-use crate::arch::moe::{Groups, Moe, Scoring};
+use crate::arch::moe::{GroupScore, Groups, Moe, Scoring};
 use crate::arch::Activation;
 use crate::error::{ModelError, Result};
 use crate::linear::Projection;
@@ -273,7 +273,8 @@ impl Routing {
     /// A row's `top_k` experts with their weights, appended to `out` best
     /// first: scores (softmax or sigmoid of the logits); the choice by
     /// score plus the correction bias, within the best groups where
-    /// experts are grouped (a group's strength: its two best), ties to the
+    /// experts are grouped (a group's strength: its two best summed, or
+    /// its best, [`GroupScore`]), ties to the
     /// lower index (a stable sort); the weights the chosen scores,
     /// renormalised when `norm_top_k`, times `scale`. With
     /// [`Scoring::TopKSoftmax`] the scores are the logits themselves and the
@@ -297,12 +298,16 @@ impl Routing {
         };
         if let Some(g) = self.groups {
             let per = n / g.n_group;
+            let taken = match g.score {
+                GroupScore::TopTwoSum => 2,
+                GroupScore::Max => 1,
+            };
             let strength: Vec<f32> = choice
                 .chunks(per)
                 .map(|grp| {
                     let mut best = grp.to_vec();
                     best.sort_by(|a, b| b.total_cmp(a));
-                    best.iter().take(2).sum()
+                    best.iter().take(taken).sum()
                 })
                 .collect();
             let mut order: Vec<usize> = (0..g.n_group).collect();
@@ -358,7 +363,7 @@ fn sigmoid(x: f32) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::{Groups, Routing, Scoring};
+    use super::{GroupScore, Groups, Routing, Scoring};
 
     fn softmax(top_k: usize, norm_top_k: bool) -> Routing {
         Routing {
@@ -435,6 +440,7 @@ mod tests {
             groups: Some(Groups {
                 n_group: 2,
                 topk_group: 1,
+                score: GroupScore::TopTwoSum,
             }),
             scale: 2.5,
         };
@@ -449,5 +455,50 @@ mod tests {
         let sum = sig(1.0) + sig(0.2);
         assert!((out[0].1 - 2.5 * sig(0.2) / sum).abs() < 1e-6);
         assert!((out[1].1 - 2.5 * sig(1.0) / sum).abs() < 1e-6);
+    }
+
+    /// DeepSeek V2's `group_limited_greedy`: softmax scores, a group
+    /// scored by its best expert, the best groups kept, then the top-k of
+    /// those, not renormalised, scaled. The same logits scored by a
+    /// group's two best keep another group, and choose another expert.
+    #[test]
+    fn v2_groups_are_scored_by_their_best_expert() {
+        let r = Routing {
+            top_k: 2,
+            norm_top_k: false,
+            scoring: Scoring::Softmax,
+            bias: None,
+            groups: Some(Groups {
+                n_group: 3,
+                topk_group: 2,
+                score: GroupScore::Max,
+            }),
+            scale: 2.0,
+        };
+        // Groups (0, 1), (2, 3), (4, 5). Probabilities (hand-computed):
+        // 0.30720, 0.00028 | 0.18632, 0.16859 | 0.17724, 0.16037; a
+        // group's best: 0.307, 0.186, 0.177 (groups 0 and 1 kept); its
+        // two best: 0.307, 0.355, 0.338 (groups 1 and 2 kept).
+        let logits = [3.0f32, -4.0, 2.5, 2.4, 2.45, 2.35];
+        let mut out = Vec::new();
+        r.route(&logits, &mut out);
+        // The best two of experts 0-3: 0 and 2, weighted 2 p.
+        assert_eq!((out[0].0, out[1].0), (0, 2));
+        assert!((out[0].1 - 2.0 * 0.307_196).abs() < 1e-5, "{out:?}");
+        assert!((out[1].1 - 2.0 * 0.186_324).abs() < 1e-5, "{out:?}");
+
+        // Scored by the two best, group 0 drops out: experts 2 and 4.
+        let sum2 = Routing {
+            groups: Some(Groups {
+                n_group: 3,
+                topk_group: 2,
+                score: GroupScore::TopTwoSum,
+            }),
+            ..r
+        };
+        out.clear();
+        sum2.route(&logits, &mut out);
+        assert_eq!((out[0].0, out[1].0), (2, 4));
+        assert!((out[1].1 - 2.0 * 0.177_237).abs() < 1e-5, "{out:?}");
     }
 }

@@ -12,8 +12,9 @@
 //! the experts are chosen by their logits, plus the router's own bias, and
 //! weighted by the softmax over the chosen logits only. The experts are
 //! *chosen* by score plus a per-expert correction bias where the model has
-//! one, first keeping the `topk_group` groups whose two best experts score
-//! highest where experts are grouped, then the `top_k` best; each chosen
+//! one, first keeping the `topk_group` groups that score highest where
+//! experts are grouped (a group's two best experts summed, or DeepSeek
+//! V2's best expert alone), then the `top_k` best; each chosen
 //! output is *weighted* by its score without the bias, renormalised over
 //! the chosen ones where the family says so (Mixtral, Qwen3-MoE and GLM do,
 //! Qwen2-MoE does not), times `routed_scale`. Dense layers (Qwen's
@@ -48,15 +49,27 @@ pub enum Scoring {
     TopKSoftmax,
 }
 
-/// Experts chosen within groups (DeepSeek V3, GLM-4.5): `n_group` equal
-/// groups, of which the `topk_group` whose two best experts score highest
-/// are kept.
+/// Experts chosen within groups (DeepSeek V2 and V3, GLM-4.5): `n_group`
+/// equal groups, of which the `topk_group` that score highest are kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Groups {
     /// Groups the experts are split into, in order.
     pub n_group: usize,
     /// Groups kept per token.
     pub topk_group: usize,
+    /// How a group scores.
+    pub score: GroupScore,
+}
+
+/// A group's score, from its experts' choice scores.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GroupScore {
+    /// Its two best experts' sum (DeepSeek V3's `noaux_tc`, GLM-4.5; and
+    /// what llama.cpp computes for every grouped model).
+    #[default]
+    TopTwoSum,
+    /// Its best expert's (DeepSeek V2's `group_limited_greedy`).
+    Max,
 }
 
 /// A model's mixture-of-experts MLPs (see the module docs).
@@ -136,9 +149,13 @@ impl Moe {
         }
         if let Some(g) = self.groups {
             let per = self.n_experts / g.n_group.max(1);
+            let least = match g.score {
+                GroupScore::TopTwoSum => 2,
+                GroupScore::Max => 1,
+            };
             if g.n_group == 0
                 || !self.n_experts.is_multiple_of(g.n_group)
-                || per < 2
+                || per < least
                 || g.topk_group == 0
                 || g.topk_group > g.n_group
                 || self.top_k > g.topk_group * per
@@ -147,7 +164,7 @@ impl Moe {
                     "expert groups",
                     format!("{} groups, {} kept", g.n_group, g.topk_group),
                     format!(
-                        "must split the {} experts into equal groups of at least 2 and keep enough for {} per token",
+                        "must split the {} experts into equal groups of at least {least} and keep enough for {} per token",
                         self.n_experts, self.top_k
                     ),
                 ));
@@ -228,6 +245,7 @@ pub(crate) fn from_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig, keys: &HfKeys) -
         Some(n) if n > 1 => Some(Groups {
             n_group: n,
             topk_group: hf.opt_usize("topk_group")?.unwrap_or(n),
+            score: GroupScore::TopTwoSum,
         }),
         _ => None,
     };
@@ -335,6 +353,9 @@ pub(crate) fn from_gguf(g: &GgufFile, cfg: &mut ModelConfig, norm_default: bool)
         Some(n) if n > 1 => Some(Groups {
             n_group: n,
             topk_group: g.opt_usize(&key("expert_group_used_count"))?.unwrap_or(n),
+            // llama.cpp sums a group's two best for every architecture;
+            // DeepSeek V2's files are told apart by their family's hook.
+            score: GroupScore::TopTwoSum,
         }),
         _ => None,
     };
