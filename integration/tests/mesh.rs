@@ -558,7 +558,10 @@ fn api_keys_gate_every_request() {
 fn every_family_through_the_mesh_equals_the_reference_engine() {
     let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/data");
     // Every tiny model directory: a family added with its tiny model is
-    // run here without a change to this test.
+    // run here without a change to this test; but for the families whose
+    // models load and are refused by the forward pass (latent attention,
+    // issue 38: `model/tests/deepseek.rs` checks the refusal).
+    const NOT_RUN_YET: [&str; 2] = ["tiny-deepseek_v2", "tiny-deepseek_v3"];
     let mut models: Vec<std::path::PathBuf> = std::fs::read_dir(&data)
         .expect("model/tests/data")
         .flatten()
@@ -567,7 +570,7 @@ fn every_family_through_the_mesh_equals_the_reference_engine() {
             p.is_dir()
                 && p.file_name()
                     .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("tiny-"))
+                    .is_some_and(|n| n.starts_with("tiny-") && !NOT_RUN_YET.contains(&n))
         })
         .collect();
     models.sort();

@@ -29,7 +29,10 @@ scores with a correction bias, grouped choice, scaled weights, a shared
 expert, a leading dense layer, rope on half of each head), and gpt-oss
 (attention sinks, q/k/v/o biases, a window of 8 on every other layer, YaRN
 without rounding, biased router and experts weighted by the softmax over
-the chosen, fused gate/up experts, a SwiGLU clamp low enough to bite). The
+the chosen, fused gate/up experts, a SwiGLU clamp low enough to bite), and
+DeepSeek V2 and V3 (latent attention: V2's low-rank query and
+group_limited_greedy softmax routing, V3's full-rank query and sigmoid
+noaux_tc routing, YaRN with DeepSeek's mscale; see README.md). The
 windows are shorter than the long greedy prompt, so a layer that read
 outside its window would change the logits.
 
@@ -66,6 +69,9 @@ COMMON = {
     "pad_token_id": 2,
     "tie_word_embeddings": False,
 }
+
+# An override that removes a COMMON key (DeepSeek derives its head size).
+DROP = object()
 
 # family -> (model_type, overrides, seed)
 FAMILIES = {
@@ -204,6 +210,86 @@ FAMILIES = {
         },
         32,
     ),
+    # DeepSeek V2 (latent attention, issue 38): the low-rank query
+    # (q_lora_rank), the latent KV (kv_lora_rank 32, a shared rope key of 8
+    # dims beside 16-dim nope heads, 16-dim values), rope on interleaved
+    # pairs (V2's complex-number form), YaRN with mscale = mscale_all_dim =
+    # 0.707 as V2-Lite (cos and sin unscaled, the softmax scale times
+    # mscale^2); softmax routing by group_limited_greedy (8 experts in 2
+    # groups of 4, a group scored by its best expert, 1 group kept: both
+    # chosen experts come from the group of the best one), top-2
+    # not renormalised and scaled by 2, two experts' width of shared
+    # expert, a leading dense layer. Seeds 41 (both DeepSeek families):
+    # the widest smallest top-2 gap of seeds 40-51.
+    "deepseek_v2": (
+        "deepseek_v2",
+        {
+            "num_key_value_heads": 4,
+            "head_dim": DROP,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 2,
+            "first_k_dense_replace": 1,
+            "topk_method": "group_limited_greedy",
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.0,
+            "norm_topk_prob": False,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+        },
+        41,
+    ),
+    # DeepSeek V3: the full-rank query (q_lora_rank null: q_proj), the same
+    # latent KV, rope_interleave, YaRN with mscale = mscale_all_dim = 1 as
+    # V3; sigmoid scores with a correction bias, 8 experts in 2 groups of
+    # 4 (a group scored by its two best), 1 group kept, top-2 renormalised
+    # and scaled by 2.5, one shared expert, a leading dense layer.
+    "deepseek_v3": (
+        "deepseek_v3",
+        {
+            "num_key_value_heads": 4,
+            "head_dim": DROP,
+            "q_lora_rank": None,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "rope_interleave": True,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        },
+        41,
+    ),
     # Top-2 of 8 renormalised, q/k norms, tied embeddings.
     "qwen3_moe": (
         "qwen3_moe",
@@ -221,6 +307,9 @@ FAMILIES = {
 
 # Init std per parameter kind (see make_golden.TINY_INIT_STD).
 STD = {"embed": 0.5, "lm_head": 1.0, "qk": 0.3, "vo": 0.25, "mlp": 0.15, "bias": 0.1, "norm_jitter": 0.1}
+# DeepSeek's latent expansion (kv_b_proj: unit-RMS latent in, keys and
+# values out); apart from STD so the other families' sources read as before.
+STD_MLA = {"kv_b": 0.3}
 
 
 def init_weights(model, seed, norm_offset, embed_scale):
@@ -241,8 +330,14 @@ def init_weights(model, seed, norm_offset, embed_scale):
                 p.copy_(1.0 + 1.5 * r)
             elif n.endswith(".bias"):
                 p.copy_(STD["bias"] * r)
-            elif any(k in n for k in ("q_proj", "k_proj", "qkv_proj")):
+            elif any(k in n for k in ("q_proj", "k_proj", "qkv_proj", "q_a_proj", "q_b_proj", "kv_a_proj")):
+                # DeepSeek's query and latent projections scale its scores
+                # as q/k do elsewhere.
                 p.copy_(STD["qk"] * r)
+            elif "kv_b_proj" in n:
+                # The latent's expansion into keys and values (unit-RMS
+                # latent, 32 wide).
+                p.copy_(STD_MLA["kv_b"] * r)
             elif "v_proj" in n or "o_proj" in n:
                 p.copy_(STD["vo"] * r)
             elif "mlp" in n:
@@ -264,8 +359,7 @@ def make_family(name, data_dir):
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(data_dir / "tiny-llama" / f, out / f)
 
-    params = dict(COMMON)
-    params.update(overrides)
+    params = {k: v for k, v in {**COMMON, **overrides}.items() if v is not DROP}
     cfg = AutoConfig.for_model(model_type, **params)
     cfg.torch_dtype = "float32"
     torch.manual_seed(seed)
@@ -282,10 +376,11 @@ def make_family(name, data_dir):
     # family's own class, which for qwen2 re-creates Qwen2's pre-tokenizer).
     tok = PreTrainedTokenizerFast.from_pretrained(str(out))
     files = {p.name: {"bytes": p.stat().st_size, "sha256": mg.sha256_file(p)} for p in sorted(out.iterdir())}
+    mla_std = f" and {STD_MLA}" if model_type.startswith("deepseek") else ""
     source = (
         f"Generated by scripts/golden/make_families.py: transformers {transformers.__version__} "
         f"{type(model).__name__} from AutoConfig.for_model({model_type!r}, ...), random weights "
-        f"(torch.Generator seed {seed}, init std {STD}), the tiny Llama's tokenizer; loaded back "
+        f"(torch.Generator seed {seed}, init std {STD}{mla_std}), the tiny Llama's tokenizer; loaded back "
         f"from model/tests/data/tiny-{name}"
     )
     n_params = sum(p.numel() for p in model.parameters())

@@ -23,6 +23,19 @@ quantizes `.weight` tensors only); the router stays F32. Their
 quantized files get golden data of their own (`tiny-<family>-<type>.json`,
 transformers on the dequantized weights): routing follows the weights.
 
+DeepSeek V2 and V3 (`deepseek2`) get llama.cpp's latent-attention keys
+(`attention.q_lora_rank`, `.kv_lora_rank`, `rope.dimension_count` the rope
+part, `rope.scaling.yarn_log_multiplier` = 0.1 `mscale_all_dim`) and
+routing keys (`expert_shared_count`, `leading_dense_block_count`,
+`expert_weights_scale`, `expert_weights_norm` where true,
+`expert_gating_func` 1 or 2, `expert_group_count`/`_used_count`). V3 is
+written as llama.cpp's current converter does (`kv_b_proj` split per head
+into `attn_k_b`, key rows transposed, and `attn_v_b`; `key_length_mla`,
+`value_length_mla`, one KV head), V2 as the older one did (one
+`attn_kv_b`, per-head key and value lengths): both loader paths run. A
+tensor whose rows do not split into the type's blocks (`attn_k_b`, 16
+wide) falls back to F16 as the converter does.
+
 gpt-oss is also written as its MXFP4 release converts (`MXFP4`: the
 expert stacks in MXFP4, gguf-py's quantizer; every other matrix in BF16),
 with golden data on those weights, and again with each layer's expert gate
@@ -67,11 +80,17 @@ PER_FAMILY = {
     "qwen3_moe": ["F32", "Q8_0", "Q4_0"],
     "glm4_moe": ["F32", "Q8_0", "Q4_0"],
     "gpt_oss": ["F32", "Q8_0", "MXFP4"],
+    "deepseek_v2": ["F32", "Q8_0", "Q4_0"],
+    "deepseek_v3": ["F32", "Q8_0", "Q4_0"],
 }
 # Quantized files whose golden data transformers computes on the file's own
 # dequantized weights (`tiny-<family>-<type>.json`): a mixture's routing
 # follows the weights, so the f32 reference cannot stand in for them.
-DEQUANTIZED_GOLDEN = [(f, t) for f in ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe") for t in ("Q8_0", "Q4_0")] + [
+DEQUANTIZED_GOLDEN = [
+    (f, t)
+    for f in ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
+    for t in ("Q8_0", "Q4_0")
+] + [
     ("gpt_oss", "Q8_0"),
     ("gpt_oss", "MXFP4"),
 ]
@@ -89,7 +108,16 @@ ARCH = {
     "qwen3_moe": "qwen3moe",
     "glm4_moe": "glm4moe",
     "gpt_oss": "gpt-oss",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
 }
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+# Latent attention's key/value maps as llama.cpp's current converter writes
+# them: `kv_b_proj` split per head into `attn_k_b` (the key rows,
+# transposed) and `attn_v_b`, with the `_mla` head-size keys. The other
+# DeepSeek family is written as the older converter did (one `attn_kv_b`,
+# the per-head sizes under the plain keys), so both loader paths run.
+SPLIT_KV_B = ("deepseek_v3",)
 # An expert's Hugging Face projection -> its GGUF stacked tensor (llama.cpp
 # stores one [experts, rows, cols] tensor per role).
 EXPERT_NAMES = {
@@ -125,6 +153,12 @@ LAYER_NAMES = {
     "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp",
     "mlp.router": "ffn_gate_inp",
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
 }
 
 
@@ -198,11 +232,14 @@ def convert(family, type_name, odd_tensor=None, fuse_gate_up=False):
     w.add_block_count(n_layers + nextn)
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    rope_params = cfg.get("rope_parameters") or {}
-    w.add_rope_dimension_count(int(head_dim * rope_params.get("partial_rotary_factor", 1.0)))
+    if family in DEEPSEEK:
+        deepseek_attention_metadata(w, cfg, split=family in SPLIT_KV_B)
+    else:
+        w.add_head_count_kv(n_kv)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        rope_params = cfg.get("rope_parameters") or {}
+        w.add_rope_dimension_count(int(head_dim * rope_params.get("partial_rotary_factor", 1.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg.get("rope_parameters") or {}
     theta = (rope.get("full_attention") or rope).get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -226,6 +263,10 @@ def convert(family, type_name, odd_tensor=None, fuse_gate_up=False):
             w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         if rope.get("beta_slow") is not None:
             w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        if family in DEEPSEEK and rope.get("mscale_all_dim"):
+            # The converter's deepseek2 convention (llama.cpp divides it
+            # back by 0.1 on loading).
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     if family == "gemma2":
         w.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
         w.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
@@ -253,6 +294,20 @@ def convert(family, type_name, odd_tensor=None, fuse_gate_up=False):
             w.add_expert_group_count(cfg["n_group"])
             w.add_expert_group_used_count(cfg["topk_group"])
             w.add_nextn_predict_layers(nextn)
+        if family in DEEPSEEK:
+            # As the converter writes a real DeepSeek config: the weights'
+            # norm only where true, the gating from `scoring_func` (V2's
+            # softmax, V3's sigmoid), the groups from n_group/topk_group.
+            w.add_expert_shared_count(cfg["n_shared_experts"])
+            w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+            w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+            if cfg["norm_topk_prob"]:
+                w.add_expert_weights_norm(True)
+            w.add_expert_gating_func(
+                gguf.ExpertGatingFuncType.SIGMOID if family == "deepseek_v3" else gguf.ExpertGatingFuncType.SOFTMAX
+            )
+            w.add_expert_group_count(cfg["n_group"])
+            w.add_expert_group_used_count(cfg["topk_group"])
         if family == "gpt_oss":
             # The converter's key (the experts' width is intermediate_size);
             # llama.cpp fixes the gating (softmax over the chosen) and the
@@ -266,6 +321,8 @@ def convert(family, type_name, odd_tensor=None, fuse_gate_up=False):
 
     qtype = TYPES[type_name]
     tensors = stack_experts(split_fused_experts(safetensors.numpy.load_file(str(src / "model.safetensors"))))
+    if family in SPLIT_KV_B:
+        tensors = split_kv_b(tensors, cfg)
     if fuse_gate_up:
         tensors = fuse_gate_up_stacks(tensors)
     if nextn:
@@ -284,7 +341,7 @@ def convert(family, type_name, odd_tensor=None, fuse_gate_up=False):
             prefix = "model.layers."
             assert name.startswith(prefix), name
             i, rest = name[len(prefix):].split(".", 1)
-            gname = f"blk.{i}.{rest}" if rest.startswith("ffn_") else f"blk.{i}.{layer_name(family, rest)}"
+            gname = f"blk.{i}.{rest}" if rest.startswith(("ffn_", "attn_k_b", "attn_v_b")) else f"blk.{i}.{layer_name(family, rest)}"
             if arch == "llama" and rest.startswith("self_attn.q_proj"):
                 t = permute(t, n_head)
             elif arch == "llama" and rest.startswith("self_attn.k_proj"):
@@ -298,8 +355,7 @@ def convert(family, type_name, odd_tensor=None, fuse_gate_up=False):
             raw = np.random.default_rng(7).integers(0, 256, size=(rows, cols // 32 * 18), dtype=np.uint8)
             w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=Q.IQ4_NL)
         elif t.ndim >= 2 and qtype != Q.F32 and not quantize_kept_f32(gname):
-            ttype = tensor_type(gname, qtype)
-            data = gguf.quants.quantize(t, ttype)
+            data, ttype = quantize(t, tensor_type(gname, qtype))
             w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=ttype)
         else:
             w.add_tensor(gname, t)
@@ -308,6 +364,57 @@ def convert(family, type_name, odd_tensor=None, fuse_gate_up=False):
     w.write_tensors_to_file()
     w.close()
     mg.log(f"wrote {out.relative_to(mg.REPO_ROOT)} ({out.stat().st_size} bytes)")
+
+
+def deepseek_attention_metadata(w, cfg, split):
+    """Latent attention's keys as llama.cpp's converter writes them: the
+    current one (`split`) gives the cache entry's sizes under the plain
+    key/value lengths, the per-head ones under the `_mla` keys, and one KV
+    head; the older one the per-head sizes under the plain keys and
+    num_key_value_heads (equal to the head count)."""
+    rank, nope, rope, v = cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    if cfg.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(rank)
+    if split:
+        w.add_head_count_kv(1)
+        w.add_key_length(rank + rope)
+        w.add_value_length(rank)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(v)
+    else:
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_key_length(nope + rope)
+        w.add_value_length(v)
+    w.add_rope_dimension_count(rope)
+
+
+def split_kv_b(tensors, cfg):
+    """Each layer's `kv_b_proj` [n_heads * (nope + v), rank] as llama.cpp's
+    current converter splits it: per head, the key rows transposed into
+    `attn_k_b` [n_heads, rank, nope] and the value rows into `attn_v_b`
+    [n_heads, v, rank], under their GGUF names after `model.layers.{i}.`."""
+    heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    out = {}
+    for name, t in tensors.items():
+        if not name.endswith("self_attn.kv_b_proj.weight"):
+            out[name] = t
+            continue
+        layer = name[: -len("self_attn.kv_b_proj.weight")]
+        kv_b = t.reshape(heads, nope + v, t.shape[-1])
+        out[f"{layer}attn_k_b.weight"] = np.ascontiguousarray(kv_b[:, :nope, :].transpose(0, 2, 1))
+        out[f"{layer}attn_v_b.weight"] = np.ascontiguousarray(kv_b[:, nope:, :])
+    return out
+
+
+def quantize(t, ttype):
+    """`(blocks, type)`: `t` in `ttype`, or in F16 where its rows do not
+    split into whole blocks (DeepSeek's `attn_k_b`, rows of qk_nope = 16
+    values), as llama.cpp's converter falls back."""
+    try:
+        return gguf.quants.quantize(t, ttype), ttype
+    except gguf.QuantError:
+        return gguf.quants.quantize(t, Q.F16), Q.F16
 
 
 def split_fused_experts(tensors):
@@ -404,9 +511,10 @@ def dequantized_golden(family, type_name):
     tensors = safetensors.numpy.load_file(str(src / "model.safetensors"))
 
     def rounded(t, expert=False):
-        ttype = tensor_type("_exps." if expert else "", qtype)
-        q = gguf.quants.quantize(t.astype(np.float32), ttype)
+        q, ttype = quantize(t.astype(np.float32), tensor_type("_exps." if expert else "", qtype))
         return gguf.quants.dequantize(q, ttype).reshape(t.shape).astype(np.float32)
+
+    cfg = json.loads((src / "config.json").read_text())
 
     out = {}
     for name, t in tensors.items():
@@ -422,6 +530,13 @@ def dequantized_golden(family, type_name):
                 t[:, :, k::2] = rounded(part, expert=True).transpose(0, 2, 1)
         elif name.endswith("mlp.experts.down_proj"):
             t = rounded(np.ascontiguousarray(t.transpose(0, 2, 1)), expert=True).transpose(0, 2, 1)
+        elif name.endswith("self_attn.kv_b_proj.weight") and family in SPLIT_KV_B:
+            # Rounded as the file holds it: the key rows transposed per
+            # head, the value rows as they are.
+            parts = split_kv_b({"self_attn.kv_b_proj.weight": t}, cfg)
+            k = rounded(parts["attn_k_b.weight"]).transpose(0, 2, 1)
+            v = rounded(parts["attn_v_b.weight"])
+            t = np.concatenate([k, v], axis=1).reshape(t.shape)
         elif t.ndim >= 2 and not router and not name.endswith("_bias"):
             t = rounded(t)
         out[name] = np.ascontiguousarray(t)
