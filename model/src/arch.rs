@@ -21,18 +21,21 @@
 //! does not implement) reads the switches. A family whose difference is not
 //! a switch (mixture-of-experts MLPs, latent attention) adds a component
 //! behind a new switch, not a copy of the pass: a mixture of experts is
-//! [`moe::Moe`] in the configuration, and takes the MLP's slot.
+//! [`moe::Moe`] in the configuration, and takes the MLP's slot; latent
+//! attention (DeepSeek V2/V3) is [`mla::Mla`], and takes q/k/v's.
 //!
 //! # Adding a family
 //! One file in this module: a `pub(crate) const FAMILY: Family` with its
 //! names and its two configuration hooks, listed in `FAMILIES`; its
 //! golden test beside the others (`model/tests/golden.rs`).
 
+mod deepseek;
 mod gemma2;
 mod gemma3;
 mod glm4_moe;
 mod gpt_oss;
 mod llama;
+pub mod mla;
 pub mod moe;
 mod phi3;
 mod qwen2;
@@ -58,6 +61,8 @@ pub(crate) const FAMILIES: &[&Family] = &[
     &qwen_moe::QWEN3_MOE,
     &glm4_moe::FAMILY,
     &gpt_oss::FAMILY,
+    &deepseek::V2,
+    &deepseek::V3,
 ];
 
 /// The MLP's activation on the gate (the up projection multiplies it).
@@ -237,6 +242,26 @@ pub(crate) enum Part {
     ExpertGateBias,
     ExpertUpBias,
     ExpertDownBias,
+    /// Latent attention's low-rank query ([`mla::Mla::q_lora_rank`]):
+    /// `[q_rank, hidden]`, its RMSNorm `[q_rank]`, and `[n_heads * (nope +
+    /// rope), q_rank]`. The full-rank query is [`Part::Q`].
+    QA,
+    QANorm,
+    QB,
+    /// The latent and the rope key, `[kv_rank + rope, hidden]` (rows:
+    /// latent, then rope key).
+    KvA,
+    /// The latent's RMSNorm, `[kv_rank]`.
+    KvANorm,
+    /// The latent's expansion into each head's `[k_nope | v]`:
+    /// `[n_heads * (nope + v), kv_rank]`.
+    KvB,
+    /// The same split per head as llama.cpp's current converter writes it
+    /// (GGUF only): `[n_heads, kv_rank, nope]` (each head's key rows of
+    /// [`Part::KvB`], transposed) and `[n_heads, v, kv_rank]` (its value
+    /// rows).
+    KB,
+    VB,
 }
 
 impl Part {
@@ -291,6 +316,11 @@ pub(crate) struct Family {
     /// where its config says so (`partial_rotary_factor`,
     /// `rope.dimension_count`); elsewhere that is refused by name.
     pub partial_rotary: bool,
+    /// The attention is latent ([`mla::Mla`]): the hooks read its sizes
+    /// and restate `head_dim`, `rotary_dim` and `n_kv_heads` from them; the
+    /// generic GGUF rule that the value length equals the key length, and
+    /// the refusal of a rope narrower than the head, do not apply.
+    pub latent_attention: bool,
     /// Hugging Face checkpoints store each layer's experts as transformers
     /// 5 holds them for gpt-oss: `gate_up_proj` `[experts, hidden,
     /// 2 expert_ff]` with gate and up in alternating columns,
@@ -350,10 +380,18 @@ impl Family {
     /// The tensor roles of layer `layer` of `cfg`.
     pub(crate) fn layer_parts(&self, cfg: &ModelConfig, layer: usize) -> Vec<Part> {
         let mut parts = vec![Part::AttnNorm, Part::MlpNorm, Part::O];
-        if self.fused {
-            parts.push(Part::Qkv);
-        } else {
-            parts.extend([Part::Q, Part::K, Part::V]);
+        match &cfg.mla {
+            // GGUF's split `KB`/`VB` are read in place of `KvB` where a
+            // file has them.
+            Some(mla) => {
+                match mla.q_lora_rank {
+                    Some(_) => parts.extend([Part::QA, Part::QANorm, Part::QB]),
+                    None => parts.push(Part::Q),
+                }
+                parts.extend([Part::KvA, Part::KvANorm, Part::KvB]);
+            }
+            None if self.fused => parts.push(Part::Qkv),
+            None => parts.extend([Part::Q, Part::K, Part::V]),
         }
         match cfg.moe.as_ref().filter(|m| m.is_sparse(layer)) {
             Some(moe) => {
@@ -481,6 +519,16 @@ pub(crate) fn llama_hf_name(part: Part) -> &'static str {
         Part::ExpertGateBias => "mlp.experts.{j}.gate_proj.bias",
         Part::ExpertUpBias => "mlp.experts.{j}.up_proj.bias",
         Part::ExpertDownBias => "mlp.experts.{j}.down_proj.bias",
+        Part::QA => "self_attn.q_a_proj.weight",
+        Part::QANorm => "self_attn.q_a_layernorm.weight",
+        Part::QB => "self_attn.q_b_proj.weight",
+        Part::KvA => "self_attn.kv_a_proj_with_mqa.weight",
+        Part::KvANorm => "self_attn.kv_a_layernorm.weight",
+        Part::KvB => "self_attn.kv_b_proj.weight",
+        // No checkpoint has these (llama.cpp's converter's names for the
+        // halves of `kv_b_proj` before it maps them to GGUF's).
+        Part::KB => "self_attn.k_b_proj.weight",
+        Part::VB => "self_attn.v_b_proj.weight",
     }
 }
 
@@ -521,6 +569,14 @@ pub(crate) fn gguf_name(part: Part) -> &'static str {
         Part::ExpertGateBias => "ffn_gate_exps.bias",
         Part::ExpertUpBias => "ffn_up_exps.bias",
         Part::ExpertDownBias => "ffn_down_exps.bias",
+        Part::QA => "attn_q_a.weight",
+        Part::QANorm => "attn_q_a_norm.weight",
+        Part::QB => "attn_q_b.weight",
+        Part::KvA => "attn_kv_a_mqa.weight",
+        Part::KvANorm => "attn_kv_a_norm.weight",
+        Part::KvB => "attn_kv_b.weight",
+        Part::KB => "attn_k_b.weight",
+        Part::VB => "attn_v_b.weight",
     }
 }
 

@@ -5,7 +5,9 @@
 //!
 //! Both constructors end in one validation, so every `ModelConfig` in the
 //! program has nonzero sizes, a head count divisible by the KV head count and
-//! an even head size: the forward pass relies on these without re-checking.
+//! an even head size (in latent attention: an even rope part, and the common
+//! head fields agreeing with [`Mla`]): the forward pass relies on these
+//! without re-checking.
 
 mod gguf;
 pub(crate) mod hf;
@@ -15,6 +17,7 @@ use std::path::Path;
 use kvmesh_kernels::rope::RopeScaling;
 use serde_json::Value;
 
+use crate::arch::mla::{Mla, MlaFieldNames};
 use crate::arch::moe::Moe;
 use crate::arch::{Block, LayerType};
 use crate::error::{ModelError, Result};
@@ -47,13 +50,18 @@ pub struct ModelConfig {
     pub n_layers: usize,
     /// Query heads.
     pub n_heads: usize,
-    /// Key/value heads; divides `n_heads` (grouped-query attention).
+    /// Key/value heads; divides `n_heads` (grouped-query attention). 1 in
+    /// latent attention: every head reads one shared latent entry.
     pub n_kv_heads: usize,
-    /// Size of one head; even (RoPE rotates pairs).
+    /// Size of one head; even (RoPE rotates pairs). In latent attention,
+    /// the query head as transformers shapes it (`qk_nope + qk_rope`,
+    /// [`Mla::qk_head_dim`]), which may be odd.
     pub head_dim: usize,
     /// The leading dimensions of each head that rope rotates: `head_dim`
     /// but in a family with partial rotary embeddings (GLM-4.5: half);
-    /// even, positive, at most `head_dim`.
+    /// even, positive, at most `head_dim`. In latent attention, the rope
+    /// part's width ([`Mla::qk_rope_dim`]), which is each query head's
+    /// trailing part and the shared rope key ([`crate::arch::mla`]).
     pub rotary_dim: usize,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
@@ -79,6 +87,9 @@ pub struct ModelConfig {
     /// The mixture of experts in the MLP slot of its sparse layers, where
     /// the family has one ([`crate::arch::moe`]).
     pub moe: Option<Moe>,
+    /// Multi-head latent attention in place of q/k/v (DeepSeek V2 and
+    /// V3, [`crate::arch::mla`]); `None`: grouped-query attention.
+    pub mla: Option<Mla>,
 }
 
 /// The field names that validation errors cite, per source format.
@@ -101,6 +112,7 @@ pub(crate) struct FieldNames {
     sliding_window: String,
     bos_token_id: String,
     eos_token_id: String,
+    mla: MlaFieldNames,
 }
 
 impl FieldNames {
@@ -125,6 +137,7 @@ impl FieldNames {
             sliding_window: "sliding_window".into(),
             bos_token_id: "bos_token_id".into(),
             eos_token_id: "eos_token_id".into(),
+            mla: MlaFieldNames::HF,
         }
     }
 
@@ -150,6 +163,7 @@ impl FieldNames {
             sliding_window: key("attention.sliding_window"),
             bos_token_id: "tokenizer.ggml.bos_token_id".into(),
             eos_token_id: "tokenizer.ggml.eos_token_id".into(),
+            mla: MlaFieldNames::GGUF,
         }
     }
 }
@@ -288,7 +302,9 @@ impl ModelConfig {
                 ),
             ));
         }
-        if !self.head_dim.is_multiple_of(2) {
+        if let Some(mla) = &self.mla {
+            self.validate_mla(mla, path, names)?;
+        } else if !self.head_dim.is_multiple_of(2) {
             return Err(invalid(
                 names.head_dim.as_str(),
                 self.head_dim.to_string(),
@@ -392,6 +408,47 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// Latent attention's sizes and how the common fields restate them
+    /// (set together by the family's hooks; checked here so that no
+    /// configuration reaches the weights with them apart).
+    fn validate_mla(&self, mla: &Mla, path: &Path, names: &FieldNames) -> Result<()> {
+        mla.validate(path, &names.mla)?;
+        let apart = |field: &str, value: usize, expected: usize| ModelError::InvalidField {
+            path: path.to_owned(),
+            field: field.to_owned(),
+            value: value.to_string(),
+            reason: format!("latent attention implies {expected}"),
+        };
+        if self.head_dim != mla.qk_head_dim() {
+            return Err(apart(&names.head_dim, self.head_dim, mla.qk_head_dim()));
+        }
+        if self.rotary_dim != mla.qk_rope_dim {
+            return Err(apart(&names.rotary_dim, self.rotary_dim, mla.qk_rope_dim));
+        }
+        if self.n_kv_heads != 1 {
+            return Err(apart(&names.n_kv_heads, self.n_kv_heads, 1));
+        }
+        let fits = [
+            self.n_heads.checked_mul(mla.qk_head_dim() + mla.v_head_dim),
+            self.n_heads.checked_mul(mla.v_head_dim),
+        ]
+        .iter()
+        .all(|n| {
+            n.and_then(|n| n.checked_mul(self.hidden_size.max(mla.kv_lora_rank)))
+                .and_then(|n| n.checked_mul(4))
+                .is_some()
+        });
+        if !fits {
+            return Err(ModelError::InvalidField {
+                path: path.to_owned(),
+                field: names.n_heads.clone(),
+                value: self.n_heads.to_string(),
+                reason: "the latent attention tensor sizes it implies overflow".into(),
+            });
+        }
+        Ok(())
+    }
+
     /// Rows of `W_q` (`n_heads * head_dim`).
     pub fn q_dim(&self) -> usize {
         self.n_heads * self.head_dim
@@ -400,6 +457,15 @@ impl ModelConfig {
     /// Rows of `W_k` and `W_v` (`n_kv_heads * head_dim`).
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+
+    /// Columns of the output projection: `n_heads * head_dim`, or in
+    /// latent attention `n_heads * v_head_dim`.
+    pub fn o_dim(&self) -> usize {
+        match &self.mla {
+            Some(m) => self.n_heads * m.v_head_dim,
+            None => self.q_dim(),
+        }
     }
 }
 

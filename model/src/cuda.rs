@@ -142,15 +142,19 @@ impl CudaLlama {
             let mlp = l.ffn.dense().ok_or_else(|| ModelError::Compute {
                 detail: "a mixture-of-experts layer reached the CUDA upload".into(),
             })?;
+            // ... and every latent attention.
+            let a = l.attn.gqa().ok_or_else(|| ModelError::Compute {
+                detail: "a latent attention layer reached the CUDA upload".into(),
+            })?;
             let opt = |b: &Option<Vec<f32>>| b.as_deref().map(|b| upload_vec(&gpu, b)).transpose();
             layers.push(DevLayer {
                 attn_norm: upload_vec(&gpu, &l.attn_norm)?,
-                wq: upload_stacked(&gpu, &[&l.wq], dense)?,
-                wk: upload_stacked(&gpu, &[&l.wk], dense)?,
-                wv: upload_stacked(&gpu, &[&l.wv], dense)?,
-                bq: opt(&l.bq)?,
-                bk: opt(&l.bk)?,
-                bv: opt(&l.bv)?,
+                wq: upload_stacked(&gpu, &[&a.wq], dense)?,
+                wk: upload_stacked(&gpu, &[&a.wk], dense)?,
+                wv: upload_stacked(&gpu, &[&a.wv], dense)?,
+                bq: opt(&a.bq)?,
+                bk: opt(&a.bk)?,
+                bv: opt(&a.bv)?,
                 wo: upload_stacked(&gpu, &[&l.wo], dense)?,
                 mlp_norm: upload_vec(&gpu, &l.mlp_norm)?,
                 gate_up: upload_stacked(&gpu, &[&mlp.gate, &mlp.up], dense)?,

@@ -35,7 +35,7 @@ use crate::error::{ModelError, Result};
 use crate::linear::Projection;
 use crate::moe::{MlpRt, MoeRt};
 use crate::sampling::{prompt_logprob, PromptLogprob};
-use crate::weights::{Ffn, Matrix, Weights};
+use crate::weights::{AttnWeights, Ffn, Matrix, Weights};
 
 /// Which logits a chunk wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -186,6 +186,14 @@ impl Llama {
     /// (exact mode), quantized ones through the block kernels, with Q/K/V
     /// and gate/up stacked into one pass each.
     pub fn new(cfg: ModelConfig, w: Weights) -> Result<Self> {
+        if cfg.mla.is_some() {
+            return Err(ModelError::Unsupported {
+                what: format!(
+                    "latent attention ({}): the forward pass does not run it yet",
+                    cfg.family
+                ),
+            });
+        }
         let mut ropes = vec![Rope::partial(
             cfg.head_dim,
             cfg.rotary_dim,
@@ -214,18 +222,23 @@ impl Llama {
                     })
                 }
             };
+            let AttnWeights::Gqa(a) = l.attn else {
+                return Err(ModelError::Compute {
+                    detail: "latent attention weights for a configuration without it".into(),
+                });
+            };
             layers.push(LayerRt {
-                qkv: Projection::new(&[&l.wq, &l.wk, &l.wv])?,
+                qkv: Projection::new(&[&a.wq, &a.wk, &a.wv])?,
                 wo: Projection::new(&[&l.wo])?,
                 ffn,
                 attn_norm: l.attn_norm,
                 mlp_norm: l.mlp_norm,
                 bo: l.bo,
-                bq: l.bq,
-                bk: l.bk,
-                bv: l.bv,
-                q_norm: l.q_norm,
-                k_norm: l.k_norm,
+                bq: a.bq,
+                bk: a.bk,
+                bv: a.bv,
+                q_norm: a.q_norm,
+                k_norm: a.k_norm,
                 post_attn_norm: l.post_attn_norm,
                 post_mlp_norm: l.post_mlp_norm,
                 shape: AttentionShape {

@@ -16,9 +16,11 @@
 //! one RoPE layout to implement.
 
 mod assemble;
+mod attn;
 mod gate_up;
 mod hf;
 mod layout;
+mod mla;
 mod permute;
 
 use std::sync::Arc;
@@ -32,6 +34,7 @@ use crate::error::{ModelError, Result};
 use crate::loader::gguf::GgufFile;
 
 use assemble::*;
+pub use attn::{AttnWeights, GqaWeights, MlaQuery, MlaWeights};
 pub(crate) use hf::HfTensors;
 pub(crate) use layout::*;
 pub(crate) use permute::*;
@@ -143,28 +146,15 @@ impl Matrix {
 pub struct LayerWeights {
     /// RMSNorm weight before attention, `[hidden]`.
     pub attn_norm: Vec<f32>,
-    /// Query projection, `[n_heads * head_dim, hidden]`.
-    pub wq: Matrix,
-    /// Key projection, `[n_kv_heads * head_dim, hidden]`.
-    pub wk: Matrix,
-    /// Value projection, `[n_kv_heads * head_dim, hidden]`.
-    pub wv: Matrix,
-    /// Output projection, `[hidden, n_heads * head_dim]`.
+    /// Where queries, keys and values come from: q/k/v, or a latent.
+    pub attn: AttnWeights,
+    /// Output projection, `[hidden, n_heads * head_dim]` (latent
+    /// attention: `[hidden, n_heads * v_head_dim]`).
     pub wo: Matrix,
     /// Output projection bias (gpt-oss), `[hidden]`.
     pub bo: Option<Vec<f32>>,
     /// Attention sink logits, one per query head (gpt-oss), `[n_heads]`.
     pub sinks: Option<Vec<f32>>,
-    /// Query bias (when `attention_bias`), `[n_heads * head_dim]`.
-    pub bq: Option<Vec<f32>>,
-    /// Key bias (when `attention_bias`), `[n_kv_heads * head_dim]`.
-    pub bk: Option<Vec<f32>>,
-    /// Value bias (when `attention_bias`), `[n_kv_heads * head_dim]`.
-    pub bv: Option<Vec<f32>>,
-    /// RMSNorm weight of each query head (Qwen3, Gemma 3), `[head_dim]`.
-    pub q_norm: Option<Vec<f32>>,
-    /// RMSNorm weight of each key head, `[head_dim]`.
-    pub k_norm: Option<Vec<f32>>,
     /// RMSNorm weight on the attention output (Gemma), `[hidden]`.
     pub post_attn_norm: Option<Vec<f32>>,
     /// RMSNorm weight before the MLP, `[hidden]`.
@@ -262,9 +252,11 @@ impl Ffn {
 }
 
 impl LayerWeights {
-    /// Every matrix of the layer: attention's four, then the MLP slot's.
+    /// Every matrix of the layer: attention's ([`AttnWeights::matrices`],
+    /// then the output projection), then the MLP slot's.
     pub fn matrices(&self) -> Vec<&Matrix> {
-        let mut out = vec![&self.wq, &self.wk, &self.wv, &self.wo];
+        let mut out = self.attn.matrices();
+        out.push(&self.wo);
         out.extend(self.ffn.matrices());
         out
     }
@@ -278,15 +270,11 @@ impl LayerWeights {
         };
         [&self.attn_norm, &self.mlp_norm]
             .into_iter()
+            .chain(self.attn.vectors())
             .chain(
                 [
-                    &self.bq,
-                    &self.bk,
-                    &self.bv,
                     &self.bo,
                     &self.sinks,
-                    &self.q_norm,
-                    &self.k_norm,
                     &self.post_attn_norm,
                     &self.post_mlp_norm,
                 ]
@@ -409,19 +397,48 @@ impl Weights {
                     })
                 }
             };
+            let attn = match &config.mla {
+                None => AttnWeights::Gqa(GqaWeights {
+                    wq: matrix(q, h, salt + 1)?,
+                    wk: matrix(kv, h, salt + 2)?,
+                    wv: matrix(kv, h, salt + 3)?,
+                    bq: bias(q),
+                    bk: bias(kv),
+                    bv: bias(kv),
+                    q_norm: config.block.qk_norm.then(|| vec![1.0; config.head_dim]),
+                    k_norm: config.block.qk_norm.then(|| vec![1.0; config.head_dim]),
+                }),
+                Some(m) => {
+                    // Heads salted apart from the layer's other matrices.
+                    let base = (1 << 40) + (l << 20);
+                    let head = |rows, cols, j: u64| matrix(rows, cols, base + 8 + j);
+                    let n = config.n_heads as u64;
+                    AttnWeights::Latent(Box::new(MlaWeights {
+                        q: match m.q_lora_rank {
+                            None => MlaQuery::Direct(matrix(q, h, salt + 1)?),
+                            Some(r) => MlaQuery::LowRank {
+                                a: matrix(r, h, salt + 1)?,
+                                norm: vec![1.0; r],
+                                b: matrix(q, r, salt + 2)?,
+                            },
+                        },
+                        kv_a: matrix(m.entry_dim(), h, salt + 3)?,
+                        kv_a_norm: vec![1.0; m.kv_lora_rank],
+                        k_b: (0..n)
+                            .map(|j| head(m.kv_lora_rank, m.qk_nope_dim, j))
+                            .collect::<Result<_>>()?,
+                        v_b: (0..n)
+                            .map(|j| head(m.v_head_dim, m.kv_lora_rank, n + j))
+                            .collect::<Result<_>>()?,
+                    }))
+                }
+            };
             layers.push(LayerWeights {
                 attn_norm: vec![1.0; h],
-                wq: matrix(q, h, salt + 1)?,
-                wk: matrix(kv, h, salt + 2)?,
-                wv: matrix(kv, h, salt + 3)?,
-                wo: matrix(h, q, salt + 4)?,
+                attn,
+                wo: matrix(h, config.o_dim(), salt + 4)?,
                 bo: config.block.o_bias.then(|| vec![0.01; h]),
                 sinks: config.block.attn_sinks.then(|| vec![0.0; config.n_heads]),
-                bq: bias(q),
-                bk: bias(kv),
-                bv: bias(kv),
-                q_norm: config.block.qk_norm.then(|| vec![1.0; config.head_dim]),
-                k_norm: config.block.qk_norm.then(|| vec![1.0; config.head_dim]),
                 post_attn_norm: config.block.sandwich_norms.then(|| vec![1.0; h]),
                 mlp_norm: vec![1.0; h],
                 post_mlp_norm: config.block.sandwich_norms.then(|| vec![1.0; h]),

@@ -61,6 +61,7 @@ pub(crate) const FAMILY: Family = Family {
     gguf_name: |_| None,
     partial_rotary: false,
     hf_fused_experts: false,
+    latent_attention: false,
 };
 
 /// Layer `i` is global when `(i + 1) % pattern == 0`, else sliding.

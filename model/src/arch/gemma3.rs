@@ -47,6 +47,7 @@ pub(crate) const FAMILY: Family = Family {
     gguf_name: |_| None,
     partial_rotary: false,
     hf_fused_experts: false,
+    latent_attention: false,
 };
 
 fn gemma3_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {

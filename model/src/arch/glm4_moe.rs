@@ -53,4 +53,5 @@ pub(crate) const FAMILY: Family = Family {
     },
     partial_rotary: true,
     hf_fused_experts: false,
+    latent_attention: false,
 };

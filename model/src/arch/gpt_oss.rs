@@ -69,6 +69,7 @@ pub(crate) const FAMILY: Family = Family {
     },
     partial_rotary: false,
     hf_fused_experts: true,
+    latent_attention: false,
 };
 
 fn gpt_oss_hf(hf: &HfConfig<'_>, cfg: &mut ModelConfig) -> Result<()> {

@@ -22,6 +22,7 @@ pub(crate) const LLAMA: Family = Family {
     gguf_name: |_| None,
     partial_rotary: false,
     hf_fused_experts: false,
+    latent_attention: false,
 };
 
 /// Mistral (GGUF files of Mistral models say `llama`).
@@ -38,6 +39,7 @@ pub(crate) const MISTRAL: Family = Family {
     gguf_name: |_| None,
     partial_rotary: false,
     hf_fused_experts: false,
+    latent_attention: false,
 };
 
 /// SiLU, no MLP bias, no attention bias (Llama's `attention_bias` also
@@ -111,6 +113,7 @@ pub(crate) const MIXTRAL: Family = Family {
     gguf_name: |_| None,
     partial_rotary: false,
     hf_fused_experts: false,
+    latent_attention: false,
 };
 
 /// GGUF `llama` (Llama, Mistral, and Mixtral's experts, renormalised as

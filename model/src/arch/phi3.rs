@@ -38,4 +38,5 @@ pub(crate) const FAMILY: Family = Family {
     gguf_name: |_| None,
     partial_rotary: false,
     hf_fused_experts: false,
+    latent_attention: false,
 };

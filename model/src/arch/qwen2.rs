@@ -27,6 +27,7 @@ pub(crate) const FAMILY: Family = Family {
     gguf_name: |_| None,
     partial_rotary: false,
     hf_fused_experts: false,
+    latent_attention: false,
 };
 
 /// Without `layer_types`: a window only when `use_sliding_window`, and

@@ -21,6 +21,7 @@ pub(crate) const FAMILY: Family = Family {
     gguf_name: |_| None,
     partial_rotary: false,
     hf_fused_experts: false,
+    latent_attention: false,
 };
 
 /// The Qwen3 block from `config.json` (Qwen3-MoE's too).

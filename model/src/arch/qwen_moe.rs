@@ -49,6 +49,7 @@ pub(crate) const QWEN2_MOE: Family = Family {
     gguf_name: |_| None,
     partial_rotary: false,
     hf_fused_experts: false,
+    latent_attention: false,
 };
 
 pub(crate) const QWEN3_MOE: Family = Family {
@@ -70,4 +71,5 @@ pub(crate) const QWEN3_MOE: Family = Family {
     gguf_name: |_| None,
     partial_rotary: false,
     hf_fused_experts: false,
+    latent_attention: false,
 };

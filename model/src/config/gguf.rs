@@ -44,9 +44,10 @@ impl ModelConfig {
                     .into())
             }
         };
+        // Latent attention's heads and cache entry are the family's to read.
         if let Some(v) = g
             .opt_usize(&key("attention.value_length"))?
-            .filter(|&v| v != head_dim)
+            .filter(|&v| v != head_dim && !family.latent_attention)
         {
             return Err(g
                 .invalid_field(
@@ -57,7 +58,7 @@ impl ModelConfig {
                 .into());
         }
         let rotary_dim = match g.opt_usize(&key("rope.dimension_count"))? {
-            Some(r) if r != head_dim && !family.partial_rotary => {
+            Some(r) if r != head_dim && !family.partial_rotary && !family.latent_attention => {
                 return Err(g.invalid_field(
                     &key("rope.dimension_count"),
                     r.to_string(),
@@ -116,6 +117,7 @@ impl ModelConfig {
             bos_token_id: g.opt_u32("tokenizer.ggml.bos_token_id")?,
             eos_token_ids: kvmesh_tokenizer::info::gguf_eos_token_ids(g)?,
             moe: None,
+            mla: None,
         };
         (family.gguf)(g, &mut config)?;
         crate::arch::moe::refuse_unread_experts(g, &config)?;

@@ -68,6 +68,7 @@ impl HfConfig<'_> {
             bos_token_id: self.opt_token_id("bos_token_id")?,
             eos_token_ids: kvmesh_tokenizer::info::hf_eos_token_ids(self.path, self.obj)?,
             moe: None,
+            mla: None,
         };
         (family.hf)(self, &mut config)?;
         if config.layer_types.is_empty() {

@@ -9,7 +9,8 @@ use crate::error::{ModelError, Result};
 /// The CUDA forward pass is the Llama block with q/k/v biases and one
 /// window for every layer: a model with any other [`crate::arch::Block`]
 /// switch (Gemma 2's attention soft-capping among them), with sliding and
-/// full layers mixed, with experts, or with a YaRN rope that scales cos and sin, is
+/// full layers mixed, with experts, with latent attention, or with a YaRN
+/// rope that scales cos and sin, is
 /// refused at load with what is missing named, never run without it.
 pub(super) fn refuse_unimplemented(cfg: &ModelConfig) -> Result<()> {
     let mut missing = cfg.block.non_llama_switches(cfg.head_dim);
@@ -24,6 +25,9 @@ pub(super) fn refuse_unimplemented(cfg: &ModelConfig) -> Result<()> {
     }
     if cfg.moe.is_some() {
         missing.push("mixture-of-experts MLPs");
+    }
+    if cfg.mla.is_some() {
+        missing.push("latent attention (MLA)");
     }
     if cfg.rotary_dim != cfg.head_dim {
         missing.push("partial rotary embeddings");

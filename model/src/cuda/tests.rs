@@ -84,3 +84,18 @@ fn gpt_oss_is_refused_by_name_with_each_switch() {
         assert!(msg.contains(part), "{part} missing from: {msg}");
     }
 }
+
+/// DeepSeek V2 and V3 (the committed tiny models' configs) are refused by
+/// family, naming latent attention among what the device pass lacks.
+#[test]
+fn latent_attention_is_refused_by_name() {
+    for family in ["deepseek_v2", "deepseek_v3"] {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("tests/data/tiny-{family}/config.json"));
+        let cfg = ModelConfig::from_hf_config(&path).expect("parse");
+        let msg = refusal(&cfg);
+        for part in [family, "latent attention (MLA)", "mixture-of-experts"] {
+            assert!(msg.contains(part), "{part} missing from: {msg}");
+        }
+    }
+}

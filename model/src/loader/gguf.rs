@@ -205,8 +205,9 @@ impl GgufFile {
     /// Read matrix `name` as its GGUF blocks, unconverted, when it is stored
     /// in a block format ([`QFormat`]: F16, BF16, Q4_0..Q8_0, Q2_K..Q6_K,
     /// MXFP4);
-    /// `None` for F32 (and for a tensor that is not a matrix or a stack of
-    /// them). Any other
+    /// `None` for F32, for F16 and BF16 rows that are not whole 32-value
+    /// panels (read as f32 instead), and for a tensor that is not a matrix
+    /// or a stack of them. Any other
     /// type is refused, naming the tensor and its type, rather than widened
     /// to f32. Shape checked as in [`Self::tensor_f32`]; the byte range is
     /// checked against the file's length before reading.
@@ -240,6 +241,16 @@ impl GgufFile {
                 })
             }
         };
+        // ggml's F16 and BF16 have no blocks (a value each); the kernels
+        // take them in 32-value panels. Rows narrower than whole panels
+        // (llama.cpp's F16 fallback for a tensor too narrow to quantize,
+        // such as a small model's `attn_k_b`) are widened to f32 instead,
+        // exactly; any other format's rows are whole blocks or malformed.
+        if matches!(format, QFormat::F16 | QFormat::BF16)
+            && !cols.is_multiple_of(format.block_values())
+        {
+            return Ok(None);
+        }
         self.blocks(name, offset, format, rows, cols).map(Some)
     }
 

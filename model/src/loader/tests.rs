@@ -25,17 +25,18 @@ fn loaded<'a>(w: &'a Weights, name: &str) -> Tensor {
             let rest = name.strip_prefix("model.layers.").expect("layer tensor");
             let (i, part) = rest.split_once('.').expect("layer part");
             let l = layer(i);
+            let a = l.attn.gqa().expect("q/k/v attention");
             let opt = |b: &Option<Vec<f32>>| vec(b.as_ref().expect("bias present"));
             match part {
                 "input_layernorm.weight" => vec(&l.attn_norm),
                 "post_attention_layernorm.weight" => vec(&l.mlp_norm),
-                "self_attn.q_proj.weight" => dense(&l.wq),
-                "self_attn.k_proj.weight" => dense(&l.wk),
-                "self_attn.v_proj.weight" => dense(&l.wv),
+                "self_attn.q_proj.weight" => dense(&a.wq),
+                "self_attn.k_proj.weight" => dense(&a.wk),
+                "self_attn.v_proj.weight" => dense(&a.wv),
                 "self_attn.o_proj.weight" => dense(&l.wo),
-                "self_attn.q_proj.bias" => opt(&l.bq),
-                "self_attn.k_proj.bias" => opt(&l.bk),
-                "self_attn.v_proj.bias" => opt(&l.bv),
+                "self_attn.q_proj.bias" => opt(&a.bq),
+                "self_attn.k_proj.bias" => opt(&a.bk),
+                "self_attn.v_proj.bias" => opt(&a.bv),
                 "mlp.gate_proj.weight" => dense(&l.ffn.dense().expect("dense MLP").gate),
                 "mlp.up_proj.weight" => dense(&l.ffn.dense().expect("dense MLP").up),
                 "mlp.down_proj.weight" => dense(&l.ffn.dense().expect("dense MLP").down),
@@ -86,7 +87,7 @@ fn hf_directory_loads_in_each_float_dtype() {
         assert_weights_equal(&m.weights, &expected, tolerance);
         // Tied: the LM head is the embedding.
         assert!(m.weights.lm_head.same_storage(&m.weights.embed));
-        assert!(m.weights.layers[0].bq.is_none());
+        assert!(m.weights.layers[0].attn.gqa().expect("q/k/v").bq.is_none());
         assert_eq!(m.tokenizer.bos_token(), Some("<s>"));
         assert_eq!(m.stop_token_ids(), vec![TINY_EOS]);
     }
@@ -110,7 +111,7 @@ fn hf_sharded_untied_and_qwen2_biases() {
     assert!(m.config.attention_bias && !m.config.tie_word_embeddings);
     assert!(!m.weights.lm_head.same_storage(&m.weights.embed));
     assert_weights_equal(&m.weights, &expected, 0.0);
-    let l = &m.weights.layers[1];
+    let l = m.weights.layers[1].attn.gqa().expect("q/k/v attention");
     assert_eq!(
         (l.bq.as_ref().map(Vec::len), l.bk.as_ref().map(Vec::len)),
         (Some(32), Some(16))

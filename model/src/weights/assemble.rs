@@ -1,6 +1,6 @@
 //! [`Weights`] built from a `TensorSource`: the dense parts, the fused
 //! tensors split, the mixtures' experts (stacked in GGUF, fused in some
-//! Hugging Face checkpoints).
+//! Hugging Face checkpoints); latent attention's in `super::mla`.
 
 use super::*;
 
@@ -48,37 +48,13 @@ pub(super) fn assemble(
         let malformed = |part: Part, e: String| {
             ModelError::malformed(&path, format!("tensor `{}`: {e}", name(part)))
         };
-        let permuted = layout == Layout::Gguf && family.gguf_qk_permuted;
-        // GGUF stores Q and K (and their biases) permuted for interleaved
-        // rope in the `llama` architecture.
-        let qk = |t: Tensor, part: Part, heads: usize| {
-            if !permuted {
-                return Ok(t);
-            }
-            unpermute_qk_rows(&t, heads, config.head_dim)
-                .map_err(|e| malformed(part, format!("un-permuting: {e}")))
-        };
-        let qk_matrix = |m: Matrix, part: Part, heads: usize| match m {
-            m if !permuted => Ok(m),
-            Matrix::Dense(t) => qk(t, part, heads).map(Matrix::Dense),
-            Matrix::Quant(q) => {
-                let order = unpermute_order(q.rows(), heads, config.head_dim)
-                    .map_err(|e| malformed(part, format!("un-permuting: {e}")))?;
-                Ok(Matrix::Quant(Arc::new(q.permute_rows(&order))))
-            }
+        let attn = match &config.mla {
+            Some(mla) => AttnWeights::Latent(Box::new(super::mla::mla_weights(
+                src, config, layout, precision, i, mla,
+            )?)),
+            None => AttnWeights::Gqa(gqa_weights(src, config, layout, precision, i)?),
         };
         let mut take = |part: Part| src.take(&name(part), &part_shape(config, part));
-        let (bq, bk, bv) = if config.attention_bias {
-            let bq = qk(take(Part::QBias)?, Part::QBias, config.n_heads)?;
-            let bk = qk(take(Part::KBias)?, Part::KBias, config.n_kv_heads)?;
-            (
-                Some(to_vec1(&path, &name(Part::QBias), &bq)?),
-                Some(to_vec1(&path, &name(Part::KBias), &bk)?),
-                Some(to_vec1(&path, &name(Part::VBias), &take(Part::VBias)?)?),
-            )
-        } else {
-            (None, None, None)
-        };
         let mut norm = |part: Part| -> Result<Vec<f32>> {
             let mut w = to_vec1(&path, &name(part), &take(part)?)?;
             if norm_offset != 0.0 {
@@ -87,8 +63,6 @@ pub(super) fn assemble(
             Ok(w)
         };
         let mut opt_norm = |on: bool, part: Part| on.then(|| norm(part)).transpose();
-        let q_norm = opt_norm(config.block.qk_norm, Part::QNorm)?;
-        let k_norm = opt_norm(config.block.qk_norm, Part::KNorm)?;
         let post_attn_norm = opt_norm(config.block.sandwich_norms, Part::PostAttnNorm)?;
         let post_mlp_norm = opt_norm(config.block.sandwich_norms, Part::PostMlpNorm)?;
         let attn_norm = norm(Part::AttnNorm)?;
@@ -103,20 +77,6 @@ pub(super) fn assemble(
         let sinks = vector(config.block.attn_sinks, Part::Sinks)?;
         let mut matrix =
             |part: Part| src.take_matrix(&name(part), &part_shape(config, part), precision);
-        let (wq, wk, wv) = if family.fused {
-            let (q, kv) = (config.q_dim(), config.kv_dim());
-            let qkv = matrix(Part::Qkv)?;
-            let split = |r: std::ops::Range<usize>| {
-                matrix_rows(&qkv, r).map_err(|e| malformed(Part::Qkv, format!("splitting: {e}")))
-            };
-            (split(0..q)?, split(q..q + kv)?, split(q + kv..q + 2 * kv)?)
-        } else {
-            (
-                qk_matrix(matrix(Part::Q)?, Part::Q, config.n_heads)?,
-                qk_matrix(matrix(Part::K)?, Part::K, config.n_kv_heads)?,
-                matrix(Part::V)?,
-            )
-        };
         let wo = matrix(Part::O)?;
         let ffn = match config.moe.as_ref().filter(|m| m.is_sparse(i)) {
             Some(moe) => Ffn::Moe(moe_weights(src, config, layout, precision, i, moe)?),
@@ -143,17 +103,10 @@ pub(super) fn assemble(
         };
         layers.push(LayerWeights {
             attn_norm,
-            wq,
-            wk,
-            wv,
+            attn,
             wo,
             bo,
             sinks,
-            bq,
-            bk,
-            bv,
-            q_norm,
-            k_norm,
             post_attn_norm,
             mlp_norm,
             post_mlp_norm,
@@ -178,6 +131,97 @@ pub(super) fn assemble(
         layers,
         final_norm,
         lm_head,
+    })
+}
+
+/// Layer `i`'s q/k/v projections, their biases and head norms: GGUF's
+/// q/k rows (and biases) un-permuted where the family's converter
+/// permuted them, Phi-3's fused q/k/v split by rows.
+fn gqa_weights(
+    src: &mut dyn TensorSource,
+    config: &ModelConfig,
+    layout: Layout,
+    precision: Precision,
+    i: usize,
+) -> Result<GqaWeights> {
+    let family = family_of(config)?;
+    let path = src.source_path().to_owned();
+    let norm_offset = match layout {
+        Layout::Hf => family.hf_norm_offset,
+        Layout::Gguf => 0.0,
+    };
+    let name = |part: Part| layout.layer(family, i, part);
+    let malformed = |part: Part, e: String| {
+        ModelError::malformed(&path, format!("tensor `{}`: {e}", name(part)))
+    };
+    let permuted = layout == Layout::Gguf && family.gguf_qk_permuted;
+    // GGUF stores Q and K (and their biases) permuted for interleaved
+    // rope in the `llama` architecture.
+    let qk = |t: Tensor, part: Part, heads: usize| {
+        if !permuted {
+            return Ok(t);
+        }
+        unpermute_qk_rows(&t, heads, config.head_dim)
+            .map_err(|e| malformed(part, format!("un-permuting: {e}")))
+    };
+    let qk_matrix = |m: Matrix, part: Part, heads: usize| match m {
+        m if !permuted => Ok(m),
+        Matrix::Dense(t) => qk(t, part, heads).map(Matrix::Dense),
+        Matrix::Quant(q) => {
+            let order = unpermute_order(q.rows(), heads, config.head_dim)
+                .map_err(|e| malformed(part, format!("un-permuting: {e}")))?;
+            Ok(Matrix::Quant(Arc::new(q.permute_rows(&order))))
+        }
+    };
+    let mut take = |part: Part| src.take(&name(part), &part_shape(config, part));
+    let (bq, bk, bv) = if config.attention_bias {
+        let bq = qk(take(Part::QBias)?, Part::QBias, config.n_heads)?;
+        let bk = qk(take(Part::KBias)?, Part::KBias, config.n_kv_heads)?;
+        (
+            Some(to_vec1(&path, &name(Part::QBias), &bq)?),
+            Some(to_vec1(&path, &name(Part::KBias), &bk)?),
+            Some(to_vec1(&path, &name(Part::VBias), &take(Part::VBias)?)?),
+        )
+    } else {
+        (None, None, None)
+    };
+    let mut norm = |on: bool, part: Part| -> Result<Option<Vec<f32>>> {
+        if !on {
+            return Ok(None);
+        }
+        let mut w = to_vec1(&path, &name(part), &take(part)?)?;
+        if norm_offset != 0.0 {
+            w.iter_mut().for_each(|x| *x += norm_offset);
+        }
+        Ok(Some(w))
+    };
+    let q_norm = norm(config.block.qk_norm, Part::QNorm)?;
+    let k_norm = norm(config.block.qk_norm, Part::KNorm)?;
+    let mut matrix =
+        |part: Part| src.take_matrix(&name(part), &part_shape(config, part), precision);
+    let (wq, wk, wv) = if family.fused {
+        let (q, kv) = (config.q_dim(), config.kv_dim());
+        let qkv = matrix(Part::Qkv)?;
+        let split = |r: std::ops::Range<usize>| {
+            matrix_rows(&qkv, r).map_err(|e| malformed(Part::Qkv, format!("splitting: {e}")))
+        };
+        (split(0..q)?, split(q..q + kv)?, split(q + kv..q + 2 * kv)?)
+    } else {
+        (
+            qk_matrix(matrix(Part::Q)?, Part::Q, config.n_heads)?,
+            qk_matrix(matrix(Part::K)?, Part::K, config.n_kv_heads)?,
+            matrix(Part::V)?,
+        )
+    };
+    Ok(GqaWeights {
+        wq,
+        wk,
+        wv,
+        bq,
+        bk,
+        bv,
+        q_norm,
+        k_norm,
     })
 }
 

@@ -139,6 +139,17 @@ pub(super) fn part_shape(config: &ModelConfig, part: Part) -> Vec<usize> {
         config.intermediate_size,
     );
     let moe = config.moe.as_ref();
+    // Latent attention's sizes (zeros without: its parts are not asked for).
+    let (q_rank, kv_rank, nope, rope, v) = config.mla.as_ref().map_or((0, 0, 0, 0, 0), |m| {
+        (
+            m.q_lora_rank.unwrap_or(0),
+            m.kv_lora_rank,
+            m.qk_nope_dim,
+            m.qk_rope_dim,
+            m.v_head_dim,
+        )
+    });
+    let n_heads = config.n_heads;
     let (n_experts, expert_ff, shared_ff) = (
         moe.map_or(0, |m| m.n_experts),
         moe.map_or(0, |m| m.expert_ff),
@@ -150,7 +161,7 @@ pub(super) fn part_shape(config: &ModelConfig, part: Part) -> Vec<usize> {
         Part::Q => vec![q, h],
         Part::K | Part::V => vec![kv, h],
         Part::Qkv => vec![q + 2 * kv, h],
-        Part::O => vec![h, q],
+        Part::O => vec![h, config.o_dim()],
         Part::QBias => vec![q],
         Part::KBias | Part::VBias => vec![kv],
         Part::Gate | Part::Up => vec![ff, h],
@@ -168,6 +179,14 @@ pub(super) fn part_shape(config: &ModelConfig, part: Part) -> Vec<usize> {
         Part::RouterLogitBias => vec![n_experts],
         Part::ExpertGateBias | Part::ExpertUpBias => vec![expert_ff],
         Part::ExpertDownBias => vec![h],
+        Part::QA => vec![q_rank, h],
+        Part::QANorm => vec![q_rank],
+        Part::QB => vec![q, q_rank],
+        Part::KvA => vec![kv_rank + rope, h],
+        Part::KvANorm => vec![kv_rank],
+        Part::KvB => vec![n_heads * (nope + v), kv_rank],
+        Part::KB => vec![n_heads, kv_rank, nope],
+        Part::VB => vec![n_heads, v, kv_rank],
     }
 }
 

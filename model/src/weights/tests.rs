@@ -123,14 +123,23 @@ fn random_weights_have_the_shape_and_repeat_by_seed() {
     let c = Weights::random(&cfg, 6).expect("weights");
     assert_eq!(a.layers.len(), cfg.n_layers);
     assert_eq!(a.embed.shape(), (cfg.vocab_size, cfg.hidden_size));
-    assert_eq!(a.layers[0].wk.shape(), (cfg.kv_dim(), cfg.hidden_size));
+    assert_eq!(
+        a.layers[0].attn.gqa().expect("q/k/v").wk.shape(),
+        (cfg.kv_dim(), cfg.hidden_size)
+    );
     assert_eq!(
         a.layers[0].ffn.dense().expect("dense MLP").down.shape(),
         (cfg.hidden_size, cfg.intermediate_size)
     );
     let row = |w: &Weights| {
         let mut r = vec![0f32; cfg.hidden_size];
-        w.layers[1].wq.row_into(3, &mut r).expect("row");
+        w.layers[1]
+            .attn
+            .gqa()
+            .expect("q/k/v")
+            .wq
+            .row_into(3, &mut r)
+            .expect("row");
         r
     };
     assert_eq!(row(&a), row(&b), "the same seed draws the same weights");
@@ -139,6 +148,31 @@ fn random_weights_have_the_shape_and_repeat_by_seed() {
     assert!(row(&a).iter().all(|v| v.abs() <= bound) && row(&a).iter().any(|v| *v != 0.0));
     // Layers differ from each other too.
     let mut other = vec![0f32; cfg.hidden_size];
-    a.layers[2].wq.row_into(3, &mut other).expect("row");
+    a.layers[2]
+        .attn
+        .gqa()
+        .expect("q/k/v")
+        .wq
+        .row_into(3, &mut other)
+        .expect("row");
     assert_ne!(row(&a), other);
+}
+
+/// Random weights of a latent-attention config (benchmarks of DeepSeek
+/// shapes) have the shapes its loaded weights have.
+#[test]
+fn random_latent_weights_have_the_loaded_shapes() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny-deepseek_v2");
+    let cfg = ModelConfig::from_hf_config(&dir.join("config.json")).expect("config");
+    let random = Weights::random(&cfg, 3).expect("random");
+    let loaded = Weights::from_hf_dir(&dir, &cfg).expect("loaded");
+    for (r, l) in random.layers.iter().zip(&loaded.layers) {
+        let shapes = |w: &LayerWeights| {
+            let m: Vec<_> = w.matrices().iter().map(|m| m.shape()).collect();
+            let v: Vec<_> = w.vectors().map(Vec::len).collect();
+            (m, v)
+        };
+        assert_eq!(shapes(r), shapes(l));
+        assert!(matches!(r.attn, AttnWeights::Latent(_)));
+    }
 }
