@@ -558,10 +558,7 @@ fn api_keys_gate_every_request() {
 fn every_family_through_the_mesh_equals_the_reference_engine() {
     let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/data");
     // Every tiny model directory: a family added with its tiny model is
-    // run here without a change to this test; but for the families whose
-    // models load and are refused by the forward pass (latent attention,
-    // issue 38: `model/tests/deepseek.rs` checks the refusal).
-    const NOT_RUN_YET: [&str; 2] = ["tiny-deepseek_v2", "tiny-deepseek_v3"];
+    // run here without a change to this test.
     let mut models: Vec<std::path::PathBuf> = std::fs::read_dir(&data)
         .expect("model/tests/data")
         .flatten()
@@ -570,7 +567,7 @@ fn every_family_through_the_mesh_equals_the_reference_engine() {
             p.is_dir()
                 && p.file_name()
                     .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("tiny-") && !NOT_RUN_YET.contains(&n))
+                    .is_some_and(|n| n.starts_with("tiny-"))
         })
         .collect();
     models.sort();
@@ -587,6 +584,8 @@ fn every_family_through_the_mesh_equals_the_reference_engine() {
         "qwen3_moe",
         "glm4_moe",
         "gpt_oss",
+        "deepseek_v2",
+        "deepseek_v3",
     ] {
         assert!(
             models.iter().any(|m| m.ends_with(format!("tiny-{family}"))),
@@ -602,6 +601,9 @@ fn every_family_through_the_mesh_equals_the_reference_engine() {
     models.push(data.join("gguf/tiny-qwen3_moe-Q4_0.gguf"));
     models.push(data.join("gguf/tiny-glm4_moe-Q8_0.gguf"));
     models.push(data.join("gguf/tiny-gpt_oss-Q8_0.gguf"));
+    // Latent attention: the pages decode receives are latent entries.
+    models.push(data.join("gguf/tiny-deepseek_v2-Q4_0.gguf"));
+    models.push(data.join("gguf/tiny-deepseek_v3-Q8_0.gguf"));
     let prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[9], PROMPTS[11]];
     for model in &models {
         let mesh = start(model, Options::default());

@@ -189,16 +189,23 @@ pub(crate) fn check_layer_count(path: &Path, field: &str, n_layers: usize) -> Re
 impl ModelConfig {
     /// A KV pool of at least `tokens` slots in pages of `page_size` for
     /// this model: its layers, and the entry its attention caches per token
-    /// and layer (`kvmesh_kvpool::PoolConfig::for_tokens`'s defaults
-    /// otherwise: f32 values, scrub and poison off).
+    /// and layer (key-value heads, or latent attention's one latent entry:
+    /// [`Mla::entry_dim`] values), with
+    /// `kvmesh_kvpool::PoolConfig::for_tokens`'s defaults otherwise (f32
+    /// values, scrub and poison off).
     pub fn pool_config(&self, tokens: usize, page_size: usize) -> kvmesh_kvpool::PoolConfig {
-        kvmesh_kvpool::PoolConfig::for_tokens(
-            tokens,
-            page_size,
-            self.n_layers,
-            self.n_kv_heads,
-            self.head_dim,
-        )
+        use kvmesh_kvpool::{KvEntry, PoolConfig};
+        match &self.mla {
+            Some(m) => PoolConfig::for_tokens(tokens, page_size, self.n_layers, 1, m.entry_dim())
+                .with_entry(KvEntry::Latent),
+            None => PoolConfig::for_tokens(
+                tokens,
+                page_size,
+                self.n_layers,
+                self.n_kv_heads,
+                self.head_dim,
+            ),
+        }
     }
 
     /// Parse and validate a Hugging Face `config.json`.

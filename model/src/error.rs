@@ -67,13 +67,6 @@ pub enum ModelError {
         /// The architecture (or feature of it) as named by the file.
         architecture: String,
     },
-    /// The model is read and described, but a part of it is not run by
-    /// this runtime (or this device) yet: named, never run without it.
-    #[error("unsupported: {what}")]
-    Unsupported {
-        /// What is missing, with the family that needs it.
-        what: String,
-    },
     /// A tensor is stored in a type this runtime cannot run.
     #[error("{}: tensor `{tensor}` has type {dtype}, which kvmesh cannot run (supported: safetensors f32, f16, bf16; GGUF F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4)", path.display())]
     UnsupportedDtype {
@@ -169,7 +162,6 @@ impl ModelError {
             Self::MissingField { .. } => "missing_field",
             Self::InvalidField { .. } => "invalid_field",
             Self::UnsupportedArchitecture { .. } => "unsupported_architecture",
-            Self::Unsupported { .. } => "unsupported",
             Self::UnsupportedDtype { .. } => "unsupported_dtype",
             Self::MissingTensor { .. } => "missing_tensor",
             Self::ShapeMismatch { .. } => "shape_mismatch",

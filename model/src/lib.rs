@@ -35,6 +35,7 @@ pub mod forward;
 mod linear;
 pub mod llama;
 pub mod loader;
+mod mla;
 mod moe;
 pub mod sampling;
 pub mod scheduler;

@@ -35,7 +35,7 @@ use crate::error::{ModelError, Result};
 use crate::linear::Projection;
 use crate::moe::{MlpRt, MoeRt};
 use crate::sampling::{prompt_logprob, PromptLogprob};
-use crate::weights::{AttnWeights, Ffn, Matrix, Weights};
+use crate::weights::{Ffn, Matrix, Weights};
 
 /// Which logits a chunk wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,12 +98,7 @@ pub struct ChunkOut {
 #[derive(Debug)]
 struct LayerRt {
     attn_norm: Vec<f32>,
-    qkv: Projection,
-    bq: Option<Vec<f32>>,
-    bk: Option<Vec<f32>>,
-    bv: Option<Vec<f32>>,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
+    attn: AttnRt,
     wo: Projection,
     bo: Option<Vec<f32>>,
     post_attn_norm: Option<Vec<f32>>,
@@ -186,14 +181,6 @@ impl Llama {
     /// (exact mode), quantized ones through the block kernels, with Q/K/V
     /// and gate/up stacked into one pass each.
     pub fn new(cfg: ModelConfig, w: Weights) -> Result<Self> {
-        if cfg.mla.is_some() {
-            return Err(ModelError::Unsupported {
-                what: format!(
-                    "latent attention ({}): the forward pass does not run it yet",
-                    cfg.family
-                ),
-            });
-        }
         let mut ropes = vec![Rope::partial(
             cfg.head_dim,
             cfg.rotary_dim,
@@ -222,30 +209,26 @@ impl Llama {
                     })
                 }
             };
-            let AttnWeights::Gqa(a) = l.attn else {
-                return Err(ModelError::Compute {
-                    detail: "latent attention weights for a configuration without it".into(),
-                });
+            // What the kernel attends with: the query head and its value
+            // (latent attention: the latent entry and its latent part).
+            let (head_dim, v_dim) = match &cfg.mla {
+                Some(m) => (m.entry_dim(), m.kv_lora_rank),
+                None => (cfg.head_dim, cfg.head_dim),
             };
             layers.push(LayerRt {
-                qkv: Projection::new(&[&a.wq, &a.wk, &a.wv])?,
+                attn: AttnRt::new(&l.attn, &cfg)?,
                 wo: Projection::new(&[&l.wo])?,
                 ffn,
                 attn_norm: l.attn_norm,
                 mlp_norm: l.mlp_norm,
                 bo: l.bo,
-                bq: a.bq,
-                bk: a.bk,
-                bv: a.bv,
-                q_norm: a.q_norm,
-                k_norm: a.k_norm,
                 post_attn_norm: l.post_attn_norm,
                 post_mlp_norm: l.post_mlp_norm,
                 shape: AttentionShape {
                     n_heads: cfg.n_heads,
                     n_kv_heads: cfg.n_kv_heads,
-                    head_dim: cfg.head_dim,
-                    v_dim: cfg.head_dim,
+                    head_dim,
+                    v_dim,
                     scale: cfg.block.attn_scale,
                     window: if sliding { cfg.sliding_window } else { None },
                     softcap: cfg.block.attn_softcap,
@@ -258,7 +241,7 @@ impl Llama {
         let quantized = lm_head.is_quantized()
             || layers
                 .iter()
-                .any(|l| l.qkv.is_quantized() || l.ffn.is_quantized());
+                .any(|l| l.attn.is_quantized() || l.ffn.is_quantized());
         Ok(Self {
             cfg,
             embed: w.embed,
@@ -279,7 +262,12 @@ impl Llama {
         let add = |(a, b): (usize, usize), (c, d): (usize, usize)| (a + c, b + d);
         self.layers
             .iter()
-            .map(|l| add(add(one(&l.qkv), one(&l.wo)), l.ffn.active_per_token()))
+            .map(|l| {
+                add(
+                    add(l.attn.active_per_token(), one(&l.wo)),
+                    l.ffn.active_per_token(),
+                )
+            })
             .fold(one(&self.lm_head), add)
     }
 
@@ -431,7 +419,6 @@ impl Llama {
     ) -> Result<()> {
         let cfg = &self.cfg;
         let hidden = cfg.hidden_size;
-        let (q_dim, kv_dim) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
         let rows = ids.len();
         let Workspace {
             x,
@@ -445,6 +432,8 @@ impl Llama {
             down,
             stacked,
             moe: moe_scratch,
+            mla,
+            o_in,
             ..
         } = ws;
         x.clear();
@@ -456,19 +445,21 @@ impl Llama {
             x.iter_mut().for_each(|v| *v *= scale);
         }
         xn.resize(x.len(), 0.0);
-        attn.resize(rows * q_dim, 0.0);
         for (layer, lw) in self.layers.iter().enumerate() {
+            // The kernel's query and output widths, and the pool's entry.
+            let q_dim = lw.shape.n_heads * lw.shape.head_dim;
+            let out_dim = lw.shape.n_heads * lw.shape.v_dim;
+            let kv_dim = lw.shape.n_kv_heads * lw.shape.head_dim;
+            attn.resize(rows * out_dim, 0.0);
             rms_norm(x, &lw.attn_norm, cfg.rms_norm_eps, xn);
-            lw.qkv
-                .apply_into(xn, rows, &mut [&mut *q, &mut *k, &mut *v], stacked)?;
-            add_bias(q, lw.bq.as_ref());
-            add_bias(k, lw.bk.as_ref());
-            add_bias(v, lw.bv.as_ref());
-            head_norm(q, lw.q_norm.as_deref(), cfg.rms_norm_eps, xn);
-            head_norm(k, lw.k_norm.as_deref(), cfg.rms_norm_eps, xn);
+            let projected = Projected {
+                q: &mut *q,
+                k: &mut *k,
+                v: &mut *v,
+            };
             let rope = &self.ropes[lw.rope];
-            rope.apply(q, positions, cfg.n_heads);
-            rope.apply(k, positions, cfg.n_kv_heads);
+            lw.attn
+                .project(cfg, rope, xn, positions, projected, stacked, mla)?;
 
             // K/V into each sequence's pages (serial: each needs its
             // reservation mutably).
@@ -477,10 +468,9 @@ impl Llama {
                 if failed[i].is_some() {
                     continue;
                 }
-                let (ks, vs) = (
-                    &k[span.start * kv_dim..span.end * kv_dim],
-                    &v[span.start * kv_dim..span.end * kv_dim],
-                );
+                // A latent pool takes keys only (`v` is empty).
+                let ks = &k[span.start * kv_dim..span.end * kv_dim];
+                let vs = v.get(span.start * kv_dim..span.end * kv_dim).unwrap_or(&[]);
                 if let Err(e) = chunk.kv.write(layer, chunk.start_pos, ks, vs) {
                     failed[i] = Some(e.into());
                 }
@@ -491,7 +481,7 @@ impl Llama {
             let mut outs: Vec<&mut [f32]> = Vec::with_capacity(batch.len());
             let mut rest = attn.as_mut_slice();
             for span in spans {
-                let (head, tail) = rest.split_at_mut(span.len() * q_dim);
+                let (head, tail) = rest.split_at_mut(span.len() * out_dim);
                 outs.push(head);
                 rest = tail;
             }
@@ -531,7 +521,8 @@ impl Llama {
                 }
             }
 
-            lw.wo.apply_into(attn, rows, &mut [&mut *o], stacked)?;
+            let o_input = lw.attn.o_input(attn, rows, o_in, stacked, mla)?;
+            lw.wo.apply_into(o_input, rows, &mut [&mut *o], stacked)?;
             add_bias(o, lw.bo.as_ref());
             add_residual(x, o, lw.post_attn_norm.as_deref(), cfg.rms_norm_eps, xn);
 
@@ -679,12 +670,14 @@ impl Llama {
     }
 }
 
+mod attn;
 mod ops;
 mod workspace;
+use attn::{AttnRt, Projected};
 pub(crate) use ops::gated_rows;
 #[cfg(test)]
 use ops::SWIGLU_PARALLEL;
-use ops::{add_residual, head_norm, softcap};
+use ops::{add_residual, softcap};
 use workspace::Workspace;
 
 #[cfg(test)]

@@ -6,15 +6,15 @@
 //! GGUF files hold (V2's as one `attn_kv_b`, V3's split per head into
 //! `attn_k_b`/`attn_v_b` by llama.cpp's current converter), value by
 //! value in f32 and within the format's rounding when quantized; and the
-//! forward pass refuses them by name until it runs latent attention.
+//! engine caches their latent entries (their logits: `golden.rs`).
 
 mod common;
 
 use kvmesh_kernels::quant::QFormat;
+use kvmesh_kvpool::KvEntry;
 use kvmesh_model::engine::{Engine, EngineConfig};
-use kvmesh_model::llama::Llama;
 use kvmesh_model::weights::{AttnWeights, Ffn, Matrix, MlaQuery, Weights};
-use kvmesh_model::{load, load_with, ModelError, Precision};
+use kvmesh_model::{load, load_with, Precision};
 
 const FAMILIES: [&str; 2] = ["deepseek_v2", "deepseek_v3"];
 
@@ -222,28 +222,28 @@ fn narrow_f16_key_maps_are_read_exactly() {
     }
 }
 
-/// Until the forward pass runs latent attention, building it is a typed
-/// refusal naming latent attention and the family, on its own and
-/// through the engine; never a model that runs without it.
+/// The engine's pool holds what latent attention caches: one latent
+/// entry of `kv_lora_rank + qk_rope_dim` values per token and layer, no V
+/// block; a prompt's KV read back through the checked reader is keys only.
 #[test]
-fn the_forward_pass_refuses_latent_attention_by_name() {
+fn the_engine_caches_one_latent_entry_per_token_and_layer() {
     for family in FAMILIES {
-        for path in [
-            common::tiny_family_dir(family),
-            common::tiny_family_gguf(family, "Q8_0"),
-        ] {
-            let m = load_with(&path, Precision::Quantized).expect("load");
-            let family_name = m.config.family;
-            let err = Llama::new(m.config, m.weights).expect_err("refused");
-            let msg = err.to_string();
-            assert!(matches!(err, ModelError::Unsupported { .. }), "{msg}");
-            assert_eq!(err.kind(), "unsupported");
-            assert!(
-                msg.contains("latent attention") && msg.contains(family_name),
-                "{msg}"
-            );
-            let err = Engine::load(&path, &EngineConfig::default()).expect_err("refused");
-            assert_eq!(err.kind(), "unsupported", "{err}");
-        }
+        let engine = Engine::load(
+            &common::tiny_family_dir(family),
+            &EngineConfig {
+                kv_pool_tokens: Some(64),
+                ..EngineConfig::default()
+            },
+        )
+        .expect("load");
+        let mla = engine.model().config().mla.clone().expect("latent");
+        let pool = engine.pool().config();
+        assert_eq!(pool.entry, KvEntry::Latent, "{family}");
+        assert_eq!((pool.n_kv_heads, pool.head_dim), (1, mla.entry_dim()));
+        let mut seq = engine.admit(vec![5, 6, 7, 8, 9], 1).expect("admit");
+        engine.prefill(&mut seq).expect("prefill");
+        let (k, v) = engine.prompt_kv(&seq, 0).expect("read back");
+        assert_eq!(k.len(), 5 * mla.entry_dim(), "{family}");
+        assert!(v.is_empty(), "{family}");
     }
 }

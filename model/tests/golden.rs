@@ -120,6 +120,8 @@ fn tiny_families_from_gguf_match_transformers() {
         "qwen3_moe",
         "glm4_moe",
         "gpt_oss",
+        "deepseek_v2",
+        "deepseek_v3",
     ] {
         let engine = engine_for(&common::tiny_family_gguf(family, "F32"));
         let from_gguf = engine.model().config();
@@ -129,6 +131,7 @@ fn tiny_families_from_gguf_match_transformers() {
         .expect("config.json");
         assert_eq!(from_gguf.block, hf.block, "{family}: switches");
         assert_eq!(from_gguf.moe, hf.moe, "{family}: experts");
+        assert_eq!(from_gguf.mla, hf.mla, "{family}: latent attention");
         assert_eq!(from_gguf.rotary_dim, hf.rotary_dim, "{family}: rotary dims");
         assert_eq!(from_gguf.n_layers, hf.n_layers, "{family}: layers");
         assert_eq!(
@@ -172,6 +175,23 @@ fn tiny_glm4_moe_matches_transformers() {
     check_family("glm4_moe");
 }
 
+/// DeepSeek V2: latent attention (a low-rank query, the latent cached,
+/// the key and value maps absorbed into the query and the output), YaRN
+/// with its softmax-scale correction, softmax routing within groups
+/// scored by their best expert, two shared experts, a leading dense layer.
+#[test]
+fn tiny_deepseek_v2_matches_transformers() {
+    check_family("deepseek_v2");
+}
+
+/// DeepSeek V3: latent attention with a full-rank query, interleaved rope
+/// pairs, sigmoid routing with a correction bias within groups scored by
+/// their two best experts.
+#[test]
+fn tiny_deepseek_v3_matches_transformers() {
+    check_family("deepseek_v3");
+}
+
 /// gpt-oss: sinks, q/k/v/o biases, alternating windows, unrounded YaRN,
 /// biased router and experts, the clamped SwiGLU (a limit that clamps).
 #[test]
@@ -186,7 +206,15 @@ fn tiny_gpt_oss_matches_transformers() {
 /// data cannot stand in. Experts must stay quantized.
 #[test]
 fn tiny_mixtures_quantized_match_transformers_on_their_weights() {
-    for family in ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss"] {
+    for family in [
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "glm4_moe",
+        "gpt_oss",
+        "deepseek_v2",
+        "deepseek_v3",
+    ] {
         // gpt-oss: Q8_0, and MXFP4 experts with the other matrices in
         // BF16 (as its MXFP4 release converts), unfused and with gate and
         // up fused into one stack (the same weights, the same golden data).
@@ -495,6 +523,18 @@ fn check_greedy_from_the_cache(path: &Path, golden: &str) {
 #[test]
 fn tiny_llama_matches_transformers_from_the_prefix_cache() {
     check_greedy_from_the_cache(&common::tiny_model_dir(), "tiny-llama.json");
+}
+
+/// Latent entries from the prefix cache: a cached page holds the latent
+/// and the rope key, leased to every later prompt that shares it.
+#[test]
+fn tiny_deepseek_matches_transformers_from_the_prefix_cache() {
+    for family in ["deepseek_v2", "deepseek_v3"] {
+        check_greedy_from_the_cache(
+            &common::tiny_family_dir(family),
+            &format!("tiny-{family}.json"),
+        );
+    }
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! The forward pass's activation buffers ([`Workspace`]).
 
+use crate::mla::MlaScratch;
 use crate::moe::MoeScratch;
 
 /// A forward pass's activation buffers, kept by the model between passes so
@@ -30,6 +31,10 @@ pub(super) struct Workspace {
     pub(super) stacked: Vec<f32>,
     pub(super) logits: Vec<f32>,
     pub(super) moe: MoeScratch,
+    /// Latent attention's buffers, and its mapped-out output (`o_proj`'s
+    /// input).
+    pub(super) mla: MlaScratch,
+    pub(super) o_in: Vec<f32>,
 }
 
 impl Workspace {
@@ -46,10 +51,12 @@ impl Workspace {
             &self.down,
             &self.stacked,
             &self.logits,
+            &self.o_in,
         ]
         .iter()
         .map(|b| b.capacity())
         .sum::<usize>()
             + self.moe.floats()
+            + self.mla.floats()
     }
 }
