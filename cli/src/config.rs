@@ -31,9 +31,10 @@
 //!                              #   node; relative to this file's folder
 //!   # insecure_no_mesh_auth: true   # instead: no authentication (tests)
 //!   # tls:                     # mutual TLS on every internal channel too
-//!   #   ca_file: ca.pem        #   (relative to this file; {name} is the
+//!   #   ca_file: certs/ca.pem  #   (relative to this file; {name} is the
 //!   #   cert_file: certs/{name}.pem   #   process's node name, `router`
-//!   #   key_file: certs/{name}-key.pem  #   for the router)
+//!   #   key_file: certs/{name}-key.pem  #   for the router; `kvmesh certs`
+//!   #                          #   mints them)
 //! tracing:                     # omit: no traces (OTEL_* variables still apply)
 //!   otlp_endpoint: http://collector:4317   # OTLP over gRPC
 //!   sample_ratio: 0.1          # new traces kept; a client's sampled
@@ -61,6 +62,8 @@
 //! discovery: static             # or etcd: nodes register themselves (below)
 //! # etcd:                        # with discovery: etcd only
 //! #   endpoints: [etcd-0:2379]   # HOST:PORT or http://HOST:PORT, one per member
+//! #   tls: {ca_file: certs/ca.pem, cert_file: "certs/{name}.pem",  # etcd with
+//! #         key_file: "certs/{name}-key.pem"}   # --client-cert-auth (https://)
 //! #   prefix: /kvmesh/prod/      # this mesh's keys (one prefix per mesh)
 //! #   lease_ttl_s: 3             # a killed node leaves every view within this
 //! #   dial_timeout_ms: 2000      # bound on connecting and on each etcd call
@@ -575,6 +578,24 @@ impl MeshConfig {
         MeshTls::load(files)
             .map(Some)
             .map_err(|e| refuse(&self.file, "mesh.tls", name, &e.to_string()))
+    }
+
+    /// `etcd.tls`'s files as the process `name` reads them, loaded as the
+    /// mesh's own identity is (PEM that rustls takes, the key of the
+    /// certificate), so a missing or bad file is refused at start and by
+    /// `--check-config`, naming the field, not at the first call to etcd.
+    pub fn check_etcd_tls(&self, t: &kvmesh_discovery::EtcdTls, name: &str) -> Result<()> {
+        if readable_by_others(&t.key).unwrap_or(false) {
+            tracing::warn!(file = %t.key.display(), "the etcd TLS key file is readable by other users: `chmod 600` it");
+        }
+        let files = TlsFiles {
+            ca: t.ca.clone(),
+            cert: t.cert.clone(),
+            key: t.key.clone(),
+        };
+        MeshTls::load(files)
+            .map(drop)
+            .map_err(|e| refuse(&self.file, "etcd.tls", name, &e.to_string()))
     }
 
     /// A PEM file's path as field `field` (value `v`) names it for the

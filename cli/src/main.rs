@@ -16,6 +16,8 @@
 //! - `bench-cache`: the prefix cache on and off side by side (multi-turn
 //!   chat, exact repeats, prompts that share nothing, KV bytes shipped) and
 //!   the cross-tenant side channel.
+//! - `certs`: mint a mesh's CA and each process's certificate (`mesh.tls`,
+//!   `etcd.tls`), or sign a joining node's with the CA already there.
 //! - `soak`: drive a mesh (its own `serve` child, or `--url`) with
 //!   concurrent streams, disconnects and injected faults; check every
 //!   output against the reference engine, pages and memory afterwards.
@@ -23,6 +25,7 @@
 mod bench;
 mod bench_cache;
 mod bench_router;
+mod certs;
 mod config;
 mod doctor;
 mod loadgen;
@@ -151,6 +154,8 @@ enum Command {
     Soak(Box<soak::SoakArgs>),
     /// Check a mesh against its mesh file: pools against the context, ports, the mesh secret, versions, models and clocks; a table (or --json), exit 1 on any failure.
     Doctor(doctor::DoctorArgs),
+    /// Mint a mesh's CA and a certificate per process (mesh.tls and etcd.tls), or sign a joining node's with the CA already in the folder.
+    Certs(certs::CertsArgs),
     /// Print the Prometheus scrape configuration of the mesh described by --config: the router's /metrics and every node's own.
     PrometheusConfig(scrape::ScrapeArgs),
 }
@@ -493,10 +498,11 @@ fn main() -> ExitCode {
     };
     let (cpu, acts) = (cli.cpu_kernels, cli.activations);
     let _ = DEVICE.set(cli.device);
-    // The roles take theirs from the mesh file too (`serve::run_role`).
+    // The roles take theirs from the mesh file too (`serve::run_role`);
+    // `certs` computes nothing.
     if !matches!(
         cli.command,
-        Command::Router(_) | Command::Prefill(_) | Command::Decode(_)
+        Command::Router(_) | Command::Prefill(_) | Command::Decode(_) | Command::Certs(_)
     ) {
         if let Err(e) = select_cpu_kernels(cpu.unwrap_or_default(), acts.unwrap_or_default()) {
             eprintln!("kvmesh: error: {}", error_chain(&e));
@@ -517,6 +523,7 @@ fn main() -> ExitCode {
         Command::Doctor(a) => doctor::run(a),
         Command::PrometheusConfig(a) => scrape::run(a),
         Command::FetchModel(a) => fetch_models(&a),
+        Command::Certs(a) => certs::run(a),
     };
     // The spans of the drain too: flushed after it.
     if let Some(Err(e)) = telemetry.map(kvmesh_telemetry::Telemetry::shutdown) {

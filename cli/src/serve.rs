@@ -496,6 +496,9 @@ pub fn run_role(
     let auth = cfg.mesh_auth()?;
     let tls = cfg.tls_for(name.as_deref().unwrap_or("router"))?;
     let etcd = cfg.etcd(name.as_deref().unwrap_or("router"))?;
+    if let Some(t) = etcd.as_ref().and_then(|e| e.tls.as_ref()) {
+        cfg.check_etcd_tls(t, name.as_deref().unwrap_or("router"))?;
+    }
     if a.check_config {
         let members = match &etcd {
             None => format!(
