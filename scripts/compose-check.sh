@@ -12,9 +12,11 @@
 #    those as their base images (build arguments; their `build` stage, which
 #    compiles kvmesh in a Rust image, is not run);
 # 3. runs scripts/compose_check.py: docker-compose.yml (with a second decode
-#    node) and docker-compose.etcd.yml up, golden prompts, `docker kill` of
-#    a decode container mid-stream, its restart, and `down` draining; the
-#    GPU compose file up to the device;
+#    node) and docker-compose.etcd.yml (over TLS, with the certificates the
+#    binary's `kvmesh certs` makes as the file's header says) up, golden
+#    prompts, `docker kill` of a decode container mid-stream, its restart,
+#    and `down` draining; that the etcd variant's etcd refuses plaintext and
+#    a certificate of another CA; the GPU compose file up to the device;
 # 4. removes every container, network, volume, image and build-cache entry
 #    it made, on failure too, and puts back any kvmesh:latest, kvmesh:cuda
 #    or kvmesh-etcd:latest image that was there before.
@@ -192,13 +194,30 @@ $DOCKER tag kvmesh:latest kvmesh:cuda
 say "images built in $(($(date +%s) - t)) s; $($DOCKER run --rm kvmesh:latest --version | head -1) in the image"
 
 # The checks run on copies of the compose and mesh files, with a fresh
-# mesh secret: the operator's tree (and any deploy/mesh.secret) is not touched.
+# mesh secret and fresh certificates: the operator's tree (and any
+# deploy/mesh.secret or deploy/certs) is not touched.
 mkdir -p "$WORK/project/deploy"
 cp docker-compose.yml docker-compose.etcd.yml docker-compose.gpu.yml "$WORK/project/"
 cp -r deploy/mesh.yaml deploy/mesh-etcd.yaml deploy/mesh-gpu.yaml deploy/etcd "$WORK/project/deploy/"
 head -c 32 /dev/urandom >"$WORK/project/deploy/mesh.secret"
 chown 10001 "$WORK/project/deploy/mesh.secret"
 chmod 400 "$WORK/project/deploy/mesh.secret"
+# The etcd variant's CA and certificates, made as docker-compose.etcd.yml's
+# header says (its `kvmesh certs` command, run with $BIN), each key given to
+# the uid its container runs as (etcd's image 10002, kvmesh's 10001), 0600.
+mapfile -t CERT_ARGS < <(python3 scripts/compose_check.py --certs-args docker-compose.etcd.yml)
+[ "${#CERT_ARGS[@]}" -gt 2 ] || fail "docker-compose.etcd.yml's header has no 'kvmesh certs' command"
+CERTS="$WORK/project/deploy/certs"
+"$BIN" certs "${CERT_ARGS[@]}" --out "$CERTS" >"$WORK/certs.log" 2>&1 \
+  || fail "kvmesh certs ${CERT_ARGS[*]}: $(tail -5 "$WORK/certs.log")"
+for key in "$CERTS"/*-key.pem; do
+  case "$(basename "$key")" in
+    ca-key.pem) ;;
+    etcd-key.pem) chown 10002 "$key" ;;
+    *) chown 10001 "$key" ;;
+  esac
+done
+say "certificates by kvmesh certs: $(cd "$CERTS" && echo *.pem)"
 
 say "running the checks (bounded: $CHECK_TIMEOUT s)"
 timeout --kill-after=30 "$CHECK_TIMEOUT" python3 scripts/compose_check.py \

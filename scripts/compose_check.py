@@ -25,6 +25,13 @@ docker-compose.etcd.yml (whose second decode node is its `more` profile):
      file's drain_timeout_ms); each node's drain line reports 0
      reservations open and 0 pages in use.
 
+For docker-compose.etcd.yml, also that it runs inside TLS: every node's
+`--check-config` in its container says mutual TLS and etcd over https with
+a client certificate; a plaintext HTTP request from the router's container
+to etcd:2379 gets no answer from etcd; and a decode node whose etcd client
+certificate is of another CA (trusting the mesh's CA, so only etcd's
+refusal can stop it) cannot register and exits.
+
 And for docker-compose.gpu.yml, up to the device: `config` accepts it, and
 the containers `up --no-start` creates carry the NVIDIA device reservations
 (driver, device ids, capabilities) in the engine's container config. No GPU
@@ -39,6 +46,7 @@ import copy
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -346,11 +354,86 @@ def check_down(p, port, ref, mesh_file):
         ok(f"{p.name}:   {line}")
 
 
+def certs_args(compose_file):
+    """The arguments of the `kvmesh certs` command in the compose file's
+    header (continued lines joined), less its `--out`."""
+    text = open(compose_file).read()
+    m = re.search(r"^#\s+kvmesh certs (.*?[^\\])$", text, re.M | re.S)
+    check(m, f"{compose_file}: no `kvmesh certs` command in its header")
+    argv = shlex.split(re.sub(r"\\\n#", " ", m.group(1)))
+    out = []
+    for a in argv:
+        if out and out[-1] == "--out":
+            out.pop()
+        elif not a.startswith("--out="):
+            out.append(a)
+    return out
+
+
+def check_etcd_tls(p, mesh_file):
+    """The etcd variant runs inside TLS, and its etcd refuses plaintext and
+    a client certificate of another CA."""
+    mesh_in = "/etc/kvmesh/" + os.path.basename(mesh_file)
+    for svc in ["router", "prefill-0", "decode-0", "decode-1"]:
+        role = "router" if svc == "router" else svc.split("-")[0]
+        argv = [role, "--config", mesh_in] + ([] if svc == "router" else ["--name", svc])
+        out = p.docker("exec", p.container(svc), "kvmesh", *argv, "--check-config")
+        check(out.returncode == 0, f"{svc}: --check-config in its container: {out.stderr[-2000:]}")
+        for want in ["TLS: mutual", "discovery etcd: https://etcd:2379",
+                     "TLS with a client certificate"]:
+            check(want in out.stdout, f"{svc}: {want!r} not in {out.stdout!r}")
+        check("readable by other users" not in out.stderr, f"{svc}: {out.stderr}")
+    # Plaintext from inside the network: etcd over http would answer
+    # /version with its JSON ({"etcdserver": ...}).
+    probe = ("exec 3<>/dev/tcp/etcd/2379 && printf 'GET /version HTTP/1.0\\r\\n\\r\\n' >&3 "
+             "&& timeout 5 cat <&3")
+    out = p.docker("exec", p.container("router"), "bash", "-c", probe)
+    check("etcdserver" not in out.stdout,
+          f"etcd answered plaintext HTTP on etcd:2379: {out.stdout[:300]!r}")
+    check("Connection refused" not in out.stderr, f"nothing listens on etcd:2379: {out.stderr}")
+    plain = out.stdout.strip().splitlines()[:1] or ["nothing"]
+    # A node with a certificate of another CA, trusting the mesh's CA for
+    # etcd's (so its own side accepts etcd): only etcd's client-certificate
+    # check can stop it registering.
+    rogue = os.path.join(p.a.project, "deploy/rogue")
+    made = subprocess.run([p.a.kvmesh, "certs", "--out", rogue, "--name", "decode-1"],
+                          capture_output=True, text=True, timeout=60)
+    check(made.returncode == 0, f"kvmesh certs (another CA): {made.stderr}")
+    os.chown(os.path.join(rogue, "decode-1-key.pem"), 10001, -1)
+    text = open(mesh_file).read()
+    check(text.count('"certs/{name}') == 4, f"{mesh_file}: expected 4 certs/{{name}} paths")
+    with open(os.path.join(p.a.project, "deploy/mesh-rogue.yaml"), "w") as f:
+        f.write(text.replace('"certs/{name}', '"rogue/{name}'))
+    # Beside the mesh file the service mounts, so its relative paths
+    # (the secret, certs/ca.pem) resolve as in the mesh.
+    rogue_in = "/etc/kvmesh/mesh-rogue.yaml"
+    mounts = []
+    for host, inside in [("deploy/mesh-rogue.yaml", rogue_in),
+                         ("deploy/rogue/decode-1.pem", "/etc/kvmesh/rogue/decode-1.pem"),
+                         ("deploy/rogue/decode-1-key.pem", "/etc/kvmesh/rogue/decode-1-key.pem")]:
+        mounts += ["-v", f"{os.path.join(p.a.project, host)}:{inside}:ro"]
+    t0 = time.monotonic()
+    out = p.compose("run", "--rm", "-T", "--no-deps", *mounts, "decode-1", "decode", "--config",
+                    rogue_in, "--name", "decode-1", timeout=120, check_rc=False)
+    said = (out.stdout + out.stderr)[-1500:]
+    check(out.returncode != 0, f"a node with another CA's certificate ran: {said}")
+    check("in etcd" in said and "registering" in said,
+          f"the node with another CA's certificate failed, but not registering in etcd: {said}")
+    refusal = said.strip().splitlines()[-1][:300]
+    ok(f"{p.name}: inside TLS: every node's --check-config in its container says mutual TLS "
+       f"and etcd over https with a client certificate; plaintext HTTP to etcd:2379 from the "
+       f"router's container got no answer from etcd (it got {plain[0][:80]!r}); a node with "
+       f"another CA's certificate could not register in etcd ({time.monotonic() - t0:.1f} s) "
+       f"and exited {out.returncode}: {refusal}")
+
+
 def run_mesh(args, ref, name, files, mesh_file, decodes, profiles=()):
     env = {"KVMESH_HTTP_PORT": "127.0.0.1:", "KVMESH_GRPC_PORT": "127.0.0.1:"}
     p = Project(args, name, files, env, profiles)
     try:
         port = check_up(p, decodes)
+        if "docker-compose.etcd.yml" in files:
+            check_etcd_tls(p, mesh_file)
         check_golden(p, port, ref)
         check_kill_and_restart(p, port, ref, decodes)
         check_down(p, port, ref, mesh_file)
@@ -421,6 +504,10 @@ def check_gpu(args, name):
 
 
 def main():
+    if sys.argv[1:2] == ["--certs-args"]:
+        # For compose-check.sh: the header's `kvmesh certs` arguments, one a line.
+        print("\n".join(certs_args(sys.argv[2])))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--project", required=True, help="folder with the compose files' copies")
     ap.add_argument("--name", required=True, help="prefix of the compose project names")

@@ -5,6 +5,8 @@
 //! from a mesh file) start the real `kvmesh` binary, for what needs a
 //! process of its own (kills, SIGTERM, planted bugs, deploy files);
 //! [`cache`] holds the prefix cache's request helpers and isolation scenario;
+//! [`certs`] makes certificates as a deployment file's `kvmesh certs`
+//! command says, and checks them through the mesh's TLS;
 //! [`etcd`] runs a real etcd for the membership tests and meshes that
 //! register in it;
 //! [`http`] is the tests' face of `kvmesh_client`'s client and scraper;
@@ -16,6 +18,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 pub mod cache;
+pub mod certs;
 pub mod etcd;
 pub mod http;
 pub mod inproc;

@@ -12,7 +12,7 @@ use kvmesh_integration::roles::{
     free_port, start, start_two_by_two, tiny_mesh_file, two_by_two_mesh_file, wait_healthy,
     write_secret,
 };
-use kvmesh_integration::{run_kvmesh, texts, tiny_model_dir};
+use kvmesh_integration::{certs, run_kvmesh, texts, tiny_model_dir};
 use serde_json::{json, Value};
 
 fn repo() -> PathBuf {
@@ -29,9 +29,14 @@ fn check_compose(file: &str) -> (Vec<(String, String)>, Vec<String>) {
             .expect("compose YAML");
     let services = compose["services"].as_mapping().expect("services");
     // The mesh secret is the operator's (`head -c 32 /dev/urandom >
-    // deploy/mesh.secret`), never committed: make one as they would.
+    // deploy/mesh.secret`), never committed: make one as they would; and
+    // the certificates, where the file's header says how (`kvmesh certs`).
     let secrets = tempfile::tempdir().expect("tempdir");
     let operator_secret = write_secret(secrets.path(), "mesh.secret");
+    let text = std::fs::read_to_string(repo().join(file)).expect("compose file");
+    if text.contains("kvmesh certs ") {
+        certs::mint_as_documented(&repo().join(file), secrets.path());
+    }
     let mut roles = Vec::new();
     let mut others = Vec::new();
     for (name, svc) in services {
@@ -64,6 +69,8 @@ fn check_compose(file: &str) -> (Vec<(String, String)>, Vec<String>) {
             std::fs::create_dir_all(at.parent().expect("parent")).expect("mkdir");
             let from = if host.ends_with(".secret") {
                 operator_secret.clone()
+            } else if host.starts_with("./deploy/certs/") {
+                secrets.path().join(host)
             } else {
                 repo().join(host)
             };
@@ -83,6 +90,7 @@ fn check_compose(file: &str) -> (Vec<(String, String)>, Vec<String>) {
             "{file}: service {name:?}: kvmesh {args:?}: {stderr}"
         );
         assert!(stdout.starts_with("config ok"), "{stdout}");
+        assert!(!stderr.contains("readable by other users"), "{stderr}");
         // Every service authenticates its peers with the mounted secret.
         assert!(
             stdout.contains("mesh auth: secret file") && stdout.contains("mesh.secret"),
@@ -193,7 +201,13 @@ fn every_compose_command_of_the_gpu_variant_is_accepted() {
 /// The etcd-discovered variant (issue 18 item 5): the same roles (and a
 /// second decode node behind a profile) on deploy/mesh-etcd.yaml, whose
 /// etcd endpoint is the compose file's etcd service and whose prefix is
-/// its own; the etcd image is Debian's package.
+/// its own; the etcd image is Debian's package. Everything inside TLS
+/// (issue 35 item 1): each service's `--check-config` takes mutual TLS and
+/// etcd over https with the certificates the header's `kvmesh certs`
+/// command makes, mounted as the file mounts them; etcd serves TLS to
+/// clients with a certificate of that CA, from files the same command
+/// made; and each certificate passes the mesh's TLS for the address its
+/// peers dial.
 #[test]
 fn every_compose_command_of_the_etcd_variant_is_accepted() {
     let (roles, others) = check_compose("docker-compose.etcd.yml");
@@ -201,12 +215,12 @@ fn every_compose_command_of_the_etcd_variant_is_accepted() {
     assert_eq!(names, ["decode", "decode", "prefill", "router"]);
     assert_eq!(others, ["etcd"]);
     for (role, line) in &roles {
-        assert!(
-            line.contains(
-                "discovery etcd: http://etcd:2379 prefix /kvmesh/compose/, lease TTL 3 s"
-            ),
-            "{role}: {line}"
-        );
+        for want in [
+            "discovery etcd: https://etcd:2379 prefix /kvmesh/compose/, lease TTL 3 s, TLS with a client certificate",
+            "TLS: mutual, certificate ",
+        ] {
+            assert!(line.contains(want), "{role}: {line}");
+        }
     }
     let compose: serde_yaml_ng::Value = serde_yaml_ng::from_str(
         &std::fs::read_to_string(repo().join("docker-compose.etcd.yml")).expect("compose file"),
@@ -219,14 +233,72 @@ fn every_compose_command_of_the_etcd_variant_is_accepted() {
         .iter()
         .filter_map(|a| a.as_str())
         .collect();
-    assert!(
-        args.contains(&"--listen-client-urls=http://0.0.0.0:2379"),
-        "{args:?}"
-    );
-    assert!(
-        args.contains(&"--advertise-client-urls=http://etcd:2379"),
-        "{args:?}"
-    );
+    for want in [
+        "--listen-client-urls=https://0.0.0.0:2379",
+        "--advertise-client-urls=https://etcd:2379",
+        "--client-cert-auth",
+        // One member: no other host reaches its peer port.
+        "--listen-peer-urls=http://127.0.0.1:2380",
+    ] {
+        assert!(args.contains(&want), "{want} not in {args:?}");
+    }
+    // etcd's certificate, key and CA are files the documented command
+    // makes, mounted where its flags read them.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let minted = certs::mint_as_documented(&repo().join("docker-compose.etcd.yml"), dir.path());
+    let mounts: Vec<(&str, &str)> = etcd["volumes"]
+        .as_sequence()
+        .expect("etcd volumes")
+        .iter()
+        .filter_map(|v| v.as_str()?.split_once(':'))
+        .collect();
+    let mut etcd_stem = None;
+    for flag in ["--cert-file=", "--key-file=", "--trusted-ca-file="] {
+        let inside = args
+            .iter()
+            .find_map(|a| a.strip_prefix(flag))
+            .unwrap_or_else(|| panic!("{flag} not in {args:?}"));
+        let (host, _) = mounts
+            .iter()
+            .find(|(_, rest)| rest.split(':').next() == Some(inside))
+            .unwrap_or_else(|| panic!("{inside} is not mounted: {mounts:?}"));
+        let file = host
+            .strip_prefix("./deploy/certs/")
+            .expect("from deploy/certs");
+        assert!(minted.join(file).is_file(), "{file} was not made");
+        if flag == "--cert-file=" {
+            etcd_stem = file.strip_suffix(".pem").map(str::to_owned);
+        }
+    }
+    let etcd_stem = etcd_stem.expect("etcd's certificate");
+    // Each certificate passes the mesh's TLS for what its peers dial: etcd
+    // as the endpoint names it, each node at its grpc and kv hosts.
+    let mesh: serde_yaml_ng::Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(repo().join("deploy/mesh-etcd.yaml")).expect("mesh file"),
+    )
+    .expect("mesh YAML");
+    let endpoint = mesh["etcd"]["endpoints"][0].as_str().expect("endpoint");
+    let endpoint = endpoint.strip_prefix("https://").expect("https");
+    assert!(certs::handshake(&minted, &etcd_stem, "router", endpoint));
+    for role in ["prefill", "decode"] {
+        for node in mesh[role].as_sequence().expect("nodes") {
+            let name = node["name"].as_str().expect("name");
+            for field in ["grpc", "kv"] {
+                if let Some(addr) = node[field].as_str() {
+                    assert!(
+                        certs::handshake(&minted, name, "router", addr),
+                        "{name}: {field} {addr}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(!certs::handshake(
+        &minted,
+        "decode-0",
+        "router",
+        "decode-1:7201"
+    ));
     // The nodes wait for etcd; the second decode node joins on demand.
     for svc in ["decode-0", "decode-1", "prefill-0", "router"] {
         let deps = &compose["services"][svc]["depends_on"];
