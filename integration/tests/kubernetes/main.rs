@@ -14,15 +14,23 @@
 //! without the warning about a secret others can read; the probes and
 //! grace periods match the drain; each node's memory request covers the
 //! model and the KV pool the mesh file gives it; and etcd's variant points
-//! its mesh file at the etcd it runs.
+//! its mesh file at the etcd it runs, inside TLS: its kustomization's
+//! patches (applied here as kustomize applies them, and compared with
+//! `kubectl kustomize`'s rendering) project the certificates that its
+//! header's `kvmesh certs` command makes, every file the mesh file and
+//! etcd's flags name is in a pod's mounts, and each certificate passes the
+//! mesh's TLS for the address its peers dial.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use kvmesh_integration::python::{pip_install, python};
 use kvmesh_integration::roles::write_secret;
-use kvmesh_integration::{run_kvmesh, texts};
+use kvmesh_integration::{certs, run_kvmesh, texts};
 use serde_yaml_ng::Value;
+
+mod render;
+use render::{documents, kinds_and_names, rendered, resources, unlabelled};
 
 const VALIDATOR: &str = "kubernetes-validate==1.31.0";
 const K8S_VERSION: &str = "1.31.0";
@@ -34,80 +42,6 @@ fn dir() -> PathBuf {
 /// The variants: their folder under `deploy/kubernetes`, and how many
 /// resources each applies.
 const VARIANTS: [(&str, usize); 2] = [("", 7), ("etcd", 9)];
-
-/// The manifest files the kustomization in `at` applies: its `resources`,
-/// files and (recursively) kustomization folders. The kustomizations use
-/// only `resources` and `labels` (checked), so these are all kustomize
-/// applies; and every manifest beside a kustomization is listed by it.
-fn resources(at: &Path) -> Vec<PathBuf> {
-    let path = at.join("kustomization.yaml");
-    let k: Value = serde_yaml_ng::from_str(
-        &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
-    )
-    .expect("YAML");
-    for key in k.as_mapping().expect("a mapping").keys() {
-        let key = key.as_str().expect("a string key");
-        assert!(
-            ["apiVersion", "kind", "labels", "resources"].contains(&key),
-            "{}: {key} is not read by this test",
-            path.display()
-        );
-    }
-    let mut files = Vec::new();
-    let mut listed = Vec::new();
-    for r in k["resources"].as_sequence().expect("resources") {
-        let p = at.join(r.as_str().expect("a path"));
-        if p.is_dir() {
-            files.extend(resources(&p));
-        } else {
-            listed.push(r.as_str().expect("a path").to_owned());
-            // Canonical: `etcd/../base/decode.yaml` is `base/decode.yaml`.
-            files.push(
-                p.canonicalize()
-                    .unwrap_or_else(|e| panic!("{}: {e}", p.display())),
-            );
-        }
-    }
-    let mut beside: Vec<String> = std::fs::read_dir(at)
-        .expect("folder")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".yaml") && n != "kustomization.yaml")
-        .collect();
-    beside.sort();
-    listed.sort();
-    assert_eq!(listed, beside, "{}", path.display());
-    files
-}
-
-/// Every document of `files`.
-fn documents(files: &[PathBuf]) -> Vec<Value> {
-    let mut docs = Vec::new();
-    for f in files {
-        let text = std::fs::read_to_string(f).expect("manifest");
-        for doc in serde_yaml_ng::Deserializer::from_str(&text) {
-            docs.push(
-                serde::Deserialize::deserialize(doc)
-                    .unwrap_or_else(|e| panic!("{}: {e}", f.display())),
-            );
-        }
-    }
-    docs
-}
-
-/// (kind, name) of each document, sorted.
-fn kinds_and_names(docs: &[Value]) -> Vec<(String, String)> {
-    let mut out: Vec<(String, String)> = docs
-        .iter()
-        .map(|d| {
-            (
-                d["kind"].as_str().expect("kind").to_owned(),
-                d["metadata"]["name"].as_str().expect("name").to_owned(),
-            )
-        })
-        .collect();
-    out.sort();
-    out
-}
 
 /// Runs the validator on `files`; (success, output).
 fn validate(files: &[PathBuf]) -> (bool, String) {
@@ -124,11 +58,13 @@ fn validate(files: &[PathBuf]) -> (bool, String) {
 
 #[test]
 fn manifests_validate_strictly_and_a_misspelt_field_does_not() {
+    let tmp = tempfile::tempdir().expect("tempdir");
     let mut files = Vec::new();
     for (variant, count) in VARIANTS {
         let these = resources(&dir().join(variant));
-        let docs = documents(&these);
-        assert_eq!(docs.len(), count, "{variant:?}: {these:?}");
+        assert_eq!(documents(&these).len(), count, "{variant:?}: {these:?}");
+        let docs = rendered(&dir().join(variant));
+        assert_eq!(docs.len(), count, "{variant:?}");
         match Command::new("kubectl")
             .args(["kustomize"])
             .arg(dir().join(variant))
@@ -154,26 +90,41 @@ fn manifests_validate_strictly_and_a_misspelt_field_does_not() {
                         "{variant:?}: {:?}",
                         d["metadata"]["name"]
                     );
+                    // The patches as this test applies them are kustomize's.
+                    let ours = docs
+                        .iter()
+                        .find(|o| {
+                            o["kind"] == d["kind"] && o["metadata"]["name"] == d["metadata"]["name"]
+                        })
+                        .expect("the same resource");
+                    assert_eq!(
+                        unlabelled(d.clone()),
+                        unlabelled(ours.clone()),
+                        "{variant:?}: {:?}",
+                        d["metadata"]["name"]
+                    );
                 }
             }
             Err(e) => {
                 eprintln!("note: kubectl not runnable ({e}); kustomize's rendering not compared")
             }
         }
-        for f in these {
-            if !files.contains(&f) {
-                files.push(f);
-            }
+        // What is applied: each variant's documents as rendered.
+        for (i, d) in docs.iter().enumerate() {
+            let f = tmp
+                .path()
+                .join(format!("{}{i}.yaml", variant.replace('/', "-")));
+            std::fs::write(&f, serde_yaml_ng::to_string(d).expect("YAML")).expect("write");
+            files.push(f);
         }
     }
     let (ok, out) = validate(&files);
     assert!(ok, "{out}");
-    // One "passed" line per resource, none skipped: the roles' 6 once, a
-    // ConfigMap per variant, etcd's Service and StatefulSet.
-    assert_eq!(out.matches(" passed for resource ").count(), 10, "{out}");
+    // One "passed" line per resource of each variant, none skipped.
+    let all: usize = VARIANTS.iter().map(|(_, n)| n).sum();
+    assert_eq!(out.matches(" passed for resource ").count(), all, "{out}");
 
     // The check can fail: a field Kubernetes does not have.
-    let tmp = tempfile::tempdir().expect("tempdir");
     let bad = tmp.path().join("decode.yaml");
     let text = std::fs::read_to_string(dir().join("base/decode.yaml")).expect("decode.yaml");
     assert!(text.contains("terminationGracePeriodSeconds:"));
@@ -209,8 +160,8 @@ fn quantity(q: &str) -> u64 {
 
 #[test]
 fn every_container_command_is_accepted_and_resources_fit_the_pools() {
-    let docs = documents(&resources(&dir()));
-    let (roles, lines) = check_commands(&docs);
+    let docs = rendered(&dir());
+    let (roles, lines) = check_commands(&docs, None);
     assert_eq!(roles, ["decode", "prefill", "router"]);
     for l in lines {
         assert!(l.contains("1 prefill and 1 decode nodes"), "{l}");
@@ -218,24 +169,35 @@ fn every_container_command_is_accepted_and_resources_fit_the_pools() {
 }
 
 /// The etcd variant: the same checks, for every pod its mesh file names
-/// (a second decode node, for `kubectl scale`), and the mesh file points at
-/// the etcd the variant runs, built from deploy/etcd.
+/// (a second decode node, for `kubectl scale`), with the certificates its
+/// kustomization's `kvmesh certs` command makes (the CA key kept out of the
+/// Secret); the mesh file points at the etcd the variant runs, built from
+/// deploy/etcd, over TLS with client certificates; etcd's certificate
+/// files are in its mounts; and each certificate passes the mesh's TLS for
+/// the address its peers dial.
 #[test]
 fn the_etcd_variant_runs_its_etcd_and_every_command_is_accepted() {
-    let docs = documents(&resources(&dir().join("etcd")));
-    let (roles, lines) = check_commands(&docs);
+    let docs = rendered(&dir().join("etcd"));
+    let made = tempfile::tempdir().expect("tempdir");
+    let certs = certs::mint_as_documented(&dir().join("etcd/kustomization.yaml"), made.path());
+    assert!(
+        !certs.join("ca-key.pem").exists(),
+        "the CA key would go into the Secret"
+    );
+    let (roles, lines) = check_commands(&docs, Some(&certs));
     assert_eq!(roles, ["decode", "decode", "prefill", "router"]);
     let mesh: Value = serde_yaml_ng::from_str(&mesh_file(&docs)).expect("mesh file YAML");
     let endpoint = mesh["etcd"]["endpoints"][0].as_str().expect("an endpoint");
     for l in &lines {
-        assert!(
-            l.contains(&format!(
-                "discovery etcd: http://{endpoint} prefix /kvmesh/kubernetes/, lease TTL 3 s"
-            )),
-            "{l}"
-        );
+        for want in [
+            format!("discovery etcd: {endpoint} prefix /kvmesh/kubernetes/, lease TTL 3 s, TLS with a client certificate"),
+            "TLS: mutual, certificate ".to_owned(),
+        ] {
+            assert!(l.contains(&want), "{want} not in {l}");
+        }
     }
     // The endpoint is etcd's headless Service, on its client port.
+    let endpoint = endpoint.strip_prefix("https://").expect("https");
     let (host, port) = endpoint.split_once(':').expect("HOST:PORT");
     let port: u64 = port.parse().expect("port");
     let svc = docs
@@ -268,15 +230,105 @@ fn the_etcd_variant_runs_its_etcd_and_every_command_is_accepted() {
     let peer = format!("http://{member}.{host}:2380");
     for want in [
         format!("--name={member}"),
-        format!("--listen-client-urls=http://0.0.0.0:{port}"),
-        format!("--advertise-client-urls=http://{member}.{host}:{port}"),
+        format!("--listen-client-urls=https://0.0.0.0:{port}"),
+        format!("--advertise-client-urls=https://{member}.{host}:{port}"),
+        "--client-cert-auth".to_owned(),
+        // One member: no other pod reaches its peer port.
+        "--listen-peer-urls=http://127.0.0.1:2380".to_owned(),
         format!("--initial-advertise-peer-urls={peer}"),
         format!("--initial-cluster={member}={peer}"),
     ] {
         assert!(args.contains(&want.as_str()), "{want} not in {args:?}");
     }
-    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/health");
-    assert_eq!(c["readinessProbe"]["httpGet"]["port"], "client");
+    // The probes ask /health on the metrics listener (no client
+    // certificate there).
+    let metrics = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--listen-metrics-urls=http://0.0.0.0:"))
+        .expect("a metrics listener");
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(c[probe]["httpGet"]["path"], "/health");
+        let port = c[probe]["httpGet"]["port"].as_str().expect("a named port");
+        let number = c["ports"]
+            .as_sequence()
+            .expect("ports")
+            .iter()
+            .find(|p| p["name"] == port)
+            .and_then(|p| p["containerPort"].as_u64());
+        assert_eq!(
+            number.map(|n| n.to_string()).as_deref(),
+            Some(metrics),
+            "{probe}"
+        );
+    }
+    // Its certificate, key and CA: items of the Secret the documented
+    // command's folder makes, where its flags read them, 0440 in the group
+    // etcd runs as.
+    let mount = c["volumeMounts"]
+        .as_sequence()
+        .expect("mounts")
+        .iter()
+        .find(|m| m["name"] == "certs")
+        .expect("a certs mount");
+    let volume = pod["volumes"]
+        .as_sequence()
+        .expect("volumes")
+        .iter()
+        .find(|v| v["name"] == "certs")
+        .expect("the certs volume");
+    assert_eq!(volume["secret"]["secretName"], "kvmesh-certs");
+    assert_eq!(volume["secret"]["defaultMode"], 0o440);
+    assert_eq!(
+        pod["securityContext"]["fsGroup"],
+        pod["securityContext"]["runAsGroup"]
+    );
+    let dir_in = mount["mountPath"].as_str().expect("mountPath");
+    let mut etcd_cert = None;
+    for flag in ["--cert-file=", "--key-file=", "--trusted-ca-file="] {
+        let file = args
+            .iter()
+            .find_map(|a| a.strip_prefix(flag))
+            .unwrap_or_else(|| panic!("{flag} not in {args:?}"));
+        let item = volume["secret"]["items"]
+            .as_sequence()
+            .expect("items")
+            .iter()
+            .find(|i| {
+                i["path"]
+                    .as_str()
+                    .map(|p| format!("{dir_in}/{p}"))
+                    .as_deref()
+                    == Some(file)
+            })
+            .unwrap_or_else(|| panic!("{file} is not mounted"));
+        let key = item["key"].as_str().expect("key");
+        assert!(certs.join(key).is_file(), "the Secret has no {key}");
+        if flag == "--cert-file=" {
+            etcd_cert = key.strip_suffix(".pem").map(str::to_owned);
+        }
+    }
+    let etcd_cert = etcd_cert.expect("etcd's certificate");
+    // What the peers dial: etcd at the endpoint and its advertised URL,
+    // each node at its grpc and kv addresses.
+    for addr in [endpoint.to_owned(), format!("{member}.{host}:{port}")] {
+        assert!(
+            certs::handshake(&certs, &etcd_cert, "router", &addr),
+            "{addr}"
+        );
+    }
+    for role in ["prefill", "decode"] {
+        for node in mesh[role].as_sequence().expect("nodes") {
+            let name = node["name"].as_str().expect("name");
+            for field in ["grpc", "kv"] {
+                if let Some(addr) = node[field].as_str() {
+                    assert!(
+                        certs::handshake(&certs, name, "router", addr),
+                        "{name}: {field} {addr}"
+                    );
+                }
+            }
+        }
+    }
     // The image is deploy/etcd's (Debian's etcd-server), whose user the pod
     // runs as, with its data folder on the pod's volume.
     assert_eq!(c["image"], "kvmesh-etcd:latest");
@@ -295,24 +347,24 @@ fn the_etcd_variant_runs_its_etcd_and_every_command_is_accepted() {
 /// and secret as the pod sees them, its probes and grace period match the
 /// drain, its memory covers the model and pool. Returns the pods' roles,
 /// sorted, and their `--check-config` lines.
-fn check_commands(docs: &[Value]) -> (Vec<String>, Vec<String>) {
+fn check_commands(docs: &[Value], certs: Option<&Path>) -> (Vec<String>, Vec<String>) {
     let mesh = mesh_file(docs);
     let mesh_cfg: Value = serde_yaml_ng::from_str(&mesh).expect("mesh file YAML");
     let drain_s = mesh_cfg["drain_timeout_ms"]
         .as_u64()
         .expect("drain_timeout_ms")
         / 1000;
-    // The pod's view of /etc/kvmesh: the projected mesh file and secret,
-    // both 0440 (the secret the operator made with `head -c 32`).
-    let root = tempfile::tempdir().expect("tempdir");
-    let etc = root.path().join("etc/kvmesh");
-    std::fs::create_dir_all(&etc).expect("mkdir");
-    let secret = write_secret(&etc, "mesh.secret");
-    std::fs::write(etc.join("mesh.yaml"), &mesh).expect("write mesh file");
-    for f in [&secret, &etc.join("mesh.yaml")] {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o440)).expect("chmod");
-    }
+    // The Secrets the operator makes: the mesh secret (`head -c 32`), and
+    // with `certs` the certificates (`--from-file=certs/`: a key per file).
+    let made = tempfile::tempdir().expect("tempdir");
+    let secret = write_secret(made.path(), "mesh.secret");
+    let secrets = |name: &str, key: &str| -> PathBuf {
+        match (name, certs) {
+            ("kvmesh-mesh-secret", _) if key == "mesh.secret" => secret.clone(),
+            ("kvmesh-certs", Some(dir)) if dir.join(key).is_file() => dir.join(key),
+            _ => panic!("the Secret {name} has no key {key}"),
+        }
+    };
 
     let mut roles = Vec::new();
     let mut lines = Vec::new();
@@ -351,7 +403,9 @@ fn check_commands(docs: &[Value]) -> (Vec<String>, Vec<String>) {
             names
         };
 
-        // The volume the manifests mount there is the mesh file and secret.
+        // The volume the manifests mount there is the mesh file and secret
+        // (and the certificates): the pod's view of /etc/kvmesh, every
+        // file 0440.
         let mount = &c["volumeMounts"][0];
         assert_eq!(mount["mountPath"], "/etc/kvmesh", "{name}");
         let sources = pod["volumes"][0]["projected"]["sources"]
@@ -360,6 +414,33 @@ fn check_commands(docs: &[Value]) -> (Vec<String>, Vec<String>) {
         assert_eq!(sources[0]["configMap"]["name"], "kvmesh-mesh");
         assert_eq!(sources[1]["secret"]["items"][0]["path"], "mesh.secret");
         assert_eq!(pod["volumes"][0]["projected"]["defaultMode"], 0o440);
+        let root = tempfile::tempdir().expect("tempdir");
+        let etc = root.path().join("etc/kvmesh");
+        for source in sources {
+            let (kind, from) = match (&source["configMap"], &source["secret"]) {
+                (Value::Null, s) => ("secret", s),
+                (m, Value::Null) => ("configMap", m),
+                _ => panic!("{name}: a source of two kinds"),
+            };
+            let source_name = from["name"].as_str().expect("source name");
+            for item in from["items"].as_sequence().expect("items") {
+                let (key, path) = (
+                    item["key"].as_str().expect("key"),
+                    item["path"].as_str().expect("path"),
+                );
+                let at = etc.join(path);
+                std::fs::create_dir_all(at.parent().expect("parent")).expect("mkdir");
+                if kind == "configMap" {
+                    assert_eq!((source_name, key), ("kvmesh-mesh", "mesh.yaml"));
+                    std::fs::write(&at, &mesh).expect("write mesh file");
+                } else {
+                    std::fs::copy(secrets(source_name, key), &at).expect("copy");
+                }
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&at, std::fs::Permissions::from_mode(0o440))
+                    .expect("chmod");
+            }
+        }
         assert_eq!(
             pod["securityContext"]["runAsGroup"],
             pod["securityContext"]["fsGroup"]
@@ -394,6 +475,20 @@ fn check_commands(docs: &[Value]) -> (Vec<String>, Vec<String>) {
                 !stderr.contains("readable by other users"),
                 "{name}: {stderr}"
             );
+            // Every TLS file the mesh file names for this pod is mounted.
+            let who = if role == "router" {
+                "router"
+            } else {
+                &pod_name
+            };
+            for section in [&mesh_cfg["mesh"]["tls"], &mesh_cfg["etcd"]["tls"]] {
+                for field in ["ca_file", "cert_file", "key_file"] {
+                    if let Some(f) = section[field].as_str() {
+                        let f = f.replace("{name}", who);
+                        assert!(etc.join(&f).is_file(), "{name}: {f} is not mounted");
+                    }
+                }
+            }
             if role == "router" {
                 assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/health");
             } else {
@@ -409,7 +504,14 @@ fn check_commands(docs: &[Value]) -> (Vec<String>, Vec<String>) {
                     .and_then(|l| l.rsplit(':').next())
                     .and_then(|p| p.parse().ok())
                     .expect("listen port");
-                assert_eq!(c["readinessProbe"]["grpc"]["port"], port, "{name}");
+                // With mesh.tls the port speaks only mutual TLS, which the
+                // kubelet's gRPC probe does not: a TCP probe instead.
+                let probe = if mesh_cfg["mesh"]["tls"].is_null() {
+                    "grpc"
+                } else {
+                    "tcpSocket"
+                };
+                assert_eq!(c["readinessProbe"][probe]["port"], port, "{name}");
                 check_memory(&pod_name, c, node, &mesh_cfg);
             }
             roles.push(role.to_owned());
