@@ -30,7 +30,8 @@ For docker-compose.etcd.yml, also that it runs inside TLS: every node's
 a client certificate; a plaintext HTTP request from the router's container
 to etcd:2379 gets no answer from etcd; and a decode node whose etcd client
 certificate is of another CA (trusting the mesh's CA, so only etcd's
-refusal can stop it) cannot register and exits.
+refusal can stop it) cannot register and exits, and etcd logs that it
+refused the certificate.
 
 And for docker-compose.gpu.yml, up to the device: `config` accepts it, and
 the containers `up --no-start` creates carry the NVIDIA device reservations
@@ -412,6 +413,7 @@ def check_etcd_tls(p, mesh_file):
                          ("deploy/rogue/decode-1.pem", "/etc/kvmesh/rogue/decode-1.pem"),
                          ("deploy/rogue/decode-1-key.pem", "/etc/kvmesh/rogue/decode-1-key.pem")]:
         mounts += ["-v", f"{os.path.join(p.a.project, host)}:{inside}:ro"]
+    refused_before = p.logs("etcd").count("failed to verify client certificate")
     t0 = time.monotonic()
     out = p.compose("run", "--rm", "-T", "--no-deps", *mounts, "decode-1", "decode", "--config",
                     rogue_in, "--name", "decode-1", timeout=120, check_rc=False)
@@ -419,12 +421,22 @@ def check_etcd_tls(p, mesh_file):
     check(out.returncode != 0, f"a node with another CA's certificate ran: {said}")
     check("in etcd" in said and "registering" in said,
           f"the node with another CA's certificate failed, but not registering in etcd: {said}")
-    refusal = said.strip().splitlines()[-1][:300]
+    # And it was etcd that refused the certificate (the client sees the
+    # alert, or only the connection closed: TLS 1.3 checks it after the
+    # client's side of the handshake is done).
+    refused = "failed to verify client certificate"
+    etcd_log = p.logs("etcd")
+    check(etcd_log.count(refused) > refused_before,
+          f"etcd logged no refused client certificate: {etcd_log[-2000:]}")
+    refusal = next((l for l in reversed(said.splitlines()) if "in etcd" in l), "")
+    refusal = refusal[refusal.find("registering"):][:160] + " ..."
+    etcd_said = next(l for l in reversed(etcd_log.splitlines()) if refused in l)
+    etcd_said = etcd_said[etcd_said.find("rejected connection"):][:200]
     ok(f"{p.name}: inside TLS: every node's --check-config in its container says mutual TLS "
        f"and etcd over https with a client certificate; plaintext HTTP to etcd:2379 from the "
        f"router's container got no answer from etcd (it got {plain[0][:80]!r}); a node with "
        f"another CA's certificate could not register in etcd ({time.monotonic() - t0:.1f} s) "
-       f"and exited {out.returncode}: {refusal}")
+       f"and exited {out.returncode}: {refusal}; etcd: {etcd_said}")
 
 
 def run_mesh(args, ref, name, files, mesh_file, decodes, profiles=()):
