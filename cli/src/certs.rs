@@ -84,7 +84,7 @@ Examples:
 
   # The CA key outside the folder, which then holds only what the
   # processes need (a Kubernetes Secret made from it).
-  kvmesh certs --out certs --ca-key ca-key.pem --name router \
+  kvmesh certs --out certs --ca-key ca-key.pem --name router \\
       --name kvmesh-decode-0:kvmesh-decode-0.kvmesh-decode
 
 Files: ca.pem (trusted by every process), ca-key.pem (0600; only for
