@@ -98,3 +98,23 @@ pub fn handshake(dir: &Path, server: &str, client: &str, addr: &str) -> bool {
         served && dialled
     })
 }
+
+/// Asserts that every prefill and decode node of `mesh` (a mesh file's
+/// YAML) completes [`handshake`] as the server at each address its peers
+/// dial (`grpc` and `kv`), with `dir`'s certificate named after the node
+/// and the router's as the client.
+pub fn assert_every_node_handshakes(dir: &Path, mesh: &serde_yaml_ng::Value) {
+    for role in ["prefill", "decode"] {
+        for node in mesh[role].as_sequence().expect("nodes") {
+            let name = node["name"].as_str().expect("name");
+            for field in ["grpc", "kv"] {
+                if let Some(addr) = node[field].as_str() {
+                    assert!(
+                        handshake(dir, name, "router", addr),
+                        "{name}: {field} {addr}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -280,19 +280,7 @@ fn every_compose_command_of_the_etcd_variant_is_accepted() {
     let endpoint = mesh["etcd"]["endpoints"][0].as_str().expect("endpoint");
     let endpoint = endpoint.strip_prefix("https://").expect("https");
     assert!(certs::handshake(&minted, &etcd_stem, "router", endpoint));
-    for role in ["prefill", "decode"] {
-        for node in mesh[role].as_sequence().expect("nodes") {
-            let name = node["name"].as_str().expect("name");
-            for field in ["grpc", "kv"] {
-                if let Some(addr) = node[field].as_str() {
-                    assert!(
-                        certs::handshake(&minted, name, "router", addr),
-                        "{name}: {field} {addr}"
-                    );
-                }
-            }
-        }
-    }
+    certs::assert_every_node_handshakes(&minted, &mesh);
     assert!(!certs::handshake(
         &minted,
         "decode-0",

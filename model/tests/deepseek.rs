@@ -10,6 +10,8 @@
 
 mod common;
 
+use common::max_rel_diff;
+
 use kvmesh_kernels::quant::QFormat;
 use kvmesh_kvpool::KvEntry;
 use kvmesh_model::engine::{Engine, EngineConfig};
@@ -23,19 +25,6 @@ fn values(m: &Matrix) -> Vec<f32> {
         .and_then(|t| t.flatten_all())
         .and_then(|t| t.to_vec1::<f32>())
         .expect("dense values")
-}
-
-/// The largest difference of two matrices, relative to `b`'s largest value.
-fn max_rel_diff(a: &Matrix, b: &Matrix) -> f32 {
-    assert_eq!(a.shape(), b.shape());
-    let (a, b) = (values(a), values(b));
-    let scale = b
-        .iter()
-        .fold(0f32, |m, x| m.max(x.abs()))
-        .max(f32::MIN_POSITIVE);
-    a.iter()
-        .zip(&b)
-        .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
 }
 
 /// Every layer's attention is latent, with the documented shapes: the tiny

@@ -10,28 +10,10 @@
 
 mod common;
 
+use common::max_rel_diff;
+
 use kvmesh_model::weights::{Ffn, Matrix};
 use kvmesh_model::{load_with, Precision};
-
-fn max_rel_diff(a: &Matrix, b: &Matrix) -> f32 {
-    let (a, b) = (
-        a.to_dense()
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.to_vec1::<f32>()),
-        b.to_dense()
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.to_vec1::<f32>()),
-    );
-    let (a, b) = (a.expect("dense"), b.expect("dense"));
-    assert_eq!(a.len(), b.len());
-    let scale = b
-        .iter()
-        .fold(0f32, |m, x| m.max(x.abs()))
-        .max(f32::MIN_POSITIVE);
-    a.iter()
-        .zip(&b)
-        .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
-}
 
 #[test]
 fn every_legacy_format_loads_back_to_its_dequantized_values() {

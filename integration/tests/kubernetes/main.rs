@@ -316,19 +316,7 @@ fn the_etcd_variant_runs_its_etcd_and_every_command_is_accepted() {
             "{addr}"
         );
     }
-    for role in ["prefill", "decode"] {
-        for node in mesh[role].as_sequence().expect("nodes") {
-            let name = node["name"].as_str().expect("name");
-            for field in ["grpc", "kv"] {
-                if let Some(addr) = node[field].as_str() {
-                    assert!(
-                        certs::handshake(&certs, name, "router", addr),
-                        "{name}: {field} {addr}"
-                    );
-                }
-            }
-        }
-    }
+    certs::assert_every_node_handshakes(&certs, &mesh);
     // The image is deploy/etcd's (Debian's etcd-server), whose user the pod
     // runs as, with its data folder on the pod's volume.
     assert_eq!(c["image"], "kvmesh-etcd:latest");

@@ -6,6 +6,27 @@ pub mod golden;
 use std::path::PathBuf;
 
 use kvmesh_model::default_model;
+use kvmesh_model::weights::Matrix;
+
+/// The largest difference of two matrices (dequantized), relative to `b`'s
+/// largest value.
+pub fn max_rel_diff(a: &Matrix, b: &Matrix) -> f32 {
+    assert_eq!(a.shape(), b.shape());
+    let values = |m: &Matrix| {
+        m.to_dense()
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("dense values")
+    };
+    let (a, b) = (values(a), values(b));
+    let scale = b
+        .iter()
+        .fold(0f32, |m, x| m.max(x.abs()))
+        .max(f32::MIN_POSITIVE);
+    a.iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
+}
 
 /// The committed tiny random-weight Llama model directory.
 pub fn tiny_model_dir() -> PathBuf {
