@@ -216,7 +216,7 @@ impl Llama {
                 None => (cfg.head_dim, cfg.head_dim),
             };
             layers.push(LayerRt {
-                attn: AttnRt::new(&l.attn, &cfg)?,
+                attn: AttnRt::new(l.attn, &cfg)?,
                 wo: Projection::new(&[&l.wo])?,
                 ffn,
                 attn_norm: l.attn_norm,

@@ -90,12 +90,12 @@ impl MlaScratch {
 impl MlaRt {
     /// The runtime of `w`; `rope` is the model's rope over `qk_rope_dim`
     /// values, in the pairing the family's checkpoints use.
-    pub(crate) fn new(w: &MlaWeights, dims: Mla, n_heads: usize, rope: Rope) -> Result<Self> {
-        let (down, q_up) = match &w.q {
-            MlaQuery::Direct(q) => (Projection::new(&[q, &w.kv_a])?, None),
+    pub(crate) fn new(w: MlaWeights, dims: Mla, n_heads: usize, rope: Rope) -> Result<Self> {
+        let (down, q_up) = match w.q {
+            MlaQuery::Direct(q) => (Projection::new(&[&q, &w.kv_a])?, None),
             MlaQuery::LowRank { a, norm, b } => (
-                Projection::new(&[a, &w.kv_a])?,
-                Some((norm.clone(), Projection::new(&[b])?)),
+                Projection::new(&[&a, &w.kv_a])?,
+                Some((norm, Projection::new(&[&b])?)),
             ),
         };
         let per_head = |ms: &[Matrix]| -> Result<Vec<Projection>> {
@@ -104,7 +104,7 @@ impl MlaRt {
         Ok(Self {
             down,
             q_up,
-            kv_norm: w.kv_a_norm.clone(),
+            kv_norm: w.kv_a_norm,
             k_b: per_head(&w.k_b)?,
             v_b: per_head(&w.v_b)?,
             rope,
@@ -211,18 +211,16 @@ impl MlaRt {
         for (i, pe) in s.pe.chunks_exact(rope_dim).enumerate() {
             query[i * e + rank..(i + 1) * e].copy_from_slice(pe);
         }
-        for (head, k_b) in self.k_b.iter().enumerate() {
-            s.head_in.clear();
-            for t in 0..rows {
-                let at = (t * h + head) * qk;
-                s.head_in.extend_from_slice(&q[at..at + nope]);
-            }
-            k_b.apply_into(&s.head_in, rows, &mut [&mut s.head_out], stacked)?;
-            for (t, lat) in s.head_out.chunks_exact(rank).enumerate() {
-                let at = (t * h + head) * e;
-                query[at..at + rank].copy_from_slice(lat);
-            }
-        }
+        let nopes = Heads {
+            stride: qk,
+            width: nope,
+        };
+        let latents = Heads {
+            stride: e,
+            width: rank,
+        };
+        let bufs = (&mut s.head_in, &mut s.head_out);
+        through_heads(&self.k_b, q, nopes, query, latents, rows, stacked, bufs)?;
         Ok(())
     }
 
@@ -238,18 +236,56 @@ impl MlaRt {
     ) -> Result<()> {
         let (h, rank, v) = (self.n_heads, self.dims.kv_lora_rank, self.dims.v_head_dim);
         out.resize(rows * h * v, 0.0);
-        for (head, v_b) in self.v_b.iter().enumerate() {
-            s.head_in.clear();
-            for t in 0..rows {
-                let at = (t * h + head) * rank;
-                s.head_in.extend_from_slice(&latent[at..at + rank]);
-            }
-            v_b.apply_into(&s.head_in, rows, &mut [&mut s.head_out], stacked)?;
-            for (t, o) in s.head_out.chunks_exact(v).enumerate() {
-                let at = (t * h + head) * v;
-                out[at..at + v].copy_from_slice(o);
-            }
-        }
+        let latents = Heads {
+            stride: rank,
+            width: rank,
+        };
+        let values = Heads {
+            stride: v,
+            width: v,
+        };
+        let bufs = (&mut s.head_in, &mut s.head_out);
+        through_heads(&self.v_b, latent, latents, out, values, rows, stacked, bufs)?;
         Ok(())
     }
+}
+
+/// Where each head's values sit in a `[rows][n_heads][stride]` buffer:
+/// the first `width` of its `stride`.
+#[derive(Clone, Copy)]
+struct Heads {
+    stride: usize,
+    width: usize,
+}
+
+/// Each head's `from` values of `src` through its own map (`maps[head]`,
+/// `[to.width, from.width]`) into its `to` values of `dst`: the heads'
+/// rows gathered into one matrix per head (in `bufs`, reused), so each map
+/// reads its weights once per call.
+#[allow(clippy::too_many_arguments)]
+fn through_heads(
+    maps: &[Projection],
+    src: &[f32],
+    from: Heads,
+    dst: &mut [f32],
+    to: Heads,
+    rows: usize,
+    stacked: &mut Vec<f32>,
+    bufs: (&mut Vec<f32>, &mut Vec<f32>),
+) -> Result<()> {
+    let (head_in, head_out) = bufs;
+    let h = maps.len();
+    for (head, map) in maps.iter().enumerate() {
+        head_in.clear();
+        for t in 0..rows {
+            let at = (t * h + head) * from.stride;
+            head_in.extend_from_slice(&src[at..at + from.width]);
+        }
+        map.apply_into(head_in, rows, &mut [&mut *head_out], stacked)?;
+        for (t, o) in head_out.chunks_exact(to.width).enumerate() {
+            let at = (t * h + head) * to.stride;
+            dst[at..at + to.width].copy_from_slice(o);
+        }
+    }
+    Ok(())
 }

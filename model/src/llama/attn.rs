@@ -41,15 +41,15 @@ pub(super) struct Projected<'a> {
 }
 
 impl AttnRt {
-    pub(super) fn new(w: &AttnWeights, cfg: &ModelConfig) -> Result<Self> {
+    pub(super) fn new(w: AttnWeights, cfg: &ModelConfig) -> Result<Self> {
         Ok(match w {
             AttnWeights::Gqa(a) => Self::Gqa(GqaRt {
                 qkv: Projection::new(&[&a.wq, &a.wk, &a.wv])?,
-                bq: a.bq.clone(),
-                bk: a.bk.clone(),
-                bv: a.bv.clone(),
-                q_norm: a.q_norm.clone(),
-                k_norm: a.k_norm.clone(),
+                bq: a.bq,
+                bk: a.bk,
+                bv: a.bv,
+                q_norm: a.q_norm,
+                k_norm: a.k_norm,
             }),
             AttnWeights::Latent(m) => {
                 let dims = cfg
@@ -59,7 +59,7 @@ impl AttnRt {
                         detail: "latent attention weights for a configuration without it".into(),
                     })?;
                 let rope = MlaRt::rope_of(&dims, cfg.rope_theta, cfg.rope_scaling);
-                Self::Latent(Box::new(MlaRt::new(m, dims, cfg.n_heads, rope)?))
+                Self::Latent(Box::new(MlaRt::new(*m, dims, cfg.n_heads, rope)?))
             }
         })
     }
