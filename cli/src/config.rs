@@ -50,6 +50,9 @@
 //!   max_queued: 256            # choices waiting at most
 //!   admission: fair            # or fifo: per-tenant queues served fairly,
 //!                              #   or one queue in arrival order
+//!   # reserve: 8                 # slots only a tenant running nothing may
+//!                              #   take (default: max_running / 8 with keys
+//!                              #   of several tenants, else 0)
 //!   # default_share: {max_running: 48}   # every tenant's; keys override
 //!   api_keys:                  # omit: no authentication
 //!     - {key: sk-alpha-..., tenant: alpha}

@@ -413,6 +413,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             max_running: a.admission.max_running,
             max_queued: a.admission.max_queued,
             admission: a.admission.admission,
+            reserve: a.admission.reserve,
             shares,
             fault_injection,
             tool_call_parser: a.parsers.tool_call_parser.unwrap_or_default(),

@@ -7,9 +7,14 @@
 //! next request comes from the tenant running the fewest slots per unit
 //! of its weight, round-robin among equals ([`Policy::Fair`], the
 //! default), so a tenant with many requests waiting cannot keep another
-//! tenant's single request behind them, and a lone tenant may still use
-//! every slot. [`Policy::Fifo`] serves in arrival order, as the router
-//! did before (kept for comparison and single-tenant meshes).
+//! tenant's single request behind them. A lone tenant may use every slot
+//! but the reserve ([`Limits::reserve`]): slots that only a tenant running
+//! nothing may take, so another tenant's first request starts at once
+//! rather than after the busy tenant's next completion (by default an
+//! eighth of the slots where the keys name several tenants:
+//! [`default_reserve`]; 0 makes admission work-conserving).
+//! [`Policy::Fifo`] serves in arrival order, as the router did before
+//! (kept for comparison and single-tenant meshes; no reserve).
 //!
 //! Per tenant ([`Share`], configured per API key, and a default for the
 //! tenants not named): a weight, a cap on running slots, a cap on queued
@@ -200,8 +205,23 @@ pub struct Limits {
     pub queue_timeout: Duration,
     /// The order of service.
     pub policy: Policy,
+    /// Slots only a tenant running nothing may take ([`Policy::Fair`]
+    /// only; see the module docs and [`default_reserve`]).
+    pub reserve: usize,
     /// Per-tenant limits.
     pub shares: Shares,
+}
+
+/// The reserve when none is configured: an eighth of the slots where the
+/// API keys name more than one tenant (so another tenant's first request
+/// does not wait for the busy one's next completion), none where there is
+/// one tenant (every slot is its own).
+pub fn default_reserve(slots: usize, tenants: usize) -> usize {
+    if tenants > 1 {
+        slots / 8
+    } else {
+        0
+    }
 }
 
 /// The admission scheduler. Cheap to clone (one shared state).
@@ -261,6 +281,7 @@ impl Admission {
                     limits.slots,
                     limits.max_queued,
                     limits.policy,
+                    limits.reserve,
                     limits.shares,
                 ),
                 waiting: HashMap::new(),

@@ -135,6 +135,13 @@ impl ApiKeys {
         !self.by_digest.is_empty()
     }
 
+    /// How many tenants the keys name (1 without keys: `default`).
+    pub fn tenants(&self) -> usize {
+        let names: std::collections::HashSet<&Tenant> =
+            self.by_digest.values().map(|e| &e.tenant).collect();
+        names.len().max(1)
+    }
+
     /// What a deployment without keys must be told at start: every client
     /// is one tenant, so they share one prefix-cache namespace. `None` when
     /// keys are configured.

@@ -127,6 +127,9 @@ pub struct RouterConfig {
     pub queue_timeout: Duration,
     /// How waiting requests are ordered ([`admission::Policy`]).
     pub admission: admission::Policy,
+    /// Slots only a tenant running nothing may take (fair admission);
+    /// `None`: [`admission::default_reserve`] of the keys' tenants.
+    pub reserve: Option<usize>,
     /// Per-tenant limits (weights, caps), by tenant.
     pub shares: admission::Shares,
     /// API keys and their tenants; empty: no authentication.
@@ -157,6 +160,7 @@ impl Default for RouterConfig {
             max_queued: 256,
             queue_timeout: Duration::from_secs(30),
             admission: admission::Policy::Fair,
+            reserve: None,
             shares: admission::Shares::default(),
             api_keys: auth::ApiKeys::default(),
             fault_injection: false,
@@ -233,6 +237,9 @@ impl Router {
                 max_queued: cfg.max_queued,
                 queue_timeout: cfg.queue_timeout,
                 policy: cfg.admission,
+                reserve: cfg.reserve.unwrap_or_else(|| {
+                    admission::default_reserve(cfg.max_running, cfg.api_keys.tenants())
+                }),
                 shares: cfg.shares.clone(),
             }),
             cfg: Arc::new(cfg),

@@ -6,10 +6,11 @@
 //! generating `--noisy-tokens` tokens; `probe` sends one short streamed
 //! request at a time. The probe's TTFT (request sent to its first SSE
 //! chunk) is timed `--probes` times alone, then as many times under the
-//! noisy load, on a fresh mesh per admission policy: `fifo` (arrival
-//! order, the router before per-tenant admission) and `fair` (the
-//! default), and with `--noisy-cap N` a third mesh where the noisy key is
-//! capped at N slots. The report gives p50/p90 of each phase and the
+//! noisy load, on a fresh mesh per admission setup: `fifo` (arrival
+//! order, the router before per-tenant admission), `fair` with no reserve
+//! (work-conserving), `fair` as configured by default (a reserve of an
+//! eighth of the slots, the keys naming two tenants), and with
+//! `--noisy-cap N` a mesh where the noisy key is capped at N slots. The report gives p50/p90 of each phase and the
 //! ratio loaded/alone; the goal is fair admission keeping the probe's TTFT
 //! under load within 2x its TTFT alone.
 //!
@@ -52,11 +53,19 @@ impl Row {
     }
 }
 
-/// The meshes to run: policy and the noisy key's cap.
-fn setups(a: &BenchRouterArgs) -> Vec<(&'static str, Option<usize>)> {
-    let mut s = vec![("fifo", None), ("fair", None)];
+/// One mesh's admission: policy, reserve (`None`: the default), the
+/// noisy key's cap.
+type Setup = (&'static str, Option<usize>, Option<usize>);
+
+/// The meshes to run.
+fn setups(a: &BenchRouterArgs) -> Vec<Setup> {
+    let mut s = vec![
+        ("fifo", None, None),
+        ("fair", Some(0), None),
+        ("fair", None, None),
+    ];
     if let Some(cap) = a.noisy_cap {
-        s.push(("fair", Some(cap)));
+        s.push(("fair", Some(0), Some(cap)));
     }
     s
 }
@@ -73,7 +82,7 @@ pub(super) fn run(a: &BenchRouterArgs, model: &Path) -> Result<()> {
     let per_seq = 64 + a.noisy_tokens;
     let pool = (a.fair_slots + 1) * per_seq.max(a.max_model_len);
     let mut rows = Vec::new();
-    for (policy, cap) in setups(a) {
+    for (policy, reserve, cap) in setups(a) {
         let mut flags: Vec<String> = [
             "--max-model-len",
             &a.max_model_len.to_string(),
@@ -92,13 +101,20 @@ pub(super) fn run(a: &BenchRouterArgs, model: &Path) -> Result<()> {
         ]
         .map(str::to_owned)
         .to_vec();
-        let setup = match cap {
-            Some(c) => {
-                flags.extend(["--tenant-share".into(), format!("noisy:max_running={c}")]);
-                format!("{policy}, noisy capped at {c}")
-            }
-            None => policy.to_owned(),
-        };
+        let mut setup = policy.to_owned();
+        if let Some(r) = reserve {
+            flags.extend(["--reserve".into(), r.to_string()]);
+            setup += &format!(", reserve {r}");
+        } else if policy == "fair" {
+            setup += &format!(
+                ", reserve {} (default)",
+                kvmesh_router::admission::default_reserve(a.fair_slots, 2)
+            );
+        }
+        if let Some(c) = cap {
+            flags.extend(["--tenant-share".into(), format!("noisy:max_running={c}")]);
+            setup += &format!(", noisy capped at {c}");
+        }
         let (m, addr) = start_mesh(model, &flags, a.serve_log.clone(), "bench-fairness")?;
         eprintln!(
             "bench-router --fairness: {setup}: mesh at http://{addr}, log {}",
@@ -162,7 +178,7 @@ fn table(a: &BenchRouterArgs, model: &Path, cpu: &str, threads: usize, rows: &[R
     );
     let _ = writeln!(
         s,
-        "{:<28} {:>10} {:>10} {:>11} {:>11} {:>9} {:>9} {:>12} {:>7}",
+        "{:<34} {:>10} {:>10} {:>11} {:>11} {:>9} {:>9} {:>12} {:>7}",
         "admission",
         "alone p50",
         "alone p90",
@@ -177,7 +193,7 @@ fn table(a: &BenchRouterArgs, model: &Path, cpu: &str, threads: usize, rows: &[R
         let (p50, p90) = r.ratio();
         let _ = writeln!(
             s,
-            "{:<28} {:>8.1}ms {:>8.1}ms {:>9.1}ms {:>9.1}ms {:>8.2}x {:>8.2}x {:>12.1} {:>7}",
+            "{:<34} {:>8.1}ms {:>8.1}ms {:>9.1}ms {:>9.1}ms {:>8.2}x {:>8.2}x {:>12.1} {:>7}",
             r.setup,
             r.alone_ms.p50,
             r.alone_ms.p90,

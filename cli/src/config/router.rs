@@ -29,6 +29,11 @@ pub struct RouterSection {
     /// default) or `fifo` (arrival order).
     #[serde(default)]
     pub admission: Option<String>,
+    /// Slots only a tenant running nothing may take (fair admission);
+    /// absent: an eighth of `max_running` where the keys name more than
+    /// one tenant, else 0.
+    #[serde(default)]
+    pub reserve: Option<usize>,
     /// The share of every tenant, which a key's own fields override field
     /// by field.
     #[serde(default)]
@@ -51,12 +56,28 @@ impl RouterSection {
     /// two keys of one tenant with different limits, are refused naming
     /// the key by position (never the key).
     pub fn admission(&self, file: &Path) -> Result<(Policy, Shares)> {
+        if let Some(r) = self.reserve.filter(|r| *r >= self.max_running) {
+            return Err(refuse(
+                file,
+                "router.reserve",
+                &r.to_string(),
+                &format!("must be under router.max_running ({})", self.max_running),
+            ));
+        }
         let policy = match &self.admission {
             None => Policy::default(),
             Some(v) => v
                 .parse()
                 .map_err(|e: String| refuse(file, "router.admission", v, &e))?,
         };
+        if let (Some(r), Policy::Fifo) = (self.reserve, policy) {
+            return Err(refuse(
+                file,
+                "router.reserve",
+                &r.to_string(),
+                "fair admission's; admission: fifo keeps no slot back",
+            ));
+        }
         let mut shares = Shares::default();
         let base = match &self.default_share {
             Some(d) => d.share("router.default_share", file)?,

@@ -469,6 +469,14 @@ fn admission_and_each_keys_share_are_read_and_checked_naming_the_field() {
             "router.default_share.max_running = \"0\": must be at least 1",
         ),
         (
+            ", admission: fifo, reserve: 2",
+            "router.reserve = \"2\": fair admission's; admission: fifo keeps no slot back",
+        ),
+        (
+            ", max_running: 16, reserve: 16",
+            "router.reserve = \"16\": must be under router.max_running (16)",
+        ),
+        (
             ", api_keys: [{key: sk-1, tenant: a}, {key: sk-2, tenant: a, weight: 3}]",
             "router.api_keys[1] = \"a\": tenant \"a\" is given two different limits",
         ),

@@ -20,6 +20,12 @@ pub struct AdmissionArgs {
     /// fifo (arrival order).
     #[arg(long, env = "KVMESH_ADMISSION", default_value = "fair")]
     pub admission: kvmesh_router::admission::Policy,
+    /// Slots only a tenant running nothing may take (fair admission), so
+    /// another tenant's first request starts at once; 0: work-conserving.
+    /// Default: an eighth of --max-running where the API keys name more
+    /// than one tenant, else 0.
+    #[arg(long, env = "KVMESH_RESERVE")]
+    pub reserve: Option<usize>,
     /// A tenant's share, TENANT:weight=W:max_running=N:max_queued_tokens=T
     /// (any of the fields; repeat for more tenants; in the environment,
     /// comma-separated); TENANT `*`: the default of every tenant, which a
@@ -36,6 +42,17 @@ impl AdmissionArgs {
     /// The tenants' shares, parsed.
     pub(super) fn shares(&self) -> Result<kvmesh_router::admission::Shares> {
         anyhow::ensure!(self.max_running > 0, "--max-running must be at least 1");
+        if let Some(r) = self.reserve {
+            anyhow::ensure!(
+                self.admission == kvmesh_router::admission::Policy::Fair,
+                "--reserve is fair admission's; --admission fifo keeps no slot back"
+            );
+            anyhow::ensure!(
+                r < self.max_running,
+                "--reserve {r}: must be under --max-running ({})",
+                self.max_running
+            );
+        }
         use kvmesh_router::admission::{Share, Shares};
         let mut parsed = Vec::new();
         for s in &self.tenant_shares {
@@ -81,6 +98,7 @@ mod tests {
             max_running: 64,
             max_queued: 256,
             admission: kvmesh_router::admission::Policy::Fair,
+            reserve: None,
             tenant_shares: shares.iter().map(|s| (*s).to_owned()).collect(),
         }
     }
@@ -111,5 +129,17 @@ mod tests {
         let mut zero = args(&[]);
         zero.max_running = 0;
         assert!(zero.shares().is_err());
+        let mut all = args(&[]);
+        all.reserve = Some(64);
+        let e = all.shares().expect_err("the whole").to_string();
+        assert!(
+            e.contains("--reserve 64: must be under --max-running (64)"),
+            "{e}"
+        );
+        all.reserve = Some(63);
+        assert!(all.shares().is_ok());
+        all.admission = kvmesh_router::admission::Policy::Fifo;
+        let e = all.shares().expect_err("fifo").to_string();
+        assert!(e.contains("fifo keeps no slot back"), "{e}");
     }
 }

@@ -218,6 +218,7 @@ pub(super) async fn router_process(
             max_running: cfg.router.max_running,
             max_queued: cfg.router.max_queued,
             admission: admission.0,
+            reserve: cfg.router.reserve,
             shares: admission.1,
             fault_injection,
             drain_timeout: drain,

@@ -16,7 +16,12 @@
 //! - Under [`Policy::Fair`], a tenant is granted slots while another
 //!   waits only if its running slots per unit of weight are no more than
 //!   the other's: no tenant goes over its share while another tenant
-//!   below it waits. A lone tenant may use every slot (work-conserving).
+//!   below it waits. A lone tenant may use every slot but the reserve.
+//! - The reserve: under [`Policy::Fair`] a grant to a tenant that already
+//!   runs leaves at least `reserve` slots free; only a tenant running
+//!   nothing may take them, so a newcomer's first request starts at once
+//!   rather than behind the busy tenant's next completion. With a reserve
+//!   of 0 admission is work-conserving.
 //! - The queue's bound holds after an operation completes; under
 //!   [`Policy::Fair`] a full queue takes a newcomer whose tenant holds less
 //!   than its share of it by refusing the newest requests of the tenants
@@ -87,6 +92,16 @@ impl TenantQueue {
         self.share.weight.get() as usize
     }
 
+    /// Of `free` slots, those its next request may take: all of them if
+    /// it runs nothing, else all but `reserve`.
+    fn usable(&self, free: usize, reserve: usize) -> usize {
+        if self.running == 0 {
+            free
+        } else {
+            free.saturating_sub(reserve)
+        }
+    }
+
     /// Whether its head may start as far as its own cap goes.
     fn head_within_cap(&self) -> Option<&Waiter> {
         let head = self.queue.front()?;
@@ -105,6 +120,8 @@ pub(super) struct State {
     /// Slots that may be waited for at once (`max_queued`).
     max_queued: usize,
     policy: Policy,
+    /// Slots only a tenant running nothing may take (fair only).
+    reserve: usize,
     shares: Shares,
     tenants: HashMap<Tenant, TenantQueue>,
     running: usize,
@@ -118,11 +135,24 @@ pub(super) struct State {
 }
 
 impl State {
-    pub(super) fn new(slots: usize, max_queued: usize, policy: Policy, shares: Shares) -> Self {
+    /// `reserve` counts under [`Policy::Fair`] only (arrival order keeps
+    /// no slot back).
+    pub(super) fn new(
+        slots: usize,
+        max_queued: usize,
+        policy: Policy,
+        reserve: usize,
+        shares: Shares,
+    ) -> Self {
+        let slots = slots.max(1);
         Self {
-            slots: slots.max(1),
+            slots,
             max_queued,
             policy,
+            reserve: match policy {
+                Policy::Fair => reserve.min(slots),
+                Policy::Fifo => 0,
+            },
             shares,
             tenants: HashMap::new(),
             running: 0,
@@ -264,8 +294,11 @@ impl State {
             };
             let free = self.slots - self.running;
             let t = self.tenants.get_mut(&tenant).expect("picked tenant");
-            let Some(head) = t.queue.front().filter(|w| w.slots <= free) else {
-                // Kept for that head.
+            let usable = t.usable(free, self.reserve);
+            let Some(head) = t.queue.front().filter(|w| w.slots <= usable) else {
+                // Kept for that head (and the reserve: the tenants that
+                // may take it run nothing, so they would have been picked
+                // first).
                 return;
             };
             let (id, slots, tokens) = (head.id, head.slots, head.tokens);
@@ -434,9 +467,10 @@ impl State {
             }
         }
         if let Some(next) = self.pick() {
-            let head = self.tenants[&next].queue.front().expect("a head");
+            let t = &self.tenants[&next];
+            let head = t.queue.front().expect("a head");
             assert!(
-                head.slots > self.slots - self.running,
+                head.slots > t.usable(self.slots - self.running, self.reserve),
                 "{next:?}'s head fits but was not granted"
             );
         }

@@ -17,7 +17,7 @@ fn tenant(name: &str) -> Tenant {
 }
 
 fn fair(slots: usize, max_queued: usize) -> State {
-    State::new(slots, max_queued, Policy::Fair, Shares::default())
+    State::new(slots, max_queued, Policy::Fair, 0, Shares::default())
 }
 
 /// Enqueues and checks the invariants.
@@ -76,13 +76,52 @@ fn a_lone_tenant_may_use_every_slot() {
     assert_eq!((s.running(), s.queued()), (4, 1));
 }
 
+/// The noisy neighbour with a reserve of 8 of 64 slots: a tenant sending
+/// requests of 16 choices runs three of them (a fourth would leave fewer
+/// than 8 free), so another tenant's first request starts at once instead
+/// of waiting for one of the three to finish; that tenant's next requests
+/// may not take the reserve either while it runs, and once it runs
+/// nothing again it may. Arrival order keeps nothing back.
+#[test]
+fn the_reserve_starts_a_newcomer_at_once() {
+    let mut s = State::new(64, 256, Policy::Fair, 8, Shares::default());
+    for _ in 0..3 {
+        now(&mut s, "noisy", 16);
+    }
+    let fourth = queued(&mut s, "noisy", 16);
+    assert_eq!(s.tenant("noisy"), (48, 16));
+    now(&mut s, "probe", 1);
+    // 15 free: the probe, running, may take 7 of them, not 8.
+    now(&mut s, "probe", 7);
+    let held = queued(&mut s, "probe", 8);
+    assert_eq!(s.tenant("probe"), (8, 8));
+    // Its eight slots back one by one: its request of 8 starts only once
+    // it runs nothing, when the reserve is its again.
+    for _ in 0..7 {
+        assert_eq!(release(&mut s, "probe", 1), vec![]);
+    }
+    assert_eq!(release(&mut s, "probe", 1), granted(&[held], "probe", 8));
+    // A noisy request ends: its fourth starts, 8 being left over.
+    assert_eq!(
+        release(&mut s, "noisy", 16),
+        granted(&[fourth], "noisy", 16)
+    );
+    assert_eq!(s.tenant("noisy"), (48, 0));
+
+    let mut fifo = State::new(64, 256, Policy::Fifo, 8, Shares::default());
+    for _ in 0..4 {
+        now(&mut fifo, "noisy", 16);
+    }
+    queued(&mut fifo, "probe", 1);
+}
+
 /// The case: a tenant with 16 requests waiting and another with
 /// one; the other's is served at the next free slot, then the first's
 /// resume. Arrival order (FIFO) serves all 16 first.
 #[test]
 fn one_waiting_request_of_another_tenant_goes_before_sixteen() {
     for policy in [Policy::Fair, Policy::Fifo] {
-        let mut s = State::new(2, 64, policy, Shares::default());
+        let mut s = State::new(2, 64, policy, 0, Shares::default());
         now(&mut s, "a", 1);
         now(&mut s, "a", 1);
         let a: Vec<WaiterId> = (0..16).map(|_| queued(&mut s, "a", 1)).collect();
@@ -107,7 +146,7 @@ fn one_waiting_request_of_another_tenant_goes_before_sixteen() {
 fn slots_are_shared_by_weight_when_tenants_wait() {
     let mut shares = Shares::default();
     shares.set("heavy", share(3, None, None)).expect("set");
-    let mut s = State::new(4, 64, Policy::Fair, shares);
+    let mut s = State::new(4, 64, Policy::Fair, 0, shares);
     // Something else holds every slot while both queue up.
     for _ in 0..4 {
         now(&mut s, "x", 1);
@@ -136,7 +175,7 @@ fn slots_are_shared_by_weight_when_tenants_wait() {
 fn caps_hold_and_refuse_with_typed_errors() {
     let mut shares = Shares::default();
     shares.set("a", share(1, Some(2), Some(25))).expect("set");
-    let mut s = State::new(8, 64, Policy::Fair, shares);
+    let mut s = State::new(8, 64, Policy::Fair, 0, shares);
     // More choices than the tenant or the server may ever run at once.
     for (who, slots, limit) in [
         ("a", 3, "this API key may run at most 2"),
@@ -240,7 +279,7 @@ fn a_full_queue_is_shared_not_taken_by_one_tenant() {
         );
     }
     // FIFO has no shares: the queue is full for everyone.
-    let mut s = State::new(1, 1, Policy::Fifo, Shares::default());
+    let mut s = State::new(1, 1, Policy::Fifo, 0, Shares::default());
     now(&mut s, "a", 1);
     queued(&mut s, "a", 1);
     assert_eq!(
@@ -288,7 +327,8 @@ fn op() -> impl Strategy<Value = Op> {
 
 proptest! {
     /// Any sequence of arrivals, ends and departures, either policy, with
-    /// a capped and a weighted tenant: the invariants hold after each
+    /// a capped and a weighted tenant, with and without a reserve: the
+    /// invariants hold after each
     /// step (`State::check`; under fair admission `State::dispatch` also
     /// checks each grant against every other waiting tenant's share),
     /// every outcome is for a waiting request and of its tenant, and every
@@ -297,12 +337,13 @@ proptest! {
     fn invariants_hold_under_any_sequence(
         ops in prop::collection::vec(op(), 1..120),
         fifo in any::<bool>(),
+        reserve in 0usize..3,
     ) {
         let policy = if fifo { Policy::Fifo } else { Policy::Fair };
         let mut shares = Shares::default();
         shares.set("t0", share(2, None, None)).expect("set");
         shares.set("t1", share(1, Some(3), Some(40))).expect("set");
-        let mut s = State::new(5, 6, policy, shares);
+        let mut s = State::new(5, 6, policy, reserve, shares);
         let mut running: Vec<String> = Vec::new();
         let mut waiting: Vec<(String, WaiterId)> = Vec::new();
         for op in ops {
@@ -362,6 +403,7 @@ fn admission(slots: usize, policy: Policy, queue_timeout: Duration) -> Admission
         max_queued: 64,
         queue_timeout,
         policy,
+        reserve: 0,
         shares: Shares::default(),
     })
 }

@@ -160,3 +160,58 @@ async fn share_limits_refuse_with_their_own_code_and_metrics_name_no_tenant() {
     );
     assert!(!m.contains("alpha") && !m.contains("beta"), "{m}");
 }
+
+/// The default reserve (an eighth of the slots where the keys name two
+/// tenants: 1 of 8): alpha runs 4 of 8 slots and its next `n: 4` waits
+/// (it would take the last free slot), while beta's request, its first,
+/// goes to the mesh at once. A reserve of 0 starts alpha's second request
+/// at once instead, and beta's comes after it.
+#[tokio::test]
+async fn the_default_reserve_starts_another_tenants_first_request_at_once() {
+    for (reserve, beta_first) in [(None, true), (Some(0), false)] {
+        let mesh = FakeMesh::new(Some(256));
+        let mut cfg = two_tenants(8, Policy::Fair, Shares::default());
+        cfg.reserve = reserve;
+        let r = router(&mesh, cfg);
+        let gates: Vec<Arc<Notify>> = (0..4).map(|_| Arc::new(Notify::new())).collect();
+        for g in &gates {
+            mesh.push(Script::Play(vec![
+                Step::Send(text("a")),
+                Step::Gate(Arc::clone(g)),
+                Step::Send(done(Finish::Stop, 1)),
+            ]));
+        }
+        let first = spawn_send(&r, "k-alpha", r#"{"prompt":"hi","n":4,"max_tokens":2}"#);
+        while mesh.received().len() < 4 {
+            tokio::task::yield_now().await;
+        }
+        for _ in 0..5 {
+            mesh.play(vec![text("b"), done(Finish::Stop, 1)]);
+        }
+        let second = spawn_send(&r, "k-alpha", r#"{"prompt":"hi","n":4,"max_tokens":2}"#);
+        if beta_first {
+            until_queued(&r, 4).await;
+        } else {
+            while mesh.received().len() < 8 {
+                tokio::task::yield_now().await;
+            }
+        }
+        let beta = spawn_send(&r, "k-beta", r#"{"prompt":"hi","max_tokens":2}"#);
+        assert_eq!(beta.await.expect("ran"), StatusCode::OK);
+        if beta_first {
+            assert_eq!(r.admission.queued(), 4, "alpha's second still waits");
+        }
+        for g in &gates {
+            g.notify_one();
+        }
+        assert_eq!(first.await.expect("ran"), StatusCode::OK);
+        assert_eq!(second.await.expect("ran"), StatusCode::OK);
+        let tenants: Vec<String> = mesh.received().iter().map(|j| j.tenant.0.clone()).collect();
+        let beta_at = tenants.iter().position(|t| t == "beta").expect("beta ran");
+        assert_eq!(
+            beta_at,
+            if beta_first { 4 } else { 8 },
+            "{reserve:?}: {tenants:?}"
+        );
+    }
+}
