@@ -9,8 +9,9 @@
 //!   is independent of the batch (see `kvmesh_kernels::quant`).
 //!
 //! Matrices of different block formats (a Q4_K_M file's Q4_K q/k next to
-//! its Q6_K v) stay in their own blocks: one pass each, their rows
-//! interleaved into the stacked layout afterwards. A mix of f32 and blocks
+//! its Q6_K v) stay in their own blocks: one pass each over the input
+//! quantized once (`quant::matmul_each`), their rows interleaved into the
+//! stacked layout afterwards where a caller wants it. A mix of f32 and blocks
 //! (an f32 tensor beside quantized ones) runs dense, with the blocks
 //! dequantized at build.
 
@@ -129,8 +130,10 @@ impl Projection {
             Kind::QuantParts(ws) => {
                 for (w, out) in ws.iter().zip(outs.iter_mut()) {
                     out.resize(rows * w.rows(), 0.0);
-                    quant::matmul(w, x, rows, out);
                 }
+                let mut views: Vec<&mut [f32]> =
+                    outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+                quant::matmul_each(&parts(ws), x, rows, &mut views);
             }
             Kind::Quant(w) => {
                 let total = w.rows();
@@ -164,15 +167,11 @@ impl Projection {
                 quant::matmul(w, x, rows, out);
             }
             Kind::QuantParts(ws) => {
-                let parts: Vec<Vec<f32>> = ws
-                    .iter()
-                    .map(|w| {
-                        let mut o = vec![0.0; rows * w.rows()];
-                        quant::matmul(w, x, rows, &mut o);
-                        o
-                    })
-                    .collect();
-                interleave(&parts, &self.widths, rows, out);
+                let mut outs: Vec<Vec<f32>> =
+                    ws.iter().map(|w| vec![0.0; rows * w.rows()]).collect();
+                let mut views: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+                quant::matmul_each(&parts(ws), x, rows, &mut views);
+                interleave(&outs, &self.widths, rows, out);
             }
             Kind::Dense(ws) => {
                 let parts = ws
@@ -189,6 +188,12 @@ impl Projection {
         }
         Ok(())
     }
+}
+
+/// The parts' matrices, for [`quant::matmul_each`] (which quantizes the
+/// input once for all of them in the 8-bit-activation class).
+fn parts(ws: &[Arc<QMatrix>]) -> Vec<&QMatrix> {
+    ws.iter().map(AsRef::as_ref).collect()
 }
 
 /// Row `t` of `out` is part 0's row `t`, then part 1's, and so on.

@@ -6,7 +6,8 @@
 //! **Activations.** Row `t` of `x` is cut into groups of 32 values. A
 //! group's scale is `d = amax / 127` (`amax` its largest magnitude) and its
 //! quants `q_i = round_even(x_i * (127 / amax))`, in `[-127, 127]`; an
-//! all-zero group has `d = 0`, `q = 0`. Per sub-block of 16 or 32 values
+//! all-zero group, or one so small that `127 / amax` overflows, has
+//! `d = 0`, `q = 0`. Per sub-block of 16 or 32 values
 //! (the weight format's [`QFormat::sub_block`]) `B = sum q_i` (an integer)
 //! and `XB = d * B` (one f32 rounding). This is done once per call, by one
 //! function on every path ([`Acts::quantize`]).
@@ -164,10 +165,11 @@ impl Acts {
                     xb16,
                 },
             );
+        let group = group_fn();
         if rows * cols >= 1 << 16 {
-            views.par_bridge().for_each(RowView::quantize);
+            views.par_bridge().for_each(|v| v.quantize(group));
         } else {
-            views.for_each(RowView::quantize);
+            views.for_each(|v| v.quantize(group));
         }
     }
 }
@@ -185,15 +187,12 @@ struct RowView<'a> {
 }
 
 impl RowView<'_> {
-    fn quantize(self) {
+    fn quantize(self, group: GroupFn) {
         for (g, xs) in self.x.chunks_exact(GROUP).enumerate() {
             let qs: &mut [i8; GROUP] = (&mut self.q[g * GROUP..(g + 1) * GROUP])
                 .try_into()
                 .expect("one group");
-            let d = quantize_group(xs.try_into().expect("one group"), qs);
-            let half =
-                |h: usize| -> i32 { qs[16 * h..16 * (h + 1)].iter().map(|&v| i32::from(v)).sum() };
-            let (lo, hi) = (half(0), half(1));
+            let (d, lo, hi) = group(xs.try_into().expect("one group"), qs);
             self.d32[g] = d;
             self.b32[g] = lo + hi;
             self.xb32[g] = d * (lo + hi) as f32;
@@ -204,6 +203,31 @@ impl RowView<'_> {
             }
         }
     }
+}
+
+/// One group's quantization: its scale and the sums of its two halves'
+/// quants.
+type GroupFn = fn(&[f32; GROUP], &mut [i8; GROUP]) -> (f32, i32, i32);
+
+/// The group quantizer of this process's path: every one gives
+/// [`quantize_group`]'s bits (`tests::int8::group_quantizers_agree_to_the_bit`).
+fn group_fn() -> GroupFn {
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::path() == Path::Avx512 {
+        return |x, q| {
+            // SAFETY: the AVX-512 path runs only where the CPU has
+            // AVX-512 F and BW (`Path::available`).
+            unsafe { super::i8_x86_512::quantize_group(x, q) }
+        };
+    }
+    quantize_group_sums
+}
+
+/// [`quantize_group`] and its halves' sums (the portable group quantizer).
+pub(super) fn quantize_group_sums(x: &[f32; GROUP], q: &mut [i8; GROUP]) -> (f32, i32, i32) {
+    let d = quantize_group(x, q);
+    let half = |h: usize| -> i32 { q[16 * h..16 * (h + 1)].iter().map(|&v| i32::from(v)).sum() };
+    (d, half(0), half(1))
 }
 
 /// One group's quants into `q`; returns its scale. Written so that it
@@ -219,6 +243,12 @@ fn quantize_group(x: &[f32; GROUP], q: &mut [i8; GROUP]) -> f32 {
         return if amax == 0.0 { 0.0 } else { f32::NAN };
     }
     let id = 127.0 / amax;
+    if !id.is_finite() {
+        // So small (under 127 / f32::MAX) that the inverse scale
+        // overflows: zeros (the quants would be infinities).
+        q.fill(0);
+        return 0.0;
+    }
     const ROUND: f32 = 12_582_912.0;
     for (q, &v) in q.iter_mut().zip(x) {
         let r = (v * id + ROUND) - ROUND;
@@ -457,16 +487,36 @@ pub(super) fn matmul(path: Path, w: &QMatrix, x: &[f32], rows: usize, out: &mut 
 
 /// [`matmul`] with a chosen integer dot product (quantized formats only).
 pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
-    assert!(w.format.is_quantized(), "{} is not quantized", w.format);
+    matmul_each_dot(kernel, &[w], x, rows, &mut [out]);
+}
+
+/// `x` through each of `ws` (equal widths, quantized formats) into
+/// `outs[i]`, with the activations quantized once: each output has the
+/// bits [`matmul_dot`] gives it alone (the quantization is a function of
+/// `x` only).
+pub(super) fn matmul_each_dot(
+    kernel: Dot,
+    ws: &[&QMatrix],
+    x: &[f32],
+    rows: usize,
+    outs: &mut [&mut [f32]],
+) {
+    assert_eq!(ws.len(), outs.len(), "one output per matrix");
     assert!(
         kernel.available(),
         "{} dot products on a CPU without them",
         kernel.name()
     );
-    let (n, k) = (w.rows, w.cols);
+    let Some(k) = ws.first().map(|w| w.cols) else {
+        return;
+    };
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        assert!(w.format.is_quantized(), "{} is not quantized", w.format);
+        assert_eq!(w.cols, k, "matrices of one input width");
+        assert_eq!(out.len(), rows * w.rows, "output shape");
+    }
     assert_eq!(x.len(), rows * k, "activation shape");
-    assert_eq!(out.len(), rows * n, "output shape");
-    if rows == 0 || n == 0 {
+    if rows == 0 {
         return;
     }
     // Taken out of the thread's slot, not borrowed across the parallel
@@ -474,72 +524,80 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
     // steals work), which then finds the slot empty and allocates.
     let mut acts = ACTS.take();
     acts.quantize(x, rows, k);
-    {
-        let acts = &acts;
-        let rb = w.row_bytes();
-        let ptr = OutPtr(out.as_mut_ptr());
-        let (tiles, prows, block) = task_shape(kernel, w.format, rows, n);
-        let panels = n.div_ceil(prows);
-        let task = |i: usize| {
-            let ptr = &ptr;
-            let (t0, r0) = ((i / panels) * block, (i % panels) * prows);
-            let (nt, nr) = (block.min(rows - t0), prows.min(n - r0));
-            // A last block of fewer than PANEL_FROM rows takes the one-row
-            // kernel (the same bits).
-            let tiles = if nt >= PANEL_FROM {
-                tiles
-            } else {
-                Tiles::OneRow
-            };
-            #[cfg(target_arch = "x86_64")]
-            let blocks = &w.data[r0 * rb..(r0 + nr) * rb];
-            match tiles {
-                #[cfg(target_arch = "x86_64")]
-                Tiles::Panel512 => {
-                    return PANEL_512.with_borrow_mut(|panel| {
-                        // SAFETY: `matmul_dot` asserted the features; the
-                        // task owns rows t0 .. t0 + nt of columns
-                        // r0 .. r0 + nr of `out`.
-                        unsafe {
-                            panel.fill_blocks(w.format, blocks, nr, k);
-                            panel.run(w.format, acts, t0, nt, nr, ptr.0.add(r0), n);
-                        }
-                    });
-                }
-                #[cfg(target_arch = "x86_64")]
-                Tiles::Panel256 => {
-                    return PANEL_256.with_borrow_mut(|panel| {
-                        // SAFETY: as above.
-                        unsafe {
-                            panel.fill_blocks(w.format, blocks, nr, k);
-                            panel.run(kernel, w.format, acts, t0, nt, nr, ptr.0.add(r0), n);
-                        }
-                    });
-                }
-                Tiles::OneRow => {}
-            }
-            ROW.with_borrow_mut(|row| {
-                row.shape(w.format, k);
-                for r in r0..r0 + nr {
-                    kernel.unpack(w.format, row, &w.data[r * rb..(r + 1) * rb]);
-                    for t in t0..t0 + nt {
-                        let v = kernel.dot(w.format, row, acts, t);
-                        // SAFETY: (t, r) is inside `out` and this task's
-                        // alone (tasks are disjoint blocks of rows and
-                        // columns).
-                        unsafe { *ptr.0.add(t * n + r) = v };
-                    }
-                }
-            });
-        };
-        let tasks = rows.div_ceil(block) * panels;
-        if n * k * rows < 1 << 15 {
-            (0..tasks).for_each(task);
-        } else {
-            (0..tasks).into_par_iter().for_each(task);
-        }
+    for (w, out) in ws.iter().zip(outs.iter_mut()) {
+        run(kernel, w, &acts, rows, out);
     }
     ACTS.set(acts);
+}
+
+/// `acts` (`rows` quantized rows) through `w` into `out`.
+fn run(kernel: Dot, w: &QMatrix, acts: &Acts, rows: usize, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    if n == 0 {
+        return;
+    }
+    let rb = w.row_bytes();
+    let ptr = OutPtr(out.as_mut_ptr());
+    let (tiles, prows, block) = task_shape(kernel, w.format, rows, n);
+    let panels = n.div_ceil(prows);
+    let task = |i: usize| {
+        let ptr = &ptr;
+        let (t0, r0) = ((i / panels) * block, (i % panels) * prows);
+        let (nt, nr) = (block.min(rows - t0), prows.min(n - r0));
+        // A last block of fewer than PANEL_FROM rows takes the one-row
+        // kernel (the same bits).
+        let tiles = if nt >= PANEL_FROM {
+            tiles
+        } else {
+            Tiles::OneRow
+        };
+        #[cfg(target_arch = "x86_64")]
+        let blocks = &w.data[r0 * rb..(r0 + nr) * rb];
+        match tiles {
+            #[cfg(target_arch = "x86_64")]
+            Tiles::Panel512 => {
+                return PANEL_512.with_borrow_mut(|panel| {
+                    // SAFETY: `matmul_each_dot` asserted the features; the
+                    // task owns rows t0 .. t0 + nt of columns
+                    // r0 .. r0 + nr of `out`.
+                    unsafe {
+                        panel.fill_blocks(w.format, blocks, nr, k);
+                        panel.run(w.format, acts, t0, nt, nr, ptr.0.add(r0), n);
+                    }
+                });
+            }
+            #[cfg(target_arch = "x86_64")]
+            Tiles::Panel256 => {
+                return PANEL_256.with_borrow_mut(|panel| {
+                    // SAFETY: as above.
+                    unsafe {
+                        panel.fill_blocks(w.format, blocks, nr, k);
+                        panel.run(kernel, w.format, acts, t0, nt, nr, ptr.0.add(r0), n);
+                    }
+                });
+            }
+            Tiles::OneRow => {}
+        }
+        ROW.with_borrow_mut(|row| {
+            row.shape(w.format, k);
+            for r in r0..r0 + nr {
+                kernel.unpack(w.format, row, &w.data[r * rb..(r + 1) * rb]);
+                for t in t0..t0 + nt {
+                    let v = kernel.dot(w.format, row, acts, t);
+                    // SAFETY: (t, r) is inside `out` and this task's
+                    // alone (tasks are disjoint blocks of rows and
+                    // columns).
+                    unsafe { *ptr.0.add(t * n + r) = v };
+                }
+            }
+        });
+    };
+    let tasks = rows.div_ceil(block) * panels;
+    if n * k * rows < 1 << 15 {
+        (0..tasks).for_each(task);
+    } else {
+        (0..tasks).into_par_iter().for_each(task);
+    }
 }
 
 impl Dot {

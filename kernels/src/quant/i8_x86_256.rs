@@ -9,6 +9,7 @@
 //! ([`takes`]).
 
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 use super::i8::{bias, Acts, Dot};
 use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
@@ -271,7 +272,10 @@ impl Panel {
         // strip, the acts `n >= real` per row; AVX2/FMA (and AVX-VNNI when
         // `VNNI`), by the callers.
         unsafe {
-            let mut lanes = [[[_mm256_setzero_ps(); 8]; S]; M];
+            // Every lane is written below (j in 0..8, for every r and p)
+            // before the sums read it: left uninitialized, not zeroed (a
+            // memset of M x S x 8 vectors per tile was 3% of a prefill).
+            let mut lanes = [[[MaybeUninit::<__m256>::uninit(); 8]; S]; M];
             let ones = _mm256_set1_epi16(1);
             for j in 0..8 {
                 let mut acc = [[_mm256_setzero_ps(); S]; M];
@@ -327,12 +331,13 @@ impl Panel {
                 }
                 for r in 0..M {
                     for p in 0..S {
-                        lanes[r][p][j] = acc[r][p];
+                        lanes[r][p][j].write(acc[r][p]);
                     }
                 }
             }
             for (r, row) in lanes.iter().enumerate() {
                 for (p, l) in row.iter().enumerate() {
+                    let l = l.map(|v| v.assume_init());
                     let sum = _mm256_add_ps(
                         _mm256_add_ps(_mm256_add_ps(l[0], l[4]), _mm256_add_ps(l[2], l[6])),
                         _mm256_add_ps(_mm256_add_ps(l[1], l[5]), _mm256_add_ps(l[3], l[7])),

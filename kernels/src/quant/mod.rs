@@ -631,6 +631,28 @@ pub fn matmul(w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
     }
 }
 
+/// `x` through each of `ws` (one input width) into `outs[i]` (`[rows,
+/// ws[i].rows()]`): one [`matmul`] each, to the bit, but in the
+/// 8-bit-activation class the activations are quantized once for all of
+/// them (a layer's Q, K and V of different block formats share one input).
+///
+/// # Panics
+/// As [`matmul`], and if `outs` and `ws` differ in length.
+pub fn matmul_each(ws: &[&QMatrix], x: &[f32], rows: usize, outs: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), outs.len(), "one output per matrix");
+    let path = crate::cpu::path();
+    match crate::cpu::activations() {
+        Activations::Int8 if ws.iter().all(|w| w.format.is_quantized()) => {
+            i8::matmul_each_dot(i8::Dot::of(path), ws, x, rows, outs);
+        }
+        _ => {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                matmul(w, x, rows, out);
+            }
+        }
+    }
+}
+
 /// [`matmul`] in the f32 class with a chosen path (tests and benchmarks
 /// compare them).
 ///

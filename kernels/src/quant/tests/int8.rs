@@ -57,6 +57,107 @@ fn every_integer_dot_product_equals_the_portable_one_to_the_bit() {
     }
 }
 
+/// Several matrices of one input width with the activations quantized
+/// once (a Q4_K_M layer's Q4_K q and k beside its Q6_K v) give each
+/// matrix's own bits, on every integer dot product this CPU has and
+/// through `matmul_each` in this process's class, from one row to past a
+/// task's row block.
+#[test]
+fn matrices_sharing_an_input_give_their_own_bits() {
+    let mut rng = Rng(35);
+    let k = 256;
+    let ws = [
+        random_matrix(&mut rng, QFormat::Q4_K, 64, k),
+        random_matrix(&mut rng, QFormat::Q4_K, 16, k),
+        random_matrix(&mut rng, QFormat::Q6_K, 16, k),
+        random_matrix(&mut rng, QFormat::Q8_0, 8, k),
+    ];
+    let refs: Vec<&QMatrix> = ws.iter().collect();
+    let fresh =
+        |t: usize| -> Vec<Vec<f32>> { ws.iter().map(|w| vec![f32::NAN; t * w.rows()]).collect() };
+    for t in [1, 2, 5, 65] {
+        let x = random_acts(&mut rng, t, k);
+        let mut outs = fresh(t);
+        let mut views: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+        matmul_each(&refs, &x, t, &mut views);
+        for (w, out) in ws.iter().zip(&outs) {
+            let mut alone = vec![f32::NAN; t * w.rows()];
+            matmul(w, &x, t, &mut alone);
+            assert!(alone.iter().all(|v| v.is_finite()), "{}", w.format);
+            assert_eq!(
+                bits(out),
+                bits(&alone),
+                "{} [{}x{k}], {t} rows",
+                w.format,
+                w.rows()
+            );
+        }
+        for dot in DOTS.into_iter().filter(|d| d.available()) {
+            let mut outs = fresh(t);
+            let mut views: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+            crate::quant::i8::matmul_each_dot(dot, &refs, &x, t, &mut views);
+            for (w, out) in ws.iter().zip(&outs) {
+                assert_eq!(
+                    bits(out),
+                    bits(&int8(dot, w, &x, t)),
+                    "{} {} [{}x{k}], {t} rows",
+                    dot.name(),
+                    w.format,
+                    w.rows()
+                );
+            }
+        }
+    }
+}
+
+/// The AVX-512 group quantizer gives the portable one's bits: scale,
+/// quants and halves' sums, on random groups and on the edges (zeros,
+/// signed zeros, a NaN among values, an infinity, subnormals, the largest
+/// magnitude at either end, values at half steps).
+#[test]
+fn group_quantizers_agree_to_the_bit() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !crate::cpu::Path::Avx512.available() {
+            eprintln!("not run: no AVX-512 on this CPU");
+            return;
+        }
+        let mut rng = Rng(32);
+        let mut groups: Vec<[f32; 32]> = (0..2000)
+            .map(|_| {
+                let x = random_acts(&mut rng, 1, 32);
+                x.try_into().expect("32")
+            })
+            .collect();
+        let mut edge = |f: &dyn Fn(&mut [f32; 32])| {
+            let mut g = groups[0];
+            f(&mut g);
+            groups.push(g);
+        };
+        edge(&|g| g.fill(0.0));
+        edge(&|g| g.fill(-0.0));
+        edge(&|g| g[7] = f32::NAN);
+        edge(&|g| g[20] = f32::INFINITY);
+        edge(&|g| g[3] = f32::NEG_INFINITY);
+        edge(&|g| g.fill(f32::MIN_POSITIVE / 4.0));
+        edge(&|g| g[0] = -1e30);
+        edge(&|g| g[31] = 1e-30);
+        edge(&|g| {
+            for (i, v) in g.iter_mut().enumerate() {
+                *v = (i as f32 - 15.5) * 0.5;
+            }
+        });
+        for g in &groups {
+            let (mut a, mut b) = ([0i8; 32], [0i8; 32]);
+            let (da, la, ha) = crate::quant::i8::quantize_group_sums(g, &mut a);
+            // SAFETY: AVX-512 checked above.
+            let (db, lb, hb) = unsafe { crate::quant::i8_x86_512::quantize_group(g, &mut b) };
+            assert_eq!(da.to_bits(), db.to_bits(), "{g:?}");
+            assert_eq!((a, la, ha), (b, lb, hb), "{g:?}");
+        }
+    }
+}
+
 /// Quants in [-127, 127] that reproduce each value within half a step, a
 /// scale of amax / 127, the sums of the quants, and zeros for a zero group.
 #[test]
