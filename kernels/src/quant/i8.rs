@@ -213,12 +213,21 @@ type GroupFn = fn(&[f32; GROUP], &mut [i8; GROUP]) -> (f32, i32, i32);
 /// [`quantize_group`]'s bits (`tests::int8::group_quantizers_agree_to_the_bit`).
 fn group_fn() -> GroupFn {
     #[cfg(target_arch = "x86_64")]
-    if crate::cpu::path() == Path::Avx512 {
-        return |x, q| {
-            // SAFETY: the AVX-512 path runs only where the CPU has
-            // AVX-512 F and BW (`Path::available`).
-            unsafe { super::i8_x86_512::quantize_group(x, q) }
-        };
+    match crate::cpu::path() {
+        Path::Avx512 => {
+            return |x, q| {
+                // SAFETY: the AVX-512 path runs only where the CPU has
+                // AVX-512 F and BW (`Path::available`).
+                unsafe { super::i8_x86_512::quantize_group(x, q) }
+            };
+        }
+        Path::Avx2 => {
+            return |x, q| {
+                // SAFETY: the AVX2 path runs only where the CPU has AVX2.
+                unsafe { super::i8_x86::quantize_group(x, q) }
+            };
+        }
+        Path::Portable => {}
     }
     quantize_group_sums
 }

@@ -321,3 +321,61 @@ unsafe fn body<B: Bytes, const F: u8>(row: &Row, a: &Acts, t: usize) -> f32 {
         hsum(l)
     }
 }
+
+/// One group of 32 activations quantized as `super::i8::quantize_group`
+/// does, to the bit, with its halves' quant sums, in AVX2 (the AVX-512
+/// build's `super::i8_x86_512::quantize_group` says why each step gives
+/// the same bits: NaNs passed over by `vmaxps`'s operand order, separate
+/// multiply, add and subtract, a NaN quant 0).
+///
+/// # Safety
+/// AVX2.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn quantize_group(x: &[f32; GROUP], q: &mut [i8; GROUP]) -> (f32, i32, i32) {
+    const ROUND: f32 = 12_582_912.0;
+    // SAFETY: 32 values in `x`, 32 bytes in `q`.
+    unsafe {
+        let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.as_ptr().add(8 * i)));
+        let sign = _mm256_set1_ps(-0.0);
+        let mut m = _mm256_setzero_ps();
+        for vi in v {
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, vi), m);
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        let amax = _mm_cvtss_f32(m);
+        if amax == 0.0 || !amax.is_finite() {
+            q.fill(0);
+            return (if amax == 0.0 { 0.0 } else { f32::NAN }, 0, 0);
+        }
+        let inverse = 127.0 / amax;
+        if !inverse.is_finite() {
+            q.fill(0);
+            return (0.0, 0, 0);
+        }
+        let (id, round) = (_mm256_set1_ps(inverse), _mm256_set1_ps(ROUND));
+        let i: [__m256i; 4] = std::array::from_fn(|k| {
+            let r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[k], id), round), round);
+            let ordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
+            _mm256_and_si256(_mm256_cvtps_epi32(r), ordered)
+        });
+        // In [-127, 127]: the packs do not saturate; they interleave the
+        // 128-bit lanes, which the permutation puts back in order.
+        let words = [
+            _mm256_packs_epi32(i[0], i[1]),
+            _mm256_packs_epi32(i[2], i[3]),
+        ];
+        let bytes = _mm256_packs_epi16(words[0], words[1]);
+        let ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.as_mut_ptr().cast(), ordered);
+        let sum = |a: __m256i, b: __m256i| {
+            let s = _mm256_add_epi32(a, b);
+            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+            _mm_cvtsi128_si32(s)
+        };
+        (amax / 127.0, sum(i[0], i[1]), sum(i[2], i[3]))
+    }
+}

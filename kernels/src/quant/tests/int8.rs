@@ -110,18 +110,15 @@ fn matrices_sharing_an_input_give_their_own_bits() {
     }
 }
 
-/// The AVX-512 group quantizer gives the portable one's bits: scale,
-/// quants and halves' sums, on random groups and on the edges (zeros,
-/// signed zeros, a NaN among values, an infinity, subnormals, the largest
-/// magnitude at either end, values at half steps).
+/// The AVX-512 and AVX2 group quantizers give the portable one's bits:
+/// scale, quants and halves' sums, on random groups and on the edges
+/// (zeros, signed zeros, a NaN among values, infinities, subnormals, the
+/// largest magnitude at either end, values at half steps).
 #[test]
 fn group_quantizers_agree_to_the_bit() {
     #[cfg(target_arch = "x86_64")]
     {
-        if !crate::cpu::Path::Avx512.available() {
-            eprintln!("not run: no AVX-512 on this CPU");
-            return;
-        }
+        type Group = unsafe fn(&[f32; 32], &mut [i8; 32]) -> (f32, i32, i32);
         let mut rng = Rng(32);
         let mut groups: Vec<[f32; 32]> = (0..2000)
             .map(|_| {
@@ -147,13 +144,26 @@ fn group_quantizers_agree_to_the_bit() {
                 *v = (i as f32 - 15.5) * 0.5;
             }
         });
-        for g in &groups {
-            let (mut a, mut b) = ([0i8; 32], [0i8; 32]);
-            let (da, la, ha) = crate::quant::i8::quantize_group_sums(g, &mut a);
-            // SAFETY: AVX-512 checked above.
-            let (db, lb, hb) = unsafe { crate::quant::i8_x86_512::quantize_group(g, &mut b) };
-            assert_eq!(da.to_bits(), db.to_bits(), "{g:?}");
-            assert_eq!((a, la, ha), (b, lb, hb), "{g:?}");
+        let paths: [(crate::cpu::Path, Group); 2] = [
+            (
+                crate::cpu::Path::Avx512,
+                crate::quant::i8_x86_512::quantize_group,
+            ),
+            (crate::cpu::Path::Avx2, crate::quant::i8_x86::quantize_group),
+        ];
+        for (path, group) in paths {
+            if !path.available() {
+                eprintln!("not run: no {path:?} on this CPU");
+                continue;
+            }
+            for g in &groups {
+                let (mut a, mut b) = ([0i8; 32], [0i8; 32]);
+                let (da, la, ha) = crate::quant::i8::quantize_group_sums(g, &mut a);
+                // SAFETY: the path's features checked above.
+                let (db, lb, hb) = unsafe { group(g, &mut b) };
+                assert_eq!(da.to_bits(), db.to_bits(), "{path:?} {g:?}");
+                assert_eq!((a, la, ha), (b, lb, hb), "{path:?} {g:?}");
+            }
         }
     }
 }
