@@ -133,6 +133,9 @@ DEFAULT_GGUF = Path(
     os.environ.get("KVMESH_GGUF", str(Path.home() / ".cache" / "kvmesh" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
 )
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+# What llama-cpp-python imports beyond the golden stack: it is installed
+# with --no-deps (built here), so these are pinned here.
+LLAMA_CPP_DEPS = ["diskcache==5.6.3", "typing-extensions>=4.5"]
 PEERS = ("kvmesh", "llama.cpp", "transformers")
 # What --skip takes: a peer, or a measurement.
 SKIPPABLE = PEERS + ("multi-turn", "memory")
@@ -177,7 +180,7 @@ def requirements():
     """The golden stack's pins plus llama-cpp-python, one spec a line."""
     lines = (GOLDEN_DIR / "requirements.txt").read_text().splitlines()
     specs = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    return specs + [LLAMA_CPP_PYTHON]
+    return specs + LLAMA_CPP_DEPS + [LLAMA_CPP_PYTHON]
 
 
 def llama_cpp_cflags():
