@@ -239,25 +239,35 @@ pub(super) fn quantize_group_sums(x: &[f32; GROUP], q: &mut [i8; GROUP]) -> (f32
     (d, half(0), half(1))
 }
 
+/// What every group quantizer does once it has the group's largest
+/// magnitude: `Ok(127 / amax)`, or `Err(scale)` with `q` zeroed for a
+/// group that quantizes to zeros (all zero: scale 0; a non-finite value:
+/// NaN, as the f32 class would carry one on; so small that the inverse
+/// overflows: 0).
+#[inline]
+pub(super) fn inverse_scale(amax: f32, q: &mut [i8; GROUP]) -> Result<f32, f32> {
+    if amax == 0.0 || !amax.is_finite() {
+        q.fill(0);
+        return Err(if amax == 0.0 { 0.0 } else { f32::NAN });
+    }
+    let id = 127.0 / amax;
+    if !id.is_finite() {
+        q.fill(0);
+        return Err(0.0);
+    }
+    Ok(id)
+}
+
 /// One group's quants into `q`; returns its scale. Written so that it
 /// vectorizes without target features: rounding to nearest even by adding
 /// and subtracting 1.5 * 2^23 (exact for `|v| < 2^22`; here `|v| <= 127`).
 #[inline]
 fn quantize_group(x: &[f32; GROUP], q: &mut [i8; GROUP]) -> f32 {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    if amax == 0.0 || !amax.is_finite() {
-        // Zeros, or a non-finite activation: the f32 class would carry a
-        // NaN on; here the group contributes nothing but its NaN scale.
-        q.fill(0);
-        return if amax == 0.0 { 0.0 } else { f32::NAN };
-    }
-    let id = 127.0 / amax;
-    if !id.is_finite() {
-        // So small (under 127 / f32::MAX) that the inverse scale
-        // overflows: zeros (the quants would be infinities).
-        q.fill(0);
-        return 0.0;
-    }
+    let id = match inverse_scale(amax, q) {
+        Ok(id) => id,
+        Err(d) => return d,
+    };
     const ROUND: f32 = 12_582_912.0;
     for (q, &v) in q.iter_mut().zip(x) {
         let r = (v * id + ROUND) - ROUND;

@@ -345,15 +345,10 @@ pub(super) unsafe fn quantize_group(x: &[f32; GROUP], q: &mut [i8; GROUP]) -> (f
         let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         let m = _mm_max_ss(m, _mm_movehdup_ps(m));
         let amax = _mm_cvtss_f32(m);
-        if amax == 0.0 || !amax.is_finite() {
-            q.fill(0);
-            return (if amax == 0.0 { 0.0 } else { f32::NAN }, 0, 0);
-        }
-        let inverse = 127.0 / amax;
-        if !inverse.is_finite() {
-            q.fill(0);
-            return (0.0, 0, 0);
-        }
+        let inverse = match super::i8::inverse_scale(amax, q) {
+            Ok(id) => id,
+            Err(d) => return (d, 0, 0),
+        };
         let (id, round) = (_mm256_set1_ps(inverse), _mm256_set1_ps(ROUND));
         let i: [__m256i; 4] = std::array::from_fn(|k| {
             let r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[k], id), round), round);

@@ -352,15 +352,10 @@ pub(super) unsafe fn quantize_group(x: &[f32; GROUP], q: &mut [i8; GROUP]) -> (f
         let m = _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_setzero_ps());
         let m = _mm512_max_ps(_mm512_abs_ps(v[1]), m);
         let amax = _mm512_reduce_max_ps(m);
-        if amax == 0.0 || !amax.is_finite() {
-            q.fill(0);
-            return (if amax == 0.0 { 0.0 } else { f32::NAN }, 0, 0);
-        }
-        let inverse = 127.0 / amax;
-        if !inverse.is_finite() {
-            q.fill(0);
-            return (0.0, 0, 0);
-        }
+        let inverse = match super::i8::inverse_scale(amax, q) {
+            Ok(id) => id,
+            Err(d) => return (d, 0, 0),
+        };
         let id = _mm512_set1_ps(inverse);
         let round = _mm512_set1_ps(ROUND);
         let mut sums = [0i32; 2];
