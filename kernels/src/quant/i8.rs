@@ -9,8 +9,9 @@
 //! all-zero group, or one so small that `127 / amax` overflows, has
 //! `d = 0`, `q = 0`. Per sub-block of 16 or 32 values
 //! (the weight format's [`QFormat::sub_block`]) `B = sum q_i` (an integer)
-//! and `XB = d * B` (one f32 rounding). This is done once per call, by one
-//! function on every path ([`Acts::quantize`]).
+//! and `XB = d * B` (one f32 rounding). This is done once per call
+//! ([`Acts::quantize`]), by the path's group quantizer: portable, AVX2 or
+//! AVX-512, each giving the portable one's bits.
 //!
 //! **Weights.** A weight is `w = q * s + o` with GGUF's signed integer quant
 //! `q` and the sub-block's scale `s` and offset `o` exactly as
