@@ -133,7 +133,7 @@ impl Projection {
                 }
                 let mut views: Vec<&mut [f32]> =
                     outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-                quant::matmul_each(&parts(ws), x, rows, &mut views);
+                quant::matmul_each(ws, x, rows, &mut views);
             }
             Kind::Quant(w) => {
                 let total = w.rows();
@@ -170,7 +170,7 @@ impl Projection {
                 let mut outs: Vec<Vec<f32>> =
                     ws.iter().map(|w| vec![0.0; rows * w.rows()]).collect();
                 let mut views: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
-                quant::matmul_each(&parts(ws), x, rows, &mut views);
+                quant::matmul_each(ws, x, rows, &mut views);
                 interleave(&outs, &self.widths, rows, out);
             }
             Kind::Dense(ws) => {
@@ -188,12 +188,6 @@ impl Projection {
         }
         Ok(())
     }
-}
-
-/// The parts' matrices, for [`quant::matmul_each`] (which quantizes the
-/// input once for all of them in the 8-bit-activation class).
-fn parts(ws: &[Arc<QMatrix>]) -> Vec<&QMatrix> {
-    ws.iter().map(AsRef::as_ref).collect()
 }
 
 /// Row `t` of `out` is part 0's row `t`, then part 1's, and so on.

@@ -236,15 +236,8 @@ impl MlaRt {
     ) -> Result<()> {
         let (h, rank, v) = (self.n_heads, self.dims.kv_lora_rank, self.dims.v_head_dim);
         out.resize(rows * h * v, 0.0);
-        let latents = Heads {
-            stride: rank,
-            width: rank,
-        };
-        let values = Heads {
-            stride: v,
-            width: v,
-        };
         let bufs = (&mut s.head_in, &mut s.head_out);
+        let (latents, values) = (Heads::packed(rank), Heads::packed(v));
         through_heads(&self.v_b, latent, latents, out, values, rows, stacked, bufs)?;
         Ok(())
     }
@@ -256,6 +249,16 @@ impl MlaRt {
 struct Heads {
     stride: usize,
     width: usize,
+}
+
+impl Heads {
+    /// Heads of `width` values each, side by side.
+    fn packed(width: usize) -> Self {
+        Self {
+            stride: width,
+            width,
+        }
+    }
 }
 
 /// Each head's `from` values of `src` through its own map (`maps[head]`,

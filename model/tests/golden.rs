@@ -97,6 +97,18 @@ fn check_family(name: &str) {
     );
 }
 
+/// The tiny mixture-of-experts families (each also written as GGUFs of
+/// F32, Q8_0 and Q4_0 or MXFP4).
+const MIXTURES: [&str; 7] = [
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "glm4_moe",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+];
+
 /// The same tiny models written as GGUF by the `gguf` package in f32
 /// (`scripts/golden/make_family_ggufs.py`: llama.cpp's names and metadata,
 /// q/k permuted for the `llama` architecture, Gemma's norms as `1 + w`,
@@ -107,7 +119,7 @@ fn check_family(name: &str) {
 /// (but for the architecture's name and the defaults GGUF cannot say).
 #[test]
 fn tiny_families_from_gguf_match_transformers() {
-    for family in [
+    let dense = [
         "qwen2",
         "qwen3",
         "gemma2",
@@ -115,14 +127,8 @@ fn tiny_families_from_gguf_match_transformers() {
         "phi3",
         "mistral",
         "llama-yarn",
-        "mixtral",
-        "qwen2_moe",
-        "qwen3_moe",
-        "glm4_moe",
-        "gpt_oss",
-        "deepseek_v2",
-        "deepseek_v3",
-    ] {
+    ];
+    for family in dense.into_iter().chain(MIXTURES) {
         let engine = engine_for(&common::tiny_family_gguf(family, "F32"));
         let from_gguf = engine.model().config();
         let hf = kvmesh_model::config::ModelConfig::from_hf_config(
@@ -206,15 +212,7 @@ fn tiny_gpt_oss_matches_transformers() {
 /// data cannot stand in. Experts must stay quantized.
 #[test]
 fn tiny_mixtures_quantized_match_transformers_on_their_weights() {
-    for family in [
-        "mixtral",
-        "qwen2_moe",
-        "qwen3_moe",
-        "glm4_moe",
-        "gpt_oss",
-        "deepseek_v2",
-        "deepseek_v3",
-    ] {
+    for family in MIXTURES {
         // gpt-oss: Q8_0, and MXFP4 experts with the other matrices in
         // BF16 (as its MXFP4 release converts), unfused and with gate and
         // up fused into one stack (the same weights, the same golden data).

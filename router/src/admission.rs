@@ -212,6 +212,27 @@ pub struct Limits {
     pub shares: Shares,
 }
 
+/// Why a configured reserve cannot be kept ([`check_reserve`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BadReserve {
+    /// Arrival order ([`Policy::Fifo`]) keeps no slot back.
+    Fifo,
+    /// Not under the slots.
+    NotUnderSlots,
+}
+
+/// Whether `reserve` slots of `slots` can be kept back under `policy`
+/// (each configuration layer names its own fields in the refusal).
+pub fn check_reserve(policy: Policy, reserve: usize, slots: usize) -> Result<(), BadReserve> {
+    if policy == Policy::Fifo {
+        return Err(BadReserve::Fifo);
+    }
+    if reserve >= slots {
+        return Err(BadReserve::NotUnderSlots);
+    }
+    Ok(())
+}
+
 /// The reserve when none is configured: an eighth of the slots where the
 /// API keys name more than one tenant (so another tenant's first request
 /// does not wait for the busy one's next completion), none where there is

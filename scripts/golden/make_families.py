@@ -74,6 +74,25 @@ COMMON = {
 DROP = object()
 
 # family -> (model_type, overrides, seed)
+# What both tiny DeepSeek families share: 4 heads, latent KV of rank 32
+# with nope 16, rope 8 and value 16 widths per head; 8 routed experts,
+# top-2, in 2 groups of which 1 is kept; a leading dense layer.
+DEEPSEEK_SHAPE = {
+    "num_key_value_heads": 4,
+    "head_dim": DROP,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "n_group": 2,
+    "topk_group": 1,
+}
+
+
 FAMILIES = {
     "qwen2": (
         "qwen2",
@@ -224,21 +243,10 @@ FAMILIES = {
     "deepseek_v2": (
         "deepseek_v2",
         {
-            "num_key_value_heads": 4,
-            "head_dim": DROP,
+            **DEEPSEEK_SHAPE,
             "q_lora_rank": 32,
-            "kv_lora_rank": 32,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 16,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
             "n_shared_experts": 2,
-            "first_k_dense_replace": 1,
             "topk_method": "group_limited_greedy",
-            "n_group": 2,
-            "topk_group": 1,
             "routed_scaling_factor": 2.0,
             "norm_topk_prob": False,
             "rope_parameters": {
@@ -262,20 +270,9 @@ FAMILIES = {
     "deepseek_v3": (
         "deepseek_v3",
         {
-            "num_key_value_heads": 4,
-            "head_dim": DROP,
+            **DEEPSEEK_SHAPE,
             "q_lora_rank": None,
-            "kv_lora_rank": 32,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 16,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
             "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "n_group": 2,
-            "topk_group": 1,
             "routed_scaling_factor": 2.5,
             "norm_topk_prob": True,
             "rope_interleave": True,

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use anyhow::Result;
-use kvmesh_router::admission::{Policy, Share, Shares};
+use kvmesh_router::admission::{check_reserve, BadReserve, Policy, Share, Shares};
 use kvmesh_router::parsing::{ReasoningParserSetting, ToolParserSetting, UnknownParser};
 use serde::Deserialize;
 
@@ -56,27 +56,24 @@ impl RouterSection {
     /// two keys of one tenant with different limits, are refused naming
     /// the key by position (never the key).
     pub fn admission(&self, file: &Path) -> Result<(Policy, Shares)> {
-        if let Some(r) = self.reserve.filter(|r| *r >= self.max_running) {
-            return Err(refuse(
-                file,
-                "router.reserve",
-                &r.to_string(),
-                &format!("must be under router.max_running ({})", self.max_running),
-            ));
-        }
         let policy = match &self.admission {
             None => Policy::default(),
             Some(v) => v
                 .parse()
                 .map_err(|e: String| refuse(file, "router.admission", v, &e))?,
         };
-        if let (Some(r), Policy::Fifo) = (self.reserve, policy) {
-            return Err(refuse(
-                file,
-                "router.reserve",
-                &r.to_string(),
-                "fair admission's; admission: fifo keeps no slot back",
-            ));
+        if let Some(r) = self.reserve {
+            check_reserve(policy, r, self.max_running).map_err(|e| {
+                let why = match e {
+                    BadReserve::Fifo => {
+                        "fair admission's; admission: fifo keeps no slot back".into()
+                    }
+                    BadReserve::NotUnderSlots => {
+                        format!("must be under router.max_running ({})", self.max_running)
+                    }
+                };
+                refuse(file, "router.reserve", &r.to_string(), &why)
+            })?;
         }
         let mut shares = Shares::default();
         let base = match &self.default_share {

@@ -43,15 +43,16 @@ impl AdmissionArgs {
     pub(super) fn shares(&self) -> Result<kvmesh_router::admission::Shares> {
         anyhow::ensure!(self.max_running > 0, "--max-running must be at least 1");
         if let Some(r) = self.reserve {
-            anyhow::ensure!(
-                self.admission == kvmesh_router::admission::Policy::Fair,
-                "--reserve is fair admission's; --admission fifo keeps no slot back"
-            );
-            anyhow::ensure!(
-                r < self.max_running,
-                "--reserve {r}: must be under --max-running ({})",
-                self.max_running
-            );
+            use kvmesh_router::admission::{check_reserve, BadReserve};
+            check_reserve(self.admission, r, self.max_running).map_err(|e| match e {
+                BadReserve::Fifo => anyhow::anyhow!(
+                    "--reserve is fair admission's; --admission fifo keeps no slot back"
+                ),
+                BadReserve::NotUnderSlots => anyhow::anyhow!(
+                    "--reserve {r}: must be under --max-running ({})",
+                    self.max_running
+                ),
+            })?;
         }
         use kvmesh_router::admission::{Share, Shares};
         let mut parsed = Vec::new();

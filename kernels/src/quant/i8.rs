@@ -514,9 +514,9 @@ pub(super) fn matmul_dot(kernel: Dot, w: &QMatrix, x: &[f32], rows: usize, out: 
 /// `outs[i]`, with the activations quantized once: each output has the
 /// bits [`matmul_dot`] gives it alone (the quantization is a function of
 /// `x` only).
-pub(super) fn matmul_each_dot(
+pub(super) fn matmul_each_dot<W: AsRef<QMatrix>>(
     kernel: Dot,
-    ws: &[&QMatrix],
+    ws: &[W],
     x: &[f32],
     rows: usize,
     outs: &mut [&mut [f32]],
@@ -527,10 +527,10 @@ pub(super) fn matmul_each_dot(
         "{} dot products on a CPU without them",
         kernel.name()
     );
-    let Some(k) = ws.first().map(|w| w.cols) else {
+    let Some(k) = ws.first().map(|w| w.as_ref().cols) else {
         return;
     };
-    for (w, out) in ws.iter().zip(outs.iter()) {
+    for (w, out) in ws.iter().map(AsRef::as_ref).zip(outs.iter()) {
         assert!(w.format.is_quantized(), "{} is not quantized", w.format);
         assert_eq!(w.cols, k, "matrices of one input width");
         assert_eq!(out.len(), rows * w.rows, "output shape");
@@ -545,7 +545,7 @@ pub(super) fn matmul_each_dot(
     let mut acts = ACTS.take();
     acts.quantize(x, rows, k);
     for (w, out) in ws.iter().zip(outs.iter_mut()) {
-        run(kernel, w, &acts, rows, out);
+        run(kernel, w.as_ref(), &acts, rows, out);
     }
     ACTS.set(acts);
 }

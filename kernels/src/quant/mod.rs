@@ -483,6 +483,13 @@ impl std::fmt::Debug for QMatrix {
     }
 }
 
+/// So [`matmul_each`] takes matrices, references and `Arc`s alike.
+impl AsRef<QMatrix> for QMatrix {
+    fn as_ref(&self) -> &QMatrix {
+        self
+    }
+}
+
 impl QMatrix {
     /// Wrap GGUF bytes of a `[rows, cols]` matrix (checked lengths).
     pub fn from_bytes(
@@ -638,16 +645,16 @@ pub fn matmul(w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
 ///
 /// # Panics
 /// As [`matmul`], and if `outs` and `ws` differ in length.
-pub fn matmul_each(ws: &[&QMatrix], x: &[f32], rows: usize, outs: &mut [&mut [f32]]) {
+pub fn matmul_each<W: AsRef<QMatrix>>(ws: &[W], x: &[f32], rows: usize, outs: &mut [&mut [f32]]) {
     assert_eq!(ws.len(), outs.len(), "one output per matrix");
     let path = crate::cpu::path();
     match crate::cpu::activations() {
-        Activations::Int8 if ws.iter().all(|w| w.format.is_quantized()) => {
+        Activations::Int8 if ws.iter().all(|w| w.as_ref().format.is_quantized()) => {
             i8::matmul_each_dot(i8::Dot::of(path), ws, x, rows, outs);
         }
         _ => {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                matmul(w, x, rows, out);
+                matmul(w.as_ref(), x, rows, out);
             }
         }
     }
