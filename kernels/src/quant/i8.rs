@@ -49,9 +49,10 @@
 //!
 //! # Cost
 //! Quantizing the activations reads each once (rows x cols, beside rows x
-//! cols x n multiply-adds). One or two activation rows: a weight row's
-//! blocks are unpacked into an L1-resident buffer of bytes and scales (1
-//! byte a weight, against 4 in the f32 class's panel), then dotted. From
+//! cols x n multiply-adds). One or two activation rows: on x86 each
+//! weight row is dotted straight from its blocks, a group decoded in a
+//! register and multiplied at once ([`super::i8_x86_row`]; the portable
+//! path unpacks a row into a buffer first). From
 //! three rows the x86 panels decode a task's weight rows straight from
 //! their blocks into an interleaved panel, once per call (or per share of
 //! the rows, see [`task_shape`]), and every activation row passes over it.
@@ -598,12 +599,29 @@ fn run(kernel: Dot, w: &QMatrix, acts: &Acts, rows: usize, out: &mut [f32]) {
             }
             Tiles::OneRow => {}
         }
+        #[cfg(target_arch = "x86_64")]
+        if kernel != Dot::Portable {
+            let task = super::i8_x86_row::RowTask {
+                blocks,
+                nr,
+                k,
+                acts,
+                t0,
+                nt,
+                // SAFETY: column r0 of the output (below its end).
+                out: unsafe { ptr.0.add(r0) },
+                n,
+            };
+            // SAFETY: `matmul_each_dot` asserted the features; the task
+            // owns rows t0 .. t0 + nt of columns r0 .. r0 + nr of `out`.
+            return unsafe { super::i8_x86_row::rows(kernel, w.format, &task) };
+        }
         ROW.with_borrow_mut(|row| {
             row.shape(w.format, k);
             for r in r0..r0 + nr {
-                kernel.unpack(w.format, row, &w.data[r * rb..(r + 1) * rb]);
+                row.unpack(w.format, &w.data[r * rb..(r + 1) * rb]);
                 for t in t0..t0 + nt {
-                    let v = kernel.dot(w.format, row, acts, t);
+                    let v = dot(w.format, row, acts, t);
                     // SAFETY: (t, r) is inside `out` and this task's
                     // alone (tasks are disjoint blocks of rows and
                     // columns).
@@ -617,29 +635,5 @@ fn run(kernel: Dot, w: &QMatrix, acts: &Acts, rows: usize, out: &mut [f32]) {
         (0..tasks).for_each(task);
     } else {
         (0..tasks).into_par_iter().for_each(task);
-    }
-}
-
-impl Dot {
-    /// Unpack one weight row's blocks into `row` (shaped for `format`).
-    fn unpack(self, format: QFormat, row: &mut Row, blocks: &[u8]) {
-        #[cfg(target_arch = "x86_64")]
-        if self != Dot::Portable {
-            assert!(self.available(), "{} on a CPU without it", self.name());
-            // SAFETY: the CPU has the features (asserted).
-            return unsafe { super::i8_x86::unpack(self, format, row, blocks) };
-        }
-        row.unpack(format, blocks);
-    }
-
-    /// The unpacked `row`'s dot product with activation row `t`.
-    fn dot(self, format: QFormat, row: &Row, acts: &Acts, t: usize) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if self != Dot::Portable {
-            // SAFETY: `matmul_dot`, the only caller, asserted the
-            // features; `row` and `acts` are shaped for `format`.
-            return unsafe { super::i8_x86::dot(self, format, row, acts, t) };
-        }
-        dot(format, row, acts, t)
     }
 }

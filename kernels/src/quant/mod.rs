@@ -135,6 +135,8 @@ mod i8_x86;
 mod i8_x86_256;
 #[cfg(target_arch = "x86_64")]
 mod i8_x86_512;
+#[cfg(target_arch = "x86_64")]
+mod i8_x86_row;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;

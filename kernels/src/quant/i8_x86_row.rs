@@ -1,0 +1,363 @@
+//! The x86 one- and two-row kernel of [`super::i8`] (batch-1 decode's
+//! matmuls): each weight row dotted straight from its blocks. A group's
+//! quants are decoded in a register by the f32 class's block decoding
+//! ([`super::x86_blocks`]: the same integer quants, the same scales to
+//! the bit), biased to unsigned bytes and multiplied at once with AVX2
+//! `vpmaddubsw`/`vpmaddwd`, AVX-VNNI or AVX-512 VNNI `vpdpbusd`; nothing
+//! is unpacked to memory. Every integer sum is exact (see [`super::i8`]
+//! for the bounds), so the three give the portable path's bits.
+//!
+//! A group's 32 byte products come as eight i32 lanes (lane `j`: values
+//! `4j .. 4j + 4`). Eight sub-blocks' lanes are summed into one vector of
+//! eight sums by unpacks and adds (no horizontal adds), which then is
+//! scaled and added to the eight f32 lanes of the output at once. The
+//! eight sub-blocks' scales come from one block head (K-quants) or, for
+//! eight legacy blocks, one gather of their f16 scales.
+//!
+//! # Cost
+//! Per group of 32 weights: the format's decoding (Q4_1: a 16-byte load,
+//! a shift and two masks), one byte product per activation row, and an
+//! eighth of the lane reduction. Two activation rows share the decoding.
+//! Batch 1 is bound by the weights' bytes from memory on a CPU with 8-bit
+//! products (`cargo bench -p kvmesh-kernels --bench quant`, `int8`).
+
+use std::arch::x86_64::*;
+
+use super::i8::{bias, Acts, Dot};
+use super::scalar::Head;
+use super::x86_blocks::{head, quants};
+use super::{code, with_format, QFormat, GROUP};
+use crate::simd::hsum;
+
+/// Bytes ahead of the blocks being read that are prefetched: weights
+/// stream from memory (or L3) at batch 1, and one sequential stream per
+/// core is not enough to keep the loads in flight.
+const PREFETCH: usize = 8192;
+
+/// One task of the kernel: weight rows `blocks` (`nr` rows of `k` values)
+/// against activation rows `t0 .. t0 + nt` of `acts`, output `(t, r)`
+/// written at `out + t * n + r`.
+pub(super) struct RowTask<'a> {
+    pub blocks: &'a [u8],
+    pub nr: usize,
+    pub k: usize,
+    pub acts: &'a Acts,
+    pub t0: usize,
+    pub nt: usize,
+    pub out: *mut f32,
+    pub n: usize,
+}
+
+/// Run `task` on rows of `format` with `dot`'s products.
+///
+/// # Safety
+/// `dot`'s features ([`Dot::available`]), not the portable one; `acts`
+/// quantized for rows of `task.k` values; the task's outputs writable and
+/// written by nothing else meanwhile.
+pub(super) unsafe fn rows(dot: Dot, format: QFormat, task: &RowTask) {
+    debug_assert!(dot != Dot::Portable && dot.available());
+    // SAFETY (all): by the caller.
+    with_format!(format, F => unsafe {
+        match dot {
+            Dot::Avx512Vnni => rows_vnni512::<F>(task),
+            Dot::AvxVnni => rows_avxvnni::<F>(task),
+            _ => rows_avx2::<F>(task),
+        }
+    })
+}
+
+/// A group's byte products: unsigned weight bytes by signed activations,
+/// eight i32 lanes of four products each.
+trait Bytes {
+    /// # Safety
+    /// The implementation's features.
+    unsafe fn dp(u: __m256i, x: __m256i) -> __m256i;
+}
+
+struct Avx2;
+impl Bytes for Avx2 {
+    #[inline(always)]
+    unsafe fn dp(u: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: AVX2 (the caller). No pair saturates (module bounds).
+        unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)) }
+    }
+}
+
+struct AvxVnni;
+impl Bytes for AvxVnni {
+    #[inline(always)]
+    unsafe fn dp(u: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: AVX-VNNI (the caller).
+        unsafe { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x) }
+    }
+}
+
+struct Avx512Vnni;
+impl Bytes for Avx512Vnni {
+    #[inline(always)]
+    unsafe fn dp(u: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: AVX-512 VNNI + VL (the caller).
+        unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x) }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_avx2<const F: u8>(task: &RowTask) {
+    // SAFETY: by the caller.
+    unsafe { rows_body::<Avx2, F>(task) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn rows_avxvnni<const F: u8>(task: &RowTask) {
+    // SAFETY: by the caller.
+    unsafe { rows_body::<AvxVnni, F>(task) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn rows_vnni512<const F: u8>(task: &RowTask) {
+    // SAFETY: by the caller.
+    unsafe { rows_body::<Avx512Vnni, F>(task) }
+}
+
+/// The task's weight rows in order, each against its activation rows two
+/// at a time (then one).
+#[inline(always)]
+unsafe fn rows_body<B: Bytes, const F: u8>(task: &RowTask) {
+    let rb = const { QFormat::of_code(F) }.row_bytes(task.k);
+    assert!(task.blocks.len() >= task.nr * rb && task.acts.cols() == task.k);
+    let end = task.t0 + task.nt;
+    for r in 0..task.nr {
+        // SAFETY (all): row r lies in `blocks` (asserted); the outputs are
+        // the task's (the caller).
+        unsafe {
+            let p = task.blocks.as_ptr().add(r * rb);
+            let at = |t: usize| task.out.add(t * task.n + r);
+            let mut t = task.t0;
+            while t + 2 <= end {
+                let [a, b] = dot_blocks::<B, F, 2>(p, task.acts, t);
+                (*at(t), *at(t + 1)) = (a, b);
+                t += 2;
+            }
+            if t < end {
+                let [a] = dot_blocks::<B, F, 1>(p, task.acts, t);
+                *at(t) = a;
+            }
+        }
+    }
+}
+
+/// Group `g`'s exact products (lanes of four) of weight bytes `w` (biased
+/// quants, or Q8_0's signed ones) and activations `x`: [`Bytes::dp`] or,
+/// for Q8_0, magnitudes against sign-moved activations.
+#[inline(always)]
+unsafe fn product<B: Bytes, const F: u8>(w: __m256i, x: __m256i) -> __m256i {
+    // SAFETY: the features of `B` (every caller).
+    unsafe {
+        if const { bias(QFormat::of_code(F)).is_none() } {
+            B::dp(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
+        } else {
+            B::dp(w, x)
+        }
+    }
+}
+
+/// Four groups' lanes summed per half: `[s0 s1 s2 s3 | s0' s1' s2' s3']`,
+/// `s_i` the sum of `p[i]`'s lanes 0-3 (values 0-15), `s_i'` of lanes 4-7.
+#[inline(always)]
+unsafe fn sum4(p: [__m256i; 4]) -> __m256i {
+    // SAFETY: AVX2 (every caller).
+    unsafe {
+        let t0 = _mm256_add_epi32(
+            _mm256_unpacklo_epi32(p[0], p[1]),
+            _mm256_unpackhi_epi32(p[0], p[1]),
+        );
+        let t1 = _mm256_add_epi32(
+            _mm256_unpacklo_epi32(p[2], p[3]),
+            _mm256_unpackhi_epi32(p[2], p[3]),
+        );
+        _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1))
+    }
+}
+
+/// The scales and offsets of legacy blocks (one sub-block each)
+/// `i .. i + 8` of the row at `p`, as [`head`] gives them; blocks from
+/// `live` on give zeros.
+///
+/// # Safety
+/// Blocks `i .. i + live` lie in the row; AVX2/FMA/F16C.
+#[inline(always)]
+unsafe fn legacy_scales<const F: u8>(p: *const u8, i: usize, live: usize) -> (__m256, __m256) {
+    let bb = const { QFormat::of_code(F).block_bytes() };
+    let f16_head = matches!(
+        F,
+        code::Q4_0 | code::Q4_1 | code::Q5_0 | code::Q5_1 | code::Q8_0
+    );
+    // SAFETY (all): by the caller.
+    unsafe {
+        let p = p.add(i * bb);
+        if live == 8 && f16_head {
+            // Each block's first four bytes: its f16 scale, then (Q4_1,
+            // Q5_1) its f16 offset. The scales' halves go to the low eight
+            // bytes of each 128-bit lane, the offsets' to the high eight;
+            // the quarters are then reordered: scales, then offsets.
+            let at = _mm256_mullo_epi32(
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                _mm256_set1_epi32(bb as i32),
+            );
+            let v = _mm256_i32gather_epi32::<1>(p.cast(), at);
+            let split = _mm256_setr_epi8(
+                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, //
+                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+            );
+            let v = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(v, split));
+            let s = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+            let o = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(v));
+            return (s, o);
+        }
+        let (mut s, mut o) = ([0.0f32; 8], [0.0f32; 8]);
+        let mut h = Head::ZERO;
+        for j in 0..live {
+            head::<F>(p.add(j * bb), &mut h);
+            (s[j], o[j]) = (h.s[0], h.o[0]);
+        }
+        (_mm256_loadu_ps(s.as_ptr()), _mm256_loadu_ps(o.as_ptr()))
+    }
+}
+
+/// Activation rows `t .. t + T` against the row of blocks at `p`: the
+/// module's arithmetic, the weights' groups decoded in registers.
+///
+/// # Safety
+/// The row at `p` holds `a.cols()` values of format `F`; rows
+/// `t .. t + T` of `a` exist; the features of `B` and AVX2/FMA/F16C.
+#[inline(always)]
+unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize>(
+    p: *const u8,
+    a: &Acts,
+    t: usize,
+) -> [f32; T] {
+    let f = const { QFormat::of_code(F) };
+    let (bb, bv) = (f.block_bytes(), f.block_values());
+    // A legacy block is one group and one sub-block; a K-quant block is
+    // eight groups and one or two chunks of eight sub-blocks.
+    const { assert!(matches!(QFormat::of_code(F).block_values(), GROUP | 256)) };
+    let chunks_per_block =
+        const { QFormat::of_code(F).block_values() / QFormat::of_code(F).sub_block() / 8 };
+    let shift = const {
+        match bias(QFormat::of_code(F)) {
+            Some(b) if b > 0 => b.trailing_zeros() as i32,
+            _ => -1,
+        }
+    };
+    let sub16 = const { QFormat::of_code(F).sub_block() == 16 };
+    // SAFETY (all): `a`'s rows are padded with zeros to whole lanes of
+    // sub-blocks (`Acts::quantize`), which the loop takes; the row's
+    // groups and blocks past its end are not read; the features by the
+    // caller.
+    unsafe {
+        let add = _mm256_set1_epi8(bias(f).unwrap_or(0) as i8);
+        let n = if sub16 { a.n16() } else { a.n32() };
+        let row = |i: usize| (t + i) * n;
+        let x: [*const i8; T] = std::array::from_fn(|i| a.q.as_ptr().add((t + i) * a.stride8()));
+        let (d, bs, xb): ([*const f32; T], [*const i32; T], [*const f32; T]) = if sub16 {
+            (
+                std::array::from_fn(|i| a.d16.as_ptr().add(row(i))),
+                std::array::from_fn(|i| a.b16.as_ptr().add(row(i))),
+                std::array::from_fn(|i| a.xb16.as_ptr().add(row(i))),
+            )
+        } else {
+            (
+                std::array::from_fn(|i| a.d32.as_ptr().add(row(i))),
+                std::array::from_fn(|i| a.b32.as_ptr().add(row(i))),
+                std::array::from_fn(|i| a.xb32.as_ptr().add(row(i))),
+            )
+        };
+        let real = a.cols() / GROUP;
+        // Group g's products with each activation row (zeros past the
+        // row's end: a 576-wide row is 18 groups, padded to 24). Loops, not
+        // `array::from_fn`: a closure handed to another function does not
+        // take this one's target features, and its intrinsics would not
+        // inline.
+        let group = |g: usize| -> [__m256i; T] {
+            let mut v = [_mm256_setzero_si256(); T];
+            if g < real {
+                let w = _mm256_add_epi8(
+                    quants::<F>(p.add(g * GROUP / bv * bb), g % (bv / GROUP)),
+                    add,
+                );
+                for i in 0..T {
+                    v[i] = product::<B, F>(w, _mm256_loadu_si256(x[i].add(g * GROUP).cast()));
+                }
+            }
+            v
+        };
+        let mut h = Head::ZERO;
+        let mut l = [_mm256_setzero_ps(); T];
+        for m in 0..n / 8 {
+            // This chunk's bytes, and the scales of its eight sub-blocks.
+            let (from, bytes) = if bv == GROUP {
+                (8 * m * bb, 8 * bb)
+            } else {
+                (m * bb / chunks_per_block, bb / chunks_per_block)
+            };
+            for off in (0..bytes).step_by(64) {
+                // A hint only: it may point past the matrix and never faults.
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(from + off + PREFETCH).cast());
+            }
+            let (s, o) = if bv == GROUP {
+                legacy_scales::<F>(p, 8 * m, real.saturating_sub(8 * m).min(8))
+            } else {
+                if m % chunks_per_block == 0 {
+                    head::<F>(p.add(m / chunks_per_block * bb), &mut h);
+                }
+                let at = 8 * (m % chunks_per_block);
+                (
+                    _mm256_loadu_ps(h.s.as_ptr().add(at)),
+                    _mm256_loadu_ps(h.o.as_ptr().add(at)),
+                )
+            };
+            let mut sums = [_mm256_setzero_si256(); T];
+            if sub16 {
+                let g = 4 * m;
+                let q = [group(g), group(g + 1), group(g + 2), group(g + 3)];
+                for i in 0..T {
+                    let r = sum4([q[0][i], q[1][i], q[2][i], q[3][i]]);
+                    // Sub-blocks in order: 2g, 2g + 1, 2g + 2, ...
+                    sums[i] =
+                        _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                }
+            } else {
+                let g = 8 * m;
+                let lo = [group(g), group(g + 1), group(g + 2), group(g + 3)];
+                for i in 0..T {
+                    sums[i] = sum4([lo[0][i], lo[1][i], lo[2][i], lo[3][i]]);
+                }
+                let hi = [group(g + 4), group(g + 5), group(g + 6), group(g + 7)];
+                for i in 0..T {
+                    let r1 = sum4([hi[0][i], hi[1][i], hi[2][i], hi[3][i]]);
+                    sums[i] = _mm256_add_epi32(
+                        _mm256_permute2x128_si256::<0x20>(sums[i], r1),
+                        _mm256_permute2x128_si256::<0x31>(sums[i], r1),
+                    );
+                }
+            }
+            for i in 0..T {
+                let mut q = sums[i];
+                if shift >= 0 {
+                    let b = _mm256_loadu_si256(bs[i].add(8 * m).cast());
+                    q = _mm256_sub_epi32(q, _mm256_sll_epi32(b, _mm_cvtsi32_si128(shift)));
+                }
+                let scale = _mm256_mul_ps(s, _mm256_loadu_ps(d[i].add(8 * m)));
+                l[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, l[i]);
+                if f.has_offset() {
+                    l[i] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xb[i].add(8 * m)), l[i]);
+                }
+            }
+        }
+        let mut out = [0.0f32; T];
+        for i in 0..T {
+            out[i] = hsum(l[i]);
+        }
+        out
+    }
+}
