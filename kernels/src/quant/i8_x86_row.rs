@@ -195,16 +195,20 @@ unsafe fn legacy_scales<const F: u8>(p: *const u8, i: usize, live: usize) -> (__
     // SAFETY (all): by the caller.
     unsafe {
         let p = p.add(i * bb);
-        if live == 8 && f16_head {
+        if f16_head {
             // Each block's first four bytes: its f16 scale, then (Q4_1,
-            // Q5_1) its f16 offset. The scales' halves go to the low eight
-            // bytes of each 128-bit lane, the offsets' to the high eight;
-            // the quarters are then reordered: scales, then offsets.
-            let at = _mm256_mullo_epi32(
-                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                _mm256_set1_epi32(bb as i32),
-            );
-            let v = _mm256_i32gather_epi32::<1>(p.cast(), at);
+            // Q5_1) its f16 offset; a block from `live` on gives zeros (not
+            // read). The scales' halves go to the low eight bytes of each
+            // 128-bit lane, the offsets' to the high eight; the quarters
+            // are then reordered: scales, then offsets.
+            let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let at = _mm256_mullo_epi32(lane, _mm256_set1_epi32(bb as i32));
+            let v = if live == 8 {
+                _mm256_i32gather_epi32::<1>(p.cast(), at)
+            } else {
+                let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live as i32), lane);
+                _mm256_mask_i32gather_epi32::<1>(_mm256_setzero_si256(), p.cast(), at, mask)
+            };
             let split = _mm256_setr_epi8(
                 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, //
                 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
