@@ -14,7 +14,9 @@
 //!   copy's). GB/s and GMAC/s are the fastest path's.
 //!
 //! - `int8`: the f32 class against the 8-bit-activation class, every
-//!   quantized format at 1, 16 and 512 rows (see `fn int8`).
+//!   quantized format at 1, 16 and 512 rows (see `fn int8`), the largest
+//!   batch's rate also as a share of the dot product's peak measured in
+//!   the same run.
 //!
 //! `cargo bench -p kvmesh-kernels --bench quant` runs them all;
 //! `QUANT_BENCH_TABLE=formats` (or `paths`) one of them, `QUANT_BENCH` (a
@@ -127,14 +129,17 @@ fn int8() {
             .find(|x| x.name() == d && x.available())
             .expect("a dot product this CPU has: avx512-vnni, avx-vnni, avx2 or portable")
     });
+    // The dot product's own ceiling, measured now (two operations per
+    // 8-bit multiply-add): the last column's base.
+    let peak = kvmesh_kernels::roofline::int8_peak_gops(dot);
     println!(
-        "f32 against int8 activations, {} path, {} dot products, {} threads; ms per call (median)",
+        "f32 against int8 activations, {} path, {} dot products ({peak:.0} GOP/s peak now), {} threads; ms per call (median)",
         path.name(),
         dot.name(),
         rayon::current_num_threads()
     );
     println!(
-        "{:<6} {:<13} {:>8} {:>8} {:>8} {:>6} {:>8} {:>8} {:>6} {:>8} {:>8} {:>6} {:>9}",
+        "{:<6} {:<13} {:>8} {:>8} {:>8} {:>6} {:>8} {:>8} {:>6} {:>8} {:>8} {:>6} {:>9} {:>6}",
         "format",
         "shape",
         "copy ms",
@@ -147,7 +152,8 @@ fn int8() {
         "x512 f32",
         "x512 i8",
         "ratio",
-        "i8 GMAC/s"
+        "i8 GMAC/s",
+        "% peak"
     );
     let budget = Duration::from_millis(300);
     for (rows, cols) in [(576, 1536), (3072, 576), (49152, 576), (2048, 8192)] {
@@ -182,7 +188,7 @@ fn int8() {
                 print!(" {:>8.3} {:>8.3} {:>6.2}", f * 1e3, q * 1e3, f / q);
                 last = (t * rows * cols) as f64 / q / 1e9;
             }
-            println!(" {:>9.1}", last);
+            println!(" {:>9.1} {:>5.0}%", last, 100.0 * 2.0 * last / peak);
         }
     }
     println!();
