@@ -166,7 +166,7 @@ pub struct ModelArgs {
     /// A Hugging Face model directory or a GGUF file [default: SmolLM2-135M-Instruct Q4_1, fetched on first use].
     #[arg(long, env = "KVMESH_MODEL")]
     pub model: Option<PathBuf>,
-    /// Run with f32 weights and activations (the mode compared against Hugging Face transformers) [default: a GGUF's Q4_1/Q8_0 blocks used as stored, f32 activations].
+    /// Run with f32 weights and activations (the mode compared against Hugging Face transformers) [default: a GGUF's quantized blocks used as stored, activations as --activations says].
     #[arg(long, env = "KVMESH_EXACT")]
     pub exact: bool,
     /// Token slots per KV page.
