@@ -228,6 +228,43 @@ unsafe fn legacy_scales<const F: u8>(p: *const u8, i: usize, live: usize) -> (__
     }
 }
 
+/// Group `g`'s products with each of the activation rows `x` (zeros from
+/// group `real` on: a 576-wide row is 18 groups, padded to 24). A function,
+/// not a closure: a closure called from several places may stay out of
+/// line, without its caller's target features, and then none of its
+/// intrinsics inline.
+///
+/// # Safety
+/// Groups below `real` lie in the row at `p` and in each row of `x`; the
+/// features of `B` and AVX2/FMA/F16C.
+#[inline(always)]
+unsafe fn group<B: Bytes, const F: u8, const T: usize>(
+    p: *const u8,
+    x: &[*const i8; T],
+    real: usize,
+    add: __m256i,
+    g: usize,
+) -> [__m256i; T] {
+    let (bb, bv) = const {
+        let f = QFormat::of_code(F);
+        (f.block_bytes(), f.block_values())
+    };
+    // SAFETY (all): by the caller.
+    unsafe {
+        let mut v = [_mm256_setzero_si256(); T];
+        if g < real {
+            let w = _mm256_add_epi8(
+                quants::<F>(p.add(g * GROUP / bv * bb), g % (bv / GROUP)),
+                add,
+            );
+            for i in 0..T {
+                v[i] = product::<B, F>(w, _mm256_loadu_si256(x[i].add(g * GROUP).cast()));
+            }
+        }
+        v
+    }
+}
+
 /// Activation rows `t .. t + T` against the row of blocks at `p`: the
 /// module's arithmetic, the weights' groups decoded in registers.
 ///
@@ -277,24 +314,6 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize>(
             )
         };
         let real = a.cols() / GROUP;
-        // Group g's products with each activation row (zeros past the
-        // row's end: a 576-wide row is 18 groups, padded to 24). Loops, not
-        // `array::from_fn`: a closure handed to another function does not
-        // take this one's target features, and its intrinsics would not
-        // inline.
-        let group = |g: usize| -> [__m256i; T] {
-            let mut v = [_mm256_setzero_si256(); T];
-            if g < real {
-                let w = _mm256_add_epi8(
-                    quants::<F>(p.add(g * GROUP / bv * bb), g % (bv / GROUP)),
-                    add,
-                );
-                for i in 0..T {
-                    v[i] = product::<B, F>(w, _mm256_loadu_si256(x[i].add(g * GROUP).cast()));
-                }
-            }
-            v
-        };
         let mut h = Head::ZERO;
         let mut l = [_mm256_setzero_ps(); T];
         for m in 0..n / 8 {
@@ -323,7 +342,12 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize>(
             let mut sums = [_mm256_setzero_si256(); T];
             if sub16 {
                 let g = 4 * m;
-                let q = [group(g), group(g + 1), group(g + 2), group(g + 3)];
+                let q = [
+                    group::<B, F, T>(p, &x, real, add, g),
+                    group::<B, F, T>(p, &x, real, add, g + 1),
+                    group::<B, F, T>(p, &x, real, add, g + 2),
+                    group::<B, F, T>(p, &x, real, add, g + 3),
+                ];
                 for i in 0..T {
                     let r = sum4([q[0][i], q[1][i], q[2][i], q[3][i]]);
                     // Sub-blocks in order: 2g, 2g + 1, 2g + 2, ...
@@ -332,11 +356,21 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize>(
                 }
             } else {
                 let g = 8 * m;
-                let lo = [group(g), group(g + 1), group(g + 2), group(g + 3)];
+                let lo = [
+                    group::<B, F, T>(p, &x, real, add, g),
+                    group::<B, F, T>(p, &x, real, add, g + 1),
+                    group::<B, F, T>(p, &x, real, add, g + 2),
+                    group::<B, F, T>(p, &x, real, add, g + 3),
+                ];
                 for i in 0..T {
                     sums[i] = sum4([lo[0][i], lo[1][i], lo[2][i], lo[3][i]]);
                 }
-                let hi = [group(g + 4), group(g + 5), group(g + 6), group(g + 7)];
+                let hi = [
+                    group::<B, F, T>(p, &x, real, add, g + 4),
+                    group::<B, F, T>(p, &x, real, add, g + 5),
+                    group::<B, F, T>(p, &x, real, add, g + 6),
+                    group::<B, F, T>(p, &x, real, add, g + 7),
+                ];
                 for i in 0..T {
                     let r1 = sum4([hi[0][i], hi[1][i], hi[2][i], hi[3][i]]);
                     sums[i] = _mm256_add_epi32(
