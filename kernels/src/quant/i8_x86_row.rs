@@ -271,6 +271,35 @@ unsafe fn group<B: Bytes, const F: u8, const T: usize>(
     }
 }
 
+/// Groups `g .. g + 4`'s products with each activation row, summed per
+/// half by [`sum4`].
+///
+/// # Safety
+/// As [`group`].
+#[inline(always)]
+unsafe fn four<B: Bytes, const F: u8, const T: usize>(
+    p: *const u8,
+    x: &[*const i8; T],
+    real: usize,
+    add: __m256i,
+    g: usize,
+) -> [__m256i; T] {
+    // SAFETY: by the caller.
+    unsafe {
+        let q = [
+            group::<B, F, T>(p, x, real, add, g),
+            group::<B, F, T>(p, x, real, add, g + 1),
+            group::<B, F, T>(p, x, real, add, g + 2),
+            group::<B, F, T>(p, x, real, add, g + 3),
+        ];
+        let mut out = [_mm256_setzero_si256(); T];
+        for (i, v) in out.iter_mut().enumerate() {
+            *v = sum4([q[0][i], q[1][i], q[2][i], q[3][i]]);
+        }
+        out
+    }
+}
+
 /// Activation rows `t .. t + T` against the row of blocks at `p`: the
 /// module's arithmetic, the weights' groups decoded in registers.
 ///
@@ -345,43 +374,18 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize>(
                     _mm256_loadu_ps(h.o.as_ptr().add(at)),
                 )
             };
-            let mut sums = [_mm256_setzero_si256(); T];
+            let mut sums = four::<B, F, T>(p, &x, real, add, if sub16 { 4 * m } else { 8 * m });
             if sub16 {
-                let g = 4 * m;
-                let q = [
-                    group::<B, F, T>(p, &x, real, add, g),
-                    group::<B, F, T>(p, &x, real, add, g + 1),
-                    group::<B, F, T>(p, &x, real, add, g + 2),
-                    group::<B, F, T>(p, &x, real, add, g + 3),
-                ];
-                for i in 0..T {
-                    let r = sum4([q[0][i], q[1][i], q[2][i], q[3][i]]);
+                for v in &mut sums {
                     // Sub-blocks in order: 2g, 2g + 1, 2g + 2, ...
-                    sums[i] =
-                        _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                    *v = _mm256_permutevar8x32_epi32(*v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
                 }
             } else {
-                let g = 8 * m;
-                let lo = [
-                    group::<B, F, T>(p, &x, real, add, g),
-                    group::<B, F, T>(p, &x, real, add, g + 1),
-                    group::<B, F, T>(p, &x, real, add, g + 2),
-                    group::<B, F, T>(p, &x, real, add, g + 3),
-                ];
-                for i in 0..T {
-                    sums[i] = sum4([lo[0][i], lo[1][i], lo[2][i], lo[3][i]]);
-                }
-                let hi = [
-                    group::<B, F, T>(p, &x, real, add, g + 4),
-                    group::<B, F, T>(p, &x, real, add, g + 5),
-                    group::<B, F, T>(p, &x, real, add, g + 6),
-                    group::<B, F, T>(p, &x, real, add, g + 7),
-                ];
-                for i in 0..T {
-                    let r1 = sum4([hi[0][i], hi[1][i], hi[2][i], hi[3][i]]);
-                    sums[i] = _mm256_add_epi32(
-                        _mm256_permute2x128_si256::<0x20>(sums[i], r1),
-                        _mm256_permute2x128_si256::<0x31>(sums[i], r1),
+                let hi = four::<B, F, T>(p, &x, real, add, 8 * m + 4);
+                for (v, r1) in sums.iter_mut().zip(hi) {
+                    *v = _mm256_add_epi32(
+                        _mm256_permute2x128_si256::<0x20>(*v, r1),
+                        _mm256_permute2x128_si256::<0x31>(*v, r1),
                     );
                 }
             }
