@@ -1,5 +1,5 @@
 //! The non-matmul kernels on every path this CPU runs, in one run:
-//! attention (prefill chunk and decode step, f32 and f16 pools), SwiGLU,
+//! attention (prefill chunk and decode steps at two depths, f32 and f16 pools), SwiGLU,
 //! RMSNorm and the f16 conversions, at SmolLM2-135M's shapes (9 query
 //! heads, 3 KV heads, head size 64, hidden 576, intermediate 1536).
 //! Times are medians in microseconds; `512/avx2` is AVX2's time over
@@ -107,6 +107,12 @@ fn row(name: &str, paths: &[Path], mut f: impl FnMut(Path)) {
 }
 
 fn main() {
+    // On one of the pool's threads, as the model's forward pass runs (a
+    // parallel call then starts from inside the pool).
+    rayon::scope(|_| tables());
+}
+
+fn tables() {
     let paths: Vec<Path> = cpu::available_paths().into_iter().rev().collect();
     println!(
         "kernels per path, {} threads (rayon); us per call (median)",
@@ -153,7 +159,11 @@ fn main() {
     for f16 in [false, true] {
         pages.f16 = f16;
         let dt = if f16 { "f16" } else { "f32" };
-        for (what, from, to) in [("prefill 512", 0, 512), ("decode @1023", 1023, 1024)] {
+        for (what, from, to) in [
+            ("prefill 512", 0, 512),
+            ("decode @255", 255, 256),
+            ("decode @1023", 1023, 1024),
+        ] {
             let positions: Vec<usize> = (from..to).collect();
             let q = noise(positions.len() * nh * hd, 7);
             let mut out = vec![0.0; q.len()];

@@ -70,10 +70,16 @@ pub struct AttentionShape {
 /// rows are read once per block instead of once per query.
 const QUERY_BLOCK: usize = 16;
 
-/// Below this many multiply-adds a call runs on the calling thread: waking
-/// the pool costs tens of microseconds, more than a decode step's attention
-/// for one sequence (9 heads x 1,000 positions x 64 is about 0.6M).
-const PARALLEL_THRESHOLD: usize = 1 << 21;
+/// Below this many multiply-adds a call runs on the calling thread. The
+/// forward pass runs on a pool thread, where starting a parallel section
+/// costs a few microseconds (from outside the pool it cost tens, and this
+/// was 16 times higher): a decode step's attention for one sequence splits
+/// its KV heads across the threads from about 230 positions (9 heads x 230
+/// x 64). Measured (`PATHS_BENCH="attention decode" cargo bench --bench
+/// paths`, 2 threads, f16 pool, three rounds against the higher
+/// threshold): 1023 positions 51-52 us instead of 93-107, 255 positions 15
+/// us instead of 25-28.
+const PARALLEL_THRESHOLD: usize = 1 << 17;
 
 /// Attention for `positions.len()` query tokens of one sequence at `layer`.
 ///
