@@ -131,6 +131,10 @@ unsafe fn rows_vnni512<const F: u8>(task: &RowTask) {
 unsafe fn rows_body<B: Bytes, const F: u8>(task: &RowTask) {
     let rb = const { QFormat::of_code(F) }.row_bytes(task.k);
     assert!(task.blocks.len() >= task.nr * rb && task.acts.cols() == task.k);
+    assert!(
+        (task.t0 + task.nt) * task.acts.stride8() <= task.acts.q.len(),
+        "activation rows past the quantized ones"
+    );
     let end = task.t0 + task.nt;
     for r in 0..task.nr {
         // SAFETY (all): row r lies in `blocks` (asserted); the outputs are
