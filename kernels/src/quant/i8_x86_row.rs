@@ -238,69 +238,72 @@ unsafe fn legacy_scales<const F: u8>(p: *const u8, i: usize, live: usize) -> (__
     }
 }
 
-/// Group `g`'s products with each of the activation rows `x` (zeros from
-/// group `real` on: a 576-wide row is 18 groups, padded to 24). A function,
-/// not a closure: a closure called from several places may stay out of
-/// line, without its caller's target features, and then none of its
-/// intrinsics inline.
-///
-/// # Safety
-/// Groups below `real` lie in the row at `p` and in each row of `x`; the
-/// features of `B` and AVX2/FMA/F16C.
-#[inline(always)]
-unsafe fn group<B: Bytes, const F: u8, const T: usize>(
+/// One weight row of blocks against `T` activation rows: what every
+/// group's products need.
+struct Groups<const T: usize> {
+    /// The row's blocks.
     p: *const u8,
-    x: &[*const i8; T],
+    /// Each activation row's quants.
+    x: [*const i8; T],
+    /// The row's groups (zeros from here on: a 576-wide row is 18 groups,
+    /// padded to 24).
     real: usize,
+    /// The format's bias, in every byte.
     add: __m256i,
-    g: usize,
-) -> [__m256i; T] {
-    let (bb, bv) = const {
-        let f = QFormat::of_code(F);
-        (f.block_bytes(), f.block_values())
-    };
-    // SAFETY (all): by the caller.
-    unsafe {
-        let mut v = [_mm256_setzero_si256(); T];
-        if g < real {
-            let w = _mm256_add_epi8(
-                quants::<F>(p.add(g * GROUP / bv * bb), g % (bv / GROUP)),
-                add,
-            );
-            for i in 0..T {
-                v[i] = product::<B, F>(w, _mm256_loadu_si256(x[i].add(g * GROUP).cast()));
-            }
-        }
-        v
-    }
 }
 
-/// Groups `g .. g + 4`'s products with each activation row, summed per
-/// half by [`sum4`].
-///
-/// # Safety
-/// As [`group`].
-#[inline(always)]
-unsafe fn four<B: Bytes, const F: u8, const T: usize>(
-    p: *const u8,
-    x: &[*const i8; T],
-    real: usize,
-    add: __m256i,
-    g: usize,
-) -> [__m256i; T] {
-    // SAFETY: by the caller.
-    unsafe {
-        let q = [
-            group::<B, F, T>(p, x, real, add, g),
-            group::<B, F, T>(p, x, real, add, g + 1),
-            group::<B, F, T>(p, x, real, add, g + 2),
-            group::<B, F, T>(p, x, real, add, g + 3),
-        ];
-        let mut out = [_mm256_setzero_si256(); T];
-        for (i, v) in out.iter_mut().enumerate() {
-            *v = sum4([q[0][i], q[1][i], q[2][i], q[3][i]]);
+impl<const T: usize> Groups<T> {
+    /// Group `g`'s products with each activation row. Methods, not
+    /// closures: a closure called from several places may stay out of
+    /// line, without its caller's target features, and then none of its
+    /// intrinsics inline.
+    ///
+    /// # Safety
+    /// Groups below `real` lie in the row and in each activation row; the
+    /// features of `B` and AVX2/FMA/F16C.
+    #[inline(always)]
+    unsafe fn one<B: Bytes, const F: u8>(&self, g: usize) -> [__m256i; T] {
+        let (bb, bv) = const {
+            let f = QFormat::of_code(F);
+            (f.block_bytes(), f.block_values())
+        };
+        // SAFETY (all): by the caller.
+        unsafe {
+            let mut v = [_mm256_setzero_si256(); T];
+            if g < self.real {
+                let w = _mm256_add_epi8(
+                    quants::<F>(self.p.add(g * GROUP / bv * bb), g % (bv / GROUP)),
+                    self.add,
+                );
+                for (v, x) in v.iter_mut().zip(self.x) {
+                    *v = product::<B, F>(w, _mm256_loadu_si256(x.add(g * GROUP).cast()));
+                }
+            }
+            v
         }
-        out
+    }
+
+    /// Groups `g .. g + 4`'s products with each activation row, summed
+    /// per half by [`sum4`].
+    ///
+    /// # Safety
+    /// As [`Self::one`].
+    #[inline(always)]
+    unsafe fn four<B: Bytes, const F: u8>(&self, g: usize) -> [__m256i; T] {
+        // SAFETY: by the caller.
+        unsafe {
+            let q = [
+                self.one::<B, F>(g),
+                self.one::<B, F>(g + 1),
+                self.one::<B, F>(g + 2),
+                self.one::<B, F>(g + 3),
+            ];
+            let mut out = [_mm256_setzero_si256(); T];
+            for (i, v) in out.iter_mut().enumerate() {
+                *v = sum4([q[0][i], q[1][i], q[2][i], q[3][i]]);
+            }
+            out
+        }
     }
 }
 
@@ -335,10 +338,8 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize>(
     // groups and blocks past its end are not read; the features by the
     // caller.
     unsafe {
-        let add = _mm256_set1_epi8(bias(f).unwrap_or(0) as i8);
         let n = if sub16 { a.n16() } else { a.n32() };
         let row = |i: usize| (t + i) * n;
-        let x: [*const i8; T] = std::array::from_fn(|i| a.q.as_ptr().add((t + i) * a.stride8()));
         let (d, bs, xb): ([*const f32; T], [*const i32; T], [*const f32; T]) = if sub16 {
             (
                 std::array::from_fn(|i| a.d16.as_ptr().add(row(i))),
@@ -353,6 +354,12 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize>(
             )
         };
         let real = a.cols() / GROUP;
+        let groups = Groups::<T> {
+            p,
+            x: std::array::from_fn(|i| a.q.as_ptr().add((t + i) * a.stride8())),
+            real,
+            add: _mm256_set1_epi8(bias(f).unwrap_or(0) as i8),
+        };
         let mut h = Head::ZERO;
         let mut l = [_mm256_setzero_ps(); T];
         for m in 0..n / 8 {
@@ -378,14 +385,14 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize>(
                     _mm256_loadu_ps(h.o.as_ptr().add(at)),
                 )
             };
-            let mut sums = four::<B, F, T>(p, &x, real, add, if sub16 { 4 * m } else { 8 * m });
+            let mut sums = groups.four::<B, F>(if sub16 { 4 * m } else { 8 * m });
             if sub16 {
                 for v in &mut sums {
                     // Sub-blocks in order: 2g, 2g + 1, 2g + 2, ...
                     *v = _mm256_permutevar8x32_epi32(*v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
                 }
             } else {
-                let hi = four::<B, F, T>(p, &x, real, add, 8 * m + 4);
+                let hi = groups.four::<B, F>(8 * m + 4);
                 for (v, r1) in sums.iter_mut().zip(hi) {
                     *v = _mm256_add_epi32(
                         _mm256_permute2x128_si256::<0x20>(*v, r1),
