@@ -5,7 +5,7 @@
 
 use std::arch::x86_64::*;
 
-use super::i8::{bias, padded};
+use super::i8::{bias, padded, Lines};
 use super::scalar::Head;
 use super::x86_blocks::head;
 use super::{QFormat, GROUP};
@@ -19,13 +19,13 @@ pub(super) fn shape_panel(
     format: QFormat,
     cols: usize,
     lanes: usize,
-    u: &mut Vec<u8>,
+    u: &mut Lines<u8>,
     s: &mut Vec<f32>,
     o: &mut Vec<f32>,
 ) -> (usize, usize) {
     let real = cols / GROUP;
     let subs = padded(cols / format.sub_block());
-    u.resize(padded(real) * GROUP * lanes, 0);
+    u.resize(padded(real) * GROUP * lanes);
     u[real * GROUP * lanes..].fill(0);
     for v in [s, o] {
         v.clear();

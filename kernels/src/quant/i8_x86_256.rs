@@ -11,7 +11,7 @@
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
-use super::i8::{bias, Acts, Dot};
+use super::i8::{bias, Acts, Dot, Lines};
 use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
 use super::x86_blocks::quants;
 use super::{with_format, QFormat, GROUP};
@@ -45,7 +45,7 @@ pub(super) fn takes(dot: Dot, format: QFormat) -> bool {
 /// 128), scales and offsets as `[sub-block][strip][row]`.
 #[derive(Default)]
 pub(super) struct Panel {
-    u: Vec<u8>,
+    u: Lines<u8>,
     s: Vec<f32>,
     o: Vec<f32>,
     subs: usize,

@@ -26,11 +26,24 @@
 //! four instructions on the vector ports. Filling a panel (unpacking its
 //! rows and interleaving their bytes) is paid once per task, which runs
 //! every activation row of the call (or its share of them) against it.
+//! The panel and every activation row start on a cache line
+//! ([`super::i8::Lines`]), so no 64-byte load splits two lines: 0.79-0.91x
+//! the time at 1536 columns, 0.89-0.97x at 576, even at 8192 (512 rows,
+//! one thread, three rounds alternated with the unaligned buffers).
+//!
+//! # Not AMX
+//! AMX-INT8 tiles give a sub-block's sums for sixteen by sixteen outputs
+//! in one `tdpbssd`, but the class scales each sub-block's sums in f32, so
+//! every product is stored (1 KiB per 8192 multiply-adds) and read back
+//! into vectors, and on the Emerald Rapids host the tile instructions and
+//! the vector scaling did not overlap (a product and its scaling took the
+//! sum of their times). A bit-exact AMX build of this tile measured
+//! 0.9-1.2x this tile's time, so the class does not use it.
 
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
-use super::i8::{bias, padded, Acts};
+use super::i8::{bias, padded, Acts, Lines};
 use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
 use super::x86_blocks::quants;
 use super::{with_format, QFormat, GROUP};
@@ -58,7 +71,7 @@ const MR: usize = 5;
 /// past the live rows and the rows' padded ends.
 #[derive(Default)]
 pub(super) struct Panel {
-    u: Vec<u8>,
+    u: Lines<u8>,
     s: Vec<f32>,
     o: Vec<f32>,
     groups: usize,
