@@ -186,30 +186,26 @@ impl Acts {
         assert!(cols.is_multiple_of(GROUP) && x.len() == rows * cols);
         self.cols = cols;
         let (n32, n16, s8) = (self.n32(), self.n16(), self.stride8());
-        for v in [&mut self.d32, &mut self.xb32] {
-            v.clear();
-            v.resize(rows * n32, 0.0);
-        }
-        for v in [&mut self.d16, &mut self.xb16] {
-            v.clear();
-            v.resize(rows * n16, 0.0);
-        }
-        self.b32.clear();
+        // Resized, not cleared: each row's view writes all of its part,
+        // padding included (zeroing the buffers first was a memset of the
+        // whole activation quants per call).
+        self.d32.resize(rows * n32, 0.0);
+        self.xb32.resize(rows * n32, 0.0);
         self.b32.resize(rows * n32, 0);
-        self.b16.clear();
+        self.d16.resize(rows * n16, 0.0);
+        self.xb16.resize(rows * n16, 0.0);
         self.b16.resize(rows * n16, 0);
-        self.q.resize(0);
         self.q.resize(rows * s8);
         let views = self
             .q
-            .chunks_mut(s8)
-            .zip(self.d32.chunks_mut(n32))
-            .zip(self.b32.chunks_mut(n32))
-            .zip(self.xb32.chunks_mut(n32))
-            .zip(self.d16.chunks_mut(n16))
-            .zip(self.b16.chunks_mut(n16))
-            .zip(self.xb16.chunks_mut(n16))
-            .zip(x.chunks_exact(cols))
+            .par_chunks_mut(s8)
+            .zip(self.d32.par_chunks_mut(n32))
+            .zip(self.b32.par_chunks_mut(n32))
+            .zip(self.xb32.par_chunks_mut(n32))
+            .zip(self.d16.par_chunks_mut(n16))
+            .zip(self.b16.par_chunks_mut(n16))
+            .zip(self.xb16.par_chunks_mut(n16))
+            .zip(x.par_chunks_exact(cols))
             .map(
                 |(((((((q, d32), b32), xb32), d16), b16), xb16), x)| RowView {
                     x,
@@ -222,12 +218,15 @@ impl Acts {
                     xb16,
                 },
             );
-        let group = group_fn();
-        if rows * cols >= 1 << 16 {
-            views.par_bridge().for_each(|v| v.quantize(group));
+        // Small calls stay on this thread (one piece); large ones split
+        // into pieces of at least 64 Ki values.
+        let per = if rows * cols >= 1 << 16 {
+            (1usize << 16).div_ceil(cols)
         } else {
-            views.for_each(|v| v.quantize(group));
-        }
+            rows.max(1)
+        };
+        let group = group_fn();
+        views.with_min_len(per).for_each(|v| v.quantize(group));
     }
 }
 
@@ -245,6 +244,16 @@ struct RowView<'a> {
 
 impl RowView<'_> {
     fn quantize(self, group: GroupFn) {
+        let groups = self.x.len() / GROUP;
+        self.q[groups * GROUP..].fill(0);
+        for v in [&mut *self.d32, &mut *self.xb32] {
+            v[groups..].fill(0.0);
+        }
+        self.b32[groups..].fill(0);
+        for v in [&mut *self.d16, &mut *self.xb16] {
+            v[2 * groups..].fill(0.0);
+        }
+        self.b16[2 * groups..].fill(0);
         for (g, xs) in self.x.chunks_exact(GROUP).enumerate() {
             let qs: &mut [i8; GROUP] = (&mut self.q[g * GROUP..(g + 1) * GROUP])
                 .try_into()

@@ -209,6 +209,32 @@ fn activations_quantize_per_group_of_32() {
     assert!(a.d32[3..8].iter().all(|&d| d == 0.0));
 }
 
+/// Reused buffers (wide rows, then narrow ones in the same memory) hold
+/// what fresh ones would: every padding byte and sub-block is zero again,
+/// in a call that splits into parallel pieces and in one that does not.
+#[test]
+fn reused_activation_buffers_equal_fresh_ones() {
+    let mut rng = Rng(17);
+    let mut reused = Acts::default();
+    for (rows, cols) in [(70, 2048), (3, 96), (200, 544), (5, 1056), (1, 32)] {
+        let x = random_acts(&mut rng, rows, cols);
+        reused.quantize(&x, rows, cols);
+        let mut fresh = Acts::default();
+        fresh.quantize(&x, rows, cols);
+        assert_eq!(&reused.q[..], &fresh.q[..], "[{rows}x{cols}] quants");
+        for (a, b) in [
+            (&reused.d32, &fresh.d32),
+            (&reused.xb32, &fresh.xb32),
+            (&reused.d16, &fresh.d16),
+            (&reused.xb16, &fresh.xb16),
+        ] {
+            assert_eq!(bits(a), bits(b), "[{rows}x{cols}] scales");
+        }
+        assert_eq!(reused.b32, fresh.b32);
+        assert_eq!(reused.b16, fresh.b16);
+    }
+}
+
 /// Against the f32 class: the difference is the activations' rounding,
 /// at most half a step per value times the weight's magnitude (plus f32
 /// rounding), and it is not zero (the class really differs).
