@@ -17,7 +17,12 @@
 //! K and V rows are f32 or f16 (the pool's [`crate::KvDtype`]); an f16 row
 //! is widened eight values at a time (`vcvtph2ps`, exact), so the arithmetic
 //! above is the same for both and an f16 pool gives the bits an f32 pool
-//! holding the same (f16-representable) values gives.
+//! holding the same (f16-representable) values gives. A block with more
+//! queries than one tile takes widens its rows once into a per-thread f32
+//! copy (up to 1 MiB of it) instead of in every tile (a 16-token block of SmolLM2's 3 queries
+//! per KV head is eight AVX-512 tiles): `PATHS_BENCH="attention prefill"`,
+//! 4 rounds alternated, f16 went from 1.06-1.19x the f32 pool's time in the
+//! same run to 0.76-0.99x (AVX-512).
 //!
 //! Tiles only group independent results (scores) or interleave independent
 //! chains (outputs), so a query computes the same bits alone (a decode step)
@@ -51,9 +56,15 @@ pub(super) trait Elem: Copy {
     /// # Safety
     /// `p` readable for sixteen values; AVX-512 F.
     unsafe fn load16(p: *const Self) -> __m512;
+
+    /// Whether a load widens (f16): a block with several tiles then
+    /// widens its rows once ([`attend_typed`]).
+    const WIDENS: bool;
 }
 
 impl Elem for f32 {
+    const WIDENS: bool = false;
+
     #[inline(always)]
     fn values(v: KvValues<'_>) -> Option<&[f32]> {
         match v {
@@ -76,6 +87,8 @@ impl Elem for f32 {
 }
 
 impl Elem for half::f16 {
+    const WIDENS: bool = true;
+
     #[inline(always)]
     fn values(v: KvValues<'_>) -> Option<&[half::f16]> {
         match v {
@@ -257,6 +270,68 @@ pub(super) unsafe fn attend_typed<E: Elem, T: Tiles>(
         krows.push(k[at..][..hd].as_ptr());
         vrows.push(v[at..][..hd].as_ptr());
     }
+    // An f16 pool's rows widened once for the block when several tiles
+    // read them (each tile would widen every row again) and the copy stays
+    // in L2: exact, so the same bits. Taken out of the thread's slot, not
+    // borrowed in a closure (a closure would not inherit the target
+    // features).
+    if E::WIDENS && queries.len() > T::SQ && 2 * krows.len() * hd * 4 <= WIDE_BYTES {
+        let mut wide = WIDE.take();
+        let n = krows.len();
+        if wide.len() < 2 * n * hd {
+            wide.resize(2 * n * hd, 0.0);
+        }
+        let base = wide.as_mut_ptr();
+        for (i, &r) in krows.iter().chain(&vrows).enumerate() {
+            let mut d = 0;
+            while d < hd {
+                // SAFETY: row r holds hd values; slot i of `wide` too.
+                unsafe { _mm256_storeu_ps(base.add(i * hd + d), E::load8(r.add(d))) };
+                d += 8;
+            }
+        }
+        let base = wide.as_ptr();
+        // SAFETY: slot i of `wide` (hd values).
+        let (kw, vw): (Vec<*const f32>, Vec<*const f32>) = (
+            (0..n).map(|i| unsafe { base.add(i * hd) }).collect(),
+            (n..2 * n).map(|i| unsafe { base.add(i * hd) }).collect(),
+        );
+        // SAFETY: by the caller; the rows are `wide`'s, alive meanwhile.
+        unsafe { attend_rows::<f32, T>(queries, outs, shape, sinks, &spans, lo, &kw, &vw) };
+        WIDE.set(wide);
+        return;
+    }
+    // SAFETY: by the caller.
+    unsafe { attend_rows::<E, T>(queries, outs, shape, sinks, &spans, lo, &krows, &vrows) }
+}
+
+/// The most bytes of widened rows a block copies (a thread's copy stays
+/// in L2 beside the block's queries; longer ranges widen in the tiles).
+const WIDE_BYTES: usize = 1 << 20;
+
+thread_local! {
+    /// Each thread's widened K and V rows of a block.
+    static WIDE: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// The block's scores, softmax and outputs over its K and V rows
+/// (`krows[p - lo]`, `vrows[p - lo]`).
+///
+/// # Safety
+/// As [`attend_block`]; every row pointer readable for the head's values.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn attend_rows<E: Elem, T: Tiles>(
+    queries: &[(&[f32], usize)],
+    outs: &mut [&mut [f32]],
+    shape: &super::AttentionShape,
+    sinks: Option<&[f32]>,
+    spans: &[(usize, usize)],
+    lo: usize,
+    krows: &[*const E],
+    vrows: &[*const E],
+) {
+    let hd = queries[0].0.len();
     let row = |p: usize, v: bool| -> *const E {
         if v {
             vrows[p - lo]
