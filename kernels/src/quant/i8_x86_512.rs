@@ -218,28 +218,55 @@ impl Panel {
             // SAFETY: by the caller; rows t .. t + m exist in `acts`.
             unsafe {
                 match (m, self.strips) {
-                    (MR, W) => self.tile::<MR, W>(format, acts, t, live, o, stride),
-                    (MR, _) => self.tile::<MR, 1>(format, acts, t, live, o, stride),
-                    (4, W) => self.tile::<4, W>(format, acts, t, live, o, stride),
-                    (4, _) => self.tile::<4, 1>(format, acts, t, live, o, stride),
-                    (3, W) => self.tile::<3, W>(format, acts, t, live, o, stride),
-                    (3, _) => self.tile::<3, 1>(format, acts, t, live, o, stride),
-                    (2, W) => self.tile::<2, W>(format, acts, t, live, o, stride),
-                    (2, _) => self.tile::<2, 1>(format, acts, t, live, o, stride),
-                    (_, W) => self.tile::<1, W>(format, acts, t, live, o, stride),
-                    _ => self.tile::<1, 1>(format, acts, t, live, o, stride),
+                    (MR, W) => self.tiles::<MR, W>(format, acts, t, live, o, stride),
+                    (MR, _) => self.tiles::<MR, 1>(format, acts, t, live, o, stride),
+                    (4, W) => self.tiles::<4, W>(format, acts, t, live, o, stride),
+                    (4, _) => self.tiles::<4, 1>(format, acts, t, live, o, stride),
+                    (3, W) => self.tiles::<3, W>(format, acts, t, live, o, stride),
+                    (3, _) => self.tiles::<3, 1>(format, acts, t, live, o, stride),
+                    (2, W) => self.tiles::<2, W>(format, acts, t, live, o, stride),
+                    (2, _) => self.tiles::<2, 1>(format, acts, t, live, o, stride),
+                    (_, W) => self.tiles::<1, W>(format, acts, t, live, o, stride),
+                    _ => self.tiles::<1, 1>(format, acts, t, live, o, stride),
                 }
             }
             t += m;
         }
     }
 
+    /// [`Self::tile`] for `format`'s bias: a format without one (Q4_1,
+    /// the K-quants with offsets) starts each sub-block's sums at zero,
+    /// with no multiply and broadcast per activation row.
+    ///
+    /// # Safety
+    /// As [`Self::tile`].
+    #[inline(always)]
+    unsafe fn tiles<const M: usize, const S: usize>(
+        &self,
+        format: QFormat,
+        a: &Acts,
+        t: usize,
+        live: usize,
+        out: *mut f32,
+        stride: usize,
+    ) {
+        // SAFETY: by the caller.
+        unsafe {
+            if bias(format) == Some(0) {
+                self.tile::<M, S, false>(format, a, t, live, out, stride)
+            } else {
+                self.tile::<M, S, true>(format, a, t, live, out, stride)
+            }
+        }
+    }
+
     /// `M` activation rows from `t` against the panel's first `S` strips,
-    /// lane by lane (see the module docs).
+    /// lane by lane (see the module docs); `BIASED`: the format's quants
+    /// carry a bias (or Q8_0's +128) to take off.
     #[allow(clippy::needless_range_loop)] // tile loops index several arrays
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile<const M: usize, const S: usize>(
+    unsafe fn tile<const M: usize, const S: usize, const BIASED: bool>(
         &self,
         format: QFormat,
         a: &Acts,
@@ -279,9 +306,11 @@ impl Panel {
                 let mut k = j;
                 while k < real {
                     let mut i = [[_mm512_setzero_si512(); S]; M];
-                    for r in 0..M {
-                        let init = _mm512_set1_epi32(-bias * b[at[r] + k]);
-                        i[r] = [init; S];
+                    if BIASED {
+                        for r in 0..M {
+                            let init = _mm512_set1_epi32(-bias * b[at[r] + k]);
+                            i[r] = [init; S];
+                        }
                     }
                     for v in 0..cols {
                         let byte = k * cols * 4 + 4 * v;
