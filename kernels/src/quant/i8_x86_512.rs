@@ -208,6 +208,7 @@ impl Panel {
         out: *mut f32,
         stride: usize,
     ) {
+        let biased = bias(format) != Some(0);
         let mut t = t0;
         while t < t0 + nt {
             // Tiles as even as they can be (16 rows: four of 4, not three
@@ -215,48 +216,34 @@ impl Panel {
             let left = t0 + nt - t;
             let m = left.div_ceil(left.div_ceil(MR));
             let o = out.wrapping_add(t * stride);
+            // A format without a bias (Q4_1, Q5_1, the K-quants with
+            // offsets) starts each sub-block's sums at zero: no multiply
+            // and broadcast per activation row.
+            macro_rules! tile {
+                ($m:tt, $s:tt) => {
+                    if biased {
+                        self.tile::<$m, $s, true>(format, acts, t, live, o, stride)
+                    } else {
+                        self.tile::<$m, $s, false>(format, acts, t, live, o, stride)
+                    }
+                };
+            }
             // SAFETY: by the caller; rows t .. t + m exist in `acts`.
             unsafe {
                 match (m, self.strips) {
-                    (MR, W) => self.tiles::<MR, W>(format, acts, t, live, o, stride),
-                    (MR, _) => self.tiles::<MR, 1>(format, acts, t, live, o, stride),
-                    (4, W) => self.tiles::<4, W>(format, acts, t, live, o, stride),
-                    (4, _) => self.tiles::<4, 1>(format, acts, t, live, o, stride),
-                    (3, W) => self.tiles::<3, W>(format, acts, t, live, o, stride),
-                    (3, _) => self.tiles::<3, 1>(format, acts, t, live, o, stride),
-                    (2, W) => self.tiles::<2, W>(format, acts, t, live, o, stride),
-                    (2, _) => self.tiles::<2, 1>(format, acts, t, live, o, stride),
-                    (_, W) => self.tiles::<1, W>(format, acts, t, live, o, stride),
-                    _ => self.tiles::<1, 1>(format, acts, t, live, o, stride),
+                    (MR, W) => tile!(MR, W),
+                    (MR, _) => tile!(MR, 1),
+                    (4, W) => tile!(4, W),
+                    (4, _) => tile!(4, 1),
+                    (3, W) => tile!(3, W),
+                    (3, _) => tile!(3, 1),
+                    (2, W) => tile!(2, W),
+                    (2, _) => tile!(2, 1),
+                    (_, W) => tile!(1, W),
+                    _ => tile!(1, 1),
                 }
             }
             t += m;
-        }
-    }
-
-    /// [`Self::tile`] for `format`'s bias: a format without one (Q4_1,
-    /// the K-quants with offsets) starts each sub-block's sums at zero,
-    /// with no multiply and broadcast per activation row.
-    ///
-    /// # Safety
-    /// As [`Self::tile`].
-    #[inline(always)]
-    unsafe fn tiles<const M: usize, const S: usize>(
-        &self,
-        format: QFormat,
-        a: &Acts,
-        t: usize,
-        live: usize,
-        out: *mut f32,
-        stride: usize,
-    ) {
-        // SAFETY: by the caller.
-        unsafe {
-            if bias(format) == Some(0) {
-                self.tile::<M, S, false>(format, a, t, live, out, stride)
-            } else {
-                self.tile::<M, S, true>(format, a, t, live, out, stride)
-            }
         }
     }
 

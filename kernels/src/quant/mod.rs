@@ -137,6 +137,7 @@ mod i8_x86_256;
 mod i8_x86_512;
 #[cfg(target_arch = "x86_64")]
 mod i8_x86_row;
+mod lines;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
