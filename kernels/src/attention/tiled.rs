@@ -19,10 +19,10 @@
 //! above is the same for both and an f16 pool gives the bits an f32 pool
 //! holding the same (f16-representable) values gives. A block with more
 //! queries than one tile takes widens its rows once into a per-thread f32
-//! copy (up to 1 MiB of it) instead of in every tile (a 16-token block of SmolLM2's 3 queries
-//! per KV head is eight AVX-512 tiles): `PATHS_BENCH="attention prefill"`,
-//! 4 rounds alternated, f16 went from 1.06-1.19x the f32 pool's time in the
-//! same run to 0.76-0.99x (AVX-512).
+//! copy (up to 1 MiB of it) instead of in every tile (a 16-token block of
+//! SmolLM2's 3 queries per KV head is eight AVX-512 tiles):
+//! `PATHS_BENCH="attention prefill"`, 4 rounds alternated, f16 went from
+//! 1.06-1.19x the f32 pool's time in the same run to 0.76-0.99x (AVX-512).
 //!
 //! Tiles only group independent results (scores) or interleave independent
 //! chains (outputs), so a query computes the same bits alone (a decode step)
@@ -290,14 +290,13 @@ pub(super) unsafe fn attend_typed<E: Elem, T: Tiles>(
                 d += 8;
             }
         }
-        let base = wide.as_ptr();
-        // SAFETY: slot i of `wide` (hd values).
-        let (kw, vw): (Vec<*const f32>, Vec<*const f32>) = (
-            (0..n).map(|i| unsafe { base.add(i * hd) }).collect(),
-            (n..2 * n).map(|i| unsafe { base.add(i * hd) }).collect(),
-        );
+        let rows: Vec<*const f32> = wide[..2 * n * hd]
+            .chunks_exact(hd)
+            .map(<[f32]>::as_ptr)
+            .collect();
+        let (kw, vw) = rows.split_at(n);
         // SAFETY: by the caller; the rows are `wide`'s, alive meanwhile.
-        unsafe { attend_rows::<f32, T>(queries, outs, shape, sinks, &spans, lo, &kw, &vw) };
+        unsafe { attend_rows::<f32, T>(queries, outs, shape, sinks, &spans, lo, kw, vw) };
         WIDE.set(wide);
         return;
     }

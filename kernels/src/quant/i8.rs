@@ -59,7 +59,7 @@
 
 use rayon::prelude::*;
 
-pub(super) use super::lines::Lines;
+use super::lines::Lines;
 use super::{scalar, QFormat, QMatrix, GROUP};
 use crate::cpu::Path;
 

@@ -5,7 +5,8 @@
 
 use std::arch::x86_64::*;
 
-use super::i8::{bias, padded, Lines};
+use super::i8::{bias, padded};
+use super::lines::Lines;
 use super::scalar::Head;
 use super::x86_blocks::head;
 use super::{QFormat, GROUP};

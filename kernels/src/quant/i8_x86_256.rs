@@ -11,8 +11,9 @@
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
-use super::i8::{bias, Acts, Dot, Lines};
+use super::i8::{bias, Acts, Dot};
 use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
+use super::lines::Lines;
 use super::x86_blocks::quants;
 use super::{with_format, QFormat, GROUP};
 
@@ -282,8 +283,12 @@ impl Panel {
                 let mut k = j;
                 while k < real {
                     let mut i = [[_mm256_setzero_si256(); S]; M];
-                    for r in 0..M {
-                        i[r] = [_mm256_set1_epi32(-bias * b[at[r] + k]); S];
+                    // Formats without a bias start at zero (as the AVX-512
+                    // tile).
+                    if bias != 0 {
+                        for r in 0..M {
+                            i[r] = [_mm256_set1_epi32(-bias * b[at[r] + k]); S];
+                        }
                     }
                     for v in 0..cols {
                         let byte = k * cols * 4 + 4 * v;

@@ -27,7 +27,7 @@
 //! rows and interleaving their bytes) is paid once per task, which runs
 //! every activation row of the call (or its share of them) against it.
 //! The panel and every activation row start on a cache line
-//! ([`super::i8::Lines`]), so no 64-byte load splits two lines: 0.79-0.91x
+//! ([`super::lines::Lines`]), so no 64-byte load splits two lines: 0.79-0.91x
 //! the time at 1536 columns, 0.89-0.97x at 576, even at 8192 (512 rows,
 //! one thread, three rounds alternated with the unaligned buffers).
 //!
@@ -44,8 +44,9 @@
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
-use super::i8::{bias, padded, Acts, Lines};
+use super::i8::{bias, padded, Acts};
 use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
+use super::lines::Lines;
 use super::x86_blocks::quants;
 use super::{with_format, QFormat, GROUP};
 
@@ -208,7 +209,6 @@ impl Panel {
         out: *mut f32,
         stride: usize,
     ) {
-        let biased = bias(format) != Some(0);
         let mut t = t0;
         while t < t0 + nt {
             // Tiles as even as they can be (16 rows: four of 4, not three
@@ -216,31 +216,19 @@ impl Panel {
             let left = t0 + nt - t;
             let m = left.div_ceil(left.div_ceil(MR));
             let o = out.wrapping_add(t * stride);
-            // A format without a bias (Q4_1, Q5_1, the K-quants with
-            // offsets) starts each sub-block's sums at zero: no multiply
-            // and broadcast per activation row.
-            macro_rules! tile {
-                ($m:tt, $s:tt) => {
-                    if biased {
-                        self.tile::<$m, $s, true>(format, acts, t, live, o, stride)
-                    } else {
-                        self.tile::<$m, $s, false>(format, acts, t, live, o, stride)
-                    }
-                };
-            }
             // SAFETY: by the caller; rows t .. t + m exist in `acts`.
             unsafe {
                 match (m, self.strips) {
-                    (MR, W) => tile!(MR, W),
-                    (MR, _) => tile!(MR, 1),
-                    (4, W) => tile!(4, W),
-                    (4, _) => tile!(4, 1),
-                    (3, W) => tile!(3, W),
-                    (3, _) => tile!(3, 1),
-                    (2, W) => tile!(2, W),
-                    (2, _) => tile!(2, 1),
-                    (_, W) => tile!(1, W),
-                    _ => tile!(1, 1),
+                    (MR, W) => self.tile::<MR, W>(format, acts, t, live, o, stride),
+                    (MR, _) => self.tile::<MR, 1>(format, acts, t, live, o, stride),
+                    (4, W) => self.tile::<4, W>(format, acts, t, live, o, stride),
+                    (4, _) => self.tile::<4, 1>(format, acts, t, live, o, stride),
+                    (3, W) => self.tile::<3, W>(format, acts, t, live, o, stride),
+                    (3, _) => self.tile::<3, 1>(format, acts, t, live, o, stride),
+                    (2, W) => self.tile::<2, W>(format, acts, t, live, o, stride),
+                    (2, _) => self.tile::<2, 1>(format, acts, t, live, o, stride),
+                    (_, W) => self.tile::<1, W>(format, acts, t, live, o, stride),
+                    _ => self.tile::<1, 1>(format, acts, t, live, o, stride),
                 }
             }
             t += m;
@@ -248,12 +236,11 @@ impl Panel {
     }
 
     /// `M` activation rows from `t` against the panel's first `S` strips,
-    /// lane by lane (see the module docs); `BIASED`: the format's quants
-    /// carry a bias (or Q8_0's +128) to take off.
+    /// lane by lane (see the module docs).
     #[allow(clippy::needless_range_loop)] // tile loops index several arrays
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile<const M: usize, const S: usize, const BIASED: bool>(
+    unsafe fn tile<const M: usize, const S: usize>(
         &self,
         format: QFormat,
         a: &Acts,
@@ -293,7 +280,11 @@ impl Panel {
                 let mut k = j;
                 while k < real {
                     let mut i = [[_mm512_setzero_si512(); S]; M];
-                    if BIASED {
+                    // A format without a bias (Q4_1, Q5_1, the K-quants
+                    // with offsets) starts at zero: no multiply and
+                    // broadcast per row (a branch the loop always takes
+                    // the same way).
+                    if bias != 0 {
                         for r in 0..M {
                             let init = _mm512_set1_epi32(-bias * b[at[r] + k]);
                             i[r] = [init; S];
