@@ -139,7 +139,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let path = kvmesh_kernels::cpu::path();
     let model = engine.model();
     let weight_gb = model.weight_bytes() as f64 / 1e9;
-    let flops_per_token = 2.0 * model.matmul_params() as f64;
+    // A prefill computes the vocabulary's logits for its last position
+    // only: the layers' multiply-adds per token, the vocabulary's once.
+    let prefill_flops = 2.0 * model.prefill_matmul_params(args.prompt_tokens) as f64;
     let read_gbps = kvmesh_kernels::roofline::read_gbps(256 << 20);
     let fma_gflops = kvmesh_kernels::roofline::fma_peak_gflops(path);
     // The 8-bit-activation class multiplies in integers: its ceiling is the
@@ -151,7 +153,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         });
     let b1 = decode.iter().find(|(b, _)| *b == 1).map(|(_, r)| *r);
     let b1_gbps = b1.map(|r| r * weight_gb);
-    let prefill_gflops = prefill * flops_per_token / 1e9;
+    let prefill_gflops = prefill * prefill_flops / args.prompt_tokens as f64 / 1e9;
 
     // On a CUDA device: its weights and its copy bandwidth, measured now.
     let device = match engine.cuda() {

@@ -381,3 +381,24 @@ fn prompt_logprobs_are_the_same_batched() {
         }
     }
 }
+
+/// A prefill's multiply-adds count the vocabulary's projection once: one
+/// token is a decode token's count, each further token adds the layers'.
+#[test]
+fn a_prefill_counts_the_vocabulary_once() {
+    let (_dir, e) = tiny_engine(Precision::Quantized);
+    let m = e.model();
+    let cfg = m.config();
+    let vocab = cfg.vocab_size * cfg.hidden_size;
+    assert!(
+        m.matmul_params() > vocab,
+        "{} <= {vocab}",
+        m.matmul_params()
+    );
+    assert_eq!(m.prefill_matmul_params(0), 0);
+    assert_eq!(m.prefill_matmul_params(1), m.matmul_params());
+    assert_eq!(
+        m.prefill_matmul_params(512),
+        512 * (m.matmul_params() - vocab) + vocab
+    );
+}
