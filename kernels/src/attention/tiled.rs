@@ -145,6 +145,21 @@ pub(super) trait Tiles {
     /// # Safety
     /// As [`axpy1`]; the build's features.
     unsafe fn axpy1<E: Elem>(w: f32, v: *const E, out: *mut f32, hd: usize);
+
+    /// Each score of `body` (whole groups of eight) to `exp(s - max)` in
+    /// place, added to `sum` lane by lane in position order (lane `l`:
+    /// positions `l, l + 8, ...`), as [`softmax`] sums them.
+    ///
+    /// # Safety
+    /// The build's features.
+    unsafe fn exp_sum(body: &mut [f32], max: __m256, sum: __m256) -> __m256;
+
+    /// The `hd` values at `r` as f32 at `dst` (exact).
+    ///
+    /// # Safety
+    /// `r` readable and `dst` writable for `hd` values (a multiple of 32);
+    /// the build's features.
+    unsafe fn widen<E: Elem>(r: *const E, dst: *mut f32, hd: usize);
 }
 
 /// The most queries any build's tile takes.
@@ -195,6 +210,20 @@ impl Tiles for Avx2Tiles {
     unsafe fn axpy1<E: Elem>(w: f32, v: *const E, out: *mut f32, hd: usize) {
         // SAFETY: by the caller.
         unsafe { axpy1(w, v, out, hd) }
+    }
+
+    #[inline(always)]
+    unsafe fn exp_sum(body: &mut [f32], max: __m256, sum: __m256) -> __m256 {
+        // SAFETY: by the caller.
+        unsafe { exp_sum8(body, max, sum) }
+    }
+
+    #[inline(always)]
+    unsafe fn widen<E: Elem>(r: *const E, dst: *mut f32, hd: usize) {
+        for d in (0..hd).step_by(8) {
+            // SAFETY: by the caller.
+            unsafe { _mm256_storeu_ps(dst.add(d), E::load8(r.add(d))) };
+        }
     }
 }
 
@@ -283,12 +312,8 @@ pub(super) unsafe fn attend_typed<E: Elem, T: Tiles>(
         }
         let base = wide.as_mut_ptr();
         for (i, &r) in krows.iter().chain(&vrows).enumerate() {
-            let mut d = 0;
-            while d < hd {
-                // SAFETY: row r holds hd values; slot i of `wide` too.
-                unsafe { _mm256_storeu_ps(base.add(i * hd + d), E::load8(r.add(d))) };
-                d += 8;
-            }
+            // SAFETY: row r holds hd values; slot i of `wide` too.
+            unsafe { T::widen(r, base.add(i * hd), hd) };
         }
         let rows: Vec<*const f32> = wide[..2 * n * hd]
             .chunks_exact(hd)
@@ -401,7 +426,7 @@ unsafe fn attend_rows<E: Elem, T: Tiles>(
                 w.iter_mut()
                     .for_each(|s| *s = super::softcap(*s, shape.softcap));
             }
-            softmax(w, sinks.map(|s| s[i]));
+            softmax::<T>(w, sinks.map(|s| s[i]));
         }
     }
 
@@ -504,9 +529,9 @@ pub(super) fn reduce4(a: [__m256; 4]) -> [f32; 4] {
 /// remainder); a sink, where given, joins the maximum and the sum.
 ///
 /// # Safety
-/// AVX2/FMA.
+/// AVX2/FMA and `T`'s features.
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn softmax(s: &mut [f32], sink: Option<f32>) {
+unsafe fn softmax<T: Tiles>(s: &mut [f32], sink: Option<f32>) {
     let whole = s.len() / 8 * 8;
     let (body, tail) = s.split_at_mut(whole);
     // The maximum is exact in any order.
@@ -524,15 +549,8 @@ pub(super) unsafe fn softmax(s: &mut [f32], sink: Option<f32>) {
         .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let (max, sink_term) = super::with_sink(max, sink);
     let mx = _mm256_set1_ps(max);
-    let mut sum = _mm256_setzero_ps();
-    for c in body.chunks_exact_mut(8) {
-        // SAFETY: as above.
-        unsafe {
-            let e = exp(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mx));
-            _mm256_storeu_ps(c.as_mut_ptr(), e);
-            sum = _mm256_add_ps(sum, e);
-        }
-    }
+    // SAFETY: by the caller.
+    let mut sum = unsafe { T::exp_sum(body, mx, _mm256_setzero_ps()) };
     if !tail.is_empty() {
         let len = tail.len();
         let mut buf = [max; 8];
@@ -563,6 +581,24 @@ pub(super) unsafe fn softmax(s: &mut [f32], sink: Option<f32>) {
     for v in tail.iter_mut() {
         *v *= inv;
     }
+}
+
+/// [`Tiles::exp_sum`] eight scores at a time.
+///
+/// # Safety
+/// AVX2/FMA.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn exp_sum8(body: &mut [f32], max: __m256, mut sum: __m256) -> __m256 {
+    for c in body.chunks_exact_mut(8) {
+        // SAFETY: a chunk of eight floats.
+        unsafe {
+            let e = exp(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), max));
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
+            sum = _mm256_add_ps(sum, e);
+        }
+    }
+    sum
 }
 
 /// `out += w * v` for one query and one value row (`hd` values).
