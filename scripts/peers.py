@@ -113,7 +113,13 @@ tokens with a 512-token context in a process of their own; the peak RSS
 (the process's VmHWM) against the file size plus that context's f16 KV.
 --skip multi-turn / --skip memory leaves that measurement out; --skip kvmesh or
 --skip llama.cpp leaves that engine out of it too. A benchmark: it never fails on a number,
-only when an engine cannot run.
+only when an engine cannot run. The report calls the machine busy (its verdicts
+unreliable) when the load average before the run, or after it less the run's
+threads, is above 0.5, or when a ceiling kvmesh measured (read bandwidth, peak)
+moved more than 1.2x between rounds: another tenant of a shared host, which a
+virtual machine's load average does not show.
+
+Code: scripts/peerslib/ (common, engines, multi_turn, memory, report).
 """
 
 
@@ -135,7 +141,7 @@ from peerslib.engines import (
 )
 from peerslib.memory import measure_memory, memory_goal
 from peerslib.multi_turn import LlamaChat, mt_report, multi_turn_round, multi_turn_setup
-from peerslib.report import ROWS, goals, render
+from peerslib.report import CEILING_SPREAD, ROWS, ceiling_spread, goals, render
 
 
 
@@ -246,7 +252,11 @@ def measure(args):
     report["load_average_at_end"] = round(os.getloadavg()[0], 2)
     # More runnable work than a quiet machine's background: another job
     # shares the cores (our own threads leave the 1-minute average by the end).
-    report["busy"] = max(load_at_start, report["load_average_at_end"] - threads) > BUSY_LOAD
+    # A ceiling that moved between rounds: another tenant of the host, which
+    # a virtual machine's load average does not count.
+    report["ceiling_spread"] = ceiling_spread(res)
+    report["busy"] = (max(load_at_start, report["load_average_at_end"] - threads) > BUSY_LOAD
+                      or (report["ceiling_spread"] or 1.0) > CEILING_SPREAD)
     print(render(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

@@ -197,10 +197,35 @@ def render(report):
     lines += ["", "goals:"]
     for g in report["goals"]:
         lines.append(f"  {g['status']:<13} {g['goal']}: {g['detail']}")
+    spread = report.get("ceiling_spread")
     if report["busy"]:
         lines.append(
             f"  (the machine was busy: load average {report['load_average_at_start']} at the start, "
-            f"{report['load_average_at_end']} at the end; the engines suffer unequally from sharing the "
-            "cores (llama.cpp's OpenMP threads most), so these verdicts are not reliable: rerun on a quiet machine)"
+            f"{report['load_average_at_end']} at the end"
+            + (f"; a ceiling kvmesh measured (read bandwidth, peak) moved {spread:.2f}x between rounds, which "
+               "a virtual machine's load average does not show when another tenant of the host takes the cores"
+               if spread and spread > CEILING_SPREAD else "")
+            + "; the engines suffer unequally from sharing the cores (llama.cpp's OpenMP threads most), so these "
+            "verdicts are not reliable: rerun on a quiet machine)"
         )
     return "\n".join(lines)
+
+
+# The most a ceiling kvmesh measures (read bandwidth, peak) may move between
+# rounds on a quiet machine (largest over smallest; 1.01-1.16 in quiet runs of
+# the Xeon host); more means another tenant shared the cores.
+CEILING_SPREAD = 1.2
+
+
+def ceiling_spread(res):
+    """The largest spread (largest over smallest) of a ceiling kvmesh
+    measured in each round: the read bandwidth, the peak (int8 dot product
+    or FMA); None without two rounds' ceilings."""
+    rounds = [r.get("roofline") or {} for r in (res.get("kvmesh") or {}).get("rounds", [])]
+    spreads = []
+    for get in (lambda rf: rf.get("read_gbps"),
+                lambda rf: rf.get("int8_peak_gops") or rf.get("fma_peak_gflops")):
+        v = [x for x in map(get, rounds) if x]
+        if len(v) > 1:
+            spreads.append(max(v) / min(v))
+    return max(spreads, default=None)
