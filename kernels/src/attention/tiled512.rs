@@ -174,8 +174,8 @@ unsafe fn scores<const MR: usize, E: Elem>(
     // l7))` per score, sixteen scores at a time: a pairwise step on each
     // query's two registers, one on two queries' results, then the halves
     // (lanes 0-3 and 4-7) added; a permutation puts each query's four
-    // scores in order. (Four queries in 21 vector operations; `reduce4`
-    // per query took about 56.)
+    // scores in order: four queries' sixteen scores in 21 vector
+    // operations, where `reduce4` (about 14 a query) took about 56.
     // SAFETY (`pairs`): this build has AVX-512.
     let h: [__m512; MR] = std::array::from_fn(|i| unsafe { pairs(acc[i][0], acc[i][1]) });
     let mut out = [[0.0f32; 4]; MR];
@@ -232,8 +232,8 @@ unsafe fn pairs(a: __m512, b: __m512) -> __m512 {
 #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
 unsafe fn exp_sum16(body: &mut [f32], max: __m256, mut sum: __m256) -> __m256 {
     let mx = _mm512_broadcast_f32x8(max);
-    let mut pairs = body.chunks_exact_mut(16);
-    for c in &mut pairs {
+    let mut sixteens = body.chunks_exact_mut(16);
+    for c in &mut sixteens {
         // SAFETY: a chunk of sixteen floats.
         unsafe {
             let e = exp(_mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), mx));
@@ -243,7 +243,7 @@ unsafe fn exp_sum16(body: &mut [f32], max: __m256, mut sum: __m256) -> __m256 {
         }
     }
     // SAFETY: as `exp_sum8` needs (a whole group of eight or none).
-    unsafe { tiled::exp_sum8(pairs.into_remainder(), max, sum) }
+    unsafe { tiled::exp_sum8(sixteens.into_remainder(), max, sum) }
 }
 
 /// `out += w * v` for one query and one value row, sixteen at a time.
