@@ -189,7 +189,7 @@ impl Panel {
         // Each live row's scales (and offsets) to their lanes.
         // SAFETY: `w` holds the live rows (asserted by `fill_blocks`).
         unsafe {
-            if head_at_start(f) {
+            if head_at_start(f) && i32::try_from(NR * rb).is_ok() {
                 self.head_scales::<F>(wp, live, cols);
             } else {
                 lane_scales::<F>(wp, live, cols, ROWS, &mut self.s, &mut self.o);
@@ -205,17 +205,16 @@ impl Panel {
     /// filling a Q4_1 panel.
     ///
     /// # Safety
-    /// As [`Self::fill_blocks`], `head_at_start(format)`; the panel shaped.
+    /// As [`Self::fill_blocks`], `head_at_start(format)`, sixteen rows'
+    /// bytes within an `i32` (the gather's offsets); the panel shaped.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn head_scales<const F: u8>(&mut self, w: *const u8, live: usize, cols: usize) {
         let f = const { QFormat::of_code(F) };
         let (bb, rb) = (f.block_bytes(), f.row_bytes(cols));
         let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        // Row offsets (below 16 rows of bytes: asserted to fit an i32).
-        let rows_at = _mm512_mullo_epi32(
-            lanes,
-            _mm512_set1_epi32(i32::try_from(rb).expect("row bytes")),
-        );
+        // Row offsets: under sixteen rows' bytes, which fit an i32 (the
+        // caller checked), so neither the cast nor the products wrap.
+        let rows_at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(rb as i32));
         for strip in 0..live.div_ceil(NR) {
             let rows = (live - strip * NR).min(NR);
             let mask = ((1u32 << rows) - 1) as __mmask16;
