@@ -89,6 +89,17 @@ def bandwidth_goal(res):
             "rounds": [round(x, 3) for x in ours], "detail": detail}
 
 
+def kvmesh_ceilings(res):
+    """The ceilings kvmesh measured in each round (its `roofline`)."""
+    return [r.get("roofline") or {} for r in (res.get("kvmesh") or {}).get("rounds") or []]
+
+
+def path_peak(rf):
+    """A round's peak of the path kvmesh ran: the int8 dot product's with
+    8-bit activations, the FMA's with f32."""
+    return rf.get("int8_peak_gops") or rf.get("fma_peak_gflops")
+
+
 def peak_goal(res):
     """kvmesh's prefill as a share of its path's peak measured in the same
     round (the int8 dot product's with 8-bit activations, the FMA's with
@@ -96,9 +107,8 @@ def peak_goal(res):
     attention, norms and the rest count against it."""
     name = f"prefill >= {PEAK_GOAL:.0%} of the path's peak (the whole prefill)"
     shares = []
-    for a in (res.get("kvmesh") or {}).get("rounds") or []:
-        rf = a.get("roofline") or {}
-        peak = rf.get("int8_peak_gops") or rf.get("fma_peak_gflops")
+    for rf in kvmesh_ceilings(res):
+        peak = path_peak(rf)
         if rf.get("prefill_matmul_gflops") and peak:
             shares.append(rf["prefill_matmul_gflops"] / peak)
     if not shares:
@@ -221,10 +231,9 @@ def ceiling_spread(res):
     """The largest spread (largest over smallest) of a ceiling kvmesh
     measured in each round: the read bandwidth, the peak (int8 dot product
     or FMA); None without two rounds' ceilings."""
-    rounds = [r.get("roofline") or {} for r in (res.get("kvmesh") or {}).get("rounds", [])]
+    rounds = kvmesh_ceilings(res)
     spreads = []
-    for get in (lambda rf: rf.get("read_gbps"),
-                lambda rf: rf.get("int8_peak_gops") or rf.get("fma_peak_gflops")):
+    for get in (lambda rf: rf.get("read_gbps"), path_peak):
         v = [x for x in map(get, rounds) if x]
         if len(v) > 1:
             spreads.append(max(v) / min(v))
