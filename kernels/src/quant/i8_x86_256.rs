@@ -7,12 +7,14 @@
 //! multiplies with `vpmaddubsw` + `vpmaddwd`, which would saturate on
 //! Q8_0's bytes biased to unsigned: Q8_0 stays on the one-row kernel there
 //! ([`takes`]).
+//! Its tiles prefetch the next task's rows as the AVX-512 tiles do
+//! ([`super::i8_x86::Ahead`]).
 
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
 use super::i8::{bias, Acts, Dot};
-use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
+use super::i8_x86::{lane_scales, shape_panel, unsigned_quants, Ahead};
 use super::lines::Lines;
 use super::x86_blocks::quants;
 use super::{with_format, QFormat, GROUP};
@@ -166,14 +168,17 @@ impl Panel {
         live: usize,
         out: *mut f32,
         stride: usize,
+        next: &[u8],
     ) {
         debug_assert!(takes(dot, format) && dot.available());
+        let subs = (acts.cols() / format.sub_block()).min(self.subs);
+        let ahead = &mut Ahead::new(next, nt.div_ceil(MR) * subs);
         // SAFETY: by the caller.
         unsafe {
             if dot == Dot::AvxVnni {
-                self.run_vnni(format, acts, t0, nt, live, out, stride);
+                self.run_vnni(format, acts, t0, nt, live, out, stride, ahead);
             } else {
-                self.run_avx2(format, acts, t0, nt, live, out, stride);
+                self.run_avx2(format, acts, t0, nt, live, out, stride, ahead);
             }
         }
     }
@@ -189,9 +194,10 @@ impl Panel {
         live: usize,
         out: *mut f32,
         stride: usize,
+        ahead: &mut Ahead,
     ) {
         // SAFETY: by the caller.
-        unsafe { self.tiles::<true>(format, a, t0, nt, live, out, stride) }
+        unsafe { self.tiles::<true>(format, a, t0, nt, live, out, stride, ahead) }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -205,9 +211,10 @@ impl Panel {
         live: usize,
         out: *mut f32,
         stride: usize,
+        ahead: &mut Ahead,
     ) {
         // SAFETY: by the caller.
-        unsafe { self.tiles::<false>(format, a, t0, nt, live, out, stride) }
+        unsafe { self.tiles::<false>(format, a, t0, nt, live, out, stride, ahead) }
     }
 
     /// Rows `t0 .. t0 + nt` in tiles of [`MR`] (a last lone row alone).
@@ -222,6 +229,7 @@ impl Panel {
         live: usize,
         out: *mut f32,
         stride: usize,
+        ahead: &mut Ahead,
     ) {
         let mut t = t0;
         while t < t0 + nt {
@@ -230,10 +238,10 @@ impl Panel {
             // SAFETY: by the caller; rows t .. t + m exist in `a`.
             unsafe {
                 match (m, self.strips) {
-                    (MR, W) => self.tile::<VNNI, MR, W>(format, a, t, live, o, stride),
-                    (MR, _) => self.tile::<VNNI, MR, 1>(format, a, t, live, o, stride),
-                    (_, W) => self.tile::<VNNI, 1, W>(format, a, t, live, o, stride),
-                    _ => self.tile::<VNNI, 1, 1>(format, a, t, live, o, stride),
+                    (MR, W) => self.tile::<VNNI, MR, W>(format, a, t, live, o, stride, ahead),
+                    (MR, _) => self.tile::<VNNI, MR, 1>(format, a, t, live, o, stride, ahead),
+                    (_, W) => self.tile::<VNNI, 1, W>(format, a, t, live, o, stride, ahead),
+                    _ => self.tile::<VNNI, 1, 1>(format, a, t, live, o, stride, ahead),
                 }
             }
             t += m;
@@ -243,6 +251,7 @@ impl Panel {
     /// `M` activation rows from `t` against the first `S` strips, lane by
     /// lane (`VNNI`: `vpdpbusd`, else `vpmaddubsw` + `vpmaddwd`).
     #[allow(clippy::needless_range_loop)] // tile loops index several arrays
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     unsafe fn tile<const VNNI: bool, const M: usize, const S: usize>(
         &self,
@@ -252,6 +261,7 @@ impl Panel {
         live: usize,
         out: *mut f32,
         stride: usize,
+        ahead: &mut Ahead,
     ) {
         let sub16 = format.sub_block() == 16;
         let offset = format.has_offset();
@@ -332,6 +342,7 @@ impl Panel {
                             }
                         }
                     }
+                    ahead.step();
                     k += 8;
                 }
                 for r in 0..M {

@@ -26,6 +26,11 @@
 //! four instructions on the vector ports. Filling a panel (unpacking its
 //! rows and interleaving their bytes) is paid once per task, which runs
 //! every activation row of the call (or its share of them) against it.
+//! The tiles prefetch the next task's rows as they go
+//! ([`super::i8_x86::Ahead`]), so that fill reads L2, not memory: at 16
+//! activation rows (SmolLM2, one thread) the fill went from 28% of a
+//! batched decode's samples to 15%, the step 1.20x as many tokens a
+//! second.
 //! The panel and every activation row start on a cache line
 //! ([`super::lines::Lines`]), so no 64-byte load splits two lines: 0.79-0.91x
 //! the time at 1536 columns, 0.89-0.97x at 576, even at 8192 (512 rows,
@@ -45,7 +50,7 @@ use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
 use super::i8::{bias, padded, Acts};
-use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
+use super::i8_x86::{lane_scales, shape_panel, unsigned_quants, Ahead};
 use super::lines::Lines;
 use super::x86_blocks::quants;
 use super::{with_format, QFormat, GROUP};
@@ -245,7 +250,8 @@ impl Panel {
     }
 
     /// Every activation row `t0 .. t0 + nt` against the panel:
-    /// `out[t * stride + c]` for `c < live`.
+    /// `out[t * stride + c]` for `c < live`, prefetching `next` (the next
+    /// task's rows, [`Ahead`]) as the tiles go.
     ///
     /// # Safety
     /// AVX-512 F/BW/VL and VNNI; `out` valid for those writes; the panel
@@ -261,7 +267,10 @@ impl Panel {
         live: usize,
         out: *mut f32,
         stride: usize,
+        next: &[u8],
     ) {
+        let subs = (acts.cols() / format.sub_block()).min(self.subs);
+        let ahead = &mut Ahead::new(next, nt.div_ceil(MR) * subs);
         let mut t = t0;
         while t < t0 + nt {
             // Tiles as even as they can be (16 rows: four of 4, not three
@@ -272,16 +281,16 @@ impl Panel {
             // SAFETY: by the caller; rows t .. t + m exist in `acts`.
             unsafe {
                 match (m, self.strips) {
-                    (MR, W) => self.tile::<MR, W>(format, acts, t, live, o, stride),
-                    (MR, _) => self.tile::<MR, 1>(format, acts, t, live, o, stride),
-                    (4, W) => self.tile::<4, W>(format, acts, t, live, o, stride),
-                    (4, _) => self.tile::<4, 1>(format, acts, t, live, o, stride),
-                    (3, W) => self.tile::<3, W>(format, acts, t, live, o, stride),
-                    (3, _) => self.tile::<3, 1>(format, acts, t, live, o, stride),
-                    (2, W) => self.tile::<2, W>(format, acts, t, live, o, stride),
-                    (2, _) => self.tile::<2, 1>(format, acts, t, live, o, stride),
-                    (_, W) => self.tile::<1, W>(format, acts, t, live, o, stride),
-                    _ => self.tile::<1, 1>(format, acts, t, live, o, stride),
+                    (MR, W) => self.tile::<MR, W>(format, acts, t, live, o, stride, ahead),
+                    (MR, _) => self.tile::<MR, 1>(format, acts, t, live, o, stride, ahead),
+                    (4, W) => self.tile::<4, W>(format, acts, t, live, o, stride, ahead),
+                    (4, _) => self.tile::<4, 1>(format, acts, t, live, o, stride, ahead),
+                    (3, W) => self.tile::<3, W>(format, acts, t, live, o, stride, ahead),
+                    (3, _) => self.tile::<3, 1>(format, acts, t, live, o, stride, ahead),
+                    (2, W) => self.tile::<2, W>(format, acts, t, live, o, stride, ahead),
+                    (2, _) => self.tile::<2, 1>(format, acts, t, live, o, stride, ahead),
+                    (_, W) => self.tile::<1, W>(format, acts, t, live, o, stride, ahead),
+                    _ => self.tile::<1, 1>(format, acts, t, live, o, stride, ahead),
                 }
             }
             t += m;
@@ -289,8 +298,9 @@ impl Panel {
     }
 
     /// `M` activation rows from `t` against the panel's first `S` strips,
-    /// lane by lane (see the module docs).
+    /// lane by lane (see the module docs), a step of `ahead` per sub-block.
     #[allow(clippy::needless_range_loop)] // tile loops index several arrays
+    #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn tile<const M: usize, const S: usize>(
@@ -301,6 +311,7 @@ impl Panel {
         live: usize,
         out: *mut f32,
         stride: usize,
+        ahead: &mut Ahead,
     ) {
         let sub16 = format.sub_block() == 16;
         let offset = format.has_offset();
@@ -378,6 +389,7 @@ impl Panel {
                             }
                         }
                     }
+                    ahead.step();
                     k += 8;
                 }
                 for r in 0..M {
