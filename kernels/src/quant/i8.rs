@@ -587,7 +587,7 @@ fn run(kernel: Dot, w: &QMatrix, acts: &Acts, rows: usize, out: &mut [f32]) {
         let blocks = &w.data[r0 * rb..(r0 + nr) * rb];
         // The rows of the task after this one (the next panel of the
         // same activation rows: a thread takes consecutive tasks), which
-        // a panel's multiply prefetches (`i8_x86::Ahead`).
+        // a panel's multiply prefetches (`ahead::Ahead`).
         #[cfg(target_arch = "x86_64")]
         let next = if i % panels + 1 < panels {
             &w.data[(r0 + nr) * rb..(r0 + nr + prows).min(n) * rb]

@@ -85,55 +85,6 @@ pub(super) unsafe fn lane_scales<const F: u8>(
     }
 }
 
-/// The next task's weight rows, brought into L2 a few cache lines per
-/// step (one sub-block of one tile) of the current panel's multiply.
-///
-/// A task fills its panel from rows nobody has read yet, so the fill
-/// waited on memory (16 or 32 rows read side by side), and at 16
-/// activation rows that wait was about as long as the multiply itself.
-/// Prefetched while the tiles run (compute-bound, on operands in L1), the
-/// next fill finds its rows in L2: the wait overlaps the multiply instead
-/// of following it. The panels call [`Ahead::step`] once per sub-block
-/// of each tile and size `per` so that the last step takes the last line;
-/// a few lines a step, never a burst: all of them at the start of a
-/// panel's multiply stalled it as long as the fill had waited (measured:
-/// the time moved from the fill to the multiply, the sum unchanged).
-///
-/// Measured (`bench-engine --batch 16 --prompt-tokens 32`, SmolLM2 Q4_1,
-/// AVX-512, one thread, 8 alternated pairs): 1.20x the tokens a second
-/// (every pair 1.04-1.25x); two threads 1.13x (6 pairs); prefill and
-/// batch 1 inside the host's noise (a prefill's 512 rows pay the fill
-/// once per panel; one or two rows take the one-row kernel).
-pub(super) struct Ahead {
-    at: *const u8,
-    left: usize,
-    per: usize,
-}
-
-impl Ahead {
-    /// `next`'s cache lines over `steps` steps.
-    pub fn new(next: &[u8], steps: usize) -> Self {
-        let left = next.len().div_ceil(64);
-        Self {
-            at: next.as_ptr(),
-            left,
-            per: left.div_ceil(steps.max(1)),
-        }
-    }
-
-    /// The next few lines (none when all are asked for).
-    #[inline(always)]
-    pub fn step(&mut self) {
-        let n = self.per.min(self.left);
-        for i in 0..n {
-            // SAFETY: a hint, inside `next` (it never faults anyway).
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.at.wrapping_add(64 * i).cast()) };
-        }
-        self.at = self.at.wrapping_add(64 * n);
-        self.left -= n;
-    }
-}
-
 /// One group of 32 activations quantized as `super::i8::quantize_group`
 /// does, to the bit, with its halves' quant sums, in AVX2 (the AVX-512
 /// build's `super::i8_x86_512::quantize_group` says why each step gives
@@ -184,34 +135,5 @@ pub(super) unsafe fn quantize_group(x: &[f32; GROUP], q: &mut [i8; GROUP]) -> (f
             _mm_cvtsi128_si32(s)
         };
         (amax / 127.0, sum(i[0], i[1]), sum(i[2], i[3]))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Ahead;
-
-    /// Every line of `next` is asked for by the last of `steps` steps,
-    /// none twice, none past its end (lengths not whole lines, more lines
-    /// than steps and fewer).
-    #[test]
-    fn ahead_covers_the_next_rows_by_the_last_step() {
-        let buf = vec![0u8; 64 * 40];
-        for (len, steps) in [(0, 5), (1, 1), (64 * 40, 7), (64 * 40 - 3, 200), (100, 3)] {
-            let next = &buf[..len];
-            let mut a = Ahead::new(next, steps);
-            let mut asked = 0;
-            for _ in 0..steps {
-                let before = a.left;
-                a.step();
-                asked += before - a.left;
-                assert!(a.at <= next.as_ptr().wrapping_add(len.div_ceil(64) * 64));
-            }
-            assert_eq!(
-                (asked, a.left),
-                (len.div_ceil(64), 0),
-                "{len} bytes, {steps} steps"
-            );
-        }
     }
 }

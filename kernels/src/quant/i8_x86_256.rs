@@ -8,13 +8,14 @@
 //! Q8_0's bytes biased to unsigned: Q8_0 stays on the one-row kernel there
 //! ([`takes`]).
 //! Its tiles prefetch the next task's rows as the AVX-512 tiles do
-//! ([`super::i8_x86::Ahead`]).
+//! ([`super::ahead::Ahead`]).
 
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
+use super::ahead::Ahead;
 use super::i8::{bias, Acts, Dot};
-use super::i8_x86::{lane_scales, shape_panel, unsigned_quants, Ahead};
+use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
 use super::lines::Lines;
 use super::x86_blocks::quants;
 use super::{with_format, QFormat, GROUP};

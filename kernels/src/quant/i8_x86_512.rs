@@ -27,7 +27,7 @@
 //! rows and interleaving their bytes) is paid once per task, which runs
 //! every activation row of the call (or its share of them) against it.
 //! The tiles prefetch the next task's rows as they go
-//! ([`super::i8_x86::Ahead`]), so that fill reads L2, not memory: at 16
+//! ([`super::ahead::Ahead`]), so that fill reads L2, not memory: at 16
 //! activation rows (SmolLM2, one thread) the fill went from 28% of a
 //! batched decode's samples to 15%, the step 1.20x as many tokens a
 //! second.
@@ -49,8 +49,9 @@
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
+use super::ahead::Ahead;
 use super::i8::{bias, padded, Acts};
-use super::i8_x86::{lane_scales, shape_panel, unsigned_quants, Ahead};
+use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
 use super::lines::Lines;
 use super::x86_blocks::quants;
 use super::{with_format, QFormat, GROUP};

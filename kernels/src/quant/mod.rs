@@ -127,6 +127,8 @@
 //! binary runs everywhere. [`matmul_with`] runs a chosen path (tests,
 //! benchmarks).
 
+#[cfg(target_arch = "x86_64")]
+mod ahead;
 mod gemm;
 mod i8;
 #[cfg(target_arch = "x86_64")]

@@ -9,6 +9,7 @@
 
 use std::arch::x86_64::*;
 
+use super::ahead::Ahead;
 use super::scalar::{self, Head};
 use super::x86_blocks::{chunk, eighth, head, is_direct, legacy_chunk, legacy_scales, quants};
 use super::{code, with_format, QFormat, GROUP};
@@ -105,14 +106,7 @@ pub(super) unsafe fn panel(
     // `ahead` (the next panel's bytes) is hinted into L2 a few lines before
     // each register tile, so its memory traffic overlaps the multiply-adds.
     let tiles = rows.div_ceil(T_CHUNK) * (prows / TILE_ROWS) * T_CHUNK.min(rows).div_ceil(3);
-    let mut ahead = ahead.chunks(64);
-    let per_tile = ahead.len().div_ceil(tiles.max(1));
-    let mut hint = || {
-        for line in ahead.by_ref().take(per_tile) {
-            // A hint: it never faults.
-            _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
-        }
-    };
+    let ahead = &mut Ahead::new(ahead, tiles);
     // SAFETY (all): activation rows t .. t + MR <= rows and panel rows
     // j .. j + TILE_ROWS <= prows, checked above; writes by the caller.
     unsafe {
@@ -123,13 +117,13 @@ pub(super) unsafe fn panel(
                 let w = wp.add(j * k);
                 let mut t = c;
                 while t + 3 <= end {
-                    hint();
+                    ahead.step();
                     let r = tile::<3, TILE_ROWS>(xp.add(t * k), k, w, k);
                     store(&r, out.add(t * stride + j), stride, live);
                     t += 3;
                 }
                 if end - t == 2 {
-                    hint();
+                    ahead.step();
                     let r = tile::<2, TILE_ROWS>(xp.add(t * k), k, w, k);
                     store(&r, out.add(t * stride + j), stride, live);
                 }

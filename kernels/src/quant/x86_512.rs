@@ -41,6 +41,7 @@
 
 use std::arch::x86_64::*;
 
+use super::ahead::Ahead;
 use super::scalar::Head;
 use super::x86_512_blocks::{chunk2, legacy_pair, legacy_pair_scales, pair_quants};
 use super::x86_blocks::{head, is_legacy};
@@ -241,14 +242,7 @@ pub(super) unsafe fn panel(
     );
     let (xp, wp) = (x.as_ptr(), panel.as_ptr());
     let tiles = rows.div_ceil(T_CHUNK) * (prows / (2 * NP)) * T_CHUNK.min(rows).div_ceil(MR);
-    let mut ahead = ahead.chunks(64);
-    let per_tile = ahead.len().div_ceil(tiles.max(1));
-    let mut hint = || {
-        for line in ahead.by_ref().take(per_tile) {
-            // A hint: it never faults.
-            _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
-        }
-    };
+    let ahead = &mut Ahead::new(ahead, tiles);
     // SAFETY (all): activation rows t .. t + m <= rows and pairs
     // j / 2 .. j / 2 + NP <= prows / 2, checked above; writes by the caller.
     unsafe {
@@ -259,7 +253,7 @@ pub(super) unsafe fn panel(
                 let w = wp.add(j * k);
                 let mut t = c;
                 while t < end {
-                    hint();
+                    ahead.step();
                     let (x, o) = (xp.add(t * k), out.add(t * stride + j));
                     match end - t {
                         1 => store(&tile::<1, NP>(x, k, w, k), o, stride, live),
