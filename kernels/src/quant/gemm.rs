@@ -112,8 +112,7 @@ pub(super) fn matmul(kernel: Path, w: &QMatrix, x: &[f32], rows: usize, out: &mu
             // multiply-adds run, a few cache lines per register tile (a
             // thread's tasks are mostly consecutive panels; another
             // thread's find them in L3).
-            let next = ((i % panels + 1) * prows).min(n) * rb;
-            let ahead = &w.data[next..(next + prows * rb).min(w.data.len())];
+            let ahead = next_panel(w, i % panels, prows);
             unsafe { kernel.panel(xs, nt, k, buf, prows, nr, at, n, ahead) };
         });
     };
@@ -124,6 +123,15 @@ pub(super) fn matmul(kernel: Path, w: &QMatrix, x: &[f32], rows: usize, out: &mu
     } else {
         (0..tasks).into_par_iter().for_each(task);
     }
+}
+
+/// The bytes of panel `p + 1` of `w` (panels of `prows` rows), empty
+/// after the last: what panel `p`'s multiply prefetches in either class
+/// (`super::ahead`), the panel its thread most likely fills next.
+pub(super) fn next_panel(w: &QMatrix, p: usize, prows: usize) -> &[u8] {
+    let rb = w.row_bytes();
+    let end = |panel: usize| (panel * prows).min(w.rows) * rb;
+    &w.data[end(p + 1)..end(p + 2)]
 }
 
 /// Activation bytes per row block of [`matmul`] (half of a 512 KiB L2).

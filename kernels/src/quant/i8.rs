@@ -585,15 +585,8 @@ fn run(kernel: Dot, w: &QMatrix, acts: &Acts, rows: usize, out: &mut [f32]) {
         };
         #[cfg(target_arch = "x86_64")]
         let blocks = &w.data[r0 * rb..(r0 + nr) * rb];
-        // The rows of the task after this one (the next panel of the
-        // same activation rows: a thread takes consecutive tasks), which
-        // a panel's multiply prefetches (`ahead::Ahead`).
         #[cfg(target_arch = "x86_64")]
-        let next = if i % panels + 1 < panels {
-            &w.data[(r0 + nr) * rb..(r0 + nr + prows).min(n) * rb]
-        } else {
-            &[]
-        };
+        let next = super::gemm::next_panel(w, i % panels, prows);
         match tiles {
             #[cfg(target_arch = "x86_64")]
             Tiles::Panel512 => {

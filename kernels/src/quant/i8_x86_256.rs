@@ -152,6 +152,13 @@ impl Panel {
         unsafe { lane_scales::<F>(wp, live, cols, ROWS, &mut self.s, &mut self.o) };
     }
 
+    /// The sub-blocks of real values a tile runs through, one [`Ahead`]
+    /// step each: those past the row's end (padding, zeros in the panel
+    /// and the acts, whose rows hold at least this many) are skipped.
+    fn real_subs(&self, format: QFormat, a: &Acts) -> usize {
+        (a.cols() / format.sub_block()).min(self.subs)
+    }
+
     /// Every activation row `t0 .. t0 + nt` against the panel:
     /// `out[t * stride + c]` for `c < live`.
     ///
@@ -172,8 +179,7 @@ impl Panel {
         next: &[u8],
     ) {
         debug_assert!(takes(dot, format) && dot.available());
-        let subs = (acts.cols() / format.sub_block()).min(self.subs);
-        let ahead = &mut Ahead::new(next, nt.div_ceil(MR) * subs);
+        let ahead = &mut Ahead::new(next, nt.div_ceil(MR) * self.real_subs(format, acts));
         // SAFETY: by the caller.
         unsafe {
             if dot == Dot::AvxVnni {
@@ -272,7 +278,7 @@ impl Panel {
         } else {
             (a.n32(), &a.d32, &a.b32, &a.xb32)
         };
-        let real = (a.cols() / format.sub_block()).min(n).min(self.subs);
+        let real = self.real_subs(format, a);
         let cols = if sub16 { 4 } else { 8 };
         let (u, s, o) = (self.u.as_ptr(), self.s.as_ptr(), self.o.as_ptr());
         let at: [usize; M] = std::array::from_fn(|r| (t + r) * n);

@@ -51,7 +51,7 @@ use super::ahead::Ahead;
 use super::i8::{bias, padded, Acts};
 use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
 use super::lines::Lines;
-use super::x86_blocks::quants;
+use super::x86_blocks::{is_legacy, quants};
 use super::{with_format, QFormat, GROUP};
 
 /// Bytes ahead in a weight row that filling a panel prefetches: sixteen
@@ -248,6 +248,13 @@ impl Panel {
         }
     }
 
+    /// The sub-blocks of real values a tile runs through, one [`Ahead`]
+    /// step each: those past the row's end (padding, zeros in the panel
+    /// and the acts, whose rows hold at least this many) are skipped.
+    fn real_subs(&self, format: QFormat, a: &Acts) -> usize {
+        (a.cols() / format.sub_block()).min(self.subs)
+    }
+
     /// Every activation row `t0 .. t0 + nt` against the panel:
     /// `out[t * stride + c]` for `c < live`, prefetching `next` (the next
     /// task's rows, [`Ahead`]) as the tiles go.
@@ -268,8 +275,7 @@ impl Panel {
         stride: usize,
         next: &[u8],
     ) {
-        let subs = (acts.cols() / format.sub_block()).min(self.subs);
-        let ahead = &mut Ahead::new(next, nt.div_ceil(MR) * subs);
+        let ahead = &mut Ahead::new(next, nt.div_ceil(MR) * self.real_subs(format, acts));
         let mut t = t0;
         while t < t0 + nt {
             // Tiles as even as they can be (16 rows: four of 4, not three
@@ -320,9 +326,7 @@ impl Panel {
         } else {
             (a.n32(), &a.d32, &a.b32, &a.xb32)
         };
-        // Sub-blocks of real values: those past the row's end (padding)
-        // are zeros in the panel and the acts, and skipped.
-        let real = (a.cols() / format.sub_block()).min(n).min(self.subs);
+        let real = self.real_subs(format, a);
         let (u, s, o) = (self.u.as_ptr(), self.s.as_ptr(), self.o.as_ptr());
         let xs: [*const i8; M] = std::array::from_fn(|r| {
             // SAFETY: row t + r is inside the acts.
@@ -416,12 +420,10 @@ impl Panel {
 }
 
 /// Whether a block of `f` is one sub-block that starts with its f16 scale
-/// (and, with an offset, the f16 offset after it).
+/// (and, with an offset, the f16 offset after it): the legacy blocks but
+/// MXFP4, whose scale is one e8m0 byte.
 fn head_at_start(f: QFormat) -> bool {
-    matches!(
-        f,
-        QFormat::Q4_0 | QFormat::Q4_1 | QFormat::Q5_0 | QFormat::Q5_1 | QFormat::Q8_0
-    )
+    is_legacy(f) && !matches!(f, QFormat::MXFP4)
 }
 
 /// One group of 32 activations quantized as `super::i8::quantize_group`
