@@ -145,11 +145,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let read_gbps = kvmesh_kernels::roofline::read_gbps(256 << 20);
     let fma_gflops = kvmesh_kernels::roofline::fma_peak_gflops(path);
     // The 8-bit-activation class multiplies in integers: its ceiling is the
-    // dot product it runs with (VNNI where the CPU has it).
+    // dot product it runs with (VNNI where the CPU has it), and what the
+    // class's own matmul reaches of it on operands in cache.
     let int8 =
         (kvmesh_kernels::cpu::activations() == kvmesh_kernels::cpu::Activations::Int8).then(|| {
             let dot = kvmesh_kernels::quant::Dot::of(path);
-            (dot, kvmesh_kernels::roofline::int8_peak_gops(dot))
+            (
+                dot,
+                kvmesh_kernels::roofline::int8_peak_gops(dot),
+                kvmesh_kernels::roofline::int8_cached_gops(dot),
+            )
         });
     let b1 = decode.iter().find(|(b, _)| *b == 1).map(|(_, r)| *r);
     let b1_gbps = b1.map(|r| r * weight_gb);
@@ -182,14 +187,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .map(|(b, r)| format!("{{\"batch\":{b},\"tokens_per_s\":{r:.1}}}"))
             .collect();
         println!(
-            "{{{device_json}\"threads\":{threads},\"mode\":\"{mode}\",\"cpu_kernels\":\"{path}\",\"activations\":\"{}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},{}\"decode\":[{}],\"roofline\":{{\"weight_bytes\":{},\"decode_b1_weight_gbps\":{},\"read_gbps\":{read_gbps:.2},\"prefill_matmul_gflops\":{prefill_gflops:.2},\"fma_peak_gflops\":{fma_gflops:.2},\"int8_peak_gops\":{}}}}}",
+            "{{{device_json}\"threads\":{threads},\"mode\":\"{mode}\",\"cpu_kernels\":\"{path}\",\"activations\":\"{}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},{}\"decode\":[{}],\"roofline\":{{\"weight_bytes\":{},\"decode_b1_weight_gbps\":{},\"read_gbps\":{read_gbps:.2},\"prefill_matmul_gflops\":{prefill_gflops:.2},\"fma_peak_gflops\":{fma_gflops:.2},\"int8_peak_gops\":{},\"int8_cached_gops\":{}}}}}",
             kvmesh_kernels::cpu::activations(),
             args.prompt_tokens,
             scored.map_or_else(String::new, |r| format!("\"scored_prefill_tokens_per_s\":{r:.1},")),
             decode_json.join(","),
             model.weight_bytes(),
             b1_gbps.map_or_else(|| "null".to_owned(), |g| format!("{g:.2}")),
-            int8.map_or_else(|| "null".to_owned(), |(_, g)| format!("{g:.2}")),
+            int8.map_or_else(|| "null".to_owned(), |(_, g, _)| format!("{g:.2}")),
+            int8.map_or_else(|| "null".to_owned(), |(_, _, c)| format!("{c:.2}")),
         );
     } else {
         println!(
@@ -244,11 +250,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "  prefill runs {prefill_gflops:.1} GFLOP/s in the projections: {:.0}% of a {fma_gflops:.1} GFLOP/s {path} FMA peak",
             100.0 * prefill_gflops / fma_gflops
         );
-        if let Some((dot, gops)) = int8 {
+        if let Some((dot, gops, cached)) = int8 {
             println!(
-                "  (8-bit activations: {:.0}% of a {gops:.1} GOP/s {} int8 dot-product peak)",
+                "  (8-bit activations: {:.0}% of a {gops:.1} GOP/s {} int8 dot-product peak;",
                 100.0 * prefill_gflops / gops,
                 dot.name()
+            );
+            println!(
+                "   the class's own matmul on operands in cache: {cached:.1} GOP/s, {:.0}% of it)",
+                100.0 * cached / gops
             );
         }
     }

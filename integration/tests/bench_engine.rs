@@ -68,6 +68,45 @@ fn random_weights_of_a_shape_are_benchmarked() {
     // The int8 dot-product ceiling is measured only for the class that
     // multiplies in integers (int8, the default; f32 here).
     assert!(v["roofline"]["int8_peak_gops"].is_null(), "{v}");
+    assert!(v["roofline"]["int8_cached_gops"].is_null(), "{v}");
+}
+
+/// The 8-bit-activation class reports its two ceilings, measured: the dot
+/// product's peak and its own matmul on operands in cache (no value is
+/// asserted: these machines are shared).
+#[test]
+fn the_int8_class_reports_its_peak_and_its_matmul_in_cache() {
+    let dir = shape_only();
+    let d = dir.path().to_str().expect("utf-8");
+    let args = [
+        "bench-engine",
+        "--model",
+        d,
+        "--random-weights",
+        "3",
+        "--prompt-tokens",
+        "16",
+        "--batch",
+        "1",
+        "--decode-tokens",
+        "1",
+        "--repeats",
+        "1",
+        "--activations",
+        "int8",
+        "--json",
+    ];
+    let out = run_kvmesh(&args, &[]);
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "{stderr}");
+    let v: Value = serde_json::from_str(stdout.trim()).expect("one JSON object");
+    assert_eq!(v["activations"], "int8", "{v}");
+    let rf = &v["roofline"];
+    let peak = rf["int8_peak_gops"].as_f64().expect("a peak");
+    let cached = rf["int8_cached_gops"]
+        .as_f64()
+        .expect("the matmul in cache");
+    assert!(peak > 0.0 && cached > 0.0, "{v}");
 }
 
 #[test]

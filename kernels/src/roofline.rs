@@ -2,12 +2,14 @@
 //! the cores can stream memory ([`read_gbps`]), how many f32
 //! multiply-adds they can issue on a kernel path ([`fma_peak_gflops`]),
 //! and how many 8-bit multiply-adds an integer dot product can
-//! ([`int8_peak_gops`], the 8-bit-activation class's ceiling).
+//! ([`int8_peak_gops`], the 8-bit-activation class's ceiling), and how
+//! fast that class's own matrix multiplication runs on operands in cache
+//! ([`int8_cached_gops`]: what its arithmetic leaves of that ceiling).
 //! A batch-1 decode step is bound by the first (it reads every weight
 //! once), a long prefill by the second; `kvmesh bench-engine` reports its
 //! rates against both.
 //!
-//! Both run on the rayon pool (every thread `RAYON_NUM_THREADS` gives),
+//! All run on the rayon pool (every thread `RAYON_NUM_THREADS` gives),
 //! take the best of a few runs (a ceiling, not a typical value) and cost
 //! about half a second each.
 
@@ -93,6 +95,55 @@ pub fn int8_peak_gops(dot: Dot) -> f64 {
         let t = Instant::now();
         let ops: u64 = rayon::broadcast(|_| dot_loop(dot, ITERS)).iter().sum();
         best = best.max(ops as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// GOP/s (an 8-bit multiply-add counts two) of the 8-bit-activation
+/// class's own matrix multiplication ([`crate::quant::matmul_int8_with`]
+/// with `dot`) where memory is not the bound: a Q4_1 matrix of 1024 rows
+/// per pool thread by 576 columns (SmolLM2's width; about 330 KB a
+/// thread) against a prompt's 512 activation rows (300 KB), all in L2.
+/// The activations' quantization and the panels' fill count, as in a
+/// prefill. This is the ceiling a prefill's projections can approach in
+/// this class: below [`int8_peak_gops`], because every 32 activations
+/// carry their own scale, which each tile applies in f32 beside its
+/// integer products (docs/performance.md).
+///
+/// # Panics
+/// If this CPU does not have `dot`.
+pub fn int8_cached_gops(dot: Dot) -> f64 {
+    use crate::quant::{matmul_int8_with, QFormat, QMatrix};
+    assert!(dot.available(), "this CPU does not have {}", dot.name());
+    const COLS: usize = 576;
+    const ROWS: usize = 512;
+    let n = 1024 * rayon::current_num_threads().max(1);
+    // Q4_1 blocks: an f16 scale 2^-6 and offset -2^-3 (finite, as a
+    // model's), then the quants of a fixed pattern.
+    let format = QFormat::Q4_1;
+    let blocks = n * COLS / format.block_values();
+    let mut bytes = Vec::with_capacity(blocks * format.block_bytes());
+    for b in 0..blocks {
+        bytes.extend_from_slice(&[0x00, 0x24, 0x00, 0xB0]);
+        bytes.extend((0..format.block_bytes() - 4).map(|i| (b * 31 + i * 7) as u8));
+    }
+    let w = QMatrix::from_bytes(format, n, COLS, bytes).expect("a valid Q4_1 matrix");
+    let x: Vec<f32> = (0..ROWS * COLS)
+        .map(|i| ((i % 97) as f32 - 48.0) / 31.0)
+        .collect();
+    let mut out = vec![0.0f32; ROWS * n];
+    let ops = 2 * n * COLS * ROWS;
+    // Calls per timed run: about 0.1 s, sized by a first (warm-up) call.
+    let t = Instant::now();
+    matmul_int8_with(dot, &w, &x, ROWS, &mut out);
+    let calls = (0.1 / t.elapsed().as_secs_f64().max(1e-6)).clamp(1.0, 1e5) as usize;
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        for _ in 0..calls {
+            matmul_int8_with(dot, &w, black_box(&x), ROWS, black_box(&mut out));
+        }
+        best = best.max((calls * ops) as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
     best
 }
@@ -264,6 +315,8 @@ mod tests {
             if d.available() {
                 let g = int8_peak_gops(d);
                 assert!(g.is_finite() && g > 0.0, "{}: {g}", d.name());
+                let c = int8_cached_gops(d);
+                assert!(c.is_finite() && c > 0.0, "{}: {c}", d.name());
             }
         }
     }

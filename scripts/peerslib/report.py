@@ -114,9 +114,20 @@ def peak_goal(res):
     if not shares:
         return {"goal": name, "status": "NOT EVALUATED", "detail": "kvmesh's prefill or its ceilings not measured"}
     share = statistics.median(shares)
-    return {"goal": name, "status": "MET" if share >= PEAK_GOAL else "NOT MET", "share": round(share, 3),
-            "rounds": [round(x, 3) for x in shares],
-            "detail": f"{share:.0%}, the median of the rounds' shares ({', '.join(f'{x:.0%}' for x in shares)})"}
+    detail = f"{share:.0%}, the median of the rounds' shares ({', '.join(f'{x:.0%}' for x in shares)})"
+    out = {"goal": name, "status": "MET" if share >= PEAK_GOAL else "NOT MET", "share": round(share, 3),
+           "rounds": [round(x, 3) for x in shares]}
+    # With 8-bit activations kvmesh also measures its own matmul on
+    # operands in cache: the ceiling the class's arithmetic leaves its
+    # projections, so the reason when the goal is not met.
+    cached = [rf["int8_cached_gops"] / rf["int8_peak_gops"] for rf in kvmesh_ceilings(res)
+              if rf.get("int8_cached_gops") and rf.get("int8_peak_gops")]
+    if cached:
+        c = statistics.median(cached)
+        out["cached_matmul_share"] = round(c, 3)
+        detail += f"; the class's own matmul on operands in cache reaches {c:.0%} of that peak"
+    out["detail"] = detail
+    return out
 
 
 def goals(res, mt=None):
