@@ -19,8 +19,10 @@ fn shape_only() -> tempfile::TempDir {
     dir
 }
 
-#[test]
-fn random_weights_of_a_shape_are_benchmarked() {
+/// `bench-engine --json` on the tiny model's shape with random weights
+/// (seed 3) and `activations`, a 32-token prompt and batches 1 and 2 of
+/// two tokens, once: its JSON object.
+fn bench_random(activations: &str) -> Value {
     let dir = shape_only();
     let d = dir.path().to_str().expect("utf-8");
     let args = [
@@ -38,13 +40,18 @@ fn random_weights_of_a_shape_are_benchmarked() {
         "--repeats",
         "1",
         "--activations",
-        "f32",
+        activations,
         "--json",
     ];
     let out = run_kvmesh(&args, &[]);
     let (stdout, stderr) = texts(&out);
     assert!(out.status.success(), "{stderr}");
-    let v: Value = serde_json::from_str(stdout.trim()).expect("one JSON object");
+    serde_json::from_str(stdout.trim()).expect("one JSON object")
+}
+
+#[test]
+fn random_weights_of_a_shape_are_benchmarked() {
+    let v = bench_random("f32");
     assert_eq!(v["prefill_tokens"], 32);
     assert!(
         v["prefill_tokens_per_s"].as_f64().is_some_and(|r| r > 0.0),
@@ -76,30 +83,7 @@ fn random_weights_of_a_shape_are_benchmarked() {
 /// asserted: these machines are shared).
 #[test]
 fn the_int8_class_reports_its_peak_and_its_matmul_in_cache() {
-    let dir = shape_only();
-    let d = dir.path().to_str().expect("utf-8");
-    let args = [
-        "bench-engine",
-        "--model",
-        d,
-        "--random-weights",
-        "3",
-        "--prompt-tokens",
-        "16",
-        "--batch",
-        "1",
-        "--decode-tokens",
-        "1",
-        "--repeats",
-        "1",
-        "--activations",
-        "int8",
-        "--json",
-    ];
-    let out = run_kvmesh(&args, &[]);
-    let (stdout, stderr) = texts(&out);
-    assert!(out.status.success(), "{stderr}");
-    let v: Value = serde_json::from_str(stdout.trim()).expect("one JSON object");
+    let v = bench_random("int8");
     assert_eq!(v["activations"], "int8", "{v}");
     let rf = &v["roofline"];
     let peak = rf["int8_peak_gops"].as_f64().expect("a peak");

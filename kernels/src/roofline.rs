@@ -102,9 +102,10 @@ pub fn int8_peak_gops(dot: Dot) -> f64 {
 /// GOP/s (an 8-bit multiply-add counts two) of the 8-bit-activation
 /// class's own matrix multiplication ([`crate::quant::matmul_int8_with`]
 /// with `dot`) where memory is not the bound: a Q4_1 matrix of 1024 rows
-/// per pool thread by 576 columns (SmolLM2's width; about 330 KB a
-/// thread) against a prompt's 512 activation rows (300 KB), all in L2.
-/// The activations' quantization and the panels' fill count, as in a
+/// per pool thread by 576 columns (SmolLM2's width; about 370 KB a
+/// thread) against a prompt's 512 activation rows (300 KB quantized),
+/// which fit in L2 (the outputs, 2 MB a thread, are written once). The
+/// activations' quantization and the panels' fill count, as in a
 /// prefill. This is the ceiling a prefill's projections can approach in
 /// this class: below [`int8_peak_gops`], because every 32 activations
 /// carry their own scale, which each tile applies in f32 beside its
