@@ -21,6 +21,18 @@ use rayon::prelude::*;
 use crate::cpu::Path;
 use crate::quant::Dot;
 
+/// The best rate, in billions a second, of `runs` timed calls of `run`,
+/// each returning the units of work it did: a ceiling, not a typical value.
+fn best_rate(runs: usize, mut run: impl FnMut() -> u64) -> f64 {
+    let mut best = 0.0f64;
+    for _ in 0..runs {
+        let t = Instant::now();
+        let done = run();
+        best = best.max(done as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
 /// GB/s (10^9 bytes) of reading `bytes` of memory, on every pool thread, each
 /// thread summing its share with eight independent 64-bit accumulators (a
 /// load per lane, no arithmetic bound). Use a size well beyond the last
@@ -30,9 +42,7 @@ pub fn read_gbps(bytes: usize) -> f64 {
     // Touched once before timing: page faults are not bandwidth.
     let buf: Vec<u64> = (0..words as u64).collect();
     let chunk = words.div_ceil(rayon::current_num_threads().max(1) * 4);
-    let mut best = 0.0f64;
-    for _ in 0..4 {
-        let t = Instant::now();
+    best_rate(4, || {
         let s: u64 = buf
             .par_chunks(chunk)
             .map(|c| {
@@ -48,9 +58,8 @@ pub fn read_gbps(bytes: usize) -> f64 {
             })
             .reduce(|| 0, u64::wrapping_add);
         black_box(s);
-        best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    best
+        (words * 8) as u64
+    })
 }
 
 /// GFLOP/s (a multiply-add counts two) of fused multiply-adds on `path`'s
@@ -67,15 +76,11 @@ pub fn fma_peak_gflops(path: Path) -> f64 {
     // About 0.1 s a run at 3 GHz on AVX2: long enough that starting the
     // threads does not count.
     const ITERS: usize = 40_000_000;
-    let mut best = 0.0f64;
-    for _ in 0..3 {
-        let t = Instant::now();
-        // Exactly one loop on each pool thread (a parallel iterator may
-        // run two items on one thread while the other sleeps).
-        let flops: u64 = rayon::broadcast(|_| fma_loop(path, ITERS)).iter().sum();
-        best = best.max(flops as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    best
+    // Exactly one loop on each pool thread (a parallel iterator may run
+    // two items on one thread while the other sleeps).
+    best_rate(3, || {
+        rayon::broadcast(|_| fma_loop(path, ITERS)).iter().sum()
+    })
 }
 
 /// GOP/s (an 8-bit multiply-add counts two) of `dot`'s integer dot
@@ -90,13 +95,9 @@ pub fn fma_peak_gflops(path: Path) -> f64 {
 pub fn int8_peak_gops(dot: Dot) -> f64 {
     assert!(dot.available(), "this CPU does not have {}", dot.name());
     const ITERS: usize = 20_000_000;
-    let mut best = 0.0f64;
-    for _ in 0..3 {
-        let t = Instant::now();
-        let ops: u64 = rayon::broadcast(|_| dot_loop(dot, ITERS)).iter().sum();
-        best = best.max(ops as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    best
+    best_rate(3, || {
+        rayon::broadcast(|_| dot_loop(dot, ITERS)).iter().sum()
+    })
 }
 
 /// GOP/s (an 8-bit multiply-add counts two) of the 8-bit-activation
@@ -138,15 +139,12 @@ pub fn int8_cached_gops(dot: Dot) -> f64 {
     let t = Instant::now();
     matmul_int8_with(dot, &w, &x, ROWS, &mut out);
     let calls = (0.1 / t.elapsed().as_secs_f64().max(1e-6)).clamp(1.0, 1e5) as usize;
-    let mut best = 0.0f64;
-    for _ in 0..3 {
-        let t = Instant::now();
+    best_rate(3, || {
         for _ in 0..calls {
             matmul_int8_with(dot, &w, black_box(&x), ROWS, black_box(&mut out));
         }
-        best = best.max((calls * ops) as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    best
+        (calls * ops) as u64
+    })
 }
 
 /// Runs `iters` rounds of twelve independent integer dot-product chains

@@ -5,7 +5,7 @@
 
 use std::arch::x86_64::*;
 
-use super::i8::{bias, padded};
+use super::i8::{bias, padded, Acts};
 use super::lines::Lines;
 use super::scalar::Head;
 use super::x86_blocks::head;
@@ -33,6 +33,14 @@ pub(super) fn shape_panel(
         v.resize(subs * lanes, 0.0);
     }
     (real, subs)
+}
+
+/// The sub-blocks of real values a panel's tile runs through (one
+/// `super::ahead::Ahead` step each), of the `subs` the panel was shaped
+/// for: those past the row's end (padding, zeros in the panel and in the
+/// acts, whose rows hold at least this many) are skipped.
+pub(super) fn real_subs(format: QFormat, a: &Acts, subs: usize) -> usize {
+    (a.cols() / format.sub_block()).min(subs)
 }
 
 /// What makes format `F`'s signed quants the panels' unsigned bytes:

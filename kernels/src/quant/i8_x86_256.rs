@@ -15,7 +15,7 @@ use std::mem::MaybeUninit;
 
 use super::ahead::Ahead;
 use super::i8::{bias, Acts, Dot};
-use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
+use super::i8_x86::{lane_scales, real_subs, shape_panel, unsigned_quants};
 use super::lines::Lines;
 use super::x86_blocks::quants;
 use super::{with_format, QFormat, GROUP};
@@ -152,13 +152,6 @@ impl Panel {
         unsafe { lane_scales::<F>(wp, live, cols, ROWS, &mut self.s, &mut self.o) };
     }
 
-    /// The sub-blocks of real values a tile runs through, one [`Ahead`]
-    /// step each: those past the row's end (padding, zeros in the panel
-    /// and the acts, whose rows hold at least this many) are skipped.
-    fn real_subs(&self, format: QFormat, a: &Acts) -> usize {
-        (a.cols() / format.sub_block()).min(self.subs)
-    }
-
     /// Every activation row `t0 .. t0 + nt` against the panel:
     /// `out[t * stride + c]` for `c < live`.
     ///
@@ -179,7 +172,7 @@ impl Panel {
         next: &[u8],
     ) {
         debug_assert!(takes(dot, format) && dot.available());
-        let ahead = &mut Ahead::new(next, nt.div_ceil(MR) * self.real_subs(format, acts));
+        let ahead = &mut Ahead::new(next, nt.div_ceil(MR) * real_subs(format, acts, self.subs));
         // SAFETY: by the caller.
         unsafe {
             if dot == Dot::AvxVnni {
@@ -278,7 +271,7 @@ impl Panel {
         } else {
             (a.n32(), &a.d32, &a.b32, &a.xb32)
         };
-        let real = self.real_subs(format, a);
+        let real = real_subs(format, a, self.subs);
         let cols = if sub16 { 4 } else { 8 };
         let (u, s, o) = (self.u.as_ptr(), self.s.as_ptr(), self.o.as_ptr());
         let at: [usize; M] = std::array::from_fn(|r| (t + r) * n);

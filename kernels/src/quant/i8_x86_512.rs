@@ -49,7 +49,7 @@ use std::mem::MaybeUninit;
 
 use super::ahead::Ahead;
 use super::i8::{bias, padded, Acts};
-use super::i8_x86::{lane_scales, shape_panel, unsigned_quants};
+use super::i8_x86::{lane_scales, real_subs, shape_panel, unsigned_quants};
 use super::lines::Lines;
 use super::x86_blocks::{is_legacy, quants};
 use super::{with_format, QFormat, GROUP};
@@ -248,13 +248,6 @@ impl Panel {
         }
     }
 
-    /// The sub-blocks of real values a tile runs through, one [`Ahead`]
-    /// step each: those past the row's end (padding, zeros in the panel
-    /// and the acts, whose rows hold at least this many) are skipped.
-    fn real_subs(&self, format: QFormat, a: &Acts) -> usize {
-        (a.cols() / format.sub_block()).min(self.subs)
-    }
-
     /// Every activation row `t0 .. t0 + nt` against the panel:
     /// `out[t * stride + c]` for `c < live`, prefetching `next` (the next
     /// task's rows, [`Ahead`]) as the tiles go.
@@ -275,7 +268,7 @@ impl Panel {
         stride: usize,
         next: &[u8],
     ) {
-        let ahead = &mut Ahead::new(next, nt.div_ceil(MR) * self.real_subs(format, acts));
+        let ahead = &mut Ahead::new(next, nt.div_ceil(MR) * real_subs(format, acts, self.subs));
         let mut t = t0;
         while t < t0 + nt {
             // Tiles as even as they can be (16 rows: four of 4, not three
@@ -326,7 +319,7 @@ impl Panel {
         } else {
             (a.n32(), &a.d32, &a.b32, &a.xb32)
         };
-        let real = self.real_subs(format, a);
+        let real = real_subs(format, a, self.subs);
         let (u, s, o) = (self.u.as_ptr(), self.s.as_ptr(), self.o.as_ptr());
         let xs: [*const i8; M] = std::array::from_fn(|r| {
             // SAFETY: row t + r is inside the acts.
