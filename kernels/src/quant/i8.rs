@@ -421,14 +421,13 @@ enum Tiles {
 /// panels to give each thread about four tasks, when the rows are split.
 /// The one-row kernel re-reads a block's activations per weight row and
 /// keeps [`ROW_BLOCK`] rows, which stay in L2.
-fn task_shape(kernel: Dot, format: QFormat, rows: usize, n: usize) -> (Tiles, usize, usize) {
+fn task_shape(kernel: Dot, rows: usize, n: usize) -> (Tiles, usize, usize) {
     #[cfg(target_arch = "x86_64")]
     if rows >= PANEL_FROM {
         let panel = if kernel == Dot::Avx512Vnni {
             Some((Tiles::Panel512, super::i8_x86_512::ROWS))
         } else {
-            super::i8_x86_256::takes(kernel, format)
-                .then_some((Tiles::Panel256, super::i8_x86_256::ROWS))
+            super::i8_x86_256::takes(kernel).then_some((Tiles::Panel256, super::i8_x86_256::ROWS))
         };
         if let Some((tiles, prows)) = panel {
             let want = 4 * rayon::current_num_threads();
@@ -436,7 +435,7 @@ fn task_shape(kernel: Dot, format: QFormat, rows: usize, n: usize) -> (Tiles, us
             return (tiles, prows, rows.div_ceil(splits).max(PANEL_FROM));
         }
     }
-    let _ = (kernel, format);
+    let _ = kernel;
     (Tiles::OneRow, PANEL, ROW_BLOCK.min(rows))
 }
 
@@ -570,7 +569,7 @@ fn run(kernel: Dot, w: &QMatrix, acts: &Acts, rows: usize, out: &mut [f32]) {
     }
     let rb = w.row_bytes();
     let ptr = OutPtr(out.as_mut_ptr());
-    let (tiles, prows, block) = task_shape(kernel, w.format, rows, n);
+    let (tiles, prows, block) = task_shape(kernel, rows, n);
     let panels = n.div_ceil(prows);
     let task = |i: usize| {
         let ptr = &ptr;

@@ -5,8 +5,12 @@
 //! AVX-512 kernel does: with sixteen registers, that is what lets each
 //! weight load feed two rows and each broadcast two strips. AVX2
 //! multiplies with `vpmaddubsw` + `vpmaddwd`, which would saturate on
-//! Q8_0's bytes biased to unsigned: Q8_0 stays on the one-row kernel there
-//! ([`takes`]).
+//! Q8_0's bytes biased to unsigned (a pair up to `2 * 255 * 127`): there
+//! a Q8_0 tile takes the one-row kernel's sign trick instead, `|q|`
+//! against `x` with `q`'s sign (a pair at most `2 * 128 * 127 < 2^15`), two
+//! more instructions per weight load and one per product. Before, Q8_0
+//! stayed on the one-row kernel, which at 16 rows read the matrix eight
+//! times: every shipped GGUF's output projection is Q8_0.
 //! Its tiles prefetch the next task's rows as the AVX-512 tiles do
 //! ([`super::ahead::Ahead`]).
 
@@ -35,13 +39,9 @@ pub(super) const ROWS: usize = NR * W;
 /// Activation rows per register tile.
 const MR: usize = 2;
 
-/// Whether `dot` runs `format` on this panel.
-pub(super) fn takes(dot: Dot, format: QFormat) -> bool {
-    match dot {
-        Dot::AvxVnni => true,
-        Dot::Avx2 => bias(format).is_some(),
-        _ => false,
-    }
+/// Whether `dot` runs on this panel (every format).
+pub(super) fn takes(dot: Dot) -> bool {
+    matches!(dot, Dot::AvxVnni | Dot::Avx2)
 }
 
 /// Up to [`ROWS`] weight rows: bytes as
@@ -171,7 +171,7 @@ impl Panel {
         stride: usize,
         next: &[u8],
     ) {
-        debug_assert!(takes(dot, format) && dot.available());
+        debug_assert!(takes(dot) && dot.available());
         let ahead = &mut Ahead::new(next, nt.div_ceil(MR) * real_subs(format, acts, self.subs));
         // SAFETY: by the caller.
         unsafe {
@@ -197,7 +197,7 @@ impl Panel {
         ahead: &mut Ahead,
     ) {
         // SAFETY: by the caller.
-        unsafe { self.tiles::<true>(format, a, t0, nt, live, out, stride, ahead) }
+        unsafe { self.tiles::<true, false>(format, a, t0, nt, live, out, stride, ahead) }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -214,13 +214,19 @@ impl Panel {
         ahead: &mut Ahead,
     ) {
         // SAFETY: by the caller.
-        unsafe { self.tiles::<false>(format, a, t0, nt, live, out, stride, ahead) }
+        unsafe {
+            if bias(format).is_none() {
+                self.tiles::<false, true>(format, a, t0, nt, live, out, stride, ahead)
+            } else {
+                self.tiles::<false, false>(format, a, t0, nt, live, out, stride, ahead)
+            }
+        }
     }
 
     /// Rows `t0 .. t0 + nt` in tiles of [`MR`] (a last lone row alone).
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn tiles<const VNNI: bool>(
+    unsafe fn tiles<const VNNI: bool, const SIGNED: bool>(
         &self,
         format: QFormat,
         a: &Acts,
@@ -238,10 +244,14 @@ impl Panel {
             // SAFETY: by the caller; rows t .. t + m exist in `a`.
             unsafe {
                 match (m, self.strips) {
-                    (MR, W) => self.tile::<VNNI, MR, W>(format, a, t, live, o, stride, ahead),
-                    (MR, _) => self.tile::<VNNI, MR, 1>(format, a, t, live, o, stride, ahead),
-                    (_, W) => self.tile::<VNNI, 1, W>(format, a, t, live, o, stride, ahead),
-                    _ => self.tile::<VNNI, 1, 1>(format, a, t, live, o, stride, ahead),
+                    (MR, W) => {
+                        self.tile::<VNNI, SIGNED, MR, W>(format, a, t, live, o, stride, ahead)
+                    }
+                    (MR, _) => {
+                        self.tile::<VNNI, SIGNED, MR, 1>(format, a, t, live, o, stride, ahead)
+                    }
+                    (_, W) => self.tile::<VNNI, SIGNED, 1, W>(format, a, t, live, o, stride, ahead),
+                    _ => self.tile::<VNNI, SIGNED, 1, 1>(format, a, t, live, o, stride, ahead),
                 }
             }
             t += m;
@@ -249,11 +259,13 @@ impl Panel {
     }
 
     /// `M` activation rows from `t` against the first `S` strips, lane by
-    /// lane (`VNNI`: `vpdpbusd`, else `vpmaddubsw` + `vpmaddwd`).
+    /// lane (`VNNI`: `vpdpbusd`, else `vpmaddubsw` + `vpmaddwd`; `SIGNED`:
+    /// Q8_0 on AVX2, its bytes made signed again and multiplied by the
+    /// sign trick, so its sums start at zero, not at `-128 * B`).
     #[allow(clippy::needless_range_loop)] // tile loops index several arrays
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn tile<const VNNI: bool, const M: usize, const S: usize>(
+    unsafe fn tile<const VNNI: bool, const SIGNED: bool, const M: usize, const S: usize>(
         &self,
         format: QFormat,
         a: &Acts,
@@ -295,7 +307,7 @@ impl Panel {
                     let mut i = [[_mm256_setzero_si256(); S]; M];
                     // Formats without a bias start at zero (as the AVX-512
                     // tile).
-                    if bias != 0 {
+                    if bias != 0 && !SIGNED {
                         for r in 0..M {
                             i[r] = [_mm256_set1_epi32(-bias * b[at[r] + k]); S];
                         }
@@ -305,12 +317,26 @@ impl Panel {
                         let wv: [__m256i; S] = std::array::from_fn(|p| {
                             _mm256_loadu_si256(u.add(((byte / 4) * W + p) * NR * 4).cast())
                         });
+                        // SIGNED: the quants (the panel holds them biased
+                        // by 128) and their magnitudes.
+                        let (q, mag): ([__m256i; S], [__m256i; S]) = if SIGNED {
+                            let q = wv.map(|v| _mm256_xor_si256(v, _mm256_set1_epi8(-128)));
+                            (q, q.map(|v| _mm256_abs_epi8(v)))
+                        } else {
+                            (wv, wv)
+                        };
                         for r in 0..M {
                             let x =
                                 _mm256_set1_epi32(xs[r].add(byte).cast::<i32>().read_unaligned());
                             for p in 0..S {
                                 i[r][p] = if VNNI {
                                     _mm256_dpbusd_avx_epi32(i[r][p], wv[p], x)
+                                } else if SIGNED {
+                                    let sx = _mm256_sign_epi8(x, q[p]);
+                                    _mm256_add_epi32(
+                                        i[r][p],
+                                        _mm256_madd_epi16(_mm256_maddubs_epi16(mag[p], sx), ones),
+                                    )
                                 } else {
                                     _mm256_add_epi32(
                                         i[r][p],

@@ -57,6 +57,44 @@ fn every_integer_dot_product_equals_the_portable_one_to_the_bit() {
     }
 }
 
+/// Q8_0 at the ends of its range, where an unsigned-by-signed pair comes
+/// closest to saturating `vpmaddubsw` (`2 * 128 * 127`: every quant -128
+/// or 127, every activation quant +-127), gives the portable path's bits
+/// on every dot product this CPU has, one row (the one-row kernel) and
+/// many (the panels), and the exact integer sums: a saturated pair would
+/// lose 256 or more of one.
+#[test]
+fn q8_0_at_the_ends_of_its_range_does_not_saturate() {
+    let (n, k) = (32, 256);
+    for (quant, x) in [(-128i8, -1.0f32), (-128, 1.0), (127, 1.0), (127, -1.0)] {
+        // A block: scale 1.0 (f16 0x3c00), then 32 quants.
+        let block: Vec<u8> = [0x00, 0x3c]
+            .into_iter()
+            .chain(std::iter::repeat_n(quant as u8, 32))
+            .collect();
+        let data = block.repeat(n * k / 32);
+        let w = QMatrix::from_bytes(QFormat::Q8_0, n, k, data).expect("shape");
+        for t in [1, 2, 5, 17] {
+            let xs = vec![x; t * k];
+            let want = bits(&int8(Dot::Portable, &w, &xs, t));
+            // Each activation quantizes to +-127 with scale 1/127, so
+            // each output is quant * x * k up to the scale's rounding.
+            let exact = f32::from(quant) * x * k as f32;
+            for v in int8(Dot::Portable, &w, &xs, t) {
+                assert!((v - exact).abs() <= 1e-3 * exact.abs(), "{v} for {exact}");
+            }
+            for dot in DOTS.into_iter().skip(1).filter(|d| d.available()) {
+                assert_eq!(
+                    want,
+                    bits(&int8(dot, &w, &xs, t)),
+                    "{} Q8_0 quants {quant}, activations {x}, {t} rows",
+                    dot.name()
+                );
+            }
+        }
+    }
+}
+
 /// Several matrices of one input width with the activations quantized
 /// once (a Q4_K_M layer's Q4_K q and k beside its Q6_K v) give each
 /// matrix's own bits, on every integer dot product this CPU has and
