@@ -57,37 +57,64 @@ fn every_integer_dot_product_equals_the_portable_one_to_the_bit() {
     }
 }
 
-/// Q8_0 at the ends of its range, where an unsigned-by-signed pair comes
-/// closest to saturating `vpmaddubsw` (`2 * 128 * 127`: every quant -128
-/// or 127, every activation quant +-127), gives the portable path's bits
-/// on every dot product this CPU has, one row (the one-row kernel) and
-/// many (the panels), and the exact integer sums: a saturated pair would
-/// lose 256 or more of one.
+/// Every format at the ends of its range, where an unsigned-by-signed
+/// pair comes closest to saturating `vpmaddubsw` (Q8_0: every quant -128
+/// or 127, `2 * 128 * 127` a pair; the others: every byte 0xFF, the
+/// largest biased quants; every activation quant +-127), gives the
+/// portable path's bits on every dot product this CPU has, one row (the
+/// one-row kernel) and many (the panels, which add two pairs in i16);
+/// Q8_0 also gives the exact integer sums: a saturated pair would lose
+/// 256 or more of one.
 #[test]
-fn q8_0_at_the_ends_of_its_range_does_not_saturate() {
+fn every_format_at_the_ends_of_its_range_does_not_saturate() {
     let (n, k) = (32, 256);
-    for (quant, x) in [(-128i8, -1.0f32), (-128, 1.0), (127, 1.0), (127, -1.0)] {
-        // A block: scale 1.0 (f16 0x3c00), then 32 quants.
-        let block: Vec<u8> = [0x00, 0x3c]
-            .into_iter()
-            .chain(std::iter::repeat_n(quant as u8, 32))
-            .collect();
-        let data = block.repeat(n * k / 32);
-        let w = QMatrix::from_bytes(QFormat::Q8_0, n, k, data).expect("shape");
+    let q8 = [(-128i8, -1.0f32), (-128, 1.0), (127, 1.0), (127, -1.0)];
+    let mut cases: Vec<(QFormat, Vec<u8>, f32, Option<f32>)> = q8
+        .into_iter()
+        .map(|(quant, x)| {
+            // A block: scale 1.0 (f16 0x3c00), then 32 quants.
+            let block = [0x00, 0x3c].into_iter().chain([quant as u8; 32]).collect();
+            (
+                QFormat::Q8_0,
+                block,
+                x,
+                Some(f32::from(quant) * x * k as f32),
+            )
+        })
+        .collect();
+    for format in quantized().filter(|f| *f != QFormat::Q8_0) {
+        let mut block = vec![0xff; format.block_bytes()];
+        match format {
+            // An e8m0 scale of 2^0.
+            QFormat::MXFP4 => block[0] = 127,
+            _ => {
+                for &at in scale_offsets(format) {
+                    block[at..at + 2].copy_from_slice(&[0x00, 0x3c]);
+                }
+            }
+        }
+        for x in [1.0, -1.0] {
+            cases.push((format, block.clone(), x, None));
+        }
+    }
+    for (format, block, x, exact) in cases {
+        let data = block.repeat(n * k / format.block_values());
+        let w = QMatrix::from_bytes(format, n, k, data).expect("shape");
         for t in [1, 2, 5, 17] {
             let xs = vec![x; t * k];
-            let want = bits(&int8(Dot::Portable, &w, &xs, t));
-            // Each activation quantizes to +-127 with scale 1/127, so
-            // each output is quant * x * k up to the scale's rounding.
-            let exact = f32::from(quant) * x * k as f32;
-            for v in int8(Dot::Portable, &w, &xs, t) {
-                assert!((v - exact).abs() <= 1e-3 * exact.abs(), "{v} for {exact}");
+            let want = int8(Dot::Portable, &w, &xs, t);
+            if let Some(exact) = exact {
+                // Each activation quantizes to +-127 with scale 1/127, so
+                // each output is quant * x * k up to the scale's rounding.
+                for v in &want {
+                    assert!((v - exact).abs() <= 1e-3 * exact.abs(), "{v} for {exact}");
+                }
             }
             for dot in DOTS.into_iter().skip(1).filter(|d| d.available()) {
                 assert_eq!(
-                    want,
+                    bits(&want),
                     bits(&int8(dot, &w, &xs, t)),
-                    "{} Q8_0 quants {quant}, activations {x}, {t} rows",
+                    "{} {format} at its range's end, activations {x}, {t} rows",
                     dot.name()
                 );
             }
