@@ -35,7 +35,9 @@
 //! bias making them unsigned (Q4_0 +8, Q5_0 +16, Q3_K +4, Q6_K +32, MXFP4
 //! +16; at most 63, so a pair is at most `2 * 63 * 127 < 2^15`) and
 //! subtract `bias * B` after the integer sum, or for Q8_0 `|q|` against `x`
-//! with `q`'s sign (a pair at most `2 * 128 * 127 = 32512 < 2^15`).
+//! with `q`'s sign (a pair at most `2 * 128 * 127 = 32512 < 2^15`). The
+//! AVX2 panel adds two biased pairs in i16 before widening them (at most
+//! `2 * 2 * 63 * 127 = 32004 < 2^15`); Q8_0's it widens one at a time.
 //!
 //! MXFP4's quants are its table values (`[-12, 12]`, exact in a signed
 //! byte), biased to `[4, 28]` (16, a power of two as every bias here, so

@@ -340,38 +340,38 @@ impl Panel {
                                 }
                             }
                         }
-                    }
-                    for v in (0..cols).filter(|_| VNNI || SIGNED) {
-                        let byte = k * cols * 4 + 4 * v;
-                        let wv: [__m256i; S] = std::array::from_fn(|p| {
-                            _mm256_loadu_si256(u.add(((byte / 4) * W + p) * NR * 4).cast())
-                        });
-                        // SIGNED: the quants (the panel holds them biased
-                        // by 128) and their magnitudes.
-                        let (q, mag): ([__m256i; S], [__m256i; S]) = if SIGNED {
-                            let q = wv.map(|v| _mm256_xor_si256(v, _mm256_set1_epi8(-128)));
-                            (q, q.map(|v| _mm256_abs_epi8(v)))
-                        } else {
-                            (wv, wv)
-                        };
-                        for r in 0..M {
-                            let x =
-                                _mm256_set1_epi32(xs[r].add(byte).cast::<i32>().read_unaligned());
-                            for p in 0..S {
-                                i[r][p] = if VNNI {
-                                    _mm256_dpbusd_avx_epi32(i[r][p], wv[p], x)
-                                } else if SIGNED {
-                                    let sx = _mm256_sign_epi8(x, q[p]);
-                                    _mm256_add_epi32(
-                                        i[r][p],
-                                        _mm256_madd_epi16(_mm256_maddubs_epi16(mag[p], sx), ones),
-                                    )
-                                } else {
-                                    _mm256_add_epi32(
-                                        i[r][p],
-                                        _mm256_madd_epi16(_mm256_maddubs_epi16(wv[p], x), ones),
-                                    )
-                                };
+                    } else {
+                        for v in 0..cols {
+                            let byte = k * cols * 4 + 4 * v;
+                            let wv: [__m256i; S] = std::array::from_fn(|p| {
+                                _mm256_loadu_si256(u.add(((byte / 4) * W + p) * NR * 4).cast())
+                            });
+                            // SIGNED: the quants (the panel holds them biased
+                            // by 128) and their magnitudes.
+                            let (q, mag): ([__m256i; S], [__m256i; S]) = if SIGNED {
+                                let q = wv.map(|v| _mm256_xor_si256(v, _mm256_set1_epi8(-128)));
+                                (q, q.map(|v| _mm256_abs_epi8(v)))
+                            } else {
+                                (wv, wv)
+                            };
+                            for r in 0..M {
+                                let x = _mm256_set1_epi32(
+                                    xs[r].add(byte).cast::<i32>().read_unaligned(),
+                                );
+                                for p in 0..S {
+                                    i[r][p] = if VNNI {
+                                        _mm256_dpbusd_avx_epi32(i[r][p], wv[p], x)
+                                    } else {
+                                        let sx = _mm256_sign_epi8(x, q[p]);
+                                        _mm256_add_epi32(
+                                            i[r][p],
+                                            _mm256_madd_epi16(
+                                                _mm256_maddubs_epi16(mag[p], sx),
+                                                ones,
+                                            ),
+                                        )
+                                    };
+                                }
                             }
                         }
                     }
