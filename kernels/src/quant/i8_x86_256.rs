@@ -321,16 +321,9 @@ impl Panel {
                         // four.
                         for v in (0..cols).step_by(2) {
                             let byte = k * cols * 4 + 4 * v;
-                            let w0: [__m256i; S] = std::array::from_fn(|p| {
-                                _mm256_loadu_si256(u.add(((byte / 4) * W + p) * NR * 4).cast())
-                            });
-                            let w1: [__m256i; S] = std::array::from_fn(|p| {
-                                _mm256_loadu_si256(u.add(((byte / 4 + 1) * W + p) * NR * 4).cast())
-                            });
+                            let (w0, w1) = (column::<S>(u, byte / 4), column::<S>(u, byte / 4 + 1));
                             for r in 0..M {
-                                let at = xs[r].add(byte).cast::<i32>();
-                                let x0 = _mm256_set1_epi32(at.read_unaligned());
-                                let x1 = _mm256_set1_epi32(at.add(1).read_unaligned());
+                                let (x0, x1) = (broadcast(xs[r], byte), broadcast(xs[r], byte + 4));
                                 for p in 0..S {
                                     let h = _mm256_add_epi16(
                                         _mm256_maddubs_epi16(w0[p], x0),
@@ -343,9 +336,7 @@ impl Panel {
                     } else {
                         for v in 0..cols {
                             let byte = k * cols * 4 + 4 * v;
-                            let wv: [__m256i; S] = std::array::from_fn(|p| {
-                                _mm256_loadu_si256(u.add(((byte / 4) * W + p) * NR * 4).cast())
-                            });
+                            let wv = column::<S>(u, byte / 4);
                             // SIGNED: the quants (the panel holds them biased
                             // by 128) and their magnitudes.
                             let (q, mag): ([__m256i; S], [__m256i; S]) = if SIGNED {
@@ -355,9 +346,7 @@ impl Panel {
                                 (wv, wv)
                             };
                             for r in 0..M {
-                                let x = _mm256_set1_epi32(
-                                    xs[r].add(byte).cast::<i32>().read_unaligned(),
-                                );
+                                let x = broadcast(xs[r], byte);
                                 for p in 0..S {
                                     i[r][p] = if VNNI {
                                         _mm256_dpbusd_avx_epi32(i[r][p], wv[p], x)
@@ -425,4 +414,25 @@ impl Panel {
             }
         }
     }
+}
+
+/// Four-byte column `c` of the first `S` strips of a panel's bytes `u`
+/// (`[group][column][strip][row][4]`).
+///
+/// # Safety
+/// AVX2; the panel holds that column.
+#[inline(always)]
+unsafe fn column<const S: usize>(u: *const u8, c: usize) -> [__m256i; S] {
+    // SAFETY: by the caller.
+    std::array::from_fn(|p| unsafe { _mm256_loadu_si256(u.add((c * W + p) * NR * 4).cast()) })
+}
+
+/// Activation quants `byte .. byte + 4` of the row at `x`, in every lane.
+///
+/// # Safety
+/// AVX2; the row holds those bytes.
+#[inline(always)]
+unsafe fn broadcast(x: *const i8, byte: usize) -> __m256i {
+    // SAFETY: by the caller.
+    unsafe { _mm256_set1_epi32(x.add(byte).cast::<i32>().read_unaligned()) }
 }
