@@ -105,36 +105,47 @@ impl Running {
             span: j.span,
         });
         if r.stopping.spent() {
-            let _ = r.events.try_send(finished(FinishReason::Length));
-            r.release();
+            r.release(Some(finished(FinishReason::Length)));
             return None;
         }
         match emit(&mut r, j.first) {
             Next::Continue => Some(r),
-            Next::Done => {
-                r.release();
+            Next::Done(last) => {
+                r.release(last);
                 None
             }
         }
     }
 
-    /// Where its events go (to tell it the node is going away).
-    pub(crate) fn events(&self) -> &Events {
-        &self.events
-    }
-
-    /// The sequence leaves: its pages go back now, or after an injected
-    /// `release=delay`.
-    pub(crate) fn release(self) {
-        self.span.record("decode_steps", self.steps);
-        if let Some(Action::Delay(d)) = self.faults.at(Point::Release) {
-            let seq = self.seq;
-            let _ = std::thread::Builder::new()
-                .name("release-delay".into())
-                .spawn(move || {
-                    std::thread::sleep(d);
-                    drop(seq);
-                });
+    /// The sequence leaves: its pages go back now (its written full pages
+    /// offered to the prefix cache first), or after an injected
+    /// `release=delay`; then `last`, the stream's terminal event, is sent.
+    /// In that order, a client that sends its next turn as soon as this one
+    /// ends finds this turn's answer cached.
+    pub(crate) fn release(self, last: Option<Result<DecodeEvent, Status>>) {
+        let Self {
+            seq,
+            events,
+            faults,
+            steps,
+            _open,
+            span,
+            ..
+        } = self;
+        span.record("decode_steps", steps);
+        match faults.at(Point::Release) {
+            Some(Action::Delay(d)) => {
+                let _ = std::thread::Builder::new()
+                    .name("release-delay".into())
+                    .spawn(move || {
+                        std::thread::sleep(d);
+                        drop(seq);
+                    });
+            }
+            _ => drop(seq),
+        }
+        if let Some(last) = last {
+            let _ = events.try_send(last);
         }
     }
 
@@ -215,7 +226,9 @@ fn finished(reason: FinishReason) -> Result<DecodeEvent, Status> {
 /// What happens after a token is sampled.
 enum Next {
     Continue,
-    Done,
+    /// The sequence leaves; the event, if any, ends its stream once its
+    /// pages are released ([`Running::release`]).
+    Done(Option<Result<DecodeEvent, Status>>),
 }
 
 /// Applies the stop and budget rule to `tok` ([`Stopping`], the reference
@@ -229,16 +242,14 @@ fn emit(r: &mut Running, s: Sampled) -> Next {
         r.span.record("outcome", why.as_str());
     }
     if verdict == Some(Why::Stop) {
-        let _ = r.events.try_send(finished(FinishReason::Stop));
-        return Next::Done;
+        return Next::Done(Some(finished(FinishReason::Stop)));
     }
     // Bounded channel sized to the budget: never full.
     if r.events.try_send(token(tok, s.logprobs)).is_err() {
-        return Next::Done;
+        return Next::Done(None);
     }
     if verdict == Some(Why::Length) {
-        let _ = r.events.try_send(finished(FinishReason::Length));
-        return Next::Done;
+        return Next::Done(Some(finished(FinishReason::Length)));
     }
     r.next = tok;
     Next::Continue
@@ -279,12 +290,11 @@ pub(crate) fn run(
         let mut stay = Vec::with_capacity(running.len());
         for mut r in running.drain(..) {
             if cutting {
-                let _ = r.events.try_send(Err(cut_status()));
-                r.release();
+                r.release(Some(Err(cut_status())));
             } else if !r.events.is_closed() && r.before_step() {
                 stay.push(r);
             } else {
-                r.release();
+                r.release(None);
             }
         }
         running = stay;
@@ -305,10 +315,9 @@ pub(crate) fn run(
                 // the reason; their pages go back as they are dropped.
                 tracing::error!(error = %e, "decode step failed");
                 for r in running.drain(..) {
-                    let _ = r
-                        .events
-                        .try_send(Err(Status::internal(format!("decode step failed: {e}"))));
-                    r.release();
+                    r.release(Some(Err(Status::internal(format!(
+                        "decode step failed: {e}"
+                    )))));
                 }
                 continue;
             }
@@ -322,16 +331,13 @@ pub(crate) fn run(
                     let sampled = r.sampler.sample(&mut logits);
                     match emit(&mut r, sampled) {
                         Next::Continue => keep.push(r),
-                        Next::Done => r.release(),
+                        Next::Done(last) => r.release(last),
                     }
                 }
                 Err(e) => {
                     // This sequence only (a guard violation, say): it fails
                     // with the reason, the batch goes on.
-                    let _ = r
-                        .events
-                        .try_send(Err(Status::internal(format!("decode failed: {e}"))));
-                    r.release();
+                    r.release(Some(Err(Status::internal(format!("decode failed: {e}")))));
                 }
             }
         }

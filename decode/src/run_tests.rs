@@ -69,6 +69,41 @@ async fn first_event(n: &DecodeNode, writer: WriterId) -> decode_event::Event {
         .expect("set")
 }
 
+type Stream =
+    tokio::sync::mpsc::Receiver<Result<kvmesh_proto::internal::v1::DecodeEvent, tonic::Status>>;
+
+/// The stream's next event, which must not be an error.
+async fn next(rx: &mut Stream) -> decode_event::Event {
+    rx.recv()
+        .await
+        .expect("an event")
+        .expect("not an error")
+        .event
+        .expect("set")
+}
+
+/// Writes the granted prompt's K/V (every value 0.5), as prefill would.
+async fn write_prompt(
+    client: &KvClient,
+    g: &kvmesh_proto::internal::v1::Granted,
+    tokens: usize,
+    first: FirstToken,
+) {
+    let Message::Grant(grant) = decode_message(&g.grant).expect("grant").0 else {
+        panic!("not a grant")
+    };
+    let geometry = grant.geometry;
+    let kv = tokens * usize::from(geometry.n_kv_heads) * usize::from(geometry.head_dim);
+    let mut w = client.begin(grant).expect("begin");
+    for layer in 0..geometry.n_layers {
+        let values = vec![0.5f32; kv];
+        w.write_layer(layer, &values, &values)
+            .await
+            .expect("write layer");
+    }
+    w.finish(first).await.expect("transfer-done");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_node_refuses_as_draining_reports_it_and_has_every_page_back() {
     let n = node().await;
@@ -145,33 +180,9 @@ async fn prefills_report_comes_first_and_the_first_token_carries_its_logprobs() 
         .expect("a stream")
         .into_inner()
         .into_inner();
-    async fn next(
-        rx: &mut tokio::sync::mpsc::Receiver<
-            Result<kvmesh_proto::internal::v1::DecodeEvent, tonic::Status>,
-        >,
-    ) -> decode_event::Event {
-        rx.recv()
-            .await
-            .expect("an event")
-            .expect("not an error")
-            .event
-            .expect("set")
-    }
     let decode_event::Event::Granted(g) = next(&mut rx).await else {
         panic!("no grant")
     };
-    let Message::Grant(grant) = decode_message(&g.grant).expect("grant").0 else {
-        panic!("not a grant")
-    };
-    let geometry = grant.geometry;
-    let kv = 3 * usize::from(geometry.n_kv_heads) * usize::from(geometry.head_dim);
-    let mut w = client.begin(grant).expect("begin");
-    for layer in 0..geometry.n_layers {
-        let values = vec![0.5f32; kv];
-        w.write_layer(layer, &values, &values)
-            .await
-            .expect("write layer");
-    }
     let first = FirstToken {
         id: 5,
         logprobs: Some(TokenLogprobs {
@@ -193,7 +204,7 @@ async fn prefills_report_comes_first_and_the_first_token_carries_its_logprobs() 
             },
         ],
     };
-    w.finish(first).await.expect("transfer-done");
+    write_prompt(&client, &g, 3, first).await;
     let decode_event::Event::Prefilled(p) = next(&mut rx).await else {
         panic!("prefill's report is not first")
     };
@@ -227,4 +238,63 @@ async fn prefills_report_comes_first_and_the_first_token_carries_its_logprobs() 
         }
     }
     assert!((1..=3).contains(&tokens), "{tokens}");
+}
+
+/// A sequence's pages are offered to the prefix cache before its stream
+/// ends: a client that sends its next turn the moment this one finishes
+/// finds this turn's answer at decode (the pages decode wrote, which
+/// prefill never saw).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_answers_pages_are_cached_before_its_stream_ends() {
+    let n = node().await;
+    let pages = |n: &DecodeNode| n.table().pool().stats().cache.entries;
+    for turn in 0..4u32 {
+        let writer = WriterId::mint().expect("rng");
+        let client = KvClient::connect(n.kv_endpoint(), writer, MeshSecret::insecure())
+            .await
+            .expect("KV connection");
+        // Three prompt tokens and 21 generated: 23 written, one full page
+        // (16), all of it but the prompt written by decode.
+        let req = GenerateRequest {
+            prompt_ids: vec![1, 2, 3 + turn],
+            max_new_tokens: 21,
+            writer_id: writer.to_bytes().to_vec(),
+            sampling: None,
+            stop_token_ids: vec![],
+            cache_namespace: vec![7; 32],
+        };
+        let mut rx = n
+            .generate(tonic::Request::new(req))
+            .await
+            .expect("a stream")
+            .into_inner()
+            .into_inner();
+        let decode_event::Event::Granted(g) = next(&mut rx).await else {
+            panic!("no grant")
+        };
+        let before = pages(&n);
+        let first = FirstToken {
+            id: 5,
+            logprobs: None,
+            cached_tokens: 0,
+            prompt_scores: vec![],
+        };
+        write_prompt(&client, &g, 3, first).await;
+        let mut tokens = 0;
+        loop {
+            match next(&mut rx).await {
+                decode_event::Event::Prefilled(_) => {}
+                decode_event::Event::Token(_) => tokens += 1,
+                decode_event::Event::Finished(_) => break,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(tokens, 21, "turn {turn}: the whole budget");
+        // Read at once, on this thread: nothing waits for the batcher.
+        assert_eq!(
+            pages(&n),
+            before + 1,
+            "turn {turn}: the written full page is cached when Finished arrives"
+        );
+    }
 }

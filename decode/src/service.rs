@@ -495,11 +495,7 @@ impl Decode for DecodeNode {
                 };
                 if let Err(e) = node.inner.jobs.send(Work::Job(running)).await {
                     if let Work::Job(r) = e.0 {
-                        let _ = r
-                            .events()
-                            .send(Err(Status::unavailable("decode node shutting down")))
-                            .await;
-                        r.release();
+                        r.release(Some(Err(Status::unavailable("decode node shutting down"))));
                     }
                 }
             }
