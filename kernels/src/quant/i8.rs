@@ -389,8 +389,7 @@ thread_local! {
 }
 
 /// Activation rows from which a task fills an interleaved panel (every
-/// x86 dot product; AVX2 not for Q8_0): below, unpacking one weight row at
-/// a time costs less.
+/// x86 dot product, every format): below, the one-row kernel costs less.
 #[cfg(target_arch = "x86_64")]
 const PANEL_FROM: usize = 3;
 
