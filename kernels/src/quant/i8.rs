@@ -36,8 +36,13 @@
 //! +16; at most 63, so a pair is at most `2 * 63 * 127 < 2^15`) and
 //! subtract `bias * B` after the integer sum, or for Q8_0 `|q|` against `x`
 //! with `q`'s sign (a pair at most `2 * 128 * 127 = 32512 < 2^15`). The
-//! AVX2 panel adds two biased pairs in i16 before widening them (at most
-//! `2 * 2 * 63 * 127 = 32004 < 2^15`); Q8_0's it widens one at a time.
+//! AVX2 panel adds as many biased pairs in i16 before widening them as
+//! fit: `G` pairs with `G * 2 * m * 127 < 2^15` for the format's largest
+//! byte `m` ([`max_byte`]), a power of two up to a sub-block's columns:
+//! eight for the 4-bit formats (`8 * 2 * 15 * 127 = 30480`), four for
+//! the 5-bit ones and MXFP4 (`4 * 2 * 31 * 127 = 31496`), Q2_K and Q3_K
+//! (a 16-value sub-block's four), two for Q6_K (`2 * 2 * 63 * 127 =
+//! 32004`); Q8_0's it widens one at a time.
 //!
 //! MXFP4's quants are its table values (`[-12, 12]`, exact in a signed
 //! byte), biased to `[4, 28]` (16, a power of two as every bias here, so
@@ -81,6 +86,22 @@ pub(super) const fn bias(f: QFormat) -> Option<u8> {
         QFormat::MXFP4 => Some(16),
         QFormat::Q8_0 => None,
         _ => Some(0),
+    }
+}
+
+/// The largest unsigned byte the x86 paths multiply for `f`: its largest
+/// quant plus [`bias`] (Q8_0: the largest magnitude, 128, by the sign
+/// trick). F16 and BF16 are not multiplied as bytes.
+pub(super) const fn max_byte(f: QFormat) -> i32 {
+    match f {
+        QFormat::Q2_K => 3,
+        QFormat::Q3_K => 7,
+        QFormat::Q4_0 | QFormat::Q4_1 | QFormat::Q4_K => 15,
+        QFormat::MXFP4 => 28,
+        QFormat::Q5_0 | QFormat::Q5_1 | QFormat::Q5_K => 31,
+        QFormat::Q6_K => 63,
+        QFormat::Q8_0 => 128,
+        QFormat::F16 | QFormat::BF16 => 0,
     }
 }
 

@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
 use super::ahead::Ahead;
-use super::i8::{bias, Acts, Dot};
+use super::i8::{bias, max_byte, Acts, Dot};
 use super::i8_x86::{lane_scales, real_subs, shape_panel, unsigned_quants};
 use super::lines::Lines;
 use super::x86_blocks::quants;
@@ -197,7 +197,7 @@ impl Panel {
         ahead: &mut Ahead,
     ) {
         // SAFETY: by the caller.
-        unsafe { self.tiles::<true, false>(format, a, t0, nt, live, out, stride, ahead) }
+        unsafe { self.tiles::<true, false, 1>(format, a, t0, nt, live, out, stride, ahead) }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -216,9 +216,13 @@ impl Panel {
         // SAFETY: by the caller.
         unsafe {
             if bias(format).is_none() {
-                self.tiles::<false, true>(format, a, t0, nt, live, out, stride, ahead)
+                self.tiles::<false, true, 1>(format, a, t0, nt, live, out, stride, ahead)
             } else {
-                self.tiles::<false, false>(format, a, t0, nt, live, out, stride, ahead)
+                match columns_in_i16(format) {
+                    8 => self.tiles::<false, false, 8>(format, a, t0, nt, live, out, stride, ahead),
+                    4 => self.tiles::<false, false, 4>(format, a, t0, nt, live, out, stride, ahead),
+                    _ => self.tiles::<false, false, 2>(format, a, t0, nt, live, out, stride, ahead),
+                }
             }
         }
     }
@@ -226,7 +230,7 @@ impl Panel {
     /// Rows `t0 .. t0 + nt` in tiles of [`MR`] (a last lone row alone).
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn tiles<const VNNI: bool, const SIGNED: bool>(
+    unsafe fn tiles<const VNNI: bool, const SIGNED: bool, const G: usize>(
         &self,
         format: QFormat,
         a: &Acts,
@@ -245,13 +249,15 @@ impl Panel {
             unsafe {
                 match (m, self.strips) {
                     (MR, W) => {
-                        self.tile::<VNNI, SIGNED, MR, W>(format, a, t, live, o, stride, ahead)
+                        self.tile::<VNNI, SIGNED, G, MR, W>(format, a, t, live, o, stride, ahead)
                     }
                     (MR, _) => {
-                        self.tile::<VNNI, SIGNED, MR, 1>(format, a, t, live, o, stride, ahead)
+                        self.tile::<VNNI, SIGNED, G, MR, 1>(format, a, t, live, o, stride, ahead)
                     }
-                    (_, W) => self.tile::<VNNI, SIGNED, 1, W>(format, a, t, live, o, stride, ahead),
-                    _ => self.tile::<VNNI, SIGNED, 1, 1>(format, a, t, live, o, stride, ahead),
+                    (_, W) => {
+                        self.tile::<VNNI, SIGNED, G, 1, W>(format, a, t, live, o, stride, ahead)
+                    }
+                    _ => self.tile::<VNNI, SIGNED, G, 1, 1>(format, a, t, live, o, stride, ahead),
                 }
             }
             t += m;
@@ -259,13 +265,21 @@ impl Panel {
     }
 
     /// `M` activation rows from `t` against the first `S` strips, lane by
-    /// lane (`VNNI`: `vpdpbusd`, else `vpmaddubsw` + `vpmaddwd`; `SIGNED`:
-    /// Q8_0 on AVX2, its bytes made signed again and multiplied by the
-    /// sign trick, so its sums start at zero, not at `-128 * B`).
+    /// lane (`VNNI`: `vpdpbusd`, else `vpmaddubsw` + `vpmaddwd`, `G`
+    /// columns' pairs added in i16 before each `vpmaddwd`
+    /// ([`columns_in_i16`]); `SIGNED`: Q8_0 on AVX2, its bytes made signed
+    /// again and multiplied by the sign trick, so its sums start at zero,
+    /// not at `-128 * B`).
     #[allow(clippy::needless_range_loop)] // tile loops index several arrays
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn tile<const VNNI: bool, const SIGNED: bool, const M: usize, const S: usize>(
+    unsafe fn tile<
+        const VNNI: bool,
+        const SIGNED: bool,
+        const G: usize,
+        const M: usize,
+        const S: usize,
+    >(
         &self,
         format: QFormat,
         a: &Acts,
@@ -313,23 +327,31 @@ impl Panel {
                         }
                     }
                     if !VNNI && !SIGNED {
-                        // Two columns' byte products summed in i16 before
-                        // `vpmaddwd`: with the biased quants at most 63 a
-                        // pair is at most `2 * 63 * 127`, so two pairs fit
-                        // i16 exactly (Q8_0 takes SIGNED). Three
-                        // multiply-pipe instructions per two products, not
-                        // four.
-                        for v in (0..cols).step_by(2) {
-                            let byte = k * cols * 4 + 4 * v;
-                            let (w0, w1) = (column::<S>(u, byte / 4), column::<S>(u, byte / 4 + 1));
+                        // `G` columns' byte products summed in i16 before
+                        // `vpmaddwd`, exactly ([`columns_in_i16`]; Q8_0
+                        // takes SIGNED): `G + 1` multiply-pipe instructions
+                        // per `G` products, not `2 * G`.
+                        for v in (0..cols).step_by(G) {
+                            let mut h = [[_mm256_setzero_si256(); S]; M];
+                            for c in 0..G {
+                                let byte = k * cols * 4 + 4 * (v + c);
+                                let w = column::<S>(u, byte / 4);
+                                for r in 0..M {
+                                    let x = broadcast(xs[r], byte);
+                                    for p in 0..S {
+                                        let pair = _mm256_maddubs_epi16(w[p], x);
+                                        h[r][p] = if c == 0 {
+                                            pair
+                                        } else {
+                                            _mm256_add_epi16(h[r][p], pair)
+                                        };
+                                    }
+                                }
+                            }
                             for r in 0..M {
-                                let (x0, x1) = (broadcast(xs[r], byte), broadcast(xs[r], byte + 4));
                                 for p in 0..S {
-                                    let h = _mm256_add_epi16(
-                                        _mm256_maddubs_epi16(w0[p], x0),
-                                        _mm256_maddubs_epi16(w1[p], x1),
-                                    );
-                                    i[r][p] = _mm256_add_epi32(i[r][p], _mm256_madd_epi16(h, ones));
+                                    i[r][p] =
+                                        _mm256_add_epi32(i[r][p], _mm256_madd_epi16(h[r][p], ones));
                                 }
                             }
                         }
@@ -414,6 +436,20 @@ impl Panel {
             }
         }
     }
+}
+
+/// Columns (four bytes of eight rows) whose `vpmaddubsw` pairs the AVX2
+/// tile adds in i16 before one `vpmaddwd`: the most, a power of two up to
+/// a sub-block's columns, whose sum stays below `2^15` with every byte at
+/// the format's largest ([`max_byte`]) and every activation at +-127.
+const fn columns_in_i16(f: QFormat) -> usize {
+    let cols = f.sub_block() / 4;
+    let pair = 2 * max_byte(f) as usize * 127;
+    let mut g = cols;
+    while g > 1 && g * pair >= 1 << 15 {
+        g /= 2;
+    }
+    g
 }
 
 /// Four-byte column `c` of the first `S` strips of a panel's bytes `u`

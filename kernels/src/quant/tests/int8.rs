@@ -60,9 +60,10 @@ fn every_integer_dot_product_equals_the_portable_one_to_the_bit() {
 /// Every format at the ends of its range, where an unsigned-by-signed
 /// pair comes closest to saturating `vpmaddubsw` (Q8_0: every quant -128
 /// or 127, `2 * 128 * 127` a pair; the others: every byte 0xFF, the
-/// largest biased quants; every activation quant +-127), gives the
-/// portable path's bits on every dot product this CPU has, one row (the
-/// one-row kernel) and many (the panels, which add two pairs in i16);
+/// largest biased quants, MXFP4's code 7; every activation quant +-127),
+/// gives the portable path's bits on every dot product this CPU has, one
+/// row (the one-row kernel) and many (the panels, whose AVX2 tile adds up
+/// to eight pairs in i16);
 /// Q8_0 also gives the exact integer sums: a saturated pair would lose
 /// 256 or more of one.
 #[test]
@@ -85,8 +86,12 @@ fn every_format_at_the_ends_of_its_range_does_not_saturate() {
     for format in quantized().filter(|f| *f != QFormat::Q8_0) {
         let mut block = vec![0xff; format.block_bytes()];
         match format {
-            // An e8m0 scale of 2^0.
-            QFormat::MXFP4 => block[0] = 127,
+            // An e8m0 scale of 2^0, every code 7 (12, biased to 28: code
+            // 15 is -12, the smallest).
+            QFormat::MXFP4 => {
+                block.fill(0x77);
+                block[0] = 127;
+            }
             _ => {
                 for &at in scale_offsets(format) {
                     block[at..at + 2].copy_from_slice(&[0x00, 0x3c]);
