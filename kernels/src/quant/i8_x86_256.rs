@@ -452,6 +452,16 @@ const fn columns_in_i16(f: QFormat) -> usize {
     g
 }
 
+// The tile's least is two columns: every biased format fits them.
+const _: () = {
+    let mut i = 0;
+    while i < QFormat::ALL.len() {
+        let f = QFormat::ALL[i];
+        assert!(bias(f).is_none() || columns_in_i16(f) >= 2);
+        i += 1;
+    }
+};
+
 /// Four-byte column `c` of the first `S` strips of a panel's bytes `u`
 /// (`[group][column][strip][row][4]`).
 ///

@@ -12,13 +12,8 @@
 //! eight sums by unpacks and adds (no horizontal adds), which then is
 //! scaled and added to the eight f32 lanes of the output at once. The
 //! eight sub-blocks' scales come from one block head (K-quants) or, for
-//! eight legacy blocks, eight 4-byte loads of their f16 heads: a
-//! `vpgatherdd` there cost 1.1-1.3x the time of a weight row streamed from
-//! memory on a Zen 3, whose gathers are slow. At batch 1, rows of legacy
-//! blocks go in pairs: the pair shares each group's activation load, and
-//! the two rows' chains overlap their fixed costs (the last partial chunk,
-//! the horizontal sums), which weigh on narrow rows (576 values: 18
-//! groups). A K-quant pair measured slower (its decoded heads spill).
+//! eight legacy blocks, eight 4-byte loads of their f16 heads (a
+//! `vpgatherdd` is slow on AMD's cores: docs/performance.md).
 //!
 //! # Cost
 //! Per group of 32 weights: the format's decoding (Q4_1: a 16-byte load,
@@ -32,13 +27,6 @@
 //! takes 0.79; Q4_K 0.49 (f32 class 1.01), Q6_K 0.61 (1.14). With AVX2's
 //! `vpmaddubsw` (`QUANT_BENCH_PATH=avx2 QUANT_BENCH_DOT=avx2`) every format
 //! is 1.45-2.15x as fast as the AVX2 f32 class.
-//!
-//! On a Zen 3 (AVX2, a one-thread pool, each call's matrix streamed
-//! from memory, best of 8 alternated runs), the scalar heads and the pairs
-//! together took 0.75x the time of the gather and single rows on Q4_1
-//! `[3072x576]` (1.72 against 2.30 ns a group), 0.76x on Q8_0
-//! `[49152x576]`, 0.78x on Q5_0 `[4864x896]`, 0.89x on Q4_1 `[2048x8192]`;
-//! Q4_K and Q6_K unchanged.
 
 use std::arch::x86_64::*;
 
@@ -149,32 +137,21 @@ unsafe fn rows_body<B: Bytes, const F: u8>(task: &RowTask) {
         "activation rows past the quantized ones"
     );
     let end = task.t0 + task.nt;
-    // SAFETY (all): rows below `nr` lie in `blocks` (asserted); the
-    // outputs are the task's (the caller).
-    unsafe {
-        let p = |r: usize| task.blocks.as_ptr().add(r * rb);
-        let at = |t: usize, r: usize| task.out.add(t * task.n + r);
-        let mut r = 0;
-        if task.nt == 1 && const { QFormat::of_code(F).block_values() == GROUP } {
-            // Batch 1, legacy blocks: weight rows in pairs, which share the
-            // activations' loads and overlap their rows' fixed costs (a
-            // K-quant row's decoded heads would not stay in registers).
-            while r + 2 <= task.nr {
-                let [[a], [b]] = dot_blocks::<B, F, 1, 2>([p(r), p(r + 1)], task.acts, task.t0);
-                (*at(task.t0, r), *at(task.t0, r + 1)) = (a, b);
-                r += 2;
-            }
-        }
-        for r in r..task.nr {
+    for r in 0..task.nr {
+        // SAFETY (all): row r lies in `blocks` (asserted); the outputs are
+        // the task's (the caller).
+        unsafe {
+            let p = task.blocks.as_ptr().add(r * rb);
+            let at = |t: usize| task.out.add(t * task.n + r);
             let mut t = task.t0;
             while t + 2 <= end {
-                let [[a, b]] = dot_blocks::<B, F, 2, 1>([p(r)], task.acts, t);
-                (*at(t, r), *at(t + 1, r)) = (a, b);
+                let [a, b] = dot_blocks::<B, F, 2>(p, task.acts, t);
+                (*at(t), *at(t + 1)) = (a, b);
                 t += 2;
             }
             if t < end {
-                let [[a]] = dot_blocks::<B, F, 1, 1>([p(r)], task.acts, t);
-                *at(t, r) = a;
+                let [a] = dot_blocks::<B, F, 1>(p, task.acts, t);
+                *at(t) = a;
             }
         }
     }
@@ -340,11 +317,11 @@ impl<const T: usize> Groups<T> {
 /// The row at `p` holds `a.cols()` values of format `F`; rows
 /// `t .. t + T` of `a` exist; the features of `B` and AVX2/FMA/F16C.
 #[inline(always)]
-unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize, const R: usize>(
-    p: [*const u8; R],
+unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize>(
+    p: *const u8,
     a: &Acts,
     t: usize,
-) -> [[f32; T]; R] {
+) -> [f32; T] {
     let f = const { QFormat::of_code(F) };
     let (bb, bv) = (f.block_bytes(), f.block_values());
     // A legacy block is one group and one sub-block; a K-quant block is
@@ -380,15 +357,14 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize, const R: usize>(
             )
         };
         let real = a.cols() / GROUP;
-        let x = std::array::from_fn(|i| a.q.as_ptr().add((t + i) * a.stride8()));
-        let groups: [Groups<T>; R] = std::array::from_fn(|r| Groups {
-            p: p[r],
-            x,
+        let groups = Groups::<T> {
+            p,
+            x: std::array::from_fn(|i| a.q.as_ptr().add((t + i) * a.stride8())),
             real,
             add: _mm256_set1_epi8(bias(f).unwrap_or(0) as i8),
-        });
-        let mut h = [Head::ZERO; R];
-        let mut l = [[_mm256_setzero_ps(); T]; R];
+        };
+        let mut h = Head::ZERO;
+        let mut l = [_mm256_setzero_ps(); T];
         for m in 0..n / 8 {
             // This chunk's bytes, and the scales of its eight sub-blocks.
             let (from, bytes) = if bv == GROUP {
@@ -396,59 +372,54 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize, const R: usize>(
             } else {
                 (m * bb / chunks_per_block, bb / chunks_per_block)
             };
-            for r in 0..R {
-                let p = p[r];
-                for off in (0..bytes).step_by(64) {
-                    // A hint only: it may point past the matrix and never
-                    // faults.
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(from + off + PREFETCH).cast());
+            for off in (0..bytes).step_by(64) {
+                // A hint only: it may point past the matrix and never faults.
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(from + off + PREFETCH).cast());
+            }
+            let (s, o) = if bv == GROUP {
+                legacy_scales::<F>(p, 8 * m, real.saturating_sub(8 * m).min(8))
+            } else {
+                if m % chunks_per_block == 0 {
+                    head::<F>(p.add(m / chunks_per_block * bb), &mut h);
                 }
-                let (s, o) = if bv == GROUP {
-                    legacy_scales::<F>(p, 8 * m, real.saturating_sub(8 * m).min(8))
-                } else {
-                    if m % chunks_per_block == 0 {
-                        head::<F>(p.add(m / chunks_per_block * bb), &mut h[r]);
-                    }
-                    let at = 8 * (m % chunks_per_block);
-                    (
-                        _mm256_loadu_ps(h[r].s.as_ptr().add(at)),
-                        _mm256_loadu_ps(h[r].o.as_ptr().add(at)),
-                    )
-                };
-                let groups = &groups[r];
-                let mut sums = groups.four::<B, F>(if sub16 { 4 * m } else { 8 * m });
-                if sub16 {
-                    for v in &mut sums {
-                        // Sub-blocks in order: 2g, 2g + 1, 2g + 2, ...
-                        *v = _mm256_permutevar8x32_epi32(
-                            *v,
-                            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
-                        );
-                    }
-                } else {
-                    let hi = groups.four::<B, F>(8 * m + 4);
-                    for (v, r1) in sums.iter_mut().zip(hi) {
-                        *v = _mm256_add_epi32(
-                            _mm256_permute2x128_si256::<0x20>(*v, r1),
-                            _mm256_permute2x128_si256::<0x31>(*v, r1),
-                        );
-                    }
+                let at = 8 * (m % chunks_per_block);
+                (
+                    _mm256_loadu_ps(h.s.as_ptr().add(at)),
+                    _mm256_loadu_ps(h.o.as_ptr().add(at)),
+                )
+            };
+            let mut sums = groups.four::<B, F>(if sub16 { 4 * m } else { 8 * m });
+            if sub16 {
+                for v in &mut sums {
+                    // Sub-blocks in order: 2g, 2g + 1, 2g + 2, ...
+                    *v = _mm256_permutevar8x32_epi32(*v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
                 }
-                let l = &mut l[r];
-                for i in 0..T {
-                    let mut q = sums[i];
-                    if shift >= 0 {
-                        let b = _mm256_loadu_si256(bs[i].add(8 * m).cast());
-                        q = _mm256_sub_epi32(q, _mm256_sll_epi32(b, _mm_cvtsi32_si128(shift)));
-                    }
-                    let scale = _mm256_mul_ps(s, _mm256_loadu_ps(d[i].add(8 * m)));
-                    l[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, l[i]);
-                    if f.has_offset() {
-                        l[i] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xb[i].add(8 * m)), l[i]);
-                    }
+            } else {
+                let hi = groups.four::<B, F>(8 * m + 4);
+                for (v, r1) in sums.iter_mut().zip(hi) {
+                    *v = _mm256_add_epi32(
+                        _mm256_permute2x128_si256::<0x20>(*v, r1),
+                        _mm256_permute2x128_si256::<0x31>(*v, r1),
+                    );
+                }
+            }
+            for i in 0..T {
+                let mut q = sums[i];
+                if shift >= 0 {
+                    let b = _mm256_loadu_si256(bs[i].add(8 * m).cast());
+                    q = _mm256_sub_epi32(q, _mm256_sll_epi32(b, _mm_cvtsi32_si128(shift)));
+                }
+                let scale = _mm256_mul_ps(s, _mm256_loadu_ps(d[i].add(8 * m)));
+                l[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, l[i]);
+                if f.has_offset() {
+                    l[i] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xb[i].add(8 * m)), l[i]);
                 }
             }
         }
-        l.map(|l| l.map(|v| hsum(v)))
+        let mut out = [0.0f32; T];
+        for i in 0..T {
+            out[i] = hsum(l[i]);
+        }
+        out
     }
 }
