@@ -55,22 +55,28 @@ async fn first_event(n: &DecodeNode, writer: WriterId) -> decode_event::Event {
         stop_token_ids: vec![],
         cache_namespace: Vec::new(),
     };
-    let mut rx = n
-        .generate(tonic::Request::new(req))
-        .await
-        .expect("a stream")
-        .into_inner()
-        .into_inner();
-    rx.recv()
-        .await
-        .expect("an event")
-        .expect("not an error")
-        .event
-        .expect("set")
+    next(&mut open(n, req).await).await
 }
 
 type Stream =
     tokio::sync::mpsc::Receiver<Result<kvmesh_proto::internal::v1::DecodeEvent, tonic::Status>>;
+
+/// A Generate call's event stream.
+async fn open(n: &DecodeNode, req: GenerateRequest) -> Stream {
+    n.generate(tonic::Request::new(req))
+        .await
+        .expect("a stream")
+        .into_inner()
+        .into_inner()
+}
+
+/// The stream's first event, which must be the grant.
+async fn granted(rx: &mut Stream) -> kvmesh_proto::internal::v1::Granted {
+    match next(rx).await {
+        decode_event::Event::Granted(g) => g,
+        other => panic!("no grant: {other:?}"),
+    }
+}
 
 /// The stream's next event, which must not be an error.
 async fn next(rx: &mut Stream) -> decode_event::Event {
@@ -174,15 +180,8 @@ async fn prefills_report_comes_first_and_the_first_token_carries_its_logprobs() 
         stop_token_ids: vec![],
         cache_namespace: Vec::new(),
     };
-    let mut rx = n
-        .generate(tonic::Request::new(req))
-        .await
-        .expect("a stream")
-        .into_inner()
-        .into_inner();
-    let decode_event::Event::Granted(g) = next(&mut rx).await else {
-        panic!("no grant")
-    };
+    let mut rx = open(&n, req).await;
+    let g = granted(&mut rx).await;
     let first = FirstToken {
         id: 5,
         logprobs: Some(TokenLogprobs {
@@ -263,15 +262,8 @@ async fn the_answers_pages_are_cached_before_its_stream_ends() {
             stop_token_ids: vec![],
             cache_namespace: vec![7; 32],
         };
-        let mut rx = n
-            .generate(tonic::Request::new(req))
-            .await
-            .expect("a stream")
-            .into_inner()
-            .into_inner();
-        let decode_event::Event::Granted(g) = next(&mut rx).await else {
-            panic!("no grant")
-        };
+        let mut rx = open(&n, req).await;
+        let g = granted(&mut rx).await;
         let before = pages(&n);
         let first = FirstToken {
             id: 5,
