@@ -46,57 +46,53 @@ pub fn kvmesh_bin() -> PathBuf {
         .unwrap_or_else(|_| panic!("{} not built: run `cargo build --workspace --all-targets` first (scripts/test.sh does), or set KVMESH_BIN", bin.display()));
     // `cargo test` rebuilds the binary only when a package with integration
     // tests of its own needs it; refuse to test a binary older than its code.
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    for krate in [
-        "cli",
-        "discovery",
-        "model",
-        "tokenizer",
-        "kvxfer",
-        "kvpool",
-        "kvwire",
-        "meshauth",
-        "faults",
-        "kernels",
-        "router",
-        "prefill",
-        "decode",
-        "proto",
-        "node",
-        "client",
-        "counters",
-        "cacheid",
-        "local",
-        "ready",
-        "ucx",
-        "prefix",
-        "structured",
-        "telemetry",
-        "cuda",
-    ] {
-        if let Some(newest) = newest_mtime(&root.join(krate).join("src")) {
-            assert!(
-                newest <= built,
-                "{} is older than the sources in {krate}/src: run `cargo build --workspace --all-targets` first (scripts/test.sh does)",
-                bin.display()
-            );
-        }
+    // The code is what cargo's dep-info lists for the binary: a change to a
+    // test module (which does not rebuild it) is not a reason to refuse it.
+    let dep_info = bin.with_extension("d");
+    let sources = std::fs::read_to_string(&dep_info).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}: run `cargo build --workspace --all-targets` first (scripts/test.sh does)",
+            dep_info.display()
+        )
+    });
+    if let Some(newer) = dep_info_sources(&sources).into_iter().find(|src| {
+        std::fs::metadata(src)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t > built)
+    }) {
+        panic!(
+            "{} is older than {}: run `cargo build --workspace --all-targets` first (scripts/test.sh does)",
+            bin.display(),
+            newer.display()
+        );
     }
     bin
 }
 
-fn newest_mtime(dir: &std::path::Path) -> Option<std::time::SystemTime> {
-    let mut newest = None;
-    for entry in std::fs::read_dir(dir).ok()?.flatten() {
-        let path = entry.path();
-        let t = if path.is_dir() {
-            newest_mtime(&path)
-        } else {
-            entry.metadata().and_then(|m| m.modified()).ok()
-        };
-        newest = newest.max(t);
+/// The sources a dep-info file (`target: src src ...`, spaces in a path
+/// escaped as `\ `) lists for its first target.
+fn dep_info_sources(text: &str) -> Vec<PathBuf> {
+    let line = text.lines().next().unwrap_or_default();
+    // The target ends at the first `: ` (a Windows drive's `C:` has none).
+    let deps = line.split_once(": ").map_or("", |(_, deps)| deps);
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut chars = deps.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' if chars.peek() == Some(&' ') => cur.push(chars.next().unwrap_or(' ')),
+            ' ' => {
+                if !cur.is_empty() {
+                    out.push(PathBuf::from(std::mem::take(&mut cur)));
+                }
+            }
+            c => cur.push(c),
+        }
     }
-    newest
+    if !cur.is_empty() {
+        out.push(PathBuf::from(cur));
+    }
+    out
 }
 
 /// The committed tiny random-weight Llama model.
@@ -210,4 +206,19 @@ pub fn reference_text_with(
     let (stdout, stderr) = texts(&out);
     assert!(out.status.success(), "reference failed: {stderr}");
     stdout.strip_suffix('\n').unwrap_or(&stdout).to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dep_info_lists_each_source_with_escaped_spaces() {
+        let text = "/t/kvmesh: /w/a.rs /w/my\\ dir/b.rs  /w/c.proto\n\n/w/a.rs:\n";
+        assert_eq!(
+            dep_info_sources(text),
+            ["/w/a.rs", "/w/my dir/b.rs", "/w/c.proto"].map(PathBuf::from)
+        );
+        assert!(dep_info_sources("").is_empty());
+    }
 }
