@@ -115,9 +115,11 @@ tokens with a 512-token context in a process of their own; the peak RSS
 --skip llama.cpp leaves that engine out of it too. A benchmark: it never fails on a number,
 only when an engine cannot run. The report calls the machine busy (its verdicts
 unreliable) when the load average before the run, or after it less the run's
-threads, is above 0.5, or when a ceiling kvmesh measured (read bandwidth, peak)
-moved more than 1.2x between rounds: another tenant of a shared host, which a
-virtual machine's load average does not show.
+threads, is above 0.5, when the hypervisor gave other tenants more than 5% of
+the run's CPU time (steal, from /proc/stat; the report gives the share), or
+when a ceiling kvmesh measured (read bandwidth, peak) moved more than 1.2x
+between rounds: another tenant of a shared host, which a virtual machine's load
+average does not show.
 
 Code: scripts/peerslib/ (common, engines, multi_turn, memory, report).
 """
@@ -132,8 +134,8 @@ import sys
 from pathlib import Path
 
 from peerslib.common import (
-    BATCH, BUSY_LOAD, DEFAULT_GGUF, KVMESH_OPTIONS, PROMPT_TOKENS, REPO_ROOT, SHORT_PROMPT_TOKENS,
-    SKIPPABLE, cpu_flags, cpu_model, ensure_venv, in_venv, log, warn,
+    BATCH, BUSY_LOAD, BUSY_STEAL, DEFAULT_GGUF, KVMESH_OPTIONS, PROMPT_TOKENS, REPO_ROOT, SHORT_PROMPT_TOKENS,
+    SKIPPABLE, cpu_flags, cpu_model, cpu_times, ensure_venv, in_venv, log, stolen, warn,
 )
 from peerslib.engines import (
     LlamaCpp, ensure_gguf, ensure_kvmesh, llama_cpp_info, llama_cpp_round, prompt_ids, run_kvmesh,
@@ -157,6 +159,7 @@ def measure(args):
         kvmesh_path = ensure_kvmesh(kvmesh_path, args.kvmesh is not None)
     gguf = ensure_gguf(Path(args.gguf), kvmesh_path)
     load_at_start = round(os.getloadavg()[0], 2)
+    times_at_start = cpu_times()
     if load_at_start > BUSY_LOAD:
         warn(f"warning: load average {load_at_start} before the run: other work on the machine skews every figure")
     res = {}
@@ -255,8 +258,11 @@ def measure(args):
     # A ceiling that moved between rounds: another tenant of the host, which
     # a virtual machine's load average does not count.
     report["ceiling_spread"] = ceiling_spread(res)
+    # The CPU time the hypervisor gave other tenants: the direct measure.
+    report["steal_share"] = stolen(times_at_start, cpu_times())
     report["busy"] = (max(load_at_start, report["load_average_at_end"] - threads) > BUSY_LOAD
-                      or (report["ceiling_spread"] or 1.0) > CEILING_SPREAD)
+                      or (report["ceiling_spread"] or 1.0) > CEILING_SPREAD
+                      or (report["steal_share"] or 0.0) > BUSY_STEAL)
     print(render(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

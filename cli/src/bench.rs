@@ -85,6 +85,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let kv = engine.pool().config().dtype;
 
     let prompt = filler(&engine, args.prompt_tokens)?;
+    let start = crate::steal::CpuTimes::now();
     // Plain prefills, and with --prompt-logprobs scored ones taking turns
     // with them, so a slow spell of a shared host falls on both.
     let mut prefill = Vec::new();
@@ -156,6 +157,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 kvmesh_kernels::roofline::int8_cached_gops(dot),
             )
         });
+    // What the hypervisor took of the CPU from the first prefill to the
+    // last ceiling: every figure above is low by up to that share.
+    let steal = start
+        .zip(crate::steal::CpuTimes::now())
+        .and_then(|(a, b)| a.stolen_until(b));
     let b1 = decode.iter().find(|(b, _)| *b == 1).map(|(_, r)| *r);
     let b1_gbps = b1.map(|r| r * weight_gb);
     let prefill_gflops = prefill * prefill_flops / args.prompt_tokens as f64 / 1e9;
@@ -187,7 +193,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .map(|(b, r)| format!("{{\"batch\":{b},\"tokens_per_s\":{r:.1}}}"))
             .collect();
         println!(
-            "{{{device_json}\"threads\":{threads},\"mode\":\"{mode}\",\"cpu_kernels\":\"{path}\",\"activations\":\"{}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},{}\"decode\":[{}],\"roofline\":{{\"weight_bytes\":{},\"decode_b1_weight_gbps\":{},\"read_gbps\":{read_gbps:.2},\"prefill_matmul_gflops\":{prefill_gflops:.2},\"fma_peak_gflops\":{fma_gflops:.2},\"int8_peak_gops\":{},\"int8_cached_gops\":{}}}}}",
+            "{{{device_json}\"threads\":{threads},\"mode\":\"{mode}\",\"cpu_kernels\":\"{path}\",\"activations\":\"{}\",\"kv_dtype\":\"{kv}\",\"prefill_tokens\":{},\"prefill_tokens_per_s\":{prefill:.1},{}\"decode\":[{}],\"roofline\":{{\"weight_bytes\":{},\"decode_b1_weight_gbps\":{},\"read_gbps\":{read_gbps:.2},\"prefill_matmul_gflops\":{prefill_gflops:.2},\"fma_peak_gflops\":{fma_gflops:.2},\"int8_peak_gops\":{},\"int8_cached_gops\":{}}},\"steal_share\":{}}}",
             kvmesh_kernels::cpu::activations(),
             args.prompt_tokens,
             scored.map_or_else(String::new, |r| format!("\"scored_prefill_tokens_per_s\":{r:.1},")),
@@ -196,6 +202,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             b1_gbps.map_or_else(|| "null".to_owned(), |g| format!("{g:.2}")),
             int8.map_or_else(|| "null".to_owned(), |(_, g, _)| format!("{g:.2}")),
             int8.map_or_else(|| "null".to_owned(), |(_, _, c)| format!("{c:.2}")),
+            steal.map_or_else(|| "null".to_owned(), |s| format!("{s:.3}")),
         );
     } else {
         println!(
@@ -259,6 +266,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
             println!(
                 "   the class's own matmul on operands in cache: {cached:.1} GOP/s, {:.0}% of it)",
                 100.0 * cached / gops
+            );
+        }
+        if let Some(s) = steal {
+            println!(
+                "  the hypervisor took {:.0}% of this machine's CPU time meanwhile (steal): every figure is low by up to that",
+                100.0 * s
             );
         }
     }

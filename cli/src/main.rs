@@ -35,6 +35,7 @@ mod progress;
 mod scrape;
 mod serve;
 mod soak;
+mod steal;
 
 use std::io::Write;
 use std::path::PathBuf;

@@ -76,6 +76,12 @@ fn random_weights_of_a_shape_are_benchmarked() {
     // multiplies in integers (int8, the default; f32 here).
     assert!(v["roofline"]["int8_peak_gops"].is_null(), "{v}");
     assert!(v["roofline"]["int8_cached_gops"].is_null(), "{v}");
+    // The share of the CPU the hypervisor took meanwhile (Linux's steal
+    // time; 0 on a machine of its own).
+    if cfg!(target_os = "linux") {
+        let steal = v["steal_share"].as_f64().expect("a steal share on Linux");
+        assert!((0.0..=1.0).contains(&steal), "{v}");
+    }
 }
 
 /// The 8-bit-activation class reports its two ceilings, measured: the dot

@@ -40,6 +40,9 @@ KVMESH_OPTIONS = {"cpu_kernels": None, "activations": None}
 # A 1-minute load average above this before the run (or above the run's
 # own threads after it) means other work shared the cores.
 BUSY_LOAD = 0.5
+# A share of the run's CPU time the hypervisor gave other tenants (steal)
+# above this means a neighbour took the cores (a quiet host: under 1%).
+BUSY_STEAL = 0.05
 
 T0 = time.time()
 
@@ -152,6 +155,27 @@ def cpu_flags():
     except OSError:
         pass
     return []
+
+
+def cpu_times():
+    """(total, steal) CPU ticks so far from /proc/stat's cpu line (user,
+    nice, system, idle, iowait, irq, softirq, steal), or None off Linux."""
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("cpu "):
+                ticks = [int(t) for t in line.split()[1:9]]
+                return (sum(ticks), ticks[7]) if len(ticks) == 8 else None
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def stolen(start, end):
+    """The share of the CPU time between two `cpu_times()` readings that the
+    hypervisor gave to other tenants; None without both or without time."""
+    if not start or not end or end[0] <= start[0]:
+        return None
+    return round((end[1] - start[1]) / (end[0] - start[0]), 3)
 
 
 def median_of(run, repeats):

@@ -72,7 +72,9 @@ def run_kvmesh(kvmesh, gguf, threads, repeats, decode_tokens):
                  "threads": v.get("threads"), "binary": str(kvmesh),
                  # The machine's ceilings measured by bench-engine in the same run: batch-1
                  # weight streaming against the read bandwidth, prefill against the FMA peak.
-                 "roofline": v.get("roofline")},
+                 "roofline": v.get("roofline"),
+                 # The CPU share the hypervisor took during this run (steal).
+                 "steal_share": v.get("steal_share")},
     }
 
 

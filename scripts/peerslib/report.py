@@ -4,7 +4,7 @@ ceilings, and the text rendering."""
 import json
 import statistics
 
-from peerslib.common import BATCH, PEERS, PROMPT_TOKENS, SHORT_PROMPT_TOKENS
+from peerslib.common import BATCH, BUSY_STEAL, PEERS, PROMPT_TOKENS, SHORT_PROMPT_TOKENS
 from peerslib.memory import render_memory
 
 
@@ -219,10 +219,14 @@ def render(report):
     for g in report["goals"]:
         lines.append(f"  {g['status']:<13} {g['goal']}: {g['detail']}")
     spread = report.get("ceiling_spread")
+    steal = report.get("steal_share")
+    if steal is not None:
+        lines.append(f"  the hypervisor gave other tenants {100 * steal:.1f}% of the run's CPU time (steal)")
     if report["busy"]:
         lines.append(
             f"  (the machine was busy: load average {report['load_average_at_start']} at the start, "
             f"{report['load_average_at_end']} at the end"
+            + (f"; the hypervisor took {100 * steal:.0f}% of the CPU time" if steal and steal > BUSY_STEAL else "")
             + (f"; a ceiling kvmesh measured (read bandwidth, peak) moved {spread:.2f}x between rounds, which "
                "a virtual machine's load average does not show when another tenant of the host takes the cores"
                if spread and spread > CEILING_SPREAD else "")
