@@ -378,7 +378,8 @@ impl Llama {
         // steals it at once, instead of being injected from outside and
         // waking the caller through a futex when done (measured: 10% of a
         // batch-1 decode step, and 7% of a prefill, on 2 cores).
-        let out = rayon::scope(|_| {
+        // Its other threads spin for the pass's work meanwhile (`hot`).
+        let out = hot::pass(|| {
             let r = self.layers(
                 batch,
                 &ids,
@@ -683,6 +684,7 @@ impl Llama {
 }
 
 mod attn;
+mod hot;
 mod ops;
 mod workspace;
 use attn::{AttnRt, Projected};
