@@ -41,7 +41,8 @@ KVMESH_OPTIONS = {"cpu_kernels": None, "activations": None}
 # own threads after it) means other work shared the cores.
 BUSY_LOAD = 0.5
 # A share of the run's CPU time the hypervisor gave other tenants (steal)
-# above this means a neighbour took the cores (a quiet host: under 1%).
+# above this means a neighbour took the cores (1-3% in the Zen 3 host's
+# quieter spells).
 BUSY_STEAL = 0.05
 
 T0 = time.time()
