@@ -223,10 +223,12 @@ def measure(args):
             continue
         res[name] = {key: statistics.median(r[key] for r in rs) for key, _ in ROWS}
         # Each round keeps kvmesh's ceilings measured in it (the goals use
-        # the round's own read bandwidth and peak).
+        # the round's own read bandwidth and peak) and the CPU share the
+        # hypervisor took during it.
         res[name]["rounds"] = [
             dict({key: round(r[key], 1) for key, _ in ROWS},
-                 **({"roofline": r["info"]["roofline"]} if (r.get("info") or {}).get("roofline") else {}))
+                 **{k: (r.get("info") or {})[k] for k in ("roofline", "steal_share")
+                    if (r.get("info") or {}).get(k) is not None})
             for r in rs
         ]
         res[name]["info"] = rs[0].get("info") or llama_cpp_info()
