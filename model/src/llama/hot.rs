@@ -21,8 +21,11 @@
 //!   pass goes on.
 //!
 //! # Cost
-//! The spinning threads use their cores for the whole pass, also while it
-//! runs sequential work: between passes they sleep as before.
+//! The spinning threads keep their cores for the whole pass, also while
+//! it runs sequential work, but yield them to any other runnable thread
+//! between looks for work (`sched_yield`, as rayon's idle rounds do): on
+//! a host whose cores several processes share, a spinner does not hold a
+//! core another process needs. Between passes they sleep as before.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -54,11 +57,11 @@ fn spin(done: &AtomicBool) {
     }
     while !done.load(Ordering::Acquire) {
         if rayon::yield_now() != Some(rayon::Yield::Executed) {
-            // A short pause between looks: each look tries to steal from
-            // the body's deque, whose pushes it would slow.
-            for _ in 0..32 {
-                std::hint::spin_loop();
-            }
+            // Nothing to take: give the core to any other runnable thread
+            // (another process's pass, the node's network threads) before
+            // looking again. With none, the call returns at once and the
+            // vCPU stays running, which is the point.
+            std::thread::yield_now();
         }
     }
 }
