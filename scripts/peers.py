@@ -225,12 +225,7 @@ def measure(args):
         # Each round keeps kvmesh's ceilings measured in it (the goals use
         # the round's own read bandwidth and peak) and the CPU share the
         # hypervisor took during it.
-        res[name]["rounds"] = [
-            dict({key: round(r[key], 1) for key, _ in ROWS},
-                 **{k: (r.get("info") or {})[k] for k in ("roofline", "steal_share")
-                    if (r.get("info") or {}).get(k) is not None})
-            for r in rs
-        ]
+        res[name]["rounds"] = [round_entry(r) for r in rs]
         res[name]["info"] = rs[0].get("info") or llama_cpp_info()
     for r in res.values():
         for key, _ in ROWS:
@@ -271,6 +266,15 @@ def measure(args):
         log(f"wrote {args.json}")
     failed = any("error" in r for r in res.values()) or bool(mt.get("errors")) or mt.get("failed", False)
     return 1 if failed else 0
+
+
+def round_entry(r):
+    """One engine's round as the report keeps it: its rows, and kvmesh's
+    ceilings and steal share measured in it."""
+    info = r.get("info") or {}
+    entry = {key: round(r[key], 1) for key, _ in ROWS}
+    entry.update({k: info[k] for k in ("roofline", "steal_share") if info.get(k) is not None})
+    return entry
 
 
 def main():

@@ -77,20 +77,17 @@ fn dep_info_sources(text: &str) -> Vec<PathBuf> {
     let deps = line.split_once(": ").map_or("", |(_, deps)| deps);
     let mut out = Vec::new();
     let mut cur = String::new();
-    let mut chars = deps.chars().peekable();
-    while let Some(c) = chars.next() {
-        match c {
-            '\\' if chars.peek() == Some(&' ') => cur.push(chars.next().unwrap_or(' ')),
-            ' ' => {
-                if !cur.is_empty() {
-                    out.push(PathBuf::from(std::mem::take(&mut cur)));
-                }
-            }
-            c => cur.push(c),
+    for part in deps.split(' ') {
+        // `a\ b` is one path with a space.
+        if let Some(head) = part.strip_suffix('\\') {
+            cur.push_str(head);
+            cur.push(' ');
+            continue;
         }
-    }
-    if !cur.is_empty() {
-        out.push(PathBuf::from(cur));
+        cur.push_str(part);
+        if !cur.is_empty() {
+            out.push(PathBuf::from(std::mem::take(&mut cur)));
+        }
     }
     out
 }
