@@ -18,6 +18,12 @@
 //!   batch's rate also as a share of the dot product's peak measured in
 //!   the same run.
 //!
+//! - `stream`: batch 1 of the int8 class as a decode step runs it, every
+//!   quantized format on a [4096 x 1024] matrix whose copies (256 MB in
+//!   all) are called in turn, so the weights stream from memory: GB/s of
+//!   weight bytes against the read bandwidth measured in the same run (the
+//!   physical limit of batch-1 decode), and ns per 32-value group a thread.
+//!
 //! `cargo bench -p kvmesh-kernels --bench quant` runs them all;
 //! `QUANT_BENCH_TABLE=formats` (or `paths`) one of them, `QUANT_BENCH` (a
 //! substring of a shape's or format's name) only some rows, and
@@ -110,6 +116,9 @@ fn main() {
         if table.is_empty() || table == "int8" {
             int8();
         }
+        if table.is_empty() || table == "stream" {
+            stream();
+        }
     });
 }
 
@@ -190,6 +199,54 @@ fn int8() {
             }
             println!(" {:>9.1} {:>5.0}%", last, 100.0 * 2.0 * last / peak);
         }
+    }
+    println!();
+}
+
+/// Batch 1 from memory (see the module docs): the best dot product, each
+/// call on the next copy of the matrix.
+fn stream() {
+    let dot = Dot::of(bench_path());
+    let threads = rayon::current_num_threads();
+    let read = kvmesh_kernels::roofline::read_gbps(256 << 20);
+    println!(
+        "batch 1 streamed from memory, {} dot products, {threads} threads; read bandwidth now {read:.1} GB/s",
+        dot.name()
+    );
+    println!(
+        "{:<6} {:<13} {:>8} {:>8} {:>8} {:>9}",
+        "format", "shape", "ms", "GB/s", "% read", "ns/group"
+    );
+    let (rows, cols) = (4096, 1024);
+    let x: Vec<f32> = (0..cols).map(|i| ((i % 97) as f32 - 48.0) / 31.0).collect();
+    let mut out = vec![0.0f32; rows];
+    for format in QFormat::ALL
+        .into_iter()
+        .filter(|f| !matches!(f, QFormat::F16 | QFormat::BF16))
+    {
+        let shape = format!("[{rows}x{cols}]");
+        if !wanted(&format!("{} {shape}", format.name())) {
+            continue;
+        }
+        let one = matrix(format, rows, cols, 7);
+        let copies: Vec<QMatrix> = (0..(256usize << 20).div_ceil(one.byte_len()))
+            .map(|_| one.clone())
+            .collect();
+        let mut next = 0;
+        let s = time(Duration::from_millis(600), || {
+            next = (next + 1) % copies.len();
+            matmul_int8_with(dot, &copies[next], &x, 1, black_box(&mut out))
+        });
+        let gbps = one.byte_len() as f64 / s / 1e9;
+        println!(
+            "{:<6} {:<13} {:>8.3} {:>8.1} {:>7.0}% {:>9.2}",
+            format.name(),
+            shape,
+            s * 1e3,
+            gbps,
+            100.0 * gbps / read,
+            s * 1e9 * threads as f64 / (rows * cols / 32) as f64,
+        );
     }
     println!();
 }

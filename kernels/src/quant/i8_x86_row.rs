@@ -8,17 +8,22 @@
 //! for the bounds), so the three give the portable path's bits.
 //!
 //! A group's 32 byte products come as eight i32 lanes (lane `j`: values
-//! `4j .. 4j + 4`). Eight sub-blocks' lanes are summed into one vector of
-//! eight sums by unpacks and adds (no horizontal adds), which then is
-//! scaled and added to the eight f32 lanes of the output at once. The
-//! eight sub-blocks' scales come from one block head (K-quants) or, for
-//! eight legacy blocks, eight 4-byte loads of their f16 heads (a
-//! `vpgatherdd` is slow on AMD's cores: docs/performance.md).
+//! `4j .. 4j + 4`; with AVX2, sixteen i16 lanes of two until they must be
+//! widened: [`i16_levels`]). Eight sub-blocks' lanes are summed into one
+//! vector of eight sums by unpacks and adds (no horizontal adds), which
+//! then is scaled and added to the eight f32 lanes of the output at once.
+//! The eight sub-blocks' scales come from one block head (K-quants, its
+//! six-bit scales unpacked inline) or, for eight legacy blocks, their f16
+//! heads packed by scalar loads and shifts ([`halves8`]).
 //!
 //! # Cost
-//! Per group of 32 weights: the format's decoding (Q4_1: a 16-byte load,
-//! a shift and two masks), one byte product per activation row, and an
-//! eighth of the lane reduction. Two activation rows share the decoding.
+//! Per group of 32 weights: the format's decoding (Q4_1: a 16-byte
+//! broadcast load, a shift and a mask), one byte product per activation
+//! row (AVX2: one `vpmaddubsw`, and a quarter of a `vpmaddwd` for the 4-
+//! and 5-bit formats), and an eighth of the lane reduction. Two activation
+//! rows share the decoding. Batch 1 from memory on an AVX2-only Zen 3
+//! (`QUANT_BENCH_TABLE=stream`, 2 threads): 74-89% of the read bandwidth
+//! for the 4- and 5-bit formats, Q8_0 at it (docs/performance.md).
 //!
 //! Measured (`QUANT_BENCH_TABLE=int8 QUANT_BENCH_ROWS=1 cargo bench -p
 //! kvmesh-kernels --bench quant`, 2 threads, a shared Xeon with AVX-512
@@ -30,7 +35,7 @@
 
 use std::arch::x86_64::*;
 
-use super::i8::{bias, Acts, Dot};
+use super::i8::{bias, max_byte, Acts, Dot};
 use super::scalar::Head;
 use super::x86_blocks::{head, quants};
 use super::{code, with_format, QFormat, GROUP};
@@ -73,39 +78,85 @@ pub(super) unsafe fn rows(dot: Dot, format: QFormat, task: &RowTask) {
     })
 }
 
-/// A group's byte products: unsigned weight bytes by signed activations,
-/// eight i32 lanes of four products each.
+/// A group's byte products: unsigned weight bytes by signed activations.
 trait Bytes {
+    /// Whether [`Self::pairs`] gives AVX2's `vpmaddubsw` sums of two
+    /// products in sixteen i16 lanes, which [`Self::widen`] adds in pairs
+    /// to i32; otherwise both give eight i32 lanes of four products.
+    const I16: bool;
+
     /// # Safety
     /// The implementation's features.
-    unsafe fn dp(u: __m256i, x: __m256i) -> __m256i;
+    unsafe fn pairs(u: __m256i, x: __m256i) -> __m256i;
+
+    /// # Safety
+    /// The implementation's features.
+    unsafe fn widen(v: __m256i) -> __m256i;
 }
 
 struct Avx2;
 impl Bytes for Avx2 {
+    const I16: bool = true;
+
     #[inline(always)]
-    unsafe fn dp(u: __m256i, x: __m256i) -> __m256i {
+    unsafe fn pairs(u: __m256i, x: __m256i) -> __m256i {
         // SAFETY: AVX2 (the caller). No pair saturates (module bounds).
-        unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)) }
+        unsafe { _mm256_maddubs_epi16(u, x) }
+    }
+
+    #[inline(always)]
+    unsafe fn widen(v: __m256i) -> __m256i {
+        // SAFETY: AVX2 (the caller).
+        unsafe { _mm256_madd_epi16(v, _mm256_set1_epi16(1)) }
     }
 }
 
 struct AvxVnni;
 impl Bytes for AvxVnni {
+    const I16: bool = false;
+
     #[inline(always)]
-    unsafe fn dp(u: __m256i, x: __m256i) -> __m256i {
+    unsafe fn pairs(u: __m256i, x: __m256i) -> __m256i {
         // SAFETY: AVX-VNNI (the caller).
         unsafe { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x) }
+    }
+
+    #[inline(always)]
+    unsafe fn widen(v: __m256i) -> __m256i {
+        v
     }
 }
 
 struct Avx512Vnni;
 impl Bytes for Avx512Vnni {
+    const I16: bool = false;
+
     #[inline(always)]
-    unsafe fn dp(u: __m256i, x: __m256i) -> __m256i {
+    unsafe fn pairs(u: __m256i, x: __m256i) -> __m256i {
         // SAFETY: AVX-512 VNNI + VL (the caller).
         unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x) }
     }
+
+    #[inline(always)]
+    unsafe fn widen(v: __m256i) -> __m256i {
+        v
+    }
+}
+
+/// How many of [`sum4`]'s two levels of adds an AVX2 kernel does on
+/// `vpmaddubsw`'s i16 sums before widening them (then one `vpmaddwd` for
+/// four groups instead of one each): after level `l` a lane holds `2^l`
+/// of them, so `2^l * 2 * m * 127 < 2^15` for the format's largest byte
+/// `m` ([`max_byte`]). Two for the 4- and 5-bit formats, MXFP4, Q2_K and
+/// Q3_K (`4 * 2 * 31 * 127 = 31496`), one for Q6_K (`2 * 2 * 63 * 127 =
+/// 32004`), none for Q8_0 (its sign trick's pairs reach 32512).
+const fn i16_levels(f: QFormat) -> u32 {
+    let pair = 2 * max_byte(f) * 127;
+    let mut l = 0;
+    while l < 2 && (pair << (l + 1)) < 1 << 15 {
+        l += 1;
+    }
+    l
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -157,42 +208,76 @@ unsafe fn rows_body<B: Bytes, const F: u8>(task: &RowTask) {
     }
 }
 
-/// Group `g`'s exact products (lanes of four) of weight bytes `w` (biased
-/// quants, or Q8_0's signed ones) and activations `x`: [`Bytes::dp`] or,
-/// for Q8_0, magnitudes against sign-moved activations.
+/// Group `g`'s weight bytes `w` (biased quants, or Q8_0's signed ones)
+/// and activations `x` as the unsigned and signed bytes [`Bytes`]
+/// multiplies: for Q8_0 its magnitudes against sign-moved activations.
 #[inline(always)]
-unsafe fn product<B: Bytes, const F: u8>(w: __m256i, x: __m256i) -> __m256i {
-    // SAFETY: the features of `B` (every caller).
+unsafe fn operands<const F: u8>(w: __m256i, x: __m256i) -> (__m256i, __m256i) {
+    // SAFETY: AVX2 (every caller).
     unsafe {
         if const { bias(QFormat::of_code(F)).is_none() } {
-            B::dp(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
+            (_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
         } else {
-            B::dp(w, x)
+            (w, x)
         }
     }
 }
 
-/// Four groups' lanes summed per half: `[s0 s1 s2 s3 | s0' s1' s2' s3']`,
-/// `s_i` the sum of `p[i]`'s lanes 0-3 (values 0-15), `s_i'` of lanes 4-7.
+/// Four groups' products summed per half: `[s0 s1 s2 s3 | s0' s1' s2'
+/// s3']`, `s_i` the sum of group `i`'s values 0-15 and `s_i'` of 16-31,
+/// from `p[i]` as [`Bytes::pairs`] gives them. An integer sum has one
+/// value in any order; the first [`i16_levels`] levels add i16 lanes.
 #[inline(always)]
-unsafe fn sum4(p: [__m256i; 4]) -> __m256i {
-    // SAFETY: AVX2 (every caller).
+unsafe fn sum4<B: Bytes, const F: u8>(p: [__m256i; 4]) -> __m256i {
+    let levels = const {
+        if B::I16 {
+            i16_levels(QFormat::of_code(F))
+        } else {
+            0
+        }
+    };
+    // SAFETY (all): AVX2 and the features of `B` (every caller).
+    // Methods and plain calls, not closures: a closure may stay out of
+    // line without the caller's target features.
     unsafe {
-        let t0 = _mm256_add_epi32(
-            _mm256_unpacklo_epi32(p[0], p[1]),
-            _mm256_unpackhi_epi32(p[0], p[1]),
-        );
-        let t1 = _mm256_add_epi32(
-            _mm256_unpacklo_epi32(p[2], p[3]),
-            _mm256_unpackhi_epi32(p[2], p[3]),
-        );
-        _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1))
+        let mut p = p;
+        if levels == 0 {
+            for v in &mut p {
+                *v = B::widen(*v);
+            }
+        }
+        let t0 = level1::<B>(p[0], p[1], levels);
+        let t1 = level1::<B>(p[2], p[3], levels);
+        let (lo, hi) = (_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+        if levels == 2 {
+            B::widen(_mm256_add_epi16(lo, hi))
+        } else {
+            _mm256_add_epi32(lo, hi)
+        }
+    }
+}
+
+/// [`sum4`]'s first level: `[a0 b0 a1 b1]` per half, `a0` the sum of
+/// `a`'s lanes 0 and 2 (as i32, or as two i16 while `levels > 1`).
+#[inline(always)]
+unsafe fn level1<B: Bytes>(a: __m256i, b: __m256i, levels: u32) -> __m256i {
+    // SAFETY (all): AVX2 and the features of `B` (the caller).
+    unsafe {
+        let (lo, hi) = (_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+        match levels {
+            0 => _mm256_add_epi32(lo, hi),
+            1 => B::widen(_mm256_add_epi16(lo, hi)),
+            _ => _mm256_add_epi16(lo, hi),
+        }
     }
 }
 
 /// The scales and offsets of legacy blocks (one sub-block each)
 /// `i .. i + 8` of the row at `p`, as [`head`] gives them; blocks from
-/// `live` on give zeros. Scalar loads, not a gather (module docs).
+/// `live` on give zeros. The f16 heads are read with scalar loads and
+/// packed four to a word on the integer pipes, which a vector kernel
+/// leaves idle (eight lane inserts cost a 32-value group's work; a
+/// `vpgatherdd` is slow on AMD's cores: docs/performance.md).
 ///
 /// # Safety
 /// Blocks `i .. i + live` lie in the row; AVX2/FMA/F16C.
@@ -203,33 +288,19 @@ unsafe fn legacy_scales<const F: u8>(p: *const u8, i: usize, live: usize) -> (__
         F,
         code::Q4_0 | code::Q4_1 | code::Q5_0 | code::Q5_1 | code::Q8_0
     );
+    let offset = const { QFormat::of_code(F).has_offset() };
     // SAFETY (all): by the caller.
     unsafe {
         let p = p.add(i * bb);
         if f16_head {
-            // Each block's first four bytes: its f16 scale, then (Q4_1,
-            // Q5_1) its f16 offset; a block from `live` on gives zeros (not
-            // read). The scales' halves go to the low eight bytes of each
-            // 128-bit lane, the offsets' to the high eight; the quarters
-            // are then reordered: scales, then offsets.
-            let at = |j: usize| p.add(j * bb).cast::<i32>().read_unaligned();
-            let v = if live == 8 {
-                _mm256_setr_epi32(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7))
+            // Each block's first two bytes: its f16 scale, then (Q4_1,
+            // Q5_1) its f16 offset.
+            let o = if offset {
+                halves8(p.add(2), bb, live)
             } else {
-                let mut h = [0i32; 8];
-                for (j, h) in h.iter_mut().enumerate().take(live) {
-                    *h = at(j);
-                }
-                _mm256_loadu_si256(h.as_ptr().cast())
+                _mm256_setzero_ps()
             };
-            let split = _mm256_setr_epi8(
-                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, //
-                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-            );
-            let v = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(v, split));
-            let s = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
-            let o = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(v));
-            return (s, o);
+            return (halves8(p, bb, live), o);
         }
         let (mut s, mut o) = ([0.0f32; 8], [0.0f32; 8]);
         let mut h = Head::ZERO;
@@ -238,6 +309,33 @@ unsafe fn legacy_scales<const F: u8>(p: *const u8, i: usize, live: usize) -> (__
             (s[j], o[j]) = (h.s[0], h.o[0]);
         }
         (_mm256_loadu_ps(s.as_ptr()), _mm256_loadu_ps(o.as_ptr()))
+    }
+}
+
+/// The f16 values at `p + j * stride` for `j < 8`, as f32; those from
+/// `live` on give zeros (not read).
+///
+/// # Safety
+/// `p + j * stride` readable for two bytes for `j < live`; F16C.
+#[inline(always)]
+unsafe fn halves8(p: *const u8, stride: usize, live: usize) -> __m256 {
+    // SAFETY (all): by the caller.
+    unsafe {
+        let mut w = [0u64; 2];
+        if live == 8 {
+            for (k, w) in w.iter_mut().enumerate() {
+                for j in 0..4 {
+                    let h = p.add((4 * k + j) * stride).cast::<u16>().read_unaligned();
+                    *w |= u64::from(h) << (16 * j);
+                }
+            }
+        } else {
+            for j in 0..live {
+                let h = p.add(j * stride).cast::<u16>().read_unaligned();
+                w[j / 4] |= u64::from(h) << (16 * (j % 4));
+            }
+        }
+        _mm256_cvtph_ps(_mm_set_epi64x(w[1] as i64, w[0] as i64))
     }
 }
 
@@ -256,16 +354,18 @@ struct Groups<const T: usize> {
 }
 
 impl<const T: usize> Groups<T> {
-    /// Group `g`'s products with each activation row. Methods, not
-    /// closures: a closure called from several places may stay out of
-    /// line, without its caller's target features, and then none of its
-    /// intrinsics inline.
+    /// Group `g`'s products with each activation row, as
+    /// [`Bytes::pairs`] gives them; zeros from group `real` on where
+    /// `CHECK` (a chunk at the row's end; the others are all real).
+    /// Methods, not closures: a closure called from several places may
+    /// stay out of line, without its caller's target features, and then
+    /// none of its intrinsics inline.
     ///
     /// # Safety
-    /// Groups below `real` lie in the row and in each activation row; the
-    /// features of `B` and AVX2/FMA/F16C.
+    /// Groups below `real` lie in the row and in each activation row, and
+    /// so does `g` unless `CHECK`; the features of `B` and AVX2/FMA/F16C.
     #[inline(always)]
-    unsafe fn one<B: Bytes, const F: u8>(&self, g: usize) -> [__m256i; T] {
+    unsafe fn one<B: Bytes, const F: u8, const CHECK: bool>(&self, g: usize) -> [__m256i; T] {
         let (bb, bv) = const {
             let f = QFormat::of_code(F);
             (f.block_bytes(), f.block_values())
@@ -273,13 +373,14 @@ impl<const T: usize> Groups<T> {
         // SAFETY (all): by the caller.
         unsafe {
             let mut v = [_mm256_setzero_si256(); T];
-            if g < self.real {
+            if !CHECK || g < self.real {
                 let w = _mm256_add_epi8(
                     quants::<F>(self.p.add(g * GROUP / bv * bb), g % (bv / GROUP)),
                     self.add,
                 );
                 for (v, x) in v.iter_mut().zip(self.x) {
-                    *v = product::<B, F>(w, _mm256_loadu_si256(x.add(g * GROUP).cast()));
+                    let (u, x) = operands::<F>(w, _mm256_loadu_si256(x.add(g * GROUP).cast()));
+                    *v = B::pairs(u, x);
                 }
             }
             v
@@ -295,15 +396,31 @@ impl<const T: usize> Groups<T> {
     unsafe fn four<B: Bytes, const F: u8>(&self, g: usize) -> [__m256i; T] {
         // SAFETY: by the caller.
         unsafe {
+            if g + 4 <= self.real {
+                self.four_of::<B, F, false>(g)
+            } else {
+                self.four_of::<B, F, true>(g)
+            }
+        }
+    }
+
+    /// [`Self::four`], groups checked against `real` where `CHECK`.
+    ///
+    /// # Safety
+    /// As [`Self::one`].
+    #[inline(always)]
+    unsafe fn four_of<B: Bytes, const F: u8, const CHECK: bool>(&self, g: usize) -> [__m256i; T] {
+        // SAFETY: by the caller.
+        unsafe {
             let q = [
-                self.one::<B, F>(g),
-                self.one::<B, F>(g + 1),
-                self.one::<B, F>(g + 2),
-                self.one::<B, F>(g + 3),
+                self.one::<B, F, CHECK>(g),
+                self.one::<B, F, CHECK>(g + 1),
+                self.one::<B, F, CHECK>(g + 2),
+                self.one::<B, F, CHECK>(g + 3),
             ];
             let mut out = [_mm256_setzero_si256(); T];
             for (i, v) in out.iter_mut().enumerate() {
-                *v = sum4([q[0][i], q[1][i], q[2][i], q[3][i]]);
+                *v = sum4::<B, F>([q[0][i], q[1][i], q[2][i], q[3][i]]);
             }
             out
         }

@@ -116,9 +116,11 @@ impl Head {
 /// bits of byte `j`, minimum `j < 4` of byte `j + 4`; scale `j + 4` is the
 /// low nibble of byte `j + 8` under the top two bits of byte `j`, minimum
 /// `j + 4` the high nibble of byte `j + 8` under the top bits of byte
-/// `j + 4`. Integer work, shared by every path. Returns the scales' and
+/// `j + 4`. Integer work, shared by every path (inline: a call from a
+/// kernel's loop spills its vector registers). Returns the scales' and
 /// minimums' bytes as little-endian words.
-pub(super) fn k4_scales(sc: &[u8]) -> (u64, u64) {
+#[inline(always)]
+pub(super) fn k4_scales(sc: &[u8; 12]) -> (u64, u64) {
     let w = |i: usize| u64::from(u32::from_le_bytes([sc[i], sc[i + 1], sc[i + 2], sc[i + 3]]));
     let (w0, w1, w2) = (w(0), w(4), w(8));
     const LOW6: u64 = 0x3f3f_3f3f;
@@ -134,10 +136,11 @@ pub(super) fn k4_scales(sc: &[u8]) -> (u64, u64) {
 /// scale `j`'s low four bits
 /// are the low (`j < 8`) or high nibble of byte `j % 8`, its top two bits
 /// bits `2 (j / 4)` of byte `8 + j % 4`. Integer work, shared by every
-/// path.
-pub(super) fn q3k_scales(sc: &[u8]) -> [u64; 2] {
-    let low = u64::from_le_bytes(sc[..8].try_into().expect("8 bytes"));
-    let hb = u64::from(u32::from_le_bytes(sc[8..12].try_into().expect("4 bytes")));
+/// path (inline, as [`k4_scales`]).
+#[inline(always)]
+pub(super) fn q3k_scales(sc: &[u8; 12]) -> [u64; 2] {
+    let low = u64::from_le_bytes([sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7]]);
+    let hb = u64::from(u32::from_le_bytes([sc[8], sc[9], sc[10], sc[11]]));
     const NIB: u64 = 0x0f0f_0f0f_0f0f_0f0f;
     const TWO: u64 = 0x0303_0303;
     // Top bits of scales 0-7 (bits 0-1 then 2-3 of bytes 8-11), 8-15
@@ -166,14 +169,14 @@ pub(super) fn head(format: QFormat, b: &[u8]) -> Head {
         }
         code::Q3_K => {
             let d = half(b, 108);
-            let sc = q3k_scales(&b[96..108]);
+            let sc = q3k_scales(b[96..108].try_into().expect("12 bytes"));
             for (i, s) in h.s.iter_mut().enumerate() {
                 *s = d * f32::from(sc[i / 8].to_le_bytes()[i % 8] as i8 - 32);
             }
         }
         code::Q4_K | code::Q5_K => {
             let (d, dmin) = (half(b, 0), half(b, 2));
-            let (sc, m) = k4_scales(&b[4..16]);
+            let (sc, m) = k4_scales(b[4..16].try_into().expect("12 bytes"));
             for (i, (sc, m)) in sc
                 .to_le_bytes()
                 .into_iter()

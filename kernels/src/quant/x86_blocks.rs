@@ -87,7 +87,7 @@ pub(super) unsafe fn head<const F: u8>(p: *const u8, h: &mut Head) {
             }
             code::Q3_K => {
                 let d = _mm256_broadcastss_ps(halves(p.add(108)));
-                let sc = scalar::q3k_scales(std::slice::from_raw_parts(p.add(96), 12));
+                let sc = scalar::q3k_scales(&*p.add(96).cast::<[u8; 12]>());
                 for (i, w) in sc.into_iter().enumerate() {
                     // Minus 32 in every byte (values below 64: no borrow
                     // across bytes in an 8-bit subtraction).
@@ -97,7 +97,7 @@ pub(super) unsafe fn head<const F: u8>(p: *const u8, h: &mut Head) {
             }
             code::Q4_K | code::Q5_K => {
                 let s = halves(p);
-                let (sc, m) = scalar::k4_scales(std::slice::from_raw_parts(p.add(4), 12));
+                let (sc, m) = scalar::k4_scales(&*p.add(4).cast::<[u8; 12]>());
                 let (sc, m) = (_mm_cvtsi64_si128(sc as i64), _mm_cvtsi64_si128(m as i64));
                 scale8(sc, false, _mm256_broadcastss_ps(s), h.s.as_mut_ptr());
                 scale8(m, false, _mm256_broadcastss_ps(neg(s)), h.o.as_mut_ptr());
@@ -122,15 +122,19 @@ fn neg(s: __m128) -> __m128 {
 }
 
 /// Sixteen bytes `v` split into nibbles: low nibbles in bytes 0-15, high
-/// nibbles in bytes 16-31 (a legacy block's value order).
+/// nibbles in bytes 16-31 (a legacy block's value order). `v` in both
+/// halves, the upper half's dwords shifted by four: two vector operations
+/// and no lane insert (the broadcast folds into the load).
 #[inline]
 #[target_feature(enable = "avx2")]
 pub(super) fn nibbles16(v: __m128i) -> __m256i {
-    let m = _mm_set1_epi8(0x0f);
-    _mm256_set_m128i(
-        _mm_and_si128(_mm_srli_epi16::<4>(v), m),
-        _mm_and_si128(v, m),
-    )
+    // A dword shift moves bits across bytes, but the mask keeps only the
+    // four that came from the byte itself.
+    let v = _mm256_srlv_epi32(
+        _mm256_broadcastsi128_si256(v),
+        _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
+    );
+    _mm256_and_si256(v, _mm256_set1_epi8(0x0f))
 }
 
 /// The 32 bits of `qh` as bytes: `0x10` where bit `i` is set, else 0

@@ -48,7 +48,7 @@ fn formats_have_gguf_ids_names_and_sizes() {
 fn packed_scales_unpack_as_defined() {
     let mut rng = Rng(3);
     for _ in 0..2000 {
-        let sc: Vec<u8> = (0..12).map(|_| rng.byte()).collect();
+        let sc: [u8; 12] = std::array::from_fn(|_| rng.byte());
         let (s, m) = scalar::k4_scales(&sc);
         let (s, m) = (s.to_le_bytes(), m.to_le_bytes());
         for j in 0..8 {
