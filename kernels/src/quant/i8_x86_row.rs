@@ -398,8 +398,11 @@ impl<const T: usize> Groups<T> {
         unsafe {
             if g + 4 <= self.real {
                 self.four_of::<B, F, false>(g)
-            } else {
+            } else if g < self.real {
                 self.four_of::<B, F, true>(g)
+            } else {
+                // Padding only (a 640-wide row's last four of 24 groups).
+                [_mm256_setzero_si256(); T]
             }
         }
     }
