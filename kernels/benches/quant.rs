@@ -166,10 +166,7 @@ fn int8() {
     );
     let budget = Duration::from_millis(300);
     for (rows, cols) in [(576, 1536), (3072, 576), (49152, 576), (2048, 8192)] {
-        for format in QFormat::ALL
-            .into_iter()
-            .filter(|f| !matches!(f, QFormat::F16 | QFormat::BF16))
-        {
+        for format in quantized_formats() {
             let shape = format!("[{rows}x{cols}]");
             if !wanted(&format!("{} {shape}", format.name())) {
                 continue;
@@ -220,10 +217,7 @@ fn stream() {
     let (rows, cols) = (4096, 1024);
     let x: Vec<f32> = (0..cols).map(|i| ((i % 97) as f32 - 48.0) / 31.0).collect();
     let mut out = vec![0.0f32; rows];
-    for format in QFormat::ALL
-        .into_iter()
-        .filter(|f| !matches!(f, QFormat::F16 | QFormat::BF16))
-    {
+    for format in quantized_formats() {
         let shape = format!("[{rows}x{cols}]");
         if !wanted(&format!("{} {shape}", format.name())) {
             continue;
@@ -249,6 +243,13 @@ fn stream() {
         );
     }
     println!();
+}
+
+/// Every block format (not F16 or BF16): the int8 class's.
+fn quantized_formats() -> impl Iterator<Item = QFormat> {
+    QFormat::ALL
+        .into_iter()
+        .filter(|f| !matches!(f, QFormat::F16 | QFormat::BF16))
 }
 
 /// Seconds to copy `bytes` once (median): the bandwidth baseline a pass
