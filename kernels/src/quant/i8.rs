@@ -36,9 +36,11 @@
 //! +16; at most 63, so a pair is at most `2 * 63 * 127 < 2^15`) and
 //! subtract `bias * B` after the integer sum, or for Q8_0 `|q|` against `x`
 //! with `q`'s sign (a pair at most `2 * 128 * 127 = 32512 < 2^15`). The
-//! AVX2 panel adds as many biased pairs in i16 before widening them as
-//! fit: `G` pairs with `G * 2 * m * 127 < 2^15` for the format's largest
-//! byte `m` ([`max_byte`]), a power of two up to a sub-block's columns:
+//! AVX2 kernels add as many pairs in i16 before widening them as fit
+//! ([`pairs_in_i16`]): `G` pairs with `G * 2 * m * 127 < 2^15` for the
+//! format's largest byte `m` ([`max_byte`]), a power of two. The panel
+//! takes up to a sub-block's columns (the one-row kernel up to four
+//! groups):
 //! eight for the 4-bit formats (`8 * 2 * 15 * 127 = 30480`), four for
 //! the 5-bit ones and MXFP4 (`4 * 2 * 31 * 127 = 31496`), Q2_K and Q3_K
 //! (a 16-value sub-block's four), two for Q6_K (`2 * 2 * 63 * 127 =
@@ -103,6 +105,19 @@ pub(super) const fn max_byte(f: QFormat) -> i32 {
         QFormat::Q8_0 => 128,
         QFormat::F16 | QFormat::BF16 => 0,
     }
+}
+
+/// How many of `f`'s `vpmaddubsw` pair sums (each at most `2 * m * 127`
+/// in magnitude, `m` its [`max_byte`]) the AVX2 kernels add in i16 before
+/// widening: the largest power of two up to `most` whose sum stays below
+/// `2^15` (at least one).
+pub(super) const fn pairs_in_i16(f: QFormat, most: usize) -> usize {
+    let pair = 2 * max_byte(f) as usize * 127;
+    let mut g = most;
+    while g > 1 && g * pair >= 1 << 15 {
+        g /= 2;
+    }
+    g
 }
 
 /// `n` rounded up to whole lanes.

@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
 use super::ahead::Ahead;
-use super::i8::{bias, max_byte, Acts, Dot};
+use super::i8::{bias, pairs_in_i16, Acts, Dot};
 use super::i8_x86::{lane_scales, real_subs, shape_panel, unsigned_quants};
 use super::lines::Lines;
 use super::x86_blocks::quants;
@@ -439,17 +439,10 @@ impl Panel {
 }
 
 /// Columns (four bytes of eight rows) whose `vpmaddubsw` pairs the AVX2
-/// tile adds in i16 before one `vpmaddwd`: the most, a power of two up to
-/// a sub-block's columns, whose sum stays below `2^15` with every byte at
-/// the format's largest ([`max_byte`]) and every activation at +-127.
+/// tile adds in i16 before one `vpmaddwd`: the most up to a sub-block's
+/// columns ([`pairs_in_i16`]).
 const fn columns_in_i16(f: QFormat) -> usize {
-    let cols = f.sub_block() / 4;
-    let pair = 2 * max_byte(f) as usize * 127;
-    let mut g = cols;
-    while g > 1 && g * pair >= 1 << 15 {
-        g /= 2;
-    }
-    g
+    pairs_in_i16(f, f.sub_block() / 4)
 }
 
 // The tile's least is two columns: every biased format fits them.

@@ -35,7 +35,7 @@
 
 use std::arch::x86_64::*;
 
-use super::i8::{bias, max_byte, Acts, Dot};
+use super::i8::{bias, pairs_in_i16, Acts, Dot};
 use super::scalar::Head;
 use super::x86_blocks::{head, quants};
 use super::{code, with_format, QFormat, GROUP};
@@ -146,17 +146,11 @@ impl Bytes for Avx512Vnni {
 /// How many of [`sum4`]'s two levels of adds an AVX2 kernel does on
 /// `vpmaddubsw`'s i16 sums before widening them (then one `vpmaddwd` for
 /// four groups instead of one each): after level `l` a lane holds `2^l`
-/// of them, so `2^l * 2 * m * 127 < 2^15` for the format's largest byte
-/// `m` ([`max_byte`]). Two for the 4- and 5-bit formats, MXFP4, Q2_K and
-/// Q3_K (`4 * 2 * 31 * 127 = 31496`), one for Q6_K (`2 * 2 * 63 * 127 =
-/// 32004`), none for Q8_0 (its sign trick's pairs reach 32512).
+/// of them ([`pairs_in_i16`]). Two for the 4- and 5-bit formats, MXFP4,
+/// Q2_K and Q3_K (`4 * 2 * 31 * 127 = 31496`), one for Q6_K (`2 * 2 * 63
+/// * 127 = 32004`), none for Q8_0 (its sign trick's pairs reach 32512).
 const fn i16_levels(f: QFormat) -> u32 {
-    let pair = 2 * max_byte(f) * 127;
-    let mut l = 0;
-    while l < 2 && (pair << (l + 1)) < 1 << 15 {
-        l += 1;
-    }
-    l
+    pairs_in_i16(f, 4).trailing_zeros()
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
