@@ -8,7 +8,7 @@ use std::arch::x86_64::*;
 use super::i8::{bias, padded, Acts};
 use super::lines::Lines;
 use super::scalar::Head;
-use super::x86_blocks::head;
+use super::x86_blocks::{head, is_legacy};
 use super::{QFormat, GROUP};
 
 /// A panel's byte and scale buffers sized for rows of `cols` values of
@@ -77,6 +77,30 @@ pub(super) unsafe fn lane_scales<const F: u8>(
         f.block_values() / f.sub_block(),
     );
     let rb = f.row_bytes(cols);
+    if f16_head(f) {
+        // Eight rows' heads of a block at a time, packed by scalar loads
+        // and widened by one conversion: one block at a time, each
+        // conversion merged into the last one's register (a dependency
+        // chain) and took half of filling a Q5_0 or Q8_0 panel.
+        for b in 0..cols / bv {
+            for r in (0..live).step_by(8) {
+                let n = (live - r).min(8);
+                let at = b * lanes + r;
+                assert!(at + 8 <= s.len() && lanes.is_multiple_of(8));
+                // SAFETY: block b of rows r .. r + n is inside `w`; lanes
+                // r .. r + 8 of sub-block b are inside `s` and `o`
+                // (asserted; lanes past `live` get zeros, as shaped).
+                unsafe {
+                    let p = w.add(r * rb + b * bb);
+                    _mm256_storeu_ps(s.as_mut_ptr().add(at), halves8(p, rb, n));
+                    if f.has_offset() {
+                        _mm256_storeu_ps(o.as_mut_ptr().add(at), halves8(p.add(2), rb, n));
+                    }
+                }
+            }
+        }
+        return;
+    }
     let mut h = Head::ZERO;
     for r in 0..live {
         for b in 0..cols / bv {
@@ -91,6 +115,40 @@ pub(super) unsafe fn lane_scales<const F: u8>(
             }
         }
     }
+}
+
+/// The f16 values at `p + j * stride` for `j < 8`, as f32; those from
+/// `live` on give zeros (not read).
+///
+/// # Safety
+/// `p + j * stride` readable for two bytes for `j < live`; F16C.
+#[inline(always)]
+pub(super) unsafe fn halves8(p: *const u8, stride: usize, live: usize) -> __m256 {
+    // SAFETY (all): by the caller.
+    unsafe {
+        let mut w = [0u64; 2];
+        if live == 8 {
+            for (k, w) in w.iter_mut().enumerate() {
+                for j in 0..4 {
+                    let h = p.add((4 * k + j) * stride).cast::<u16>().read_unaligned();
+                    *w |= u64::from(h) << (16 * j);
+                }
+            }
+        } else {
+            for j in 0..live {
+                let h = p.add(j * stride).cast::<u16>().read_unaligned();
+                w[j / 4] |= u64::from(h) << (16 * (j % 4));
+            }
+        }
+        _mm256_cvtph_ps(_mm_set_epi64x(w[1] as i64, w[0] as i64))
+    }
+}
+
+/// Whether a block of `f` is one sub-block that starts with its f16 scale
+/// (and, with an offset, the f16 offset after it): the legacy blocks but
+/// MXFP4, whose scale is one e8m0 byte.
+pub(super) const fn f16_head(f: QFormat) -> bool {
+    is_legacy(f) && !matches!(f, QFormat::MXFP4)
 }
 
 /// One group of 32 activations quantized as `super::i8::quantize_group`

@@ -49,9 +49,9 @@ use std::mem::MaybeUninit;
 
 use super::ahead::Ahead;
 use super::i8::{bias, padded, Acts};
-use super::i8_x86::{lane_scales, real_subs, shape_panel, unsigned_quants};
+use super::i8_x86::{f16_head, lane_scales, real_subs, shape_panel, unsigned_quants};
 use super::lines::Lines;
-use super::x86_blocks::{is_legacy, quants};
+use super::x86_blocks::quants;
 use super::{with_format, QFormat, GROUP};
 
 /// Bytes ahead in a weight row that filling a panel prefetches: sixteen
@@ -193,7 +193,7 @@ impl Panel {
         // Each live row's scales (and offsets) to their lanes.
         // SAFETY: `w` holds the live rows (asserted by `fill_blocks`).
         unsafe {
-            if head_at_start(f) && i32::try_from(NR * rb).is_ok() {
+            if f16_head(f) && i32::try_from(NR * rb).is_ok() {
                 self.head_scales::<F>(wp, live, cols);
             } else {
                 lane_scales::<F>(wp, live, cols, ROWS, &mut self.s, &mut self.o);
@@ -209,7 +209,7 @@ impl Panel {
     /// filling a Q4_1 panel.
     ///
     /// # Safety
-    /// As [`Self::fill_blocks`], `head_at_start(format)`, sixteen rows'
+    /// As [`Self::fill_blocks`], `f16_head(format)`, sixteen rows'
     /// bytes within an `i32` (the gather's offsets); the panel shaped.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn head_scales<const F: u8>(&mut self, w: *const u8, live: usize, cols: usize) {
@@ -410,13 +410,6 @@ impl Panel {
             }
         }
     }
-}
-
-/// Whether a block of `f` is one sub-block that starts with its f16 scale
-/// (and, with an offset, the f16 offset after it): the legacy blocks but
-/// MXFP4, whose scale is one e8m0 byte.
-fn head_at_start(f: QFormat) -> bool {
-    is_legacy(f) && !matches!(f, QFormat::MXFP4)
 }
 
 /// One group of 32 activations quantized as `super::i8::quantize_group`

@@ -36,9 +36,10 @@
 use std::arch::x86_64::*;
 
 use super::i8::{bias, pairs_in_i16, Acts, Dot};
+use super::i8_x86::{f16_head, halves8};
 use super::scalar::Head;
 use super::x86_blocks::{head, quants};
-use super::{code, with_format, QFormat, GROUP};
+use super::{with_format, QFormat, GROUP};
 use crate::simd::hsum;
 
 /// Bytes ahead of the blocks being read that are prefetched: weights
@@ -278,10 +279,7 @@ unsafe fn level1<B: Bytes>(a: __m256i, b: __m256i, levels: u32) -> __m256i {
 #[inline(always)]
 unsafe fn legacy_scales<const F: u8>(p: *const u8, i: usize, live: usize) -> (__m256, __m256) {
     let bb = const { QFormat::of_code(F).block_bytes() };
-    let f16_head = matches!(
-        F,
-        code::Q4_0 | code::Q4_1 | code::Q5_0 | code::Q5_1 | code::Q8_0
-    );
+    let f16_head = const { f16_head(QFormat::of_code(F)) };
     let offset = const { QFormat::of_code(F).has_offset() };
     // SAFETY (all): by the caller.
     unsafe {
@@ -303,33 +301,6 @@ unsafe fn legacy_scales<const F: u8>(p: *const u8, i: usize, live: usize) -> (__
             (s[j], o[j]) = (h.s[0], h.o[0]);
         }
         (_mm256_loadu_ps(s.as_ptr()), _mm256_loadu_ps(o.as_ptr()))
-    }
-}
-
-/// The f16 values at `p + j * stride` for `j < 8`, as f32; those from
-/// `live` on give zeros (not read).
-///
-/// # Safety
-/// `p + j * stride` readable for two bytes for `j < live`; F16C.
-#[inline(always)]
-unsafe fn halves8(p: *const u8, stride: usize, live: usize) -> __m256 {
-    // SAFETY (all): by the caller.
-    unsafe {
-        let mut w = [0u64; 2];
-        if live == 8 {
-            for (k, w) in w.iter_mut().enumerate() {
-                for j in 0..4 {
-                    let h = p.add((4 * k + j) * stride).cast::<u16>().read_unaligned();
-                    *w |= u64::from(h) << (16 * j);
-                }
-            }
-        } else {
-            for j in 0..live {
-                let h = p.add(j * stride).cast::<u16>().read_unaligned();
-                w[j / 4] |= u64::from(h) << (16 * (j % 4));
-            }
-        }
-        _mm256_cvtph_ps(_mm_set_epi64x(w[1] as i64, w[0] as i64))
     }
 }
 
