@@ -47,6 +47,8 @@ pub mod rope;
 mod simd;
 #[cfg(target_arch = "x86_64")]
 mod simd512;
+#[cfg(test)]
+mod test_rng;
 
 pub use attention::{paged_attention, AttentionShape};
 pub use paged::{

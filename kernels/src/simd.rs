@@ -94,19 +94,13 @@ mod tests {
 
     #[test]
     fn eight_sums_are_hsums_to_the_bit() {
-        if !is_x86_feature_detected!("avx2") {
+        if !crate::cpu::require(crate::cpu::Path::Avx2) {
             return;
         }
         // Magnitudes far apart, so that any other order of the adds
         // rounds differently.
-        let mut x = 0x9e37_79b9_u32;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            let m = (x >> 8) as f32 / (1 << 24) as f32 - 0.5;
-            m * [1e-4f32, 1.0, 3e3, 7e6][(x & 3) as usize]
-        };
+        let mut rng = crate::test_rng::Rng(0x9e37_79b9);
+        let mut next = || rng.unit() * [1e-4f32, 1.0, 3e3, 7e6][(rng.next() & 3) as usize];
         for _ in 0..200 {
             let rows: [[f32; 8]; 8] = std::array::from_fn(|_| std::array::from_fn(|_| next()));
             // SAFETY: AVX2 checked above.

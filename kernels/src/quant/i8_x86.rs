@@ -82,11 +82,18 @@ pub(super) unsafe fn lane_scales<const F: u8>(
         // and widened by one conversion: one block at a time, each
         // conversion merged into the last one's register (a dependency
         // chain) and took half of filling a Q5_0 or Q8_0 panel.
+        // Whole eights of lanes, every block's inside `s` and `o`.
+        let end = cols / bv * lanes;
+        assert!(
+            lanes.is_multiple_of(8)
+                && live <= lanes
+                && end <= s.len()
+                && (!f.has_offset() || end <= o.len())
+        );
         for b in 0..cols / bv {
             for r in (0..live).step_by(8) {
                 let n = (live - r).min(8);
                 let at = b * lanes + r;
-                assert!(at + 8 <= s.len() && lanes.is_multiple_of(8));
                 // SAFETY: block b of rows r .. r + n is inside `w`; lanes
                 // r .. r + 8 of sub-block b are inside `s` and `o`
                 // (asserted; lanes past `live` get zeros, as shaped).

@@ -196,25 +196,12 @@ unsafe fn rows_body<B: Bytes, const F: u8>(task: &RowTask) {
         let mut r = 0;
         while r + 8 <= task.nr {
             let mut t = task.t0;
-            while t < end {
-                // Loops, not `array::from_fn`: its closure would not have
-                // this function's target features.
-                if t + 2 <= end {
-                    let (mut l0, mut l1) = ([_mm256_setzero_ps(); 8], [_mm256_setzero_ps(); 8]);
-                    for (j, (a, b)) in l0.iter_mut().zip(&mut l1).enumerate() {
-                        [*a, *b] = dot_blocks::<B, F, 2>(row(r + j), task.acts, t);
-                    }
-                    _mm256_storeu_ps(at(t, r), hsum8(l0));
-                    _mm256_storeu_ps(at(t + 1, r), hsum8(l1));
-                    t += 2;
-                } else {
-                    let mut l = [_mm256_setzero_ps(); 8];
-                    for (j, v) in l.iter_mut().enumerate() {
-                        [*v] = dot_blocks::<B, F, 1>(row(r + j), task.acts, t);
-                    }
-                    _mm256_storeu_ps(at(t, r), hsum8(l));
-                    t += 1;
-                }
+            while t + 2 <= end {
+                eight_rows::<B, F, 2>(row(r), rb, task.acts, t, at(t, r), task.n);
+                t += 2;
+            }
+            if t < end {
+                eight_rows::<B, F, 1>(row(r), rb, task.acts, t, at(t, r), task.n);
             }
             r += 8;
         }
@@ -228,6 +215,37 @@ unsafe fn rows_body<B: Bytes, const F: u8>(task: &RowTask) {
             if t < end {
                 *at(t, r) = hsum(dot_blocks::<B, F, 1>(row(r), task.acts, t)[0]);
             }
+        }
+    }
+}
+
+/// Eight weight rows (`rb` bytes apart, from `p`) against activation rows
+/// `t .. t + T`: activation row `t + i`'s eight outputs stored at
+/// `out + i * n`, their lanes summed together by [`hsum8`].
+///
+/// # Safety
+/// As [`dot_blocks`] for each of the eight rows; those outputs writable.
+#[inline(always)]
+unsafe fn eight_rows<B: Bytes, const F: u8, const T: usize>(
+    p: *const u8,
+    rb: usize,
+    a: &Acts,
+    t: usize,
+    out: *mut f32,
+    n: usize,
+) {
+    // SAFETY (all): by the caller. Loops, not `array::from_fn`: its
+    // closure would not have the caller's target features.
+    unsafe {
+        let mut l = [[_mm256_setzero_ps(); 8]; T];
+        for j in 0..8 {
+            let d = dot_blocks::<B, F, T>(p.add(j * rb), a, t);
+            for (row, d) in l.iter_mut().zip(d) {
+                row[j] = d;
+            }
+        }
+        for (i, row) in l.into_iter().enumerate() {
+            _mm256_storeu_ps(out.add(i * n), hsum8(row));
         }
     }
 }

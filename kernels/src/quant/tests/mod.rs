@@ -1,29 +1,5 @@
 use super::*;
-
-/// xorshift64*: reproducible test data without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn byte(&mut self) -> u8 {
-        (self.next() >> 56) as u8
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    /// A normal f16 of magnitude about 2^-5 .. 2^0, either sign.
-    fn half(&mut self) -> [u8; 2] {
-        let sign = (self.next() & 1) as u16;
-        let exp = 10 + (self.next() % 6) as u16;
-        let man = (self.next() & 0x3ff) as u16;
-        ((sign << 15) | (exp << 10) | man).to_le_bytes()
-    }
-}
+use crate::test_rng::Rng;
 
 /// Where a block of `format` keeps its f16 scales (byte offsets).
 fn scale_offsets(format: QFormat) -> &'static [usize] {
