@@ -23,6 +23,9 @@
 //!   all) are called in turn, so the weights stream from memory: GB/s of
 //!   weight bytes against the read bandwidth measured in the same run (the
 //!   physical limit of batch-1 decode), and ns per 32-value group a thread.
+//!   `QUANT_BENCH_COLS=576` streams rows of that width instead (about the
+//!   same bytes; formats whose blocks do not divide it are left out): a
+//!   model's own row width, where a row's fixed costs weigh more.
 //!
 //! `cargo bench -p kvmesh-kernels --bench quant` runs them all;
 //! `QUANT_BENCH_TABLE=formats` (or `paths`) one of them, `QUANT_BENCH` (a
@@ -214,12 +217,20 @@ fn stream() {
         "{:<6} {:<13} {:>8} {:>8} {:>8} {:>9}",
         "format", "shape", "ms", "GB/s", "% read", "ns/group"
     );
-    let (rows, cols) = (4096, 1024);
+    let cols: usize = std::env::var("QUANT_BENCH_COLS").map_or(1024, |c| {
+        c.parse()
+            .ok()
+            .filter(|&c: &usize| c > 0 && c.is_multiple_of(32))
+            .expect("QUANT_BENCH_COLS: a positive multiple of 32")
+    });
+    let rows = 4096 * 1024 / cols;
     let x: Vec<f32> = (0..cols).map(|i| ((i % 97) as f32 - 48.0) / 31.0).collect();
     let mut out = vec![0.0f32; rows];
     for format in quantized_formats() {
         let shape = format!("[{rows}x{cols}]");
-        if !wanted(&format!("{} {shape}", format.name())) {
+        if !wanted(&format!("{} {shape}", format.name()))
+            || !cols.is_multiple_of(format.block_values())
+        {
             continue;
         }
         let one = matrix(format, rows, cols, 7);
