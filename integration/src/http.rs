@@ -93,6 +93,18 @@ pub fn get(addr: &str, path: &str) -> Response {
     request(addr, "GET", path, None)
 }
 
+/// GET that returns the transport error instead of panicking, for polling
+/// a server that is still starting (it may refuse, or accept and drop, a
+/// connection before it serves).
+pub fn try_get(addr: &str, path: &str) -> Result<Response, kvmesh_client::http::Error> {
+    let r = blocking::request(addr, &build("GET", path, None, &[]))?;
+    Ok(Response {
+        status: r.status,
+        body: r.text(),
+        headers: r.headers,
+    })
+}
+
 /// POST and return the response open, to read SSE events one by one.
 pub fn post_streaming(addr: &str, path: &str, body: &serde_json::Value) -> Streaming {
     post_streaming_headers(addr, path, body, &[])

@@ -66,29 +66,22 @@ impl Prometheus {
             .spawn()
             .expect("start prometheus");
         let p = Self { child, addr };
+        // Until it is ready Prometheus may refuse a connection, drop one
+        // it accepted, or answer 503: all mean "poll again".
         let t0 = Instant::now();
-        while http::get(&p.addr_if_up(), "/-/ready").status != 200 {
+        loop {
+            let last = match http::try_get(&p.addr, "/-/ready") {
+                Ok(r) if r.status == 200 => break,
+                Ok(r) => format!("status {}: {}", r.status, r.body),
+                Err(e) => e.to_string(),
+            };
             assert!(
                 t0.elapsed() < Duration::from_secs(30),
-                "prometheus never ready"
+                "prometheus never ready: {last}"
             );
             std::thread::sleep(Duration::from_millis(100));
         }
         p
-    }
-
-    /// Its address once something listens there (the client panics on a
-    /// refused connection).
-    fn addr_if_up(&self) -> String {
-        let t0 = Instant::now();
-        while TcpStream::connect(&self.addr).is_err() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "prometheus never listened"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        self.addr.clone()
     }
 
     /// An instant query's result vector (`status` must be success).
