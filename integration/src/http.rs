@@ -74,13 +74,18 @@ pub fn request_headers(
     body: Option<&str>,
     headers: &[(&str, &str)],
 ) -> Response {
-    let r = blocking::request(addr, &build(method, path, body, headers))
-        .unwrap_or_else(|e| panic!("{method} {addr}{path}: {e}"));
-    Response {
+    send(addr, &build(method, path, body, headers))
+        .unwrap_or_else(|e| panic!("{method} {addr}{path}: {e}"))
+}
+
+/// Send `req` and read the whole response, or the transport error.
+fn send(addr: &str, req: &Request) -> Result<Response, kvmesh_client::http::Error> {
+    let r = blocking::request(addr, req)?;
+    Ok(Response {
         status: r.status,
         body: r.text(),
         headers: r.headers,
-    }
+    })
 }
 
 /// POST a JSON body.
@@ -97,12 +102,7 @@ pub fn get(addr: &str, path: &str) -> Response {
 /// a server that is still starting (it may refuse, or accept and drop, a
 /// connection before it serves).
 pub fn try_get(addr: &str, path: &str) -> Result<Response, kvmesh_client::http::Error> {
-    let r = blocking::request(addr, &build("GET", path, None, &[]))?;
-    Ok(Response {
-        status: r.status,
-        body: r.text(),
-        headers: r.headers,
-    })
+    send(addr, &build("GET", path, None, &[]))
 }
 
 /// POST and return the response open, to read SSE events one by one.
