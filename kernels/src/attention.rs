@@ -74,8 +74,8 @@ const QUERY_BLOCK: usize = 16;
 /// forward pass runs on a pool thread, where starting a parallel section
 /// costs a few microseconds (from outside the pool it cost tens, and this
 /// was 16 times higher): a decode step's attention for one sequence splits
-/// its KV heads across the threads from about 230 positions (9 heads x 230
-/// x 64). Measured (`PATHS_BENCH="attention decode" cargo bench --bench
+/// its KV heads (or their query heads, [`decode_runs`]) across the threads
+/// from about 230 positions (9 heads x 230 x 64). Measured (`PATHS_BENCH="attention decode" cargo bench --bench
 /// paths`, 2 threads, f16 pool, three rounds against the higher
 /// threshold): 1023 positions 51-52 us instead of 93-107, 255 positions 15
 /// us instead of 25-28.
@@ -216,17 +216,25 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
     if positions.len() == 1 {
         // One query token (a decode step): one block per KV head, its query
         // heads together (they are adjacent), so each K and V row is read
-        // once per KV head.
-        let body = |(kvh, o): (usize, &mut [f32])| {
-            let queries: Vec<(&[f32], usize)> = (0..group)
-                .map(|g| (&q[(kvh * group + g) * head_dim..][..head_dim], positions[0]))
+        // once per KV head; in parallel, with fewer KV heads than threads,
+        // each KV head's query heads split into runs (`decode_runs`).
+        let parallel = work >= PARALLEL_THRESHOLD;
+        let runs = if parallel {
+            decode_runs(group, n_kv_heads, rayon::current_num_threads())
+        } else {
+            1
+        };
+        let per = group / runs;
+        let body = |(c, o): (usize, &mut [f32])| {
+            let (kvh, first) = (c / runs, (c % runs) * per);
+            let heads = kvh * group + first..kvh * group + first + per;
+            let queries: Vec<(&[f32], usize)> = heads
+                .clone()
+                .map(|h| (&q[h * head_dim..][..head_dim], positions[0]))
                 .collect();
             let mut outs: Vec<&mut [f32]> = o.chunks_mut(v_dim).collect();
-            // The KV head's query heads are adjacent: so are their sinks.
-            let sinks = shape
-                .sinks
-                .as_deref()
-                .map(|s| &s[kvh * group..(kvh + 1) * group]);
+            // The run's query heads are adjacent: so are their sinks.
+            let sinks = shape.sinks.as_deref().map(|s| &s[heads]);
             let args = (
                 shape,
                 pages.as_slice(),
@@ -238,10 +246,10 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
             );
             run_block(path, &queries, &mut outs, args);
         };
-        if work < PARALLEL_THRESHOLD {
-            out.chunks_mut(group * v_dim).enumerate().for_each(body);
+        if parallel {
+            out.par_chunks_mut(per * v_dim).enumerate().for_each(body);
         } else {
-            out.par_chunks_mut(group * v_dim).enumerate().for_each(body);
+            out.chunks_mut(per * v_dim).enumerate().for_each(body);
         }
         return Ok(());
     }
@@ -288,6 +296,20 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
         out.par_chunks_mut(block).enumerate().for_each(body);
     }
     Ok(())
+}
+
+/// Runs each KV head's `group` query heads split into for a parallel
+/// decode step: the fewest (a divisor of `group`) that give every one of
+/// `threads` a task, or one run per query head. A query's result does not
+/// depend on the queries beside it in a block (the tiles group independent
+/// scores and chains), so the split changes no bits. Gemma 3 270M (one KV
+/// head, four query heads) on two threads: two runs of two, where the
+/// whole step's attention ran on one thread; a run's K and V rows are
+/// read once per run instead of once per KV head.
+fn decode_runs(group: usize, n_kv_heads: usize, threads: usize) -> usize {
+    (1..=group)
+        .find(|&d| group.is_multiple_of(d) && n_kv_heads * d >= threads)
+        .unwrap_or(group)
 }
 
 /// A scaled score soft-capped: `cap * tanh(s / cap)` (divide, tanh,

@@ -8,6 +8,8 @@ use std::cell::RefCell;
 use super::*;
 use crate::paged::KvGeometry;
 
+mod decode_split;
+
 /// Contiguous pages, `written` slots per page, and a log of reads.
 struct VecPages {
     geo: KvGeometry,
