@@ -75,10 +75,10 @@ const QUERY_BLOCK: usize = 16;
 /// costs a few microseconds (from outside the pool it cost tens, and this
 /// was 16 times higher): a decode step's attention for one sequence splits
 /// its KV heads (or their query heads, [`decode_runs`]) across the threads
-/// from about 230 positions (9 heads x 230 x 64). Measured (`PATHS_BENCH="attention decode" cargo bench --bench
-/// paths`, 2 threads, f16 pool, three rounds against the higher
-/// threshold): 1023 positions 51-52 us instead of 93-107, 255 positions 15
-/// us instead of 25-28.
+/// from about 230 positions (9 heads x 230 x 64). Measured
+/// (`PATHS_BENCH="attention decode" cargo bench --bench paths`, 2 threads,
+/// f16 pool, three rounds against the higher threshold): 1023 positions
+/// 51-52 us instead of 93-107, 255 positions 15 us instead of 25-28.
 const PARALLEL_THRESHOLD: usize = 1 << 17;
 
 /// Attention for `positions.len()` query tokens of one sequence at `layer`.
