@@ -275,6 +275,11 @@ fn matches_dense_reference_for_prefill_and_decode_shapes() {
     }
 }
 
+/// Whether `a` and `b` hold the same bits, value by value.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 /// One sink per head, from well below the tests' scores (about +-1) to
 /// well above them, so some heads give the sink most of their weight and
 /// others almost none.
@@ -463,10 +468,7 @@ fn a_query_computes_the_same_bits_alone_and_in_any_block() {
             (1, ctx - 2),
         ] {
             let part = run(from, to);
-            let same = part
-                .iter()
-                .zip(&whole[from * nh * d..to * nh * d])
-                .all(|(a, b)| a.to_bits() == b.to_bits());
+            let same = same_bits(&part, &whole[from * nh * d..to * nh * d]);
             assert!(same, "positions {from}..{to} differ from the whole prompt ({nh}/{nkv}/{d}, window {window:?})");
         }
     }
@@ -500,7 +502,7 @@ fn an_f16_pool_gives_the_bits_of_an_f32_pool_holding_its_values() {
             };
             let (a, b) = (run(&f16), run(&f32));
             assert!(
-                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                same_bits(&a, &b),
                 "f16 and f32 pools differ ({nh}/{nkv}/{d}, page {ps}, ctx {ctx}, {} queries)",
                 positions.len()
             );

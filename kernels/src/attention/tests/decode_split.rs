@@ -61,15 +61,13 @@ fn a_decode_step_gives_the_same_bits_in_every_pool_and_as_in_a_prompt() {
                 .build()
                 .expect("pool");
             let [last, step] = pool.install(|| prompt_and_step(nh, nkv, d, ctx, sinks));
-            let same =
-                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
             assert!(
-                same(&step, &last),
+                same_bits(&step, &last),
                 "{nh}/{nkv}/{d} at {ctx}, {threads} threads: the step differs from the prompt's last position"
             );
             let first = first.get_or_insert_with(|| step.clone());
             assert!(
-                same(&step, first),
+                same_bits(&step, first),
                 "{nh}/{nkv}/{d} at {ctx}: {threads} threads differ from one"
             );
         }
