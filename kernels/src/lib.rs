@@ -47,6 +47,7 @@ pub mod rope;
 mod simd;
 #[cfg(target_arch = "x86_64")]
 mod simd512;
+pub mod tasks;
 #[cfg(test)]
 mod test_rng;
 

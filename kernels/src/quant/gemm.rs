@@ -27,8 +27,6 @@
 //! the fused path instead (dequantized in registers, never stored), bound by
 //! reading the weight bytes.
 
-use rayon::prelude::*;
-
 use super::{scalar, QFormat, QMatrix};
 #[cfg(target_arch = "x86_64")]
 use super::{x86, x86_512};
@@ -121,7 +119,7 @@ pub(super) fn matmul(kernel: Path, w: &QMatrix, x: &[f32], rows: usize, out: &mu
     if n * k * rows < 1 << 15 {
         (0..tasks).for_each(task);
     } else {
-        (0..tasks).into_par_iter().for_each(task);
+        crate::tasks::each(tasks, task);
     }
 }
 

@@ -683,6 +683,6 @@ fn run(kernel: Dot, w: &QMatrix, acts: &Acts, rows: usize, out: &mut [f32]) {
     if n * k * rows < 1 << 15 {
         (0..tasks).for_each(task);
     } else {
-        (0..tasks).into_par_iter().for_each(task);
+        crate::tasks::each(tasks, task);
     }
 }

@@ -22,6 +22,63 @@ fn greedy_picks_first_maximum() {
     assert_eq!(s.sample(&mut [0.1, 3.0, 3.0, -1.0]).token, 1);
 }
 
+/// The index a scan keeping the first strictly larger logit gives.
+fn first_max_scan(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// `argmax` gives the scan's index on rows of every length around its
+/// 16 lanes, with ties, NaNs (first or anywhere), infinities and +-0.
+#[test]
+fn argmax_is_the_first_maximum_of_a_scan() {
+    let mut x = 0x9E37_79B9u32;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        x
+    };
+    let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 2.5];
+    for len in (0..70).chain([1000, 4099, 262_144]) {
+        for round in 0..6 {
+            let mut row: Vec<f32> = (0..len).map(|_| (next() % 64) as f32 / 8.0 - 4.0).collect();
+            // Plant specials: round 0 none, then more of them.
+            for _ in 0..round * (1 + len / 50) {
+                if len > 0 {
+                    let at = next() as usize % len;
+                    row[at] = specials[next() as usize % specials.len()];
+                }
+            }
+            if round == 5 && len > 0 {
+                row[0] = f32::NAN;
+            }
+            assert_eq!(
+                argmax(&row),
+                first_max_scan(&row),
+                "len {len}, round {round}: {row:?}"
+            );
+        }
+    }
+    assert_eq!(
+        argmax(&[-0.0, 0.0, -1.0]),
+        0,
+        "+0 does not beat an earlier -0"
+    );
+    assert_eq!(argmax(&[-1.0, 0.0, -0.0, f32::NAN]), 1);
+    assert_eq!(
+        argmax(&[f32::NAN, 9.0]),
+        0,
+        "a NaN first logit, as the scan"
+    );
+    assert_eq!(argmax(&[]), 0);
+}
+
 #[test]
 fn same_seed_same_tokens_and_top_k_limits_choices() {
     let logits = row();
