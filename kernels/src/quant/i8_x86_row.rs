@@ -41,8 +41,9 @@ use std::arch::x86_64::*;
 use super::i8::{bias, pairs_in_i16, Acts, Dot};
 use super::i8_x86::{f16_head, halves8};
 use super::scalar::Head;
+use super::x86_512_blocks::quants512;
 use super::x86_blocks::{head, quants};
-use super::{with_format, QFormat, GROUP};
+use super::{code, with_format, QFormat, GROUP};
 use crate::simd::{hsum, hsum8};
 
 /// Bytes ahead of the blocks being read that are prefetched: weights
@@ -96,6 +97,19 @@ trait Bytes {
     /// # Safety
     /// The implementation's features.
     unsafe fn widen(v: __m256i) -> __m256i;
+
+    /// Group `g`'s quants of the block at `p`, biased to unsigned bytes
+    /// by `add` (the format's [`bias`]): [`quants`] plus `add`, the same
+    /// bytes.
+    ///
+    /// # Safety
+    /// `p` points at a whole block, `g` below its groups; the
+    /// implementation's features and AVX2/FMA/F16C.
+    #[inline(always)]
+    unsafe fn biased<const F: u8>(p: *const u8, g: usize, add: __m256i) -> __m256i {
+        // SAFETY: by the caller.
+        unsafe { _mm256_add_epi8(quants::<F>(p, g), add) }
+    }
 }
 
 struct Avx2;
@@ -145,6 +159,26 @@ impl Bytes for Avx512Vnni {
     unsafe fn widen(v: __m256i) -> __m256i {
         v
     }
+
+    /// Q5_0's and Q5_1's fifth bits as an AVX-512 BW byte mask
+    /// ([`quants512`]: one masked add where AVX2 spreads and tests the 32
+    /// bits in five instructions), the same bytes. One thread, one row
+    /// from L2/L3 (`QUANT_BENCH_TABLE=int8 QUANT_BENCH_ROWS=1`): Q5_0
+    /// 0.86x the time at `[3072x576]`, 0.60-0.86x at `[2048x8192]`, Q5_1
+    /// 0.85x. The K-quants' bit planes by masks (Q5_K, Q3_K) were slower
+    /// here (Q5_K 1.36-1.58x), so they keep the AVX2 decoding.
+    #[inline(always)]
+    unsafe fn biased<const F: u8>(p: *const u8, g: usize, add: __m256i) -> __m256i {
+        // SAFETY: AVX-512 F/BW/VL/DQ and AVX2 (the caller).
+        unsafe {
+            let q = if F == code::Q5_0 || F == code::Q5_1 {
+                quants512::<F>(p, g)
+            } else {
+                quants::<F>(p, g)
+            };
+            _mm256_add_epi8(q, add)
+        }
+    }
 }
 
 /// How many of [`sum4`]'s two levels of adds an AVX2 kernel does on
@@ -169,7 +203,7 @@ unsafe fn rows_avxvnni<const F: u8>(task: &RowTask) {
     unsafe { rows_body::<AvxVnni, F>(task) }
 }
 
-#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512f,avx512bw,avx512vl,avx512dq")]
 unsafe fn rows_vnni512<const F: u8>(task: &RowTask) {
     // SAFETY: by the caller.
     unsafe { rows_body::<Avx512Vnni, F>(task) }
@@ -386,10 +420,7 @@ impl<const T: usize> Groups<T> {
         unsafe {
             let mut v = [_mm256_setzero_si256(); T];
             if !CHECK || g < self.real {
-                let w = _mm256_add_epi8(
-                    quants::<F>(self.p.add(g * GROUP / bv * bb), g % (bv / GROUP)),
-                    self.add,
-                );
+                let w = B::biased::<F>(self.p.add(g * GROUP / bv * bb), g % (bv / GROUP), self.add);
                 for (v, x) in v.iter_mut().zip(self.x) {
                     let (u, x) = operands::<F>(w, _mm256_loadu_si256(x.add(g * GROUP).cast()));
                     *v = B::pairs(u, x);

@@ -42,7 +42,7 @@ pub(super) unsafe fn pair_quants<const F: u8>(a: *const u8, b: *const u8, g: usi
 /// As [`quants`]; AVX-512.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn quants512<const F: u8>(p: *const u8, g: usize) -> __m256i {
+pub(super) unsafe fn quants512<const F: u8>(p: *const u8, g: usize) -> __m256i {
     let sixteen = _mm256_set1_epi8(16);
     // SAFETY (all): offsets inside the block, by the format's layout.
     unsafe {
