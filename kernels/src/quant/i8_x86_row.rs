@@ -163,10 +163,11 @@ impl Bytes for Avx512Vnni {
     /// Q5_0's and Q5_1's fifth bits as an AVX-512 BW byte mask
     /// ([`quants512`]: one masked add where AVX2 spreads and tests the 32
     /// bits in five instructions), the same bytes. One thread, one row
-    /// from L2/L3 (`QUANT_BENCH_TABLE=int8 QUANT_BENCH_ROWS=1`): Q5_0
-    /// 0.86x the time at `[3072x576]`, 0.60-0.86x at `[2048x8192]`, Q5_1
-    /// 0.85x. The K-quants' bit planes by masks (Q5_K, Q3_K) were slower
-    /// here (Q5_K 1.36-1.58x), so they keep the AVX2 decoding.
+    /// in cache (`QUANT_BENCH_TABLE=int8 QUANT_BENCH_ROWS=1`, `[3072x576]`,
+    /// best of five): Q5_0 0.89x the time, Q5_1 0.87x; streamed at two
+    /// threads 1.15x the rate (docs/performance.md). The K-quants' bit
+    /// planes by masks (Q5_K, Q3_K) were slower here (Q5_K 1.36-1.58x at
+    /// `[2048x8192]`), so they keep the AVX2 decoding.
     #[inline(always)]
     unsafe fn biased<const F: u8>(p: *const u8, g: usize, add: __m256i) -> __m256i {
         // SAFETY: AVX-512 F/BW/VL/DQ and AVX2 (the caller).
