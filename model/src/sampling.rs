@@ -252,8 +252,11 @@ pub fn argmax(logits: &[f32]) -> u32 {
         .chunks(LANES)
         .position(|c| c.iter().fold(false, |hit, &l| hit | (l == best)))
         .and_then(|ci| {
-            let c = &logits[ci * LANES..];
-            c.iter().position(|&l| l == best).map(|i| ci * LANES + i)
+            let from = ci * LANES;
+            logits[from..]
+                .iter()
+                .position(|&l| l == best)
+                .map(|i| from + i)
         });
     at.unwrap_or(0) as u32
 }

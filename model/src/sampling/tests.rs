@@ -37,22 +37,18 @@ fn first_max_scan(logits: &[f32]) -> u32 {
 /// 16 lanes, with ties, NaNs (first or anywhere), infinities and +-0.
 #[test]
 fn argmax_is_the_first_maximum_of_a_scan() {
-    let mut x = 0x9E37_79B9u32;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        x
-    };
+    let mut rng = StdRng::seed_from_u64(0x9E37_79B9);
     let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 2.5];
     for len in (0..70).chain([1000, 4099, 262_144]) {
         for round in 0..6 {
-            let mut row: Vec<f32> = (0..len).map(|_| (next() % 64) as f32 / 8.0 - 4.0).collect();
+            let mut row: Vec<f32> = (0..len)
+                .map(|_| rng.random_range(0..64) as f32 / 8.0 - 4.0)
+                .collect();
             // Plant specials: round 0 none, then more of them.
             for _ in 0..round * (1 + len / 50) {
                 if len > 0 {
-                    let at = next() as usize % len;
-                    row[at] = specials[next() as usize % specials.len()];
+                    let at = rng.random_range(0..len);
+                    row[at] = specials[rng.random_range(0..specials.len())];
                 }
             }
             if round == 5 && len > 0 {
