@@ -14,6 +14,8 @@
 //!   layouts; plain, linear, Llama-3 and YaRN frequency scaling).
 //! - [`norm`] holds RMSNorm; [`activation`] SwiGLU (their AVX-512 builds
 //!   in `elementwise512`).
+//! - [`huge`]: memory in 2 MiB transparent huge pages for what every step
+//!   streams (the quantized weights, the KV pool).
 //! - [`roofline`]: the machine's measured memory read bandwidth and FMA
 //!   peak per path, for benchmark reports.
 //! - [`cpu`]: the crate-wide kernel path ([`cpu::Path`]: AVX-512, AVX2 or
@@ -38,6 +40,7 @@ pub mod attention;
 pub mod cpu;
 #[cfg(target_arch = "x86_64")]
 mod elementwise512;
+pub mod huge;
 pub mod norm;
 pub mod paged;
 pub mod quant;

@@ -36,11 +36,20 @@ fn best_rate(runs: usize, mut run: impl FnMut() -> u64) -> f64 {
 /// GB/s (10^9 bytes) of reading `bytes` of memory, on every pool thread, each
 /// thread summing its share with eight independent 64-bit accumulators (a
 /// load per lane, no arithmetic bound). Use a size well beyond the last
-/// level cache (256 MiB is).
+/// level cache (256 MiB is). The memory is in huge pages where the OS
+/// gives them, as the weights a step streams are ([`crate::huge`]): the
+/// limit, not a TLB's.
 pub fn read_gbps(bytes: usize) -> f64 {
     let words = (bytes / 8).max(1 << 10);
+    let Some(mem) = crate::huge::HugeMem::zeroed(words * 8) else {
+        return 0.0;
+    };
+    // SAFETY: `mem` holds `words` u64 (2 MiB-aligned, zeroed: valid
+    // values) and nothing else refers to it.
+    let buf: &mut [u64] = unsafe { std::slice::from_raw_parts_mut(mem.as_ptr().cast(), words) };
     // Touched once before timing: page faults are not bandwidth.
-    let buf: Vec<u64> = (0..words as u64).collect();
+    buf.iter_mut().zip(0u64..).for_each(|(w, i)| *w = i);
+    let buf: &[u64] = buf;
     let chunk = words.div_ceil(rayon::current_num_threads().max(1) * 4);
     best_rate(4, || {
         let s: u64 = buf
@@ -307,7 +316,8 @@ mod tests {
     fn ceilings_are_measured_on_every_available_path() {
         // Positive and finite: the loops ran and were timed (no value is
         // asserted: these machines are shared).
-        assert!(read_gbps(8 << 20).is_finite());
+        let read = read_gbps(8 << 20);
+        assert!(read.is_finite() && read > 0.0, "read {read}");
         for p in crate::cpu::available_paths() {
             let g = fma_peak_gflops(p);
             assert!(g.is_finite() && g > 0.0, "{p}: {g}");

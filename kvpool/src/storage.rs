@@ -20,22 +20,23 @@
 //! filled only while it is on nobody's table and off the free list, and
 //! read only by a checked reader borrowed from the reservation that owns it.
 //!
-//! The memory comes from the global allocator ([`Storage::try_new`]) or
+//! The memory comes from this process, in huge pages where the OS gives
+//! them ([`Storage::try_new`], `kvmesh_kernels::huge`), or
 //! from the caller ([`Storage::try_new_in`], a [`PoolMemory`]: in kvmesh, a
 //! shared-memory mapping that a writer process on the same host writes
 //! one-sided, made by `kvmesh_kvxfer::shm`; later a registered RDMA region
-//! or device staging). Only those two and `Drop` know where the memory
+//! or device staging). Only those two know where the memory
 //! comes from. With memory that another process writes, the contract above
 //! also binds that process: it writes a page only through a path the
 //! transport opened for a grant of that page (a shared-memory lane), and
 //! the pool reads or fills such a page only after that path was closed and
 //! drained (the transport's revoke, `kvmesh_kvxfer::transport::Landing`).
 
-use std::alloc::{self, Layout};
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use kvmesh_kernels::huge::HugeMem;
 use kvmesh_kernels::{f16_to_f32_slice, f32_to_f16_slice, KvDtype, KvValues, PageSlices};
 
 use crate::error::PoolError;
@@ -85,8 +86,8 @@ pub(crate) enum Fill {
     Canary,
 }
 
-/// Memory a pool can live in that the caller provides instead of the
-/// global allocator: a shared-memory mapping that writer processes write
+/// Memory a pool can live in that the caller provides instead of its
+/// own: a shared-memory mapping that writer processes write
 /// one-sided (`kvmesh_kvxfer::shm::ShmRegion`), and later a registered
 /// RDMA region. The pool keeps the value alive as long as its storage.
 ///
@@ -106,8 +107,10 @@ pub unsafe trait PoolMemory: Send + Sync + fmt::Debug {
 
 /// Where the memory lives.
 enum Memory {
-    /// From the global allocator, with this layout.
-    Heap(Layout),
+    /// Zeroed huge-page memory of this process (`kvmesh_kernels::huge`):
+    /// a step's attention reads a K and a V block a page apart in every
+    /// layer, a TLB miss each in 4 KiB pages.
+    Huge(HugeMem),
     /// Provided by the caller; kept alive by this reference.
     External(Arc<dyn PoolMemory>),
 }
@@ -136,20 +139,17 @@ impl Storage {
     pub fn try_new(shape: StorageShape, fill: Fill) -> Result<Self, PoolError> {
         let values = shape.n_pages * shape.page_values();
         let bytes = values.saturating_mul(shape.dtype.size());
-        // Aligned for f32 whatever the dtype.
-        let layout = Layout::from_size_align(bytes, std::mem::align_of::<f32>())
-            .map_err(|_| PoolError::OutOfMemory { bytes })?;
-        if layout.size() == 0 {
-            // `validate` rejects every zero dimension; the allocator must
-            // never see a zero-sized layout.
+        if bytes == 0 {
+            // `validate` rejects every zero dimension.
             return Err(PoolError::OutOfMemory { bytes });
         }
-        // SAFETY: `layout` has non-zero size.
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let base = NonNull::new(raw).ok_or(PoolError::OutOfMemory { bytes })?;
+        // Zeroed by the OS lazily, page by page as first touched, and
+        // aligned to 2 MiB (so for f32 whatever the dtype).
+        let mem = HugeMem::zeroed(bytes).ok_or(PoolError::OutOfMemory { bytes })?;
+        let base = NonNull::new(mem.as_ptr()).ok_or(PoolError::OutOfMemory { bytes })?;
         let storage = Self {
             base,
-            memory: Memory::Heap(layout),
+            memory: Memory::Huge(mem),
             shape,
         };
         storage.fill_all(fill);
@@ -339,18 +339,6 @@ impl Storage {
     }
 }
 
-impl Drop for Storage {
-    fn drop(&mut self) {
-        if let Memory::Heap(layout) = self.memory {
-            // SAFETY: `base` came from `alloc_zeroed(layout)` and is freed
-            // exactly once, here; `&mut self` means no slice into it is
-            // alive.
-            unsafe { alloc::dealloc(self.base.as_ptr(), layout) }
-        }
-        // External memory is released when its last reference goes.
-    }
-}
-
 impl fmt::Debug for Storage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Storage")
@@ -358,7 +346,7 @@ impl fmt::Debug for Storage {
             .field(
                 "memory",
                 &match &self.memory {
-                    Memory::Heap(l) => format!("heap, {} bytes", l.size()),
+                    Memory::Huge(m) => format!("huge pages, {} bytes", m.len()),
                     Memory::External(m) => format!("{m:?}"),
                 },
             )

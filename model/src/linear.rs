@@ -65,15 +65,18 @@ impl Projection {
                 Matrix::Dense(_) => None,
             })
             .collect();
+        // Quantized blocks are streamed every step: each projection's in
+        // huge pages (`kvmesh_kernels::huge`), a copy of the loaded ones.
         let kind = match quants.as_deref() {
-            Some([one]) => Kind::Quant(Arc::clone(one)),
+            Some([one]) => Kind::Quant(Arc::new(one.in_huge_pages())),
             Some(arcs) => {
                 let q: Vec<&QMatrix> = arcs.iter().map(|a| a.as_ref()).collect();
                 match QMatrix::stack(&q) {
-                    Ok(stacked) => Kind::Quant(Arc::new(stacked)),
-                    // Different formats: each in its own blocks (shared,
-                    // not copied).
-                    Err(_) => Kind::QuantParts(arcs.iter().map(|a| Arc::clone(a)).collect()),
+                    Ok(stacked) => Kind::Quant(Arc::new(stacked.in_huge_pages())),
+                    // Different formats: each in its own blocks.
+                    Err(_) => {
+                        Kind::QuantParts(arcs.iter().map(|a| Arc::new(a.in_huge_pages())).collect())
+                    }
                 }
             }
             None => Kind::Dense(dense_all(parts)?),
@@ -93,6 +96,14 @@ impl Projection {
     /// Weights (multiply-adds per input row).
     pub(crate) fn params(&self) -> usize {
         self.widths.iter().sum::<usize>() * self.cols
+    }
+
+    /// The one quantized matrix this runs, if it is one.
+    pub(crate) fn quant_matrix(&self) -> Option<&Arc<QMatrix>> {
+        match &self.kind {
+            Kind::Quant(w) => Some(w),
+            _ => None,
+        }
     }
 
     /// Whether this runs the quantized kernels.

@@ -36,6 +36,7 @@ use crate::linear::Projection;
 use crate::moe::{MlpRt, MoeRt};
 use crate::sampling::{prompt_logprob, PromptLogprob};
 use crate::weights::{Ffn, Matrix, Weights};
+use std::sync::Arc;
 
 /// Which logits a chunk wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -238,13 +239,20 @@ impl Llama {
             });
         }
         let lm_head = Projection::new(&[&w.lm_head])?;
+        // A tied head is the embedding: keep one copy of its blocks, the
+        // head's (in huge pages), for the embedding's row lookups too.
+        let tied = w.embed.same_storage(&w.lm_head);
+        let embed = match lm_head.quant_matrix() {
+            Some(head) if tied => Matrix::Quant(Arc::clone(head)),
+            _ => w.embed,
+        };
         let quantized = lm_head.is_quantized()
             || layers
                 .iter()
                 .any(|l| l.attn.is_quantized() || l.ffn.is_quantized());
         Ok(Self {
             cfg,
-            embed: w.embed,
+            embed,
             layers,
             final_norm: w.final_norm,
             lm_head,

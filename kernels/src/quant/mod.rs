@@ -475,7 +475,26 @@ pub struct QMatrix {
     format: QFormat,
     rows: usize,
     cols: usize,
-    data: Vec<u8>,
+    data: Blocks,
+}
+
+/// Where a [`QMatrix`]'s blocks live: as loaded, or copied into huge
+/// pages for streaming ([`QMatrix::in_huge_pages`]).
+#[derive(Clone)]
+enum Blocks {
+    Heap(Vec<u8>),
+    Huge(crate::huge::HugeBytes),
+}
+
+impl std::ops::Deref for Blocks {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Self::Heap(v) => v,
+            Self::Huge(h) => h,
+        }
+    }
 }
 
 impl std::fmt::Debug for QMatrix {
@@ -527,8 +546,21 @@ impl QMatrix {
             format,
             rows,
             cols,
-            data,
+            data: Blocks::Heap(data),
         })
+    }
+
+    /// The same matrix with its blocks copied into 2 MiB huge pages
+    /// ([`crate::huge`]): what a model streams every step. Where the OS
+    /// refuses the memory, the same matrix as it is.
+    pub fn in_huge_pages(&self) -> Self {
+        match crate::huge::place(&self.data) {
+            Some(h) => Self {
+                data: Blocks::Huge(h),
+                ..self.clone()
+            },
+            None => self.clone(),
+        }
     }
 
     /// Block format.
@@ -577,8 +609,10 @@ impl QMatrix {
             data.extend_from_slice(self.row(r));
         }
         Self {
-            data,
-            ..self.clone()
+            format: self.format,
+            rows: self.rows,
+            cols: self.cols,
+            data: Blocks::Heap(data),
         }
     }
 
@@ -612,7 +646,7 @@ impl QMatrix {
             format: first.format,
             rows,
             cols: first.cols,
-            data,
+            data: Blocks::Heap(data),
         })
     }
 

@@ -402,3 +402,25 @@ fn a_prefill_counts_the_vocabulary_once() {
         512 * (m.matmul_params() - vocab) + vocab
     );
 }
+
+/// A tied head keeps one copy of its blocks: the embedding looks its rows
+/// up in the head's (the copy in huge pages), not in the loaded ones,
+/// which would double the largest matrix of a small model (Gemma 3 270M's
+/// 178 MB); an untied head's embedding is its own matrix.
+#[test]
+fn a_tied_head_and_the_embedding_share_one_copy() {
+    for tie in [true, false] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tiny-q4_1.gguf");
+        write_gguf_model(&path, tie, GgmlDType::Q4_1, |_, _| {});
+        let loaded = load_with(&path, Precision::Quantized).expect("load");
+        let engine = Engine::from_loaded(loaded, &EngineConfig::default()).expect("engine");
+        let m = engine.model();
+        let head = m.lm_head.quant_matrix().expect("a quantized head");
+        let shared = match &m.embed {
+            crate::weights::Matrix::Quant(e) => std::sync::Arc::ptr_eq(e, head),
+            crate::weights::Matrix::Dense(_) => false,
+        };
+        assert_eq!(shared, tie, "tied: {tie}");
+    }
+}
