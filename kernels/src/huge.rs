@@ -164,6 +164,20 @@ unsafe fn unmap(ptr: NonNull<u8>, size: usize) {
     }
 }
 
+/// Hand the C allocator's free memory back to the OS (glibc's
+/// `malloc_trim`; nothing elsewhere). A model built from loaded weights
+/// frees each layer's loaded blocks once [`place`] has copied them, into
+/// free lists that the copies (mapped, not allocated) never reuse: trimmed
+/// after each layer, the load's peak is the model and one layer, not the
+/// model twice.
+pub fn trim() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: no arguments to uphold; it only releases free pages.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Read-only bytes [`place`]d in huge-page memory.
 #[derive(Clone)]
 pub struct HugeBytes {

@@ -237,6 +237,9 @@ impl Llama {
                 },
                 rope: usize::from(sliding && ropes.len() > 1),
             });
+            // This layer's loaded blocks are free now (their copies are in
+            // huge pages): back to the OS before the next layer's copies.
+            kvmesh_kernels::huge::trim();
         }
         let lm_head = Projection::new(&[&w.lm_head])?;
         // A tied head is the embedding: keep one copy of its blocks, the

@@ -556,8 +556,10 @@ impl QMatrix {
     pub fn in_huge_pages(&self) -> Self {
         match crate::huge::place(&self.data) {
             Some(h) => Self {
+                format: self.format,
+                rows: self.rows,
+                cols: self.cols,
                 data: Blocks::Huge(h),
-                ..self.clone()
             },
             None => self.clone(),
         }
