@@ -23,9 +23,10 @@
 //! larger than half a chunk gets a mapping of its own.
 //!
 //! # Cost
-//! One copy of each weight matrix at load; at most one partly used huge
-//! page a chunk or large matrix (2 MiB) more than the bytes held; a chunk
-//! lives until its last matrix is dropped.
+//! One copy of each smaller weight matrix at load (a larger one is read
+//! straight into its own mapping, [`OWN_FROM`]); at most one partly used
+//! huge page a chunk or large matrix (2 MiB) more than the bytes held; a
+//! chunk lives until its last matrix is dropped.
 
 use std::ops::Deref;
 use std::ptr::NonNull;
@@ -77,6 +78,13 @@ impl HugeMem {
     /// Whether no bytes were asked for.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The bytes, to write (a file's tensor read straight into them).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `len` bytes of this mapping, zeroed when made (so
+        // initialised); `&mut self` is the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len) }
     }
 }
 
@@ -202,6 +210,23 @@ impl std::fmt::Debug for HugeBytes {
     }
 }
 
+impl From<HugeMem> for HugeBytes {
+    /// All of `mem`'s bytes, read-only from now on.
+    fn from(mem: HugeMem) -> Self {
+        let len = mem.len();
+        Self {
+            mem: Arc::new(mem),
+            at: 0,
+            len,
+        }
+    }
+}
+
+/// Matrices of more bytes than this get a mapping of their own from
+/// [`place`]; a loader reads them straight into one ([`HugeMem`]) instead
+/// of a buffer that would be copied.
+pub const OWN_FROM: usize = CHUNK / 2;
+
 /// The chunk being filled and its first free byte.
 static OPEN: Mutex<Option<(Arc<HugeMem>, usize)>> = Mutex::new(None);
 
@@ -211,12 +236,10 @@ const ALIGN: usize = 64;
 /// A copy of `data` in huge-page memory (module doc), or `None` when the
 /// OS refuses the memory.
 pub fn place(data: &[u8]) -> Option<HugeBytes> {
-    if data.len() > CHUNK / 2 {
-        let mem = Arc::new(HugeMem::zeroed(data.len())?);
-        // SAFETY: fresh memory of `data.len()` bytes, not yet shared.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), mem.as_ptr(), data.len()) };
-        let len = data.len();
-        return Some(HugeBytes { mem, at: 0, len });
+    if data.len() > OWN_FROM {
+        let mut mem = HugeMem::zeroed(data.len())?;
+        mem.as_mut_slice().copy_from_slice(data);
+        return Some(mem.into());
     }
     // A poisoned lock still holds a consistent (chunk, offset): every
     // update below is one assignment.

@@ -522,6 +522,26 @@ impl QMatrix {
         cols: usize,
         data: Vec<u8>,
     ) -> Result<Self, QuantError> {
+        Self::checked(format, rows, cols, Blocks::Heap(data))
+    }
+
+    /// Wrap GGUF bytes already in huge pages (a large tensor read straight
+    /// into them: [`crate::huge::OWN_FROM`]); checked as [`Self::from_bytes`].
+    pub fn from_huge(
+        format: QFormat,
+        rows: usize,
+        cols: usize,
+        data: crate::huge::HugeBytes,
+    ) -> Result<Self, QuantError> {
+        Self::checked(format, rows, cols, Blocks::Huge(data))
+    }
+
+    fn checked(
+        format: QFormat,
+        rows: usize,
+        cols: usize,
+        data: Blocks,
+    ) -> Result<Self, QuantError> {
         let block = format.block_values();
         if !cols.is_multiple_of(block) || cols > MAX_COLS {
             return Err(QuantError::Columns {
@@ -546,14 +566,18 @@ impl QMatrix {
             format,
             rows,
             cols,
-            data: Blocks::Heap(data),
+            data,
         })
     }
 
-    /// The same matrix with its blocks copied into 2 MiB huge pages
-    /// ([`crate::huge`]): what a model streams every step. Where the OS
-    /// refuses the memory, the same matrix as it is.
+    /// The same matrix with its blocks in 2 MiB huge pages
+    /// ([`crate::huge`]): what a model streams every step. Blocks already
+    /// there are shared, others copied; where the OS refuses the memory,
+    /// the same matrix as it is.
     pub fn in_huge_pages(&self) -> Self {
+        if matches!(self.data, Blocks::Huge(_)) {
+            return self.clone();
+        }
         match crate::huge::place(&self.data) {
             Some(h) => Self {
                 format: self.format,

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
+use kvmesh_kernels::huge::{self, HugeMem};
 use kvmesh_kernels::quant::{QFormat, QMatrix};
 use kvmesh_tokenizer::gguf::{GgufHeader, TensorInfo};
 
@@ -128,6 +129,15 @@ impl GgufFile {
     /// The `len` bytes of tensor `name` at `offset` in the data section,
     /// after checking they lie inside the file.
     fn read_data(&mut self, name: &str, offset: u64, len: u64) -> Result<Vec<u8>> {
+        let start = self.start(name, offset, len)?;
+        let mut data = vec![0u8; len as usize];
+        self.read_at(name, start, &mut data)?;
+        Ok(data)
+    }
+
+    /// Where the `len` bytes of tensor `name` at `offset` in the data
+    /// section start in the file, if they lie inside it.
+    fn start(&self, name: &str, offset: u64, len: u64) -> Result<u64> {
         let start = self.header.tensor_data_offset().checked_add(offset);
         let file_len = self.header.file_len();
         let Some(start) = start else {
@@ -141,18 +151,22 @@ impl GgufFile {
                 ),
             ));
         }
-        let mut data = vec![0u8; len as usize];
+        Ok(start)
+    }
+
+    /// `data.len()` bytes of tensor `name` from `start` (checked by
+    /// [`Self::start`]).
+    fn read_at(&mut self, name: &str, start: u64, data: &mut [u8]) -> Result<()> {
         self.reader
             .seek(SeekFrom::Start(start))
-            .and_then(|_| self.reader.read_exact(&mut data))
+            .and_then(|_| self.reader.read_exact(data))
             .map_err(|e| match e.kind() {
                 // The file shrank since its header was read.
                 std::io::ErrorKind::UnexpectedEof => {
                     ModelError::malformed(self.header.path(), format!("tensor `{name}`: {e}"))
                 }
                 _ => ModelError::io(self.header.path(), e),
-            })?;
-        Ok(data)
+            })
     }
 
     fn bad(&self, name: &str, reason: String) -> ModelError {
@@ -276,8 +290,21 @@ impl GgufFile {
             .checked_mul((cols / block) as u64)
             .and_then(|b| b.checked_mul(format.block_bytes() as u64))
             .ok_or_else(|| self.bad(name, "size overflows".into()))?;
-        let data = self.read_data(name, offset, len)?;
-        QMatrix::from_bytes(format, rows, cols, data).map_err(|e| self.bad(name, e.to_string()))
+        // A large matrix goes straight into huge pages, where the model
+        // streams it from (`kvmesh_kernels::huge`): no second copy at load.
+        let start = self.start(name, offset, len)?;
+        let huge = usize::try_from(len)
+            .ok()
+            .filter(|&n| n > huge::OWN_FROM)
+            .and_then(HugeMem::zeroed);
+        let m = match huge {
+            Some(mut mem) => {
+                self.read_at(name, start, mem.as_mut_slice())?;
+                QMatrix::from_huge(format, rows, cols, mem.into())
+            }
+            None => QMatrix::from_bytes(format, rows, cols, self.read_data(name, offset, len)?),
+        };
+        m.map_err(|e| self.bad(name, e.to_string()))
     }
 
     /// Tensor `name` of a block format candle does not decode, as f32 of

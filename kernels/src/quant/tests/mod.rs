@@ -427,3 +427,33 @@ fn stack_and_permute_move_whole_rows() {
 
 mod formats;
 mod int8;
+
+/// A matrix in huge pages (read there by a loader, or copied there for
+/// streaming) multiplies to the bits of the same blocks on the heap, is
+/// checked as they are, and is not copied again by `in_huge_pages`.
+#[test]
+fn huge_page_blocks_multiply_as_the_heap_ones() {
+    let mut rng = Rng(41);
+    let (rows, cols) = (37, 256);
+    let w = random_matrix(&mut rng, QFormat::Q4_K, rows, cols);
+    let mut mem = crate::huge::HugeMem::zeroed(w.byte_len()).expect("memory");
+    mem.as_mut_slice().copy_from_slice(w.bytes());
+    let loaded = QMatrix::from_huge(QFormat::Q4_K, rows, cols, mem.into()).expect("valid");
+    let placed = w.in_huge_pages();
+    let x = random_acts(&mut rng, 3, cols);
+    let product = |m: &QMatrix| {
+        let mut out = vec![0.0; 3 * rows];
+        matmul(m, &x, 3, &mut out);
+        bits(&out)
+    };
+    assert_eq!(product(&loaded), product(&w));
+    assert_eq!(product(&placed), product(&w));
+    let again = placed.in_huge_pages();
+    assert_eq!(
+        again.bytes().as_ptr(),
+        placed.bytes().as_ptr(),
+        "shared, not copied"
+    );
+    let short = crate::huge::HugeMem::zeroed(w.byte_len() - 1).expect("memory");
+    assert!(QMatrix::from_huge(QFormat::Q4_K, rows, cols, short.into()).is_err());
+}
