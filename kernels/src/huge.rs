@@ -6,8 +6,9 @@
 //! apart. In 4 KiB pages each 4 KiB is a TLB miss whose page walk the
 //! stream itself has evicted from the caches, and the hardware
 //! prefetchers stop at every 4 KiB boundary. In 2 MiB pages both go: on
-//! an EPYC Zen 4 host, SmolLM2's batch-1 decode ran 1.26-1.37x as fast
-//! with the process's heap in huge pages (docs/performance.md).
+//! an EPYC Zen 4 host batch-1 decode ran 1.11-1.19x as fast for SmolLM2,
+//! 1.08x for Qwen2.5-Coder 0.5B and 1.28x for Gemma 3 270M (medians of
+//! alternated pairs, docs/performance.md).
 //!
 //! # How
 //! [`HugeMem`] is an anonymous private mapping aligned to 2 MiB and
@@ -35,13 +36,17 @@ use std::sync::{Arc, Mutex};
 /// The huge page size this module aligns to (x86-64 and AArch64 Linux).
 pub const HUGE: usize = 2 << 20;
 
+/// The smallest mapping advised for huge pages (16 MiB): a buffer is
+/// touched a huge page at a time, so a partly used last one adds at most
+/// an eighth (a small KV pool of a few MB would grow by up to a fifth).
+pub const ADVISE_FROM: usize = 8 * HUGE;
+
 /// Bytes of a chunk [`place`] packs matrices into.
 pub const CHUNK: usize = 32 << 20;
 
 /// `len` zeroed bytes, 2 MiB-aligned, in huge pages where the OS gives
-/// them (module doc) and `len` fills at least one (a smaller buffer
-/// would take a whole huge page). Raw memory: whoever holds it rules its
-/// accesses.
+/// them (module doc) and `len` is at least [`ADVISE_FROM`]. Raw memory:
+/// whoever holds it rules its accesses.
 pub struct HugeMem {
     ptr: NonNull<u8>,
     len: usize,
@@ -103,7 +108,7 @@ impl std::fmt::Debug for HugeMem {
 
 /// `size` (a multiple of [`HUGE`]) zeroed bytes at a [`HUGE`]-aligned
 /// address, marked for huge pages before anything touches them when
-/// `len` (the bytes asked for) fills at least one.
+/// `len` (the bytes asked for) is at least [`ADVISE_FROM`].
 ///
 /// # Safety
 /// `0 < len <= size`.
@@ -133,9 +138,10 @@ unsafe fn map(len: usize, size: usize) -> Option<NonNull<u8>> {
         if tail > 0 {
             libc::munmap((aligned + size) as *mut libc::c_void, tail);
         }
-        // Advice only: without huge pages the memory is the same. Not for
-        // less than a huge page of bytes, which would take a whole one.
-        if len >= HUGE {
+        // Advice only: without huge pages the memory is the same. Not
+        // below `ADVISE_FROM`, where a partly used last huge page would
+        // add more than an eighth to what is touched.
+        if len >= ADVISE_FROM {
             libc::madvise(aligned as *mut libc::c_void, size, libc::MADV_HUGEPAGE);
         }
         NonNull::new(aligned as *mut u8)
@@ -236,9 +242,25 @@ const ALIGN: usize = 64;
 /// A copy of `data` in huge-page memory (module doc), or `None` when the
 /// OS refuses the memory.
 pub fn place(data: &[u8]) -> Option<HugeBytes> {
-    if data.len() > OWN_FROM {
-        let mut mem = HugeMem::zeroed(data.len())?;
-        mem.as_mut_slice().copy_from_slice(data);
+    place_all(&[data])
+}
+
+/// The concatenation of `parts` placed as by [`place`], with no buffer
+/// in between (a stacked projection's matrices).
+pub fn place_all(parts: &[&[u8]]) -> Option<HugeBytes> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    // SAFETY (both writes below): `dst` holds at least `len` writable
+    // bytes that nothing else refers to.
+    let write = |dst: *mut u8| {
+        let mut at = 0;
+        for p in parts {
+            unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), dst.add(at), p.len()) };
+            at += p.len();
+        }
+    };
+    if len > OWN_FROM {
+        let mem = HugeMem::zeroed(len)?;
+        write(mem.as_ptr());
         return Some(mem.into());
     }
     // A poisoned lock still holds a consistent (chunk, offset): every
@@ -246,22 +268,23 @@ pub fn place(data: &[u8]) -> Option<HugeBytes> {
     let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
     let fits = |o: &Option<(Arc<HugeMem>, usize)>| {
         o.as_ref()
-            .is_some_and(|(m, used)| used.next_multiple_of(ALIGN) + data.len() <= m.len())
+            .is_some_and(|(m, used)| used.next_multiple_of(ALIGN) + len <= m.len())
     };
     if !fits(&open) {
         *open = Some((Arc::new(HugeMem::zeroed(CHUNK)?), 0));
     }
     let (mem, used) = open.as_mut()?;
     let at = used.next_multiple_of(ALIGN);
-    // SAFETY: `at .. at + len` is inside the chunk (checked by `fits`) and
-    // past every range handed out from it, so no `HugeBytes` reads it;
-    // the lock keeps other placements out.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), mem.as_ptr().add(at), data.len()) };
-    *used = at + data.len();
+    // `at .. at + len` is inside the chunk (checked by `fits`) and past
+    // every range handed out from it, so no `HugeBytes` reads it; the
+    // lock keeps other placements out.
+    // SAFETY: `at` is inside the chunk.
+    write(unsafe { mem.as_ptr().add(at) });
+    *used = at + len;
     Some(HugeBytes {
         mem: Arc::clone(mem),
         at,
-        len: data.len(),
+        len,
     })
 }
 
@@ -340,13 +363,13 @@ mod tests {
     }
 
     /// A mapping is zeroed and starts on a huge page; on Linux with THP
-    /// the kernel holds the advice for one of 5 MiB (given before anything
-    /// touched it) and not for one of 100 KiB (a whole huge page for it
-    /// would be mostly waste).
+    /// the kernel holds the advice for one of `ADVISE_FROM` bytes (given
+    /// before anything touched it) and not for a smaller one (its partly
+    /// used last huge page would be too much waste).
     #[test]
     fn memory_is_zeroed_aligned_and_advised_when_large() {
-        let mem = HugeMem::zeroed(5 << 20).expect("memory");
-        let small = HugeMem::zeroed(100 << 10).expect("memory");
+        let mem = HugeMem::zeroed(ADVISE_FROM).expect("memory");
+        let small = HugeMem::zeroed(ADVISE_FROM - 1).expect("memory");
         for m in [&mem, &small] {
             assert_eq!(m.as_ptr() as usize % HUGE, 0);
             // SAFETY: `m` holds `m.len()` bytes, nothing else refers to them.
@@ -356,8 +379,8 @@ mod tests {
         }
         #[cfg(target_os = "linux")]
         if let Some(large) = advised(mem.as_ptr() as usize) {
-            assert!(large, "5 MiB advised for huge pages");
-            assert_eq!(advised(small.as_ptr() as usize), Some(false), "100 KiB not");
+            assert!(large, "16 MiB advised for huge pages");
+            assert_eq!(advised(small.as_ptr() as usize), Some(false), "less not");
         }
     }
 }

@@ -71,8 +71,8 @@ impl Projection {
             Some([one]) => Kind::Quant(Arc::new(one.in_huge_pages())),
             Some(arcs) => {
                 let q: Vec<&QMatrix> = arcs.iter().map(|a| a.as_ref()).collect();
-                match QMatrix::stack(&q) {
-                    Ok(stacked) => Kind::Quant(Arc::new(stacked.in_huge_pages())),
+                match QMatrix::stack_in_huge_pages(&q) {
+                    Ok(stacked) => Kind::Quant(Arc::new(stacked)),
                     // Different formats: each in its own blocks.
                     Err(_) => {
                         Kind::QuantParts(arcs.iter().map(|a| Arc::new(a.in_huge_pages())).collect())

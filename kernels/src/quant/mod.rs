@@ -642,9 +642,28 @@ impl QMatrix {
         }
     }
 
+    /// [`Self::stack`] straight into huge pages ([`Self::in_huge_pages`]),
+    /// with no stacked buffer in between (what a model builds its
+    /// projections with); on the heap where the OS refuses the memory.
+    pub fn stack_in_huge_pages(parts: &[&QMatrix]) -> Result<Self, QuantError> {
+        Self::stack_into(parts, |bytes| match crate::huge::place_all(bytes) {
+            Some(h) => Blocks::Huge(h),
+            None => Blocks::Heap(bytes.concat()),
+        })
+    }
+
     /// Stack matrices of one format and width by rows (Q, K and V as one
     /// projection: one pass, one activation quantization, one dispatch).
     pub fn stack(parts: &[&QMatrix]) -> Result<Self, QuantError> {
+        Self::stack_into(parts, |bytes| Blocks::Heap(bytes.concat()))
+    }
+
+    /// `parts` checked for one format and width, their blocks in order
+    /// made into one matrix's by `blocks`.
+    fn stack_into(
+        parts: &[&QMatrix],
+        blocks: impl FnOnce(&[&[u8]]) -> Blocks,
+    ) -> Result<Self, QuantError> {
         let Some(first) = parts.first() else {
             return Err(QuantError::Length {
                 format: "stack",
@@ -654,7 +673,6 @@ impl QMatrix {
                 got: 0,
             });
         };
-        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
         let mut rows = 0;
         for p in parts {
             if p.format != first.format || p.cols != first.cols {
@@ -665,14 +683,14 @@ impl QMatrix {
                     b_cols: p.cols,
                 });
             }
-            data.extend_from_slice(&p.data);
             rows += p.rows;
         }
+        let bytes: Vec<&[u8]> = parts.iter().map(|p| &*p.data).collect();
         Ok(Self {
             format: first.format,
             rows,
             cols: first.cols,
-            data: Blocks::Heap(data),
+            data: blocks(&bytes),
         })
     }
 

@@ -428,9 +428,10 @@ fn stack_and_permute_move_whole_rows() {
 mod formats;
 mod int8;
 
-/// A matrix in huge pages (read there by a loader, or copied there for
-/// streaming) multiplies to the bits of the same blocks on the heap, is
-/// checked as they are, and is not copied again by `in_huge_pages`.
+/// A matrix in huge pages (read there by a loader, copied or stacked
+/// there for streaming) multiplies to the bits of the same blocks on the
+/// heap, is checked as they are, and is not copied again by
+/// `in_huge_pages`.
 #[test]
 fn huge_page_blocks_multiply_as_the_heap_ones() {
     let mut rng = Rng(41);
@@ -456,4 +457,15 @@ fn huge_page_blocks_multiply_as_the_heap_ones() {
     );
     let short = crate::huge::HugeMem::zeroed(w.byte_len() - 1).expect("memory");
     assert!(QMatrix::from_huge(QFormat::Q4_K, rows, cols, short.into()).is_err());
+    // Stacked straight into huge pages: the heap stack's blocks and rows,
+    // and its refusals.
+    let v = random_matrix(&mut rng, QFormat::Q4_K, 5, cols);
+    let (heap, huge) = (
+        QMatrix::stack(&[&w, &v, &w]).expect("one format"),
+        QMatrix::stack_in_huge_pages(&[&w, &v, &w]).expect("one format"),
+    );
+    assert_eq!((huge.rows(), huge.bytes()), (heap.rows(), heap.bytes()));
+    let other = random_matrix(&mut rng, QFormat::Q8_0, 5, cols);
+    assert!(QMatrix::stack_in_huge_pages(&[&w, &other]).is_err());
+    assert!(QMatrix::stack_in_huge_pages(&[]).is_err());
 }
