@@ -201,6 +201,19 @@ impl Projection {
     }
 }
 
+/// The LM head's projection and the embedding to look rows up in: a tied
+/// head (the embedding's storage) keeps one copy of its blocks, the
+/// projection's in huge pages, for both; an untied one leaves the
+/// embedding as loaded.
+pub(crate) fn head_and_embedding(head: &Matrix, embed: Matrix) -> Result<(Projection, Matrix)> {
+    let projection = Projection::new(&[head])?;
+    let embed = match projection.quant_matrix() {
+        Some(blocks) if embed.same_storage(head) => Matrix::Quant(Arc::clone(blocks)),
+        _ => embed,
+    };
+    Ok((projection, embed))
+}
+
 /// Row `t` of `out` is part 0's row `t`, then part 1's, and so on.
 fn interleave(parts: &[Vec<f32>], widths: &[usize], rows: usize, out: &mut Vec<f32>) {
     out.clear();

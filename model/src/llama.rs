@@ -36,7 +36,6 @@ use crate::linear::Projection;
 use crate::moe::{MlpRt, MoeRt};
 use crate::sampling::{prompt_logprob, PromptLogprob};
 use crate::weights::{Ffn, Matrix, Weights};
-use std::sync::Arc;
 
 /// Which logits a chunk wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,14 +168,6 @@ fn compute(e: candle_core::Error) -> ModelError {
     }
 }
 
-fn add_bias(x: &mut [f32], bias: Option<&Vec<f32>>) {
-    if let Some(b) = bias {
-        for row in x.chunks_exact_mut(b.len()) {
-            row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
-        }
-    }
-}
-
 impl Llama {
     /// Build the runtime from loaded weights: f32 matrices run dense
     /// (exact mode), quantized ones through the block kernels, with Q/K/V
@@ -241,14 +232,7 @@ impl Llama {
             // huge pages): back to the OS before the next layer's copies.
             kvmesh_kernels::huge::trim();
         }
-        let lm_head = Projection::new(&[&w.lm_head])?;
-        // A tied head is the embedding: keep one copy of its blocks, the
-        // head's (in huge pages), for the embedding's row lookups too.
-        let tied = w.embed.same_storage(&w.lm_head);
-        let embed = match lm_head.quant_matrix() {
-            Some(head) if tied => Matrix::Quant(Arc::clone(head)),
-            _ => w.embed,
-        };
+        let (lm_head, embed) = crate::linear::head_and_embedding(&w.lm_head, w.embed)?;
         let quantized = lm_head.is_quantized()
             || layers
                 .iter()
@@ -702,7 +686,7 @@ use attn::{AttnRt, Projected};
 pub(crate) use ops::gated_rows;
 #[cfg(test)]
 use ops::SWIGLU_PARALLEL;
-use ops::{add_residual, softcap};
+use ops::{add_bias, add_residual, softcap};
 use workspace::Workspace;
 
 #[cfg(test)]

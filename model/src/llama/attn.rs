@@ -6,8 +6,7 @@
 
 use kvmesh_kernels::rope::Rope;
 
-use super::add_bias;
-use super::ops::head_norm;
+use super::ops::{add_bias, head_norm};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::linear::Projection;

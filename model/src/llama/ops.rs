@@ -1,5 +1,5 @@
 //! The small elementwise steps of the forward pass around its
-//! projections: the MLP's gated activation, the per-head norm, the
+//! projections: the MLP's gated activation, the per-head norm, biases, the
 //! residual add (normed where the family says so), and logit soft-capping.
 
 use kvmesh_kernels::activation::{geglu_tanh, swiglu, swiglu_oai};
@@ -44,6 +44,15 @@ pub(super) fn head_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32, scratch
         rms_norm(x, w, eps, &mut scratch[..x.len()]);
         x.copy_from_slice(&scratch[..x.len()]);
         scratch.truncate(keep);
+    }
+}
+
+/// Each row of `x` plus `bias` (a row's width), where there is one.
+pub(super) fn add_bias(x: &mut [f32], bias: Option<&Vec<f32>>) {
+    if let Some(b) = bias {
+        for row in x.chunks_exact_mut(b.len()) {
+            row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+        }
     }
 }
 
