@@ -20,9 +20,10 @@
 //!
 //! - `stream`: batch 1 of the int8 class as a decode step runs it, every
 //!   quantized format on a [4096 x 1024] matrix whose copies (256 MB in
-//!   all) are called in turn, so the weights stream from memory: GB/s of
-//!   weight bytes against the read bandwidth measured in the same run (the
-//!   physical limit of batch-1 decode), and ns per 32-value group a thread.
+//!   all, in huge pages as a model's) are called in turn, so the weights
+//!   stream from memory: GB/s of weight bytes against the read bandwidth
+//!   measured in the same run (the physical limit of batch-1 decode), and
+//!   ns per 32-value group a thread.
 //!   `QUANT_BENCH_COLS=576` streams rows of that width instead (about the
 //!   same bytes; formats whose blocks do not divide it are left out): a
 //!   model's own row width, where a row's fixed costs weigh more.
@@ -234,8 +235,9 @@ fn stream() {
             continue;
         }
         let one = matrix(format, rows, cols, 7);
+        // In huge pages, as a loaded model's projections are.
         let copies: Vec<QMatrix> = (0..(256usize << 20).div_ceil(one.byte_len()))
-            .map(|_| one.clone())
+            .map(|_| one.in_huge_pages())
             .collect();
         let mut next = 0;
         let s = time(Duration::from_millis(600), || {
