@@ -210,6 +210,9 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
         pages.push(Some(kv.read_page(*entry, layer, n_slots)?));
     }
 
+    if positions.len() == 1 {
+        prefetch_pages(&pages);
+    }
     let group = n_heads / n_kv_heads;
     let kv_dim = n_kv_heads * head_dim;
     let work = positions.len() * n_heads * context * head_dim;
@@ -296,6 +299,33 @@ pub fn paged_attention_with<K: PagedKv + ?Sized>(
         out.par_chunks_mut(block).enumerate().for_each(body);
     }
     Ok(())
+}
+
+/// Bytes of a decode step's K/V rows that [`prefetch_pages`] asks for
+/// ahead: within every L2 of these machines (512 KiB on a Zen 3), so the
+/// first lines are still there when the tiles reach them.
+const PREFETCH_BYTES: usize = 256 << 10;
+
+/// Hints the K and V rows of a decode step's pages to the L2 cache, page by
+/// page in the tiles' order, up to [`PREFETCH_BYTES`]. A decode step reads
+/// each row once, and between two steps the weights' stream has evicted
+/// them: the tiles' loads, a page's rows at a time, left most of the
+/// memory's parallelism unused. The hints are issued at once, so the
+/// misses overlap. Measured (`perf record` of `kvmesh bench-engine
+/// --prompt-tokens 32 --decode-tokens 64 --batch 1`, SmolLM2, 2 threads, a
+/// Zen 4, two runs each): attention's samples 7.1-7.7% of the matmuls'
+/// before, 5.7-5.9% with the hints (theirs included).
+fn prefetch_pages(pages: &[Option<PageSlices<'_>>]) {
+    let mut left = PREFETCH_BYTES;
+    for p in pages.iter().flatten() {
+        for v in [&p.k, &p.v] {
+            if v.byte_len() > left {
+                return;
+            }
+            v.prefetch();
+            left -= v.byte_len();
+        }
+    }
 }
 
 /// Runs each KV head's `group` query heads split into for a parallel
