@@ -142,6 +142,10 @@ pub(super) struct Acts {
     pub d16: Vec<f32>,
     pub b16: Vec<i32>,
     pub xb16: Vec<f32>,
+    /// For calls of fewer than [`PANEL_FROM`] rows (decode steps) on
+    /// x86: `q` with each chunk's groups in pairs, for the one-row kernel
+    /// (`super::i8_x86_pairs`); empty otherwise.
+    pub pairs: Lines<i8>,
 }
 
 impl Acts {
@@ -212,6 +216,13 @@ impl Acts {
         };
         let group = group_fn();
         views.with_min_len(per).for_each(|v| v.quantize(group));
+        #[cfg(target_arch = "x86_64")]
+        if rows < PANEL_FROM {
+            self.pairs.resize(rows * s8);
+            super::i8_x86_pairs::interleave(&self.q, &mut self.pairs);
+        } else {
+            self.pairs.resize(0);
+        }
     }
 }
 

@@ -17,7 +17,8 @@
 //! heads packed by scalar loads and shifts ([`halves8`]). Eight weight
 //! rows' f32 lanes are summed together ([`hsum8`], each row by `hsum`'s
 //! order) and stored as one vector: alone, a 576-wide row's own reduction
-//! had been about a tenth of its time.
+//! had been about a tenth of its time. Q4_0 and Q4_1 take two groups a
+//! vector of products ([`super::i8_x86_pairs`]): half the reduction.
 //!
 //! # Cost
 //! Per group of 32 weights: the format's decoding (Q4_1: a 16-byte
@@ -40,6 +41,7 @@ use std::arch::x86_64::*;
 
 use super::i8::{bias, pairs_in_i16, Acts, Dot};
 use super::i8_x86::{f16_head, halves8};
+use super::i8_x86_pairs::{paired_in, Pairs};
 use super::scalar::Head;
 use super::x86_512_blocks::quants512;
 use super::x86_blocks::{head, quants};
@@ -84,7 +86,7 @@ pub(super) unsafe fn rows(dot: Dot, format: QFormat, task: &RowTask) {
 }
 
 /// A group's byte products: unsigned weight bytes by signed activations.
-trait Bytes {
+pub(super) trait Bytes {
     /// Whether [`Self::pairs`] gives AVX2's `vpmaddubsw` sums of two
     /// products in sixteen i16 lanes, which [`Self::widen`] adds in pairs
     /// to i32; otherwise both give eight i32 lanes of four products.
@@ -97,6 +99,17 @@ trait Bytes {
     /// # Safety
     /// The implementation's features.
     unsafe fn widen(v: __m256i) -> __m256i;
+
+    /// `acc` plus [`Self::pairs`] of `u` and `x`, in the lanes
+    /// [`Self::pairs`] gives.
+    ///
+    /// # Safety
+    /// The implementation's features.
+    #[inline(always)]
+    unsafe fn accumulate(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: by the caller.
+        unsafe { _mm256_add_epi32(acc, Self::pairs(u, x)) }
+    }
 
     /// Group `g`'s quants of the block at `p`, biased to unsigned bytes
     /// by `add` (the format's [`bias`]): [`quants`] plus `add`, the same
@@ -127,6 +140,13 @@ impl Bytes for Avx2 {
         // SAFETY: AVX2 (the caller).
         unsafe { _mm256_madd_epi16(v, _mm256_set1_epi16(1)) }
     }
+
+    /// In i16: a lane then holds two pair sums ([`paired_in`] bounds it).
+    #[inline(always)]
+    unsafe fn accumulate(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: AVX2 (the caller).
+        unsafe { _mm256_add_epi16(acc, Self::pairs(u, x)) }
+    }
 }
 
 struct AvxVnni;
@@ -137,6 +157,12 @@ impl Bytes for AvxVnni {
     unsafe fn pairs(u: __m256i, x: __m256i) -> __m256i {
         // SAFETY: AVX-VNNI (the caller).
         unsafe { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x) }
+    }
+
+    #[inline(always)]
+    unsafe fn accumulate(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: AVX-VNNI (the caller).
+        unsafe { _mm256_dpbusd_avx_epi32(acc, u, x) }
     }
 
     #[inline(always)]
@@ -153,6 +179,12 @@ impl Bytes for Avx512Vnni {
     unsafe fn pairs(u: __m256i, x: __m256i) -> __m256i {
         // SAFETY: AVX-512 VNNI + VL (the caller).
         unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x) }
+    }
+
+    #[inline(always)]
+    unsafe fn accumulate(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: AVX-512 VNNI + VL (the caller).
+        unsafe { _mm256_dpbusd_epi32(acc, u, x) }
     }
 
     #[inline(always)]
@@ -210,10 +242,25 @@ unsafe fn rows_vnni512<const F: u8>(task: &RowTask) {
     unsafe { rows_body::<Avx512Vnni, F>(task) }
 }
 
-/// The task's weight rows in order, each against its activation rows two
-/// at a time (then one).
+/// The task's weight rows, in pairs of groups where the format and the
+/// activations have them ([`super::i8_x86_pairs`]).
 #[inline(always)]
 unsafe fn rows_body<B: Bytes, const F: u8>(task: &RowTask) {
+    let pairs = const { paired_in(QFormat::of_code(F), B::I16) };
+    // SAFETY: by the caller.
+    unsafe {
+        if pairs && Pairs::<1>::available(task.acts, task.t0 + task.nt) {
+            rows_of::<B, F, true>(task)
+        } else {
+            rows_of::<B, F, false>(task)
+        }
+    }
+}
+
+/// The task's weight rows in order, each against its activation rows two
+/// at a time (then one); groups in pairs where `P`.
+#[inline(always)]
+unsafe fn rows_of<B: Bytes, const F: u8, const P: bool>(task: &RowTask) {
     let rb = const { QFormat::of_code(F) }.row_bytes(task.k);
     assert!(task.blocks.len() >= task.nr * rb && task.acts.cols() == task.k);
     assert!(
@@ -222,7 +269,8 @@ unsafe fn rows_body<B: Bytes, const F: u8>(task: &RowTask) {
     );
     let end = task.t0 + task.nt;
     // SAFETY (all): rows r .. r + 8 (or r) lie in `blocks` (asserted);
-    // the outputs are the task's (the caller).
+    // the outputs are the task's (the caller); where `P`, the pairs cover
+    // the rows (the caller).
     unsafe {
         let row = |r: usize| task.blocks.as_ptr().add(r * rb);
         let at = |t: usize, r: usize| task.out.add(t * task.n + r);
@@ -232,23 +280,23 @@ unsafe fn rows_body<B: Bytes, const F: u8>(task: &RowTask) {
         while r + 8 <= task.nr {
             let mut t = task.t0;
             while t + 2 <= end {
-                eight_rows::<B, F, 2>(row(r), rb, task.acts, t, at(t, r), task.n);
+                eight_rows::<B, F, 2, P>(row(r), rb, task.acts, t, at(t, r), task.n);
                 t += 2;
             }
             if t < end {
-                eight_rows::<B, F, 1>(row(r), rb, task.acts, t, at(t, r), task.n);
+                eight_rows::<B, F, 1, P>(row(r), rb, task.acts, t, at(t, r), task.n);
             }
             r += 8;
         }
         for r in r..task.nr {
             let mut t = task.t0;
             while t + 2 <= end {
-                let [a, b] = dot_blocks::<B, F, 2>(row(r), task.acts, t);
+                let [a, b] = dot_blocks::<B, F, 2, P>(row(r), task.acts, t);
                 (*at(t, r), *at(t + 1, r)) = (hsum(a), hsum(b));
                 t += 2;
             }
             if t < end {
-                *at(t, r) = hsum(dot_blocks::<B, F, 1>(row(r), task.acts, t)[0]);
+                *at(t, r) = hsum(dot_blocks::<B, F, 1, P>(row(r), task.acts, t)[0]);
             }
         }
     }
@@ -261,7 +309,7 @@ unsafe fn rows_body<B: Bytes, const F: u8>(task: &RowTask) {
 /// # Safety
 /// As [`dot_blocks`] for each of the eight rows; those outputs writable.
 #[inline(always)]
-unsafe fn eight_rows<B: Bytes, const F: u8, const T: usize>(
+unsafe fn eight_rows<B: Bytes, const F: u8, const T: usize, const P: bool>(
     p: *const u8,
     rb: usize,
     a: &Acts,
@@ -274,7 +322,7 @@ unsafe fn eight_rows<B: Bytes, const F: u8, const T: usize>(
     unsafe {
         let mut l = [[_mm256_setzero_ps(); 8]; T];
         for j in 0..8 {
-            let d = dot_blocks::<B, F, T>(p.add(j * rb), a, t);
+            let d = dot_blocks::<B, F, T, P>(p.add(j * rb), a, t);
             for (row, d) in l.iter_mut().zip(d) {
                 row[j] = d;
             }
@@ -305,7 +353,7 @@ unsafe fn operands<const F: u8>(w: __m256i, x: __m256i) -> (__m256i, __m256i) {
 /// from `p[i]` as [`Bytes::pairs`] gives them. An integer sum has one
 /// value in any order; the first [`i16_levels`] levels add i16 lanes.
 #[inline(always)]
-unsafe fn sum4<B: Bytes, const F: u8>(p: [__m256i; 4]) -> __m256i {
+pub(super) unsafe fn sum4<B: Bytes, const F: u8>(p: [__m256i; 4]) -> __m256i {
     let levels = const {
         if B::I16 {
             i16_levels(QFormat::of_code(F))
@@ -480,9 +528,10 @@ impl<const T: usize> Groups<T> {
 ///
 /// # Safety
 /// The row at `p` holds `a.cols()` values of format `F`; rows
-/// `t .. t + T` of `a` exist; the features of `B` and AVX2/FMA/F16C.
+/// `t .. t + T` of `a` exist (and their pairs where `P`); the features
+/// of `B` and AVX2/FMA/F16C.
 #[inline(always)]
-unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize>(
+unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize, const P: bool>(
     p: *const u8,
     a: &Acts,
     t: usize,
@@ -528,6 +577,7 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize>(
             real,
             add: _mm256_set1_epi8(bias(f).unwrap_or(0) as i8),
         };
+        let pairs = Pairs::<T>::new(p, a, t);
         let mut h = Head::ZERO;
         let mut l = [_mm256_setzero_ps(); T];
         for m in 0..n / 8 {
@@ -553,8 +603,14 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize>(
                     _mm256_loadu_ps(h.o.as_ptr().add(at)),
                 )
             };
-            let mut sums = groups.four::<B, F>(if sub16 { 4 * m } else { 8 * m });
-            if sub16 {
+            let mut sums = if P {
+                pairs.chunk::<B, F>(m)
+            } else {
+                groups.four::<B, F>(if sub16 { 4 * m } else { 8 * m })
+            };
+            if P {
+                // In order already.
+            } else if sub16 {
                 for v in &mut sums {
                     // Sub-blocks in order: 2g, 2g + 1, 2g + 2, ...
                     *v = _mm256_permutevar8x32_epi32(*v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));

@@ -138,6 +138,8 @@ mod i8_x86_256;
 #[cfg(target_arch = "x86_64")]
 mod i8_x86_512;
 #[cfg(target_arch = "x86_64")]
+mod i8_x86_pairs;
+#[cfg(target_arch = "x86_64")]
 mod i8_x86_row;
 mod lines;
 mod matrix;
