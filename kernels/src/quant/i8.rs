@@ -35,7 +35,8 @@
 //! bias making them unsigned (Q4_0 +8, Q5_0 +16, Q3_K +4, Q6_K +32, MXFP4
 //! +16; at most 63, so a pair is at most `2 * 63 * 127 < 2^15`) and
 //! subtract `bias * B` after the integer sum, or for Q8_0 `|q|` against `x`
-//! with `q`'s sign (a pair at most `2 * 128 * 127 = 32512 < 2^15`). The
+//! with `q`'s sign (a pair at most `2 * 128 * 127 = 32512 < 2^15`; the
+//! VNNI one-row kernel biases it by 128: `i8_x86_row::row_bias`). The
 //! AVX2 kernels add as many pairs in i16 before widening them as fit
 //! ([`pairs_in_i16`]): `G` pairs with `G * 2 * m * 127 < 2^15` for the
 //! format's largest byte `m` ([`max_byte`]), a power of two. The panel

@@ -333,14 +333,26 @@ unsafe fn eight_rows<B: Bytes, const F: u8, const T: usize, const P: bool>(
     }
 }
 
+/// The bias of `f`'s quants in this kernel: [`bias`], but Q8_0's signed
+/// bytes plus 128 where the products are VNNI's (not `i16`): its i32 lanes
+/// do not saturate (a group's `32 * 255 * 127 < 2^21`, less `128 * B`:
+/// exact), and one add replaces the sign trick's two instructions.
+const fn row_bias(f: QFormat, i16: bool) -> Option<u8> {
+    match (f, i16) {
+        (QFormat::Q8_0, false) => Some(128),
+        _ => bias(f),
+    }
+}
+
 /// Group `g`'s weight bytes `w` (biased quants, or Q8_0's signed ones)
 /// and activations `x` as the unsigned and signed bytes [`Bytes`]
-/// multiplies: for Q8_0 its magnitudes against sign-moved activations.
+/// multiplies: for unbiased Q8_0 its magnitudes against sign-moved
+/// activations.
 #[inline(always)]
-unsafe fn operands<const F: u8>(w: __m256i, x: __m256i) -> (__m256i, __m256i) {
+unsafe fn operands<B: Bytes, const F: u8>(w: __m256i, x: __m256i) -> (__m256i, __m256i) {
     // SAFETY: AVX2 (every caller).
     unsafe {
-        if const { bias(QFormat::of_code(F)).is_none() } {
+        if const { row_bias(QFormat::of_code(F), B::I16).is_none() } {
             (_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
         } else {
             (w, x)
@@ -471,7 +483,7 @@ impl<const T: usize> Groups<T> {
             if !CHECK || g < self.real {
                 let w = B::biased::<F>(self.p.add(g * GROUP / bv * bb), g % (bv / GROUP), self.add);
                 for (v, x) in v.iter_mut().zip(self.x) {
-                    let (u, x) = operands::<F>(w, _mm256_loadu_si256(x.add(g * GROUP).cast()));
+                    let (u, x) = operands::<B, F>(w, _mm256_loadu_si256(x.add(g * GROUP).cast()));
                     *v = B::pairs(u, x);
                 }
             }
@@ -544,7 +556,7 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize, const P: bool>(
     let chunks_per_block =
         const { QFormat::of_code(F).block_values() / QFormat::of_code(F).sub_block() / 8 };
     let shift = const {
-        match bias(QFormat::of_code(F)) {
+        match row_bias(QFormat::of_code(F), B::I16) {
             Some(b) if b > 0 => b.trailing_zeros() as i32,
             _ => -1,
         }
@@ -575,7 +587,7 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize, const P: bool>(
             p,
             x: std::array::from_fn(|i| a.q.as_ptr().add((t + i) * a.stride8())),
             real,
-            add: _mm256_set1_epi8(bias(f).unwrap_or(0) as i8),
+            add: _mm256_set1_epi8(row_bias(f, B::I16).unwrap_or(0) as i8),
         };
         let pairs = Pairs::<T>::new(p, a, t);
         let mut h = Head::ZERO;
