@@ -75,6 +75,11 @@ impl HugeMem {
         self.ptr.as_ptr()
     }
 
+    /// Start of the memory, never null.
+    pub fn as_non_null(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
     /// Bytes asked for.
     pub fn len(&self) -> usize {
         self.len

@@ -146,9 +146,8 @@ impl Storage {
         // Zeroed by the OS lazily, page by page as first touched, and
         // aligned to 2 MiB (so for f32 whatever the dtype).
         let mem = HugeMem::zeroed(bytes).ok_or(PoolError::OutOfMemory { bytes })?;
-        let base = NonNull::new(mem.as_ptr()).ok_or(PoolError::OutOfMemory { bytes })?;
         let storage = Self {
-            base,
+            base: mem.as_non_null(),
             memory: Memory::Huge(mem),
             shape,
         };
