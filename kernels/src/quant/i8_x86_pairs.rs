@@ -38,10 +38,10 @@ pub(super) const fn paired(f: QFormat) -> bool {
     matches!(f, QFormat::Q4_0 | QFormat::Q4_1)
 }
 
-/// [`paired`], by a dot product whose pair sums are i16 (`i16`: AVX2's
-/// `vpmaddubsw`) only where a lane's sums still fit after `sum4`'s i16
-/// levels: a paired lane starts with two pair sums, so it ends with
-/// twice [`pairs_in_i16`]'s (Q4_0, Q4_1: 2 * 4 * 2 * 15 * 127 = 30480).
+/// [`paired`], and where the dot product's pair sums are i16 (`i16`:
+/// AVX2's `vpmaddubsw`) only if a lane's sums still fit after `sum4`'s i16
+/// levels: a paired lane starts with two pair sums, so it ends with twice
+/// [`pairs_in_i16`]'s (Q4_0, Q4_1: `2 * 4 * 2 * 15 * 127 = 30480`).
 pub(super) const fn paired_in(f: QFormat, i16: bool) -> bool {
     paired(f) && (!i16 || 2 * pairs_in_i16(f, 4) * 2 * max_byte(f) as usize * 127 < 1 << 15)
 }
@@ -49,8 +49,8 @@ pub(super) const fn paired_in(f: QFormat, i16: bool) -> bool {
 /// Groups per chunk: the lanes of eight sub-block sums.
 const CHUNK: usize = 8;
 
-/// Writes `q`'s rows (`stride` bytes each, whole chunks of eight groups)
-/// to `pairs` in the pairs' order: per chunk, for `j` in `0..4`, group
+/// Writes `q`'s quants (rows of whole chunks of eight groups) to `pairs`
+/// in the pairs' order: per chunk, for `j` in `0..4`, group
 /// `j`'s bytes 0-15, group `j + 4`'s 0-15, group `j`'s 16-31, group
 /// `j + 4`'s 16-31.
 pub(super) fn interleave(q: &[i8], pairs: &mut [i8]) {
@@ -74,11 +74,11 @@ pub(super) fn interleave(q: &[i8], pairs: &mut [i8]) {
 /// One weight row of blocks against `T` activation rows' pairs.
 pub(super) struct Pairs<const T: usize> {
     /// The row's blocks.
-    pub p: *const u8,
+    p: *const u8,
     /// Each activation row's interleaved quants ([`Acts::pairs`]).
-    pub x: [*const i8; T],
+    x: [*const i8; T],
     /// The row's groups (zeros from here on).
-    pub real: usize,
+    real: usize,
 }
 
 impl<const T: usize> Pairs<T> {
@@ -127,9 +127,7 @@ impl<const T: usize> Pairs<T> {
             out
         }
     }
-}
 
-impl<const T: usize> Pairs<T> {
     /// Chunk `m`'s pair `j` (groups `8m + j`, `8m + j + 4`) against each
     /// activation row; zeros past `real`.
     ///

@@ -105,11 +105,7 @@ pub(super) trait Bytes {
     ///
     /// # Safety
     /// The implementation's features.
-    #[inline(always)]
-    unsafe fn accumulate(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
-        // SAFETY: by the caller.
-        unsafe { _mm256_add_epi32(acc, Self::pairs(u, x)) }
-    }
+    unsafe fn accumulate(acc: __m256i, u: __m256i, x: __m256i) -> __m256i;
 
     /// Group `g`'s quants of the block at `p`, biased to unsigned bytes
     /// by `add` (the format's [`bias`]): [`quants`] plus `add`, the same
@@ -615,27 +611,27 @@ unsafe fn dot_blocks<B: Bytes, const F: u8, const T: usize, const P: bool>(
                     _mm256_loadu_ps(h.o.as_ptr().add(at)),
                 )
             };
-            let mut sums = if P {
+            let sums = if P {
+                // Eight groups' sums in order already.
                 pairs.chunk::<B, F>(m)
-            } else {
-                groups.four::<B, F>(if sub16 { 4 * m } else { 8 * m })
-            };
-            if P {
-                // In order already.
             } else if sub16 {
+                let mut sums = groups.four::<B, F>(4 * m);
                 for v in &mut sums {
                     // Sub-blocks in order: 2g, 2g + 1, 2g + 2, ...
                     *v = _mm256_permutevar8x32_epi32(*v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
                 }
+                sums
             } else {
-                let hi = groups.four::<B, F>(8 * m + 4);
+                let (lo, hi) = (groups.four::<B, F>(8 * m), groups.four::<B, F>(8 * m + 4));
+                let mut sums = lo;
                 for (v, r1) in sums.iter_mut().zip(hi) {
                     *v = _mm256_add_epi32(
                         _mm256_permute2x128_si256::<0x20>(*v, r1),
                         _mm256_permute2x128_si256::<0x31>(*v, r1),
                     );
                 }
-            }
+                sums
+            };
             for i in 0..T {
                 let mut q = sums[i];
                 if shift >= 0 {
