@@ -143,9 +143,9 @@ pub(super) struct Acts {
     pub d16: Vec<f32>,
     pub b16: Vec<i32>,
     pub xb16: Vec<f32>,
-    /// For calls of fewer than [`PANEL_FROM`] rows (decode steps) on
-    /// x86: `q` with each chunk's groups in pairs, for the one-row kernel
-    /// (`super::i8_x86_pairs`); empty otherwise.
+    /// `q` with each chunk's groups in pairs for the one-row kernel,
+    /// where a call takes it on a paired format (`super::i8_x86_pairs`);
+    /// empty otherwise.
     pub pairs: Lines<i8>,
 }
 
@@ -217,13 +217,6 @@ impl Acts {
         };
         let group = group_fn();
         views.with_min_len(per).for_each(|v| v.quantize(group));
-        #[cfg(target_arch = "x86_64")]
-        if rows < PANEL_FROM {
-            self.pairs.resize(rows * s8);
-            super::i8_x86_pairs::interleave(&self.q, &mut self.pairs);
-        } else {
-            self.pairs.resize(0);
-        }
     }
 }
 
@@ -439,7 +432,7 @@ thread_local! {
 /// Activation rows from which a task fills an interleaved panel (every
 /// x86 dot product, every format): below, the one-row kernel costs less.
 #[cfg(target_arch = "x86_64")]
-const PANEL_FROM: usize = 3;
+pub(super) const PANEL_FROM: usize = 3;
 
 /// Activation rows per task: their quants (at most 64 x 32 KiB) stay in L2
 /// while a panel's rows pass over them.
@@ -604,6 +597,13 @@ pub(super) fn matmul_each_dot<W: AsRef<QMatrix>>(
     // steals work), which then finds the slot empty and allocates.
     let mut acts = ACTS.take();
     acts.quantize(x, rows, k);
+    #[cfg(target_arch = "x86_64")]
+    super::i8_x86_pairs::prepare(
+        &mut acts,
+        kernel,
+        ws.iter().map(|w| w.as_ref().format),
+        rows,
+    );
     for (w, out) in ws.iter().zip(outs.iter_mut()) {
         run(kernel, w.as_ref(), &acts, rows, out);
     }

@@ -17,7 +17,7 @@
 //! the decoding as before (a 16-byte load and insert, a shift and two
 //! masks a pair, against a broadcast, a variable shift and a mask a
 //! group); one copy of the activation quants a call, for calls of fewer
-//! than `PANEL_FROM` rows. Measured (`RAYON_NUM_THREADS=1
+//! than `PANEL_FROM` rows on Q4_0 or Q4_1. Measured (`RAYON_NUM_THREADS=1
 //! QUANT_BENCH_TABLE=int8 QUANT_BENCH_ROWS=1 QUANT_BENCH="[576x1536]"
 //! QUANT_BENCH_PATH=avx2 QUANT_BENCH_DOT=avx512-vnni` (or `avx2`) `cargo
 //! bench -p kvmesh-kernels --bench quant`, a Zen 4, the two builds
@@ -29,7 +29,7 @@
 
 use std::arch::x86_64::*;
 
-use super::i8::{max_byte, pairs_in_i16, Acts};
+use super::i8::{max_byte, pairs_in_i16, Acts, Dot, PANEL_FROM};
 use super::i8_x86_row::{sum4, Bytes};
 use super::{code, QFormat, GROUP};
 
@@ -44,6 +44,24 @@ pub(super) const fn paired(f: QFormat) -> bool {
 /// [`pairs_in_i16`]'s (Q4_0, Q4_1: `2 * 4 * 2 * 15 * 127 = 30480`).
 pub(super) const fn paired_in(f: QFormat, i16: bool) -> bool {
     paired(f) && (!i16 || 2 * pairs_in_i16(f, 4) * 2 * max_byte(f) as usize * 127 < 1 << 15)
+}
+
+/// Fills `a.pairs` from its quants where a call of `rows` activation rows
+/// runs the one-row kernel (below [`PANEL_FROM`]) with an x86 dot product
+/// on a paired format among `formats`; empties it otherwise, so no kernel
+/// reads another call's pairs.
+pub(super) fn prepare(
+    a: &mut Acts,
+    dot: Dot,
+    mut formats: impl Iterator<Item = QFormat>,
+    rows: usize,
+) {
+    if rows < PANEL_FROM && dot != Dot::Portable && formats.any(paired) {
+        a.pairs.resize(a.q.len());
+        interleave(&a.q, &mut a.pairs);
+    } else {
+        a.pairs.resize(0);
+    }
 }
 
 /// Groups per chunk: the lanes of eight sub-block sums.
@@ -82,8 +100,7 @@ pub(super) struct Pairs<const T: usize> {
 }
 
 impl<const T: usize> Pairs<T> {
-    /// Whether `a` has pairs for its rows below `end` ([`Acts::pairs`]:
-    /// calls of fewer than `PANEL_FROM` rows).
+    /// Whether `a` has pairs for its rows below `end` ([`prepare`]).
     pub fn available(a: &Acts, end: usize) -> bool {
         a.pairs.len() >= end * a.stride8()
     }
