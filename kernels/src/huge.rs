@@ -373,12 +373,11 @@ mod tests {
     /// used last huge page would be too much waste).
     #[test]
     fn memory_is_zeroed_aligned_and_advised_when_large() {
-        let mem = HugeMem::zeroed(ADVISE_FROM).expect("memory");
-        let small = HugeMem::zeroed(ADVISE_FROM - 1).expect("memory");
-        for m in [&mem, &small] {
+        let mut mem = HugeMem::zeroed(ADVISE_FROM).expect("memory");
+        let mut small = HugeMem::zeroed(ADVISE_FROM - 1).expect("memory");
+        for m in [&mut mem, &mut small] {
             assert_eq!(m.as_ptr() as usize % HUGE, 0);
-            // SAFETY: `m` holds `m.len()` bytes, nothing else refers to them.
-            let bytes = unsafe { std::slice::from_raw_parts_mut(m.as_ptr(), m.len()) };
+            let bytes = m.as_mut_slice();
             assert!(bytes.iter().all(|&b| b == 0));
             bytes.fill(7);
         }

@@ -99,15 +99,15 @@ pub(super) struct Pairs<const T: usize> {
     real: usize,
 }
 
-impl<const T: usize> Pairs<T> {
-    /// Whether `a` has pairs for its rows below `end` ([`prepare`]).
-    pub fn available(a: &Acts, end: usize) -> bool {
-        a.pairs.len() >= end * a.stride8()
-    }
+/// Whether `a` has pairs for its rows below `end` ([`prepare`]).
+pub(super) fn prepared(a: &Acts, end: usize) -> bool {
+    a.pairs.len() >= end * a.stride8()
+}
 
+impl<const T: usize> Pairs<T> {
     /// The pairs of activation rows `t .. t + T` of `a` against the row
     /// at `p` (nothing read yet: [`Self::chunk`] reads them, where
-    /// [`Self::available`] for `t + T`).
+    /// [`prepared`] for `t + T`).
     pub fn new(p: *const u8, a: &Acts, t: usize) -> Self {
         Pairs {
             p,
@@ -122,7 +122,7 @@ impl<const T: usize> Pairs<T> {
     ///
     /// # Safety
     /// The row at `p` holds `real` groups of `F`, [`paired_in`] for `B`;
-    /// the pairs [`Self::available`] for the rows; the features of `B`
+    /// the pairs [`prepared`] for the rows; the features of `B`
     /// and AVX2.
     #[inline(always)]
     pub unsafe fn chunk<B: Bytes, const F: u8>(&self, m: usize) -> [__m256i; T] {

@@ -41,7 +41,7 @@ use std::arch::x86_64::*;
 
 use super::i8::{bias, pairs_in_i16, Acts, Dot};
 use super::i8_x86::{f16_head, halves8};
-use super::i8_x86_pairs::{paired_in, Pairs};
+use super::i8_x86_pairs::{paired_in, prepared, Pairs};
 use super::scalar::Head;
 use super::x86_512_blocks::quants512;
 use super::x86_blocks::{head, quants};
@@ -245,7 +245,7 @@ unsafe fn rows_body<B: Bytes, const F: u8>(task: &RowTask) {
     let pairs = const { paired_in(QFormat::of_code(F), B::I16) };
     // SAFETY: by the caller.
     unsafe {
-        if pairs && Pairs::<1>::available(task.acts, task.t0 + task.nt) {
+        if pairs && prepared(task.acts, task.t0 + task.nt) {
             rows_of::<B, F, true>(task)
         } else {
             rows_of::<B, F, false>(task)

@@ -302,7 +302,11 @@ impl GgufFile {
                 self.read_at(name, start, mem.as_mut_slice())?;
                 QMatrix::from_huge(format, rows, cols, mem.into())
             }
-            None => QMatrix::from_bytes(format, rows, cols, self.read_data(name, offset, len)?),
+            None => {
+                let mut data = vec![0u8; len as usize];
+                self.read_at(name, start, &mut data)?;
+                QMatrix::from_bytes(format, rows, cols, data)
+            }
         };
         m.map_err(|e| self.bad(name, e.to_string()))
     }
